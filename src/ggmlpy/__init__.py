@@ -1,0 +1,61 @@
+"""ggmlpy: Python bindings for ggml.
+
+Low-level tensor scripting over ggml's C API (``Context``, ``Tensor``,
+``Graph`` and every op a transformer needs), with every precondition checked in
+the binding so mistakes raise Python exceptions instead of aborting.
+
+Order of dimensions
+-------------------
+Functions that mirror ggml take and return ggml's ``ne`` order, where
+``ne[0]`` is the fastest-moving dimension (the length of a row):
+``ctx.mul_mat(a, b)`` gives ``ne = (a.ne[1], b.ne[1], ...)``. Only the numpy
+bridge speaks numpy order: ``Tensor.shape``, ``Tensor.numpy()`` and
+``Context.from_numpy()``.
+"""
+
+from ggmlpy import _core
+from ggmlpy._core import (
+    BackendUnavailable,
+    ClosedError,
+    ComputeAborted,
+    ComputeFailed,
+    Context,
+    GGMLError,
+    GGMLMemoryError,
+    GGMLTypeError,
+    GGMLValueError,
+    GluOp,
+    Graph,
+    Op,
+    PoolOp,
+    Prec,
+    RopeType,
+    ScaleMode,
+    SortOrder,
+    Status,
+    Tensor,
+    TriType,
+    Type,
+    UnaryOp,
+    blck_size,
+    dequantize,
+    graph_overhead,
+    is_quantized,
+    quantize,
+    row_size,
+    set_log_level,
+    tensor_overhead,
+    type_name,
+    type_size,
+)
+from ggmlpy._version import __version__
+from ggmlpy._system import ggml_version, ggml_commit, system_info
+
+__all__ = [
+    "BackendUnavailable", "ClosedError", "ComputeAborted", "ComputeFailed", "Context", "GGMLError",
+    "GGMLMemoryError", "GGMLTypeError", "GGMLValueError", "GluOp", "Graph", "Op", "PoolOp", "Prec",
+    "RopeType", "ScaleMode", "SortOrder", "Status", "Tensor", "TriType", "Type", "UnaryOp",
+    "__version__", "blck_size", "dequantize", "ggml_commit", "ggml_version", "graph_overhead",
+    "is_quantized", "quantize", "row_size", "set_log_level", "system_info", "tensor_overhead",
+    "type_name", "type_size",
+]

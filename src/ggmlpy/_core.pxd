@@ -1,0 +1,50 @@
+# Class fields and cdef signatures of _core. The C declarations live in _ggml.pxd.
+cimport ggmlpy._ggml as g
+from libc.stdint cimport int64_t, uint64_t
+
+
+cdef class _CtxBase:
+    cdef g.ggml_context * ptr
+    cdef void * mem           # the arena we allocated; ggml does not own it
+    cdef readonly size_t mem_size
+    cdef unsigned int gen     # bumped by reset()/free(): outstanding Tensors go stale
+    cdef set deps             # Contexts whose tensors this one's tensors read
+    cdef list keep            # other owners (buffers, foreign memory) kept alive
+    cdef int _ensure(self) except -1
+    cdef void _release(self) noexcept
+    cdef int _room(self, str op, size_t data_bytes, int n_tensors) except -1
+
+
+cdef class _CtxOps(_CtxBase):
+    pass
+
+
+cdef class Context(_CtxOps):
+    pass
+
+
+cdef class Tensor:
+    cdef g.ggml_tensor * ptr
+    cdef _CtxBase ctx
+    cdef unsigned int gen
+    cdef object base          # owner of foreign memory behind ptr.data, if any
+    cdef bint readonly
+    cdef Py_ssize_t _shape[4]
+    cdef Py_ssize_t _strides[4]
+    cdef int _ensure(self) except -1
+    cdef int _host(self, str op) except -1
+
+
+cdef class Graph:
+    cdef g.ggml_cgraph * ptr
+    cdef _CtxBase ctx
+    cdef unsigned int gen
+    cdef list ctxs            # [(Context, gen)] every context whose tensors the graph holds
+    cdef void * work
+    cdef size_t work_size
+    cdef int checked_nodes    # nodes [0, checked_nodes) were validated for compute
+    cdef volatile bint cancel_flag
+    cdef int _ensure(self) except -1
+    cdef int _note_ctx(self, _CtxBase c) except -1
+    cdef int _check_ctxs(self) except -1
+    cdef int _check_compute(self, g.ggml_backend_dev_t dev) except -1

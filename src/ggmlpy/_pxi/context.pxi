@@ -1,0 +1,276 @@
+# context.pxi: Context, the arena that holds tensor metadata (and, unless
+# no_alloc, tensor data).
+
+DEFAULT_MEM_SIZE = 16 * 1024 * 1024
+
+
+@cython.no_gc_clear
+cdef class _CtxBase:
+    """Fields, lifetime and tensor creation of Context (see ``Context``)."""
+
+
+    def __cinit__(self, size_t mem_size=DEFAULT_MEM_SIZE, *, bint no_alloc=False):
+        cdef g.ggml_init_params params
+        cdef void * mem = NULL
+        self.deps = set()
+        self.keep = []
+        self.gen = 1
+        if mem_size < g.GGML_MEM_ALIGN:
+            mem_size = g.GGML_MEM_ALIGN
+        mem_size = (mem_size + 63) & ~(<size_t> 63)
+        # We allocate the arena ourselves: ggml_init asserts (aborts) when its
+        # own malloc fails, we raise MemoryError instead.
+        if posix_memalign(&mem, 64, mem_size) != 0 or mem == NULL:
+            raise GGMLMemoryError(f"Context: could not allocate {_fmt_bytes(mem_size)} on the host")
+        params.mem_size = mem_size
+        params.mem_buffer = mem
+        params.no_alloc = no_alloc
+        self.ptr = g.ggml_init(params)
+        if self.ptr == NULL:
+            free(mem)
+            raise GGMLMemoryError("Context: ggml_init failed")
+        self.mem = mem
+        self.mem_size = mem_size
+        _debug_count("Context", 1)
+
+    def __dealloc__(self):
+        self._release()
+
+    cdef void _release(self) noexcept:
+        if self.ptr != NULL:
+            g.ggml_free(self.ptr)
+            self.ptr = NULL
+            free(self.mem)
+            self.mem = NULL
+            _debug_count_nogil(0)
+
+    cdef int _ensure(self) except -1:
+        if self.ptr == NULL:
+            raise ClosedError("Context has been freed")
+        return 0
+
+    cdef int _room(self, str op, size_t data_bytes, int n_tensors) except -1:
+        # ggml_new_object asserts when the arena is full; check first. Each
+        # object needs its header + tensor struct + data, padded to the alignment.
+        cdef size_t need = n_tensors * (g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN)
+        if not g.ggml_get_no_alloc(self.ptr):
+            need += data_bytes
+        if g.ggml_used_mem(self.ptr) + need > self.mem_size:
+            raise GGMLMemoryError(
+                f"{op}: context out of memory (needs {_fmt_bytes(need)}, "
+                f"{_fmt_bytes(self.mem_size - g.ggml_used_mem(self.ptr))} free of {_fmt_bytes(self.mem_size)}); "
+                f"create the Context with a larger mem_size")
+        return 0
+
+    @staticmethod
+    def for_tensors(int n_tensors, size_t data_bytes=0, *, int graph_size=0, bint no_alloc=False):
+        """A Context sized for ``n_tensors`` tensors, ``data_bytes`` of data and one graph.
+
+        Examples
+        --------
+        >>> ctx = Context.for_tensors(8, no_alloc=True)
+        >>> ctx.no_alloc
+        True
+        """
+        cdef size_t size = n_tensors * (g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN) + data_bytes
+        if graph_size:
+            size += g.ggml_graph_overhead_custom(graph_size, False) + g.GGML_MEM_ALIGN
+        return Context(size + 256, no_alloc=no_alloc)
+
+    # -- lifetime ------------------------------------------------------------
+
+    def free(self):
+        """Free the arena now. Its tensors and graphs raise ``ClosedError`` afterwards."""
+        self._release()
+        self.gen += 1
+        self.keep = []
+
+    close = free
+
+    def __enter__(self):
+        self._ensure()
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False
+
+    def reset(self):
+        """Forget every tensor and graph in the arena but keep its memory (``ggml_reset``)."""
+        self._ensure()
+        g.ggml_reset(self.ptr)
+        self.gen += 1
+
+    @property
+    def closed(self):
+        """True once ``free()`` was called."""
+        return self.ptr == NULL
+
+    # -- inspection ----------------------------------------------------------
+
+    @property
+    def used_mem(self):
+        """Bytes of the arena in use."""
+        self._ensure()
+        return g.ggml_used_mem(self.ptr)
+
+    @property
+    def free_mem(self):
+        """Bytes of the arena still free."""
+        self._ensure()
+        return self.mem_size - g.ggml_used_mem(self.ptr)
+
+    @property
+    def no_alloc(self):
+        """Whether new tensors get no data (settable)."""
+        self._ensure()
+        return bool(g.ggml_get_no_alloc(self.ptr))
+
+    @no_alloc.setter
+    def no_alloc(self, bint value):
+        self._ensure()
+        g.ggml_set_no_alloc(self.ptr, value)
+
+    @property
+    def max_tensor_size(self):
+        """Bytes of the largest tensor in the arena."""
+        self._ensure()
+        return g.ggml_get_max_tensor_size(self.ptr)
+
+    @property
+    def n_tensors(self):
+        """Number of tensors in the arena."""
+        cdef int n = 0
+        cdef g.ggml_tensor * p
+        self._ensure()
+        p = g.ggml_get_first_tensor(self.ptr)
+        while p != NULL:
+            n += 1
+            p = g.ggml_get_next_tensor(self.ptr, p)
+        return n
+
+    def tensors(self):
+        """All tensors of the arena, in creation order."""
+        cdef g.ggml_tensor * p
+        self._ensure()
+        out = []
+        p = g.ggml_get_first_tensor(self.ptr)
+        while p != NULL:
+            out.append(_wrap(self, p))
+            p = g.ggml_get_next_tensor(self.ptr, p)
+        return out
+
+    def get_tensor(self, str name):
+        """The tensor named ``name``, or None."""
+        self._ensure()
+        cdef bytes b = name.encode()
+        cdef g.ggml_tensor * p = g.ggml_get_tensor(self.ptr, b)
+        return None if p == NULL else _wrap(self, p)
+
+    def __repr__(self):
+        if self.ptr == NULL:
+            return "<ggmlpy.Context (freed)>"
+        return (f"<ggmlpy.Context {_fmt_bytes(g.ggml_used_mem(self.ptr))} used of {_fmt_bytes(self.mem_size)}"
+                f"{', no_alloc' if g.ggml_get_no_alloc(self.ptr) else ''}>")
+
+    # -- tensor creation -----------------------------------------------------
+
+    def new_tensor(self, type, ne, *, name=None):
+        """A new tensor of ``type`` with dimensions ``ne`` (ggml order: ``ne[0]`` is a row).
+
+        Parameters
+        ----------
+        type : Type or str
+            Element type; quantized types need ``ne[0]`` to be a multiple of the block size.
+        ne : sequence of 1 to 4 int
+            Dimensions in ggml order (the reverse of numpy's shape).
+        name : str, optional
+
+        Raises
+        ------
+        GGMLValueError
+            Bad dimensions or block size.
+        GGMLMemoryError
+            The context has no room.
+
+        Examples
+        --------
+        >>> ctx = Context(1 << 16)
+        >>> t = ctx.new_tensor(Type.F32, (3, 2))
+        >>> t.ne, t.shape
+        ((3, 2, 1, 1), (2, 3))
+        """
+        cdef int64_t c_ne[4]
+        cdef int t = _as_type(type, "new_tensor")
+        cdef int n = _ne_list(ne, c_ne, "new_tensor")
+        self._ensure()
+        cdef int64_t nbytes = _checked_nbytes(t, c_ne, "new_tensor")
+        self._room("new_tensor", nbytes, 1)
+        cdef Tensor out = _wrap(self, g.ggml_new_tensor(self.ptr, <g.ggml_type> t, n, c_ne))
+        if name is not None:
+            out.name = name
+        return out
+
+    def new_tensor_1d(self, type, int64_t ne0, *, name=None):
+        """A new 1-d tensor; see ``new_tensor``."""
+        return self.new_tensor(type, (ne0,), name=name)
+
+    def new_tensor_2d(self, type, int64_t ne0, int64_t ne1, *, name=None):
+        """A new 2-d tensor (``ne0`` columns, ``ne1`` rows); see ``new_tensor``."""
+        return self.new_tensor(type, (ne0, ne1), name=name)
+
+    def new_tensor_3d(self, type, int64_t ne0, int64_t ne1, int64_t ne2, *, name=None):
+        """A new 3-d tensor; see ``new_tensor``."""
+        return self.new_tensor(type, (ne0, ne1, ne2), name=name)
+
+    def new_tensor_4d(self, type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, *, name=None):
+        """A new 4-d tensor; see ``new_tensor``."""
+        return self.new_tensor(type, (ne0, ne1, ne2, ne3), name=name)
+
+    def dup_tensor(self, Tensor src not None):
+        """A new tensor with the type and ne of ``src`` (data not copied)."""
+        _arg(src, "dup_tensor", "src")
+        return self.new_tensor(src.ptr.type, src.ne)
+
+    def from_numpy(self, array, type=None, *, name=None):
+        """A new tensor holding a copy of ``array``.
+
+        The tensor's ``ne`` is the reverse of the array's shape; the copy is
+        always contiguous (strided input is gathered). ``type`` defaults to
+        the array's dtype; a quantized ``type`` (or F16/BF16 for float input)
+        converts the float32 data.
+
+        Raises
+        ------
+        GGMLTypeError
+            The dtype has no ggml type and no ``type`` was given.
+        GGMLValueError
+            More than 4 dimensions, or a row length that is not a multiple of
+            the quantized type's block size.
+
+        Examples
+        --------
+        >>> ctx = Context(1 << 16)
+        >>> t = ctx.from_numpy(np.ones((2, 4), dtype=np.float32))
+        >>> t.type.name, t.ne, t.shape
+        ('F32', (4, 2, 1, 1), (2, 4))
+        """
+        self._ensure()
+        if g.ggml_get_no_alloc(self.ptr):
+            raise GGMLValueError("from_numpy: the context is no_alloc, so its tensors have no data to copy into")
+        arr = np.asarray(array)
+        if arr.ndim > 4:
+            raise GGMLValueError(f"from_numpy: at most 4 dimensions (got shape {arr.shape})")
+        if type is None:
+            try:
+                t = _FROM_NP[arr.dtype]
+            except KeyError:
+                if arr.dtype.kind in "fiub":
+                    raise GGMLTypeError(f"from_numpy: no ggml type for dtype {arr.dtype}; pass type=") from None
+                raise GGMLTypeError(f"from_numpy: unsupported dtype {arr.dtype}") from None
+        else:
+            t = _as_type(type, "from_numpy")
+        shape = arr.shape if arr.ndim else (1,)
+        out = self.new_tensor(t, tuple(reversed(shape)), name=name)
+        out.set(arr.reshape(shape))
+        return out

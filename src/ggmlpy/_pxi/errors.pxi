@@ -1,0 +1,153 @@
+# errors.pxi: the exception hierarchy, the one place fallible C returns are
+# checked, and the hooks ggmlpy installs into ggml at import.
+#
+# Lifetime and the GIL, once for the whole module
+# ------------------------------------------------
+# ggml hands out raw pointers that are valid only while their owner lives: a
+# tensor while its context (or backend buffer) lives, a context until
+# ggml_free. Every Python object that wraps such a pointer holds a strong
+# reference to the wrapper of its owner (Tensor -> Context, Graph -> Context and
+# every Context whose tensors it holds), so garbage collection can never free an
+# owner first. Explicit early release (Context.free(), `with` blocks) is also
+# allowed: it bumps the owner's generation counter, and every method of a
+# dependent object starts with `_ensure()`, which compares generations and
+# raises instead of touching freed memory. Freeing is done once, in
+# __dealloc__ or free(), which NULL the pointer.
+#
+# The GIL is released around work that takes time and touches only C memory:
+# graph compute, large copies, quantization. Before `with nogil` every pointer
+# and size is copied into C locals, and the Python owners stay referenced by
+# locals of the calling frame, so nothing can be freed underneath the C call.
+# Callbacks from C into Python (log, abort poll) take the GIL themselves and
+# never let an exception escape into C: they store it, and the caller re-raises
+# it once ggml has returned.
+
+import faulthandler
+
+
+class GGMLError(Exception):
+    """Base class of every error raised by ggmlpy."""
+
+
+class GGMLValueError(ValueError, GGMLError):
+    """An argument has the right type but a wrong value, shape or layout."""
+
+
+class GGMLTypeError(TypeError, GGMLError):
+    """An argument has the wrong Python type or the wrong ggml tensor type."""
+
+
+class GGMLMemoryError(MemoryError, GGMLError):
+    """An allocation failed or would not fit.
+
+    ``report`` carries a memory report (a dict or ``MemoryReport``) where the
+    failing layer has one, else None.
+    """
+
+    def __init__(self, message, report=None):
+        super().__init__(message)
+        self.report = report
+
+
+class ComputeAborted(RuntimeError, GGMLError):
+    """Graph compute was stopped before it finished (``Graph.cancel()``)."""
+
+
+class ComputeFailed(RuntimeError, GGMLError):
+    """A backend reported that graph compute failed."""
+
+
+class BackendUnavailable(RuntimeError, GGMLError):
+    """A backend was asked for that this build of ggmlpy does not include."""
+
+
+class ClosedError(GGMLValueError):
+    """The object, or the context that owns it, has been freed."""
+
+
+cdef int _check_status(g.ggml_status status, str what) except -1 nogil:
+    """Raise for a non-success ggml_status; takes the GIL only on failure."""
+    if status == g.GGML_STATUS_SUCCESS:
+        return 0
+    with gil:
+        name = g.ggml_status_to_string(status).decode()
+        if status == g.GGML_STATUS_ALLOC_FAILED:
+            raise GGMLMemoryError(f"{what}: allocation failed ({name})")
+        if status == g.GGML_STATUS_ABORTED:
+            raise ComputeAborted(f"{what}: aborted ({name})")
+        raise ComputeFailed(f"{what}: failed ({name})")
+
+
+cdef void * _check_alloc(void * ptr, size_t nbytes, str what) except? NULL:
+    """Turn a NULL from an allocator into MemoryError naming the size."""
+    if ptr == NULL and nbytes != 0:
+        raise GGMLMemoryError(f"{what}: could not allocate {_fmt_bytes(nbytes)} on the host")
+    return ptr
+
+
+def _fmt_bytes(n):
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024.0 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024.0
+
+
+# --- hooks into ggml -----------------------------------------------------------
+
+_log = logging.getLogger("ggmlpy")
+cdef int _log_min_level = g.GGML_LOG_LEVEL_WARN
+cdef int _log_last_level = g.GGML_LOG_LEVEL_INFO
+
+cdef void _log_cb(g.ggml_log_level level, const char * text, void * user) noexcept nogil:
+    global _log_last_level
+    cdef int lvl = level
+    if lvl == g.GGML_LOG_LEVEL_CONT:
+        lvl = _log_last_level
+    else:
+        _log_last_level = lvl
+    if lvl < _log_min_level or text == NULL:
+        return
+    with gil:
+        try:
+            msg = text.decode("utf-8", "replace").rstrip("\n")
+            if msg:
+                _log.log({1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING}.get(lvl, logging.ERROR), msg)
+        except BaseException:
+            pass
+
+
+cdef void _abort_cb(const char * message) noexcept nogil:
+    # Reaching here means a precondition slipped past our validators: the
+    # process is about to abort. Leave the Python stack to find the call.
+    with gil:
+        try:
+            sys.stderr.write("ggmlpy: ggml aborted: " + message.decode("utf-8", "replace") +
+                             "\nggmlpy: this is a bug in ggmlpy's validation; the Python stack follows.\n")
+            sys.stderr.flush()
+            faulthandler.dump_traceback(all_threads=True)
+        except BaseException:
+            pass
+
+
+def set_log_level(level):
+    """Forward ggml's log messages at ``level`` and above to the ``ggmlpy`` logger.
+
+    ``level`` is a ``logging`` level (``logging.DEBUG`` ... ``logging.ERROR``).
+    The default forwards warnings and errors; ``GGMLPY_DEBUG=1`` in the
+    environment forwards everything.
+    """
+    global _log_min_level
+    level = int(level)
+    _log_min_level = (g.GGML_LOG_LEVEL_DEBUG if level <= logging.DEBUG else
+                      g.GGML_LOG_LEVEL_INFO if level <= logging.INFO else
+                      g.GGML_LOG_LEVEL_WARN if level <= logging.WARNING else
+                      g.GGML_LOG_LEVEL_ERROR)
+
+
+def _install_hooks():
+    if os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0"):
+        set_log_level(logging.DEBUG)
+    g.ggml_log_set(_log_cb, NULL)
+    g.ggml_set_abort_callback(_abort_cb)
+    g.ggml_time_init()

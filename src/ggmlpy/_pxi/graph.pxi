@@ -1,0 +1,400 @@
+# graph.pxi: Graph, ggml's computation graph, with capacity checked before
+# every expand and CPU compute that releases the GIL and can be interrupted.
+
+cdef extern from *:
+    """
+    /* Count the nodes and leafs ggml_build_forward_expand(g, root) would add,
+       mirroring ggml_visit_parents_graph: a tensor not yet in the graph is a
+       leaf if it has no op and is not a parameter, else a node. Also reports
+       the depth of the new part, since ggml visits it recursively. */
+    typedef struct { struct ggml_tensor * t; int next; } ggmlpy_frame;
+
+    static int ggmlpy_set_add(struct ggml_tensor *** keys, size_t * cap, size_t * n,
+                              struct ggml_tensor * t, struct ggml_tensor ** inline_keys) {
+        if ((*n + 1) * 2 > *cap) {
+            size_t ncap = *cap * 4, i;
+            struct ggml_tensor ** nk = (struct ggml_tensor **) calloc(ncap, sizeof(*nk));
+            if (!nk) return -1;
+            for (i = 0; i < *cap; i++) {
+                struct ggml_tensor * k = (*keys)[i];
+                if (k) {
+                    size_t h = (((uintptr_t) k) >> 4) * 11400714819323198485ull & (ncap - 1);
+                    while (nk[h]) h = (h + 1) & (ncap - 1);
+                    nk[h] = k;
+                }
+            }
+            if (*keys != inline_keys) free(*keys);
+            *keys = nk; *cap = ncap;
+        }
+        size_t h = (((uintptr_t) t) >> 4) * 11400714819323198485ull & (*cap - 1);
+        while ((*keys)[h]) {
+            if ((*keys)[h] == t) return 0;
+            h = (h + 1) & (*cap - 1);
+        }
+        (*keys)[h] = t; (*n)++;
+        return 1;
+    }
+
+    static int ggmlpy_count_new(struct ggml_cgraph * g, struct ggml_tensor * root,
+                                int * n_nodes, int * n_leafs, int * depth) {
+        struct ggml_tensor * inline_keys[64] = {0};
+        ggmlpy_frame inline_stack[32];
+        struct ggml_tensor ** keys = inline_keys;
+        size_t cap = 64, n = 0, sp = 0, scap = 32;
+        ggmlpy_frame * stack = inline_stack;
+        int rc = 0, maxd = 0;
+        *n_nodes = 0; *n_leafs = 0; *depth = 0;
+        if (ggml_hash_contains(&g->visited_hash_set, root)) return 0;
+        ggmlpy_set_add(&keys, &cap, &n, root, inline_keys);
+        stack[sp].t = root; stack[sp].next = 0; sp++;
+        while (sp > 0) {
+            ggmlpy_frame * f = &stack[sp - 1];
+            if (f->next < GGML_MAX_SRC) {
+                struct ggml_tensor * s = f->t->src[f->next++];
+                if (!s || ggml_hash_contains(&g->visited_hash_set, s)) continue;
+                int added = ggmlpy_set_add(&keys, &cap, &n, s, inline_keys);
+                if (added < 0) { rc = -1; break; }
+                if (added == 0) continue;
+                if (sp == scap) {
+                    ggmlpy_frame * ns = (ggmlpy_frame *) malloc(scap * 2 * sizeof(*ns));
+                    if (!ns) { rc = -1; break; }
+                    memcpy(ns, stack, scap * sizeof(*ns));
+                    if (stack != inline_stack) free(stack);
+                    stack = ns; scap *= 2;
+                }
+                stack[sp].t = s; stack[sp].next = 0; sp++;
+                if ((int) sp > maxd) maxd = (int) sp;
+            } else {
+                struct ggml_tensor * t = f->t;
+                if (t->op == GGML_OP_NONE && !(t->flags & GGML_TENSOR_FLAG_PARAM)) (*n_leafs)++;
+                else (*n_nodes)++;
+                sp--;
+            }
+        }
+        if (keys != inline_keys) free(keys);
+        if (stack != inline_stack) free(stack);
+        *depth = maxd;
+        return rc;
+    }
+    """
+    int ggmlpy_count_new(g.ggml_cgraph * gr, g.ggml_tensor * root, int * n_nodes, int * n_leafs, int * depth) nogil
+
+
+# ggml visits new parts of a graph recursively; keep far below a thread's stack.
+MAX_EXPAND_DEPTH = 50000
+
+cdef g.ggml_backend_dev_t _cpu_dev = NULL
+
+
+cdef g.ggml_backend_dev_t _cpu_device() except NULL:
+    global _cpu_dev
+    if _cpu_dev == NULL:
+        _cpu_dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
+        if _cpu_dev == NULL:
+            raise BackendUnavailable("the CPU backend is not registered")
+    return _cpu_dev
+
+
+cdef struct _AbortState:
+    volatile bint * cancel
+    int64_t next_check_us
+    PyObject * exc
+
+
+cdef bint _abort_poll(void * data) noexcept nogil:
+    # Called by ggml between nodes on the calling thread. Cancellation is a flag
+    # read; signals (Ctrl-C) are looked at every 50 ms under the GIL.
+    cdef _AbortState * st = <_AbortState *> data
+    cdef int64_t now
+    if st.cancel[0]:
+        return True
+    now = g.ggml_time_us()
+    if now < st.next_check_us:
+        return False
+    st.next_check_us = now + 50000
+    with gil:
+        try:
+            PyErr_CheckSignals()
+        except BaseException as e:
+            Py_INCREF(e)
+            st.exc = <PyObject *> e
+            return True
+    return False
+
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals() except -1
+
+
+@cython.no_gc_clear
+cdef class Graph:
+    """A ggml computation graph. Made by ``Context.new_graph()``.
+
+    Nodes are added with ``build_forward_expand(t)``, which pulls in every
+    ancestor of ``t`` not yet present; ``compute()`` runs them in order on the
+    CPU. Capacity is checked before each expand, so a full graph raises
+    ``GGMLMemoryError`` instead of aborting.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Graphs are created by a Context: ctx.new_graph(size)")
+
+    def __dealloc__(self):
+        if self.work != NULL:
+            free(self.work)
+            self.work = NULL
+        if self.ptr != NULL:
+            self.ptr = NULL
+            _debug_count_nogil(1)
+
+    cdef int _ensure(self) except -1:
+        cdef _CtxBase c
+        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+            raise ClosedError("Graph's context has been freed or reset")
+        return 0
+
+    cdef int _note_ctx(self, _CtxBase c) except -1:
+        # Remember every context whose tensors the graph holds (and what those
+        # read from), so compute can refuse to run over freed memory.
+        cdef _CtxBase d
+        for entry in self.ctxs:
+            if entry[0] is c and entry[2] == len(c.deps):
+                return 0
+        todo = [c]
+        while todo:
+            d = todo.pop()
+            for i, entry in enumerate(self.ctxs):
+                if entry[0] is d:
+                    if entry[2] == len(d.deps):
+                        break
+                    self.ctxs[i] = (d, d.gen, len(d.deps))
+                    todo.extend(d.deps)
+                    break
+            else:
+                self.ctxs.append((d, d.gen, len(d.deps)))
+                todo.extend(d.deps)
+        return 0
+
+    cdef int _check_ctxs(self) except -1:
+        cdef _CtxBase c
+        for entry in self.ctxs:
+            c = entry[0]
+            if c.ptr == NULL or c.gen != entry[1]:
+                raise ClosedError("graph uses tensors of a context that was freed or reset since they were added")
+        return 0
+
+    @property
+    def context(self):
+        return self.ctx
+
+    @property
+    def size(self):
+        """Maximum number of nodes (and, separately, of leafs)."""
+        self._ensure()
+        return self.ptr.size
+
+    @property
+    def n_nodes(self):
+        """Number of computed tensors in the graph."""
+        self._ensure()
+        return self.ptr.n_nodes
+
+    @property
+    def n_leafs(self):
+        """Number of constant inputs (tensors with no op) in the graph."""
+        self._ensure()
+        return self.ptr.n_leafs
+
+    def __len__(self):
+        self._ensure()
+        return self.ptr.n_nodes
+
+    def node(self, int i):
+        """The i-th node (negative i counts from the end)."""
+        self._ensure()
+        cdef int n = self.ptr.n_nodes
+        if i < -n or i >= n:
+            raise IndexError(f"graph_node: index {i} out of range for a graph of {n} nodes")
+        if i < 0:
+            i += n
+        return _wrap(_owner_of(self.ctx, self.ptr.nodes[i]), self.ptr.nodes[i])
+
+    @property
+    def nodes(self):
+        """All nodes, in execution order."""
+        self._ensure()
+        return [_wrap(_owner_of(self.ctx, self.ptr.nodes[i]), self.ptr.nodes[i]) for i in range(self.ptr.n_nodes)]
+
+    @property
+    def leafs(self):
+        """All leafs (tensors without an op)."""
+        self._ensure()
+        return [_wrap(_owner_of(self.ctx, self.ptr.leafs[i]), self.ptr.leafs[i]) for i in range(self.ptr.n_leafs)]
+
+    def get_tensor(self, str name):
+        """The node or leaf named ``name``, or None."""
+        self._ensure()
+        cdef bytes b = name.encode()
+        cdef g.ggml_tensor * p = g.ggml_graph_get_tensor(self.ptr, b)
+        return None if p == NULL else _wrap(_owner_of(self.ctx, p), p)
+
+    def build_forward_expand(self, Tensor tensor not None):
+        """Add ``tensor`` and every ancestor not yet in the graph.
+
+        Raises
+        ------
+        GGMLMemoryError
+            The graph has no room for the new nodes or leafs.
+        ClosedError
+            The tensor's context was freed.
+        """
+        cdef int n_nodes, n_leafs, depth, rc
+        self._ensure()
+        _arg(tensor, "build_forward_expand", "tensor")
+        if tensor.ctx is not self.ctx or self.ctxs is None:
+            self._note_ctx(tensor.ctx)
+        elif len(self.ctx.deps) != self.ctxs[0][2]:
+            self._note_ctx(self.ctx)
+        rc = ggmlpy_count_new(self.ptr, tensor.ptr, &n_nodes, &n_leafs, &depth)
+        if rc != 0:
+            raise GGMLMemoryError("build_forward_expand: out of host memory while counting new nodes")
+        if self.ptr.n_nodes + n_nodes > self.ptr.size or self.ptr.n_leafs + n_leafs > self.ptr.size:
+            raise GGMLMemoryError(
+                f"build_forward_expand: graph is full (has {self.ptr.n_nodes} nodes and {self.ptr.n_leafs} leafs "
+                f"of size {self.ptr.size}; this expand adds {n_nodes} nodes and {n_leafs} leafs); "
+                f"create it with ctx.new_graph(size=...) larger")
+        if depth > MAX_EXPAND_DEPTH:
+            raise GGMLValueError(f"build_forward_expand: {depth} new nodes in one dependency chain; expand in "
+                                 f"steps of at most {MAX_EXPAND_DEPTH} (ggml visits them recursively)")
+        g.ggml_build_forward_expand(self.ptr, tensor.ptr)
+
+    def clear(self):
+        """Remove every node and leaf."""
+        self._ensure()
+        g.ggml_graph_clear(self.ptr)
+        self.checked_nodes = 0
+
+    def cancel(self):
+        """Stop the compute in progress (from another thread); it raises ``ComputeAborted``."""
+        self.cancel_flag = True
+
+    cdef int _check_compute(self, g.ggml_backend_dev_t dev) except -1:
+        # Every node and leaf needs memory, and the CPU backend must implement
+        # each node for its types; ggml would crash or abort otherwise.
+        cdef int i
+        cdef g.ggml_tensor * t
+        for i in range(self.ptr.n_leafs):
+            t = self.ptr.leafs[i]
+            if t.data == NULL and g.ggml_nelements(t) > 0:
+                raise GGMLValueError(f"graph_compute: leaf '{t.name.decode()}' ({g.ggml_type_name(t.type).decode()} "
+                                     f"ne={_ne_str(t)}) has no data; allocate it or use an allocating context")
+        for i in range(self.checked_nodes, self.ptr.n_nodes):
+            t = self.ptr.nodes[i]
+            if t.data == NULL and g.ggml_nelements(t) > 0:
+                raise GGMLValueError(f"graph_compute: node '{t.name.decode()}' ({g.ggml_op_desc(t).decode()}) has no data; "
+                                     f"its context is no_alloc: allocate the graph with a graph allocator")
+            _check_cpu_node(t, dev)
+        self.checked_nodes = self.ptr.n_nodes
+        return 0
+
+    def compute(self, int n_threads=0):
+        """Compute the graph on the CPU with ``n_threads`` threads (0: all cores).
+
+        The GIL is released while ggml runs. Ctrl-C interrupts between nodes
+        (KeyboardInterrupt); ``cancel()`` from another thread raises
+        ``ComputeAborted``.
+
+        Raises
+        ------
+        GGMLValueError
+            A tensor has no data, or the CPU backend does not implement a node
+            for its types.
+        ClosedError
+            A context of the graph's tensors was freed.
+        """
+        cdef g.ggml_cplan plan
+        cdef g.ggml_status status
+        cdef _AbortState st
+        cdef void * w
+        self._ensure()
+        self._check_ctxs()
+        if n_threads <= 0:
+            n_threads = _default_threads()
+        if n_threads > 512:
+            raise GGMLValueError(f"graph_compute: n_threads={n_threads} exceeds ggml's maximum of 512")
+        if self.checked_nodes != self.ptr.n_nodes:
+            self._check_compute(_cpu_device())
+        plan = g.ggml_graph_plan(self.ptr, n_threads, NULL)
+        if plan.work_size > self.work_size:
+            w = malloc(plan.work_size)
+            _check_alloc(w, plan.work_size, "graph_compute work buffer")
+            free(self.work)
+            self.work = w
+            self.work_size = plan.work_size
+        plan.work_data = <uint8_t *> self.work
+        st.cancel = &self.cancel_flag
+        st.next_check_us = g.ggml_time_us() + 50000
+        st.exc = NULL
+        plan.abort_callback = _abort_poll
+        plan.abort_callback_data = &st
+        with nogil:
+            status = g.ggml_graph_compute(self.ptr, &plan)
+        self.cancel_flag = False
+        if st.exc != NULL:
+            exc = <object> st.exc
+            Py_DECREF(exc)
+            raise exc
+        _check_status(status, "graph_compute")
+
+    def print(self, file=None):
+        """Print one line per node and leaf: index, op, type, ne, name."""
+        print(self.summary(), file=file)
+
+    def summary(self):
+        """A readable listing of the graph's nodes and leafs."""
+        self._ensure()
+        lines = [f"graph: {self.ptr.n_nodes} nodes, {self.ptr.n_leafs} leafs (size {self.ptr.size})"]
+        for i in range(self.ptr.n_nodes):
+            t = self.ptr.nodes[i]
+            lines.append(f"  node {i:5d} {g.ggml_op_desc(t).decode():>16} {g.ggml_type_name(t.type).decode():>6} "
+                         f"ne={_ne_str(t)} {t.name.decode()}")
+        for i in range(self.ptr.n_leafs):
+            t = self.ptr.leafs[i]
+            lines.append(f"  leaf {i:5d} {g.ggml_type_name(t.type).decode():>6} ne={_ne_str(t)} {t.name.decode()}")
+        return "\n".join(lines)
+
+    def dump_dot(self, filename):
+        """Write the graph in Graphviz dot format to ``filename``."""
+        self._ensure()
+        path = os.fsencode(filename)
+        with open(path, "w"):
+            pass  # ggml asserts if it cannot open the file: find out here
+        g.ggml_graph_dump_dot(self.ptr, NULL, path)
+
+    def __repr__(self):
+        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+            return "<ggmlpy.Graph (freed)>"
+        return f"<ggmlpy.Graph {self.ptr.n_nodes} nodes, {self.ptr.n_leafs} leafs, size {self.ptr.size}>"
+
+
+cdef int _default_threads_cache = 0
+
+cdef int _default_threads():
+    global _default_threads_cache
+    if _default_threads_cache == 0:
+        try:
+            _default_threads_cache = len(os.sched_getaffinity(0))
+        except AttributeError:
+            _default_threads_cache = os.cpu_count() or 1
+    return _default_threads_cache
+
+
+cdef int _check_cpu_node(g.ggml_tensor * t, g.ggml_backend_dev_t dev) except -1:
+    if t.op == g.GGML_OP_NONE:
+        return 0
+    if not g.ggml_backend_dev_supports_op(dev, t):
+        srcs = ", ".join(f"{g.ggml_type_name(t.src[i].type).decode()} ne={_ne_str(t.src[i])}"
+                         for i in range(g.GGML_MAX_SRC) if t.src[i] != NULL)
+        raise GGMLValueError(f"{g.ggml_op_desc(t).decode().lower()}: the CPU backend does not implement this op for "
+                             f"these inputs (got {srcs} -> {g.ggml_type_name(t.type).decode()})")
+    return 0

@@ -1,0 +1,260 @@
+# nn.pxi: the rest of Context's ops (convolution, pooling, resizing, padding,
+# generators) and graph creation. Context is complete after this file.
+
+
+cdef int64_t _conv_out(int64_t ins, int64_t ks, int s, int p, int d) noexcept:
+    return (ins + 2 * p - d * (ks - 1) - 1) // s + 1
+
+
+cdef int _conv_params(str op, int s0, int s1, int p0, int p1, int d0, int d1) except -1:
+    _need(s0 > 0 and s1 > 0, op, f"strides must be > 0 (got s0={s0}, s1={s1})")
+    _need(p0 >= 0 and p1 >= 0, op, f"padding must be >= 0 (got p0={p0}, p1={p1})")
+    _need(d0 > 0 and d1 > 0, op, f"dilation must be > 0 (got d0={d0}, d1={d1})")
+    return 0
+
+
+@cython.no_gc_clear
+cdef class Context(_CtxOps):
+    """A ggml context: a fixed-size arena for tensors and graphs.
+
+    Every op method (``ctx.add(a, b)``, ``ctx.mul_mat(a, b)``...) creates its
+    result in this context. Tensors keep their context alive; ``free()`` (or
+    leaving a ``with`` block) releases the arena early, after which its tensors
+    and graphs raise ``ClosedError`` instead of touching freed memory.
+
+    Parameters
+    ----------
+    mem_size : int
+        Arena size in bytes. It holds each tensor's metadata
+        (``tensor_overhead()`` bytes) and, unless ``no_alloc``, its data.
+    no_alloc : bool
+        Create tensors without data (for backend buffers, or graphs whose
+        memory a graph allocator assigns later).
+
+    Raises
+    ------
+    GGMLMemoryError
+        The arena could not be allocated.
+
+    Examples
+    --------
+    >>> import numpy as np, ggmlpy
+    >>> with ggmlpy.Context(1 << 20) as ctx:
+    ...     a = ctx.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    ...     b = ctx.scale(a, 2.0)
+    ...     gf = ctx.new_graph()
+    ...     gf.build_forward_expand(b)
+    ...     gf.compute()
+    ...     b.numpy().tolist()
+    [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+    """
+
+    # -- convolution ------------------------------------------------------------------
+
+    def im2col(self, Tensor a, Tensor b, int s0, int s1, int p0, int p1, int d0, int d1, bint is_2D=True,
+               dst_type=Type.F16):
+        """Unfold ``b``'s patches for the kernel shape of ``a`` (see ggml.h); ``dst_type`` f16 or f32."""
+        cdef int t = _as_type(dst_type, "im2col")
+        cdef int64_t OW, OH
+        self._ensure()
+        _arg(a, "im2col", "a"); _arg(b, "im2col", "b")
+        _conv_params("im2col", s0, s1 if is_2D else 1, p0, p1 if is_2D else 0, d0, d1 if is_2D else 1)
+        if t == g.GGML_TYPE_F32:
+            _types(b, "im2col", "b", M_F32)
+        elif t == g.GGML_TYPE_F16:
+            _types(b, "im2col", "b", M_F32_F16)
+        else:
+            raise GGMLTypeError(f"im2col: dst_type must be F16 or F32 (got {type_name(t)})")
+        _contig(b, "im2col", "b")
+        if is_2D:
+            _need(a.ptr.ne[2] == b.ptr.ne[2], "im2col", f"channels differ (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[2])")
+            OH = _conv_out(b.ptr.ne[1], a.ptr.ne[1], s1, p1, d1)
+            _need(OH > 0, "im2col", f"the kernel does not fit the input height (got a: {_desc(a)}, b: {_desc(b)})")
+        else:
+            _need(b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1, "im2col",
+                  f"channels differ (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1], b.ne[3] == 1)")
+            OH = b.ptr.ne[2]
+        OW = _conv_out(b.ptr.ne[0], a.ptr.ne[0], s0, p0, d0)
+        _need(OW > 0, "im2col", f"the kernel does not fit the input width (got a: {_desc(a)}, b: {_desc(b)})")
+        self._room("im2col", _out_bytes(t, a.ptr.ne[0] * a.ptr.ne[1] * (a.ptr.ne[2] if is_2D else 1), OW, OH,
+                                        b.ptr.ne[3] if is_2D else 1), 1)
+        return _res(self, g.ggml_im2col(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1, is_2D, <g.ggml_type> t), a, b)
+
+    def conv_1d(self, Tensor a, Tensor b, int s0=1, int p0=0, int d0=1):
+        """1-d convolution: kernel ``a`` ne ``(K, IC, OC)`` f32/f16 over ``b`` ne ``(L, IC, N)``; f32 ``(OL, OC, N)``."""
+        cdef int64_t OL
+        self._ensure()
+        _arg(a, "conv_1d", "a"); _arg(b, "conv_1d", "b")
+        _types(a, "conv_1d", "a", M_F32_F16); _types(b, "conv_1d", "b", M_F32_F16)
+        _contig(a, "conv_1d", "a"); _contig(b, "conv_1d", "b")
+        _conv_params("conv_1d", s0, 1, p0, 0, d0, 1)
+        _need(a.ptr.ne[3] == 1 and b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1, "conv_1d",
+              f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1] input channels)")
+        OL = _conv_out(b.ptr.ne[0], a.ptr.ne[0], s0, p0, d0)
+        _need(OL > 0, "conv_1d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
+        # im2col (f16), two reshapes, mul_mat, reshape
+        self._room("conv_1d", _out_bytes(g.GGML_TYPE_F16, a.ptr.ne[0] * a.ptr.ne[1], OL, b.ptr.ne[2], 1)
+                   + _out_bytes(g.GGML_TYPE_F32, OL, a.ptr.ne[2], b.ptr.ne[2], 1), 5)
+        return _res(self, g.ggml_conv_1d(self.ptr, a.ptr, b.ptr, s0, p0, d0), a, b)
+
+    def conv_2d(self, Tensor a, Tensor b, int s0=1, int s1=1, int p0=0, int p1=0, int d0=1, int d1=1):
+        """2-d convolution: kernel ``a`` ne ``(KW, KH, IC, OC)`` f32/f16 over ``b`` ne ``(W, H, IC, N)``; f32 ``(OW, OH, OC, N)``."""
+        cdef int64_t OW, OH
+        self._ensure()
+        _arg(a, "conv_2d", "a"); _arg(b, "conv_2d", "b")
+        _types(a, "conv_2d", "a", M_F32_F16); _types(b, "conv_2d", "b", M_F32_F16)
+        _contig(a, "conv_2d", "a"); _contig(b, "conv_2d", "b")
+        _conv_params("conv_2d", s0, s1, p0, p1, d0, d1)
+        _need(a.ptr.ne[2] == b.ptr.ne[2], "conv_2d", f"input channels differ (got a: {_desc(a)}, b: {_desc(b)})")
+        OW = _conv_out(b.ptr.ne[0], a.ptr.ne[0], s0, p0, d0)
+        OH = _conv_out(b.ptr.ne[1], a.ptr.ne[1], s1, p1, d1)
+        _need(OW > 0 and OH > 0, "conv_2d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
+        self._room("conv_2d", _out_bytes(g.GGML_TYPE_F16, a.ptr.ne[0] * a.ptr.ne[1] * a.ptr.ne[2], OW, OH, b.ptr.ne[3])
+                   + 2 * _out_bytes(g.GGML_TYPE_F32, OW, OH, a.ptr.ne[3], b.ptr.ne[3]), 7)
+        return _res(self, g.ggml_conv_2d(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1), a, b)
+
+    def conv_transpose_1d(self, Tensor a, Tensor b, int s0=1, int p0=0, int d0=1):
+        """Transposed 1-d convolution: kernel ``a`` ne ``(K, OC, IC)`` f32/f16, input ``b`` ne ``(L, IC)`` f32."""
+        self._ensure()
+        _arg(a, "conv_transpose_1d", "a"); _arg(b, "conv_transpose_1d", "b")
+        _types(a, "conv_transpose_1d", "a", M_F32_F16); _types(b, "conv_transpose_1d", "b", M_F32)
+        _contig(a, "conv_transpose_1d", "a"); _contig(b, "conv_transpose_1d", "b")
+        _need(s0 > 0, "conv_transpose_1d", f"stride must be > 0 (got {s0})")
+        _need(p0 == 0 and d0 == 1, "conv_transpose_1d", f"ggml supports only p0=0, d0=1 (got p0={p0}, d0={d0})")
+        _need(b.ptr.ne[2] == 1 and b.ptr.ne[3] == 1 and a.ptr.ne[2] == b.ptr.ne[1] and a.ptr.ne[3] == 1,
+              "conv_transpose_1d", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[1], 2-d b)")
+        self._room("conv_transpose_1d", _out_bytes(g.GGML_TYPE_F32, (b.ptr.ne[0] - 1) * s0 + a.ptr.ne[0], a.ptr.ne[1], 1, 1), 1)
+        return _res(self, g.ggml_conv_transpose_1d(self.ptr, a.ptr, b.ptr, s0, p0, d0), a, b)
+
+    def pool_1d(self, Tensor a, op, int k0, int s0, int p0=0):
+        """Max or average pooling over each row (``PoolOp``); f32/f16 in, f32 out."""
+        cdef int o = op
+        cdef int64_t n
+        _unary(self, a, "pool_1d", M_F32_F16, 2)
+        _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_1d", f"op must be PoolOp.MAX or AVG (got {op!r})")
+        _need(k0 > 0 and s0 > 0 and p0 >= 0, "pool_1d", f"k0 and s0 must be > 0 and p0 >= 0 (got {k0}, {s0}, {p0})")
+        n = (a.ptr.ne[0] + 2 * p0 - k0) // s0 + 1
+        _need(n > 0 and a.ptr.ne[0] + 2 * p0 >= k0, "pool_1d", f"the window does not fit (got a: {_desc(a)}, k0={k0})")
+        self._room("pool_1d", _out_bytes(g.GGML_TYPE_F32, n, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
+        return _res(self, g.ggml_pool_1d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, s0, p0), a)
+
+    def pool_2d(self, Tensor a, op, int k0, int k1, int s0, int s1, int p0=0, int p1=0):
+        """Max or average pooling over ``ne[0] x ne[1]`` planes; f32/f16 in, f32 out."""
+        cdef int o = op
+        cdef int64_t n0, n1
+        _unary(self, a, "pool_2d", M_F32_F16, 2)
+        _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_2d", f"op must be PoolOp.MAX or AVG (got {op!r})")
+        _need(k0 > 0 and k1 > 0 and s0 > 0 and s1 > 0 and p0 >= 0 and p1 >= 0, "pool_2d",
+              "kernel sizes and strides must be > 0, padding >= 0")
+        n0 = (a.ptr.ne[0] + 2 * p0 - k0) // s0 + 1
+        n1 = (a.ptr.ne[1] + 2 * p1 - k1) // s1 + 1
+        _need(n0 > 0 and n1 > 0 and a.ptr.ne[0] + 2 * p0 >= k0 and a.ptr.ne[1] + 2 * p1 >= k1, "pool_2d",
+              f"the window does not fit (got a: {_desc(a)}, k=({k0}, {k1}))")
+        self._room("pool_2d", _out_bytes(g.GGML_TYPE_F32, n0, n1, a.ptr.ne[2], a.ptr.ne[3]), 1)
+        return _res(self, g.ggml_pool_2d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, k1, s0, s1, p0, p1), a)
+
+    def upscale(self, Tensor a, int scale_factor, mode=ScaleMode.NEAREST):
+        """Scale dims 0 and 1 by an integer factor (f32)."""
+        _need(scale_factor >= 1, "upscale", f"scale_factor must be >= 1 (got {scale_factor})")
+        self._ensure()
+        _arg(a, "upscale", "a")
+        return self.interpolate(a, a.ptr.ne[0] * scale_factor, a.ptr.ne[1] * scale_factor, a.ptr.ne[2], a.ptr.ne[3], mode)
+
+    def interpolate(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, mode=ScaleMode.NEAREST):
+        """Resize to ne ``(ne0, ne1, ne2, ne3)`` (f32); ``mode`` a ScaleMode, optionally | ALIGN_CORNERS."""
+        cdef uint32_t m = mode
+        _unary(self, a, "interpolate", M_F32, 0)
+        _need((m & 0xFF) <= g.GGML_SCALE_MODE_BICUBIC and (m & ~(<uint32_t> 0x1FF)) == 0, "interpolate",
+              f"mode must be NEAREST, BILINEAR or BICUBIC, optionally | ALIGN_CORNERS (got {mode!r})")
+        _need(ne0 > 0 and ne1 > 0 and ne2 > 0 and ne3 > 0, "interpolate", f"target ne must be > 0 (got ({ne0}, {ne1}, {ne2}, {ne3}))")
+        self._room("interpolate", _out_bytes(g.GGML_TYPE_F32, ne0, ne1, ne2, ne3), 1)
+        return _res(self, g.ggml_interpolate(self.ptr, a.ptr, ne0, ne1, ne2, ne3, m), a)
+
+    def pad(self, Tensor a, int p0=0, int p1=0, int p2=0, int p3=0):
+        """Append ``p_i`` zeros at the end of dimension ``i`` (f32)."""
+        return self.pad_ext(a, 0, p0, 0, p1, 0, p2, 0, p3)
+
+    def pad_ext(self, Tensor a, int lp0=0, int rp0=0, int lp1=0, int rp1=0, int lp2=0, int rp2=0, int lp3=0, int rp3=0):
+        """Zero padding before (``lp``) and after (``rp``) each dimension (f32)."""
+        _unary(self, a, "pad_ext", M_F32, 0)
+        pads = (lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3)
+        _need(all(p >= 0 for p in pads), "pad_ext", f"padding must be >= 0 (got {pads})")
+        self._room("pad_ext", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0] + lp0 + rp0, a.ptr.ne[1] + lp1 + rp1,
+                                         a.ptr.ne[2] + lp2 + rp2, a.ptr.ne[3] + lp3 + rp3), 1)
+        return _res(self, g.ggml_pad_ext(self.ptr, a.ptr, lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3), a)
+
+    def pad_reflect_1d(self, Tensor a, int p0, int p1):
+        """Reflection padding of each row (f32, contiguous), ``0 <= p < ne[0]``."""
+        _unary(self, a, "pad_reflect_1d", M_F32, 2)
+        _need(0 <= p0 < a.ptr.ne[0] and 0 <= p1 < a.ptr.ne[0], "pad_reflect_1d",
+              f"padding must be in [0, a.ne[0]) (got p0={p0}, p1={p1}, a: {_desc(a)})")
+        self._room("pad_reflect_1d", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0] + p0 + p1, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
+        return _res(self, g.ggml_pad_reflect_1d(self.ptr, a.ptr, p0, p1), a)
+
+    def roll(self, Tensor a, int shift0=0, int shift1=0, int shift2=0, int shift3=0):
+        """Rotate elements along each dimension (like numpy.roll), ``|shift_i| < ne[i]`` (f32)."""
+        _unary(self, a, "roll", M_F32, 0)
+        shifts = (shift0, shift1, shift2, shift3)
+        for i in range(4):
+            _need(-a.ptr.ne[i] < shifts[i] < a.ptr.ne[i], "roll", f"|shift{i}| must be < ne[{i}] (got {shifts}, a: {_desc(a)})")
+        return _res(self, g.ggml_roll(self.ptr, a.ptr, shift0, shift1, shift2, shift3), a)
+
+    def tri(self, Tensor a, type=TriType.LOWER_DIAG):
+        """Keep one triangle of a square f32 matrix, zero the rest (``TriType``)."""
+        cdef int t = type
+        _unary(self, a, "tri", M_F32, 2)
+        _need(0 <= t <= 3, "tri", f"type must be a TriType (got {type!r})")
+        _need(a.ptr.ne[0] == a.ptr.ne[1], "tri", f"a must be square (got a: {_desc(a)})")
+        return _res(self, g.ggml_tri(self.ptr, a.ptr, <g.ggml_tri_type> t), a)
+
+    def fill(self, Tensor a, float c):
+        """A tensor like ``a`` filled with ``c`` (f32/f16, contiguous)."""
+        _unary(self, a, "fill", M_F32_F16, 2)
+        return _res(self, g.ggml_fill(self.ptr, a.ptr, c), a)
+
+    def arange(self, float start, float stop, float step=1.0):
+        """``[start, stop)`` in steps of ``step`` (f32, 1-d)."""
+        cdef double n
+        self._ensure()
+        _finite(start, "arange", "start"); _finite(stop, "arange", "stop"); _finite(step, "arange", "step")
+        _need(stop > start and step > 0, "arange", f"needs stop > start and step > 0 (got {start}, {stop}, {step})")
+        n = (stop - start) / step
+        _need(n < 2.0 ** 40, "arange", f"too many elements ({n:.0f})")
+        self._room("arange", 4 * (<int64_t> n + 1), 1)
+        return _wrap(self, g.ggml_arange(self.ptr, start, stop, step))
+
+    def timestep_embedding(self, Tensor timesteps, int dim, int max_period=10000):
+        """Sinusoidal embeddings of 1-d f32 ``timesteps``: f32 ne ``(dim, n)``."""
+        _unary(self, timesteps, "timestep_embedding", M_F32, 2)
+        _need(dim > 0 and max_period > 0, "timestep_embedding", f"dim and max_period must be > 0 (got {dim}, {max_period})")
+        _need(timesteps.ptr.ne[1] == 1 and timesteps.ptr.ne[2] == 1 and timesteps.ptr.ne[3] == 1, "timestep_embedding",
+              f"timesteps must be 1-d (got {_desc(timesteps)})")
+        self._room("timestep_embedding", _out_bytes(g.GGML_TYPE_F32, dim + (dim % 2), timesteps.ptr.ne[0], 1, 1), 1)
+        return _res(self, g.ggml_timestep_embedding(self.ptr, timesteps.ptr, dim, max_period), timesteps)
+
+    # -- graphs ---------------------------------------------------------------------------
+
+    def new_graph(self, size_t size=g.GGML_DEFAULT_GRAPH_SIZE, bint grads=False):
+        """A new empty graph of at most ``size`` nodes (and ``size`` leafs), allocated in this context.
+
+        Raises
+        ------
+        GGMLMemoryError
+            The context has no room for the graph (it needs ``graph_overhead(size, grads)`` bytes).
+        """
+        cdef size_t need
+        self._ensure()
+        _need(0 < size <= 1 << 30, "new_graph", f"size must be in [1, 2**30] (got {size})")
+        need = g.ggml_graph_overhead_custom(size, grads) + g.GGML_MEM_ALIGN
+        if g.ggml_used_mem(self.ptr) + need > self.mem_size:
+            raise GGMLMemoryError(f"new_graph: context out of memory (a graph of size {size} needs {_fmt_bytes(need)}, "
+                                  f"{_fmt_bytes(self.mem_size - g.ggml_used_mem(self.ptr))} free); "
+                                  f"add graph_overhead(size) to the Context's mem_size")
+        cdef Graph gr = Graph.__new__(Graph)
+        gr.ptr = g.ggml_new_graph_custom(self.ptr, size, grads)
+        gr.ctx = self
+        gr.gen = self.gen
+        gr.ctxs = []
+        gr._note_ctx(self)
+        _debug_count("Graph", 1)
+        return gr

@@ -1,0 +1,554 @@
+# tensor.pxi: Tensor, a handle on one ggml_tensor.
+#
+# Order of dimensions: ggml lists dimensions fastest-first (``ne[0]`` is the
+# length of a row), numpy slowest-first. Everything that mirrors ggml (``ne``,
+# ``nb``, op arguments) speaks ggml order; only the numpy bridge (``shape``,
+# ``strides``, ``numpy()``, ``from_numpy``) speaks numpy order, and there the
+# trailing size-1 ggml dimensions beyond ``n_dims`` are dropped.
+
+cdef extern from *:
+    """
+    /* DLPack 0.8 ABI (dlpack.h), declared here for the exporter only. */
+    typedef struct { int device_type; int device_id; } ggmlpy_DLDevice;
+    typedef struct { unsigned char code; unsigned char bits; unsigned short lanes; } ggmlpy_DLDataType;
+    typedef struct {
+        void * data; ggmlpy_DLDevice device; int ndim; ggmlpy_DLDataType dtype;
+        long long * shape; long long * strides; unsigned long long byte_offset;
+    } ggmlpy_DLTensor;
+    typedef struct ggmlpy_DLManagedTensor {
+        ggmlpy_DLTensor dl_tensor; void * manager_ctx;
+        void (*deleter)(struct ggmlpy_DLManagedTensor * self);
+    } ggmlpy_DLManagedTensor;
+    """
+    ctypedef struct ggmlpy_DLDevice:
+        int device_type
+        int device_id
+    ctypedef struct ggmlpy_DLDataType:
+        unsigned char code
+        unsigned char bits
+        unsigned short lanes
+    ctypedef struct ggmlpy_DLTensor:
+        void * data
+        ggmlpy_DLDevice device
+        int ndim
+        ggmlpy_DLDataType dtype
+        long long * shape
+        long long * strides
+        unsigned long long byte_offset
+    ctypedef struct ggmlpy_DLManagedTensor:
+        ggmlpy_DLTensor dl_tensor
+        void * manager_ctx
+        void (*deleter)(ggmlpy_DLManagedTensor *) noexcept
+
+from cpython.ref cimport Py_INCREF, Py_DECREF, PyObject
+
+
+cdef inline bint _buffer_is_host(g.ggml_backend_buffer * buf) noexcept:
+    return g.ggml_backend_buffer_is_host(buf)
+
+
+cdef inline Tensor _wrap(_CtxBase ctx, g.ggml_tensor * p):
+    cdef Tensor t = Tensor.__new__(Tensor)
+    t.ptr = p
+    t.ctx = ctx
+    t.gen = ctx.gen
+    return t
+
+
+cdef _CtxBase _owner_of(_CtxBase hint, g.ggml_tensor * p):
+    """The Context whose arena holds the struct at p (hint, or one it depends on)."""
+    cdef _CtxBase c
+    seen = set()
+    todo = [hint]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        if c.mem != NULL and <char *> c.mem <= <char *> p < <char *> c.mem + c.mem_size:
+            return c
+        todo.extend(c.deps)
+    return hint
+
+
+@cython.freelist(256)
+cdef class Tensor:
+    """A ggml tensor. Made by a Context (``new_tensor``, ``from_numpy``, op methods), never directly.
+
+    ``ne``/``nb`` are in ggml order (``ne[0]`` is a row's length); ``shape``,
+    ``strides`` and ``numpy()`` are in numpy order. A host tensor exposes its
+    memory without copying through ``numpy()``, ``__array__``, the buffer
+    protocol and ``__dlpack__``.
+    """
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Tensors are created by a Context: ctx.new_tensor(...), ctx.from_numpy(...) or an op")
+
+    cdef int _ensure(self) except -1:
+        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+            raise ClosedError("Tensor's context has been freed or reset")
+        return 0
+
+    # -- metadata ------------------------------------------------------------
+
+    @property
+    def context(self):
+        """The Context this tensor lives in."""
+        return self.ctx
+
+    @property
+    def type(self):
+        """Element type (``Type``)."""
+        self._ensure()
+        return Type(self.ptr.type)
+
+    @property
+    def ne(self):
+        """Number of elements per dimension, ggml order, always 4 entries."""
+        self._ensure()
+        return (self.ptr.ne[0], self.ptr.ne[1], self.ptr.ne[2], self.ptr.ne[3])
+
+    @property
+    def nb(self):
+        """Stride in bytes per dimension, ggml order (``nb[0]`` is the element or block size)."""
+        self._ensure()
+        return (self.ptr.nb[0], self.ptr.nb[1], self.ptr.nb[2], self.ptr.nb[3])
+
+    @property
+    def n_dims(self):
+        """ggml's dimension count: the highest dimension with ne > 1 (1 for scalars)."""
+        self._ensure()
+        return g.ggml_n_dims(self.ptr)
+
+    @property
+    def shape(self):
+        """Numpy-order shape: ``ne[:n_dims]`` reversed."""
+        self._ensure()
+        cdef int n = g.ggml_n_dims(self.ptr)
+        return tuple(self.ptr.ne[i] for i in range(n - 1, -1, -1))
+
+    @property
+    def nelements(self):
+        """Total number of elements."""
+        self._ensure()
+        return g.ggml_nelements(self.ptr)
+
+    @property
+    def nrows(self):
+        """Number of rows (``ne[1] * ne[2] * ne[3]``)."""
+        self._ensure()
+        return g.ggml_nrows(self.ptr)
+
+    @property
+    def nbytes(self):
+        """Bytes spanned by the data (``ggml_nbytes``)."""
+        self._ensure()
+        return g.ggml_nbytes(self.ptr)
+
+    @property
+    def is_contiguous(self):
+        self._ensure()
+        return bool(g.ggml_is_contiguous(self.ptr))
+
+    @property
+    def is_view(self):
+        """True if the tensor is a view of another (reshape, view, permute, transpose)."""
+        self._ensure()
+        return self.ptr.view_src != NULL
+
+    @property
+    def is_transposed(self):
+        self._ensure()
+        return bool(g.ggml_is_transposed(self.ptr))
+
+    @property
+    def is_permuted(self):
+        self._ensure()
+        return bool(g.ggml_is_permuted(self.ptr))
+
+    @property
+    def op(self):
+        """The op that computes this tensor (``Op.NONE`` for a leaf)."""
+        self._ensure()
+        return Op(self.ptr.op)
+
+    @property
+    def op_desc(self):
+        """The op's name, or the unary / glu function's name for those ops."""
+        self._ensure()
+        return g.ggml_op_desc(self.ptr).decode()
+
+    @property
+    def op_params(self):
+        """The op's raw parameters as 16 int32 (floats are stored bit-cast)."""
+        self._ensure()
+        return tuple(self.ptr.op_params[i] for i in range(16))
+
+    @property
+    def src(self):
+        """The op's inputs (Tensors), up to the last non-null source."""
+        self._ensure()
+        out = []
+        for i in range(g.GGML_MAX_SRC):
+            if self.ptr.src[i] != NULL:
+                while len(out) < i:
+                    out.append(None)
+                out.append(_wrap(_owner_of(self.ctx, self.ptr.src[i]), self.ptr.src[i]))
+        return tuple(out)
+
+    @property
+    def view_src(self):
+        """The tensor this one views, or None."""
+        self._ensure()
+        if self.ptr.view_src == NULL:
+            return None
+        return _wrap(_owner_of(self.ctx, self.ptr.view_src), self.ptr.view_src)
+
+    @property
+    def view_offs(self):
+        """Byte offset of this view into ``view_src``."""
+        self._ensure()
+        return self.ptr.view_offs
+
+    @property
+    def data_ptr(self):
+        """Address of the data (0 if none is allocated)."""
+        self._ensure()
+        return <uintptr_t> self.ptr.data
+
+    @property
+    def has_data(self):
+        """True if the tensor has memory (its context allocated it, or a buffer did)."""
+        self._ensure()
+        return self.ptr.data != NULL
+
+    @property
+    def name(self):
+        """The tensor's name (at most 63 bytes of UTF-8)."""
+        self._ensure()
+        return g.ggml_get_name(self.ptr).decode("utf-8", "replace")
+
+    @name.setter
+    def name(self, str value):
+        self._ensure()
+        cdef bytes b = value.encode()
+        if len(b) >= g.GGML_MAX_NAME:
+            raise GGMLValueError(f"set_name: name is {len(b)} bytes, at most {g.GGML_MAX_NAME - 1} fit")
+        g.ggml_set_name(self.ptr, b)
+
+    def set_name(self, str name):
+        """Set the name and return self (for chaining, like ``ggml_set_name``)."""
+        self.name = name
+        return self
+
+    @property
+    def flags(self):
+        """ggml's tensor flags (input=1, output=2, param=4, loss=8)."""
+        self._ensure()
+        return self.ptr.flags
+
+    def set_input(self):
+        """Mark as a graph input: allocators place it first and never reuse its memory early."""
+        self._ensure()
+        g.ggml_set_input(self.ptr)
+        return self
+
+    def set_output(self):
+        """Mark as a graph output: allocators never overwrite it."""
+        self._ensure()
+        g.ggml_set_output(self.ptr)
+        return self
+
+    def set_param(self):
+        """Mark as a trainable parameter."""
+        self._ensure()
+        if self.ptr.op != g.GGML_OP_NONE:
+            raise GGMLValueError(f"set_param: only leaf tensors can be parameters (got op {self.op.name})")
+        g.ggml_set_param(self.ptr)
+        return self
+
+    @property
+    def is_input(self):
+        self._ensure()
+        return bool(self.ptr.flags & g.GGML_TENSOR_FLAG_INPUT)
+
+    @property
+    def is_output(self):
+        self._ensure()
+        return bool(self.ptr.flags & g.GGML_TENSOR_FLAG_OUTPUT)
+
+    @property
+    def is_param(self):
+        self._ensure()
+        return bool(self.ptr.flags & g.GGML_TENSOR_FLAG_PARAM)
+
+    def __repr__(self):
+        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+            return "<ggmlpy.Tensor (freed)>"
+        name = self.name
+        return (f"<ggmlpy.Tensor{' ' + repr(name) if name else ''} "
+                f"{g.ggml_type_name(self.ptr.type).decode()} ne={_ne_str(self.ptr)} op={g.ggml_op_desc(self.ptr).decode()}>")
+
+    def __eq__(self, other):
+        # Two wrappers of the same ggml tensor are the same tensor.
+        return isinstance(other, Tensor) and (<Tensor> other).ptr == self.ptr
+
+    def __hash__(self):
+        return hash(<uintptr_t> self.ptr)
+
+    # -- host memory access ----------------------------------------------------
+
+    cdef int _host(self, str op) except -1:
+        self._ensure()
+        if self.ptr.data == NULL:
+            raise GGMLValueError(f"{op}: tensor has no data (its context is no_alloc and no buffer was allocated)")
+        if self.ptr.buffer != NULL and not _buffer_is_host(self.ptr.buffer):
+            raise GGMLValueError(f"{op}: tensor lives in device memory; use get()/set(), which copy")
+        return 0
+
+    def __getbuffer__(self, Py_buffer * view, int flags):
+        cdef int n, i, k
+        cdef g.ggml_tensor * p = self.ptr
+        self._host("buffer")
+        if flags & PyBUF_WRITABLE and self.readonly:
+            raise BufferError("tensor is read-only")
+        n = g.ggml_n_dims(p)
+        if g.ggml_is_quantized(p.type):
+            # Raw blocks: the row axis (bytes) is last, rows ordered by nb[1..].
+            k = 0
+            for i in range(n - 1, 0, -1):
+                self._shape[k] = p.ne[i]
+                self._strides[k] = p.nb[i]
+                k += 1
+            self._shape[k] = g.ggml_row_size(p.type, p.ne[0])
+            self._strides[k] = 1
+            view.itemsize = 1
+        else:
+            for i in range(n):
+                self._shape[i] = p.ne[n - 1 - i]
+                self._strides[i] = p.nb[n - 1 - i]
+            view.itemsize = g.ggml_type_size(p.type)
+        view.buf = p.data
+        view.obj = self
+        view.len = g.ggml_nbytes(p)
+        view.readonly = self.readonly
+        view.ndim = n
+        view.format = <char *> _buffer_format(p.type) if flags & PyBUF_FORMAT else NULL
+        view.shape = self._shape
+        view.strides = self._strides
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer * view):
+        pass
+
+    def numpy(self, bint copy=False):
+        """The tensor's memory as a numpy array, without copying (numpy order).
+
+        F16 maps to float16, BF16 to its uint16 bit pattern, quantized types to
+        raw uint8 blocks with one axis per row. Writes through the array are
+        seen by ggml. ``copy=True`` returns an independent copy instead.
+
+        Raises
+        ------
+        GGMLValueError
+            The tensor has no host data.
+        """
+        arr = np.asarray(memoryview(self))
+        return arr.copy() if copy else arr
+
+    def __array__(self, dtype=None, copy=None):
+        if copy is False and dtype is not None and np.dtype(dtype) != _NP_DTYPES.get(self.ptr.type):
+            raise ValueError("__array__: a copy is needed to change the dtype")
+        arr = self.get() if (_NP_DTYPES.get(self.ptr.type) is None) else self.numpy(copy=bool(copy))
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def get(self):
+        """A new numpy array with the tensor's values (numpy order).
+
+        Plain types keep their dtype; BF16 and quantized types are converted
+        to float32.
+
+        Examples
+        --------
+        >>> ctx = Context(1 << 16)
+        >>> ctx.from_numpy(np.arange(3, dtype=np.int32)).get()
+        array([0, 1, 2], dtype=int32)
+        """
+        cdef g.ggml_tensor * p = self.ptr
+        cdef const g.ggml_type_traits * tr
+        cdef float[:, ::1] out_view
+        cdef int64_t i1, i2, i3, r = 0, ne0
+        cdef char * base
+        self._host("get")
+        dt = _NP_DTYPES.get(p.type)
+        if dt is not None:
+            return self.numpy(copy=True)
+        tr = g.ggml_get_type_traits(p.type)
+        if tr.to_float == NULL:
+            raise GGMLTypeError(f"get: no conversion to float32 for type {g.ggml_type_name(p.type).decode()}")
+        ne0 = p.ne[0]
+        out = np.empty((g.ggml_nrows(p), ne0), dtype=np.float32)
+        out_view = out
+        base = <char *> p.data
+        with nogil:
+            for i3 in range(p.ne[3]):
+                for i2 in range(p.ne[2]):
+                    for i1 in range(p.ne[1]):
+                        tr.to_float(base + i1 * p.nb[1] + i2 * p.nb[2] + i3 * p.nb[3], &out_view[r, 0], ne0)
+                        r += 1
+        return out.reshape(self.shape)
+
+    def set(self, array):
+        """Copy ``array`` (numpy order) into the tensor.
+
+        The shape must equal ``shape`` (leading size-1 axes aside). Plain types
+        need a dtype castable with numpy's 'same_kind' rule; BF16 and quantized
+        tensors take float input and convert it.
+
+        Raises
+        ------
+        GGMLValueError
+            Shape mismatch, or no host data.
+        GGMLTypeError
+            The dtype cannot be cast safely.
+        """
+        cdef g.ggml_tensor * p = self.ptr
+        cdef Py_buffer src
+        cdef size_t nbytes
+        cdef void * dst
+        self._host("set")
+        if self.readonly:
+            raise GGMLValueError("set: tensor is read-only")
+        dt = _NP_DTYPES.get(p.type)
+        # Fast path: a C-contiguous array of the exact type into a contiguous tensor.
+        if dt is not None and type(array) is np.ndarray and (<object> array).dtype is dt \
+                and g.ggml_is_contiguous(p) and (<object> array).flags.c_contiguous \
+                and (<object> array).size == g.ggml_nelements(p) and _same_shape_np((<object> array).shape, p):
+            nbytes = g.ggml_nbytes(p)
+            dst = p.data
+            arr_obj = array
+            PyObject_GetBuffer(arr_obj, &src, PyBUF_ND)
+            try:
+                if nbytes > 65536:
+                    with nogil:
+                        memcpy(dst, src.buf, nbytes)
+                else:
+                    memcpy(dst, src.buf, nbytes)
+            finally:
+                PyBuffer_Release(&src)
+            return
+        arr = np.asarray(array)
+        if not _same_shape_np(arr.shape, p):
+            raise GGMLValueError(f"set: shape mismatch (got array shape {arr.shape}, expected {self.shape}, "
+                                 f"i.e. ne={_ne_str(p)} reversed)")
+        if dt is not None:
+            if not np.can_cast(arr.dtype, dt, "same_kind"):
+                raise GGMLTypeError(f"set: cannot cast {arr.dtype} to the tensor's {dt} (type "
+                                    f"{g.ggml_type_name(p.type).decode()})")
+            self.numpy()[...] = arr.reshape(self.shape)
+            return
+        if arr.dtype.kind not in "fiu":
+            raise GGMLTypeError(f"set: {g.ggml_type_name(p.type).decode()} tensors take float data (got {arr.dtype})")
+        _from_float_rows(p, np.ascontiguousarray(arr, dtype=np.float32).reshape(-1, p.ne[0]))
+
+    # -- DLPack -----------------------------------------------------------------
+
+    def __dlpack_device__(self):
+        """(device type, id): (1, 0), the host."""
+        self._host("__dlpack_device__")
+        return (1, 0)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """Export the tensor's host memory as a DLPack capsule (no copy)."""
+        cdef g.ggml_tensor * p = self.ptr
+        cdef ggmlpy_DLManagedTensor * m
+        cdef long long * dims
+        cdef int n, i
+        cdef size_t esz
+        self._host("__dlpack__")
+        if copy:
+            raise BufferError("__dlpack__: copy=True is not supported; call get() for a copy")
+        code = {g.GGML_TYPE_F32: 2, g.GGML_TYPE_F16: 2, g.GGML_TYPE_F64: 2, g.GGML_TYPE_BF16: 4,
+                g.GGML_TYPE_I8: 0, g.GGML_TYPE_I16: 0, g.GGML_TYPE_I32: 0, g.GGML_TYPE_I64: 0}.get(p.type)
+        if code is None:
+            raise BufferError(f"__dlpack__: type {g.ggml_type_name(p.type).decode()} has no DLPack dtype")
+        esz = g.ggml_type_size(p.type)
+        n = g.ggml_n_dims(p)
+        for i in range(n):
+            if p.nb[i] % esz:
+                raise BufferError("__dlpack__: strides are not a multiple of the element size")
+        m = <ggmlpy_DLManagedTensor *> malloc(sizeof(ggmlpy_DLManagedTensor) + 2 * n * sizeof(long long))
+        if m == NULL:
+            raise MemoryError()
+        dims = <long long *> (m + 1)
+        for i in range(n):
+            dims[i] = p.ne[n - 1 - i]
+            dims[n + i] = p.nb[n - 1 - i] // esz
+        m.dl_tensor.data = p.data
+        m.dl_tensor.device.device_type = 1
+        m.dl_tensor.device.device_id = 0
+        m.dl_tensor.ndim = n
+        m.dl_tensor.dtype.code = code
+        m.dl_tensor.dtype.bits = 8 * esz
+        m.dl_tensor.dtype.lanes = 1
+        m.dl_tensor.shape = dims
+        m.dl_tensor.strides = dims + n
+        m.dl_tensor.byte_offset = 0
+        m.manager_ctx = <void *> self
+        m.deleter = _dl_deleter
+        Py_INCREF(self)   # released by the deleter: the consumer keeps the tensor alive
+        return PyCapsule_New(m, b"dltensor", _dl_capsule_destructor)
+
+
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release
+
+
+cdef bint _same_shape_np(tuple shape, g.ggml_tensor * p):
+    # Compare numpy shape with the tensor's, ignoring leading size-1 axes on both.
+    cdef int n = g.ggml_n_dims(p), i
+    dims = [p.ne[i] for i in range(n - 1, -1, -1)]
+    s = list(shape)
+    while s and s[0] == 1 and len(s) > 1:
+        s.pop(0)
+    while dims and dims[0] == 1 and len(dims) > 1:
+        dims.pop(0)
+    if not s:
+        s = [1]
+    return s == dims
+
+
+cdef void _dl_deleter(ggmlpy_DLManagedTensor * m) noexcept with gil:
+    Py_DECREF(<object> m.manager_ctx)
+    free(m)
+
+
+cdef void _dl_capsule_destructor(object capsule) noexcept:
+    # Called when the capsule dies; only an unconsumed capsule still owns the tensor.
+    cdef ggmlpy_DLManagedTensor * m
+    if PyCapsule_IsValid(capsule, b"dltensor"):
+        m = <ggmlpy_DLManagedTensor *> PyCapsule_GetPointer(capsule, b"dltensor")
+        m.deleter(m)
+
+
+cdef int _from_float_rows(g.ggml_tensor * p, float[:, ::1] rows) except -1:
+    """Convert float32 rows into p's type (BF16 or quantized), row by row."""
+    cdef const g.ggml_type_traits * tr = g.ggml_get_type_traits(p.type)
+    cdef int64_t i1, i2, i3, r = 0, ne0 = p.ne[0]
+    cdef char * base = <char *> p.data
+    cdef bint quant = g.ggml_is_quantized(p.type)
+    if quant and g.ggml_quantize_requires_imatrix(p.type):
+        raise GGMLValueError(f"set: type {g.ggml_type_name(p.type).decode()} needs an importance matrix to quantize")
+    if not quant and tr.from_float_ref == NULL:
+        raise GGMLTypeError(f"set: no conversion from float32 to {g.ggml_type_name(p.type).decode()}")
+    with nogil:
+        for i3 in range(p.ne[3]):
+            for i2 in range(p.ne[2]):
+                for i1 in range(p.ne[1]):
+                    if quant:
+                        g.ggml_quantize_chunk(p.type, &rows[r, 0], base + i1 * p.nb[1] + i2 * p.nb[2] + i3 * p.nb[3],
+                                              0, 1, ne0, NULL)
+                    else:
+                        tr.from_float_ref(&rows[r, 0], base + i1 * p.nb[1] + i2 * p.nb[2] + i3 * p.nb[3], ne0)
+                    r += 1
+    return 0

@@ -1,0 +1,167 @@
+# validate.pxi: one check per precondition family, shared by all ops.
+# Messages read "<op>: <what> (got ..., expected ...)" and name each tensor's
+# type and ne, so a failing call can be found from the message alone.
+
+cdef inline uint64_t _bit(int t) noexcept:
+    return (<uint64_t> 1) << t
+
+# Type masks for the families ops accept (bit i = ggml_type i).
+cdef uint64_t M_F32 = _bit(g.GGML_TYPE_F32)
+cdef uint64_t M_F16 = _bit(g.GGML_TYPE_F16)
+cdef uint64_t M_BF16 = _bit(g.GGML_TYPE_BF16)
+cdef uint64_t M_FLOAT = M_F32 | M_F16 | M_BF16
+cdef uint64_t M_F32_F16 = M_F32 | M_F16
+cdef uint64_t M_I32 = _bit(g.GGML_TYPE_I32)
+cdef uint64_t M_I64 = _bit(g.GGML_TYPE_I64)
+cdef uint64_t M_IDX = M_I32 | M_I64
+cdef uint64_t M_ANY = 0xFFFFFFFFFFFFFFFF
+
+
+cdef str _ne_str(g.ggml_tensor * p):
+    return f"({p.ne[0]}, {p.ne[1]}, {p.ne[2]}, {p.ne[3]})"
+
+
+cdef str _desc(Tensor t):
+    cdef g.ggml_tensor * p = t.ptr
+    return f"{g.ggml_type_name(p.type).decode()} ne={_ne_str(p)}"
+
+
+cdef str _mask_names(uint64_t mask):
+    if mask == M_ANY:
+        return "any type"
+    names = [g.ggml_type_name(<g.ggml_type> i).decode() for i in range(g.GGML_TYPE_COUNT)
+             if mask & _bit(i) and _valid_type(i)]
+    return "/".join(names)
+
+
+cdef inline int _arg(Tensor t, str op, str name) except -1:
+    """The argument must be a live Tensor (None is rejected here; optional inputs check first)."""
+    if t is None:
+        raise GGMLTypeError(f"{op}: {name} must be a Tensor, got None")
+    if t.ctx.ptr == NULL or t.gen != t.ctx.gen:
+        raise ClosedError(f"{op}: {name} belongs to a context that was freed or reset")
+    return 0
+
+
+cdef inline int _types(Tensor t, str op, str name, uint64_t mask) except -1:
+    if not (mask & _bit(t.ptr.type)):
+        raise GGMLTypeError(f"{op}: {name} has type {g.ggml_type_name(t.ptr.type).decode()} "
+                            f"(got {name}: {_desc(t)}, expected {_mask_names(mask)})")
+    return 0
+
+
+cdef inline int _same_type(Tensor a, Tensor b, str op, str an, str bn) except -1:
+    if a.ptr.type != b.ptr.type:
+        raise GGMLTypeError(f"{op}: {an} and {bn} must have the same type "
+                            f"(got {an}: {_desc(a)}, {bn}: {_desc(b)})")
+    return 0
+
+
+cdef inline bint _can_repeat(g.ggml_tensor * b, g.ggml_tensor * a) noexcept:
+    # ggml_can_repeat(b, a): b tiles a exactly along every dimension.
+    cdef int i
+    if b.ne[0] == 0 or b.ne[1] == 0 or b.ne[2] == 0 or b.ne[3] == 0:
+        return a.ne[0] == 0 or a.ne[1] == 0 or a.ne[2] == 0 or a.ne[3] == 0
+    for i in range(4):
+        if a.ne[i] % b.ne[i] != 0:
+            return False
+    return True
+
+
+cdef inline int _repeats(Tensor b, Tensor a, str op, str bn, str an) except -1:
+    if not _can_repeat(b.ptr, a.ptr):
+        raise GGMLValueError(f"{op}: {bn} must broadcast to {an} "
+                             f"(got {an}: {_desc(a)}, {bn}: {_desc(b)}; expected {an}.ne[i] % {bn}.ne[i] == 0 for every i)")
+    return 0
+
+
+cdef inline int _same_shape(Tensor a, Tensor b, str op, str an, str bn) except -1:
+    if not g.ggml_are_same_shape(a.ptr, b.ptr):
+        raise GGMLValueError(f"{op}: {an} and {bn} must have the same ne "
+                             f"(got {an}: {_desc(a)}, {bn}: {_desc(b)})")
+    return 0
+
+
+cdef inline int _nelements_eq(Tensor a, Tensor b, str op, str an, str bn) except -1:
+    if g.ggml_nelements(a.ptr) != g.ggml_nelements(b.ptr):
+        raise GGMLValueError(f"{op}: {an} and {bn} must have the same number of elements "
+                             f"(got {an}: {_desc(a)}, {bn}: {_desc(b)})")
+    return 0
+
+
+cdef inline int _contig(Tensor t, str op, str name) except -1:
+    if not g.ggml_is_contiguous(t.ptr):
+        raise GGMLValueError(f"{op}: {name} must be contiguous (got {name}: {_desc(t)} nb={t.nb}); "
+                             f"call ctx.cont({name}) first")
+    return 0
+
+
+cdef inline int _rows_contig(Tensor t, str op, str name) except -1:
+    # Rows contiguous (nb[0] == element size): what row-wise kernels need.
+    if not g.ggml_is_contiguous_rows(t.ptr) and g.ggml_nelements(t.ptr) > 0:
+        raise GGMLValueError(f"{op}: {name} must have contiguous rows (got {name}: {_desc(t)} nb={t.nb}); "
+                             f"call ctx.cont({name}) first")
+    return 0
+
+
+cdef inline int _contig1(Tensor t, str op, str name) except -1:
+    if not g.ggml_is_contiguous_1(t.ptr):
+        raise GGMLValueError(f"{op}: {name} must be contiguous in dims >= 1 with contiguous rows "
+                             f"(got {name}: {_desc(t)} nb={t.nb}); call ctx.cont({name}) first")
+    return 0
+
+
+cdef inline int _need(bint cond, str op, str what) except -1:
+    if not cond:
+        raise GGMLValueError(f"{op}: {what}")
+    return 0
+
+
+cdef inline int _ctx_int(int64_t v, str op, str name) except -1:
+    if v < -2147483648 or v > 2147483647:
+        raise GGMLValueError(f"{op}: {name}={v} does not fit in a C int")
+    return 0
+
+
+cdef inline int _finite(double v, str op, str name) except -1:
+    if v != v or v == float("inf") or v == float("-inf"):
+        raise GGMLValueError(f"{op}: {name} must be finite (got {v})")
+    return 0
+
+
+cdef int _ne_list(object ne, int64_t out[4], str op) except -1:
+    """Parse 1..4 non-negative dimensions (ne order) into out, padding with 1."""
+    cdef int n, i
+    try:
+        seq = tuple(ne)
+    except TypeError:
+        seq = (ne,)
+    n = len(seq)
+    if n < 1 or n > 4:
+        raise GGMLValueError(f"{op}: ne must have 1 to 4 dimensions (got {seq!r})")
+    for i in range(4):
+        out[i] = 1
+    for i in range(n):
+        try:
+            out[i] = seq[i]
+        except (TypeError, OverflowError):
+            raise GGMLTypeError(f"{op}: ne must be integers (got {seq!r})") from None
+        if out[i] < 0:
+            raise GGMLValueError(f"{op}: ne must be non-negative (got {seq!r})")
+    return n
+
+
+cdef int64_t _checked_nbytes(int t, const int64_t ne[4], str op) except -1:
+    """Bytes a contiguous tensor of type t and shape ne takes, with overflow checks."""
+    cdef int64_t bs = g.ggml_blck_size(<g.ggml_type> t)
+    cdef int64_t limit = (<int64_t> 1) << 62
+    cdef int64_t total, i
+    if ne[0] % bs != 0:
+        raise GGMLValueError(f"{op}: ne[0]={ne[0]} must be a multiple of {g.ggml_type_name(<g.ggml_type> t).decode()}'s "
+                             f"block size {bs}")
+    total = <int64_t> g.ggml_row_size(<g.ggml_type> t, ne[0])
+    for i in range(1, 4):
+        if ne[i] != 0 and total > limit // ne[i]:
+            raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large")
+        total *= ne[i]
+    return total

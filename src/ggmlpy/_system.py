@@ -1,0 +1,72 @@
+"""Versions and the capabilities of this build (``ggmlpy.system_info()``, ``ggmlpy info``)."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+from ggmlpy import _core
+from ggmlpy._version import __version__
+
+
+def ggml_version() -> str:
+    """The version of the ggml ggmlpy was built with (``'0.20.2'``)."""
+    return _core._ggml_version()[0]
+
+
+def ggml_commit() -> str:
+    """The ggml commit ggmlpy was built with, as ggml reports it (may be ``'unknown'``)."""
+    return _core._ggml_version()[1]
+
+
+def system_info() -> dict:
+    """What this build of ggmlpy can do on this machine.
+
+    Returns a dict with ``ggmlpy`` and ``ggml`` versions, the Python and
+    platform, ``cpu_features`` (instruction sets ggml's CPU backend uses),
+    ``backends`` (compiled in, e.g. ``['CPU', 'RPC']``) and ``devices`` (each a
+    dict of name, description, type, backend, free and total memory).
+
+    Examples
+    --------
+    >>> import ggmlpy
+    >>> "CPU" in ggmlpy.system_info()["backends"]
+    True
+    """
+    return {
+        "ggmlpy": __version__,
+        "ggml": ggml_version(),
+        "ggml_commit": ggml_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "library_dir": os.path.dirname(_core.__file__),
+        "cpu_features": _core._cpu_features(),
+        "backends": _core._backends(),
+        "devices": _core._devices(),
+    }
+
+
+def format_system_info(info: dict | None = None) -> str:
+    """``system_info()`` as readable text (what ``ggmlpy info`` prints)."""
+    info = info or system_info()
+    lines = [
+        f"ggmlpy {info['ggmlpy']} (ggml {info['ggml']}, commit {info['ggml_commit']})",
+        f"python {info['python']} on {info['platform']}",
+        f"libraries: {info['library_dir']}",
+        f"CPU features: {' '.join(info['cpu_features']) or '(none)'}",
+        f"backends: {', '.join(info['backends'])}",
+        "devices:",
+    ]
+    rows = [("#", "name", "type", "backend", "free", "total", "description")]
+    for d in info["devices"]:
+        rows.append((str(d["index"]), d["name"], d["type"], d["backend"], _gib(d["memory_free"]),
+                     _gib(d["memory_total"]), d["description"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        lines.append("  " + "  ".join(c.ljust(w) if i in (1, 2, 3, 6) else c.rjust(w)
+                                      for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    return "\n".join(lines)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"

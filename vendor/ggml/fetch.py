@@ -1,0 +1,140 @@
+"""Fetch ggml's source for the build from the pinned registry package.
+
+Reads ``PIN`` beside this file (package, version, sha256, subfolder), downloads
+that sdist with pip, checks its sha256 and extracts only ``subfolder/`` into
+``src/`` beside this file. Run by CMake when ``src/CMakeLists.txt`` is missing;
+run it by hand to refresh the tree::
+
+    python vendor/ggml/fetch.py [--force] [--dest DIR]
+
+No registry host is named here: pip finds the package through its own
+configuration, so mirrors and offline indexes work unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WAY_OUT = (
+    "To build without the registry, point CMake at any ggml source tree: "
+    "pip install . -C cmake.define.GGMLPY_GGML_DIR=/path/to/ggml "
+    "(or CMAKE_ARGS=-DGGMLPY_GGML_DIR=/path/to/ggml)."
+)
+
+
+class FetchError(RuntimeError):
+    pass
+
+
+def read_pin(path: Path) -> dict[str, str]:
+    pin: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            key, _, value = line.partition("=")
+            pin[key.strip()] = value.strip()
+    missing = {"package", "version", "sha256", "subfolder"} - pin.keys()
+    if missing:
+        raise FetchError(f"{path}: missing keys {sorted(missing)}")
+    return pin
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def download(pin: dict[str, str], into: Path) -> Path:
+    # --no-binary names only our package: with ':all:' pip would also insist on
+    # building the sdist's *build* requirements (cmake itself) from source just
+    # to read its metadata, which takes many minutes for nothing.
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps",
+        "--no-binary", pin["package"], "--disable-pip-version-check",
+        f"{pin['package']}=={pin['version']}", "-d", str(into),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    files = [p for p in into.iterdir() if p.is_file()]
+    if proc.returncode != 0 or len(files) != 1:
+        raise FetchError(
+            f"could not download {pin['package']}=={pin['version']} with pip "
+            f"(exit {proc.returncode}).\n{proc.stderr.strip()[-2000:]}\n{WAY_OUT}"
+        )
+    return files[0]
+
+
+def extract(archive: Path, subfolder: str, dest: Path) -> None:
+    staging = Path(tempfile.mkdtemp(prefix="ggml-src-", dir=dest.parent))
+    try:
+        if archive.name.endswith((".tar.gz", ".tgz")):
+            with tarfile.open(archive) as tf:
+                members = [m for m in tf.getmembers()
+                           if _inside(m.name, subfolder) and (m.isfile() or m.isdir())]
+                tf.extractall(staging, members=members, filter="data")
+        elif archive.suffix == ".zip":
+            with zipfile.ZipFile(archive) as zf:
+                zf.extractall(staging, [n for n in zf.namelist() if _inside(n, subfolder)])
+        else:
+            raise FetchError(f"unknown archive type: {archive.name}")
+        roots = list(staging.iterdir())
+        if len(roots) != 1 or not (roots[0] / subfolder / "CMakeLists.txt").is_file():
+            raise FetchError(f"{archive.name} has no {subfolder}/CMakeLists.txt")
+        if dest.exists():
+            shutil.rmtree(dest)
+        # Rename is atomic: a build that dies half-way never leaves a partial tree.
+        os.replace(roots[0] / subfolder, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _inside(name: str, subfolder: str) -> bool:
+    parts = name.split("/")
+    return len(parts) >= 2 and parts[1] == subfolder and ".." not in parts
+
+
+def fetch(dest: Path, force: bool = False) -> Path:
+    pin = read_pin(HERE / "PIN")
+    if (dest / "CMakeLists.txt").is_file() and not force:
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ggml-dl-") as tmp:
+        archive = download(pin, Path(tmp))
+        got = sha256_of(archive)
+        if got != pin["sha256"].lower():
+            raise FetchError(
+                f"sha256 mismatch for {archive.name}: got {got}, "
+                f"pinned {pin['sha256']}. Refusing to build from it.\n{WAY_OUT}"
+            )
+        extract(archive, pin["subfolder"], dest)
+    return dest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dest", type=Path, default=HERE / "src")
+    ap.add_argument("--force", action="store_true", help="fetch even if present")
+    args = ap.parse_args(argv)
+    try:
+        out = fetch(args.dest.resolve(), args.force)
+    except FetchError as e:
+        print(f"ggmlpy: {e}", file=sys.stderr)
+        return 1
+    print(f"ggml source ready in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
