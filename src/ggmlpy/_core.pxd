@@ -43,6 +43,7 @@ cdef class Graph:
     cdef void * work
     cdef size_t work_size
     cdef int checked_nodes    # nodes [0, checked_nodes) were validated for compute
+    cdef list index_checks    # [(index tensor address, bound, op)] scanned before every compute
     cdef volatile bint cancel_flag
     cdef int _ensure(self) except -1
     cdef int _note_ctx(self, _CtxBase c) except -1

@@ -61,7 +61,20 @@ cdef extern from "ggml.h" nogil:
 
     enum ggml_op:
         GGML_OP_NONE
+        GGML_OP_DUP
+        GGML_OP_ADD_ID
+        GGML_OP_ARGMAX
+        GGML_OP_MUL_MAT_ID
+        GGML_OP_CPY
+        GGML_OP_CONT
+        GGML_OP_RESHAPE
         GGML_OP_VIEW
+        GGML_OP_PERMUTE
+        GGML_OP_TRANSPOSE
+        GGML_OP_GET_ROWS
+        GGML_OP_SET_ROWS
+        GGML_OP_ARGSORT
+        GGML_OP_TOP_K
         GGML_OP_COUNT
 
     enum ggml_unary_op:

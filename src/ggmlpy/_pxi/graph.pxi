@@ -273,6 +273,7 @@ cdef class Graph:
         self._ensure()
         g.ggml_graph_clear(self.ptr)
         self.checked_nodes = 0
+        self.index_checks = []
 
     def cancel(self):
         """Stop the compute in progress (from another thread); it raises ``ComputeAborted``."""
@@ -294,6 +295,7 @@ cdef class Graph:
                 raise GGMLValueError(f"graph_compute: node '{t.name.decode()}' ({g.ggml_op_desc(t).decode()}) has no data; "
                                      f"its context is no_alloc: allocate the graph with a graph allocator")
             _check_cpu_node(t, dev)
+            _plan_index_check(t, self.index_checks)
         self.checked_nodes = self.ptr.n_nodes
         return 0
 
@@ -324,6 +326,8 @@ cdef class Graph:
             raise GGMLValueError(f"graph_compute: n_threads={n_threads} exceeds ggml's maximum of 512")
         if self.checked_nodes != self.ptr.n_nodes:
             self._check_compute(_cpu_device())
+        for entry in self.index_checks:
+            _scan_indices(entry)
         plan = g.ggml_graph_plan(self.ptr, n_threads, NULL)
         if plan.work_size > self.work_size:
             w = malloc(plan.work_size)
@@ -387,6 +391,74 @@ cdef int _default_threads():
         except AttributeError:
             _default_threads_cache = os.cpu_count() or 1
     return _default_threads_cache
+
+
+cdef extern from *:
+    """
+    /* First out-of-range index of an i32/i64 tensor (any strides), or -1. */
+    static int64_t ggmlpy_bad_index(const struct ggml_tensor * t, int64_t bound, int64_t * value) {
+        int64_t i0, i1, i2, i3;
+        const char * base = (const char *) t->data;
+        for (i3 = 0; i3 < t->ne[3]; i3++) for (i2 = 0; i2 < t->ne[2]; i2++) for (i1 = 0; i1 < t->ne[1]; i1++) {
+            const char * row = base + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+            for (i0 = 0; i0 < t->ne[0]; i0++) {
+                int64_t v = t->type == GGML_TYPE_I32 ? (int64_t) *(const int32_t *) (row + i0 * t->nb[0])
+                                                     : *(const int64_t *) (row + i0 * t->nb[0]);
+                if (v < 0 || v >= bound) {
+                    *value = v;
+                    return ((i3 * t->ne[2] + i2) * t->ne[1] + i1) * t->ne[0] + i0;
+                }
+            }
+        }
+        return -1;
+    }
+    """
+    int64_t ggmlpy_bad_index(const g.ggml_tensor * t, int64_t bound, int64_t * value) nogil
+
+
+cdef int _plan_index_check(g.ggml_tensor * t, list checks) except -1:
+    # Index-driven kernels (get_rows, set_rows, mul_mat_id, add_id) read or
+    # write out of bounds -- or abort -- on a bad index, which depends on data.
+    # Indices whose values exist before compute (leafs and views of leafs) are
+    # scanned before every compute; computed indices are accepted only from ops
+    # whose output range is known (argsort, top_k, argmax) and fits.
+    cdef g.ggml_tensor * idx
+    cdef g.ggml_tensor * p
+    cdef int64_t bound
+    if t.op == g.GGML_OP_GET_ROWS:
+        idx, bound, name = t.src[1], t.src[0].ne[1], "get_rows"
+    elif t.op == g.GGML_OP_SET_ROWS:
+        idx, bound, name = t.src[1], t.ne[1], "set_rows"
+    elif t.op == g.GGML_OP_MUL_MAT_ID:
+        idx, bound, name = t.src[2], t.src[0].ne[2], "mul_mat_id"
+    elif t.op == g.GGML_OP_ADD_ID:
+        idx, bound, name = t.src[2], t.src[1].ne[1], "add_id"
+    else:
+        return 0
+    p = idx.view_src if idx.view_src != NULL else idx
+    if p.op == g.GGML_OP_NONE:
+        checks.append((<uintptr_t> idx, bound, name))
+        return 0
+    p = idx
+    while p.op in (g.GGML_OP_VIEW, g.GGML_OP_RESHAPE, g.GGML_OP_PERMUTE, g.GGML_OP_TRANSPOSE,
+                   g.GGML_OP_CONT, g.GGML_OP_DUP, g.GGML_OP_CPY):
+        p = p.src[0]
+    if p.op in (g.GGML_OP_ARGSORT, g.GGML_OP_TOP_K, g.GGML_OP_ARGMAX) and p.src[0].ne[0] <= bound:
+        return 0
+    raise GGMLValueError(f"{name}: indices computed by {g.ggml_op_desc(p).decode()} cannot be checked before compute "
+                         f"(indices must come from a tensor with data, or from argsort/top_k/argmax over at most "
+                         f"{bound} entries)")
+
+
+cdef int _scan_indices(tuple entry) except -1:
+    cdef g.ggml_tensor * idx = <g.ggml_tensor *> <uintptr_t> entry[0]
+    cdef int64_t bound = entry[1], value = 0, where
+    with nogil:
+        where = ggmlpy_bad_index(idx, bound, &value)
+    if where >= 0:
+        raise GGMLValueError(f"{entry[2]}: index {value} at position {where} is out of range [0, {bound}) "
+                             f"(got indices: {g.ggml_type_name(idx.type).decode()} ne={_ne_str(idx)})")
+    return 0
 
 
 cdef int _check_cpu_node(g.ggml_tensor * t, g.ggml_backend_dev_t dev) except -1:

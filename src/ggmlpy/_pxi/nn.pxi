@@ -255,6 +255,7 @@ cdef class Context(_CtxOps):
         gr.ctx = self
         gr.gen = self.gen
         gr.ctxs = []
+        gr.index_checks = []
         gr._note_ctx(self)
         _debug_count("Graph", 1)
         return gr
