@@ -1,0 +1,63 @@
+"""Shared pytest setup: marker groups, hypothesis profiles, and a leak check."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=50, deadline=None)
+settings.register_profile("ci", max_examples=200, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+# Groups that need something this machine may not have run only when asked:
+# --run-<group> or GGMLPY_TEST_<GROUP>=1. fuzz and slow run by default.
+OPT_IN = ("gpu", "rpc", "hf")
+
+
+def pytest_addoption(parser):
+    for group in OPT_IN + ("slow", "fuzz"):
+        parser.addoption(f"--run-{group}", action="store_true", help=f"run tests marked {group}")
+    parser.addoption("--skip-fuzz", action="store_true", help="skip the fuzz tests")
+
+
+def _enabled(config, group: str) -> bool:
+    env = os.environ.get(f"GGMLPY_TEST_{group.upper()}")
+    if env is not None:
+        return env not in ("", "0")
+    if group == "fuzz" and config.getoption("--skip-fuzz"):
+        return False
+    return group not in OPT_IN or config.getoption(f"--run-{group}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for group in OPT_IN + ("slow", "fuzz"):
+            if group in item.keywords and not _enabled(config, group):
+                item.add_marker(pytest.mark.skip(reason=f"{group} tests are off (GGMLPY_TEST_{group.upper()}=1)"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_handles(request):
+    """Every Context and Graph a test creates is freed once it is unreachable."""
+    from ggmlpy import _core
+
+    gc.collect()
+    before = _core._live_objects()
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or not rep.passed:
+        return  # a failing test's traceback keeps its objects alive; report the failure only
+    gc.collect()
+    after = _core._live_objects()
+    assert after == before, f"live C handles changed: {before} -> {after}"
