@@ -270,7 +270,7 @@ class CtypesGGML:
         return fn
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_ctypes_ggml(lib_dir: str | None = None) -> CtypesGGML:
     """Shared :class:`CtypesGGML` instance (loading is done once per process)."""
     return CtypesGGML(lib_dir)
@@ -388,7 +388,7 @@ class CtypesRoundTrip:
             self.lib.ggml_free(self.ctx)
         self.ctx = None
 
-    def __enter__(self) -> "CtypesRoundTrip":
+    def __enter__(self) -> CtypesRoundTrip:
         return self
 
     def __exit__(self, *exc) -> None:

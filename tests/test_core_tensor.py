@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,6 @@ import numpy as np
 import pytest
 
 import ggmlpy as gp
-from ggmlpy import _core
 
 
 def _compute(ctx, t):
@@ -170,7 +168,7 @@ def test_reset_invalidates_old_tensors():
     ctx.reset()
     assert ctx.used_mem == 0 < used
     with pytest.raises(gp.ClosedError):
-        t.ne
+        _ = t.ne
 
 
 def test_context_out_of_memory_is_memoryerror_and_recoverable():

@@ -13,7 +13,6 @@ bridge speaks numpy order: ``Tensor.shape``, ``Tensor.numpy()`` and
 ``Context.from_numpy()``.
 """
 
-from ggmlpy import _core
 from ggmlpy._core import (
     BackendUnavailable,
     ClosedError,
@@ -48,8 +47,8 @@ from ggmlpy._core import (
     type_name,
     type_size,
 )
+from ggmlpy._system import ggml_commit, ggml_version, system_info
 from ggmlpy._version import __version__
-from ggmlpy._system import ggml_version, ggml_commit, system_info
 
 __all__ = [
     "BackendUnavailable", "ClosedError", "ComputeAborted", "ComputeFailed", "Context", "GGMLError",
