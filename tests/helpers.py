@@ -1,0 +1,159 @@
+"""Shared helpers for the op tests: contexts, graph compute, numpy <-> ggml order, comparisons.
+
+Conventions used throughout the op tests:
+
+* ggml lists dimensions fastest-first (``ne[0]`` is a row); numpy lists them
+  slowest-first. A 4-d numpy array ``x4`` of shape ``reversed(t.ne)`` holds a
+  tensor ``t`` exactly, so ggml dimension ``i`` is numpy axis ``3 - i``.
+* ``result4(t)`` reads any tensor (any type, any layout) as such a 4-d array;
+  references are built as 4-d arrays too (``to4``), so a comparison also
+  checks the result's ``ne``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ggmlpy
+
+#: Arena size of the contexts the op tests use: data of every tensor plus one graph.
+DEFAULT_MEM = 32 << 20
+
+#: Test dtype names -> (ggml type, numpy dtype of the stored values).
+DTYPES = {
+    "f32": (ggmlpy.Type.F32, np.float32),
+    "f16": (ggmlpy.Type.F16, np.float16),
+}
+
+
+def new_ctx(mem_size: int = DEFAULT_MEM) -> ggmlpy.Context:
+    """An allocating Context large enough for the small op tests."""
+    return ggmlpy.Context(mem_size)
+
+
+def compute(ctx, *tensors, n_threads: int = 1, graph_size: int = 1024):
+    """Build one graph computing every tensor in ``tensors`` and run it on the CPU.
+
+    Returns the Graph (so a test can look at its nodes).
+    """
+    gf = ctx.new_graph(graph_size)
+    for t in tensors:
+        gf.build_forward_expand(t)
+    gf.compute(n_threads)
+    return gf
+
+
+def ggml_axis(dim: int) -> int:
+    """The numpy axis of ggml dimension ``dim`` in a 4-d array."""
+    return 3 - dim
+
+
+def to4(arr) -> np.ndarray:
+    """``arr`` with leading size-1 axes added up to 4 dimensions (numpy order)."""
+    arr = np.asarray(arr)
+    if arr.ndim > 4:
+        raise ValueError(f"to4: {arr.ndim} dimensions")
+    return arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
+
+
+def ne_of(arr) -> tuple:
+    """The ggml ``ne`` (4 entries) of a numpy array."""
+    return tuple(reversed(to4(arr).shape))
+
+
+def result4(t) -> np.ndarray:
+    """A copy of tensor ``t``'s values as a 4-d numpy array of shape ``reversed(t.ne)``.
+
+    Quantized and BF16 tensors are converted to float32 (``Tensor.get``); strided
+    views are gathered.
+    """
+    return np.asarray(t.get()).reshape(tuple(reversed(t.ne)))
+
+
+def store(x, dtype: str) -> np.ndarray:
+    """``x`` rounded to the test dtype ('f32'/'f16'), in that numpy dtype (what a tensor of it holds)."""
+    return np.asarray(x, dtype=DTYPES[dtype][1])
+
+
+def leaf(ctx, x, dtype: str = "f32"):
+    """A new tensor holding ``x`` stored as ``dtype``; returns ``(tensor, values as float64)``.
+
+    The float64 values are exactly what the tensor holds (after f16 rounding),
+    which is what a numpy reference should start from.
+    """
+    xs = store(x, dtype)
+    return ctx.from_numpy(xs), xs.astype(np.float64)
+
+
+def np_permute(x4: np.ndarray, axes) -> np.ndarray:
+    """numpy equivalent of ``ggml_permute(a, *axes)`` on a 4-d array: source dim i becomes dim axes[i]."""
+    perm = [0] * 4
+    for i, ax in enumerate(axes):
+        perm[3 - ax] = 3 - i
+    return np.transpose(x4, perm)
+
+
+def np_view(base: np.ndarray, ne, nb, offset: int) -> np.ndarray:
+    """numpy equivalent of a ggml view (element ne, byte strides nb[0..3], byte offset) of the
+    contiguous array ``base``; returns a 4-d copy."""
+    flat = np.ascontiguousarray(base).reshape(-1)
+    isz = flat.itemsize
+    assert offset % isz == 0 and all(s % isz == 0 for s in nb)
+    start = offset // isz
+    out = np.empty(tuple(reversed(ne)), dtype=flat.dtype)
+    idx = np.zeros(out.shape, dtype=np.int64) + start
+    for dim in range(4):
+        shape = [1, 1, 1, 1]
+        shape[3 - dim] = ne[dim]
+        idx = idx + (np.arange(ne[dim]) * (nb[dim] // isz)).reshape(shape)
+    out[...] = flat[idx]
+    return out
+
+
+def _fmt_index(idx) -> str:
+    return "(" + ", ".join(str(int(i)) for i in idx) + ")"
+
+
+def assert_close(actual, expected, atol: float = 0.0, rtol: float = 0.0, what: str = "") -> None:
+    """Assert ``|actual - expected| <= atol + rtol * |expected|`` element-wise.
+
+    Shapes must be equal. Infinities must match exactly (same sign, same
+    places) and NaNs must appear in the same places. The message names the
+    worst element (numpy index of the 4-d array), its values, and how many
+    elements failed.
+    """
+    a = np.asarray(actual)
+    e = np.asarray(expected)
+    label = f"{what}: " if what else ""
+    assert a.shape == e.shape, f"{label}shape {a.shape} != expected {e.shape}"
+    a = a.astype(np.float64)
+    e = e.astype(np.float64)
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    if not np.array_equal(nan_a, nan_e):
+        idx = np.argwhere(nan_a != nan_e)[0]
+        raise AssertionError(f"{label}NaN mismatch at {_fmt_index(idx)}: got {a[tuple(idx)]}, "
+                             f"expected {e[tuple(idx)]} ({int((nan_a != nan_e).sum())} elements)")
+    inf_a, inf_e = np.isinf(a), np.isinf(e)
+    if not np.array_equal(inf_a, inf_e) or not np.array_equal(a[inf_a], e[inf_e]):
+        bad = (inf_a != inf_e) | (inf_a & inf_e & (a != e))
+        idx = np.argwhere(bad)[0]
+        raise AssertionError(f"{label}inf mismatch at {_fmt_index(idx)}: got {a[tuple(idx)]}, "
+                             f"expected {e[tuple(idx)]} ({int(bad.sum())} elements)")
+    fin = ~(nan_e | inf_e)
+    err = np.where(fin, np.abs(a - e), 0.0)
+    tol = atol + rtol * np.abs(np.where(fin, e, 0.0))
+    bad = err > tol
+    if bad.any():
+        idx = np.unravel_index(np.argmax(np.where(bad, err - tol, -np.inf)), a.shape)
+        raise AssertionError(
+            f"{label}{int(bad.sum())} of {a.size} elements differ beyond atol={atol:g}, rtol={rtol:g}; "
+            f"worst at {_fmt_index(idx)}: got {a[idx]!r}, expected {e[idx]!r} "
+            f"(abs err {err[idx]:.3g}, max abs err {err.max():.3g})")
+
+
+def rel_err(actual, expected) -> float:
+    """``||actual - expected|| / ||expected||`` (Frobenius norms, float64)."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, f"shape {a.shape} != expected {e.shape}"
+    return float(np.linalg.norm(a - e) / np.linalg.norm(e))
