@@ -221,3 +221,46 @@ assert end - start < 4.0, (start, end)
 def test_no_leaks_over_10000_contexts():
     out = subprocess.run([sys.executable, "-c", LEAK_SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_free_with_live_numpy_view_defers_the_release():
+    ctx = gp.Context(1 << 20)
+    t = ctx.from_numpy(np.arange(4, dtype=np.float32))
+    arr = t.numpy()
+    cap = np.from_dlpack(t)
+    ctx.free()
+    with pytest.raises(gp.ClosedError):
+        t.numpy()
+    # The exported memory is still the tensor's, not freed memory.
+    assert arr.tolist() == [0.0, 1.0, 2.0, 3.0] and cap.tolist() == arr.tolist()
+    arr[0] = 5.0
+    del arr, cap
+    gc.collect()
+
+
+def test_reset_refuses_while_views_are_alive():
+    ctx = gp.Context(1 << 20)
+    t = ctx.from_numpy(np.ones(4, np.float32))
+    arr = t.numpy()
+    with pytest.raises(gp.GGMLValueError, match="reset"):
+        ctx.reset()
+    del arr
+    ctx.reset()
+    assert ctx.n_tensors == 0
+
+
+def test_set_fast_path_matches_slow_path():
+    ctx = gp.Context(1 << 20)
+    t = ctx.new_tensor(gp.Type.F32, (3, 2, 2))
+    src = np.arange(12, dtype=np.float32).reshape(2, 2, 3)
+    t.set(src)                                      # fast path
+    assert t.get().tolist() == src.tolist()
+    t.set(src[None])                                # leading 1 axis, still fast
+    t.set(np.asfortranarray(src) + 1)               # strided: slow path, same values
+    assert t.get().tolist() == (src + 1).tolist()
+    with pytest.raises(gp.GGMLValueError):
+        t.set(src.reshape(2, 3, 2))                 # same size, wrong shape
+    with pytest.raises(gp.GGMLValueError):
+        t.set(src.astype(">f4").reshape(3, 4))      # wrong shape via the slow path
+    t.set(src.astype(">f4"))                        # big-endian: converted, not memcpy'd
+    assert t.get().tolist() == src.tolist()

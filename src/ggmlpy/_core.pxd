@@ -8,6 +8,8 @@ cdef class _CtxBase:
     cdef void * mem           # the arena we allocated; ggml does not own it
     cdef readonly size_t mem_size
     cdef unsigned int gen     # bumped by reset()/free(): outstanding Tensors go stale
+    cdef bint freed           # free() was called (the arena may live on until exports end)
+    cdef Py_ssize_t n_exports # live buffer/DLPack exports of tensor memory
     cdef set deps             # Contexts whose tensors this one's tensors read
     cdef list keep            # other owners (buffers, foreign memory) kept alive
     cdef int _ensure(self) except -1
@@ -33,13 +35,16 @@ cdef class Tensor:
     cdef Py_ssize_t _strides[4]
     cdef int _ensure(self) except -1
     cdef int _host(self, str op) except -1
+    cdef object _get_converted(self)
+    cdef int _set_slow(self, array) except -1
 
 
 cdef class Graph:
     cdef g.ggml_cgraph * ptr
     cdef _CtxBase ctx
     cdef unsigned int gen
-    cdef list ctxs            # [(Context, gen)] every context whose tensors the graph holds
+    cdef list ctxs            # [(Context, gen, n deps)] every context whose tensors the graph holds
+    cdef Py_ssize_t own_ndeps # len(ctx.deps) when ctxs was last brought up to date for ctx
     cdef void * work
     cdef size_t work_size
     cdef int checked_nodes    # nodes [0, checked_nodes) were validated for compute

@@ -3,6 +3,9 @@
 
 DEFAULT_MEM_SIZE = 16 * 1024 * 1024
 
+# Arena bytes one tensor object can take beyond its data (header, struct, padding).
+cdef size_t _TENSOR_OBJ_SIZE = g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN
+
 
 @cython.no_gc_clear
 cdef class _CtxBase:
@@ -45,17 +48,19 @@ cdef class _CtxBase:
             _debug_count_nogil(0)
 
     cdef int _ensure(self) except -1:
-        if self.ptr == NULL:
+        if self.freed:
             raise ClosedError("Context has been freed")
         return 0
 
     cdef int _room(self, str op, size_t data_bytes, int n_tensors) except -1:
         # ggml_new_object asserts when the arena is full; check first. Each
         # object needs its header + tensor struct + data, padded to the alignment.
-        cdef size_t need = n_tensors * (g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN)
+        cdef size_t need = n_tensors * _TENSOR_OBJ_SIZE
         if not g.ggml_get_no_alloc(self.ptr):
             need += data_bytes
-        if g.ggml_used_mem(self.ptr) + need > self.mem_size:
+        if g.ggml_used_mem(self.ptr) + need <= self.mem_size:
+            return 0
+        else:
             raise GGMLMemoryError(
                 f"{op}: context out of memory (needs {_fmt_bytes(need)}, "
                 f"{_fmt_bytes(self.mem_size - g.ggml_used_mem(self.ptr))} free of {_fmt_bytes(self.mem_size)}); "
@@ -80,10 +85,18 @@ cdef class _CtxBase:
     # -- lifetime ------------------------------------------------------------
 
     def free(self):
-        """Free the arena now. Its tensors and graphs raise ``ClosedError`` afterwards."""
-        self._release()
+        """Free the arena now. Its tensors and graphs raise ``ClosedError`` afterwards.
+
+        Memory still exported (numpy views, memoryviews, DLPack capsules of its
+        tensors) stays valid: the arena is released when the last export ends.
+        """
+        if self.freed:
+            return
+        self.freed = True
         self.gen += 1
         self.keep = []
+        if self.n_exports == 0:
+            self._release()
 
     close = free
 
@@ -98,13 +111,16 @@ cdef class _CtxBase:
     def reset(self):
         """Forget every tensor and graph in the arena but keep its memory (``ggml_reset``)."""
         self._ensure()
+        if self.n_exports:
+            raise GGMLValueError(f"reset: {self.n_exports} numpy/buffer views of this context's tensors are alive; "
+                                 f"new tensors would reuse their memory")
         g.ggml_reset(self.ptr)
         self.gen += 1
 
     @property
     def closed(self):
         """True once ``free()`` was called."""
-        return self.ptr == NULL
+        return self.freed
 
     # -- inspection ----------------------------------------------------------
 
@@ -168,7 +184,7 @@ cdef class _CtxBase:
         return None if p == NULL else _wrap(self, p)
 
     def __repr__(self):
-        if self.ptr == NULL:
+        if self.freed:
             return "<ggmlpy.Context (freed)>"
         return (f"<ggmlpy.Context {_fmt_bytes(g.ggml_used_mem(self.ptr))} used of {_fmt_bytes(self.mem_size)}"
                 f"{', no_alloc' if g.ggml_get_no_alloc(self.ptr) else ''}>")

@@ -42,9 +42,19 @@ cdef extern from *:
         struct ggml_tensor ** keys = inline_keys;
         size_t cap = 64, n = 0, sp = 0, scap = 32;
         ggmlpy_frame * stack = inline_stack;
-        int rc = 0, maxd = 0;
+        int rc = 0, maxd = 0, i;
         *n_nodes = 0; *n_leafs = 0; *depth = 0;
         if (ggml_hash_contains(&g->visited_hash_set, root)) return 0;
+        /* Common case: every input is already in the graph, only root is new. */
+        for (i = 0; i < GGML_MAX_SRC; i++) {
+            if (root->src[i] && !ggml_hash_contains(&g->visited_hash_set, root->src[i])) break;
+        }
+        if (i == GGML_MAX_SRC) {
+            if (root->op == GGML_OP_NONE && !(root->flags & GGML_TENSOR_FLAG_PARAM)) *n_leafs = 1;
+            else *n_nodes = 1;
+            *depth = 1;
+            return 0;
+        }
         ggmlpy_set_add(&keys, &cap, &n, root, inline_keys);
         stack[sp].t = root; stack[sp].next = 0; sp++;
         while (sp > 0) {
@@ -149,7 +159,7 @@ cdef class Graph:
 
     cdef int _ensure(self) except -1:
         cdef _CtxBase c
-        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+        if self.gen != self.ctx.gen:
             raise ClosedError("Graph's context has been freed or reset")
         return 0
 
@@ -179,7 +189,7 @@ cdef class Graph:
         cdef _CtxBase c
         for entry in self.ctxs:
             c = entry[0]
-            if c.ptr == NULL or c.gen != entry[1]:
+            if c.freed or c.gen != entry[1]:
                 raise ClosedError("graph uses tensors of a context that was freed or reset since they were added")
         return 0
 
@@ -251,10 +261,11 @@ cdef class Graph:
         cdef int n_nodes, n_leafs, depth, rc
         self._ensure()
         _arg(tensor, "build_forward_expand", "tensor")
-        if tensor.ctx is not self.ctx or self.ctxs is None:
+        if tensor.ctx is not self.ctx:
             self._note_ctx(tensor.ctx)
-        elif len(self.ctx.deps) != self.ctxs[0][2]:
+        elif len(self.ctx.deps) != self.own_ndeps:
             self._note_ctx(self.ctx)
+            self.own_ndeps = len(self.ctx.deps)
         rc = ggmlpy_count_new(self.ptr, tensor.ptr, &n_nodes, &n_leafs, &depth)
         if rc != 0:
             raise GGMLMemoryError("build_forward_expand: out of host memory while counting new nodes")
@@ -376,7 +387,7 @@ cdef class Graph:
         g.ggml_graph_dump_dot(self.ptr, NULL, path)
 
     def __repr__(self):
-        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+        if self.gen != self.ctx.gen:
             return "<ggmlpy.Graph (freed)>"
         return f"<ggmlpy.Graph {self.ptr.n_nodes} nodes, {self.ptr.n_leafs} leafs, size {self.ptr.size}>"
 

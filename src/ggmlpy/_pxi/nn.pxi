@@ -257,5 +257,6 @@ cdef class Context(_CtxOps):
         gr.ctxs = []
         gr.index_checks = []
         gr._note_ctx(self)
+        gr.own_ndeps = len(self.deps)
         _debug_count("Graph", 1)
         return gr

@@ -90,7 +90,7 @@ cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
 
 
 cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) except -1:
-    # layout 0: rows contiguous; 1: contiguous in dims >= 1; 2: fully contiguous
+    # layout -1: any strides; 0: rows contiguous; 1: contiguous in dims >= 1; 2: fully contiguous
     ctx._ensure()
     _arg(a, op, "a")
     _types(a, op, "a", mask)
@@ -98,7 +98,7 @@ cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) excep
         _rows_contig(a, op, "a")
     elif layout == 1:
         _contig1(a, op, "a")
-    else:
+    elif layout == 2:
         _contig(a, op, "a")
     return _room_like(ctx, op, a)
 

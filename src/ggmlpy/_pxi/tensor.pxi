@@ -85,7 +85,7 @@ cdef class Tensor:
         raise TypeError("Tensors are created by a Context: ctx.new_tensor(...), ctx.from_numpy(...) or an op")
 
     cdef int _ensure(self) except -1:
-        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+        if self.gen != self.ctx.gen:
             raise ClosedError("Tensor's context has been freed or reset")
         return 0
 
@@ -124,8 +124,7 @@ cdef class Tensor:
     def shape(self):
         """Numpy-order shape: ``ne[:n_dims]`` reversed."""
         self._ensure()
-        cdef int n = g.ggml_n_dims(self.ptr)
-        return tuple(self.ptr.ne[i] for i in range(n - 1, -1, -1))
+        return _np_shape(self.ptr)
 
     @property
     def nelements(self):
@@ -283,7 +282,7 @@ cdef class Tensor:
         return bool(self.ptr.flags & g.GGML_TENSOR_FLAG_PARAM)
 
     def __repr__(self):
-        if self.ctx.ptr == NULL or self.gen != self.ctx.gen:
+        if self.gen != self.ctx.gen:
             return "<ggmlpy.Tensor (freed)>"
         name = self.name
         return (f"<ggmlpy.Tensor{' ' + repr(name) if name else ''} "
@@ -338,9 +337,10 @@ cdef class Tensor:
         view.strides = self._strides
         view.suboffsets = NULL
         view.internal = NULL
+        self.ctx.n_exports += 1
 
     def __releasebuffer__(self, Py_buffer * view):
-        pass
+        _export_done(self.ctx)
 
     def numpy(self, bint copy=False):
         """The tensor's memory as a numpy array, without copying (numpy order).
@@ -376,21 +376,32 @@ cdef class Tensor:
         array([0, 1, 2], dtype=int32)
         """
         cdef g.ggml_tensor * p = self.ptr
-        cdef const g.ggml_type_traits * tr
-        cdef float[:, ::1] out_view
-        cdef int64_t i1, i2, i3, r = 0, ne0
-        cdef char * base
+        cdef Py_buffer dst
         self._host("get")
         dt = _NP_DTYPES.get(p.type)
-        if dt is not None:
-            return self.numpy(copy=True)
-        tr = g.ggml_get_type_traits(p.type)
+        if dt is None:
+            return self._get_converted()
+        out = _np_empty(_np_shape(p), dt)
+        if not g.ggml_is_contiguous(p):
+            out[...] = self.numpy()
+            return out
+        PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
+        try:
+            _copy_bytes(dst.buf, p.data, g.ggml_nbytes(p))
+        finally:
+            PyBuffer_Release(&dst)
+        return out
+
+    cdef object _get_converted(self):
+        cdef g.ggml_tensor * p = self.ptr
+        cdef const g.ggml_type_traits * tr = g.ggml_get_type_traits(p.type)
+        cdef float[:, ::1] out_view
+        cdef int64_t i1, i2, i3, r = 0, ne0 = p.ne[0]
+        cdef char * base = <char *> p.data
         if tr.to_float == NULL:
             raise GGMLTypeError(f"get: no conversion to float32 for type {g.ggml_type_name(p.type).decode()}")
-        ne0 = p.ne[0]
         out = np.empty((g.ggml_nrows(p), ne0), dtype=np.float32)
         out_view = out
-        base = <char *> p.data
         with nogil:
             for i3 in range(p.ne[3]):
                 for i2 in range(p.ne[2]):
@@ -415,29 +426,24 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer src
-        cdef size_t nbytes
-        cdef void * dst
         self._host("set")
         if self.readonly:
             raise GGMLValueError("set: tensor is read-only")
+        # Fast path: a C-contiguous buffer of exactly the tensor's type and
+        # shape into a contiguous tensor: one memcpy, no numpy calls.
+        if g.ggml_is_contiguous(p) and PyObject_CheckBuffer(array):
+            if PyObject_GetBuffer(array, &src, PyBUF_RECORDS_RO) == 0:
+                try:
+                    if _buffer_matches(&src, p):
+                        _copy_bytes(p.data, src.buf, g.ggml_nbytes(p))
+                        return
+                finally:
+                    PyBuffer_Release(&src)
+        self._set_slow(array)
+
+    cdef int _set_slow(self, array) except -1:
+        cdef g.ggml_tensor * p = self.ptr
         dt = _NP_DTYPES.get(p.type)
-        # Fast path: a C-contiguous array of the exact type into a contiguous tensor.
-        if dt is not None and type(array) is np.ndarray and (<object> array).dtype is dt \
-                and g.ggml_is_contiguous(p) and (<object> array).flags.c_contiguous \
-                and (<object> array).size == g.ggml_nelements(p) and _same_shape_np((<object> array).shape, p):
-            nbytes = g.ggml_nbytes(p)
-            dst = p.data
-            arr_obj = array
-            PyObject_GetBuffer(arr_obj, &src, PyBUF_ND)
-            try:
-                if nbytes > 65536:
-                    with nogil:
-                        memcpy(dst, src.buf, nbytes)
-                else:
-                    memcpy(dst, src.buf, nbytes)
-            finally:
-                PyBuffer_Release(&src)
-            return
         arr = np.asarray(array)
         if not _same_shape_np(arr.shape, p):
             raise GGMLValueError(f"set: shape mismatch (got array shape {arr.shape}, expected {self.shape}, "
@@ -447,10 +453,11 @@ cdef class Tensor:
                 raise GGMLTypeError(f"set: cannot cast {arr.dtype} to the tensor's {dt} (type "
                                     f"{g.ggml_type_name(p.type).decode()})")
             self.numpy()[...] = arr.reshape(self.shape)
-            return
+            return 0
         if arr.dtype.kind not in "fiu":
             raise GGMLTypeError(f"set: {g.ggml_type_name(p.type).decode()} tensors take float data (got {arr.dtype})")
         _from_float_rows(p, np.ascontiguousarray(arr, dtype=np.float32).reshape(-1, p.ne[0]))
+        return 0
 
     # -- DLPack -----------------------------------------------------------------
 
@@ -498,10 +505,68 @@ cdef class Tensor:
         m.manager_ctx = <void *> self
         m.deleter = _dl_deleter
         Py_INCREF(self)   # released by the deleter: the consumer keeps the tensor alive
+        self.ctx.n_exports += 1
         return PyCapsule_New(m, b"dltensor", _dl_capsule_destructor)
 
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer, PyBUF_RECORDS_RO
+
+_np_empty = np.empty
+
+
+cdef inline void _copy_bytes(void * dst, const void * src, size_t n) noexcept:
+    # Large copies run without the GIL so other Python threads keep going.
+    if n > (1 << 20):
+        with nogil:
+            memcpy(dst, src, n)
+    else:
+        memcpy(dst, src, n)
+
+
+cdef tuple _np_shape(g.ggml_tensor * p):
+    cdef int n = g.ggml_n_dims(p)
+    if n == 1:
+        return (p.ne[0],)
+    if n == 2:
+        return (p.ne[1], p.ne[0])
+    if n == 3:
+        return (p.ne[2], p.ne[1], p.ne[0])
+    return (p.ne[3], p.ne[2], p.ne[1], p.ne[0])
+
+
+cdef bint _buffer_matches(Py_buffer * b, g.ggml_tensor * p) noexcept:
+    """b is C-contiguous, of p's element type, with p's numpy shape (leading 1s aside)."""
+    cdef const char * want = _buffer_format(p.type)
+    cdef const char * fmt = b.format
+    cdef Py_ssize_t expect, i, k
+    cdef int n = g.ggml_n_dims(p)
+    if g.ggml_is_quantized(p.type) or p.type == g.GGML_TYPE_BF16 or fmt == NULL:
+        return False
+    if fmt[0] in (b'@', b'=', b'<') and fmt[1] != 0:
+        fmt += 1
+    if fmt[0] != want[0] or fmt[1] != 0 or b.itemsize != <Py_ssize_t> g.ggml_type_size(p.type):
+        return False
+    if b.len != <Py_ssize_t> g.ggml_nbytes(p):
+        return False
+    expect = b.itemsize
+    for i in range(b.ndim - 1, -1, -1):
+        if b.shape[i] != 1 and b.strides[i] != expect:
+            return False
+        expect *= b.shape[i]
+    # shapes, right-aligned (numpy's last axis is ne[0]); extra leading axes must be 1
+    k = 0
+    for i in range(b.ndim - 1, -1, -1):
+        if k < n:
+            if b.shape[i] != p.ne[k]:
+                return False
+            k += 1
+        elif b.shape[i] != 1:
+            return False
+    while k < n:
+        if p.ne[k] != 1:
+            return False
+        k += 1
+    return True
 
 
 cdef bint _same_shape_np(tuple shape, g.ggml_tensor * p):
@@ -519,8 +584,17 @@ cdef bint _same_shape_np(tuple shape, g.ggml_tensor * p):
 
 
 cdef void _dl_deleter(ggmlpy_DLManagedTensor * m) noexcept with gil:
-    Py_DECREF(<object> m.manager_ctx)
+    cdef Tensor t = <Tensor> m.manager_ctx
+    _export_done(t.ctx)
+    Py_DECREF(t)
     free(m)
+
+
+cdef inline void _export_done(_CtxBase ctx) noexcept:
+    # An export of tensor memory ended; a context freed meanwhile goes now.
+    ctx.n_exports -= 1
+    if ctx.n_exports == 0 and ctx.freed:
+        ctx._release()
 
 
 cdef void _dl_capsule_destructor(object capsule) noexcept:

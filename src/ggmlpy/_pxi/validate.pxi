@@ -38,7 +38,7 @@ cdef inline int _arg(Tensor t, str op, str name) except -1:
     """The argument must be a live Tensor (None is rejected here; optional inputs check first)."""
     if t is None:
         raise GGMLTypeError(f"{op}: {name} must be a Tensor, got None")
-    if t.ctx.ptr == NULL or t.gen != t.ctx.gen:
+    if t.gen != t.ctx.gen:
         raise ClosedError(f"{op}: {name} belongs to a context that was freed or reset")
     return 0
 
