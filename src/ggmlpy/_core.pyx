@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3, boundscheck=False, cdivision=True
 # cython: embedsignature=True, embedsignature.format=python
 """ggmlpy._core: the compiled binding over ggml.
 

@@ -211,7 +211,7 @@ cdef class _CtxBase:
 
         Examples
         --------
-        >>> ctx = Context(1 << 16)
+        >>> ctx = Context(1 << 20)
         >>> t = ctx.new_tensor(Type.F32, (3, 2))
         >>> t.ne, t.shape
         ((3, 2, 1, 1), (2, 3))
@@ -266,7 +266,7 @@ cdef class _CtxBase:
 
         Examples
         --------
-        >>> ctx = Context(1 << 16)
+        >>> ctx = Context(1 << 20)
         >>> t = ctx.from_numpy(np.ones((2, 4), dtype=np.float32))
         >>> t.type.name, t.ne, t.shape
         ('F32', (4, 2, 1, 1), (2, 4))

@@ -220,7 +220,7 @@ cdef class _CtxOps(_CtxBase):
 
         Examples
         --------
-        >>> ctx = Context(1 << 16)
+        >>> ctx = Context(1 << 20)
         >>> a = ctx.from_numpy(np.ones((2, 3), np.float32))
         >>> b = ctx.from_numpy(np.arange(3, dtype=np.float32))
         >>> c = ctx.add(a, b)
@@ -627,12 +627,12 @@ cdef class _CtxOps(_CtxBase):
 
         Examples
         --------
-        >>> ctx = Context(1 << 16)
+        >>> ctx = Context(1 << 20)
         >>> w = ctx.from_numpy(np.array([[1, 0], [0, 2], [1, 1]], np.float32))   # 3 outputs x 2 inputs
         >>> x = ctx.from_numpy(np.array([[3, 4]], np.float32))                  # 1 token
         >>> y = ctx.mul_mat(w, x); gf = ctx.new_graph(); gf.build_forward_expand(y); gf.compute(1)
-        >>> y.numpy().tolist()
-        [[3.0, 8.0, 7.0]]
+        >>> y.ne, y.numpy().tolist()                # one token: ggml's n_dims drops the size-1 dim
+        ((3, 1, 1, 1), [3.0, 8.0, 7.0])
         """
         cdef int p = 0 if prec is None else prec
         self._ensure()

@@ -32,7 +32,7 @@ def quantize(array, type):
     arr = np.ascontiguousarray(array, dtype=np.float32)
     if arr.ndim == 0:
         arr = arr.reshape(1)
-    n_per_row = arr.shape[-1]
+    n_per_row = arr.shape[arr.ndim - 1]
     if n_per_row % g.ggml_blck_size(<g.ggml_type> t):
         raise GGMLValueError(f"quantize: row length {n_per_row} is not a multiple of {type_name(t)}'s block size "
                              f"{g.ggml_blck_size(<g.ggml_type> t)}")

@@ -371,7 +371,7 @@ cdef class Tensor:
 
         Examples
         --------
-        >>> ctx = Context(1 << 16)
+        >>> ctx = Context(1 << 20)
         >>> ctx.from_numpy(np.arange(3, dtype=np.int32)).get()
         array([0, 1, 2], dtype=int32)
         """
