@@ -3,7 +3,7 @@
 
 Usage::
 
-    python bench/overhead.py [--reps N] [--iters N] [--json FILE] [--no-c]
+    python bench/overhead.py [--reps N] [--inner N] [--iters N] [--json FILE] [--no-c] [--quiet]
 
 Two workloads (see bench/baselines.py for the C and ctypes versions):
 
@@ -26,13 +26,16 @@ ratios taken within one repetition are comparable.
 
 Within a repetition each implementation runs each workload ``--inner`` times
 (default 10) and the repetition's figure is the fastest of those runs.  For C
-that is one run of the C program with ``reps=--inner``.  Taking the fastest
-inner run matters for graph_build: the C program starts a fresh process, and
-in its first repetitions every op's tensor lands on a page never touched
-before (about 1000 minor page faults per 10,000 ops, 2-15 ms on a VM), which
-would triple C's time, while the long-lived Python process reuses
-already-mapped memory.  The fastest run is the no-fault steady state for all
-three.  The medians of the inner runs are kept in the JSON output too.
+that is one run of the C program with ``reps=--inner + 10``, which reports its
+minimum.  Taking the fastest run matters for graph_build: the C program is a
+fresh process, and in its first ~14 repetitions three runs out of four put
+every op's tensor on pages never touched before (glibc cannot reuse the freed
+4 MB arena for the next posix_memalign until free chunks coalesce): about 1000
+minor page faults per 10,000 ops, which triple C's time, while the long-lived
+Python process reuses already-mapped memory.  The fastest run is the no-fault
+steady state for all three; the 10 extra C repetitions give the C program
+about as many clean runs as the Python sides get.  The medians of the inner
+runs are kept in the JSON output too.
 
 The summary gives, per workload and implementation, the median and minimum
 over repetitions, and the ratios ggmlpy/C, ctypes/C and ggmlpy/ctypes as the
@@ -76,6 +79,9 @@ N_ELEM = 64            # fixed: the C baseline's N_ELEM
 # The targets.
 TARGET_GRAPH_BUILD_RATIO = 1.25     # ggmlpy / C, per op added
 TARGET_ROUND_TRIP_NS = 3000.0       # ggmlpy, absolute, per round trip
+
+WARMUP_RUNS = 12      # graph_build runs per Python implementation before timing
+C_EXTRA_REPS = 10     # extra repetitions per C process (see run_c)
 
 IMPLS = ("c", "ctypes", "ggmlpy")
 LABELS = {"c": "C", "ctypes": "ctypes", "ggmlpy": "ggmlpy"}
@@ -356,13 +362,14 @@ def print_table(results: dict, meta: dict, file=sys.stdout) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", type=int, default=20,
-                    help="interleaved repetitions (default 20)")
+    ap.add_argument("--reps", type=int, default=30,
+                    help="interleaved repetitions (default 30)")
     ap.add_argument("--inner", type=int, default=10,
                     help="timed runs of each workload per implementation within one rep; the rep's "
                          "figure is their minimum (default 10)")
-    ap.add_argument("--iters", type=int, default=10000,
-                    help="round trips per timed run (default 10000, as the C baseline)")
+    ap.add_argument("--iters", type=int, default=2000,
+                    help="round trips per timed run (default 2000; short runs keep the three "
+                         "implementations close in time)")
     ap.add_argument("--json", metavar="FILE", help="write meta data, per-rep timings and the summary here")
     ap.add_argument("--no-c", action="store_true", help="skip the C baseline (no compiler / headers)")
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
@@ -386,7 +393,11 @@ def main(argv=None) -> int:
     c_rt = CtypesRoundTrip(N_ELEM, lib=lib)
 
     def run_c():
-        r = run_c_baseline(c_exe, reps=args.inner, iters=args.iters)
+        # A fresh C process alternates page-faulting and clean graph_build runs
+        # for its first ~14 repetitions (glibc cannot reuse the freed 4 MB arena
+        # for the next posix_memalign until free chunks coalesce); inner + 10
+        # repetitions give it about as many clean runs as the Python sides get.
+        r = run_c_baseline(c_exe, reps=args.inner + C_EXTRA_REPS, iters=args.iters)
         gb, rt = r["graph_build"], r["round_trip"]
         if gb.get("n_ops", N_OPS) != N_OPS:
             raise RuntimeError(f"C baseline built with N_OPS={gb['n_ops']}, expected {N_OPS}")
@@ -416,9 +427,15 @@ def main(argv=None) -> int:
     runners = {"c": run_c, "ctypes": run_ctypes, "ggmlpy": run_ggmlpy}
     active = [i for i in IMPLS if i != "c" or c_exe is not None]
 
-    # Warm-up: imports, first-touch of the libraries, numpy caches.
-    for impl in active:
-        runners[impl]()
+    # Warm-up: imports, first-touch of the libraries, numpy caches, and about
+    # a dozen fresh graph_build contexts, after which glibc reuses mapped
+    # memory instead of faulting in new pages for every context.
+    for _ in range(-(-WARMUP_RUNS // args.inner)):
+        for impl in active:
+            if impl != "c":
+                runners[impl]()
+    if "c" in active:
+        runners["c"]()
 
     per_rep = {wl: {i: [] for i in active} for wl in WORKLOADS}
     inner_median = {wl: {i: [] for i in active} for wl in WORKLOADS}

@@ -140,8 +140,9 @@ def assert_close(actual, expected, atol: float = 0.0, rtol: float = 0.0, what: s
         raise AssertionError(f"{label}inf mismatch at {_fmt_index(idx)}: got {a[tuple(idx)]}, "
                              f"expected {e[tuple(idx)]} ({int(bad.sum())} elements)")
     fin = ~(nan_e | inf_e)
-    err = np.where(fin, np.abs(a - e), 0.0)
-    tol = atol + rtol * np.abs(np.where(fin, e, 0.0))
+    a, e = np.where(fin, a, 0.0), np.where(fin, e, 0.0)
+    err = np.abs(a - e)
+    tol = atol + rtol * np.abs(e)
     bad = err > tol
     if bad.any():
         idx = np.unravel_index(np.argmax(np.where(bad, err - tol, -np.inf)), a.shape)

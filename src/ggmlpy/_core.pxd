@@ -9,6 +9,7 @@ cdef class _CtxBase:
     cdef readonly size_t mem_size
     cdef unsigned int gen     # bumped by reset()/free(): outstanding Tensors go stale
     cdef bint freed           # free() was called (the arena may live on until exports end)
+    cdef bint no_alloc_       # mirrors ggml_get_no_alloc (read on every op)
     cdef Py_ssize_t n_exports # live buffer/DLPack exports of tensor memory
     cdef set deps             # Contexts whose tensors this one's tensors read
     cdef list keep            # other owners (buffers, foreign memory) kept alive
@@ -50,6 +51,9 @@ cdef class Graph:
     cdef int checked_nodes    # nodes [0, checked_nodes) were validated for compute
     cdef list index_checks    # [(index tensor address, bound, op)] scanned before every compute
     cdef volatile bint cancel_flag
+    cdef bint busy            # a compute is running (from some thread)
+    cdef g.ggml_threadpool * tp   # kept between computes; rebuilt when n_threads changes
+    cdef int tp_n
     cdef int _ensure(self) except -1
     cdef int _note_ctx(self, _CtxBase c) except -1
     cdef int _check_ctxs(self) except -1

@@ -318,6 +318,10 @@ cdef extern from "ggml.h" nogil:
     size_t ggml_quantize_chunk(ggml_type type, const float * src, void * dst, int64_t start, int64_t nrows, int64_t n_per_row, const float * imatrix)
     bint ggml_quantize_requires_imatrix(ggml_type type)
 
+    struct ggml_threadpool_params:
+        int n_threads
+    ggml_threadpool_params ggml_threadpool_params_default(int n_threads)
+
     ctypedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k)
     ctypedef void (*ggml_from_float_t)(const float * x, void * y, int64_t k)
     struct ggml_type_traits:
@@ -350,6 +354,8 @@ cdef extern from "ggml-impl.h" nogil:
 # ggml-cpu.h: graph compute on the host
 cdef extern from "ggml-cpu.h" nogil:
     struct ggml_threadpool
+    ggml_threadpool * ggml_threadpool_new(ggml_threadpool_params * params)
+    void ggml_threadpool_free(ggml_threadpool * threadpool)
     struct ggml_cplan:
         size_t work_size
         uint8_t * work_data

@@ -34,6 +34,7 @@ cdef class _CtxBase:
             raise GGMLMemoryError("Context: ggml_init failed")
         self.mem = mem
         self.mem_size = mem_size
+        self.no_alloc_ = no_alloc
         _debug_count("Context", 1)
 
     def __dealloc__(self):
@@ -56,7 +57,7 @@ cdef class _CtxBase:
         # ggml_new_object asserts when the arena is full; check first. Each
         # object needs its header + tensor struct + data, padded to the alignment.
         cdef size_t need = n_tensors * _TENSOR_OBJ_SIZE
-        if not g.ggml_get_no_alloc(self.ptr):
+        if not self.no_alloc_:
             need += data_bytes
         if g.ggml_used_mem(self.ptr) + need <= self.mem_size:
             return 0
@@ -65,7 +66,6 @@ cdef class _CtxBase:
                 f"{op}: context out of memory (needs {_fmt_bytes(need)}, "
                 f"{_fmt_bytes(self.mem_size - g.ggml_used_mem(self.ptr))} free of {_fmt_bytes(self.mem_size)}); "
                 f"create the Context with a larger mem_size")
-        return 0
 
     @staticmethod
     def for_tensors(int n_tensors, size_t data_bytes=0, *, int graph_size=0, bint no_alloc=False):
@@ -146,6 +146,7 @@ cdef class _CtxBase:
     def no_alloc(self, bint value):
         self._ensure()
         g.ggml_set_no_alloc(self.ptr, value)
+        self.no_alloc_ = value
 
     @property
     def max_tensor_size(self):

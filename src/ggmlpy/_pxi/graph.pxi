@@ -90,8 +90,43 @@ cdef extern from *:
     int ggmlpy_count_new(g.ggml_cgraph * gr, g.ggml_tensor * root, int * n_nodes, int * n_leafs, int * depth) nogil
 
 
+cdef extern from *:
+    """
+    /* The common expand: 1 if root is new and all its sources are in the
+       graph already, 0 if root is in the graph, -1 otherwise. */
+    static int ggmlpy_only_root_new(struct ggml_cgraph * g, struct ggml_tensor * root) {
+        int i;
+        if (ggml_hash_contains(&g->visited_hash_set, root)) return 0;
+        for (i = 0; i < GGML_MAX_SRC; i++) {
+            if (root->src[i] && !ggml_hash_contains(&g->visited_hash_set, root->src[i])) return -1;
+        }
+        return 1;
+    }
+    static int ggmlpy_is_leaf(const struct ggml_tensor * t) {
+        return t->op == GGML_OP_NONE && !(t->flags & GGML_TENSOR_FLAG_PARAM);
+    }
+    /* Give an unnamed new tensor the name ggml's expand would ("node_<i>" /
+       "leaf_<i>"), without the vsnprintf that dominates ggml's expand. */
+    static void ggmlpy_name_new(const struct ggml_cgraph * g, struct ggml_tensor * t) {
+        char digits[16];
+        int k = 0, n;
+        size_t p = 5;
+        if (t->name[0]) return;
+        if (ggmlpy_is_leaf(t)) { memcpy(t->name, "leaf_", 5); n = g->n_leafs; }
+        else { memcpy(t->name, "node_", 5); n = g->n_nodes; }
+        do { digits[k++] = (char) ('0' + n % 10); n /= 10; } while (n);
+        while (k) t->name[p++] = digits[--k];
+        t->name[p] = 0;
+    }
+    """
+    int ggmlpy_only_root_new(g.ggml_cgraph * gr, g.ggml_tensor * root) noexcept nogil
+    bint ggmlpy_is_leaf(g.ggml_tensor * t) noexcept nogil
+    void ggmlpy_name_new(g.ggml_cgraph * gr, g.ggml_tensor * t) noexcept nogil
+
+
 # ggml visits new parts of a graph recursively; keep far below a thread's stack.
-MAX_EXPAND_DEPTH = 50000
+cdef int _MAX_EXPAND_DEPTH = 50000
+MAX_EXPAND_DEPTH = _MAX_EXPAND_DEPTH
 
 cdef g.ggml_backend_dev_t _cpu_dev = NULL
 
@@ -150,6 +185,9 @@ cdef class Graph:
         raise TypeError("Graphs are created by a Context: ctx.new_graph(size)")
 
     def __dealloc__(self):
+        if self.tp != NULL:
+            g.ggml_threadpool_free(self.tp)
+            self.tp = NULL
         if self.work != NULL:
             free(self.work)
             self.work = NULL
@@ -187,6 +225,8 @@ cdef class Graph:
 
     cdef int _check_ctxs(self) except -1:
         cdef _CtxBase c
+        if len(self.ctxs) == 1 and not self.ctx.deps:
+            return 0          # only the graph's own context, checked by _ensure
         for entry in self.ctxs:
             c = entry[0]
             if c.freed or c.gen != entry[1]:
@@ -248,6 +288,7 @@ cdef class Graph:
         cdef g.ggml_tensor * p = g.ggml_graph_get_tensor(self.ptr, b)
         return None if p == NULL else _wrap(_owner_of(self.ctx, p), p)
 
+    @cython.always_allow_keywords(False)   # METH_O: the hot call of op-by-op graph building
     def build_forward_expand(self, Tensor tensor not None):
         """Add ``tensor`` and every ancestor not yet in the graph.
 
@@ -266,17 +307,28 @@ cdef class Graph:
         elif len(self.ctx.deps) != self.own_ndeps:
             self._note_ctx(self.ctx)
             self.own_ndeps = len(self.ctx.deps)
-        rc = ggmlpy_count_new(self.ptr, tensor.ptr, &n_nodes, &n_leafs, &depth)
-        if rc != 0:
+        rc = ggmlpy_only_root_new(self.ptr, tensor.ptr)
+        if rc == 1:
+            # Fast path of op-by-op building: one new node (or leaf).
+            if ggmlpy_is_leaf(tensor.ptr):
+                n_nodes, n_leafs = 0, 1
+            else:
+                n_nodes, n_leafs = 1, 0
+            depth = 1
+        elif rc == 0:
+            n_nodes = n_leafs = depth = 0
+        elif ggmlpy_count_new(self.ptr, tensor.ptr, &n_nodes, &n_leafs, &depth) != 0:
             raise GGMLMemoryError("build_forward_expand: out of host memory while counting new nodes")
         if self.ptr.n_nodes + n_nodes > self.ptr.size or self.ptr.n_leafs + n_leafs > self.ptr.size:
             raise GGMLMemoryError(
                 f"build_forward_expand: graph is full (has {self.ptr.n_nodes} nodes and {self.ptr.n_leafs} leafs "
                 f"of size {self.ptr.size}; this expand adds {n_nodes} nodes and {n_leafs} leafs); "
                 f"create it with ctx.new_graph(size=...) larger")
-        if depth > MAX_EXPAND_DEPTH:
+        if depth > _MAX_EXPAND_DEPTH:
             raise GGMLValueError(f"build_forward_expand: {depth} new nodes in one dependency chain; expand in "
-                                 f"steps of at most {MAX_EXPAND_DEPTH} (ggml visits them recursively)")
+                                 f"steps of at most {_MAX_EXPAND_DEPTH} (ggml visits them recursively)")
+        if rc == 1:
+            ggmlpy_name_new(self.ptr, tensor.ptr)
         g.ggml_build_forward_expand(self.ptr, tensor.ptr)
 
     def clear(self):
@@ -329,6 +381,7 @@ cdef class Graph:
         cdef g.ggml_status status
         cdef _AbortState st
         cdef void * w
+        cdef g.ggml_threadpool_params tpp
         self._ensure()
         self._check_ctxs()
         if n_threads <= 0:
@@ -339,7 +392,20 @@ cdef class Graph:
             self._check_compute(_cpu_device())
         for entry in self.index_checks:
             _scan_indices(entry)
-        plan = g.ggml_graph_plan(self.ptr, n_threads, NULL)
+        if self.busy:
+            raise GGMLValueError("graph_compute: this graph is already being computed (from another thread)")
+        if self.tp == NULL or self.tp_n != n_threads:
+            # A threadpool kept with the graph: ggml would otherwise build and
+            # tear one down on every compute.
+            if self.tp != NULL:
+                g.ggml_threadpool_free(self.tp)
+                self.tp = NULL
+            tpp = g.ggml_threadpool_params_default(n_threads)
+            self.tp = g.ggml_threadpool_new(&tpp)
+            if self.tp == NULL:
+                raise GGMLMemoryError(f"graph_compute: could not create a threadpool of {n_threads} threads")
+            self.tp_n = n_threads
+        plan = g.ggml_graph_plan(self.ptr, n_threads, self.tp)
         if plan.work_size > self.work_size:
             w = malloc(plan.work_size)
             _check_alloc(w, plan.work_size, "graph_compute work buffer")
@@ -352,8 +418,12 @@ cdef class Graph:
         st.exc = NULL
         plan.abort_callback = _abort_poll
         plan.abort_callback_data = &st
-        with nogil:
-            status = g.ggml_graph_compute(self.ptr, &plan)
+        self.busy = True
+        try:
+            with nogil:
+                status = g.ggml_graph_compute(self.ptr, &plan)
+        finally:
+            self.busy = False
         self.cancel_flag = False
         if st.exc != NULL:
             exc = <object> st.exc

@@ -81,8 +81,13 @@ cdef class Context(_CtxOps):
         return _res(self, g.ggml_im2col(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1, is_2D, <g.ggml_type> t), a, b)
 
     def conv_1d(self, Tensor a, Tensor b, int s0=1, int p0=0, int d0=1):
-        """1-d convolution: kernel ``a`` ne ``(K, IC, OC)`` f32/f16 over ``b`` ne ``(L, IC, N)``; f32 ``(OL, OC, N)``."""
-        cdef int64_t OL
+        """1-d convolution: kernel ``a`` ne ``(K, IC, OC)`` f32/f16 over ``b`` ne ``(L, IC, N)``; f32 ``(OL, OC, N)``.
+
+        Built from im2col and mul_mat like ``ggml_conv_1d``, but with the batch
+        axis put back in place: ggml's own composition labels its
+        ``[OC][N][OL]`` result as ``(OL, OC, N)``, which is wrong for ``N > 1``.
+        """
+        cdef int64_t OL, N, OC, K, IC
         self._ensure()
         _arg(a, "conv_1d", "a"); _arg(b, "conv_1d", "b")
         _types(a, "conv_1d", "a", M_F32_F16); _types(b, "conv_1d", "b", M_F32_F16)
@@ -90,12 +95,15 @@ cdef class Context(_CtxOps):
         _conv_params("conv_1d", s0, 1, p0, 0, d0, 1)
         _need(a.ptr.ne[3] == 1 and b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1, "conv_1d",
               f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1] input channels)")
-        OL = _conv_out(b.ptr.ne[0], a.ptr.ne[0], s0, p0, d0)
+        K, IC, OC, N = a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], b.ptr.ne[2]
+        OL = _conv_out(b.ptr.ne[0], K, s0, p0, d0)
         _need(OL > 0, "conv_1d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
-        # im2col (f16), two reshapes, mul_mat, reshape
-        self._room("conv_1d", _out_bytes(g.GGML_TYPE_F16, a.ptr.ne[0] * a.ptr.ne[1], OL, b.ptr.ne[2], 1)
-                   + _out_bytes(g.GGML_TYPE_F32, OL, a.ptr.ne[2], b.ptr.ne[2], 1), 5)
-        return _res(self, g.ggml_conv_1d(self.ptr, a.ptr, b.ptr, s0, p0, d0), a, b)
+        # im2col (f16), 2 reshapes, mul_mat, reshape, permute, cont
+        self._room("conv_1d", _out_bytes(g.GGML_TYPE_F16, K * IC, OL, N, 1)
+                   + 2 * _out_bytes(g.GGML_TYPE_F32, OL, OC, N, 1), 7)
+        cols = self.im2col(a, b, s0, 0, p0, 0, d0, 0, False, Type.F16)      # ne (K*IC, OL, N)
+        y = self.mul_mat(self.reshape_2d(cols, K * IC, OL * N), self.reshape_2d(a, K * IC, OC))  # ne (OL*N, OC)
+        return self.cont(self.permute(self.reshape_3d(y, OL, N, OC), 0, 2, 1, 3))              # ne (OL, OC, N)
 
     def conv_2d(self, Tensor a, Tensor b, int s0=1, int s1=1, int p0=0, int p1=0, int d0=1, int d1=1):
         """2-d convolution: kernel ``a`` ne ``(KW, KH, IC, OC)`` f32/f16 over ``b`` ne ``(W, H, IC, N)``; f32 ``(OW, OH, OC, N)``."""

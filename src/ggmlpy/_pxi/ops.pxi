@@ -40,7 +40,19 @@ cdef uint64_t _mask_quant_from_float():
     return m
 
 
+cdef uint64_t _mask_quantize():
+    # Types ggml_quantize_chunk implements without an importance matrix.
+    cdef uint64_t m = 0
+    cdef int t
+    for t in range(g.GGML_TYPE_COUNT):
+        if _valid_type(t) and g.ggml_is_quantized(<g.ggml_type> t) and not g.ggml_quantize_requires_imatrix(<g.ggml_type> t):
+            if g.ggml_type_name(<g.ggml_type> t).decode() not in ("q8_1", "q8_K"):
+                m |= _bit(t)
+    return m
+
+
 cdef uint64_t M_VEC_DOT = _mask_vec_dot()
+cdef uint64_t M_QUANTIZE = _mask_quantize()              # quantized types the host can encode
 cdef uint64_t M_QUANT = M_VEC_DOT & ~M_FLOAT
 cdef uint64_t M_QUANT_W = _mask_quant_from_float()       # quantized types we can write
 cdef uint64_t M_GET_ROWS = M_FLOAT | M_I32 | M_QUANT
@@ -48,7 +60,7 @@ cdef uint64_t M_REPEAT = M_F32 | M_I32 | M_F16 | M_BF16 | _bit(g.GGML_TYPE_I16)
 
 
 cdef inline int64_t _out_bytes(int t, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3) noexcept:
-    return <int64_t> g.ggml_row_size(<g.ggml_type> t, ne0) * ne1 * ne2 * ne3
+    return <int64_t> _row_bytes(t, ne0) * ne1 * ne2 * ne3
 
 
 cdef inline Tensor _res(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None, Tensor c=None, Tensor d=None):
@@ -69,24 +81,45 @@ cdef inline Tensor _res(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None
     return t
 
 
+cdef inline Tensor _res2(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b):
+    # _res for two inputs, the binary ops' hot path
+    if a.ctx is not ctx:
+        ctx.deps.add(a.ctx)
+    if b.ctx is not ctx:
+        ctx.deps.add(b.ctx)
+    cdef Tensor t = Tensor.__new__(Tensor)
+    t.ptr = p
+    t.ctx = ctx
+    t.gen = ctx.gen
+    return t
+
+
 cdef inline int _room_like(_CtxBase ctx, str op, Tensor a) except -1:
     return ctx._room(op, _out_bytes(a.ptr.type, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
 
 
 cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
     # add/sub/mul/div on the CPU: (F32,F32), (F16,F16|F32), (BF16,BF16|F32);
-    # a's rows contiguous; b tiles a.
-    ctx._ensure()
+    # a's rows contiguous; b tiles a. The common case is checked inline.
+    cdef g.ggml_tensor * pa
+    cdef g.ggml_tensor * pb
+    if ctx.freed:
+        ctx._ensure()
     _arg(a, op, "a")
     _arg(b, op, "b")
-    if not (M_FLOAT & _bit(a.ptr.type)) or not (
-            b.ptr.type == a.ptr.type or (b.ptr.type == g.GGML_TYPE_F32 and a.ptr.type != g.GGML_TYPE_F32)):
+    pa = a.ptr
+    pb = b.ptr
+    if not (M_FLOAT & _bit(pa.type)) or not (
+            pb.type == pa.type or (pb.type == g.GGML_TYPE_F32 and pa.type != g.GGML_TYPE_F32)):
         raise GGMLTypeError(f"{op}: unsupported types (got a: {_desc(a)}, b: {_desc(b)}; expected a f32/f16/bf16 "
                             f"and b of a's type, or b f32)")
-    _repeats(b, a, op, "b", "a")
-    _rows_contig(a, op, "a")
-    _rows_contig(b, op, "b")
-    return _room_like(ctx, op, a)
+    if not _can_repeat(pb, pa):
+        _repeats(b, a, op, "b", "a")
+    if not _is_rows_contig(pa):
+        _rows_contig(a, op, "a")
+    if not _is_rows_contig(pb):
+        _rows_contig(b, op, "b")
+    return ctx._room(op, _out_bytes(pa.type, pa.ne[0], pa.ne[1], pa.ne[2], pa.ne[3]), 1)
 
 
 cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) except -1:
@@ -229,7 +262,7 @@ cdef class _CtxOps(_CtxBase):
         [[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]]
         """
         _binary(self, a, b, "add")
-        return _res(self, g.ggml_add(self.ptr, a.ptr, b.ptr), a, b)
+        return _res2(self, g.ggml_add(self.ptr, a.ptr, b.ptr), a, b)
 
     def add_inplace(self, Tensor a, Tensor b):
         """``a += b`` as a graph node (the result is a view of ``a``)."""
@@ -239,17 +272,17 @@ cdef class _CtxOps(_CtxBase):
     def sub(self, Tensor a, Tensor b):
         """``a - b`` with broadcasting; types as for ``add``."""
         _binary(self, a, b, "sub")
-        return _res(self, g.ggml_sub(self.ptr, a.ptr, b.ptr), a, b)
+        return _res2(self, g.ggml_sub(self.ptr, a.ptr, b.ptr), a, b)
 
     def mul(self, Tensor a, Tensor b):
         """``a * b`` element-wise with broadcasting; types as for ``add``."""
         _binary(self, a, b, "mul")
-        return _res(self, g.ggml_mul(self.ptr, a.ptr, b.ptr), a, b)
+        return _res2(self, g.ggml_mul(self.ptr, a.ptr, b.ptr), a, b)
 
     def div(self, Tensor a, Tensor b):
         """``a / b`` with broadcasting; types as for ``add``."""
         _binary(self, a, b, "div")
-        return _res(self, g.ggml_div(self.ptr, a.ptr, b.ptr), a, b)
+        return _res2(self, g.ggml_div(self.ptr, a.ptr, b.ptr), a, b)
 
     def add_id(self, Tensor a, Tensor b, Tensor ids):
         """``a[:, i1, i2] += b[:, ids[i1, i2]]`` (MoE bias); all f32, ids i32."""

@@ -1,6 +1,17 @@
 # quants.pxi: quantize / dequantize numpy data with ggml's reference codecs.
 
 
+cdef int _quantizable(int t, str op) except -1:
+    # ggml_quantize_chunk implements only some types: the intermediate Q8_1 /
+    # Q8_K have no quantizer there (it aborts), and the i-quants need an
+    # importance matrix.
+    if g.ggml_quantize_requires_imatrix(<g.ggml_type> t):
+        raise GGMLValueError(f"{op}: {type_name(t)} needs an importance matrix to quantize")
+    if not (M_QUANTIZE & _bit(t)):
+        raise GGMLTypeError(f"{op}: ggml cannot quantize to {type_name(t)}")
+    return 0
+
+
 def quantize(array, type):
     """Quantize float rows to ``type``; returns the raw blocks as ``bytes``.
 
@@ -27,8 +38,7 @@ def quantize(array, type):
     cdef size_t nbytes
     if not g.ggml_is_quantized(<g.ggml_type> t):
         raise GGMLTypeError(f"quantize: {type_name(t)} is not a quantized type")
-    if g.ggml_quantize_requires_imatrix(<g.ggml_type> t):
-        raise GGMLValueError(f"quantize: {type_name(t)} needs an importance matrix")
+    _quantizable(t, "quantize")
     arr = np.ascontiguousarray(array, dtype=np.float32)
     if arr.ndim == 0:
         arr = arr.reshape(1)

@@ -299,7 +299,7 @@ cdef class Tensor:
 
     cdef int _host(self, str op) except -1:
         self._ensure()
-        if self.ptr.data == NULL:
+        if self.ptr.data == NULL and g.ggml_nelements(self.ptr) != 0:
             raise GGMLValueError(f"{op}: tensor has no data (its context is no_alloc and no buffer was allocated)")
         if self.ptr.buffer != NULL and not _buffer_is_host(self.ptr.buffer):
             raise GGMLValueError(f"{op}: tensor lives in device memory; use get()/set(), which copy")
@@ -327,7 +327,8 @@ cdef class Tensor:
                 self._shape[i] = p.ne[n - 1 - i]
                 self._strides[i] = p.nb[n - 1 - i]
             view.itemsize = g.ggml_type_size(p.type)
-        view.buf = p.data
+        # An empty tensor may have no data pointer; exporters want a non-NULL one.
+        view.buf = p.data if p.data != NULL else <void *> &_EMPTY
         view.obj = self
         view.len = g.ggml_nbytes(p)
         view.readonly = self.readonly
@@ -492,7 +493,7 @@ cdef class Tensor:
         for i in range(n):
             dims[i] = p.ne[n - 1 - i]
             dims[n + i] = p.nb[n - 1 - i] // esz
-        m.dl_tensor.data = p.data
+        m.dl_tensor.data = p.data if p.data != NULL else <void *> &_EMPTY
         m.dl_tensor.device.device_type = 1
         m.dl_tensor.device.device_id = 0
         m.dl_tensor.ndim = n
@@ -514,8 +515,13 @@ from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyObject_Check
 _np_empty = np.empty
 
 
+cdef char _EMPTY = 0
+
+
 cdef inline void _copy_bytes(void * dst, const void * src, size_t n) noexcept:
     # Large copies run without the GIL so other Python threads keep going.
+    if n == 0:
+        return
     if n > (1 << 20):
         with nogil:
             memcpy(dst, src, n)
@@ -611,8 +617,8 @@ cdef int _from_float_rows(g.ggml_tensor * p, float[:, ::1] rows) except -1:
     cdef int64_t i1, i2, i3, r = 0, ne0 = p.ne[0]
     cdef char * base = <char *> p.data
     cdef bint quant = g.ggml_is_quantized(p.type)
-    if quant and g.ggml_quantize_requires_imatrix(p.type):
-        raise GGMLValueError(f"set: type {g.ggml_type_name(p.type).decode()} needs an importance matrix to quantize")
+    if quant:
+        _quantizable(p.type, "set")
     if not quant and tr.from_float_ref == NULL:
         raise GGMLTypeError(f"set: no conversion from float32 to {g.ggml_type_name(p.type).decode()}")
     with nogil:

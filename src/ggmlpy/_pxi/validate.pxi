@@ -17,6 +17,36 @@ cdef uint64_t M_IDX = M_I32 | M_I64
 cdef uint64_t M_ANY = 0xFFFFFFFFFFFFFFFF
 
 
+# Per-type element/block sizes, read in the hot checks without crossing into libggml.
+cdef size_t _TSIZE[64]
+cdef int64_t _BLCK[64]
+
+
+cdef void _init_type_tables() noexcept:
+    cdef int t
+    for t in range(64):
+        _TSIZE[t] = 0
+        _BLCK[t] = 1
+    for t in range(g.GGML_TYPE_COUNT):
+        if _valid_type(t):
+            _TSIZE[t] = g.ggml_type_size(<g.ggml_type> t)
+            _BLCK[t] = g.ggml_blck_size(<g.ggml_type> t)
+
+
+_init_type_tables()
+
+
+cdef inline bint _is_rows_contig(g.ggml_tensor * p) noexcept:
+    # ggml_is_contiguous_rows
+    cdef int t = p.type
+    return p.ne[0] == _BLCK[t] or p.nb[0] == _TSIZE[t]
+
+
+cdef inline size_t _row_bytes(int t, int64_t ne0) noexcept:
+    # ggml_row_size
+    return _TSIZE[t] * (ne0 // _BLCK[t])
+
+
 cdef str _ne_str(g.ggml_tensor * p):
     return f"({p.ne[0]}, {p.ne[1]}, {p.ne[2]}, {p.ne[3]})"
 
@@ -98,7 +128,7 @@ cdef inline int _contig(Tensor t, str op, str name) except -1:
 
 cdef inline int _rows_contig(Tensor t, str op, str name) except -1:
     # Rows contiguous (nb[0] == element size): what row-wise kernels need.
-    if not g.ggml_is_contiguous_rows(t.ptr) and g.ggml_nelements(t.ptr) > 0:
+    if not _is_rows_contig(t.ptr) and g.ggml_nelements(t.ptr) > 0:
         raise GGMLValueError(f"{op}: {name} must have contiguous rows (got {name}: {_desc(t)} nb={t.nb}); "
                              f"call ctx.cont({name}) first")
     return 0
