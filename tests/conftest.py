@@ -15,7 +15,7 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 
 # Groups that need something this machine may not have run only when asked:
 # --run-<group> or GGMLPY_TEST_<GROUP>=1. fuzz and slow run by default.
-OPT_IN = ("gpu", "rpc", "hf")
+OPT_IN = ("gpu", "hf")
 
 
 def pytest_addoption(parser):

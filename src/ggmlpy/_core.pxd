@@ -37,6 +37,8 @@ cdef class Tensor:
     cdef int _ensure(self) except -1
     cdef int _host(self, str op) except -1
     cdef object _get_converted(self)
+    cdef object _device_get(self)
+    cdef int _device_set(self, array) except -1
     cdef int _set_slow(self, array) except -1
 
 

@@ -37,6 +37,8 @@ include "_pxi/tensor.pxi"        # Tensor: metadata, numpy bridge, buffer protoc
 include "_pxi/ops.pxi"           # op methods of Context, in ggml.h order
 include "_pxi/nn.pxi"            # op methods, part 2: conv, pool, pad, generators; graph creation
 include "_pxi/graph.pxi"         # Graph build and CPU compute
+include "_pxi/backend.pxi"       # devices, backends, buffer types, buffers, graph allocator
+include "_pxi/sched.pxi"         # scheduler, RPC
 include "_pxi/quants.pxi"        # quantize / dequantize
 include "_pxi/system.pxi"        # versions, CPU features, devices
 

@@ -335,6 +335,133 @@ cdef extern from "ggml.h" nogil:
     const ggml_type_traits * ggml_get_type_traits(ggml_type type)
 
 
+# ggml-backend.h: devices, backends, buffers, scheduler (declared before ggml-alloc.h,
+# whose declarations use its types)
+cdef extern from "ggml-backend.h" nogil:
+    enum ggml_backend_dev_type:
+        GGML_BACKEND_DEVICE_TYPE_CPU
+        GGML_BACKEND_DEVICE_TYPE_GPU
+        GGML_BACKEND_DEVICE_TYPE_IGPU
+        GGML_BACKEND_DEVICE_TYPE_ACCEL
+        GGML_BACKEND_DEVICE_TYPE_META
+    struct ggml_backend_device
+    ctypedef ggml_backend_device * ggml_backend_dev_t
+    struct ggml_backend_buffer_type
+    ctypedef ggml_backend_buffer_type * ggml_backend_buffer_type_t
+    ctypedef ggml_backend_buffer * ggml_backend_buffer_t
+    struct ggml_backend
+    ctypedef ggml_backend * ggml_backend_t
+    struct ggml_backend_sched
+    ctypedef ggml_backend_sched * ggml_backend_sched_t
+
+    enum ggml_backend_buffer_usage:
+        GGML_BACKEND_BUFFER_USAGE_ANY
+        GGML_BACKEND_BUFFER_USAGE_WEIGHTS
+        GGML_BACKEND_BUFFER_USAGE_COMPUTE
+
+    struct ggml_backend_dev_caps:
+        bint async_ "async"
+        bint host_buffer
+        bint buffer_from_host_ptr
+        bint events
+        bint mmap_support
+    struct ggml_backend_dev_props:
+        const char * name
+        const char * description
+        size_t memory_free
+        size_t memory_total
+        ggml_backend_dev_type type
+        const char * device_id
+        ggml_backend_dev_caps caps
+
+    const char * ggml_backend_buft_name(ggml_backend_buffer_type_t buft)
+    ggml_backend_buffer_t ggml_backend_buft_alloc_buffer(ggml_backend_buffer_type_t buft, size_t size)
+    size_t ggml_backend_buft_get_alignment(ggml_backend_buffer_type_t buft)
+    size_t ggml_backend_buft_get_max_size(ggml_backend_buffer_type_t buft)
+    size_t ggml_backend_buft_get_alloc_size(ggml_backend_buffer_type_t buft, const ggml_tensor * tensor)
+    bint ggml_backend_buft_is_host(ggml_backend_buffer_type_t buft)
+    ggml_backend_dev_t ggml_backend_buft_get_device(ggml_backend_buffer_type_t buft)
+
+    const char * ggml_backend_buffer_name(ggml_backend_buffer_t buffer)
+    void ggml_backend_buffer_free(ggml_backend_buffer_t buffer)
+    void * ggml_backend_buffer_get_base(ggml_backend_buffer_t buffer)
+    size_t ggml_backend_buffer_get_size(ggml_backend_buffer_t buffer)
+    void ggml_backend_buffer_clear(ggml_backend_buffer_t buffer, uint8_t value)
+    bint ggml_backend_buffer_is_host(ggml_backend_buffer * buffer)
+    void ggml_backend_buffer_set_usage(ggml_backend_buffer_t buffer, ggml_backend_buffer_usage usage)
+    ggml_backend_buffer_usage ggml_backend_buffer_get_usage(ggml_backend_buffer_t buffer)
+    ggml_backend_buffer_type_t ggml_backend_buffer_get_type(ggml_backend_buffer_t buffer)
+    void ggml_backend_buffer_reset(ggml_backend_buffer_t buffer)
+
+    const char * ggml_backend_name(ggml_backend_t backend)
+    void ggml_backend_free(ggml_backend_t backend)
+    ggml_backend_buffer_type_t ggml_backend_get_default_buffer_type(ggml_backend_t backend)
+    size_t ggml_backend_get_alignment(ggml_backend_t backend)
+    size_t ggml_backend_get_max_size(ggml_backend_t backend)
+    void ggml_backend_tensor_set(ggml_tensor * tensor, const void * data, size_t offset, size_t size)
+    void ggml_backend_tensor_get(const ggml_tensor * tensor, void * data, size_t offset, size_t size)
+    void ggml_backend_tensor_memset(ggml_tensor * tensor, uint8_t value, size_t offset, size_t size)
+    void ggml_backend_synchronize(ggml_backend_t backend)
+    ggml_status ggml_backend_graph_compute(ggml_backend_t backend, ggml_cgraph * cgraph)
+    bint ggml_backend_supports_op(ggml_backend_t backend, const ggml_tensor * op)
+    bint ggml_backend_supports_buft(ggml_backend_t backend, ggml_backend_buffer_type_t buft)
+    ggml_backend_dev_t ggml_backend_get_device(ggml_backend_t backend)
+
+    void ggml_backend_dev_get_props(ggml_backend_dev_t device, ggml_backend_dev_props * props)
+    ggml_backend_t ggml_backend_dev_init(ggml_backend_dev_t device, const char * params)
+    ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device)
+    ggml_backend_buffer_type_t ggml_backend_dev_host_buffer_type(ggml_backend_dev_t device)
+    bint ggml_backend_dev_supports_buft(ggml_backend_dev_t device, ggml_backend_buffer_type_t buft)
+    bint ggml_backend_dev_offload_op(ggml_backend_dev_t device, const ggml_tensor * op)
+    size_t ggml_backend_reg_dev_count(ggml_backend_reg * reg)
+    ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg * reg, size_t index)
+
+    ggml_backend_sched_t ggml_backend_sched_new(ggml_backend_t * backends, ggml_backend_buffer_type_t * bufts, int n_backends, size_t graph_size, bint parallel, bint op_offload)
+    void ggml_backend_sched_free(ggml_backend_sched_t sched)
+    void ggml_backend_sched_reserve_size(ggml_backend_sched_t sched, ggml_cgraph * measure_graph, size_t * sizes)
+    bint ggml_backend_sched_reserve(ggml_backend_sched_t sched, ggml_cgraph * measure_graph)
+    int ggml_backend_sched_get_n_backends(ggml_backend_sched_t sched)
+    ggml_backend_t ggml_backend_sched_get_backend(ggml_backend_sched_t sched, int i)
+    int ggml_backend_sched_get_n_splits(ggml_backend_sched_t sched)
+    int ggml_backend_sched_get_n_copies(ggml_backend_sched_t sched)
+    size_t ggml_backend_sched_get_buffer_size(ggml_backend_sched_t sched, ggml_backend_t backend)
+    void ggml_backend_sched_set_tensor_backend(ggml_backend_sched_t sched, ggml_tensor * node, ggml_backend_t backend)
+    ggml_backend_t ggml_backend_sched_get_tensor_backend(ggml_backend_sched_t sched, ggml_tensor * node)
+    bint ggml_backend_sched_alloc_graph(ggml_backend_sched_t sched, ggml_cgraph * graph)
+    ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, ggml_cgraph * graph)
+    void ggml_backend_sched_synchronize(ggml_backend_sched_t sched)
+    void ggml_backend_sched_reset(ggml_backend_sched_t sched)
+    ggml_status ggml_backend_view_init(ggml_tensor * tensor)
+    ggml_backend_dev_t ggml_backend_dev_by_type(ggml_backend_dev_type type)
+    bint ggml_backend_dev_supports_op(ggml_backend_dev_t device, const ggml_tensor * op)
+    size_t ggml_backend_dev_count()
+    ggml_backend_dev_t ggml_backend_dev_get(size_t index)
+    const char * ggml_backend_dev_name(ggml_backend_dev_t device)
+    const char * ggml_backend_dev_description(ggml_backend_dev_t device)
+    void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total)
+    # C keeps enum tags and functions apart; Cython does not, so this one is renamed.
+    ggml_backend_dev_type ggml_backend_dev_type_of "ggml_backend_dev_type"(ggml_backend_dev_t device)
+    struct ggml_backend_reg
+    ctypedef ggml_backend_reg * ggml_backend_reg_t
+    size_t ggml_backend_reg_count()
+    ggml_backend_reg_t ggml_backend_reg_get(size_t index)
+    const char * ggml_backend_reg_name(ggml_backend_reg_t reg)
+    ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device)
+
+
+# ggml-alloc.h: graph and context allocators
+cdef extern from "ggml-alloc.h" nogil:
+    struct ggml_gallocr
+    ctypedef ggml_gallocr * ggml_gallocr_t
+    ggml_gallocr_t ggml_gallocr_new(ggml_backend_buffer_type_t buft)
+    void ggml_gallocr_free(ggml_gallocr_t galloc)
+    bint ggml_gallocr_reserve(ggml_gallocr_t galloc, ggml_cgraph * graph)
+    bint ggml_gallocr_alloc_graph(ggml_gallocr_t galloc, ggml_cgraph * graph)
+    size_t ggml_gallocr_get_buffer_size(ggml_gallocr_t galloc, int buffer_id)
+    size_t ggml_backend_alloc_ctx_tensors_from_buft_size(ggml_context * ctx, ggml_backend_buffer_type_t buft)
+    ggml_backend_buffer * ggml_backend_alloc_ctx_tensors_from_buft(ggml_context * ctx, ggml_backend_buffer_type_t buft)
+
+
 # ggml-impl.h: ggml's internal header, for the graph's counts and visited set
 # only. ggml asserts (aborts) when a graph is full; counting what an expand
 # would add needs both, and the public API exposes neither n_leafs nor the set.
@@ -366,6 +493,10 @@ cdef extern from "ggml-cpu.h" nogil:
         bint use_ref
     ggml_cplan ggml_graph_plan(const ggml_cgraph * cgraph, int n_threads, ggml_threadpool * threadpool)
     ggml_status ggml_graph_compute(ggml_cgraph * cgraph, ggml_cplan * cplan)
+    ggml_backend_t ggml_backend_cpu_init()
+    bint ggml_backend_is_cpu(ggml_backend_t backend)
+    void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads)
+    void ggml_backend_cpu_set_abort_callback(ggml_backend_t backend_cpu, ggml_abort_callback abort_callback, void * abort_callback_data)
     int ggml_cpu_has_sse3()
     int ggml_cpu_has_avx()
     int ggml_cpu_has_avx2()
@@ -383,29 +514,10 @@ cdef extern from "ggml-cpu.h" nogil:
     int ggml_cpu_has_llamafile()
 
 
-# ggml-backend.h: devices, backends, buffers
-cdef extern from "ggml-backend.h" nogil:
-    enum ggml_backend_dev_type:
-        GGML_BACKEND_DEVICE_TYPE_CPU
-        GGML_BACKEND_DEVICE_TYPE_GPU
-        GGML_BACKEND_DEVICE_TYPE_IGPU
-        GGML_BACKEND_DEVICE_TYPE_ACCEL
-        GGML_BACKEND_DEVICE_TYPE_META
-    struct ggml_backend_device
-    ctypedef ggml_backend_device * ggml_backend_dev_t
-    bint ggml_backend_buffer_is_host(ggml_backend_buffer * buffer)
-    ggml_backend_dev_t ggml_backend_dev_by_type(ggml_backend_dev_type type)
-    bint ggml_backend_dev_supports_op(ggml_backend_dev_t device, const ggml_tensor * op)
-    size_t ggml_backend_dev_count()
-    ggml_backend_dev_t ggml_backend_dev_get(size_t index)
-    const char * ggml_backend_dev_name(ggml_backend_dev_t device)
-    const char * ggml_backend_dev_description(ggml_backend_dev_t device)
-    void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total)
-    # C keeps enum tags and functions apart; Cython does not, so this one is renamed.
-    ggml_backend_dev_type ggml_backend_dev_type_of "ggml_backend_dev_type"(ggml_backend_dev_t device)
-    struct ggml_backend_reg
-    ctypedef ggml_backend_reg * ggml_backend_reg_t
-    size_t ggml_backend_reg_count()
-    ggml_backend_reg_t ggml_backend_reg_get(size_t index)
-    const char * ggml_backend_reg_name(ggml_backend_reg_t reg)
-    ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device)
+# ggml-rpc.h: remote devices over TCP. Reached through ggmlpy_rpc.h, which
+# compiles to stubs when ggml was built without GGML_RPC.
+cdef extern from "ggmlpy_rpc.h" nogil:
+    bint GGMLPY_HAVE_RPC
+    ggml_backend_reg * ggml_backend_rpc_add_server(const char * endpoint)
+    void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
+                                       size_t n_devices, ggml_backend_dev_t * devices)

@@ -15,12 +15,36 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rpc_server(args: argparse.Namespace) -> int:
+    from ggmlpy import _core
+
+    devs = [_core.device(name) for name in args.device] if args.device else None
+    endpoint = f"{args.host}:{args.port}"
+    names = ", ".join(d.name for d in devs) if devs else "CPU"
+    print(f"ggmlpy rpc-server: serving {names} at {endpoint} (Ctrl-C to stop)", flush=True)
+    try:
+        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads)
+    except (OSError, ValueError) as e:
+        print(f"ggmlpy rpc-server: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, RPC server")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, CPU features, compiled backends and devices")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("rpc-server", help="serve this machine's devices to ggml RPC clients")
+    p.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
+    p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--device", "-d", action="append", help="device to serve (repeatable; default CPU)")
+    p.add_argument("--cache-dir", default=None, help="cache tensors received by hash in this folder")
+    p.set_defaults(func=_cmd_rpc_server)
     return ap
 
 

@@ -196,7 +196,6 @@ cdef class Graph:
             _debug_count_nogil(1)
 
     cdef int _ensure(self) except -1:
-        cdef _CtxBase c
         if self.gen != self.ctx.gen:
             raise ClosedError("Graph's context has been freed or reset")
         return 0
@@ -349,11 +348,17 @@ cdef class Graph:
         cdef g.ggml_tensor * t
         for i in range(self.ptr.n_leafs):
             t = self.ptr.leafs[i]
+            if _device_tensor(t):
+                raise GGMLValueError(f"graph_compute: leaf '{t.name.decode()}' lives in device memory; compute "
+                                     f"with its backend (Backend.graph_compute or a Scheduler)")
             if t.data == NULL and g.ggml_nelements(t) > 0:
                 raise GGMLValueError(f"graph_compute: leaf '{t.name.decode()}' ({g.ggml_type_name(t.type).decode()} "
                                      f"ne={_ne_str(t)}) has no data; allocate it or use an allocating context")
         for i in range(self.checked_nodes, self.ptr.n_nodes):
             t = self.ptr.nodes[i]
+            if _device_tensor(t):
+                raise GGMLValueError(f"graph_compute: node '{t.name.decode()}' lives in device memory; compute "
+                                     f"with its backend (Backend.graph_compute or a Scheduler)")
             if t.data == NULL and g.ggml_nelements(t) > 0:
                 raise GGMLValueError(f"graph_compute: node '{t.name.decode()}' ({g.ggml_op_desc(t).decode()}) has no data; "
                                      f"its context is no_alloc: allocate the graph with a graph allocator")

@@ -47,6 +47,14 @@ cdef inline bint _buffer_is_host(g.ggml_backend_buffer * buf) noexcept:
     return g.ggml_backend_buffer_is_host(buf)
 
 
+cdef inline bint _device_tensor(g.ggml_tensor * p) noexcept:
+    # In a backend buffer whose memory the host cannot address directly.
+    cdef g.ggml_backend_buffer * buf = p.buffer
+    if buf == NULL and p.view_src != NULL:
+        buf = p.view_src.buffer
+    return buf != NULL and p.data != NULL and not g.ggml_backend_buffer_is_host(buf)
+
+
 cdef inline Tensor _wrap(_CtxBase ctx, g.ggml_tensor * p):
     cdef Tensor t = Tensor.__new__(Tensor)
     t.ptr = p
@@ -378,6 +386,9 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer dst
+        self._ensure()
+        if _device_tensor(p):
+            return self._device_get()
         self._host("get")
         dt = _NP_DTYPES.get(p.type)
         if dt is None:
@@ -392,6 +403,59 @@ cdef class Tensor:
         finally:
             PyBuffer_Release(&dst)
         return out
+
+    cdef object _device_get(self):
+        # Device memory: one ggml_backend_tensor_get into a new array.
+        cdef g.ggml_tensor * p = self.ptr
+        cdef Py_buffer dst
+        cdef size_t n = g.ggml_nbytes(p)
+        if not g.ggml_is_contiguous(p):
+            raise GGMLValueError("get: a device tensor must be contiguous to read (use ctx.cont on the device first)")
+        dt = _NP_DTYPES.get(p.type)
+        raw = dt is None
+        out = np.empty(n if raw else _np_shape(p), np.uint8 if raw else dt)
+        if n:
+            PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
+            try:
+                with nogil:
+                    g.ggml_backend_tensor_get(p, dst.buf, 0, n)
+            finally:
+                PyBuffer_Release(&dst)
+        if raw:
+            return dequantize(out, Type(p.type), p.ne[0]).reshape(_np_shape(p)) if p.type != g.GGML_TYPE_BF16 else \
+                (out.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(_np_shape(p))
+        return out
+
+    cdef int _device_set(self, array) except -1:
+        cdef g.ggml_tensor * p = self.ptr
+        cdef Py_buffer src
+        cdef size_t n = g.ggml_nbytes(p)
+        if not g.ggml_is_contiguous(p):
+            raise GGMLValueError("set: a device tensor must be contiguous to write")
+        arr = np.asarray(array)
+        if not _same_shape_np(arr.shape, p):
+            raise GGMLValueError(f"set: shape mismatch (got array shape {arr.shape}, expected {self.shape})")
+        dt = _NP_DTYPES.get(p.type)
+        if dt is not None:
+            if not np.can_cast(arr.dtype, dt, "same_kind"):
+                raise GGMLTypeError(f"set: cannot cast {arr.dtype} to the tensor's {dt}")
+            data = np.ascontiguousarray(arr, dtype=dt)
+        elif p.type == g.GGML_TYPE_BF16:
+            f = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
+            data = ((f + 0x7FFF + ((f >> 16) & 1)) >> 16).astype(np.uint16)   # round to nearest even
+        else:
+            _quantizable(p.type, "set")
+            data = np.frombuffer(quantize(np.asarray(arr, np.float32).reshape(-1, p.ne[0]), Type(p.type)), np.uint8)
+        if n:
+            PyObject_GetBuffer(data, &src, PyBUF_SIMPLE)
+            try:
+                if <size_t> src.len != n:
+                    raise GGMLValueError(f"set: {src.len} bytes for a tensor of {n}")
+                with nogil:
+                    g.ggml_backend_tensor_set(p, src.buf, 0, n)
+            finally:
+                PyBuffer_Release(&src)
+        return 0
 
     cdef object _get_converted(self):
         cdef g.ggml_tensor * p = self.ptr
@@ -427,6 +491,10 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer src
+        self._ensure()
+        if _device_tensor(p):
+            self._device_set(array)
+            return
         self._host("set")
         if self.readonly:
             raise GGMLValueError("set: tensor is read-only")
@@ -510,7 +578,7 @@ cdef class Tensor:
         return PyCapsule_New(m, b"dltensor", _dl_capsule_destructor)
 
 
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer, PyBUF_RECORDS_RO
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyObject_CheckBuffer, PyBUF_RECORDS_RO, PyBUF_SIMPLE
 
 _np_empty = np.empty
 

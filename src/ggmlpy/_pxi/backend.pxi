@@ -1,0 +1,584 @@
+# backend.pxi: ggml-backend devices, backends, buffer types, buffers, the
+# graph allocator, the scheduler and RPC.
+#
+# Ownership: Device and BufferType are ggml's static registry objects (never
+# freed); Backend, Buffer, Gallocr and Scheduler own their handle and free it
+# once. A Buffer keeps the Backend or BufferType it came from alive, a
+# Scheduler its Backends, and a Context the Buffers its tensors live in.
+# Allocator and scheduler failures leave ggml's object half-updated (a later
+# call would dereference a buffer that was never made), so after a failure the
+# Python object refuses further use: create a new one.
+
+import threading
+
+cdef dict _DEV_TYPE_NAMES = {g.GGML_BACKEND_DEVICE_TYPE_CPU: "CPU", g.GGML_BACKEND_DEVICE_TYPE_GPU: "GPU",
+                             g.GGML_BACKEND_DEVICE_TYPE_IGPU: "IGPU", g.GGML_BACKEND_DEVICE_TYPE_ACCEL: "ACCEL",
+                             g.GGML_BACKEND_DEVICE_TYPE_META: "META"}
+
+# Backends ggmlpy knows how to build, with the option that turns them on.
+_BUILD_FLAG = {"CUDA": "GGML_CUDA", "METAL": "GGML_METAL", "MTL": "GGML_METAL", "VULKAN": "GGML_VULKAN",
+               "BLAS": "GGML_BLAS", "RPC": "GGML_RPC", "SYCL": "GGML_SYCL", "HIP": "GGML_HIP"}
+
+
+class BufferUsage(enum.IntEnum):
+    """What a buffer holds (``ggml_backend_buffer_usage``); schedulers treat WEIGHTS specially."""
+    ANY = g.GGML_BACKEND_BUFFER_USAGE_ANY
+    WEIGHTS = g.GGML_BACKEND_BUFFER_USAGE_WEIGHTS
+    COMPUTE = g.GGML_BACKEND_BUFFER_USAGE_COMPUTE
+
+
+def _unavailable(str what):
+    key = what.upper().rstrip("0123456789")
+    flag = _BUILD_FLAG.get(key)
+    hint = (f"; rebuild with it: CMAKE_ARGS=\"-D{flag}=on\" pip install --force-reinstall --no-binary ggmlpy ggmlpy"
+            if flag else "")
+    have = ", ".join(d.name for d in devices())
+    return BackendUnavailable(f"{what}: not available in this build or on this machine (devices: {have}){hint}")
+
+
+@cython.final
+cdef class Device:
+    """A ggml device (``ggml_backend_dev_t``): the CPU, a GPU, an RPC server's device.
+
+    Get them from ``devices()`` or ``device(name)``; they live as long as the process.
+    """
+    cdef g.ggml_backend_dev_t ptr
+    cdef object rpc_endpoint
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Devices come from ggmlpy.devices() or ggmlpy.device(name)")
+
+    @staticmethod
+    cdef Device _make(g.ggml_backend_dev_t p, object endpoint=None):
+        cdef Device d = Device.__new__(Device)
+        d.ptr = p
+        d.rpc_endpoint = endpoint
+        return d
+
+    @property
+    def name(self):
+        return g.ggml_backend_dev_name(self.ptr).decode()
+
+    @property
+    def description(self):
+        return g.ggml_backend_dev_description(self.ptr).decode()
+
+    @property
+    def type(self):
+        """``'CPU'``, ``'GPU'``, ``'IGPU'``, ``'ACCEL'`` or ``'META'``."""
+        return _DEV_TYPE_NAMES.get(g.ggml_backend_dev_type_of(self.ptr), "?")
+
+    @property
+    def endpoint(self):
+        """``host:port`` of an RPC device, else None."""
+        return self.rpc_endpoint
+
+    def memory(self):
+        """``(free, total)`` bytes of device memory, as the backend reports it now."""
+        cdef size_t free_b = 0, total_b = 0
+        with nogil:
+            g.ggml_backend_dev_memory(self.ptr, &free_b, &total_b)
+        return free_b, total_b
+
+    @property
+    def caps(self):
+        """Capabilities: async, host_buffer, buffer_from_host_ptr, events, mmap_support."""
+        cdef g.ggml_backend_dev_props props
+        g.ggml_backend_dev_get_props(self.ptr, &props)
+        return {"async": props.caps.async_, "host_buffer": props.caps.host_buffer,
+                "buffer_from_host_ptr": props.caps.buffer_from_host_ptr, "events": props.caps.events,
+                "mmap_support": props.caps.mmap_support}
+
+    @property
+    def device_id(self):
+        """PCI bus id (GPUs) or None."""
+        cdef g.ggml_backend_dev_props props
+        g.ggml_backend_dev_get_props(self.ptr, &props)
+        return None if props.device_id == NULL else props.device_id.decode()
+
+    def buffer_type(self):
+        """The device's memory (``ggml_backend_dev_buffer_type``)."""
+        return BufferType._make(g.ggml_backend_dev_buffer_type(self.ptr), self.name)
+
+    def host_buffer_type(self):
+        """Pinned host memory for fast transfers to this device, or None."""
+        cdef g.ggml_backend_buffer_type_t b = g.ggml_backend_dev_host_buffer_type(self.ptr)
+        return None if b == NULL else BufferType._make(b, self.name)
+
+    def supports_op(self, Tensor op not None):
+        """Whether the device can compute ``op`` with its current types and shapes."""
+        _arg(op, "supports_op", "op")
+        return bool(g.ggml_backend_dev_supports_op(self.ptr, op.ptr))
+
+    def supports_buft(self, BufferType buft not None):
+        """Whether the device can use tensors in ``buft``."""
+        return bool(g.ggml_backend_dev_supports_buft(self.ptr, buft.ptr))
+
+    def offload_op(self, Tensor op not None):
+        """Whether the device wants ``op`` even when its weights are in host memory."""
+        _arg(op, "offload_op", "op")
+        return bool(g.ggml_backend_dev_offload_op(self.ptr, op.ptr))
+
+    def init(self, params=None):
+        """A new Backend (stream) on this device."""
+        cdef bytes p = params.encode() if params is not None else None
+        cdef g.ggml_backend_t b
+        with _rpc_lock_for(self.rpc_endpoint):
+            b = g.ggml_backend_dev_init(self.ptr, <const char *> p if p is not None else NULL)
+        if b == NULL:
+            raise BackendUnavailable(f"backend_init: could not start a backend on device {self.name}")
+        return Backend._make(b, self)
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and (<Device> other).ptr == self.ptr
+
+    def __hash__(self):
+        return hash(<uintptr_t> self.ptr)
+
+    def __repr__(self):
+        free_b, total_b = self.memory()
+        return (f"<ggmlpy.Device {self.name} ({self.type}) {self.description!r} "
+                f"{_fmt_bytes(free_b)} free of {_fmt_bytes(total_b)}>")
+
+
+def devices():
+    """Every device ggml found (compiled-in backends plus added RPC servers), CPU last.
+
+    Examples
+    --------
+    >>> any(d.type == "CPU" for d in devices())
+    True
+    """
+    out = [Device._make(g.ggml_backend_dev_get(i)) for i in range(g.ggml_backend_dev_count())]
+    for ep, devs in _rpc_devices.items():
+        out.extend(devs)
+    out.sort(key=lambda d: d.type == "CPU")
+    return out
+
+
+def device(name):
+    """The device called ``name`` (``'CPU'``, ``'CUDA0'``, ``'RPC0'``...), case-insensitive.
+
+    Raises
+    ------
+    BackendUnavailable
+        No such device in this build; the message names the rebuild option.
+    """
+    for d in devices():
+        if d.name.lower() == str(name).lower():
+            return d
+    raise _unavailable(str(name))
+
+
+@cython.final
+cdef class BufferType:
+    """A kind of memory a backend allocates from (``ggml_backend_buffer_type_t``)."""
+    cdef g.ggml_backend_buffer_type_t ptr
+    cdef str dev_name
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("BufferTypes come from Device.buffer_type() or Backend.buffer_type")
+
+    @staticmethod
+    cdef BufferType _make(g.ggml_backend_buffer_type_t p, str dev_name):
+        cdef BufferType b = BufferType.__new__(BufferType)
+        b.ptr = p
+        b.dev_name = dev_name
+        return b
+
+    @property
+    def name(self):
+        return g.ggml_backend_buft_name(self.ptr).decode()
+
+    @property
+    def alignment(self):
+        return g.ggml_backend_buft_get_alignment(self.ptr)
+
+    @property
+    def max_size(self):
+        """Largest single buffer this type allocates."""
+        return g.ggml_backend_buft_get_max_size(self.ptr)
+
+    @property
+    def is_host(self):
+        """True if its memory is host memory (tensors can be read without a copy)."""
+        return bool(g.ggml_backend_buft_is_host(self.ptr))
+
+    @property
+    def device_name(self):
+        return self.dev_name
+
+    def alloc_size(self, Tensor t not None):
+        """Bytes ``t`` takes in this buffer type (may exceed ``t.nbytes`` for padded layouts)."""
+        _arg(t, "alloc_size", "t")
+        return g.ggml_backend_buft_get_alloc_size(self.ptr, t.ptr)
+
+    def alloc_buffer(self, size_t size):
+        """A new Buffer of ``size`` bytes.
+
+        Raises
+        ------
+        GGMLMemoryError
+            The device could not provide it (the message names size and device).
+        """
+        cdef g.ggml_backend_buffer_t b
+        _need(size > 0, "alloc_buffer", "size must be > 0")
+        with nogil:
+            b = g.ggml_backend_buft_alloc_buffer(self.ptr, size)
+        if b == NULL:
+            raise GGMLMemoryError(f"alloc_buffer: could not allocate {_fmt_bytes(size)} of {self.name} "
+                                  f"on device {self.dev_name}")
+        return Buffer._make(b, self)
+
+    def __eq__(self, other):
+        return isinstance(other, BufferType) and (<BufferType> other).ptr == self.ptr
+
+    def __hash__(self):
+        return hash(<uintptr_t> self.ptr)
+
+    def __repr__(self):
+        return f"<ggmlpy.BufferType {self.name} (device {self.dev_name}{', host' if self.is_host else ''})>"
+
+
+@cython.no_gc_clear
+cdef class Buffer:
+    """A block of backend memory (``ggml_backend_buffer_t``) holding tensors.
+
+    Made by ``BufferType.alloc_buffer``, ``Backend.alloc_buffer`` or
+    ``alloc_ctx_tensors``. Contexts whose tensors live in it keep it alive.
+    """
+    cdef g.ggml_backend_buffer_t ptr
+    cdef object owner        # BufferType or Backend it came from
+    cdef list ctxs           # Contexts with tensors placed in this buffer
+    cdef readonly size_t size
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Buffers come from BufferType.alloc_buffer() or alloc_ctx_tensors()")
+
+    @staticmethod
+    cdef Buffer _make(g.ggml_backend_buffer_t p, object owner):
+        cdef Buffer b = Buffer.__new__(Buffer)
+        b.ptr = p
+        b.owner = owner
+        b.ctxs = []
+        b.size = g.ggml_backend_buffer_get_size(p)
+        _debug_count("Buffer", 1)
+        return b
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            g.ggml_backend_buffer_free(self.ptr)
+            self.ptr = NULL
+            _debug_count_nogil(2)
+
+    cdef int _ensure(self) except -1:
+        if self.ptr == NULL:
+            raise ClosedError("Buffer has been freed")
+        return 0
+
+    def free(self):
+        """Free the memory now.
+
+        Raises
+        ------
+        GGMLValueError
+            A live context still has tensors in this buffer (free the context first).
+        """
+        cdef _CtxBase c
+        if self.ptr == NULL:
+            return
+        live = [c for c in self.ctxs if not c.freed]
+        if live:
+            raise GGMLValueError(f"buffer_free: {len(live)} context(s) still hold tensors in this buffer; free them first")
+        g.ggml_backend_buffer_free(self.ptr)
+        self.ptr = NULL
+        _debug_count_nogil(2)
+
+    @property
+    def name(self):
+        self._ensure()
+        return g.ggml_backend_buffer_name(self.ptr).decode()
+
+    @property
+    def buffer_type(self):
+        self._ensure()
+        bt = self.owner if isinstance(self.owner, BufferType) else None
+        return bt if bt is not None else BufferType._make(g.ggml_backend_buffer_get_type(self.ptr), "?")
+
+    @property
+    def is_host(self):
+        self._ensure()
+        return bool(g.ggml_backend_buffer_is_host(self.ptr))
+
+    @property
+    def usage(self):
+        """``BufferUsage`` of the buffer (settable)."""
+        self._ensure()
+        return BufferUsage(g.ggml_backend_buffer_get_usage(self.ptr))
+
+    @usage.setter
+    def usage(self, value):
+        cdef int u = value
+        self._ensure()
+        _need(u in (0, 1, 2), "buffer_set_usage", f"usage must be a BufferUsage (got {value!r})")
+        g.ggml_backend_buffer_set_usage(self.ptr, <g.ggml_backend_buffer_usage> u)
+
+    def clear(self, int value=0):
+        """Fill the whole buffer with the byte ``value``."""
+        self._ensure()
+        _need(0 <= value <= 255, "buffer_clear", f"value must be a byte (got {value})")
+        with nogil:
+            g.ggml_backend_buffer_clear(self.ptr, <uint8_t> value)
+
+    def __repr__(self):
+        if self.ptr == NULL:
+            return "<ggmlpy.Buffer (freed)>"
+        return f"<ggmlpy.Buffer {self.name} {_fmt_bytes(self.size)}>"
+
+
+def alloc_ctx_tensors(Context ctx not None, target):
+    """Allocate every tensor of a no_alloc context in one buffer of ``target``.
+
+    ``target`` is a Backend or a BufferType. Returns the Buffer (the context
+    keeps it alive). Data is not initialised; use ``Tensor.set``.
+
+    Raises
+    ------
+    GGMLValueError
+        The context is not no_alloc, or has nothing to allocate.
+    GGMLMemoryError
+        The device has no room; the context's tensors are unusable afterwards.
+    """
+    cdef BufferType bt
+    cdef g.ggml_backend_buffer * b
+    cdef size_t need
+    ctx._ensure()
+    bt = target.buffer_type if isinstance(target, Backend) else target
+    if not isinstance(bt, BufferType):
+        raise GGMLTypeError(f"alloc_ctx_tensors: target must be a Backend or BufferType (got {target!r})")
+    if not ctx.no_alloc_:
+        raise GGMLValueError("alloc_ctx_tensors: the context must be no_alloc (its tensors already have host memory)")
+    need = g.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.ptr, bt.ptr)
+    if need == 0:
+        raise GGMLValueError("alloc_ctx_tensors: the context has no tensors that need memory")
+    with nogil:
+        b = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx.ptr, bt.ptr)
+    if b == NULL:
+        # ggml may have placed earlier tensors in buffers it then freed: the
+        # context's tensors must not be touched again.
+        ctx.gen += 1
+        raise GGMLMemoryError(f"alloc_ctx_tensors: could not allocate {_fmt_bytes(need)} of {bt.name} on device "
+                              f"{bt.dev_name}; the context's tensors are invalid now")
+    buf = Buffer._make(b, bt)
+    (<Buffer> buf).ctxs.append(ctx)
+    ctx.keep.append(buf)
+    return buf
+
+
+@cython.no_gc_clear
+cdef class Backend:
+    """An execution stream on a device (``ggml_backend_t``). Made by ``Device.init()`` or ``backend_init``."""
+    cdef g.ggml_backend_t ptr
+    cdef Device dev
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Backends come from Device.init() or ggmlpy.backend_init(name)")
+
+    @staticmethod
+    cdef Backend _make(g.ggml_backend_t p, Device dev):
+        cdef Backend b = Backend.__new__(Backend)
+        b.ptr = p
+        b.dev = dev
+        _debug_count("Backend", 1)
+        return b
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            g.ggml_backend_free(self.ptr)
+            self.ptr = NULL
+            _debug_count_nogil(3)
+
+    cdef int _ensure(self) except -1:
+        if self.ptr == NULL:
+            raise ClosedError("Backend has been freed")
+        return 0
+
+    @property
+    def name(self):
+        self._ensure()
+        return g.ggml_backend_name(self.ptr).decode()
+
+    @property
+    def device(self):
+        return self.dev
+
+    @property
+    def is_cpu(self):
+        self._ensure()
+        return bool(g.ggml_backend_is_cpu(self.ptr))
+
+    @property
+    def buffer_type(self):
+        """The backend's default BufferType."""
+        self._ensure()
+        return BufferType._make(g.ggml_backend_get_default_buffer_type(self.ptr), self.dev.name)
+
+    @property
+    def alignment(self):
+        self._ensure()
+        return g.ggml_backend_get_alignment(self.ptr)
+
+    @property
+    def max_size(self):
+        self._ensure()
+        return g.ggml_backend_get_max_size(self.ptr)
+
+    def alloc_buffer(self, size_t size):
+        """A new Buffer of ``size`` bytes in the backend's default buffer type."""
+        buf = self.buffer_type.alloc_buffer(size)
+        (<Buffer> buf).owner = self
+        return buf
+
+    def set_n_threads(self, int n_threads):
+        """Threads the CPU backend computes with (1..512)."""
+        self._ensure()
+        if not g.ggml_backend_is_cpu(self.ptr):
+            raise GGMLValueError(f"set_n_threads: {self.name} is not a CPU backend")
+        _need(1 <= n_threads <= 512, "set_n_threads", f"n_threads must be in [1, 512] (got {n_threads})")
+        g.ggml_backend_cpu_set_n_threads(self.ptr, n_threads)
+
+    def supports_op(self, Tensor op not None):
+        self._ensure()
+        _arg(op, "supports_op", "op")
+        return bool(g.ggml_backend_supports_op(self.ptr, op.ptr))
+
+    def supports_buft(self, BufferType buft not None):
+        self._ensure()
+        return bool(g.ggml_backend_supports_buft(self.ptr, buft.ptr))
+
+    def synchronize(self):
+        """Wait for the backend's queued work."""
+        self._ensure()
+        with nogil:
+            g.ggml_backend_synchronize(self.ptr)
+
+    def graph_compute(self, Graph graph not None):
+        """Compute ``graph`` on this backend (GIL released).
+
+        Every node and leaf must already have memory this backend can use
+        (allocate with ``alloc_ctx_tensors`` or a ``Gallocr``) and every node
+        must be supported by the backend.
+        """
+        cdef g.ggml_status st
+        cdef g.ggml_cgraph * cg
+        self._ensure()
+        graph._ensure()
+        graph._check_ctxs()
+        _check_graph_on(graph.ptr, self.ptr, self.name)
+        for entry in graph.index_checks:
+            _scan_indices(entry)
+        cg = graph.ptr
+        with _rpc_lock_for(self.dev.rpc_endpoint):
+            with nogil:
+                st = g.ggml_backend_graph_compute(self.ptr, cg)
+        _check_status(st, "backend_graph_compute")
+
+    def free(self):
+        """Release the backend now (only once nothing uses it)."""
+        if self.ptr != NULL:
+            g.ggml_backend_free(self.ptr)
+            self.ptr = NULL
+            _debug_count_nogil(3)
+
+    def __repr__(self):
+        return "<ggmlpy.Backend (freed)>" if self.ptr == NULL else f"<ggmlpy.Backend {self.name} on {self.dev.name}>"
+
+
+cdef int _check_graph_on(g.ggml_cgraph * cg, g.ggml_backend_t be, str bname) except -1:
+    # ggml_backend_graph_compute checks nothing: every tensor needs memory the
+    # backend can use, and every node an implementation.
+    cdef int i, k
+    cdef g.ggml_tensor * t
+    cdef g.ggml_backend_buffer * buf
+    if cg.n_nodes == 0:
+        raise GGMLValueError("backend_graph_compute: the graph has no nodes")
+    for k in range(2):
+        for i in range(cg.n_leafs if k == 0 else cg.n_nodes):
+            t = cg.leafs[i] if k == 0 else cg.nodes[i]
+            buf = t.buffer if t.view_src == NULL or t.buffer != NULL else t.view_src.buffer
+            if g.ggml_nelements(t) == 0:
+                continue
+            if t.data == NULL or buf == NULL:
+                raise GGMLValueError(f"backend_graph_compute: tensor '{t.name.decode()}' has no backend memory; "
+                                     f"allocate its context with alloc_ctx_tensors or the graph with a Gallocr")
+            if not g.ggml_backend_supports_buft(be, g.ggml_backend_buffer_get_type(buf)):
+                raise GGMLValueError(f"backend_graph_compute: tensor '{t.name.decode()}' is in "
+                                     f"{g.ggml_backend_buffer_name(buf).decode()} memory, which {bname} cannot use")
+            if k == 1 and t.op != g.GGML_OP_NONE and not g.ggml_backend_supports_op(be, t):
+                raise GGMLValueError(f"{g.ggml_op_desc(t).decode().lower()}: backend {bname} does not implement "
+                                     f"this op for its types")
+    return 0
+
+
+def backend_init(name=None, params=None):
+    """A Backend on the device called ``name`` (default: the best device, GPUs first)."""
+    if name is None:
+        return devices()[0].init(params)
+    return device(name).init(params)
+
+
+@cython.no_gc_clear
+cdef class Gallocr:
+    """A graph allocator for one buffer type (``ggml_gallocr``): places a graph's tensors in one reusable buffer."""
+    cdef g.ggml_gallocr_t ptr
+    cdef BufferType bt
+    cdef bint poisoned
+
+    def __cinit__(self, BufferType buft not None):
+        self.bt = buft
+        self.ptr = g.ggml_gallocr_new(buft.ptr)
+        if self.ptr == NULL:
+            raise GGMLMemoryError("gallocr_new: out of host memory")
+
+    def __dealloc__(self):
+        if self.ptr != NULL:
+            g.ggml_gallocr_free(self.ptr)
+            self.ptr = NULL
+
+    cdef int _ready(self, str op, Graph graph) except -1:
+        if self.poisoned:
+            raise GGMLValueError(f"{op}: this allocator failed earlier; create a new Gallocr")
+        graph._ensure()
+        graph._check_ctxs()
+        return 0
+
+    def reserve(self, Graph graph not None):
+        """Size the buffer for ``graph`` (the largest graph it will allocate).
+
+        Raises
+        ------
+        GGMLMemoryError
+            The buffer could not be allocated; this Gallocr is unusable afterwards.
+        """
+        cdef bint ok
+        self._ready("gallocr_reserve", graph)
+        with nogil:
+            ok = g.ggml_gallocr_reserve(self.ptr, graph.ptr)
+        if not ok:
+            self.poisoned = True
+            raise GGMLMemoryError(f"gallocr_reserve: could not allocate the compute buffer of {self.bt.name}")
+
+    def alloc_graph(self, Graph graph not None):
+        """Assign memory to every unallocated tensor of ``graph``; call again for each new graph."""
+        cdef bint ok
+        self._ready("gallocr_alloc_graph", graph)
+        with nogil:
+            ok = g.ggml_gallocr_alloc_graph(self.ptr, graph.ptr)
+        if not ok:
+            self.poisoned = True
+            raise GGMLMemoryError(f"gallocr_alloc_graph: could not allocate the graph in {self.bt.name}")
+
+    @property
+    def buffer_size(self):
+        """Bytes of the compute buffer (0 before reserve)."""
+        return g.ggml_gallocr_get_buffer_size(self.ptr, 0)

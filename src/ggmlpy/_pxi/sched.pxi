@@ -1,0 +1,475 @@
+# sched.pxi: the multi-backend scheduler and RPC endpoints.
+
+import socket
+
+cdef extern from *:
+    """
+    /* ggml's scheduler points graph nodes' inputs at its own copies of them
+       (for inputs that cross backends), and frees those copies at the next
+       reset. Saving the inputs first and putting them back afterwards keeps
+       the caller's graph intact and reusable. */
+    typedef struct { int n; struct ggml_tensor ** nodes; struct ggml_tensor ** srcs; } ggmlpy_saved_srcs;
+
+    static ggmlpy_saved_srcs * ggmlpy_srcs_save(const struct ggml_cgraph * g) {
+        ggmlpy_saved_srcs * s = (ggmlpy_saved_srcs *) calloc(1, sizeof(*s));
+        int i;
+        if (!s) return NULL;
+        s->n = g->n_nodes;
+        s->nodes = (struct ggml_tensor **) malloc(sizeof(*s->nodes) * (size_t) (g->n_nodes + 1));
+        s->srcs = (struct ggml_tensor **) malloc(sizeof(*s->srcs) * (size_t) (g->n_nodes + 1) * GGML_MAX_SRC);
+        if (!s->nodes || !s->srcs) { free(s->nodes); free(s->srcs); free(s); return NULL; }
+        for (i = 0; i < g->n_nodes; i++) {
+            s->nodes[i] = g->nodes[i];
+            memcpy(s->srcs + (size_t) i * GGML_MAX_SRC, g->nodes[i]->src, sizeof(g->nodes[i]->src));
+        }
+        return s;
+    }
+    static void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) {
+        int i;
+        if (!s) return;
+        if (restore) {
+            for (i = 0; i < s->n; i++) {
+                memcpy(s->nodes[i]->src, s->srcs + (size_t) i * GGML_MAX_SRC, sizeof(s->nodes[i]->src));
+            }
+        }
+        free(s->nodes); free(s->srcs); free(s);
+    }
+    """
+    ctypedef struct ggmlpy_saved_srcs
+    ggmlpy_saved_srcs * ggmlpy_srcs_save(g.ggml_cgraph * gr) nogil
+    void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) nogil
+
+GGML_SCHED_MAX_BACKENDS = 16
+
+
+@cython.no_gc_clear
+cdef class Scheduler:
+    """``ggml_backend_sched``: splits graphs over several backends and owns their compute buffers.
+
+    Parameters
+    ----------
+    backends : sequence of Backend
+        In priority order; the last must be a CPU backend (ggml's rule: it is
+        the fallback for ops no other backend implements).
+    bufts : sequence of BufferType, optional
+        The compute buffer type per backend (default: each backend's own).
+    graph_size : int
+        Capacity for nodes + leafs of the graphs it schedules; graphs may use
+        at most half of it (the scheduler adds copies of split inputs).
+    parallel : bool
+        Keep several copies of inputs to overlap consecutive computes.
+    op_offload : bool
+        Let GPU backends pull ops whose weights are in host memory.
+
+    Notes
+    -----
+    ggml's scheduler reuses the previous graph's allocation when asked to
+    compute again and silently keeps stale state after a failed reservation.
+    This class keeps the order ggml needs (reset, assign, reserve, reset,
+    assign, allocate), re-applies ``set_tensor_backend`` assignments after each
+    reset, and refuses further use after an allocation failure.
+    """
+    cdef g.ggml_backend_sched_t ptr
+    cdef list backends
+    cdef size_t graph_size
+    cdef dict assigned         # tensor address -> (Tensor, Backend)
+    cdef object allocated      # (Graph, n_nodes, n_leafs) currently allocated, or None
+    cdef bint poisoned
+    cdef bint need_reserve
+    cdef object lock
+    cdef ggmlpy_saved_srcs * saved   # inputs of the allocated graph's nodes before ggml rewired them
+
+    def __cinit__(self, backends, bufts=None, size_t graph_size=g.GGML_DEFAULT_GRAPH_SIZE,
+                  bint parallel=False, bint op_offload=True):
+        cdef g.ggml_backend_t c_backends[16]
+        cdef g.ggml_backend_buffer_type_t c_bufts[16]
+        cdef Backend b
+        cdef int i, n
+        self.backends = list(backends)
+        self.assigned = {}
+        self.lock = threading.RLock()
+        n = len(self.backends)
+        _need(1 <= n <= GGML_SCHED_MAX_BACKENDS, "sched_new", f"needs 1 to {GGML_SCHED_MAX_BACKENDS} backends (got {n})")
+        _need(graph_size >= 16, "sched_new", f"graph_size must be >= 16 (got {graph_size})")
+        for i, b in enumerate(self.backends):
+            if b is None:
+                raise GGMLTypeError("sched_new: backends must be Backend objects")
+            b._ensure()
+            c_backends[i] = b.ptr
+        _need(len({id(x) for x in self.backends}) == n, "sched_new", "backends must be distinct")
+        _need((<Backend> self.backends[n - 1]).dev.type == "CPU", "sched_new",
+              f"the last backend must be a CPU backend (got {[x.name for x in self.backends]})")
+        if bufts is not None:
+            bl = list(bufts)
+            _need(len(bl) == n, "sched_new", f"bufts needs one BufferType per backend (got {len(bl)} for {n})")
+            for i in range(n):
+                if not isinstance(bl[i], BufferType) or not g.ggml_backend_supports_buft(c_backends[i], (<BufferType> bl[i]).ptr):
+                    raise GGMLValueError(f"sched_new: backend {self.backends[i].name} cannot use buffer type {bl[i]!r}")
+                c_bufts[i] = (<BufferType> bl[i]).ptr
+        self.graph_size = graph_size
+        with nogil:
+            self.ptr = g.ggml_backend_sched_new(c_backends, c_bufts if bufts is not None else NULL, n, graph_size,
+                                                parallel, op_offload)
+        if self.ptr == NULL:
+            raise GGMLMemoryError("sched_new: out of host memory")
+        _debug_count("Scheduler", 1)
+
+    def __dealloc__(self):
+        if self.saved != NULL:
+            ggmlpy_srcs_restore(self.saved, 0)   # the graph may be gone already; just free
+            self.saved = NULL
+        if self.ptr != NULL:
+            g.ggml_backend_sched_free(self.ptr)
+            self.ptr = NULL
+            _debug_count_nogil(4)
+
+    def free(self):
+        """Free the scheduler and its compute buffers now."""
+        with self.lock:
+            if self.ptr != NULL:
+                self._restore()
+                g.ggml_backend_sched_free(self.ptr)
+                self.ptr = NULL
+                _debug_count_nogil(4)
+
+    cdef int _ready(self, str op) except -1:
+        if self.ptr == NULL:
+            raise ClosedError(f"{op}: the scheduler has been freed")
+        if self.poisoned:
+            raise GGMLValueError(f"{op}: this scheduler failed to allocate earlier; create a new Scheduler")
+        return 0
+
+    cdef int _check_graph(self, Graph graph, str op) except -1:
+        cdef int i, k
+        cdef g.ggml_tensor * t
+        cdef g.ggml_backend_buffer * buf
+        cdef Backend b
+        graph._ensure()
+        graph._check_ctxs()
+        if 2 * (graph.ptr.n_nodes + graph.ptr.n_leafs) > <int> self.graph_size:
+            raise GGMLMemoryError(f"{op}: the graph has {graph.ptr.n_nodes} nodes and {graph.ptr.n_leafs} leafs; a "
+                                  f"scheduler of graph_size {self.graph_size} takes at most "
+                                  f"{self.graph_size // 2} together (create it with a larger graph_size)")
+        for k in range(2):
+            for i in range(graph.ptr.n_leafs if k == 0 else graph.ptr.n_nodes):
+                t = graph.ptr.leafs[i] if k == 0 else graph.ptr.nodes[i]
+                buf = t.buffer if t.view_src == NULL or t.buffer != NULL else t.view_src.buffer
+                if t.data != NULL and buf == NULL and t.view_src == NULL:
+                    raise GGMLValueError(f"{op}: tensor '{t.name.decode()}' has host memory from its context; tensors "
+                                         f"a scheduler runs must live in backend buffers (use a no_alloc context and "
+                                         f"alloc_ctx_tensors) or be left for the scheduler to allocate")
+                if buf != NULL:
+                    for b in self.backends:
+                        if g.ggml_backend_supports_buft(b.ptr, g.ggml_backend_buffer_get_type(buf)):
+                            break
+                    else:
+                        raise GGMLValueError(f"{op}: tensor '{t.name.decode()}' is in "
+                                             f"{g.ggml_backend_buffer_name(buf).decode()} memory, which none of the "
+                                             f"scheduler's backends can use")
+                if k == 1 and t.op != g.GGML_OP_NONE:
+                    for b in self.backends:
+                        if g.ggml_backend_supports_op(b.ptr, t):
+                            break
+                    else:
+                        raise GGMLValueError(f"{g.ggml_op_desc(t).decode().lower()}: none of the scheduler's backends "
+                                             f"implements this op for its types")
+        return 0
+
+    cdef void _restore(self) noexcept:
+        cdef Graph prev
+        if self.saved != NULL:
+            prev = self.allocated[0] if self.allocated is not None else None
+            ggmlpy_srcs_restore(self.saved, prev is not None and prev.gen == prev.ctx.gen)
+            self.saved = NULL
+
+    cdef void _reset(self) noexcept:
+        cdef Tensor t
+        cdef Backend b
+        self._restore()
+        g.ggml_backend_sched_reset(self.ptr)
+        self.allocated = None
+        for t, b in self.assigned.values():
+            if t.gen == t.ctx.gen:
+                g.ggml_backend_sched_set_tensor_backend(self.ptr, t.ptr, b.ptr)
+
+    def reserve(self, Graph graph not None):
+        """Allocate compute buffers big enough for ``graph`` (a worst case); later graphs within it never allocate.
+
+        The graph is only measured and stays usable afterwards.
+
+        Raises
+        ------
+        GGMLMemoryError
+            A buffer could not be allocated; this scheduler is unusable afterwards.
+        """
+        cdef bint ok
+        cdef ggmlpy_saved_srcs * saved
+        with self.lock:
+            self._ready("sched_reserve")
+            self._check_graph(graph, "sched_reserve")
+            self._reset()
+            saved = ggmlpy_srcs_save(graph.ptr)
+            if saved == NULL:
+                raise GGMLMemoryError("sched_reserve: out of host memory")
+            with nogil:
+                ok = g.ggml_backend_sched_reserve(self.ptr, graph.ptr)
+                ggmlpy_srcs_restore(saved, 1)
+            if not ok:
+                self.poisoned = True
+                raise GGMLMemoryError("sched_reserve: could not allocate the compute buffers")
+            self.need_reserve = False
+            self._reset()
+
+    def reserve_size(self, Graph graph not None):
+        """Bytes each backend's compute buffer would need for ``graph``, without keeping them (a dict by name)."""
+        cdef size_t sizes[16]
+        cdef int i, n
+        cdef ggmlpy_saved_srcs * saved
+        with self.lock:
+            self._ready("sched_reserve_size")
+            self._check_graph(graph, "sched_reserve_size")
+            n = len(self.backends)
+            self._reset()
+            saved = ggmlpy_srcs_save(graph.ptr)
+            if saved == NULL:
+                raise GGMLMemoryError("sched_reserve_size: out of host memory")
+            with nogil:
+                g.ggml_backend_sched_reserve_size(self.ptr, graph.ptr, sizes)
+                ggmlpy_srcs_restore(saved, 1)
+            # reserve_size frees buffers that would have to grow: reserve again before the next allocation.
+            self.need_reserve = True
+            self._reset()
+            return {self.backends[i].name: sizes[i] for i in range(n)}
+
+    def alloc_graph(self, Graph graph not None):
+        """Assign backends and memory to ``graph`` (reserving first if needed).
+
+        ggml rewires the inputs that cross backends to the scheduler's copies
+        while the graph is allocated; they are put back when the scheduler
+        resets or allocates another graph, so the graph stays reusable.
+        """
+        cdef bint ok
+        with self.lock:
+            self._ready("sched_alloc_graph")
+            self._check_graph(graph, "sched_alloc_graph")
+            if self.need_reserve:
+                self.reserve(graph)
+            self._reset()
+            self.saved = ggmlpy_srcs_save(graph.ptr)
+            if self.saved == NULL:
+                raise GGMLMemoryError("sched_alloc_graph: out of host memory")
+            self.allocated = (graph, graph.ptr.n_nodes, graph.ptr.n_leafs)
+            with nogil:
+                ok = g.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr)
+            if not ok:
+                self.poisoned = True
+                raise GGMLMemoryError("sched_alloc_graph: could not allocate the graph's compute buffers")
+
+    def compute(self, Graph graph not None):
+        """Allocate (if ``graph`` is not the one allocated) and compute it (GIL released)."""
+        cdef g.ggml_status st
+        cdef g.ggml_cgraph * cg
+        with self.lock:
+            self._ready("sched_graph_compute")
+            alloc = self.allocated
+            if alloc is None or alloc[0] is not graph or alloc[1] != graph.ptr.n_nodes or alloc[2] != graph.ptr.n_leafs:
+                self.alloc_graph(graph)
+            else:
+                graph._ensure()
+                graph._check_ctxs()
+            for entry in graph.index_checks:
+                _scan_indices(entry)
+            cg = graph.ptr
+            with nogil:
+                st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
+            _check_status(st, "sched_graph_compute")
+
+    def synchronize(self):
+        with self.lock:
+            self._ready("sched_synchronize")
+            with nogil:
+                g.ggml_backend_sched_synchronize(self.ptr)
+
+    def reset(self):
+        """Forget the current allocation (tensor backend assignments are kept)."""
+        with self.lock:
+            self._ready("sched_reset")
+            self._reset()
+
+    cdef int _index(self, Backend backend, str op) except -1:
+        for i, b in enumerate(self.backends):
+            if b is backend:
+                return i
+        raise GGMLValueError(f"{op}: backend {backend.name} is not one of the scheduler's")
+
+    def set_tensor_backend(self, Tensor node not None, Backend backend not None):
+        """Pin ``node`` to ``backend`` (kept across resets until the tensor's context is freed)."""
+        with self.lock:
+            self._ready("sched_set_tensor_backend")
+            _arg(node, "sched_set_tensor_backend", "node")
+            self._index(backend, "sched_set_tensor_backend")
+            self.assigned[<uintptr_t> node.ptr] = (node, backend)
+            g.ggml_backend_sched_set_tensor_backend(self.ptr, node.ptr, backend.ptr)
+            self.allocated = None
+
+    def tensor_backend(self, Tensor node not None):
+        """The backend ``node`` was assigned to in the current allocation (or pinned to), or None."""
+        cdef g.ggml_backend_t p
+        with self.lock:
+            self._ready("sched_get_tensor_backend")
+            _arg(node, "sched_get_tensor_backend", "node")
+            if self.allocated is None and <uintptr_t> node.ptr in self.assigned:
+                return self.assigned[<uintptr_t> node.ptr][1]
+            p = g.ggml_backend_sched_get_tensor_backend(self.ptr, node.ptr)
+            for b in self.backends:
+                if (<Backend> b).ptr == p:
+                    return b
+            return None
+
+    def buffer_size(self, Backend backend not None):
+        """Bytes of ``backend``'s compute buffer."""
+        with self.lock:
+            self._ready("sched_get_buffer_size")
+            self._index(backend, "sched_get_buffer_size")
+            return g.ggml_backend_sched_get_buffer_size(self.ptr, backend.ptr)
+
+    @property
+    def backends(self):
+        return list(self.backends)
+
+    @property
+    def n_splits(self):
+        """Number of per-backend pieces of the last allocated graph."""
+        self._ready("sched_get_n_splits")
+        return g.ggml_backend_sched_get_n_splits(self.ptr)
+
+    @property
+    def n_copies(self):
+        """Copies of split inputs kept (1, or 4 with ``parallel``)."""
+        self._ready("sched_get_n_copies")
+        return g.ggml_backend_sched_get_n_copies(self.ptr)
+
+    def __repr__(self):
+        if self.ptr == NULL:
+            return "<ggmlpy.Scheduler (freed)>"
+        return f"<ggmlpy.Scheduler [{', '.join(b.name for b in self.backends)}] graph_size={self.graph_size}>"
+
+
+# -- RPC -----------------------------------------------------------------------------
+
+cdef dict _rpc_devices = {}     # endpoint -> [Device]
+cdef dict _rpc_locks = {}       # endpoint -> lock serializing calls (ggml shares one socket per endpoint)
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_LOCK = _NoLock()
+
+
+cdef object _rpc_lock_for(object endpoint):
+    if endpoint is None:
+        return _NO_LOCK
+    return _rpc_locks.setdefault(endpoint, threading.Lock())
+
+
+def _parse_endpoint(str endpoint, bint server=False):
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or ":" in host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise GGMLValueError(f"rpc: endpoint must be 'host:port' with an IPv4 host and a port in 1..65535 "
+                             f"(got {endpoint!r})")
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError as e:
+        raise GGMLValueError(f"rpc: cannot resolve host {host!r}: {e}") from None
+    if server:
+        try:
+            socket.inet_aton(host)
+        except OSError:
+            raise GGMLValueError(f"rpc-server: the host must be an IPv4 address such as 127.0.0.1 (got {host!r})") from None
+    return addr, int(port)
+
+
+def rpc_add_server(str endpoint, float timeout=5.0):
+    """Connect to a ggml RPC server at ``host:port`` and return its devices.
+
+    The endpoint is normalised to its IPv4 address (ggml keeps one connection
+    per spelling, and a server serves one client at a time). The server is
+    probed with ``timeout`` first, since ggml's own connect has no timeout.
+
+    Raises
+    ------
+    BackendUnavailable
+        This build has no RPC backend.
+    ConnectionError
+        Nothing answers at the endpoint, or it is not a ggml RPC server.
+    """
+    cdef bytes ep
+    cdef g.ggml_backend_reg * reg
+    if not g.GGMLPY_HAVE_RPC:
+        raise _unavailable("RPC")
+    addr, port = _parse_endpoint(endpoint)
+    key = f"{addr}:{port}"
+    if key in _rpc_devices:
+        return list(_rpc_devices[key])
+    try:
+        with socket.create_connection((addr, port), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConnectionError(f"rpc_add_server: nothing answers at {key}: {e}") from None
+    ep = key.encode()
+    cdef const char * c_ep = ep
+    with _rpc_lock_for(key):
+        with nogil:
+            reg = g.ggml_backend_rpc_add_server(c_ep)
+    if reg == NULL:
+        raise ConnectionError(f"rpc_add_server: {key} is not a compatible ggml RPC server (see the ggmlpy log)")
+    devs = [Device._make(g.ggml_backend_reg_dev_get(reg, i), key) for i in range(g.ggml_backend_reg_dev_count(reg))]
+    _rpc_devices[key] = devs
+    return list(devs)
+
+
+def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_threads=0):
+    """Serve ``devices`` (default: the CPU) over ggml's RPC protocol at ``endpoint``; blocks.
+
+    Run it in its own process (``ggmlpy rpc-server``): ggml's server has no
+    stop call, and a malformed request aborts the process hosting it.
+
+    Raises
+    ------
+    OSError
+        The port is in use.
+    GGMLValueError
+        A malformed endpoint.
+    """
+    cdef g.ggml_backend_dev_t devs[16]
+    cdef size_t n = 0
+    cdef bytes ep, cd
+    cdef const char * c_cd = NULL
+    cdef Device d
+    if not g.GGMLPY_HAVE_RPC:
+        raise _unavailable("RPC")
+    addr, port = _parse_endpoint(endpoint, server=True)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))      # raises OSError (address in use) before ggml would just return
+    dl = list(devices) if devices is not None else [device("CPU")]
+    _need(1 <= len(dl) <= 16, "rpc_start_server", "serve 1 to 16 devices")
+    for d in dl:
+        devs[n] = d.ptr
+        n += 1
+    if n_threads == 0:
+        n_threads = _default_threads()
+    ep = f"{addr}:{port}".encode()
+    if cache_dir is not None:
+        cd = os.fsencode(cache_dir)
+        c_cd = cd
+    cdef const char * c_ep = ep
+    with nogil:
+        g.ggml_backend_rpc_start_server(c_ep, c_cd, n_threads, n, devs)
+    raise RuntimeError(f"rpc_start_server: the server at {addr}:{port} stopped (see the messages above)")

@@ -1,0 +1,243 @@
+"""The ggml-backend layer of _core: devices, backends, buffers, the graph allocator,
+the scheduler (CPU and CPU + an RPC server on loopback)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import ggmlpy as gp
+from ggmlpy import _core as c
+
+
+def _graph(ctx, out, size=64):
+    gf = ctx.new_graph(size)
+    gf.build_forward_expand(out)
+    return gf
+
+
+def test_devices_and_cpu_backend():
+    devs = c.devices()
+    assert devs[-1].type == "CPU" and c.device("cpu") == devs[-1]
+    free_b, total_b = devs[-1].memory()
+    assert 0 < free_b <= total_b
+    be = c.backend_init("CPU")
+    assert be.is_cpu and be.device.name == "CPU" and be.buffer_type.is_host
+    be.set_n_threads(2)
+    with pytest.raises(gp.GGMLValueError, match="n_threads"):
+        be.set_n_threads(0)
+    with pytest.raises(gp.BackendUnavailable, match="GGML_CUDA"):
+        c.device("CUDA0")
+
+
+def test_buffers_and_ctx_allocation():
+    be = c.backend_init("CPU")
+    buf = be.alloc_buffer(1024)
+    assert buf.size == 1024 and buf.is_host and buf.usage == c.BufferUsage.ANY
+    buf.usage = c.BufferUsage.WEIGHTS
+    assert buf.usage == c.BufferUsage.WEIGHTS
+    buf.clear(7)
+    buf.free()
+    with pytest.raises(gp.ClosedError):
+        _ = buf.name
+    with pytest.raises(MemoryError, match="could not allocate"):
+        be.alloc_buffer(1 << 62)
+    ctx = gp.Context.for_tensors(4, no_alloc=True)
+    a = ctx.new_tensor(gp.Type.F32, (10, 3))
+    b = ctx.new_tensor(gp.Type.F16, (7,))
+    wbuf = c.alloc_ctx_tensors(ctx, be)
+    assert wbuf.size >= a.nbytes + b.nbytes
+    a.set(np.arange(30, dtype=np.float32).reshape(3, 10))
+    b.set(np.ones(7, np.float16))
+    assert a.get()[2, 9] == 29.0 and b.get().sum() == 7.0
+    with pytest.raises(gp.GGMLValueError, match="still hold tensors"):
+        wbuf.free()
+    with pytest.raises(gp.GGMLValueError, match="no_alloc"):
+        c.alloc_ctx_tensors(gp.Context(1 << 16), be)
+    with pytest.raises(gp.GGMLValueError, match="nothing|no tensors"):
+        c.alloc_ctx_tensors(ctx, be)          # everything already has memory
+
+
+def test_huge_context_allocation_is_memoryerror_and_recoverable():
+    be = c.backend_init("CPU")
+    ctx = gp.Context.for_tensors(2, no_alloc=True)
+    ctx.new_tensor(gp.Type.F32, (1 << 40,))
+    with pytest.raises(MemoryError):
+        c.alloc_ctx_tensors(ctx, be)
+    ok = gp.Context.for_tensors(2, no_alloc=True)
+    t = ok.new_tensor(gp.Type.F32, (4,))
+    c.alloc_ctx_tensors(ok, be)
+    t.set(np.ones(4, np.float32))
+    assert t.get().sum() == 4.0
+
+
+def test_gallocr_and_backend_compute():
+    be = c.backend_init("CPU")
+    wctx = gp.Context.for_tensors(2, no_alloc=True)
+    w = wctx.new_tensor(gp.Type.F32, (4, 3))
+    c.alloc_ctx_tensors(wctx, be)
+    W = np.arange(12, dtype=np.float32).reshape(3, 4)
+    w.set(W)
+    ctx = gp.Context.for_tensors(8, graph_size=64, no_alloc=True)
+    x = ctx.new_tensor(gp.Type.F32, (4, 2)).set_input()
+    y = ctx.mul_mat(w, x).set_output()
+    gf = _graph(ctx, y)
+    with pytest.raises(gp.GGMLValueError, match="no backend memory"):
+        be.graph_compute(gf)
+    ga = c.Gallocr(be.buffer_type)
+    ga.reserve(gf)
+    ga.alloc_graph(gf)
+    assert ga.buffer_size > 0
+    X = np.ones((2, 4), np.float32)
+    x.set(X)
+    be.graph_compute(gf)
+    np.testing.assert_allclose(y.get(), X @ W.T)
+
+
+def _sched_model(backends_for_weights, rng):
+    """Two weight matrices, each in the buffer of the given backend, and a builder of the forward graph."""
+    ws, mats = [], []
+    for be in backends_for_weights:
+        wctx = gp.Context.for_tensors(2, no_alloc=True)
+        w = wctx.new_tensor(gp.Type.F32, (16, 16))
+        buf = c.alloc_ctx_tensors(wctx, be)
+        buf.usage = c.BufferUsage.WEIGHTS
+        m = rng.standard_normal((16, 16)).astype(np.float32) / 4
+        w.set(m)
+        ws.append((w, wctx, buf))
+        mats.append(m)
+
+    def build(n_tokens):
+        ctx = gp.Context.for_tensors(32, graph_size=128, no_alloc=True)
+        x = ctx.new_tensor(gp.Type.F32, (16, n_tokens)).set_input()
+        h = ctx.relu(ctx.mul_mat(ws[0][0], x))
+        y = ctx.mul_mat(ws[1][0], h).set_output()
+        return ctx, x, y, _graph(ctx, y, 128)
+
+    def ref(X):
+        return np.maximum(X @ mats[0].T, 0) @ mats[1].T
+
+    return ws, build, ref
+
+
+def test_scheduler_cpu_reserve_then_never_allocates():
+    rng = np.random.default_rng(3)
+    cpu = c.backend_init("CPU")
+    keep, build, ref = _sched_model([cpu, cpu], rng)
+    s = c.Scheduler([cpu], graph_size=256)
+    worst = build(64)
+    s.reserve(worst[3])
+    size = s.buffer_size(cpu)
+    assert size > 0
+    for n in (1, 7, 64, 3, 32, 1):
+        ctx, x, y, gf = build(n)
+        X = rng.standard_normal((n, 16)).astype(np.float32)
+        s.alloc_graph(gf)
+        x.set(X)
+        s.compute(gf)
+        np.testing.assert_allclose(y.get().reshape(n, 16), ref(X), rtol=1e-5, atol=1e-5)
+        assert s.buffer_size(cpu) == size          # within the reservation: no reallocation
+    # The reservation graph itself is still intact and computes correctly.
+    ctx, x, y, gf = worst
+    X = rng.standard_normal((64, 16)).astype(np.float32)
+    s.alloc_graph(gf)
+    x.set(X)
+    s.compute(gf)
+    np.testing.assert_allclose(y.get().reshape(64, 16), ref(X), rtol=1e-5, atol=1e-5)
+
+
+def test_scheduler_rules():
+    cpu = c.backend_init("CPU")
+    with pytest.raises(gp.GGMLValueError, match="1 to 16"):
+        c.Scheduler([])
+    with pytest.raises(gp.GGMLValueError, match="distinct"):
+        c.Scheduler([cpu, cpu])
+    s = c.Scheduler([cpu], graph_size=16)
+    ctx = gp.Context(1 << 20)                        # host tensors, not backend buffers
+    y = ctx.scale(ctx.from_numpy(np.ones(4, np.float32)), 2.0)
+    with pytest.raises(gp.GGMLValueError, match="backend buffers"):
+        s.compute(_graph(ctx, y))
+    nctx = gp.Context.for_tensors(64, graph_size=64, no_alloc=True)
+    x = nctx.new_tensor(gp.Type.F32, (4,))
+    for _ in range(10):
+        x = nctx.scale(x, 1.0)
+    with pytest.raises(MemoryError, match="graph_size"):
+        s.reserve(_graph(nctx, x))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rpc_server():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
+                             "--port", str(port), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("rpc-server did not start")
+    yield f"127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+@pytest.mark.rpc
+def test_rpc_split_matches_cpu(rpc_server):
+    devs = c.rpc_add_server(rpc_server)
+    assert devs and devs[0].endpoint == rpc_server and devs[0] in c.devices()
+    assert c.rpc_add_server(rpc_server.replace("127.0.0.1", "localhost")) == devs   # one connection per server
+    rpc = devs[0].init()
+    cpu = c.backend_init("CPU")
+    rng = np.random.default_rng(5)
+    keep, build, ref = _sched_model([rpc, cpu], rng)     # first layer's weights on the server
+    s = c.Scheduler([rpc, cpu], graph_size=256)
+    s.reserve(build(8)[3])
+    for n in (8, 1, 5):
+        ctx, x, y, gf = build(n)
+        X = rng.standard_normal((n, 16)).astype(np.float32)
+        s.alloc_graph(gf)
+        x.set(X)
+        s.compute(gf)
+        assert s.n_splits >= 1
+        np.testing.assert_allclose(y.get().reshape(n, 16), ref(X), rtol=1e-5, atol=1e-5)
+    # Reading and writing tensors in server memory goes through the backend API.
+    w = keep[0][0]
+    m = rng.standard_normal((16, 16)).astype(np.float32)
+    w.set(m)
+    np.testing.assert_array_equal(w.get(), m)
+    with pytest.raises(gp.GGMLValueError):
+        w.numpy()                                        # no zero-copy view of remote memory
+
+
+def test_rpc_bad_endpoints():
+    with pytest.raises(gp.GGMLValueError, match="host:port"):
+        c.rpc_add_server("nonsense")
+    with pytest.raises(ConnectionError):
+        c.rpc_add_server(f"127.0.0.1:{_free_port()}", timeout=1.0)
+
+
+def test_rpc_server_refuses_a_port_in_use():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--port", str(port)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "in use" in out.stderr.lower()
