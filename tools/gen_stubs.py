@@ -32,14 +32,22 @@ RETURNS = {
     # module
     "quantize": "bytes", "dequantize": "np.ndarray", "type_name": "str", "blck_size": "int", "type_size": "int",
     "row_size": "int", "is_quantized": "bool", "tensor_overhead": "int", "graph_overhead": "int",
-    "set_log_level": "None", "_live_objects": "dict[str, int]", "_ggml_version": "tuple[str, str]",
+    "set_log_level": "None", "devices": "list[Device]", "device": "Device", "backend_init": "Backend",
+    "alloc_ctx_tensors": "Buffer", "rpc_add_server": "list[Device]", "rpc_start_server": "None",
+    "init": "Backend", "buffer_type": "BufferType", "host_buffer_type": "BufferType | None", "alloc_buffer": "Buffer",
+    "memory": "tuple[int, int]", "supports_op": "bool", "supports_buft": "bool", "offload_op": "bool",
+    "alloc_size": "int", "graph_compute": "None", "synchronize": "None", "set_n_threads": "None",
+    "reserve": "None", "reserve_size": "dict[str, int]", "alloc_graph": "None", "set_tensor_backend": "None",
+    "tensor_backend": "Backend | None", "buffer_size": "int", "_live_objects": "dict[str, int]", "_ggml_version": "tuple[str, str]",
     "_cpu_features": "list[str]", "_backends": "list[str]", "_devices": "list[dict[str, Any]]",
 }
 PROPS = {
     "ne": "tuple[int, int, int, int]", "nb": "tuple[int, int, int, int]", "shape": "tuple[int, ...]",
     "type": "Type", "op": "Op", "src": "tuple[Tensor | None, ...]", "view_src": "Tensor | None",
     "name": "str", "context": "Context", "op_params": "tuple[int, ...]", "op_desc": "str",
-    "closed": "bool", "no_alloc": "bool", "nodes": "list[Tensor]", "leafs": "list[Tensor]", "has_data": "bool",
+    "closed": "bool", "no_alloc": "bool", "backends": "list[Backend]", "description": "str",
+    "endpoint": "str | None", "caps": "dict[str, bool]", "device_id": "str | None", "device": "Device",
+    "usage": "BufferUsage", "device_name": "str", "buffer_type": "BufferType", "nodes": "list[Tensor]", "leafs": "list[Tensor]", "has_data": "bool",
 }
 
 
@@ -93,8 +101,14 @@ def generate() -> str:
         members = {}
         for klass in reversed(cls.__mro__[:-1]):
             members.update({k: v for k, v in vars(klass).items()})
-        if name == "Context":
-            lines.append("    def __init__(self, mem_size: int = ..., *, no_alloc: bool = ...) -> None: ...")
+        init = {
+            "Context": "def __init__(self, mem_size: int = ..., *, no_alloc: bool = ...) -> None: ...",
+            "Gallocr": "def __init__(self, buft: BufferType) -> None: ...",
+            "Scheduler": ("def __init__(self, backends: list[Backend], bufts: list[BufferType] | None = ..., "
+                          "graph_size: int = ..., parallel: bool = ..., op_offload: bool = ...) -> None: ..."),
+        }
+        if name in init:
+            lines.append("    " + init[name])
         body = []
         for k, v in sorted(members.items()):
             if k.startswith("__") and k not in ("__enter__", "__exit__", "__array__", "__dlpack__",
