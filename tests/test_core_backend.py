@@ -3,7 +3,6 @@ the scheduler (CPU and CPU + an RPC server on loopback)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys

@@ -547,6 +547,11 @@ cdef int _scan_indices(tuple entry) except -1:
     return 0
 
 
+def default_n_threads():
+    """Threads ggmlpy computes with when none are given: the cores this process may use."""
+    return _default_threads()
+
+
 cdef int _check_cpu_node(g.ggml_tensor * t, g.ggml_backend_dev_t dev) except -1:
     if t.op == g.GGML_OP_NONE:
         return 0

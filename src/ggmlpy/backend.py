@@ -1,0 +1,503 @@
+"""Devices, device choice, weight placement, scheduling with worst-case reservation, memory report.
+
+The runtime layer over ``ggmlpy._core``'s backend handles, after Ollama's
+``ml`` package and llama.cpp's ``llama-context``:
+
+* :func:`choose_devices` picks devices (``"auto"``: GPUs first, then the CPU;
+  explicit names; RPC servers by ``host:port``), and :func:`split_layers`
+  assigns each layer to a device (``n_gpu_layers`` style, split by free
+  memory).
+* :class:`Weights` creates a model's tensors on their devices and allocates one
+  buffer per device (:meth:`Weights.allocate`) *before* any data is read, so
+  memory can be reported and refused early; :meth:`Weights.load` then fills
+  them, reporting progress.
+* :class:`Runtime` owns one backend per device and a scheduler, and
+  :meth:`Runtime.reserve` reserves the worst-case graphs (prompt batch, one
+  token, prompt batch again) so that later computes never allocate.
+* :class:`MemoryReport` says what every device holds, per layer, and whether
+  each allocation succeeded; a failed allocation raises
+  :class:`~ggmlpy.GGMLMemoryError` carrying it.
+
+Nothing here touches a C pointer: everything goes through ``_core``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Union
+
+import numpy as np
+
+from ggmlpy import _core
+from ggmlpy._core import (
+    Backend,
+    BufferUsage,
+    Context,
+    Device,
+    GGMLMemoryError,
+    GGMLValueError,
+    Graph,
+    Tensor,
+    Type,
+)
+
+log = logging.getLogger("ggmlpy")
+
+#: A layer group: ``"input"`` (embeddings, always on the CPU), a layer index, or ``"output"``.
+Group = Union[str, int]
+
+__all__ = [
+    "DeviceMemory", "MemoryReport", "Placement", "Runtime", "Weights", "choose_devices", "devices",
+    "split_layers",
+]
+
+
+def devices() -> list[Device]:
+    """Every device ggml knows (compiled-in ones and added RPC servers), CPU last."""
+    return _core.devices()
+
+
+def choose_devices(spec: str | Sequence[str] = "auto", rpc: Iterable[str] = ()) -> list[Device]:
+    """Pick devices.
+
+    Parameters
+    ----------
+    spec : ``"auto"``, ``"cpu"``, or a list (or comma-separated string) of device names
+        ``"auto"`` takes every GPU (RPC servers count as GPUs, as ggml reports
+        them) and then the CPU; names are case-insensitive (``"CUDA0"``,
+        ``"RPC0"``, ``"CPU"``).
+    rpc : endpoints ``"host:port"`` of ``ggmlpy rpc-server`` processes to add first
+
+    Returns
+    -------
+    list of Device, the CPU always last (ggml's scheduler needs it as fallback).
+
+    Raises
+    ------
+    BackendUnavailable
+        A named device is not in this build; the message gives the rebuild option.
+    ConnectionError
+        An RPC endpoint does not answer.
+    """
+    rpc_devs = [d for ep in rpc for d in _core.rpc_add_server(ep)]
+    if isinstance(spec, str) and spec.lower() == "auto":
+        chosen = [d for d in devices() if d.type in ("GPU", "IGPU")]
+    elif isinstance(spec, str) and spec.lower() == "cpu":
+        chosen = list(rpc_devs)
+    else:
+        names = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+        chosen = [_core.device(n) for n in names if n]
+        chosen += [d for d in rpc_devs if d not in chosen]
+    cpu = _core.device("CPU")
+    out: list[Device] = []
+    for d in chosen:
+        if d not in out and d != cpu:
+            out.append(d)
+    return out + [cpu]
+
+
+@dataclass
+class Placement:
+    """Which device holds each layer group: input (CPU), layers ``0..n_layers-1``, output."""
+
+    layers: list[Device]
+    output: Device
+    input: Device
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def device_of(self, group: Group) -> Device:
+        if group == "input":
+            return self.input
+        if group == "output":
+            return self.output
+        if isinstance(group, int) and 0 <= group < len(self.layers):
+            return self.layers[group]
+        raise GGMLValueError(f"placement: no layer group {group!r} (layers 0..{len(self.layers) - 1}, input, output)")
+
+    def devices(self) -> list[Device]:
+        """The distinct devices used, in scheduler order (CPU last)."""
+        seen: list[Device] = []
+        for d in [*self.layers, self.output, self.input]:
+            if d not in seen:
+                seen.append(d)
+        return sorted(seen, key=lambda d: d.type == "CPU")
+
+    def summary(self) -> str:
+        """llama.cpp-style one-liner: how many repeating layers each device got."""
+        counts: dict[str, int] = {}
+        for d in self.layers:
+            counts[d.name] = counts.get(d.name, 0) + 1
+        parts = [f"{n} on {name}" for name, n in counts.items()]
+        return f"{self.n_layers} layers: {', '.join(parts)}; output on {self.output.name}"
+
+
+def split_layers(n_layers: int, devs: Sequence[Device], n_gpu_layers: int = -1,
+                 split: str | Sequence[float] = "memory") -> Placement:
+    """Assign ``n_layers`` repeating layers, the input and the output to ``devs``.
+
+    As llama.cpp's ``-ngl``: the *last* ``n_gpu_layers`` layers go to the
+    non-CPU devices (``-1``: all of them, and the output too when every layer
+    is offloaded); the rest and the input embeddings stay on the CPU. Among
+    several accelerators the layers are split by free memory (``"memory"``),
+    evenly (``"count"``), or by explicit proportions (a list of floats).
+    """
+    if n_layers < 0:
+        raise GGMLValueError(f"split_layers: n_layers must be >= 0 (got {n_layers})")
+    cpu = _core.device("CPU")
+    accel = [d for d in devs if d != cpu]
+    n_off = n_layers if n_gpu_layers < 0 else min(n_gpu_layers, n_layers + 1)
+    if not accel:
+        n_off = 0
+    n_rep = min(n_off, n_layers)
+    if isinstance(split, str):
+        if split == "memory":
+            weights = [max(d.memory()[0], 1) for d in accel]
+        elif split == "count":
+            weights = [1.0] * len(accel)
+        else:
+            raise GGMLValueError(f"split_layers: split must be 'memory', 'count' or a list (got {split!r})")
+    else:
+        weights = list(split)
+        if len(weights) != len(accel) or any(w < 0 for w in weights) or not sum(weights) > 0:
+            raise GGMLValueError(f"split_layers: need {len(accel)} non-negative proportions (got {weights!r})")
+    layers = [cpu] * (n_layers - n_rep)
+    if n_rep:
+        total = float(sum(weights))
+        bounds = np.cumsum([w / total for w in weights])
+        for j in range(n_rep):
+            k = int(np.searchsorted(bounds, (j + 0.5) / n_rep))
+            layers.append(accel[min(k, len(accel) - 1)])
+    output = layers[-1] if (n_off > n_layers or (n_gpu_layers < 0 and accel)) and layers else cpu
+    if n_layers == 0 and accel and n_off:
+        output = accel[0]
+    return Placement(layers=layers, output=output, input=cpu)
+
+
+@dataclass
+class DeviceMemory:
+    """What one device holds: bytes per layer group for weights and cache, the compute graph, and outcomes."""
+
+    name: str
+    description: str
+    n_layers: int
+    weights: dict[Group, int] = field(default_factory=dict)
+    cache: dict[Group, int] = field(default_factory=dict)
+    graph: int = 0
+    weights_ok: bool | None = None       # None: not attempted
+    cache_ok: bool | None = None
+    graph_ok: bool | None = None
+    free: int = 0
+    total: int = 0
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def cache_total(self) -> int:
+        return sum(self.cache.values())
+
+    @property
+    def self_total(self) -> int:
+        """model + context + compute, in llama.cpp's words."""
+        return self.weights_total + self.cache_total + self.graph
+
+    @property
+    def unaccounted(self) -> int:
+        """``total - free - self``, signed (other processes, drivers; negative when ``free`` is stale)."""
+        return self.total - self.free - self.self_total
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "description": self.description,
+            "weights": {str(k): v for k, v in self.weights.items()},
+            "cache": {str(k): v for k, v in self.cache.items()},
+            "graph": self.graph, "weights_total": self.weights_total, "cache_total": self.cache_total,
+            "self": self.self_total, "free": self.free, "total": self.total, "unaccounted": self.unaccounted,
+            "allocated": {"weights": self.weights_ok, "cache": self.cache_ok, "graph": self.graph_ok},
+        }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _status(ok: bool | None) -> str:
+    return {None: "", True: "", False: " FAILED"}[ok]
+
+
+class MemoryReport:
+    """Memory per device and per purpose (weights, KV cache, compute graph), per layer.
+
+    ``str(report)`` is an aligned table in MiB with one row per device and a
+    llama.cpp-style breakdown ``total = free + (self = model + context +
+    compute) + unaccounted``; :meth:`to_dict` / :meth:`to_json` give the same
+    numbers. A device whose allocation failed still shows what it needed.
+    """
+
+    def __init__(self, n_layers: int = 0):
+        self.n_layers = n_layers
+        self.devices: dict[str, DeviceMemory] = {}
+
+    def device(self, dev: Device) -> DeviceMemory:
+        m = self.devices.get(dev.name)
+        if m is None:
+            m = self.devices[dev.name] = DeviceMemory(dev.name, dev.description, self.n_layers)
+        m.free, m.total = dev.memory()
+        return m
+
+    def add_weights(self, dev: Device, group: Group, nbytes: int) -> None:
+        m = self.device(dev)
+        m.weights[group] = m.weights.get(group, 0) + int(nbytes)
+
+    def add_cache(self, dev: Device, group: Group, nbytes: int) -> None:
+        m = self.device(dev)
+        m.cache[group] = m.cache.get(group, 0) + int(nbytes)
+
+    def set_graph(self, dev: Device, nbytes: int, ok: bool = True) -> None:
+        m = self.device(dev)
+        m.graph = int(nbytes)
+        m.graph_ok = ok
+
+    @property
+    def total(self) -> int:
+        return sum(m.self_total for m in self.devices.values())
+
+    def to_dict(self) -> dict:
+        return {"n_layers": self.n_layers, "devices": {k: m.to_dict() for k, m in self.devices.items()},
+                "total": self.total}
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def layer_table(self) -> str:
+        """Weights and cache per layer group and device, in MiB."""
+        groups: list[Group] = ["input", *range(self.n_layers), "output"]
+        names = list(self.devices)
+        rows = [["layer", *[f"{n} weights" for n in names], *[f"{n} cache" for n in names]]]
+        for gname in groups:
+            w = [self.devices[n].weights.get(gname, 0) for n in names]
+            cch = [self.devices[n].cache.get(gname, 0) for n in names]
+            if any(w) or any(cch):
+                rows.append([str(gname), *map(_mib, w), *map(_mib, cch)])
+        return _table(rows)
+
+    def __str__(self) -> str:
+        rows = [["device", "weights", "cache", "graph", "self", "free", "total"]]
+        for m in self.devices.values():
+            rows.append([m.name, _mib(m.weights_total) + _status(m.weights_ok), _mib(m.cache_total) + _status(m.cache_ok),
+                         _mib(m.graph) + _status(m.graph_ok), _mib(m.self_total), _mib(m.free), _mib(m.total)])
+        rows.append(["total", _mib(sum(m.weights_total for m in self.devices.values())),
+                     _mib(sum(m.cache_total for m in self.devices.values())),
+                     _mib(sum(m.graph for m in self.devices.values())), _mib(self.total), "", ""])
+        lines = ["memory [MiB]", _table(rows), "", "memory breakdown [MiB] | total = free + (self = model + context + "
+                 "compute) + unaccounted"]
+        for m in self.devices.values():
+            lines.append(f"  - {m.name} ({m.description}) | {_mib(m.total)} = {_mib(m.free)} + ({_mib(m.self_total)} = "
+                         f"{_mib(m.weights_total)} + {_mib(m.cache_total)} + {_mib(m.graph)}) + {_mib(m.unaccounted)}")
+        return "\n".join(lines)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for j, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+class Weights:
+    """A model's weight tensors, created on their devices, allocated, then loaded.
+
+    Creating (:meth:`add`) and allocating (:meth:`allocate`) are separate from
+    loading (:meth:`load`), as in Ollama: the memory report exists before any
+    data is read, and an allocation failure costs no I/O.
+
+    Parameters
+    ----------
+    placement : Placement
+    max_tensors : int
+        Upper bound on the number of tensors (sizes the metadata contexts).
+    report : MemoryReport, optional
+        Where weight bytes are recorded (a new one by default).
+    """
+
+    def __init__(self, placement: Placement, max_tensors: int, report: MemoryReport | None = None):
+        self.placement = placement
+        self.report = report if report is not None else MemoryReport(placement.n_layers)
+        self._ctx: dict[str, Context] = {}
+        self._dev: dict[str, Device] = {}
+        self._max = max_tensors
+        self.tensors: dict[str, tuple[Tensor, Group]] = {}
+        self.buffers: dict[str, _core.Buffer] = {}
+        self.allocated = False
+
+    def add(self, name: str, type: Type | str, ne: Sequence[int], group: Group) -> Tensor:
+        """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``."""
+        if self.allocated:
+            raise GGMLValueError("weights_add: the weights are allocated already; add every tensor first")
+        if name in self.tensors:
+            raise GGMLValueError(f"weights_add: tensor {name!r} exists already")
+        dev = self.placement.device_of(group)
+        ctx = self._ctx.get(dev.name)
+        if ctx is None:
+            ctx = self._ctx[dev.name] = Context.for_tensors(self._max, no_alloc=True)
+            self._dev[dev.name] = dev
+        t = ctx.new_tensor(type, ne, name=name)
+        self.tensors[name] = (t, group)
+        return t
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name][0]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def allocate(self) -> MemoryReport:
+        """Allocate one WEIGHTS buffer per device.
+
+        Raises
+        ------
+        GGMLMemoryError
+            A device had no room. ``.report`` says what every device needed;
+            nothing stays allocated.
+        """
+        by_dev: dict[str, list[tuple[Tensor, Group]]] = {}
+        for t, grp in self.tensors.values():
+            by_dev.setdefault(self.placement.device_of(grp).name, []).append((t, grp))
+        for name, items in by_dev.items():
+            dev = self._dev[name]
+            bt = dev.buffer_type()
+            align = bt.alignment
+            m = self.report.device(dev)
+            m.weights.clear()
+            for t, grp in items:
+                # what ggml_backend_alloc_ctx_tensors_from_buft reserves for each tensor
+                size = -(-bt.alloc_size(t) // align) * align
+                self.report.add_weights(dev, grp, size)
+        failed = None
+        for name, ctx in self._ctx.items():
+            dev = self._dev[name]
+            try:
+                buf = _core.alloc_ctx_tensors(ctx, dev.buffer_type())
+            except MemoryError as e:
+                self.report.device(dev).weights_ok = False
+                failed = failed or e
+                continue
+            buf.usage = BufferUsage.WEIGHTS
+            self.buffers[name] = buf
+            self.report.device(dev).weights_ok = True
+        if failed is not None:
+            self.close()
+            raise GGMLMemoryError(f"weights: allocation failed ({failed})\n{self.report}", self.report)
+        self.allocated = True
+        return self.report
+
+    def load(self, source: Callable[[str], np.ndarray], progress: Callable[[int, int], None] | None = None) -> None:
+        """Fill every tensor from ``source(name)`` (numpy order, float data is converted to the tensor's type).
+
+        ``progress(done_bytes, total_bytes)`` is called after each tensor.
+        """
+        if not self.allocated:
+            raise GGMLValueError("weights_load: call allocate() first")
+        total = sum(t.nbytes for t, _ in self.tensors.values())
+        done = 0
+        for name, (t, _grp) in self.tensors.items():
+            t.set(source(name))
+            done += t.nbytes
+            if progress is not None:
+                progress(done, total)
+
+    def close(self) -> None:
+        """Free the weights' contexts and buffers."""
+        for ctx in self._ctx.values():
+            ctx.free()
+        for buf in self.buffers.values():
+            buf.free()
+        self.buffers.clear()
+        self.allocated = False
+
+
+class Runtime:
+    """One backend per device plus a scheduler over them, with worst-case reservation.
+
+    Parameters
+    ----------
+    devs : the devices (CPU last), e.g. ``placement.devices()``
+    n_threads : CPU threads (default: all cores)
+    graph_size : scheduler capacity for nodes + leafs (twice the largest graph's)
+    report : MemoryReport to record compute-graph bytes in
+    """
+
+    def __init__(self, devs: Sequence[Device], n_threads: int = 0, graph_size: int = 8192,
+                 report: MemoryReport | None = None, parallel: bool = False, op_offload: bool = True):
+        self.devices = list(devs)
+        if not self.devices or self.devices[-1].type != "CPU":
+            self.devices = [d for d in self.devices if d.type != "CPU"] + [_core.device("CPU")]
+        self.backends: list[Backend] = [d.init() for d in self.devices]
+        cpu = self.backends[-1]
+        cpu.set_n_threads(n_threads if n_threads > 0 else _core.default_n_threads())
+        self.sched = _core.Scheduler(self.backends, graph_size=graph_size, parallel=parallel, op_offload=op_offload)
+        self.report = report if report is not None else MemoryReport()
+        self.reserved: dict[str, int] = {}
+        self.stats: dict[str, tuple[int, int]] = {}
+        self.reallocations = 0
+
+    def buffer_sizes(self) -> dict[str, int]:
+        """Bytes of each backend's compute buffer now."""
+        return {d.name: self.sched.buffer_size(b) for d, b in zip(self.devices, self.backends)}
+
+    def reserve(self, build: Callable[[int], Graph], n_prompt: int, n_decode: int = 1) -> dict[str, int]:
+        """Reserve compute buffers for the worst case, as llama.cpp's context does.
+
+        ``build(n_tokens)`` returns a graph at full context for a batch of
+        ``n_tokens``; it is called for the prompt batch, a decode batch, and
+        the prompt batch again (so the final allocation is the prompt-sized
+        one). Logs node and split counts. Returns the bytes per device.
+
+        Raises
+        ------
+        GGMLMemoryError
+            A compute buffer could not be allocated; ``.report`` has the figures.
+        """
+        for label, n in (("pp", n_prompt), ("tg", n_decode), ("pp", n_prompt)):
+            gf = build(n)
+            need = self.sched.reserve_size(gf)       # measured without allocating, for the report
+            try:
+                self.sched.reserve(gf)
+            except MemoryError as e:
+                for d in self.devices:
+                    self.report.set_graph(d, need.get(d.name, 0), ok=False)
+                raise GGMLMemoryError(f"reserve: {e}\n{self.report}", self.report) from None
+            self.sched.alloc_graph(gf)
+            self.stats[label] = (gf.n_nodes, self.sched.n_splits)
+        self.sched.reset()
+        log.info("graph nodes/splits = %d/%d (with bs=%d), %d/%d (with bs=%d)",
+                 *self.stats["pp"], n_prompt, *self.stats["tg"], n_decode)
+        self.reserved = self.buffer_sizes()
+        for d in self.devices:
+            self.report.set_graph(d, self.reserved[d.name], ok=True)
+            log.info("%s compute buffer size = %.2f MiB", d.name, self.reserved[d.name] / 2**20)
+        return dict(self.reserved)
+
+    def compute(self, graph: Graph) -> None:
+        """Allocate and compute ``graph``; counts any growth of the compute buffers past the reservation."""
+        self.sched.compute(graph)
+        if self.reserved and self.buffer_sizes() != self.reserved:
+            self.reallocations += 1
+            self.reserved = self.buffer_sizes()
+            log.warning("compute buffers grew past the reservation: %s", self.reserved)
+
+    def close(self) -> None:
+        self.sched.free()
+        for b in self.backends:
+            b.free()
+

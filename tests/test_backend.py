@@ -1,0 +1,165 @@
+"""backend.py: device choice, layer split, weights placement and loading, worst-case reservation,
+the memory report (every number equals the ggml buffer size it describes), and RPC splits."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+from test_core_backend import rpc_server  # noqa: F401  (the loopback server fixture)
+
+import ggmlpy as gp
+from ggmlpy import _core
+from ggmlpy import backend as bk
+
+N_EMBD, N_LAYERS = 32, 3
+
+
+def _model(placement, rng, types=(gp.Type.F32, gp.Type.Q8_0)):
+    """A tiny MLP stack: per layer an up and a down matrix, plus an output head."""
+    w = bk.Weights(placement, max_tensors=16)
+    for i in range(N_LAYERS):
+        w.add(f"blk.{i}.up", types[i % len(types)], (N_EMBD, 2 * N_EMBD), i)
+        w.add(f"blk.{i}.down", gp.Type.F32, (2 * N_EMBD, N_EMBD), i)
+    w.add("output", gp.Type.F32, (N_EMBD, 8), "output")
+    data = {name: (rng.standard_normal(tuple(reversed(t.ne[:2]))) / 6).astype(np.float32)
+            for name, (t, _) in w.tensors.items()}
+    return w, data
+
+
+def _forward(weights, n_tokens):
+    ctx = gp.Context.for_tensors(64, graph_size=256, no_alloc=True)
+    x = ctx.new_tensor(gp.Type.F32, (N_EMBD, n_tokens), name="x").set_input()
+    h = x
+    for i in range(N_LAYERS):
+        h = ctx.add(h, ctx.mul_mat(weights[f"blk.{i}.down"], ctx.relu(ctx.mul_mat(weights[f"blk.{i}.up"], h))))
+    y = ctx.mul_mat(weights["output"], h).set_output()
+    gf = ctx.new_graph(256)
+    gf.build_forward_expand(y)
+    return ctx, x, y, gf
+
+
+def _reference(weights, data, X):
+    h = X
+    for i in range(N_LAYERS):
+        up = weights[f"blk.{i}.up"].get()             # dequantized as stored
+        h = h + np.maximum(h @ up.T, 0) @ data[f"blk.{i}.down"].T
+    return h @ data["output"].T
+
+
+def test_choose_devices_and_split():
+    devs = bk.choose_devices("auto")
+    assert devs[-1].type == "CPU"
+    assert bk.choose_devices("cpu") == [_core.device("CPU")]
+    with pytest.raises(gp.BackendUnavailable):
+        bk.choose_devices(["Vulkan0"])
+    p = bk.split_layers(4, devs)
+    assert p.n_layers == 4 and p.input.type == "CPU"
+    assert all(d.type == "CPU" for d in p.layers)      # no accelerator here: everything on the CPU
+
+
+def test_weights_report_matches_buffers_and_loads_with_progress():
+    rng = np.random.default_rng(0)
+    placement = bk.split_layers(N_LAYERS, bk.choose_devices("cpu"))
+    w, data = _model(placement, rng)
+    report = w.allocate()
+    cpu = report.devices["CPU"]
+    assert cpu.weights_ok is True
+    # Every figure equals the buffer ggml allocated.
+    assert cpu.weights_total == sum(b.size for b in w.buffers.values())
+    assert set(cpu.weights) == {0, 1, 2, "output"}
+    assert cpu.weights[0] >= w["blk.0.up"].nbytes + w["blk.0.down"].nbytes
+    seen = []
+    w.load(lambda name: data[name], progress=lambda done, total: seen.append((done, total)))
+    assert seen[-1][0] == seen[-1][1] == sum(t.nbytes for t, _ in w.tensors.values())
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:]))
+    np.testing.assert_array_equal(w["output"].get(), data["output"])
+    text = str(report)
+    assert "memory breakdown" in text and "CPU" in text
+    d = json.loads(report.to_json())
+    assert d["devices"]["CPU"]["weights_total"] == cpu.weights_total
+    assert d["devices"]["CPU"]["unaccounted"] == cpu.total - cpu.free - cpu.self_total
+    assert "output" in report.layer_table()
+    w.close()
+
+
+def test_reserve_then_computes_never_allocate(caplog):
+    rng = np.random.default_rng(1)
+    placement = bk.split_layers(N_LAYERS, bk.choose_devices("cpu"))
+    w, data = _model(placement, rng, types=(gp.Type.F32,))   # exact reference (q8_0 would quantize activations)
+    report = w.allocate()
+    w.load(lambda name: data[name])
+    rt = bk.Runtime(placement.devices(), n_threads=2, graph_size=1024, report=report)
+    with caplog.at_level(logging.INFO, logger="ggmlpy"):
+        sizes = rt.reserve(lambda n: _forward(w, n)[3], n_prompt=64)
+    assert "graph nodes/splits" in caplog.text
+    assert sizes["CPU"] > 0 and report.devices["CPU"].graph == sizes["CPU"] == rt.sched.buffer_size(rt.backends[-1])
+    for n in (1, 17, 64, 2, 33, 1, 64):
+        ctx, x, y, gf = _forward(w, n)
+        X = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+        rt.sched.alloc_graph(gf)
+        x.set(X)
+        rt.compute(gf)
+        np.testing.assert_allclose(y.get().reshape(n, 8), _reference(w, data, X), rtol=2e-4, atol=2e-4)
+    assert rt.reallocations == 0 and rt.buffer_sizes() == sizes
+    rt.close()
+    w.close()
+
+
+def test_too_much_memory_raises_with_report_and_the_process_goes_on():
+    placement = bk.split_layers(1, bk.choose_devices("cpu"))
+    w = bk.Weights(placement, max_tensors=4)
+    w.add("huge", gp.Type.F32, (1 << 20, 1 << 20), 0)         # 4 TiB
+    with pytest.raises(MemoryError) as ei:
+        w.allocate()
+    err = ei.value
+    assert isinstance(err, gp.GGMLMemoryError) and err.report is not None
+    cpu = err.report.devices["CPU"]
+    assert cpu.weights_ok is False and cpu.weights_total >= 4 << 40     # what it needed
+    assert "FAILED" in str(err)
+    # The next request works.
+    rng = np.random.default_rng(2)
+    w2, data = _model(bk.split_layers(N_LAYERS, bk.choose_devices("cpu")), rng)
+    w2.allocate()
+    w2.load(lambda name: data[name])
+    assert w2.report.devices["CPU"].weights_ok
+    w2.close()
+
+
+@pytest.mark.rpc
+def test_rpc_and_cpu_split_matches_cpu_alone(rpc_server):  # noqa: F811
+    rng = np.random.default_rng(3)
+    devs = bk.choose_devices("auto", rpc=[rpc_server])
+    assert devs[0].type == "GPU" and devs[0].endpoint == rpc_server
+    placement = bk.split_layers(N_LAYERS, devs, n_gpu_layers=2)        # layers 1, 2 on the server
+    assert [d.type for d in placement.layers] == ["CPU", "GPU", "GPU"]
+    w, data = _model(placement, rng)
+    report = w.allocate()
+    assert report.devices[devs[0].name].weights_total == w.buffers[devs[0].name].size
+    w.load(lambda name: data[name])
+    rt = bk.Runtime(placement.devices(), n_threads=1, graph_size=1024, report=report)
+    rt.reserve(lambda n: _forward(w, n)[3], n_prompt=16)
+    assert rt.stats["pp"][1] >= 2                      # split across the two backends
+    # The same weights on the CPU alone.
+    cpu_only = bk.split_layers(N_LAYERS, bk.choose_devices("cpu"))
+    wc = bk.Weights(cpu_only, max_tensors=16)
+    for name, (t, grp) in w.tensors.items():
+        wc.add(name, t.type, t.ne[:2], grp)
+    wc.allocate()
+    wc.load(lambda name: data[name])
+    rc = bk.Runtime(cpu_only.devices(), n_threads=1, graph_size=1024)
+    for n in (16, 1, 5):
+        X = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+        outs = []
+        for weights, r in ((w, rt), (wc, rc)):
+            ctx, x, y, gf = _forward(weights, n)
+            r.sched.alloc_graph(gf)
+            x.set(X)
+            r.compute(gf)
+            outs.append(y.get())
+        np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    assert rt.reallocations == 0
+    rt.close()
+    rc.close()
