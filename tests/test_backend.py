@@ -85,6 +85,19 @@ def test_weights_report_matches_buffers_and_loads_with_progress():
     w.close()
 
 
+def test_progress_bar():
+    import io
+
+    out = io.StringIO()
+    bar = bk.ProgressBar("loading", width=10, stream=out)
+    for done in range(0, 101, 5):
+        bar(done * 2**20, 100 * 2**20)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 11                          # every 10% on a non-terminal stream
+    assert lines[-1].startswith("loading [##########] 100%") and lines[-1].endswith("100.0/100.0 MiB")
+    assert lines[5].startswith("loading [#####.....]  50%")
+
+
 def test_reserve_then_computes_never_allocate(caplog):
     rng = np.random.default_rng(1)
     placement = bk.split_layers(N_LAYERS, bk.choose_devices("cpu"))

@@ -11,11 +11,15 @@ cdef class _CtxBase:
     cdef bint freed           # free() was called (the arena may live on until exports end)
     cdef bint no_alloc_       # mirrors ggml_get_no_alloc (read on every op)
     cdef Py_ssize_t n_exports # live buffer/DLPack exports of tensor memory
-    cdef set deps             # Contexts whose tensors this one's tensors read
+    cdef dict deps            # Context -> its generation when this context's tensors started reading it
     cdef list keep            # other owners (buffers, foreign memory) kept alive
+    cdef object dependents    # WeakSet of Contexts whose tensors read this one's
+    cdef object __weakref__
+    cdef void _invalidate_dependents(self) noexcept
     cdef int _ensure(self) except -1
+    cdef int _ensure_op(self, str op) except -1
     cdef void _release(self) noexcept
-    cdef int _room(self, str op, size_t data_bytes, int n_tensors) except -1
+    cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1
 
 
 cdef class _CtxOps(_CtxBase):
@@ -35,6 +39,7 @@ cdef class Tensor:
     cdef Py_ssize_t _shape[4]
     cdef Py_ssize_t _strides[4]
     cdef int _ensure(self) except -1
+    cdef int _ensure_op(self, str op) except -1
     cdef int _host(self, str op) except -1
     cdef object _get_converted(self)
     cdef object _device_get(self)
@@ -57,6 +62,7 @@ cdef class Graph:
     cdef g.ggml_threadpool * tp   # kept between computes; rebuilt when n_threads changes
     cdef int tp_n
     cdef int _ensure(self) except -1
+    cdef int _ensure_op(self, str op) except -1
     cdef int _note_ctx(self, _CtxBase c) except -1
     cdef int _check_ctxs(self) except -1
     cdef int _check_compute(self, g.ggml_backend_dev_t dev) except -1

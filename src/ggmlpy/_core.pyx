@@ -25,6 +25,7 @@ import enum
 import logging
 import os
 import sys
+import weakref
 
 import numpy as np
 

@@ -429,6 +429,7 @@ cdef extern from "ggml-backend.h" nogil:
     ggml_backend_t ggml_backend_sched_get_tensor_backend(ggml_backend_sched_t sched, ggml_tensor * node)
     bint ggml_backend_sched_alloc_graph(ggml_backend_sched_t sched, ggml_cgraph * graph)
     ggml_status ggml_backend_sched_graph_compute(ggml_backend_sched_t sched, ggml_cgraph * graph)
+    ggml_status ggml_backend_sched_graph_compute_async(ggml_backend_sched_t sched, ggml_cgraph * graph)
     void ggml_backend_sched_synchronize(ggml_backend_sched_t sched)
     void ggml_backend_sched_reset(ggml_backend_sched_t sched)
     ggml_status ggml_backend_view_init(ggml_tensor * tensor)

@@ -50,8 +50,8 @@ log = logging.getLogger("ggmlpy")
 Group = Union[str, int]
 
 __all__ = [
-    "DeviceMemory", "MemoryReport", "Placement", "Runtime", "Weights", "choose_devices", "devices",
-    "split_layers",
+    "DeviceMemory", "MemoryReport", "Placement", "ProgressBar", "Runtime", "Weights", "choose_devices",
+    "devices", "split_layers",
 ]
 
 
@@ -424,6 +424,37 @@ class Weights:
             buf.free()
         self.buffers.clear()
         self.allocated = False
+
+
+class ProgressBar:
+    """A text progress bar for ``Weights.load(progress=...)`` and other long work.
+
+    ``bar(done, total)`` redraws one line on ``stream`` (stderr by default):
+    ``loading [##########..........]  50%  12.0/24.0 MiB``; the line ends when
+    ``done == total``. On a stream that is not a terminal it prints only at
+    every 10% so logs stay short.
+    """
+
+    def __init__(self, label: str = "loading", width: int = 30, stream=None):
+        import sys
+
+        self.label, self.width = label, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_tenth = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = 1.0 if total <= 0 else min(max(done / total, 0.0), 1.0)
+        tenth = int(frac * 10)
+        if not self.tty and tenth == self._last_tenth and done < total:
+            return
+        self._last_tenth = tenth
+        filled = int(round(frac * self.width))
+        line = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac * 100:3.0f}%  "
+                f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        end = "\n" if done >= total else ""
+        self.stream.write(("\r" if self.tty else "") + line + (end if self.tty else "\n"))
+        self.stream.flush()
 
 
 class Runtime:

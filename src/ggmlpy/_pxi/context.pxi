@@ -15,7 +15,8 @@ cdef class _CtxBase:
     def __cinit__(self, size_t mem_size=DEFAULT_MEM_SIZE, *, bint no_alloc=False):
         cdef g.ggml_init_params params
         cdef void * mem = NULL
-        self.deps = set()
+        self.deps = {}
+        self.dependents = weakref.WeakSet()
         self.keep = []
         self.gen = 1
         if mem_size < g.GGML_MEM_ALIGN:
@@ -48,15 +49,35 @@ cdef class _CtxBase:
             self.mem = NULL
             _debug_count_nogil(0)
 
+    cdef void _invalidate_dependents(self) noexcept:
+        # Tensors of other contexts that read this one's now point at freed or
+        # reused memory: make them stale too (and whatever reads them).
+        cdef _CtxBase d
+        try:
+            for d in list(self.dependents):
+                if d.deps.pop(self, None) is not None:
+                    d.gen += 1
+                    d._invalidate_dependents()
+            self.dependents.clear()
+        except BaseException:
+            pass
+
     cdef int _ensure(self) except -1:
         if self.freed:
-            raise ClosedError("Context has been freed")
+            raise ClosedError("context: it has been freed")
         return 0
 
-    cdef int _room(self, str op, size_t data_bytes, int n_tensors) except -1:
+    cdef int _ensure_op(self, str op) except -1:
+        if self.freed:
+            raise ClosedError(f"{op}: the context has been freed")
+        return 0
+
+    cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1:
         # ggml_new_object asserts when the arena is full; check first. Each
         # object needs its header + tensor struct + data, padded to the alignment.
         cdef size_t need = n_tensors * _TENSOR_OBJ_SIZE
+        if data_bytes < 0:
+            raise GGMLValueError(f"{op}: the result would have more than 2**62 bytes or elements")
         if not self.no_alloc_:
             need += data_bytes
         if g.ggml_used_mem(self.ptr) + need <= self.mem_size:
@@ -95,6 +116,7 @@ cdef class _CtxBase:
         self.freed = True
         self.gen += 1
         self.keep = []
+        self._invalidate_dependents()
         if self.n_exports == 0:
             self._release()
 
@@ -116,6 +138,7 @@ cdef class _CtxBase:
                                  f"new tensors would reuse their memory")
         g.ggml_reset(self.ptr)
         self.gen += 1
+        self._invalidate_dependents()
 
     @property
     def closed(self):
@@ -220,7 +243,7 @@ cdef class _CtxBase:
         cdef int64_t c_ne[4]
         cdef int t = _as_type(type, "new_tensor")
         cdef int n = _ne_list(ne, c_ne, "new_tensor")
-        self._ensure()
+        self._ensure_op("new_tensor")
         cdef int64_t nbytes = _checked_nbytes(t, c_ne, "new_tensor")
         self._room("new_tensor", nbytes, 1)
         cdef Tensor out = _wrap(self, g.ggml_new_tensor(self.ptr, <g.ggml_type> t, n, c_ne))

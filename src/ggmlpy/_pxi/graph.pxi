@@ -196,8 +196,11 @@ cdef class Graph:
             _debug_count_nogil(1)
 
     cdef int _ensure(self) except -1:
+        return self._ensure_op("graph")
+
+    cdef int _ensure_op(self, str op) except -1:
         if self.gen != self.ctx.gen:
-            raise ClosedError("Graph's context has been freed or reset")
+            raise ClosedError(f"{op}: the graph's context has been freed or reset")
         return 0
 
     cdef int _note_ctx(self, _CtxBase c) except -1:
@@ -229,7 +232,10 @@ cdef class Graph:
         for entry in self.ctxs:
             c = entry[0]
             if c.freed or c.gen != entry[1]:
-                raise ClosedError("graph uses tensors of a context that was freed or reset since they were added")
+                raise ClosedError("graph_compute: the graph uses tensors of a context that was freed or reset "
+                                  "since they were added")
+            if c.deps:
+                _deps_alive(c, "graph_compute")
         return 0
 
     @property
@@ -299,7 +305,7 @@ cdef class Graph:
             The tensor's context was freed.
         """
         cdef int n_nodes, n_leafs, depth, rc
-        self._ensure()
+        self._ensure_op("build_forward_expand")
         _arg(tensor, "build_forward_expand", "tensor")
         if tensor.ctx is not self.ctx:
             self._note_ctx(tensor.ctx)
@@ -387,7 +393,7 @@ cdef class Graph:
         cdef _AbortState st
         cdef void * w
         cdef g.ggml_threadpool_params tpp
-        self._ensure()
+        self._ensure_op("graph_compute")
         self._check_ctxs()
         if n_threads <= 0:
             n_threads = _default_threads()

@@ -56,8 +56,9 @@ cdef class Context(_CtxOps):
         """Unfold ``b``'s patches for the kernel shape of ``a`` (see ggml.h); ``dst_type`` f16 or f32."""
         cdef int t = _as_type(dst_type, "im2col")
         cdef int64_t OW, OH
-        self._ensure()
+        self._ensure_op("im2col")
         _arg(a, "im2col", "a"); _arg(b, "im2col", "b")
+        _nonzero_dims(a, "im2col", "a", 0); _nonzero_dims(b, "im2col", "b", 0)
         _conv_params("im2col", s0, s1 if is_2D else 1, p0, p1 if is_2D else 0, d0, d1 if is_2D else 1)
         if t == g.GGML_TYPE_F32:
             _types(b, "im2col", "b", M_F32)
@@ -88,8 +89,9 @@ cdef class Context(_CtxOps):
         ``[OC][N][OL]`` result as ``(OL, OC, N)``, which is wrong for ``N > 1``.
         """
         cdef int64_t OL, N, OC, K, IC
-        self._ensure()
+        self._ensure_op("conv_1d")
         _arg(a, "conv_1d", "a"); _arg(b, "conv_1d", "b")
+        _nonzero_dims(a, "conv_1d", "a", 0); _nonzero_dims(b, "conv_1d", "b", 0)
         _types(a, "conv_1d", "a", M_F32_F16); _types(b, "conv_1d", "b", M_F32_F16)
         _contig(a, "conv_1d", "a"); _contig(b, "conv_1d", "b")
         _conv_params("conv_1d", s0, 1, p0, 0, d0, 1)
@@ -108,8 +110,9 @@ cdef class Context(_CtxOps):
     def conv_2d(self, Tensor a, Tensor b, int s0=1, int s1=1, int p0=0, int p1=0, int d0=1, int d1=1):
         """2-d convolution: kernel ``a`` ne ``(KW, KH, IC, OC)`` f32/f16 over ``b`` ne ``(W, H, IC, N)``; f32 ``(OW, OH, OC, N)``."""
         cdef int64_t OW, OH
-        self._ensure()
+        self._ensure_op("conv_2d")
         _arg(a, "conv_2d", "a"); _arg(b, "conv_2d", "b")
+        _nonzero_dims(a, "conv_2d", "a", 0); _nonzero_dims(b, "conv_2d", "b", 0)
         _types(a, "conv_2d", "a", M_F32_F16); _types(b, "conv_2d", "b", M_F32_F16)
         _contig(a, "conv_2d", "a"); _contig(b, "conv_2d", "b")
         _conv_params("conv_2d", s0, s1, p0, p1, d0, d1)
@@ -123,8 +126,9 @@ cdef class Context(_CtxOps):
 
     def conv_transpose_1d(self, Tensor a, Tensor b, int s0=1, int p0=0, int d0=1):
         """Transposed 1-d convolution: kernel ``a`` ne ``(K, OC, IC)`` f32/f16, input ``b`` ne ``(L, IC)`` f32."""
-        self._ensure()
+        self._ensure_op("conv_transpose_1d")
         _arg(a, "conv_transpose_1d", "a"); _arg(b, "conv_transpose_1d", "b")
+        _nonzero_dims(a, "conv_transpose_1d", "a", 0); _nonzero_dims(b, "conv_transpose_1d", "b", 0)
         _types(a, "conv_transpose_1d", "a", M_F32_F16); _types(b, "conv_transpose_1d", "b", M_F32)
         _contig(a, "conv_transpose_1d", "a"); _contig(b, "conv_transpose_1d", "b")
         _need(s0 > 0, "conv_transpose_1d", f"stride must be > 0 (got {s0})")
@@ -164,7 +168,7 @@ cdef class Context(_CtxOps):
     def upscale(self, Tensor a, int scale_factor, mode=ScaleMode.NEAREST):
         """Scale dims 0 and 1 by an integer factor (f32)."""
         _need(scale_factor >= 1, "upscale", f"scale_factor must be >= 1 (got {scale_factor})")
-        self._ensure()
+        self._ensure_op("upscale")
         _arg(a, "upscale", "a")
         return self.interpolate(a, a.ptr.ne[0] * scale_factor, a.ptr.ne[1] * scale_factor, a.ptr.ne[2], a.ptr.ne[3], mode)
 
@@ -172,6 +176,7 @@ cdef class Context(_CtxOps):
         """Resize to ne ``(ne0, ne1, ne2, ne3)`` (f32); ``mode`` a ScaleMode, optionally | ALIGN_CORNERS."""
         cdef uint32_t m = mode
         _unary(self, a, "interpolate", M_F32, 0)
+        _nonzero_dims(a, "interpolate", "a", 0)
         _need((m & 0xFF) <= g.GGML_SCALE_MODE_BICUBIC and (m & ~(<uint32_t> 0x1FF)) == 0, "interpolate",
               f"mode must be NEAREST, BILINEAR or BICUBIC, optionally | ALIGN_CORNERS (got {mode!r})")
         _need(ne0 > 0 and ne1 > 0 and ne2 > 0 and ne3 > 0, "interpolate", f"target ne must be > 0 (got ({ne0}, {ne1}, {ne2}, {ne3}))")
@@ -223,7 +228,7 @@ cdef class Context(_CtxOps):
     def arange(self, float start, float stop, float step=1.0):
         """``[start, stop)`` in steps of ``step`` (f32, 1-d)."""
         cdef double n
-        self._ensure()
+        self._ensure_op("arange")
         _finite(start, "arange", "start"); _finite(stop, "arange", "stop"); _finite(step, "arange", "step")
         _need(stop > start and step > 0, "arange", f"needs stop > start and step > 0 (got {start}, {stop}, {step})")
         n = (stop - start) / step
@@ -251,7 +256,7 @@ cdef class Context(_CtxOps):
             The context has no room for the graph (it needs ``graph_overhead(size, grads)`` bytes).
         """
         cdef size_t need
-        self._ensure()
+        self._ensure_op("new_graph")
         _need(0 < size <= 1 << 30, "new_graph", f"size must be in [1, 2**30] (got {size})")
         need = g.ggml_graph_overhead_custom(size, grads) + g.GGML_MEM_ALIGN
         if g.ggml_used_mem(self.ptr) + need > self.mem_size:

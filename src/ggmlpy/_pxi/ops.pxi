@@ -60,6 +60,11 @@ cdef uint64_t M_REPEAT = M_F32 | M_I32 | M_F16 | M_BF16 | _bit(g.GGML_TYPE_I16)
 
 
 cdef inline int64_t _out_bytes(int t, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3) noexcept:
+    # Bytes of a contiguous result, or -1 when its size or element count would
+    # not fit (ggml computes both in 64 bits and would wrap).
+    cdef double elems = <double> ne0 * <double> ne1 * <double> ne2 * <double> ne3
+    if ne0 < 0 or ne1 < 0 or ne2 < 0 or ne3 < 0 or elems * _TSIZE[t] > 4.0e18:
+        return -1
     return <int64_t> _row_bytes(t, ne0) * ne1 * ne2 * ne3
 
 
@@ -67,13 +72,13 @@ cdef inline Tensor _res(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None
     # Wrap an op's result; record cross-context reads so the inputs' contexts
     # outlive this one (and graphs can check they are still alive).
     if a.ctx is not ctx:
-        ctx.deps.add(a.ctx)
+        _add_dep(ctx, a)
     if b is not None and b.ctx is not ctx:
-        ctx.deps.add(b.ctx)
+        _add_dep(ctx, b)
     if c is not None and c.ctx is not ctx:
-        ctx.deps.add(c.ctx)
+        _add_dep(ctx, c)
     if d is not None and d.ctx is not ctx:
-        ctx.deps.add(d.ctx)
+        _add_dep(ctx, d)
     cdef Tensor t = Tensor.__new__(Tensor)
     t.ptr = p
     t.ctx = ctx
@@ -84,9 +89,9 @@ cdef inline Tensor _res(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None
 cdef inline Tensor _res2(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b):
     # _res for two inputs, the binary ops' hot path
     if a.ctx is not ctx:
-        ctx.deps.add(a.ctx)
+        _add_dep(ctx, a)
     if b.ctx is not ctx:
-        ctx.deps.add(b.ctx)
+        _add_dep(ctx, b)
     cdef Tensor t = Tensor.__new__(Tensor)
     t.ptr = p
     t.ctx = ctx
@@ -104,7 +109,7 @@ cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
     cdef g.ggml_tensor * pa
     cdef g.ggml_tensor * pb
     if ctx.freed:
-        ctx._ensure()
+        ctx._ensure_op(op)
     _arg(a, op, "a")
     _arg(b, op, "b")
     pa = a.ptr
@@ -124,7 +129,7 @@ cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
 
 cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) except -1:
     # layout -1: any strides; 0: rows contiguous; 1: contiguous in dims >= 1; 2: fully contiguous
-    ctx._ensure()
+    ctx._ensure_op(op)
     _arg(a, op, "a")
     _types(a, op, "a", mask)
     if layout == 0:
@@ -173,6 +178,7 @@ cdef int _view_bounds(Tensor a, const int64_t ne[4], const size_t nb[4], size_t 
     cdef size_t base = a.ptr.view_offs + offset
     cdef int64_t bs = g.ggml_blck_size(a.ptr.type)
     cdef size_t last
+    cdef int64_t dense
     cdef int i
     for i in range(4):
         if ne[i] < 0:
@@ -194,6 +200,12 @@ cdef int _view_bounds(Tensor a, const int64_t ne[4], const size_t nb[4], size_t 
             f"{op}: view reaches byte {last} of a tensor of {g.ggml_nbytes(root)} bytes "
             f"(got a: {_desc(a)}, view ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}), nb=({nb[0]}, {nb[1]}, {nb[2]}, {nb[3]}), "
             f"offset={offset})")
+    # ggml's own check: the view's *contiguous* size from its offset fits the root.
+    dense = _out_bytes(a.ptr.type, ne[0], ne[1], ne[2], ne[3])
+    if dense < 0 or <size_t> dense + base > g.ggml_nbytes(root):
+        raise GGMLValueError(
+            f"{op}: a view of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) needs {dense} contiguous bytes from offset "
+            f"{base}, more than the {g.ggml_nbytes(root)} bytes of the tensor it views (got a: {_desc(a)})")
     return 0
 
 
@@ -286,7 +298,7 @@ cdef class _CtxOps(_CtxBase):
 
     def add_id(self, Tensor a, Tensor b, Tensor ids):
         """``a[:, i1, i2] += b[:, ids[i1, i2]]`` (MoE bias); all f32, ids i32."""
-        self._ensure()
+        self._ensure_op("add_id")
         _arg(a, "add_id", "a"); _arg(b, "add_id", "b"); _arg(ids, "add_id", "ids")
         _types(a, "add_id", "a", M_F32); _types(b, "add_id", "b", M_F32); _types(ids, "add_id", "ids", M_I32)
         _rows_contig(a, "add_id", "a"); _rows_contig(b, "add_id", "b")
@@ -357,7 +369,7 @@ cdef class _CtxOps(_CtxBase):
 
     def count_equal(self, Tensor a, Tensor b):
         """Number of equal elements of two i32 tensors (at most 2-d), as an i64 scalar."""
-        self._ensure()
+        self._ensure_op("count_equal")
         _arg(a, "count_equal", "a"); _arg(b, "count_equal", "b")
         _types(a, "count_equal", "a", M_I32); _types(b, "count_equal", "b", M_I32)
         _same_shape(a, b, "count_equal", "a", "b")
@@ -396,7 +408,7 @@ cdef class _CtxOps(_CtxBase):
 
     def repeat(self, Tensor a, Tensor b):
         """Tile ``a`` to ``b``'s ne (``b.ne[i] % a.ne[i] == 0``); only ``b``'s shape is used."""
-        self._ensure()
+        self._ensure_op("repeat")
         _arg(a, "repeat", "a"); _arg(b, "repeat", "b")
         _types(a, "repeat", "a", M_REPEAT)
         _rows_contig(a, "repeat", "a")
@@ -408,7 +420,7 @@ cdef class _CtxOps(_CtxBase):
     def repeat_4d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3):
         """Tile ``a`` to ne ``(ne0, ne1, ne2, ne3)`` (each a multiple of ``a.ne[i]``)."""
         cdef int64_t ne[4]
-        self._ensure()
+        self._ensure_op("repeat_4d")
         _arg(a, "repeat_4d", "a")
         _types(a, "repeat_4d", "a", M_REPEAT)
         _rows_contig(a, "repeat_4d", "a")
@@ -422,7 +434,7 @@ cdef class _CtxOps(_CtxBase):
     def concat(self, Tensor a, Tensor b, int dim):
         """Join ``a`` and ``b`` along ggml dimension ``dim`` (0..3); other dimensions must match."""
         cdef int64_t ne[4]
-        self._ensure()
+        self._ensure_op("concat")
         _arg(a, "concat", "a"); _arg(b, "concat", "b")
         _need(0 <= dim < 4, "concat", f"dim must be in [0, 4) (got {dim})")
         _same_type(a, b, "concat", "a", "b")
@@ -668,7 +680,7 @@ cdef class _CtxOps(_CtxBase):
         ((3, 1, 1, 1), [3.0, 8.0, 7.0])
         """
         cdef int p = 0 if prec is None else prec
-        self._ensure()
+        self._ensure_op("mul_mat")
         _arg(a, "mul_mat", "a"); _arg(b, "mul_mat", "b")
         _types(a, "mul_mat", "a", M_VEC_DOT)
         if not (b.ptr.type == g.GGML_TYPE_F32 or (b.ptr.type == a.ptr.type and (M_F16 | M_BF16) & _bit(a.ptr.type))):
@@ -696,7 +708,7 @@ cdef class _CtxOps(_CtxBase):
         ``ids`` i32 ne ``(n_used, n_tokens)``; result f32 ne ``(n_ff, n_used, n_tokens)``.
         Expert ids are checked to be in range before each compute.
         """
-        self._ensure()
+        self._ensure_op("mul_mat_id")
         _arg(as_, "mul_mat_id", "as_"); _arg(b, "mul_mat_id", "b"); _arg(ids, "mul_mat_id", "ids")
         _types(as_, "mul_mat_id", "as_", M_VEC_DOT)
         if not (b.ptr.type == g.GGML_TYPE_F32 or (b.ptr.type == as_.ptr.type and (M_F16 | M_BF16) & _bit(as_.ptr.type))):
@@ -715,7 +727,7 @@ cdef class _CtxOps(_CtxBase):
 
     def out_prod(self, Tensor a, Tensor b):
         """Outer product summed over ``ne[1]``: ``a @ b.T`` in ggml terms, f32 ne ``(a.ne[0], b.ne[0], b.ne[2], b.ne[3])``."""
-        self._ensure()
+        self._ensure_op("out_prod")
         _arg(a, "out_prod", "a"); _arg(b, "out_prod", "b")
         _types(a, "out_prod", "a", M_F32 | M_F16 | M_QUANT)
         _types(b, "out_prod", "b", M_F32)
@@ -736,7 +748,7 @@ cdef class _CtxOps(_CtxBase):
 
     def cpy(self, Tensor a, Tensor b):
         """Copy ``a`` into ``b`` (converting the type) as a graph node; returns a view of ``b``."""
-        self._ensure()
+        self._ensure_op("cpy")
         _arg(a, "cpy", "a"); _arg(b, "cpy", "b")
         _nelements_eq(a, b, "cpy", "a", "b")
         _cpy_ok(a, b.ptr, b.ptr.type, "cpy")
@@ -746,7 +758,7 @@ cdef class _CtxOps(_CtxBase):
     def cast(self, Tensor a, type):
         """A new tensor with ``a``'s values converted to ``type``."""
         cdef int t = _as_type(type, "cast")
-        self._ensure()
+        self._ensure_op("cast")
         _arg(a, "cast", "a")
         _need(a.ptr.ne[0] % g.ggml_blck_size(<g.ggml_type> t) == 0, "cast",
               f"a.ne[0] must be a multiple of the block size of {type_name(t)} (got a: {_desc(a)})")
@@ -785,7 +797,7 @@ cdef class _CtxOps(_CtxBase):
         """A view of contiguous ``a`` with dimensions ``ne`` (1 to 4, ggml order, same element count)."""
         cdef int64_t c_ne[4]
         cdef int n
-        self._ensure()
+        self._ensure_op("reshape")
         _arg(a, "reshape", "a")
         n = _ne_list(ne, c_ne, "reshape")
         _contig(a, "reshape", "a")
@@ -824,7 +836,7 @@ cdef class _CtxOps(_CtxBase):
         cdef int64_t c_ne[4]
         cdef size_t c_nb[4]
         cdef int n, i
-        self._ensure()
+        self._ensure_op("view")
         _arg(a, "view", "a")
         n = _ne_list(ne, c_ne, "view")
         c_nb[0] = g.ggml_type_size(a.ptr.type)
@@ -868,7 +880,7 @@ cdef class _CtxOps(_CtxBase):
 
     def permute(self, Tensor a, int axis0, int axis1, int axis2, int axis3):
         """A view where source dimension ``i`` becomes dimension ``axis_i`` (a permutation of 0..3)."""
-        self._ensure()
+        self._ensure_op("permute")
         _arg(a, "permute", "a")
         axes = (axis0, axis1, axis2, axis3)
         _need(sorted(axes) == [0, 1, 2, 3], "permute", f"axes must be a permutation of 0..3 (got {axes})")
@@ -878,7 +890,7 @@ cdef class _CtxOps(_CtxBase):
 
     def transpose(self, Tensor a):
         """A view with dimensions 0 and 1 swapped."""
-        self._ensure()
+        self._ensure_op("transpose")
         _arg(a, "transpose", "a")
         self._room("transpose", 0, 1)
         return _res(self, g.ggml_transpose(self.ptr, a.ptr), a)
@@ -889,7 +901,7 @@ cdef class _CtxOps(_CtxBase):
         The result is f32 (i32 for i32 ``a``); quantized rows are dequantized.
         Indices are checked to be in ``[0, a.ne[1])`` before each compute.
         """
-        self._ensure()
+        self._ensure_op("get_rows")
         _arg(a, "get_rows", "a"); _arg(b, "get_rows", "b")
         _types(a, "get_rows", "a", M_GET_ROWS)
         _types(b, "get_rows", "b", M_I32)
@@ -908,7 +920,7 @@ cdef class _CtxOps(_CtxBase):
         ``b`` f32 or f16. ``c`` ne ``(b.ne[1], ...)`` broadcast over ``b``'s dims 2, 3.
         Indices are checked to be in ``[0, a.ne[1])`` before each compute.
         """
-        self._ensure()
+        self._ensure_op("set_rows")
         _arg(a, "set_rows", "a"); _arg(b, "set_rows", "b"); _arg(c, "set_rows", "c")
         _types(a, "set_rows", "a", M_FLOAT | M_QUANT_W)
         _types(b, "set_rows", "b", M_F32_F16)
@@ -978,7 +990,7 @@ cdef class _CtxOps(_CtxBase):
         if sinks is not None:
             g.ggml_soft_max_add_sinks(r, sinks.ptr)
         if sinks is not None and sinks.ctx is not self:
-            self.deps.add(sinks.ctx)
+            _add_dep(self, sinks)
         return _res(self, r, a, mask)
 
     def rope_ext(self, Tensor a, Tensor pos, Tensor freq_factors=None, *, int n_dims, int mode=0,
@@ -1052,7 +1064,7 @@ cdef class _CtxOps(_CtxBase):
         ``k`` and ``v`` may be f32, f16, bf16 or quantized (the cache types).
         """
         cdef int p = 0 if prec is None else prec
-        self._ensure()
+        self._ensure_op("flash_attn_ext")
         _arg(q, "flash_attn_ext", "q"); _arg(k, "flash_attn_ext", "k"); _arg(v, "flash_attn_ext", "v")
         _types(q, "flash_attn_ext", "q", M_F32)
         _types(k, "flash_attn_ext", "k", M_VEC_DOT)
@@ -1086,5 +1098,5 @@ cdef class _CtxOps(_CtxBase):
         if sinks is not None:
             g.ggml_flash_attn_ext_add_sinks(r, sinks.ptr)
         if sinks is not None and sinks.ctx is not self:
-            self.deps.add(sinks.ctx)
+            _add_dep(self, sinks)
         return _res(self, r, q, k, v, mask)

@@ -267,6 +267,16 @@ cdef class Scheduler:
 
     def compute(self, Graph graph not None):
         """Allocate (if ``graph`` is not the one allocated) and compute it (GIL released)."""
+        self._compute(graph, False)
+
+    def compute_async(self, Graph graph not None):
+        """Start computing ``graph`` on backends that queue work; ``synchronize()`` waits for it.
+
+        On the CPU this is the same as ``compute``.
+        """
+        self._compute(graph, True)
+
+    cdef int _compute(self, Graph graph, bint is_async) except -1:
         cdef g.ggml_status st
         cdef g.ggml_cgraph * cg
         with self.lock:
@@ -281,8 +291,12 @@ cdef class Scheduler:
                 _scan_indices(entry)
             cg = graph.ptr
             with nogil:
-                st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
+                if is_async:
+                    st = g.ggml_backend_sched_graph_compute_async(self.ptr, cg)
+                else:
+                    st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
             _check_status(st, "sched_graph_compute")
+        return 0
 
     def synchronize(self):
         with self.lock:

@@ -93,8 +93,13 @@ cdef class Tensor:
         raise TypeError("Tensors are created by a Context: ctx.new_tensor(...), ctx.from_numpy(...) or an op")
 
     cdef int _ensure(self) except -1:
+        return self._ensure_op("tensor")
+
+    cdef int _ensure_op(self, str op) except -1:
         if self.gen != self.ctx.gen:
-            raise ClosedError("Tensor's context has been freed or reset")
+            raise ClosedError(f"{op}: the tensor's context has been freed or reset")
+        if self.ctx.deps:
+            _deps_alive(self.ctx, op)
         return 0
 
     # -- metadata ------------------------------------------------------------
@@ -194,7 +199,7 @@ cdef class Tensor:
     @property
     def src(self):
         """The op's inputs (Tensors), up to the last non-null source."""
-        self._ensure()
+        self._ensure_op("src")
         out = []
         for i in range(g.GGML_MAX_SRC):
             if self.ptr.src[i] != NULL:
@@ -206,7 +211,7 @@ cdef class Tensor:
     @property
     def view_src(self):
         """The tensor this one views, or None."""
-        self._ensure()
+        self._ensure_op("view_src")
         if self.ptr.view_src == NULL:
             return None
         return _wrap(_owner_of(self.ctx, self.ptr.view_src), self.ptr.view_src)
@@ -306,7 +311,7 @@ cdef class Tensor:
     # -- host memory access ----------------------------------------------------
 
     cdef int _host(self, str op) except -1:
-        self._ensure()
+        self._ensure_op(op)
         if self.ptr.data == NULL and g.ggml_nelements(self.ptr) != 0:
             raise GGMLValueError(f"{op}: tensor has no data (its context is no_alloc and no buffer was allocated)")
         if self.ptr.buffer != NULL and not _buffer_is_host(self.ptr.buffer):
@@ -319,7 +324,7 @@ cdef class Tensor:
         self._host("buffer")
         if flags & PyBUF_WRITABLE and self.readonly:
             raise BufferError("tensor is read-only")
-        n = g.ggml_n_dims(p)
+        n = _nd(p)
         if g.ggml_is_quantized(p.type):
             # Raw blocks: the row axis (bytes) is last, rows ordered by nb[1..].
             k = 0
@@ -363,6 +368,7 @@ cdef class Tensor:
         GGMLValueError
             The tensor has no host data.
         """
+        self._host("numpy")
         arr = np.asarray(memoryview(self))
         return arr.copy() if copy else arr
 
@@ -386,7 +392,7 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer dst
-        self._ensure()
+        self._ensure_op("get")
         if _device_tensor(p):
             return self._device_get()
         self._host("get")
@@ -465,6 +471,8 @@ cdef class Tensor:
         cdef char * base = <char *> p.data
         if tr.to_float == NULL:
             raise GGMLTypeError(f"get: no conversion to float32 for type {g.ggml_type_name(p.type).decode()}")
+        if g.ggml_nelements(p) == 0:
+            return np.empty(_np_shape(p), dtype=np.float32)
         out = np.empty((g.ggml_nrows(p), ne0), dtype=np.float32)
         out_view = out
         with nogil:
@@ -491,7 +499,7 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer src
-        self._ensure()
+        self._ensure_op("set")
         if _device_tensor(p):
             self._device_set(array)
             return
@@ -525,6 +533,8 @@ cdef class Tensor:
             return 0
         if arr.dtype.kind not in "fiu":
             raise GGMLTypeError(f"set: {g.ggml_type_name(p.type).decode()} tensors take float data (got {arr.dtype})")
+        if g.ggml_nelements(p) == 0:
+            return 0
         _from_float_rows(p, np.ascontiguousarray(arr, dtype=np.float32).reshape(-1, p.ne[0]))
         return 0
 
@@ -550,7 +560,7 @@ cdef class Tensor:
         if code is None:
             raise BufferError(f"__dlpack__: type {g.ggml_type_name(p.type).decode()} has no DLPack dtype")
         esz = g.ggml_type_size(p.type)
-        n = g.ggml_n_dims(p)
+        n = _nd(p)
         for i in range(n):
             if p.nb[i] % esz:
                 raise BufferError("__dlpack__: strides are not a multiple of the element size")
@@ -597,8 +607,18 @@ cdef inline void _copy_bytes(void * dst, const void * src, size_t n) noexcept:
         memcpy(dst, src, n)
 
 
+cdef inline int _nd(g.ggml_tensor * p) noexcept:
+    # Dimensions the numpy bridge shows: ggml_n_dims, except that a trailing 0
+    # counts (ggml_n_dims treats it like 1, which would describe absent memory).
+    cdef int i
+    for i in range(3, 0, -1):
+        if p.ne[i] != 1:
+            return i + 1
+    return 1
+
+
 cdef tuple _np_shape(g.ggml_tensor * p):
-    cdef int n = g.ggml_n_dims(p)
+    cdef int n = _nd(p)
     if n == 1:
         return (p.ne[0],)
     if n == 2:
@@ -613,7 +633,7 @@ cdef bint _buffer_matches(Py_buffer * b, g.ggml_tensor * p) noexcept:
     cdef const char * want = _buffer_format(p.type)
     cdef const char * fmt = b.format
     cdef Py_ssize_t expect, i, k
-    cdef int n = g.ggml_n_dims(p)
+    cdef int n = _nd(p)
     if g.ggml_is_quantized(p.type) or p.type == g.GGML_TYPE_BF16 or fmt == NULL:
         return False
     if fmt[0] in (b'@', b'=', b'<') and fmt[1] != 0:
@@ -645,7 +665,7 @@ cdef bint _buffer_matches(Py_buffer * b, g.ggml_tensor * p) noexcept:
 
 cdef bint _same_shape_np(tuple shape, g.ggml_tensor * p):
     # Compare numpy shape with the tensor's, ignoring leading size-1 axes on both.
-    cdef int n = g.ggml_n_dims(p), i
+    cdef int n = _nd(p), i
     dims = [p.ne[i] for i in range(n - 1, -1, -1)]
     s = list(shape)
     while s and s[0] == 1 and len(s) > 1:
@@ -687,6 +707,9 @@ cdef int _from_float_rows(g.ggml_tensor * p, float[:, ::1] rows) except -1:
     cdef bint quant = g.ggml_is_quantized(p.type)
     if quant:
         _quantizable(p.type, "set")
+    if p.ne[0] % g.ggml_blck_size(p.type) != 0 or p.nb[0] != g.ggml_type_size(p.type):
+        raise GGMLValueError(f"set: rows of this {g.ggml_type_name(p.type).decode()} view are not whole blocks "
+                             f"(got ne={_ne_str(p)}, nb[0]={p.nb[0]})")
     if not quant and tr.from_float_ref == NULL:
         raise GGMLTypeError(f"set: no conversion from float32 to {g.ggml_type_name(p.type).decode()}")
     with nogil:

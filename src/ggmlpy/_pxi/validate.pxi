@@ -37,9 +37,25 @@ _init_type_tables()
 
 
 cdef inline bint _is_rows_contig(g.ggml_tensor * p) noexcept:
-    # ggml_is_contiguous_rows
+    # Stricter than ggml_is_contiguous_rows (which waives the stride of a
+    # one-element row): the CPU kernels assert nb[0] == type size regardless.
     cdef int t = p.type
-    return p.ne[0] == _BLCK[t] or p.nb[0] == _TSIZE[t]
+    return p.nb[0] == _TSIZE[t]
+
+
+cdef inline bint _is_strict_contig(g.ggml_tensor * p) noexcept:
+    # Every stride exactly packed, size-1 dimensions included (ggml's own test
+    # skips those, but kernels such as scale check ggml_is_padded_1d).
+    cdef int t = p.type, i
+    cdef size_t expect
+    if p.nb[0] != _TSIZE[t]:
+        return False
+    expect = _TSIZE[t] * (p.ne[0] // _BLCK[t])
+    for i in range(1, 4):
+        if p.nb[i] != expect:
+            return False
+        expect *= p.ne[i]
+    return True
 
 
 cdef inline size_t _row_bytes(int t, int64_t ne0) noexcept:
@@ -70,6 +86,37 @@ cdef inline int _arg(Tensor t, str op, str name) except -1:
         raise GGMLTypeError(f"{op}: {name} must be a Tensor, got None")
     if t.gen != t.ctx.gen:
         raise ClosedError(f"{op}: {name} belongs to a context that was freed or reset")
+    if t.ctx.deps:
+        _deps_alive(t.ctx, op)
+    return 0
+
+
+cdef int _deps_alive(_CtxBase ctx, str op) except -1:
+    """Every context ctx's tensors read from (transitively) is alive and was not reset since."""
+    cdef _CtxBase d
+    seen = set()
+    todo = [ctx]
+    while todo:
+        c = todo.pop()
+        if id(c) in seen:
+            continue
+        seen.add(id(c))
+        for d, gen in (<_CtxBase> c).deps.items():
+            if d.freed or d.gen != gen:
+                raise ClosedError(f"{op}: tensors of this context read a context that was freed or reset since")
+            if d.deps:
+                todo.append(d)
+    return 0
+
+
+cdef int _add_dep(_CtxBase ctx, Tensor t) except -1:
+    # ctx's new tensor reads t, which lives in another context: remember that
+    # context and its generation (a reset there would invalidate what ctx holds).
+    cdef _CtxBase o = t.ctx
+    if o is ctx or o in ctx.deps:
+        return 0
+    ctx.deps[o] = o.gen
+    o.dependents.add(ctx)
     return 0
 
 
@@ -120,7 +167,7 @@ cdef inline int _nelements_eq(Tensor a, Tensor b, str op, str an, str bn) except
 
 
 cdef inline int _contig(Tensor t, str op, str name) except -1:
-    if not g.ggml_is_contiguous(t.ptr):
+    if not _is_strict_contig(t.ptr):
         raise GGMLValueError(f"{op}: {name} must be contiguous (got {name}: {_desc(t)} nb={t.nb}); "
                              f"call ctx.cont({name}) first")
     return 0
@@ -128,14 +175,14 @@ cdef inline int _contig(Tensor t, str op, str name) except -1:
 
 cdef inline int _rows_contig(Tensor t, str op, str name) except -1:
     # Rows contiguous (nb[0] == element size): what row-wise kernels need.
-    if not _is_rows_contig(t.ptr) and g.ggml_nelements(t.ptr) > 0:
+    if not _is_rows_contig(t.ptr):
         raise GGMLValueError(f"{op}: {name} must have contiguous rows (got {name}: {_desc(t)} nb={t.nb}); "
                              f"call ctx.cont({name}) first")
     return 0
 
 
 cdef inline int _contig1(Tensor t, str op, str name) except -1:
-    if not g.ggml_is_contiguous_1(t.ptr):
+    if not g.ggml_is_contiguous_1(t.ptr) or not _is_rows_contig(t.ptr):
         raise GGMLValueError(f"{op}: {name} must be contiguous in dims >= 1 with contiguous rows "
                              f"(got {name}: {_desc(t)} nb={t.nb}); call ctx.cont({name}) first")
     return 0
@@ -189,7 +236,11 @@ cdef int64_t _checked_nbytes(int t, const int64_t ne[4], str op) except -1:
     if ne[0] % bs != 0:
         raise GGMLValueError(f"{op}: ne[0]={ne[0]} must be a multiple of {g.ggml_type_name(<g.ggml_type> t).decode()}'s "
                              f"block size {bs}")
+    if <double> ne[0] * _TSIZE[t] / bs > <double> limit:
+        raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large")
     total = <int64_t> g.ggml_row_size(<g.ggml_type> t, ne[0])
+    if <double> ne[0] * ne[1] * ne[2] * ne[3] > <double> limit:
+        raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large (too many elements)")
     for i in range(1, 4):
         if ne[i] != 0 and total > limit // ne[i]:
             raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large")
