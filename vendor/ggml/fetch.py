@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -61,12 +62,19 @@ def download(pin: dict[str, str], into: Path) -> Path:
     # --no-binary names only our package: with ':all:' pip would also insist on
     # building the sdist's *build* requirements (cmake itself) from source just
     # to read its metadata, which takes many minutes for nothing.
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps",
-        "--no-binary", pin["package"], "--disable-pip-version-check",
-        f"{pin['package']}=={pin['version']}", "-d", str(into),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    args = ["download", "--no-deps", "--no-binary", pin["package"], "--disable-pip-version-check",
+            f"{pin['package']}=={pin['version']}", "-d", str(into)]
+    env = None
+    if importlib.util.find_spec("pip") is not None:
+        cmd = [sys.executable, "-m", "pip", *args]
+    elif shutil.which("pip") or shutil.which("pip3"):
+        # An isolated build environment without pip: use the one on PATH, with
+        # the build environment's path overrides removed.
+        cmd = [shutil.which("pip") or shutil.which("pip3"), *args]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME")}
+    else:
+        raise FetchError(f"pip is not available to download {pin['package']}=={pin['version']}.\n{WAY_OUT}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     files = [p for p in into.iterdir() if p.is_file()]
     if proc.returncode != 0 or len(files) != 1:
         raise FetchError(
