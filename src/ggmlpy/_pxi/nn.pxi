@@ -2,13 +2,15 @@
 # generators) and graph creation. Context is complete after this file.
 
 
-cdef int64_t _conv_out(int64_t ins, int64_t ks, int s, int p, int d) noexcept:
+cdef int64_t _conv_out(int64_t ins, int64_t ks, int64_t s, int64_t p, int64_t d) noexcept:
+    # in 64 bits: 2 * p and d * (ks - 1) overflow a C int for large parameters
     return (ins + 2 * p - d * (ks - 1) - 1) // s + 1
 
 
 cdef int _conv_params(str op, int s0, int s1, int p0, int p1, int d0, int d1) except -1:
     _need(s0 > 0 and s1 > 0, op, f"strides must be > 0 (got s0={s0}, s1={s1})")
-    _need(p0 >= 0 and p1 >= 0, op, f"padding must be >= 0 (got p0={p0}, p1={p1})")
+    _need(0 <= p0 < (1 << 30) and 0 <= p1 < (1 << 30), op,
+          f"padding must be in [0, 2**30) (got p0={p0}, p1={p1}; ggml doubles it in a C int)")
     _need(d0 > 0 and d1 > 0, op, f"dilation must be > 0 (got d0={d0}, d1={d1})")
     return 0
 
@@ -145,8 +147,8 @@ cdef class Context(_CtxOps):
         _unary(self, a, "pool_1d", M_F32_F16, 2)
         _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_1d", f"op must be PoolOp.MAX or AVG (got {op!r})")
         _need(k0 > 0 and s0 > 0 and p0 >= 0, "pool_1d", f"k0 and s0 must be > 0 and p0 >= 0 (got {k0}, {s0}, {p0})")
-        n = (a.ptr.ne[0] + 2 * p0 - k0) // s0 + 1
-        _need(n > 0 and a.ptr.ne[0] + 2 * p0 >= k0, "pool_1d", f"the window does not fit (got a: {_desc(a)}, k0={k0})")
+        n = (a.ptr.ne[0] + 2 * <int64_t> p0 - k0) // s0 + 1
+        _need(n > 0 and a.ptr.ne[0] + 2 * <int64_t> p0 >= k0, "pool_1d", f"the window does not fit (got a: {_desc(a)}, k0={k0})")
         self._room("pool_1d", _out_bytes(g.GGML_TYPE_F32, n, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pool_1d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, s0, p0), a)
 
@@ -158,9 +160,9 @@ cdef class Context(_CtxOps):
         _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_2d", f"op must be PoolOp.MAX or AVG (got {op!r})")
         _need(k0 > 0 and k1 > 0 and s0 > 0 and s1 > 0 and p0 >= 0 and p1 >= 0, "pool_2d",
               "kernel sizes and strides must be > 0, padding >= 0")
-        n0 = (a.ptr.ne[0] + 2 * p0 - k0) // s0 + 1
-        n1 = (a.ptr.ne[1] + 2 * p1 - k1) // s1 + 1
-        _need(n0 > 0 and n1 > 0 and a.ptr.ne[0] + 2 * p0 >= k0 and a.ptr.ne[1] + 2 * p1 >= k1, "pool_2d",
+        n0 = (a.ptr.ne[0] + 2 * <int64_t> p0 - k0) // s0 + 1
+        n1 = (a.ptr.ne[1] + 2 * <int64_t> p1 - k1) // s1 + 1
+        _need(n0 > 0 and n1 > 0 and a.ptr.ne[0] + 2 * <int64_t> p0 >= k0 and a.ptr.ne[1] + 2 * <int64_t> p1 >= k1, "pool_2d",
               f"the window does not fit (got a: {_desc(a)}, k=({k0}, {k1}))")
         self._room("pool_2d", _out_bytes(g.GGML_TYPE_F32, n0, n1, a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pool_2d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, k1, s0, s1, p0, p1), a)

@@ -369,7 +369,10 @@ cdef class Tensor:
             The tensor has no host data.
         """
         self._host("numpy")
-        arr = np.asarray(memoryview(self))
+        try:
+            arr = np.asarray(memoryview(self))
+        except (ValueError, BufferError) as e:
+            raise GGMLValueError(f"numpy: numpy cannot describe this tensor (ne={_ne_str(self.ptr)}): {e}") from None
         return arr.copy() if copy else arr
 
     def __array__(self, dtype=None, copy=None):
@@ -399,7 +402,10 @@ cdef class Tensor:
         dt = _NP_DTYPES.get(p.type)
         if dt is None:
             return self._get_converted()
-        out = _np_empty(_np_shape(p), dt)
+        try:
+            out = _np_empty(_np_shape(p), dt)
+        except ValueError as e:
+            raise GGMLValueError(f"get: numpy cannot hold this tensor (ne={_ne_str(p)}): {e}") from None
         if not g.ggml_is_contiguous(p):
             out[...] = self.numpy()
             return out
@@ -472,7 +478,10 @@ cdef class Tensor:
         if tr.to_float == NULL:
             raise GGMLTypeError(f"get: no conversion to float32 for type {g.ggml_type_name(p.type).decode()}")
         if g.ggml_nelements(p) == 0:
-            return np.empty(_np_shape(p), dtype=np.float32)
+            try:
+                return np.empty(_np_shape(p), dtype=np.float32)
+            except ValueError as e:
+                raise GGMLValueError(f"get: numpy cannot hold this tensor (ne={_ne_str(p)}): {e}") from None
         out = np.empty((g.ggml_nrows(p), ne0), dtype=np.float32)
         out_view = out
         with nogil:
