@@ -1,4 +1,5 @@
 # Class fields and cdef signatures of _core. The C declarations live in _ggml.pxd.
+cimport cython
 cimport ggmlpy._ggml as g
 from libc.stdint cimport int64_t, uint64_t
 
@@ -30,6 +31,7 @@ cdef class Context(_CtxOps):
     pass
 
 
+@cython.final
 cdef class Tensor:
     cdef g.ggml_tensor * ptr
     cdef _CtxBase ctx
@@ -47,6 +49,7 @@ cdef class Tensor:
     cdef int _set_slow(self, array) except -1
 
 
+@cython.final
 cdef class Graph:
     cdef g.ggml_cgraph * ptr
     cdef _CtxBase ctx

@@ -171,6 +171,7 @@ cdef extern from "Python.h":
     int PyErr_CheckSignals() except -1
 
 
+@cython.final
 @cython.no_gc_clear
 cdef class Graph:
     """A ggml computation graph. Made by ``Context.new_graph()``.

@@ -100,7 +100,17 @@ cdef inline Tensor _res2(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b):
 
 
 cdef inline int _room_like(_CtxBase ctx, str op, Tensor a) except -1:
-    return ctx._room(op, _out_bytes(a.ptr.type, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
+    return _fast_room(ctx, op, _out_bytes(a.ptr.type, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]))
+
+
+cdef inline int _fast_room(_CtxBase ctx, str op, int64_t data_bytes) except -1:
+    # The common case of _CtxBase._room for one tensor, without the method call.
+    cdef size_t need = _TENSOR_OBJ_SIZE
+    if data_bytes >= 0 and not ctx.no_alloc_:
+        need += <size_t> data_bytes
+    if data_bytes >= 0 and g.ggml_used_mem(ctx.ptr) + need <= ctx.mem_size:
+        return 0
+    return ctx._room(op, data_bytes, 1)
 
 
 cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
@@ -124,7 +134,7 @@ cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
         _rows_contig(a, op, "a")
     if not _is_rows_contig(pb):
         _rows_contig(b, op, "b")
-    return ctx._room(op, _out_bytes(pa.type, pa.ne[0], pa.ne[1], pa.ne[2], pa.ne[3]), 1)
+    return _fast_room(ctx, op, _out_bytes(pa.type, pa.ne[0], pa.ne[1], pa.ne[2], pa.ne[3]))
 
 
 cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) except -1:

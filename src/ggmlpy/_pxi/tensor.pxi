@@ -79,6 +79,7 @@ cdef _CtxBase _owner_of(_CtxBase hint, g.ggml_tensor * p):
     return hint
 
 
+@cython.final
 @cython.freelist(256)
 cdef class Tensor:
     """A ggml tensor. Made by a Context (``new_tensor``, ``from_numpy``, op methods), never directly.
