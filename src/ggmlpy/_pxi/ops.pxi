@@ -166,9 +166,6 @@ cdef int _nonzero_dims(Tensor a, str op, str name, int first) except -1:
     return 0
 
 
-cdef int _index_checks_needed = 0
-
-
 cdef extern from *:
     """
     static int ggmlpy_permute_ok(const struct ggml_tensor * a) {

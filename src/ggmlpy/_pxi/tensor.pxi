@@ -377,9 +377,12 @@ cdef class Tensor:
         return arr.copy() if copy else arr
 
     def __array__(self, dtype=None, copy=None):
-        if copy is False and dtype is not None and np.dtype(dtype) != _NP_DTYPES.get(self.ptr.type):
-            raise ValueError("__array__: a copy is needed to change the dtype")
-        arr = self.get() if (_NP_DTYPES.get(self.ptr.type) is None) else self.numpy(copy=bool(copy))
+        self._ensure_op("__array__")
+        native = _NP_DTYPES.get(self.ptr.type)
+        if copy is False and (native is None or _device_tensor(self.ptr) or
+                              (dtype is not None and np.dtype(dtype) != native)):
+            raise ValueError("__array__: this tensor cannot be viewed without a copy")
+        arr = self.get() if native is None or _device_tensor(self.ptr) else self.numpy(copy=bool(copy))
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
     def get(self):

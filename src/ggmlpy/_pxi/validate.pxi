@@ -194,12 +194,6 @@ cdef inline int _need(bint cond, str op, str what) except -1:
     return 0
 
 
-cdef inline int _ctx_int(int64_t v, str op, str name) except -1:
-    if v < -2147483648 or v > 2147483647:
-        raise GGMLValueError(f"{op}: {name}={v} does not fit in a C int")
-    return 0
-
-
 cdef inline int _finite(double v, str op, str name) except -1:
     if v != v or v == float("inf") or v == float("-inf"):
         raise GGMLValueError(f"{op}: {name} must be finite (got {v})")
