@@ -264,3 +264,17 @@ def test_set_fast_path_matches_slow_path():
         t.set(src.astype(">f4").reshape(3, 4))      # wrong shape via the slow path
     t.set(src.astype(">f4"))                        # big-endian: converted, not memcpy'd
     assert t.get().tolist() == src.tolist()
+
+
+def test_invalidated_context_does_not_hand_out_old_tensors():
+    src = gp.Context(1 << 20)
+    a = src.from_numpy(np.ones(4, np.float32))
+    ctx = gp.Context(1 << 20)
+    y = ctx.scale(a, 2.0).set_name("y")
+    assert ctx.get_tensor("y") == y and len(ctx.tensors()) == 1
+    src.reset()                                   # y's input memory is reused now
+    with pytest.raises(gp.ClosedError):
+        _ = y.ne
+    assert ctx.tensors() == [] and ctx.get_tensor("y") is None
+    z = ctx.from_numpy(np.arange(3, dtype=np.float32), name="z")     # the context itself still works
+    assert ctx.tensors() == [z] and z.get().tolist() == [0.0, 1.0, 2.0]

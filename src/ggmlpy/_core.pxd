@@ -15,8 +15,10 @@ cdef class _CtxBase:
     cdef dict deps            # Context -> its generation when this context's tensors started reading it
     cdef list keep            # other owners (buffers, foreign memory) kept alive
     cdef object dependents    # WeakSet of Contexts whose tensors read this one's
+    cdef size_t stale_below   # arena offset below which tensors read a freed/reset context
     cdef object __weakref__
     cdef void _invalidate_dependents(self) noexcept
+    cdef bint _fresh(self, g.ggml_tensor * p) noexcept
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
     cdef void _release(self) noexcept

@@ -367,6 +367,7 @@ def alloc_ctx_tensors(Context ctx not None, target):
         # ggml may have placed earlier tensors in buffers it then freed: the
         # context's tensors must not be touched again.
         ctx.gen += 1
+        ctx.stale_below = g.ggml_used_mem(ctx.ptr)
         raise GGMLMemoryError(f"alloc_ctx_tensors: could not allocate {_fmt_bytes(need)} of {bt.name} on device "
                               f"{bt.dev_name}; the context's tensors are invalid now")
     buf = Buffer._make(b, bt)

@@ -57,6 +57,9 @@ cdef class _CtxBase:
             for d in list(self.dependents):
                 if d.deps.pop(self, None) is not None:
                     d.gen += 1
+                    if d.ptr != NULL:
+                        # tensors made so far may read this context: never hand them out again
+                        d.stale_below = g.ggml_used_mem(d.ptr)
                     d._invalidate_dependents()
             self.dependents.clear()
         except BaseException:
@@ -138,6 +141,7 @@ cdef class _CtxBase:
                                  f"new tensors would reuse their memory")
         g.ggml_reset(self.ptr)
         self.gen += 1
+        self.stale_below = 0
         self._invalidate_dependents()
 
     @property
@@ -196,16 +200,24 @@ cdef class _CtxBase:
         out = []
         p = g.ggml_get_first_tensor(self.ptr)
         while p != NULL:
-            out.append(_wrap(self, p))
+            if self._fresh(p):
+                out.append(_wrap(self, p))
             p = g.ggml_get_next_tensor(self.ptr, p)
         return out
+
+    cdef bint _fresh(self, g.ggml_tensor * p) noexcept:
+        return <size_t> (<char *> p - <char *> self.mem) >= self.stale_below
 
     def get_tensor(self, str name):
         """The tensor named ``name``, or None."""
         self._ensure()
         cdef bytes b = name.encode()
-        cdef g.ggml_tensor * p = g.ggml_get_tensor(self.ptr, b)
-        return None if p == NULL else _wrap(self, p)
+        cdef g.ggml_tensor * p = g.ggml_get_first_tensor(self.ptr)
+        while p != NULL:
+            if self._fresh(p) and p.name == b:
+                return _wrap(self, p)
+            p = g.ggml_get_next_tensor(self.ptr, p)
+        return None
 
     def __repr__(self):
         if self.freed:
