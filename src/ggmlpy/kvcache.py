@@ -484,7 +484,7 @@ class Cells:
         length = int(length)
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
-        self._seq[:, dst] |= self._seq[:, src] & (self._pos < length)
+        self._seq[:, dst] = self._seq[:, src] & (self._pos < length)
         self._refresh()
 
     def trim_window(self, seq_positions: dict[int, int], window: int) -> None:
