@@ -23,6 +23,7 @@ from libc.string cimport memcpy, memset, strlen, strncpy
 
 import enum
 import logging
+import operator
 import os
 import sys
 import weakref

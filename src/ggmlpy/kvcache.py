@@ -1,6 +1,8 @@
-"""Bookkeeping for a causal KV cache: which cache row holds which token.
+"""A causal KV cache: bookkeeping (:class:`Cells`) and storage (:class:`Causal`).
 
-This module is pure numpy; it owns no ggml tensors. A cache has ``n_cells``
+:class:`Cells` is pure numpy; it owns no ggml tensors. :class:`Causal` owns
+the per-layer K/V tensors (CPU host memory) and builds the graph pieces that
+write and read them. A cache has ``n_cells``
 storage rows (cells). :class:`Cells` records, for every cell, the position of
 the token stored there and the set of sequences that reference it. A cell is
 free when no sequence references it. Sharing one cell between several
@@ -35,12 +37,16 @@ apply the whole change or raise with the state untouched.
 
 from __future__ import annotations
 
+import copy as _copy
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-__all__ = ["Cells", "NotSupported"]
+from ._core import Context, Tensor, Type, tensor_overhead
+
+__all__ = ["Causal", "Cells", "ForwardPlan", "KVCacheFull", "NotSupported"]
 
 
 class NotSupported(Exception):
@@ -560,3 +566,398 @@ class Cells:
         self._pos = pos
         self._seq = seq
         self._refresh()
+
+
+# ====================================================================== Causal
+#
+# The tensor-owning cache built on :class:`Cells`, following the semantics of
+# Ollama's causal cache (see module docstring of :class:`Causal`).
+
+_INT32_MAX = 2**31 - 1
+
+
+class KVCacheFull(Exception):
+    """No free cache slots for a batch. Nothing has been changed."""
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Where one batch goes and what it sees, from :meth:`Causal.start_forward`.
+
+    Attributes
+    ----------
+    positions, seq_ids : numpy.ndarray
+        ``int64[n_batch]``, the batch's tokens.
+    slots : numpy.ndarray
+        ``int64[n_batch]``, the cache row written for each token.
+    lo, hi : int
+        The cell range ``[lo, hi)`` the batch attends over (padded).
+    mask : numpy.ndarray
+        ``float32[n_batch, hi - lo]`` (numpy order), 0 visible, ``-inf``
+        masked; the ggml tensor is ``ne = (hi - lo, n_batch)``.
+    reserve : bool
+        A worst-case sizing plan: commits nothing.
+    trim : dict of int to int
+        Sliding-window eviction to apply first (``seq -> lowest position``);
+        empty for an unlimited cache.
+    n_cells : int
+        Size of the cache the plan was made for.
+    """
+
+    positions: np.ndarray
+    seq_ids: np.ndarray
+    slots: np.ndarray
+    lo: int
+    hi: int
+    mask: np.ndarray
+    reserve: bool
+    trim: dict
+    n_cells: int
+
+    @property
+    def n_batch(self) -> int:
+        """Number of tokens in the batch."""
+        return int(self.slots.size)
+
+    @property
+    def n_kv(self) -> int:
+        """Length of the visible cell range, ``hi - lo``."""
+        return self.hi - self.lo
+
+
+class Causal:
+    """A causal KV cache: per-layer K/V tensors in host memory plus :class:`Cells`.
+
+    Follows Ollama's causal cache. One forward pass is::
+
+        plan = cache.start_forward(positions, seq_ids)   # plan only
+        for each layer:
+            cache.put(ctx, layer, plan, k, v)          # expand the results
+            k_view, v_view, mask = cache.get(ctx, layer, plan)
+            ... attention ...
+        gf.compute(); cache.apply(plan)                # commit the metadata
+
+    Storage: layer ``i`` has K ``ne = (n_embd_k, cells)`` and V
+    ``ne = (n_embd_v, cells)`` in ``dtype``, zero-filled, in a context the
+    cache owns (CPU host memory). A row is one cell, laid out as
+    ``(head_dim, n_head_kv)``.
+
+    Parameters
+    ----------
+    n_layers : int
+        Number of layers.
+    n_embd_k, n_embd_v : int
+        ``head_dim_k * n_head_kv`` and ``head_dim_v * n_head_kv``.
+    dtype : Type
+        Storage type: F32, F16, or a quantized type (Q8_0, Q4_0).
+    window : int, optional
+        Sliding window: a token sees ``window + 1`` positions including
+        itself. Old cells are evicted as in Ollama's SWA cache (memory equals
+        the window, ``window + 1`` with several sequences) unless that is at
+        least the capacity.
+    padding : int
+        The cell count and every visible range are rounded to this.
+    n_head_kv : int
+        Number of KV heads; :meth:`get` splits rows into heads with it.
+    """
+
+    def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
+                 window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1) -> None:
+        self.n_layers = int(n_layers)
+        self.n_embd_k = int(n_embd_k)
+        self.n_embd_v = int(n_embd_v)
+        self.dtype = Type(dtype)
+        self.n_head_kv = int(n_head_kv)
+        if self.n_layers < 1 or self.n_embd_k < 1 or self.n_embd_v < 1:
+            raise ValueError("n_layers, n_embd_k and n_embd_v must be >= 1")
+        if self.n_head_kv < 1 or self.n_embd_k % self.n_head_kv or self.n_embd_v % self.n_head_kv:
+            raise ValueError(f"n_head_kv {self.n_head_kv} must divide n_embd_k and n_embd_v")
+        if window is not None and int(window) < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        # Ollama: window 0 means unlimited.
+        self.window = None if not window else int(window)
+        self.padding = max(1, int(padding))
+        blk = self.dtype.block_size
+        if (self.n_embd_k // self.n_head_kv) % blk or (self.n_embd_v // self.n_head_kv) % blk:
+            raise ValueError(f"head dims must be multiples of the {self.dtype.name} block size {blk}")
+        self.memory: Optional[int] = None
+        self._cells: Optional[Cells] = None
+        self._ctx: Optional[Context] = None
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def head_dim_k(self) -> int:
+        return self.n_embd_k // self.n_head_kv
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.n_embd_v // self.n_head_kv
+
+    @property
+    def cells(self) -> Cells:
+        """The metadata (do not mutate it directly)."""
+        if self._cells is None:
+            raise RuntimeError("cache is not initialised; call init() first")
+        return self._cells
+
+    @property
+    def n_cells(self) -> int:
+        return self.cells.n_cells
+
+    def init(self, capacity: int, n_seq_max: int, max_batch: int) -> None:
+        """Size the cache and allocate zero-filled K/V for every layer.
+
+        ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
+        unlimited cache, ``n_seq_max * memory + max_batch`` with a sliding
+        window, rounded up to ``padding``.
+        """
+        if self._ctx is not None:
+            raise RuntimeError("cache is already initialised")
+        capacity, n_seq_max, max_batch = int(capacity), int(n_seq_max), int(max_batch)
+        if capacity < 1 or n_seq_max < 1 or max_batch < 1:
+            raise ValueError("capacity, n_seq_max and max_batch must be >= 1")
+        memory = self.window
+        if memory is not None and n_seq_max > 1:
+            memory += 1  # keep the stop token so a conversation can resume
+        if memory is not None and memory >= capacity:
+            memory = None
+        self.memory = memory
+        n = n_seq_max * capacity if memory is None else n_seq_max * memory + max_batch
+        n = -(-n // self.padding) * self.padding
+        self.max_batch = max_batch
+        k_row = self.dtype.row_size(self.n_embd_k)
+        v_row = self.dtype.row_size(self.n_embd_v)
+        size = self.n_layers * ((k_row + v_row) * n + 2 * (tensor_overhead() + 64))
+        ctx = Context(size + 1024, no_alloc=False)
+        keys, values = [], []
+        zeros_k = np.zeros((n, self.n_embd_k), dtype=np.float32)
+        zeros_v = np.zeros((n, self.n_embd_v), dtype=np.float32)
+        for i in range(self.n_layers):
+            k = ctx.new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
+            v = ctx.new_tensor(self.dtype, (self.n_embd_v, n), name=f"cache_v_l{i}")
+            k.set(zeros_k)
+            v.set(zeros_v)
+            keys.append(k)
+            values.append(v)
+        self._ctx = ctx
+        self.keys, self.values = keys, values
+        self._cells = Cells(n, n_seq_max)
+
+    def bytes_per_layer(self) -> int:
+        """Bytes of K plus V storage of one layer."""
+        return self.keys[0].nbytes + self.values[0].nbytes if self.keys else 0
+
+    def close(self) -> None:
+        """Free the storage; the cache must be initialised again to be used."""
+        self.keys, self.values = [], []
+        if self._ctx is not None:
+            self._ctx.free()
+        self._ctx = None
+        self._cells = None
+
+    def __repr__(self) -> str:
+        n = None if self._cells is None else self._cells.n_cells
+        return (f"Causal(n_layers={self.n_layers}, n_embd_k={self.n_embd_k}, n_embd_v={self.n_embd_v}, "
+                f"dtype={self.dtype.name}, window={self.window}, cells={n})")
+
+    # ------------------------------------------------------------------ forward
+
+    def _trim_positions(self, cells: Cells, positions: np.ndarray, seq_ids: np.ndarray) -> dict:
+        """Ollama's updateSlidingWindow: lowest position per sequence to trim at."""
+        if self.memory is None:
+            return {}
+        lowest = {}
+        for s in np.unique(seq_ids):
+            lowest[int(s)] = int(positions[seq_ids == s].min())
+        for s in range(cells.n_seq_max):
+            if s not in lowest and cells.seq_pos_max(s) >= 0:
+                lowest[s] = cells.seq_pos_max(s) + 1
+        return lowest
+
+    def start_forward(self, positions, seq_ids, reserve: bool = False) -> ForwardPlan:
+        """Plan a batch: slots, visible range and mask. Changes nothing.
+
+        With a sliding window, eviction (Ollama's ``updateSlidingWindow``) is
+        planned first and committed by :meth:`apply`; the visible range then
+        still spans every remaining cell of the batch's sequences (Ollama
+        narrows it to the window), the mask hides what is out of the window.
+        Commit with :meth:`apply` once the graph was computed.
+
+        Raises
+        ------
+        KVCacheFull
+            Too few free cells (after sliding-window eviction).
+        """
+        cells = self.cells
+        positions = _int_array(positions, "positions")
+        seq_ids = _int_array(seq_ids, "seq_ids")
+        if positions.shape != seq_ids.shape:
+            raise ValueError(
+                f"positions and seq_ids differ in length: {positions.size} != {seq_ids.size}")
+        n = positions.size
+        if n == 0:
+            raise ValueError("empty batch")
+        cells._check_seq_array(seq_ids)
+        if (positions < 0).any():
+            raise ValueError("positions must be >= 0")
+        if reserve:
+            if n > cells.n_cells:
+                raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
+            slots = np.arange(n, dtype=np.int64)
+            mask = np.zeros((n, cells.n_cells), dtype=np.float32)
+            return ForwardPlan(positions, seq_ids, slots, 0, cells.n_cells, mask, True, {},
+                               cells.n_cells)
+        trial = _copy.deepcopy(cells)
+        trim = self._trim_positions(trial, positions, seq_ids)
+        if trim:
+            trial.trim_window(trim, self.memory)
+        slots = trial.find_slots(n)
+        if slots is None:
+            raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
+        trial.apply(slots, positions, seq_ids)
+        lo, hi = trial.visible_range(seq_ids, pad=self.padding)
+        mask = trial.mask(positions, seq_ids, window=self.window, lo=lo, hi=hi)
+        return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells)
+
+    def apply(self, plan: ForwardPlan) -> None:
+        """Commit a plan's metadata (eviction, then the new cells); all or nothing."""
+        self._check_plan(plan)
+        if plan.reserve:
+            return
+        trial = _copy.deepcopy(self.cells)
+        if plan.trim:
+            trial.trim_window(plan.trim, self.memory)
+        trial.apply(plan.slots, plan.positions, plan.seq_ids)
+        self._cells = trial
+
+    def _check_plan(self, plan: ForwardPlan) -> None:
+        if not isinstance(plan, ForwardPlan):
+            raise TypeError(f"plan must be a ForwardPlan, got {type(plan).__name__}")
+        if plan.n_cells != self.cells.n_cells:
+            raise ValueError("plan was made for a different cache")
+
+    def _check_layer(self, layer: int) -> int:
+        layer = int(layer)
+        if not 0 <= layer < len(self.keys):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.keys)})")
+        return layer
+
+    # ------------------------------------------------------------------ graph building
+
+    @staticmethod
+    def index_tensor(ctx: Context, plan: ForwardPlan) -> Tensor:
+        """The I64 destination-row tensor ``ne = (n_batch,)``, created in ``ctx`` and filled.
+
+        ``ctx`` must be an allocating context (the data is set immediately).
+        """
+        idx = ctx.new_tensor(Type.I64, (plan.n_batch,), name="kv_slots")
+        idx.set(plan.slots)
+        return idx
+
+    @staticmethod
+    def mask_tensor(ctx: Context, plan: ForwardPlan, dtype=Type.F16) -> Tensor:
+        """The mask tensor ``ne = (hi - lo, n_batch)``, created in ``ctx`` and filled."""
+        m = ctx.new_tensor(dtype, (plan.n_kv, plan.n_batch), name="kv_mask")
+        m.set(plan.mask)
+        return m
+
+    def put(self, ctx: Context, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
+            *, idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """Write a batch's K and V (``ne = (head_dim, n_head_kv, n_batch)``) at ``plan.slots``.
+
+        ``k`` and ``v`` must be f32 or f16. The index tensor is made with
+        :meth:`index_tensor` unless ``idx`` is given (share it between layers).
+        Returns the two ``set_rows`` results; expand both into the graph.
+        """
+        self._check_plan(plan)
+        layer = self._check_layer(layer)
+        n = plan.n_batch
+        for name, t, embd in (("k", k, self.n_embd_k), ("v", v, self.n_embd_v)):
+            ne = t.ne
+            if ne[0] * ne[1] != embd or ne[2] * ne[3] != n:
+                raise ValueError(f"put: {name} ne={ne} does not hold {n} rows of {embd} "
+                                 f"(expected (head_dim, n_head_kv, n_batch))")
+        if idx is None:
+            idx = self.index_tensor(ctx, plan)
+        out = []
+        for t, cache, embd in ((k, self.keys[layer], self.n_embd_k),
+                               (v, self.values[layer], self.n_embd_v)):
+            if not t.is_contiguous:
+                t = ctx.cont(t)
+            rows = ctx.reshape(t, (embd, n))
+            out.append(ctx.set_rows(cache, rows, idx))
+        return out[0], out[1]
+
+    def get(self, ctx: Context, layer: int, plan: ForwardPlan, *, mask: Optional[Tensor] = None,
+            mask_type=Type.F16) -> tuple[Tensor, Tensor, Tensor]:
+        """Views of the visible cells and the mask, for ``flash_attn_ext``.
+
+        Returns ``(k, v, mask)``: ``k`` is a strided view
+        ``ne = (head_dim_k, hi - lo, n_head_kv)`` of cells ``lo .. hi-1``
+        (``v`` likewise with ``head_dim_v``), directly usable as
+        ``flash_attn_ext``'s ``k``/``v``; for a ``mul_mat`` path use
+        ``ctx.cont`` first where needed. ``mask`` is ``ne = (hi - lo, n_batch)``
+        in ``mask_type``, made with :meth:`mask_tensor` unless given (share it
+        between layers). The views read the cache as it is at compute time, so
+        expand the :meth:`put` results into the graph first.
+        """
+        self._check_plan(plan)
+        layer = self._check_layer(layer)
+        if plan.n_kv == 0:
+            raise ValueError("get: empty visible range")
+        views = []
+        for cache, hd in ((self.keys[layer], self.head_dim_k), (self.values[layer], self.head_dim_v)):
+            row = cache.nb[1]
+            views.append(ctx.view(cache, (hd, plan.n_kv, self.n_head_kv),
+                                  (row, self.dtype.row_size(hd)), plan.lo * row))
+        if mask is None:
+            mask = self.mask_tensor(ctx, plan, mask_type)
+        return views[0], views[1], mask
+
+    # ------------------------------------------------------------------ management
+
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        """Drop positions ``[begin, end)`` of ``seq``; ``end`` None (or ``2**31-1``) = to the end.
+
+        Raises
+        ------
+        NotSupported
+            Removing a middle range would shift later positions, which needs a
+            model shift function (not supported yet). Nothing is changed.
+        """
+        cells = self.cells
+        seq = cells._check_seq(seq)
+        if end is not None and int(end) >= _INT32_MAX:
+            end = None
+        if end is not None and int(end) > int(begin) >= 0:
+            held = cells.seqs[:, seq]
+            if (held & (cells.pos >= int(end))).any():
+                raise NotSupported("model does not support operation: shifting positions")
+        cells.remove(seq, begin, end)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make ``dst`` share the first ``length`` positions of ``src`` (metadata only)."""
+        self.cells.copy_prefix(src, dst, length)
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        """Whether ``seq`` can continue at ``pos`` from the stored cells.
+
+        Every position the next token can see before ``pos`` must be stored:
+        ``[0, pos)``, or only the last ``memory`` of them with a sliding window.
+        Unlike Ollama (which answers False there when the oldest positions
+        were evicted), ``pos == 0`` is always resumable: it needs no history.
+        """
+        return self.cells.can_resume(seq, pos, window=self.memory)
+
+    def seq_pos_min(self, seq: int) -> int:
+        return self.cells.seq_pos_min(seq)
+
+    def seq_pos_max(self, seq: int) -> int:
+        return self.cells.seq_pos_max(seq)
+
+    def clear(self, seq: Optional[int] = None) -> None:
+        """Drop one sequence, or everything (the K/V data is left as is)."""
+        self.cells.clear(seq)

@@ -318,7 +318,7 @@ cdef class Buffer:
 
     @usage.setter
     def usage(self, value):
-        cdef int u = value
+        cdef int u = _index(value, "buffer_set_usage", "usage", _K_INT)
         self._ensure()
         _need(u in (0, 1, 2), "buffer_set_usage", f"usage must be a BufferUsage (got {value!r})")
         g.ggml_backend_buffer_set_usage(self.ptr, <g.ggml_backend_buffer_usage> u)

@@ -263,20 +263,30 @@ cdef class _CtxBase:
             out.name = name
         return out
 
-    def new_tensor_1d(self, type, int64_t ne0, *, name=None):
+    def new_tensor_1d(self, type, ne0, *, name=None):
         """A new 1-d tensor; see ``new_tensor``."""
+        ne0 = _index(ne0, "new_tensor_1d", "ne0", _K_INT64)
         return self.new_tensor(type, (ne0,), name=name)
 
-    def new_tensor_2d(self, type, int64_t ne0, int64_t ne1, *, name=None):
+    def new_tensor_2d(self, type, ne0, ne1, *, name=None):
         """A new 2-d tensor (``ne0`` columns, ``ne1`` rows); see ``new_tensor``."""
+        ne0 = _index(ne0, "new_tensor_2d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "new_tensor_2d", "ne1", _K_INT64)
         return self.new_tensor(type, (ne0, ne1), name=name)
 
-    def new_tensor_3d(self, type, int64_t ne0, int64_t ne1, int64_t ne2, *, name=None):
+    def new_tensor_3d(self, type, ne0, ne1, ne2, *, name=None):
         """A new 3-d tensor; see ``new_tensor``."""
+        ne0 = _index(ne0, "new_tensor_3d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "new_tensor_3d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "new_tensor_3d", "ne2", _K_INT64)
         return self.new_tensor(type, (ne0, ne1, ne2), name=name)
 
-    def new_tensor_4d(self, type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, *, name=None):
+    def new_tensor_4d(self, type, ne0, ne1, ne2, ne3, *, name=None):
         """A new 4-d tensor; see ``new_tensor``."""
+        ne0 = _index(ne0, "new_tensor_4d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "new_tensor_4d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "new_tensor_4d", "ne2", _K_INT64)
+        ne3 = _index(ne3, "new_tensor_4d", "ne3", _K_INT64)
         return self.new_tensor(type, (ne0, ne1, ne2, ne3), name=name)
 
     def dup_tensor(self, Tensor src not None):

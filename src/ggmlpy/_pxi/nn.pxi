@@ -53,9 +53,15 @@ cdef class Context(_CtxOps):
 
     # -- convolution ------------------------------------------------------------------
 
-    def im2col(self, Tensor a, Tensor b, int s0, int s1, int p0, int p1, int d0, int d1, bint is_2D=True,
+    def im2col(self, Tensor a, Tensor b, s0, s1, p0, p1, d0, d1, bint is_2D=True,
                dst_type=Type.F16):
         """Unfold ``b``'s patches for the kernel shape of ``a`` (see ggml.h); ``dst_type`` f16 or f32."""
+        s0 = _index(s0, "im2col", "s0", _K_INT)
+        s1 = _index(s1, "im2col", "s1", _K_INT)
+        p0 = _index(p0, "im2col", "p0", _K_INT)
+        p1 = _index(p1, "im2col", "p1", _K_INT)
+        d0 = _index(d0, "im2col", "d0", _K_INT)
+        d1 = _index(d1, "im2col", "d1", _K_INT)
         cdef int t = _as_type(dst_type, "im2col")
         cdef int64_t OW, OH
         self._ensure_op("im2col")
@@ -83,13 +89,16 @@ cdef class Context(_CtxOps):
                                         b.ptr.ne[3] if is_2D else 1), 1)
         return _res(self, g.ggml_im2col(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1, is_2D, <g.ggml_type> t), a, b)
 
-    def conv_1d(self, Tensor a, Tensor b, int s0=1, int p0=0, int d0=1):
+    def conv_1d(self, Tensor a, Tensor b, s0=1, p0=0, d0=1):
         """1-d convolution: kernel ``a`` ne ``(K, IC, OC)`` f32/f16 over ``b`` ne ``(L, IC, N)``; f32 ``(OL, OC, N)``.
 
         Built from im2col and mul_mat like ``ggml_conv_1d``, but with the batch
         axis put back in place: ggml's own composition labels its
         ``[OC][N][OL]`` result as ``(OL, OC, N)``, which is wrong for ``N > 1``.
         """
+        s0 = _index(s0, "conv_1d", "s0", _K_INT)
+        p0 = _index(p0, "conv_1d", "p0", _K_INT)
+        d0 = _index(d0, "conv_1d", "d0", _K_INT)
         cdef int64_t OL, N, OC, K, IC
         self._ensure_op("conv_1d")
         _arg(a, "conv_1d", "a"); _arg(b, "conv_1d", "b")
@@ -109,8 +118,14 @@ cdef class Context(_CtxOps):
         y = self.mul_mat(self.reshape_2d(cols, K * IC, OL * N), self.reshape_2d(a, K * IC, OC))  # ne (OL*N, OC)
         return self.cont(self.permute(self.reshape_3d(y, OL, N, OC), 0, 2, 1, 3))              # ne (OL, OC, N)
 
-    def conv_2d(self, Tensor a, Tensor b, int s0=1, int s1=1, int p0=0, int p1=0, int d0=1, int d1=1):
+    def conv_2d(self, Tensor a, Tensor b, s0=1, s1=1, p0=0, p1=0, d0=1, d1=1):
         """2-d convolution: kernel ``a`` ne ``(KW, KH, IC, OC)`` f32/f16 over ``b`` ne ``(W, H, IC, N)``; f32 ``(OW, OH, OC, N)``."""
+        s0 = _index(s0, "conv_2d", "s0", _K_INT)
+        s1 = _index(s1, "conv_2d", "s1", _K_INT)
+        p0 = _index(p0, "conv_2d", "p0", _K_INT)
+        p1 = _index(p1, "conv_2d", "p1", _K_INT)
+        d0 = _index(d0, "conv_2d", "d0", _K_INT)
+        d1 = _index(d1, "conv_2d", "d1", _K_INT)
         cdef int64_t OW, OH
         self._ensure_op("conv_2d")
         _arg(a, "conv_2d", "a"); _arg(b, "conv_2d", "b")
@@ -126,8 +141,11 @@ cdef class Context(_CtxOps):
                    + 2 * _out_bytes(g.GGML_TYPE_F32, OW, OH, a.ptr.ne[3], b.ptr.ne[3]), 7)
         return _res(self, g.ggml_conv_2d(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1), a, b)
 
-    def conv_transpose_1d(self, Tensor a, Tensor b, int s0=1, int p0=0, int d0=1):
+    def conv_transpose_1d(self, Tensor a, Tensor b, s0=1, p0=0, d0=1):
         """Transposed 1-d convolution: kernel ``a`` ne ``(K, OC, IC)`` f32/f16, input ``b`` ne ``(L, IC)`` f32."""
+        s0 = _index(s0, "conv_transpose_1d", "s0", _K_INT)
+        p0 = _index(p0, "conv_transpose_1d", "p0", _K_INT)
+        d0 = _index(d0, "conv_transpose_1d", "d0", _K_INT)
         self._ensure_op("conv_transpose_1d")
         _arg(a, "conv_transpose_1d", "a"); _arg(b, "conv_transpose_1d", "b")
         _nonzero_dims(a, "conv_transpose_1d", "a", 0); _nonzero_dims(b, "conv_transpose_1d", "b", 0)
@@ -140,9 +158,12 @@ cdef class Context(_CtxOps):
         self._room("conv_transpose_1d", _out_bytes(g.GGML_TYPE_F32, (b.ptr.ne[0] - 1) * s0 + a.ptr.ne[0], a.ptr.ne[1], 1, 1), 1)
         return _res(self, g.ggml_conv_transpose_1d(self.ptr, a.ptr, b.ptr, s0, p0, d0), a, b)
 
-    def pool_1d(self, Tensor a, op, int k0, int s0, int p0=0):
+    def pool_1d(self, Tensor a, op, k0, s0, p0=0):
         """Max or average pooling over each row (``PoolOp``); f32/f16 in, f32 out."""
-        cdef int o = op
+        k0 = _index(k0, "pool_1d", "k0", _K_INT)
+        s0 = _index(s0, "pool_1d", "s0", _K_INT)
+        p0 = _index(p0, "pool_1d", "p0", _K_INT)
+        cdef int o = _index(op, "pool_1d", "op", _K_INT)
         cdef int64_t n
         _unary(self, a, "pool_1d", M_F32_F16, 2)
         _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_1d", f"op must be PoolOp.MAX or AVG (got {op!r})")
@@ -152,9 +173,15 @@ cdef class Context(_CtxOps):
         self._room("pool_1d", _out_bytes(g.GGML_TYPE_F32, n, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pool_1d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, s0, p0), a)
 
-    def pool_2d(self, Tensor a, op, int k0, int k1, int s0, int s1, int p0=0, int p1=0):
+    def pool_2d(self, Tensor a, op, k0, k1, s0, s1, p0=0, p1=0):
         """Max or average pooling over ``ne[0] x ne[1]`` planes; f32/f16 in, f32 out."""
-        cdef int o = op
+        k0 = _index(k0, "pool_2d", "k0", _K_INT)
+        k1 = _index(k1, "pool_2d", "k1", _K_INT)
+        s0 = _index(s0, "pool_2d", "s0", _K_INT)
+        s1 = _index(s1, "pool_2d", "s1", _K_INT)
+        p0 = _index(p0, "pool_2d", "p0", _K_INT)
+        p1 = _index(p1, "pool_2d", "p1", _K_INT)
+        cdef int o = _index(op, "pool_2d", "op", _K_INT)
         cdef int64_t n0, n1
         _unary(self, a, "pool_2d", M_F32_F16, 2)
         _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_2d", f"op must be PoolOp.MAX or AVG (got {op!r})")
@@ -167,16 +194,21 @@ cdef class Context(_CtxOps):
         self._room("pool_2d", _out_bytes(g.GGML_TYPE_F32, n0, n1, a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pool_2d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, k1, s0, s1, p0, p1), a)
 
-    def upscale(self, Tensor a, int scale_factor, mode=ScaleMode.NEAREST):
+    def upscale(self, Tensor a, scale_factor, mode=ScaleMode.NEAREST):
         """Scale dims 0 and 1 by an integer factor (f32)."""
+        scale_factor = _index(scale_factor, "upscale", "scale_factor", _K_INT)
         _need(scale_factor >= 1, "upscale", f"scale_factor must be >= 1 (got {scale_factor})")
         self._ensure_op("upscale")
         _arg(a, "upscale", "a")
         return self.interpolate(a, a.ptr.ne[0] * scale_factor, a.ptr.ne[1] * scale_factor, a.ptr.ne[2], a.ptr.ne[3], mode)
 
-    def interpolate(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, mode=ScaleMode.NEAREST):
+    def interpolate(self, Tensor a, ne0, ne1, ne2, ne3, mode=ScaleMode.NEAREST):
         """Resize to ne ``(ne0, ne1, ne2, ne3)`` (f32); ``mode`` a ScaleMode, optionally | ALIGN_CORNERS."""
-        cdef uint32_t m = mode
+        ne0 = _index(ne0, "interpolate", "ne0", _K_INT64)
+        ne1 = _index(ne1, "interpolate", "ne1", _K_INT64)
+        ne2 = _index(ne2, "interpolate", "ne2", _K_INT64)
+        ne3 = _index(ne3, "interpolate", "ne3", _K_INT64)
+        cdef uint32_t m = _index(mode, "interpolate", "mode", _K_INT)
         _unary(self, a, "interpolate", M_F32, 0)
         _nonzero_dims(a, "interpolate", "a", 0)
         _need((m & 0xFF) <= g.GGML_SCALE_MODE_BICUBIC and (m & ~(<uint32_t> 0x1FF)) == 0, "interpolate",
@@ -185,12 +217,24 @@ cdef class Context(_CtxOps):
         self._room("interpolate", _out_bytes(g.GGML_TYPE_F32, ne0, ne1, ne2, ne3), 1)
         return _res(self, g.ggml_interpolate(self.ptr, a.ptr, ne0, ne1, ne2, ne3, m), a)
 
-    def pad(self, Tensor a, int p0=0, int p1=0, int p2=0, int p3=0):
+    def pad(self, Tensor a, p0=0, p1=0, p2=0, p3=0):
         """Append ``p_i`` zeros at the end of dimension ``i`` (f32)."""
+        p0 = _index(p0, "pad", "p0", _K_INT)
+        p1 = _index(p1, "pad", "p1", _K_INT)
+        p2 = _index(p2, "pad", "p2", _K_INT)
+        p3 = _index(p3, "pad", "p3", _K_INT)
         return self.pad_ext(a, 0, p0, 0, p1, 0, p2, 0, p3)
 
-    def pad_ext(self, Tensor a, int lp0=0, int rp0=0, int lp1=0, int rp1=0, int lp2=0, int rp2=0, int lp3=0, int rp3=0):
+    def pad_ext(self, Tensor a, lp0=0, rp0=0, lp1=0, rp1=0, lp2=0, rp2=0, lp3=0, rp3=0):
         """Zero padding before (``lp``) and after (``rp``) each dimension (f32)."""
+        lp0 = _index(lp0, "pad_ext", "lp0", _K_INT)
+        rp0 = _index(rp0, "pad_ext", "rp0", _K_INT)
+        lp1 = _index(lp1, "pad_ext", "lp1", _K_INT)
+        rp1 = _index(rp1, "pad_ext", "rp1", _K_INT)
+        lp2 = _index(lp2, "pad_ext", "lp2", _K_INT)
+        rp2 = _index(rp2, "pad_ext", "rp2", _K_INT)
+        lp3 = _index(lp3, "pad_ext", "lp3", _K_INT)
+        rp3 = _index(rp3, "pad_ext", "rp3", _K_INT)
         _unary(self, a, "pad_ext", M_F32, 0)
         pads = (lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3)
         _need(all(p >= 0 for p in pads), "pad_ext", f"padding must be >= 0 (got {pads})")
@@ -198,16 +242,22 @@ cdef class Context(_CtxOps):
                                          a.ptr.ne[2] + lp2 + rp2, a.ptr.ne[3] + lp3 + rp3), 1)
         return _res(self, g.ggml_pad_ext(self.ptr, a.ptr, lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3), a)
 
-    def pad_reflect_1d(self, Tensor a, int p0, int p1):
+    def pad_reflect_1d(self, Tensor a, p0, p1):
         """Reflection padding of each row (f32, contiguous), ``0 <= p < ne[0]``."""
+        p0 = _index(p0, "pad_reflect_1d", "p0", _K_INT)
+        p1 = _index(p1, "pad_reflect_1d", "p1", _K_INT)
         _unary(self, a, "pad_reflect_1d", M_F32, 2)
         _need(0 <= p0 < a.ptr.ne[0] and 0 <= p1 < a.ptr.ne[0], "pad_reflect_1d",
               f"padding must be in [0, a.ne[0]) (got p0={p0}, p1={p1}, a: {_desc(a)})")
         self._room("pad_reflect_1d", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0] + p0 + p1, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pad_reflect_1d(self.ptr, a.ptr, p0, p1), a)
 
-    def roll(self, Tensor a, int shift0=0, int shift1=0, int shift2=0, int shift3=0):
+    def roll(self, Tensor a, shift0=0, shift1=0, shift2=0, shift3=0):
         """Rotate elements along each dimension (like numpy.roll), ``|shift_i| < ne[i]`` (f32)."""
+        shift0 = _index(shift0, "roll", "shift0", _K_INT)
+        shift1 = _index(shift1, "roll", "shift1", _K_INT)
+        shift2 = _index(shift2, "roll", "shift2", _K_INT)
+        shift3 = _index(shift3, "roll", "shift3", _K_INT)
         _unary(self, a, "roll", M_F32, 0)
         shifts = (shift0, shift1, shift2, shift3)
         for i in range(4):
@@ -216,7 +266,7 @@ cdef class Context(_CtxOps):
 
     def tri(self, Tensor a, type=TriType.LOWER_DIAG):
         """Keep one triangle of a square f32 matrix, zero the rest (``TriType``)."""
-        cdef int t = type
+        cdef int t = _index(type, "tri", "type", _K_INT)
         _unary(self, a, "tri", M_F32, 2)
         _need(0 <= t <= 3, "tri", f"type must be a TriType (got {type!r})")
         _need(a.ptr.ne[0] == a.ptr.ne[1], "tri", f"a must be square (got a: {_desc(a)})")
@@ -238,8 +288,10 @@ cdef class Context(_CtxOps):
         self._room("arange", 4 * (<int64_t> n + 1), 1)
         return _wrap(self, g.ggml_arange(self.ptr, start, stop, step))
 
-    def timestep_embedding(self, Tensor timesteps, int dim, int max_period=10000):
+    def timestep_embedding(self, Tensor timesteps, dim, max_period=10000):
         """Sinusoidal embeddings of 1-d f32 ``timesteps``: f32 ne ``(dim, n)``."""
+        dim = _index(dim, "timestep_embedding", "dim", _K_INT)
+        max_period = _index(max_period, "timestep_embedding", "max_period", _K_INT)
         _unary(self, timesteps, "timestep_embedding", M_F32, 2)
         _need(dim > 0 and max_period > 0, "timestep_embedding", f"dim and max_period must be > 0 (got {dim}, {max_period})")
         _need(timesteps.ptr.ne[1] == 1 and timesteps.ptr.ne[2] == 1 and timesteps.ptr.ne[3] == 1, "timestep_embedding",
@@ -249,7 +301,7 @@ cdef class Context(_CtxOps):
 
     # -- graphs ---------------------------------------------------------------------------
 
-    def new_graph(self, size_t size=g.GGML_DEFAULT_GRAPH_SIZE, bint grads=False):
+    def new_graph(self, size=g.GGML_DEFAULT_GRAPH_SIZE, bint grads=False):
         """A new empty graph of at most ``size`` nodes (and ``size`` leafs), allocated in this context.
 
         Raises
@@ -257,6 +309,7 @@ cdef class Context(_CtxOps):
         GGMLMemoryError
             The context has no room for the graph (it needs ``graph_overhead(size, grads)`` bytes).
         """
+        size = _index(size, "new_graph", "size", _K_SIZE)
         cdef size_t need
         self._ensure_op("new_graph")
         _need(0 < size <= 1 << 30, "new_graph", f"size must be in [1, 2**30] (got {size})")

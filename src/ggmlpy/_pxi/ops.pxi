@@ -392,15 +392,16 @@ cdef class _CtxOps(_CtxBase):
 
     def argsort(self, Tensor a, order=SortOrder.ASC):
         """Indices that sort each row (i32, same ne as ``a``); ``a`` f32 contiguous."""
-        cdef int o = order
+        cdef int o = _index(order, "argsort", "order", _K_INT)
         _unary(self, a, "argsort", M_F32, 2)
         _need(o == g.GGML_SORT_ORDER_ASC or o == g.GGML_SORT_ORDER_DESC, "argsort", f"order must be ASC or DESC (got {order!r})")
         _need(a.ptr.ne[0] <= 2147483647, "argsort", "rows must have fewer than 2**31 elements")
         self._room("argsort", _out_bytes(g.GGML_TYPE_I32, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_argsort(self.ptr, a.ptr, <g.ggml_sort_order> o), a)
 
-    def top_k(self, Tensor a, int k):
+    def top_k(self, Tensor a, k):
         """Indices of the ``k`` largest elements of each row (i32, ne ``(k, ne1, ne2, ne3)``, unordered)."""
+        k = _index(k, "top_k", "k", _K_INT)
         _unary(self, a, "top_k", M_F32, 2)
         _need(0 <= k <= a.ptr.ne[0], "top_k", f"k must be in [0, a.ne[0]] (got k={k}, a: {_desc(a)})")
         self._room("top_k", _out_bytes(g.GGML_TYPE_I32, k, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
@@ -424,8 +425,12 @@ cdef class _CtxOps(_CtxBase):
         self._room("repeat", _out_bytes(a.ptr.type, b.ptr.ne[0], b.ptr.ne[1], b.ptr.ne[2], b.ptr.ne[3]), 1)
         return _res(self, g.ggml_repeat(self.ptr, a.ptr, b.ptr), a, b)
 
-    def repeat_4d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3):
+    def repeat_4d(self, Tensor a, ne0, ne1, ne2, ne3):
         """Tile ``a`` to ne ``(ne0, ne1, ne2, ne3)`` (each a multiple of ``a.ne[i]``)."""
+        ne0 = _index(ne0, "repeat_4d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "repeat_4d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "repeat_4d", "ne2", _K_INT64)
+        ne3 = _index(ne3, "repeat_4d", "ne3", _K_INT64)
         cdef int64_t ne[4]
         self._ensure_op("repeat_4d")
         _arg(a, "repeat_4d", "a")
@@ -438,8 +443,9 @@ cdef class _CtxOps(_CtxBase):
         self._room("repeat_4d", _out_bytes(a.ptr.type, ne0, ne1, ne2, ne3), 1)
         return _res(self, g.ggml_repeat_4d(self.ptr, a.ptr, ne0, ne1, ne2, ne3), a)
 
-    def concat(self, Tensor a, Tensor b, int dim):
+    def concat(self, Tensor a, Tensor b, dim):
         """Join ``a`` and ``b`` along ggml dimension ``dim`` (0..3); other dimensions must match."""
+        dim = _index(dim, "concat", "dim", _K_INT)
         cdef int64_t ne[4]
         self._ensure_op("concat")
         _arg(a, "concat", "a"); _arg(b, "concat", "b")
@@ -575,7 +581,7 @@ cdef class _CtxOps(_CtxBase):
         ``op`` is a ``GluOp`` (REGLU, GEGLU, SWIGLU, GEGLU_ERF, GEGLU_QUICK);
         ``a`` f32/f16, ``ne[0]`` even; the result has ``ne[0] / 2``.
         """
-        cdef int o = op
+        cdef int o = _index(op, "glu", "op", _K_INT)
         _unary(self, a, "glu", M_F32_F16, 1)
         _need(0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI, "glu",
               f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
@@ -584,7 +590,7 @@ cdef class _CtxOps(_CtxBase):
 
     def glu_split(self, Tensor a, Tensor b, op):
         """Gated unit of two tensors: ``f(a) * b`` (same type f32/f16 and ne)."""
-        cdef int o = op
+        cdef int o = _index(op, "glu_split", "op", _K_INT)
         _unary(self, a, "glu_split", M_F32_F16, 1)
         _arg(b, "glu_split", "b")
         _same_type(a, b, "glu_split", "a", "b")
@@ -647,8 +653,9 @@ cdef class _CtxOps(_CtxBase):
         _eps(eps, "rms_norm")
         return _res(self, g.ggml_rms_norm(self.ptr, a.ptr, eps), a)
 
-    def group_norm(self, Tensor a, int n_groups, float eps=1e-6):
+    def group_norm(self, Tensor a, n_groups, float eps=1e-6):
         """Normalize ``n_groups`` groups of channels (``ne[2]``) over ``ne[0] x ne[1]`` (f32)."""
+        n_groups = _index(n_groups, "group_norm", "n_groups", _K_INT)
         _unary(self, a, "group_norm", M_F32, 0)
         _eps(eps, "group_norm")
         _need(n_groups > 0, "group_norm", f"n_groups must be > 0 (got {n_groups})")
@@ -686,7 +693,7 @@ cdef class _CtxOps(_CtxBase):
         >>> y.ne, y.numpy().tolist()                # one token: ggml's n_dims drops the size-1 dim
         ((3, 1, 1, 1), [3.0, 8.0, 7.0])
         """
-        cdef int p = 0 if prec is None else prec
+        cdef int p = 0 if prec is None else _index(prec, "mul_mat", "prec", _K_INT)
         self._ensure_op("mul_mat")
         _arg(a, "mul_mat", "a"); _arg(b, "mul_mat", "b")
         _types(a, "mul_mat", "a", M_VEC_DOT)
@@ -788,16 +795,26 @@ cdef class _CtxOps(_CtxBase):
             _contig(a, "cont", "a")
         return _res(self, g.ggml_cont_4d(self.ptr, a.ptr, c_ne[0], c_ne[1], c_ne[2], c_ne[3]), a)
 
-    def cont_1d(self, Tensor a, int64_t ne0):
+    def cont_1d(self, Tensor a, ne0):
+        ne0 = _index(ne0, "cont_1d", "ne0", _K_INT64)
         return self.cont(a, (ne0,))
 
-    def cont_2d(self, Tensor a, int64_t ne0, int64_t ne1):
+    def cont_2d(self, Tensor a, ne0, ne1):
+        ne0 = _index(ne0, "cont_2d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "cont_2d", "ne1", _K_INT64)
         return self.cont(a, (ne0, ne1))
 
-    def cont_3d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2):
+    def cont_3d(self, Tensor a, ne0, ne1, ne2):
+        ne0 = _index(ne0, "cont_3d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "cont_3d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "cont_3d", "ne2", _K_INT64)
         return self.cont(a, (ne0, ne1, ne2))
 
-    def cont_4d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3):
+    def cont_4d(self, Tensor a, ne0, ne1, ne2, ne3):
+        ne0 = _index(ne0, "cont_4d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "cont_4d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "cont_4d", "ne2", _K_INT64)
+        ne3 = _index(ne3, "cont_4d", "ne3", _K_INT64)
         return self.cont(a, (ne0, ne1, ne2, ne3))
 
     def reshape(self, Tensor a, ne):
@@ -822,24 +839,35 @@ cdef class _CtxOps(_CtxBase):
             r = g.ggml_reshape_4d(self.ptr, a.ptr, c_ne[0], c_ne[1], c_ne[2], c_ne[3])
         return _res(self, r, a)
 
-    def reshape_1d(self, Tensor a, int64_t ne0):
+    def reshape_1d(self, Tensor a, ne0):
+        ne0 = _index(ne0, "reshape_1d", "ne0", _K_INT64)
         return self.reshape(a, (ne0,))
 
-    def reshape_2d(self, Tensor a, int64_t ne0, int64_t ne1):
+    def reshape_2d(self, Tensor a, ne0, ne1):
+        ne0 = _index(ne0, "reshape_2d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "reshape_2d", "ne1", _K_INT64)
         return self.reshape(a, (ne0, ne1))
 
-    def reshape_3d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2):
+    def reshape_3d(self, Tensor a, ne0, ne1, ne2):
+        ne0 = _index(ne0, "reshape_3d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "reshape_3d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "reshape_3d", "ne2", _K_INT64)
         return self.reshape(a, (ne0, ne1, ne2))
 
-    def reshape_4d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3):
+    def reshape_4d(self, Tensor a, ne0, ne1, ne2, ne3):
+        ne0 = _index(ne0, "reshape_4d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "reshape_4d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "reshape_4d", "ne2", _K_INT64)
+        ne3 = _index(ne3, "reshape_4d", "ne3", _K_INT64)
         return self.reshape(a, (ne0, ne1, ne2, ne3))
 
-    def view(self, Tensor a, ne, nb=None, size_t offset=0):
+    def view(self, Tensor a, ne, nb=None, offset=0):
         """A view of ``a``: dimensions ``ne``, byte strides ``nb[1:]`` (default: contiguous), byte ``offset``.
 
         The whole view (every element it can reach) must lie inside ``a``'s
         memory; ``ne[0]`` keeps ``a``'s row layout (``nb[0]`` is the element size).
         """
+        offset = _index(offset, "view", "offset", _K_SIZE)
         cdef int64_t c_ne[4]
         cdef size_t c_nb[4]
         cdef int n, i
@@ -870,23 +898,47 @@ cdef class _CtxOps(_CtxBase):
             r = g.ggml_view_4d(self.ptr, a.ptr, c_ne[0], c_ne[1], c_ne[2], c_ne[3], c_nb[1], c_nb[2], c_nb[3], offset)
         return _res(self, r, a)
 
-    def view_1d(self, Tensor a, int64_t ne0, size_t offset=0):
+    def view_1d(self, Tensor a, ne0, offset=0):
         """``ne0`` consecutive elements of ``a`` from byte ``offset``."""
+        ne0 = _index(ne0, "view_1d", "ne0", _K_INT64)
+        offset = _index(offset, "view_1d", "offset", _K_SIZE)
         return self.view(a, (ne0,), None, offset)
 
-    def view_2d(self, Tensor a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset=0):
+    def view_2d(self, Tensor a, ne0, ne1, nb1, offset=0):
         """``ne1`` rows of ``ne0`` elements, ``nb1`` bytes apart, from byte ``offset``."""
+        ne0 = _index(ne0, "view_2d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "view_2d", "ne1", _K_INT64)
+        nb1 = _index(nb1, "view_2d", "nb1", _K_SIZE)
+        offset = _index(offset, "view_2d", "offset", _K_SIZE)
         return self.view(a, (ne0, ne1), (nb1,), offset)
 
-    def view_3d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, size_t nb1, size_t nb2, size_t offset=0):
+    def view_3d(self, Tensor a, ne0, ne1, ne2, nb1, nb2, offset=0):
+        ne0 = _index(ne0, "view_3d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "view_3d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "view_3d", "ne2", _K_INT64)
+        nb1 = _index(nb1, "view_3d", "nb1", _K_SIZE)
+        nb2 = _index(nb2, "view_3d", "nb2", _K_SIZE)
+        offset = _index(offset, "view_3d", "offset", _K_SIZE)
         return self.view(a, (ne0, ne1, ne2), (nb1, nb2), offset)
 
-    def view_4d(self, Tensor a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
-                size_t nb1, size_t nb2, size_t nb3, size_t offset=0):
+    def view_4d(self, Tensor a, ne0, ne1, ne2, ne3,
+                nb1, nb2, nb3, offset=0):
+        ne0 = _index(ne0, "view_4d", "ne0", _K_INT64)
+        ne1 = _index(ne1, "view_4d", "ne1", _K_INT64)
+        ne2 = _index(ne2, "view_4d", "ne2", _K_INT64)
+        ne3 = _index(ne3, "view_4d", "ne3", _K_INT64)
+        nb1 = _index(nb1, "view_4d", "nb1", _K_SIZE)
+        nb2 = _index(nb2, "view_4d", "nb2", _K_SIZE)
+        nb3 = _index(nb3, "view_4d", "nb3", _K_SIZE)
+        offset = _index(offset, "view_4d", "offset", _K_SIZE)
         return self.view(a, (ne0, ne1, ne2, ne3), (nb1, nb2, nb3), offset)
 
-    def permute(self, Tensor a, int axis0, int axis1, int axis2, int axis3):
+    def permute(self, Tensor a, axis0, axis1, axis2, axis3):
         """A view where source dimension ``i`` becomes dimension ``axis_i`` (a permutation of 0..3)."""
+        axis0 = _index(axis0, "permute", "axis0", _K_INT)
+        axis1 = _index(axis1, "permute", "axis1", _K_INT)
+        axis2 = _index(axis2, "permute", "axis2", _K_INT)
+        axis3 = _index(axis3, "permute", "axis3", _K_INT)
         self._ensure_op("permute")
         _arg(a, "permute", "a")
         axes = (axis0, axis1, axis2, axis3)
@@ -951,14 +1003,16 @@ cdef class _CtxOps(_CtxBase):
         self._room("diag", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0], a.ptr.ne[0], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_diag(self.ptr, a.ptr), a)
 
-    def diag_mask_inf(self, Tensor a, int n_past):
+    def diag_mask_inf(self, Tensor a, n_past):
         """Set ``a[i, j] = -inf`` where ``j > n_past + i`` (causal mask; f32, contiguous)."""
+        n_past = _index(n_past, "diag_mask_inf", "n_past", _K_INT)
         _unary(self, a, "diag_mask_inf", M_F32, 2)
         _need(n_past >= 0, "diag_mask_inf", f"n_past must be >= 0 (got {n_past})")
         return _res(self, g.ggml_diag_mask_inf(self.ptr, a.ptr, n_past), a)
 
-    def diag_mask_zero(self, Tensor a, int n_past):
+    def diag_mask_zero(self, Tensor a, n_past):
         """Set ``a[i, j] = 0`` where ``j > n_past + i`` (f32, contiguous)."""
+        n_past = _index(n_past, "diag_mask_zero", "n_past", _K_INT)
         _unary(self, a, "diag_mask_zero", M_F32, 2)
         _need(n_past >= 0, "diag_mask_zero", f"n_past must be >= 0 (got {n_past})")
         return _res(self, g.ggml_diag_mask_zero(self.ptr, a.ptr, n_past), a)
@@ -1000,8 +1054,8 @@ cdef class _CtxOps(_CtxBase):
             _add_dep(self, sinks)
         return _res(self, r, a, mask)
 
-    def rope_ext(self, Tensor a, Tensor pos, Tensor freq_factors=None, *, int n_dims, int mode=0,
-                 int n_ctx_orig=0, float freq_base=10000.0, float freq_scale=1.0, float ext_factor=0.0,
+    def rope_ext(self, Tensor a, Tensor pos, Tensor freq_factors=None, *, n_dims, mode=0,
+                 n_ctx_orig=0, float freq_base=10000.0, float freq_scale=1.0, float ext_factor=0.0,
                  float attn_factor=1.0, float beta_fast=32.0, float beta_slow=1.0):
         """Rotary position embedding of the first ``n_dims`` of each row of ``a``.
 
@@ -1010,18 +1064,27 @@ cdef class _CtxOps(_CtxBase):
         ``NEOX`` (halves). YaRN: ``ext_factor``, ``attn_factor``, ``beta_*``,
         ``n_ctx_orig``; ``freq_factors`` f32 ``(n_dims/2,)`` divides the frequencies.
         """
+        n_dims = _index(n_dims, "rope_ext", "n_dims", _K_INT)
+        mode = _index(mode, "rope_ext", "mode", _K_INT)
+        n_ctx_orig = _index(n_ctx_orig, "rope_ext", "n_ctx_orig", _K_INT)
         return self._rope("rope_ext", a, pos, freq_factors, n_dims, None, mode, n_ctx_orig, freq_base, freq_scale,
                           ext_factor, attn_factor, beta_fast, beta_slow)
 
-    def rope_multi(self, Tensor a, Tensor pos, Tensor freq_factors=None, *, int n_dims, sections, int mode,
-                   int n_ctx_orig=0, float freq_base=10000.0, float freq_scale=1.0, float ext_factor=0.0,
+    def rope_multi(self, Tensor a, Tensor pos, Tensor freq_factors=None, *, n_dims, sections, mode,
+                   n_ctx_orig=0, float freq_base=10000.0, float freq_scale=1.0, float ext_factor=0.0,
                    float attn_factor=1.0, float beta_fast=32.0, float beta_slow=1.0):
         """Multi-section RoPE (M-RoPE / vision): ``pos`` has 4 positions per token (ne ``4 * a.ne[2]``)."""
+        n_dims = _index(n_dims, "rope_multi", "n_dims", _K_INT)
+        mode = _index(mode, "rope_multi", "mode", _K_INT)
+        n_ctx_orig = _index(n_ctx_orig, "rope_multi", "n_ctx_orig", _K_INT)
         return self._rope("rope_multi", a, pos, freq_factors, n_dims, sections, mode, n_ctx_orig, freq_base, freq_scale,
                           ext_factor, attn_factor, beta_fast, beta_slow)
 
-    def _rope(self, str op, Tensor a, Tensor pos, Tensor ff, int n_dims, sections, int mode, int n_ctx_orig,
+    def _rope(self, str op, Tensor a, Tensor pos, Tensor ff, n_dims, sections, mode, n_ctx_orig,
               float freq_base, float freq_scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow):
+        n_dims = _index(n_dims, op, "n_dims", _K_INT)
+        mode = _index(mode, op, "mode", _K_INT)
+        n_ctx_orig = _index(n_ctx_orig, op, "n_ctx_orig", _K_INT)
         cdef int sec[4]
         cdef bint multi = sections is not None
         _unary(self, a, op, M_F32_F16, 0)
@@ -1070,7 +1133,7 @@ cdef class _CtxOps(_CtxBase):
         f32 ``(head_dim_v, n_head, n_q, n_seq)`` (heads and tokens swapped).
         ``k`` and ``v`` may be f32, f16, bf16 or quantized (the cache types).
         """
-        cdef int p = 0 if prec is None else prec
+        cdef int p = 0 if prec is None else _index(prec, "flash_attn_ext", "prec", _K_INT)
         self._ensure_op("flash_attn_ext")
         _arg(q, "flash_attn_ext", "q"); _arg(k, "flash_attn_ext", "k"); _arg(v, "flash_attn_ext", "v")
         _types(q, "flash_attn_ext", "q", M_F32)

@@ -194,6 +194,31 @@ cdef inline int _need(bint cond, str op, str what) except -1:
     return 0
 
 
+# Integer parameters of the op methods are taken as Python objects and
+# converted here: Cython's own conversion to a C int uses int(), which
+# truncates 2.5 and raises a plain ValueError for NaN.
+cdef int _K_INT = 0
+cdef int _K_INT64 = 1
+cdef int _K_SIZE = 2
+
+
+cdef object _index(object v, str op, str name, int kind):
+    if type(v) is not int:
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise GGMLTypeError(f"{op}: {name} must be an integer (got {v!r})") from None
+    if kind == _K_INT:
+        ok = -2147483648 <= v <= 2147483647
+    elif kind == _K_INT64:
+        ok = -9223372036854775808 <= v <= 9223372036854775807
+    else:
+        ok = 0 <= v <= 18446744073709551615
+    if not ok:
+        raise GGMLValueError(f"{op}: {name}={v} is out of range")
+    return v
+
+
 cdef inline int _finite(double v, str op, str name) except -1:
     if v != v or v == float("inf") or v == float("-inf"):
         raise GGMLValueError(f"{op}: {name} must be finite (got {v})")
