@@ -38,13 +38,13 @@ apply the whole change or raise with the state untouched.
 from __future__ import annotations
 
 import copy as _copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from ._core import Context, Tensor, Type, tensor_overhead
+from ._core import Context, Tensor, Type, graph_overhead, tensor_overhead
 
 __all__ = ["Causal", "Cells", "ForwardPlan", "KVCacheFull", "NotSupported"]
 
@@ -659,10 +659,18 @@ class Causal:
         The cell count and every visible range are rounded to this.
     n_head_kv : int
         Number of KV heads; :meth:`get` splits rows into heads with it.
+    shift_fn : callable, optional
+        The model's key shift, ``shift_fn(ctx, layer, k, offsets) -> Tensor``:
+        ``k`` is ``ne = (head_dim_k, n_head_kv, n)`` (F32/F16; F32 for a
+        quantized cache) and ``offsets`` an I32 ``ne = (n,)`` of position
+        deltas, typically ``ctx.rope_ext(k, offsets, n_dims=..., mode=...,
+        freq_base=...)`` with the model's RoPE settings. Without it
+        :meth:`remove` of a middle range raises :class:`NotSupported`.
     """
 
     def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
-                 window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1) -> None:
+                 window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
+                 shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
@@ -680,6 +688,9 @@ class Causal:
         blk = self.dtype.block_size
         if (self.n_embd_k // self.n_head_kv) % blk or (self.n_embd_v // self.n_head_kv) % blk:
             raise ValueError(f"head dims must be multiples of the {self.dtype.name} block size {blk}")
+        if shift_fn is not None and not callable(shift_fn):
+            raise TypeError(f"shift_fn must be callable, got {type(shift_fn).__name__}")
+        self.shift_fn = shift_fn
         self.memory: Optional[int] = None
         self._cells: Optional[Cells] = None
         self._ctx: Optional[Context] = None
@@ -922,21 +933,112 @@ class Causal:
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
         """Drop positions ``[begin, end)`` of ``seq``; ``end`` None (or ``2**31-1``) = to the end.
 
+        With a finite ``end``, the later positions of ``seq`` move down by
+        ``end - begin`` and their keys are re-rotated with ``shift_fn``
+        (Ollama's ``Remove`` + ``shift``): the shifted cells' span is walked
+        in chunks of at most ``max_batch`` cells, one graph per chunk, every
+        layer's K rows of the chunk viewed, passed through ``shift_fn`` with
+        per-cell offsets (``begin - end`` for shifted cells, 0 for the others
+        in the span) and copied back. V is not touched. The metadata is
+        committed only after every chunk was computed.
+
         Raises
         ------
         NotSupported
-            Removing a middle range would shift later positions, which needs a
-            model shift function (not supported yet). Nothing is changed.
+            Shifting is needed but there is no ``shift_fn``, or a cell to
+            shift is shared with another sequence. Nothing is changed.
         """
         cells = self.cells
         seq = cells._check_seq(seq)
         if end is not None and int(end) >= _INT32_MAX:
             end = None
-        if end is not None and int(end) > int(begin) >= 0:
+        if self.shift_fn is None and end is not None and int(end) > int(begin) >= 0:
             held = cells.seqs[:, seq]
             if (held & (cells.pos >= int(end))).any():
                 raise NotSupported("model does not support operation: shifting positions")
-        cells.remove(seq, begin, end)
+        trial = _copy.deepcopy(cells)
+        shifted = trial.remove(seq, begin, end)
+        if shifted.size:
+            self._shift(shifted, int(begin) - int(end))
+        self._cells = trial
+
+    def _shift(self, shifted: np.ndarray, offset: int) -> None:
+        """Re-rotate the K rows of cells ``shifted`` by ``offset`` positions (chunked)."""
+        flag = np.zeros(self.cells.n_cells, dtype=bool)
+        flag[shifted] = True
+        lo, hi = int(shifted.min()), int(shifted.max()) + 1
+        step = self.max_batch
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            sel = np.flatnonzero(flag[a:b])
+            if sel.size == 0:
+                continue
+            s, e = a + int(sel[0]), a + int(sel[-1]) + 1
+            self._shift_chunk(s, np.where(flag[s:e], offset, 0).astype(np.int32))
+
+    def _shift_chunk(self, start: int, offsets: np.ndarray) -> None:
+        """One shift graph: K rows ``start .. start + len(offsets) - 1`` of every layer."""
+        n = int(offsets.size)
+        hd = self.head_dim_k
+        quantized = self.dtype not in (Type.F32, Type.F16)
+        nodes = max(2048, 16 * self.n_layers + 64)
+        # Room for the offsets, the graph and, per layer, a few f32 copies of
+        # the chunk plus whatever tensors shift_fn creates.
+        per_layer = 3 * 4 * n * self.n_embd_k + 16 * (tensor_overhead() + 64)
+        size = graph_overhead(nodes) + self.n_layers * per_layer + 4 * n + 4096
+        with Context(size) as ctx:
+            pos = ctx.new_tensor(Type.I32, (n,), name="kv_shift_offsets")
+            pos.set(offsets)
+            gf = ctx.new_graph(nodes)
+            for layer, cache in enumerate(self.keys):
+                row = cache.nb[1]
+                view = ctx.view(cache, (hd, self.n_head_kv, n), (self.dtype.row_size(hd), row),
+                                start * row)
+                src = ctx.cast(view, Type.F32) if quantized else view
+                out = self.shift_fn(ctx, layer, src, pos)
+                if not isinstance(out, Tensor):
+                    raise TypeError(f"shift_fn must return a Tensor, got {type(out).__name__}")
+                gf.build_forward_expand(ctx.cpy(out, view))
+            gf.compute(1)
+
+    def fragmentation(self) -> float:
+        """``1 - used / (last live cell + 1)``; 0 when empty or compact."""
+        cells = self.cells
+        live = np.flatnonzero(cells.seqs.any(axis=1))
+        if live.size == 0:
+            return 0.0
+        return 1.0 - cells.used / (int(live[-1]) + 1)
+
+    def defrag(self, max_nodes: int = 2048) -> list[tuple[int, int, int]]:
+        """Compact the live cells into ``[0, used)``, moving K and V rows.
+
+        Follows :meth:`Cells.defrag_plan`; every move copies the K and V rows
+        of every layer (a source view, a destination view and a copy each, 6
+        nodes per layer), batched into graphs of at most about ``max_nodes``
+        nodes (at least one move per graph). The metadata is committed after
+        all copies were computed. Returns the moves made.
+        """
+        cells = self.cells
+        moves = cells.defrag_plan()
+        if not moves:
+            return moves
+        per_move = 6 * self.n_layers
+        batch = max(1, (int(max_nodes) - 2 * self.n_layers) // per_move)
+        for i in range(0, len(moves), batch):
+            group = moves[i:i + batch]
+            nodes = len(group) * per_move + 2 * self.n_layers + 16
+            size = graph_overhead(nodes) + (nodes + 16) * (tensor_overhead() + 64) + 4096
+            with Context(size) as ctx:
+                gf = ctx.new_graph(nodes)
+                for src, dst, n in group:
+                    for t in (*self.keys, *self.values):
+                        row = t.nb[1]
+                        a = ctx.view(t, (t.ne[0], n), (row,), src * row)
+                        b = ctx.view(t, (t.ne[0], n), (row,), dst * row)
+                        gf.build_forward_expand(ctx.cpy(a, b))
+                gf.compute(1)
+        cells.apply_defrag(moves)
+        return moves
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Make ``dst`` share the first ``length`` positions of ``src`` (metadata only)."""
