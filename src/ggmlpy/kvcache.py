@@ -46,7 +46,8 @@ import numpy as np
 
 from ._core import Context, Tensor, Type, graph_overhead, tensor_overhead
 
-__all__ = ["Causal", "Cells", "ForwardPlan", "KVCacheFull", "NotSupported"]
+__all__ = ["Causal", "Cells", "Encoder", "EncoderPlan", "ForwardPlan", "KVCacheFull", "NotSupported",
+           "Wrapper", "WrapperPlan"]
 
 
 class NotSupported(Exception):
@@ -659,6 +660,19 @@ class Causal:
         The cell count and every visible range are rounded to this.
     n_head_kv : int
         Number of KV heads; :meth:`get` splits rows into heads with it.
+    v_trans : bool
+        Store V transposed, ``ne = (cells, n_embd_v)`` (one row per channel,
+        Ollama's ``PermutedV``), so :meth:`get` returns a V view
+        ``ne = (hi - lo, head_dim_v, n_head_kv)`` that ``mul_mat(v, kq)``
+        uses without a copy. F32/F16 only. Not usable with ``flash_attn_ext``.
+    chunk : int, optional
+        Chunked attention (Ollama's ``NewChunkedAttentionCache``): a token
+        sees only positions of its own chunk, ``[p - p % chunk, p]``. Mask
+        only, nothing is evicted.
+    memory : int, optional
+        With ``window``: keep ``memory`` positions (``>= window``) per
+        sequence for prefix reuse while the mask still uses ``window``
+        (Ollama's ``NewSWAMemCache``). None or 0 means ``window``.
     shift_fn : callable, optional
         The model's key shift, ``shift_fn(ctx, layer, k, offsets) -> Tensor``:
         ``k`` is ``ne = (head_dim_k, n_head_kv, n)`` (F32/F16; F32 for a
@@ -670,7 +684,9 @@ class Causal:
 
     def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
                  window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
-                 shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None) -> None:
+                 shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None,
+                 v_trans: bool = False, chunk: Optional[int] = None,
+                 memory: Optional[int] = None) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
@@ -691,6 +707,21 @@ class Causal:
         if shift_fn is not None and not callable(shift_fn):
             raise TypeError(f"shift_fn must be callable, got {type(shift_fn).__name__}")
         self.shift_fn = shift_fn
+        self.v_trans = bool(v_trans)
+        if self.v_trans and self.dtype not in (Type.F32, Type.F16):
+            raise ValueError(f"v_trans needs an F32 or F16 cache, got {self.dtype.name}")
+        if chunk is not None and int(chunk) < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        self.chunk = None if chunk is None else int(chunk)
+        if memory is not None and int(memory) < 0:
+            raise ValueError(f"memory must be >= 0, got {memory}")
+        memory = None if not memory else int(memory)
+        if memory is not None:
+            if self.window is None:
+                raise ValueError("memory needs a window")
+            if memory < self.window:
+                raise ValueError(f"memory {memory} must be >= window {self.window}")
+        self.memory_size = memory
         self.memory: Optional[int] = None
         self._cells: Optional[Cells] = None
         self._ctx: Optional[Context] = None
@@ -723,16 +754,19 @@ class Causal:
 
         ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
         unlimited cache, ``n_seq_max * memory + max_batch`` with a sliding
-        window, rounded up to ``padding``.
+        window, rounded up to ``padding``. ``memory`` is the ``memory``
+        option (default the window), at least ``window + 1`` with several
+        sequences, and unlimited when that reaches ``capacity``.
         """
         if self._ctx is not None:
             raise RuntimeError("cache is already initialised")
         capacity, n_seq_max, max_batch = int(capacity), int(n_seq_max), int(max_batch)
         if capacity < 1 or n_seq_max < 1 or max_batch < 1:
             raise ValueError("capacity, n_seq_max and max_batch must be >= 1")
-        memory = self.window
+        memory = self.memory_size or self.window
         if memory is not None and n_seq_max > 1:
-            memory += 1  # keep the stop token so a conversation can resume
+            # keep the stop token so a conversation can resume
+            memory = max(memory, self.window + 1)
         if memory is not None and memory >= capacity:
             memory = None
         self.memory = memory
@@ -745,10 +779,11 @@ class Causal:
         ctx = Context(size + 1024, no_alloc=False)
         keys, values = [], []
         zeros_k = np.zeros((n, self.n_embd_k), dtype=np.float32)
-        zeros_v = np.zeros((n, self.n_embd_v), dtype=np.float32)
+        v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
+        zeros_v = np.zeros(v_ne[::-1], dtype=np.float32)
         for i in range(self.n_layers):
             k = ctx.new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
-            v = ctx.new_tensor(self.dtype, (self.n_embd_v, n), name=f"cache_v_l{i}")
+            v = ctx.new_tensor(self.dtype, v_ne, name=f"cache_v_l{i}")
             k.set(zeros_k)
             v.set(zeros_v)
             keys.append(k)
@@ -788,8 +823,14 @@ class Causal:
                 lowest[s] = cells.seq_pos_max(s) + 1
         return lowest
 
-    def start_forward(self, positions, seq_ids, reserve: bool = False) -> ForwardPlan:
+    def start_forward(self, positions, seq_ids, reserve: bool = False, *,
+                      except_rows: Optional[Iterable[int]] = None) -> ForwardPlan:
         """Plan a batch: slots, visible range and mask. Changes nothing.
+
+        ``except_rows`` are batch rows exempt from the causal rule (Ollama's
+        ``SetCausal`` with ``Except``): they also see later positions of
+        their own sequence, i.e. the rest of the batch (bidirectional spans
+        such as image tokens). Sequence, window and chunk rules still apply.
 
         With a sliding window, eviction (Ollama's ``updateSlidingWindow``) is
         planned first and committed by :meth:`apply`; the visible range then
@@ -830,19 +871,26 @@ class Causal:
             raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
         trial.apply(slots, positions, seq_ids)
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
-        mask = trial.mask(positions, seq_ids, window=self.window, lo=lo, hi=hi)
+        mask = trial.mask(positions, seq_ids, window=self.window, chunk=self.chunk,
+                          except_rows=except_rows, lo=lo, hi=hi)
         return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells)
 
     def apply(self, plan: ForwardPlan) -> None:
         """Commit a plan's metadata (eviction, then the new cells); all or nothing."""
+        trial = self._planned_cells(plan)
+        if trial is not None:
+            self._cells = trial
+
+    def _planned_cells(self, plan: ForwardPlan) -> Optional[Cells]:
+        """The metadata after committing ``plan`` (None for a reserve plan); changes nothing."""
         self._check_plan(plan)
         if plan.reserve:
-            return
+            return None
         trial = _copy.deepcopy(self.cells)
         if plan.trim:
             trial.trim_window(plan.trim, self.memory)
         trial.apply(plan.slots, plan.positions, plan.seq_ids)
-        self._cells = trial
+        return trial
 
     def _check_plan(self, plan: ForwardPlan) -> None:
         if not isinstance(plan, ForwardPlan):
@@ -879,7 +927,9 @@ class Causal:
             *, idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """Write a batch's K and V (``ne = (head_dim, n_head_kv, n_batch)``) at ``plan.slots``.
 
-        ``k`` and ``v`` must be f32 or f16. The index tensor is made with
+        ``k`` and ``v`` must be f32 or f16. With ``v_trans`` V is scattered
+        along the cell axis of a ``(1, cells, n_embd_v)`` view of the
+        transposed storage. The index tensor is made with
         :meth:`index_tensor` unless ``idx`` is given (share it between layers).
         Returns the two ``set_rows`` results; expand both into the graph.
         """
@@ -899,7 +949,16 @@ class Causal:
             if not t.is_contiguous:
                 t = ctx.cont(t)
             rows = ctx.reshape(t, (embd, n))
-            out.append(ctx.set_rows(cache, rows, idx))
+            if cache is self.values[layer] and self.v_trans:
+                # one-element rows: row i of channel j is token i's value j
+                et = rows.nb[0]
+                src = ctx.view(rows, (1, n, embd), (embd * et, et))
+                es = cache.nb[0]
+                n_cells = cache.ne[0]
+                dst = ctx.view(cache, (1, n_cells, embd), (es, n_cells * es))
+                out.append(ctx.set_rows(dst, src, idx))
+            else:
+                out.append(ctx.set_rows(cache, rows, idx))
         return out[0], out[1]
 
     def get(self, ctx: Context, layer: int, plan: ForwardPlan, *, mask: Optional[Tensor] = None,
@@ -910,7 +969,10 @@ class Causal:
         ``ne = (head_dim_k, hi - lo, n_head_kv)`` of cells ``lo .. hi-1``
         (``v`` likewise with ``head_dim_v``), directly usable as
         ``flash_attn_ext``'s ``k``/``v``; for a ``mul_mat`` path use
-        ``ctx.cont`` first where needed. ``mask`` is ``ne = (hi - lo, n_batch)``
+        ``ctx.cont`` first where needed. With ``v_trans``, ``v`` is instead
+        ``ne = (hi - lo, head_dim_v, n_head_kv)``, ready for
+        ``mul_mat(v, softmax(kq))`` with ``kq`` ``ne = (hi - lo, n_batch, n_head)``.
+        ``mask`` is ``ne = (hi - lo, n_batch)``
         in ``mask_type``, made with :meth:`mask_tensor` unless given (share it
         between layers). The views read the cache as it is at compute time, so
         expand the :meth:`put` results into the graph first.
@@ -922,6 +984,11 @@ class Causal:
         views = []
         for cache, hd in ((self.keys[layer], self.head_dim_k), (self.values[layer], self.head_dim_v)):
             row = cache.nb[1]
+            if cache is self.values[layer] and self.v_trans:
+                es = cache.nb[0]
+                views.append(ctx.view(cache, (plan.n_kv, hd, self.n_head_kv),
+                                      (row, hd * row), plan.lo * es))
+                continue
             views.append(ctx.view(cache, (hd, plan.n_kv, self.n_head_kv),
                                   (row, self.dtype.row_size(hd)), plan.lo * row))
         if mask is None:
@@ -948,6 +1015,13 @@ class Causal:
             Shifting is needed but there is no ``shift_fn``, or a cell to
             shift is shared with another sequence. Nothing is changed.
         """
+        trial, shifted, begin, end = self._plan_remove(seq, begin, end)
+        if shifted.size:
+            self._shift(shifted, int(begin) - int(end))
+        self._cells = trial
+
+    def _plan_remove(self, seq: int, begin: int, end: Optional[int]):
+        """Check a :meth:`remove` and return ``(cells after, shifted, begin, end)``; changes nothing."""
         cells = self.cells
         seq = cells._check_seq(seq)
         if end is not None and int(end) >= _INT32_MAX:
@@ -958,9 +1032,7 @@ class Causal:
                 raise NotSupported("model does not support operation: shifting positions")
         trial = _copy.deepcopy(cells)
         shifted = trial.remove(seq, begin, end)
-        if shifted.size:
-            self._shift(shifted, int(begin) - int(end))
-        self._cells = trial
+        return trial, shifted, begin, end
 
     def _shift(self, shifted: np.ndarray, offset: int) -> None:
         """Re-rotate the K rows of cells ``shifted`` by ``offset`` positions (chunked)."""
@@ -1033,8 +1105,14 @@ class Causal:
                 for src, dst, n in group:
                     for t in (*self.keys, *self.values):
                         row = t.nb[1]
-                        a = ctx.view(t, (t.ne[0], n), (row,), src * row)
-                        b = ctx.view(t, (t.ne[0], n), (row,), dst * row)
+                        if self.v_trans and any(t is v for v in self.values):
+                            # cells are columns: n elements of every channel row
+                            es = t.nb[0]
+                            a = ctx.view(t, (n, t.ne[1]), (row,), src * es)
+                            b = ctx.view(t, (n, t.ne[1]), (row,), dst * es)
+                        else:
+                            a = ctx.view(t, (t.ne[0], n), (row,), src * row)
+                            b = ctx.view(t, (t.ne[0], n), (row,), dst * row)
                         gf.build_forward_expand(ctx.cpy(a, b))
                 gf.compute(1)
         cells.apply_defrag(moves)
@@ -1048,11 +1126,12 @@ class Causal:
         """Whether ``seq`` can continue at ``pos`` from the stored cells.
 
         Every position the next token can see before ``pos`` must be stored:
-        ``[0, pos)``, or only the last ``memory`` of them with a sliding window.
+        ``[0, pos)``, or only the last ``window`` of them when the cache
+        evicts (sliding window with limited memory, as Ollama's ``CanResume``).
         Unlike Ollama (which answers False there when the oldest positions
         were evicted), ``pos == 0`` is always resumable: it needs no history.
         """
-        return self.cells.can_resume(seq, pos, window=self.memory)
+        return self.cells.can_resume(seq, pos, window=None if self.memory is None else self.window)
 
     def seq_pos_min(self, seq: int) -> int:
         return self.cells.seq_pos_min(seq)
@@ -1063,3 +1142,275 @@ class Causal:
     def clear(self, seq: Optional[int] = None) -> None:
         """Drop one sequence, or everything (the K/V data is left as is)."""
         self.cells.clear(seq)
+
+
+# ====================================================================== Wrapper
+
+
+@dataclass(frozen=True)
+class WrapperPlan:
+    """One plan per wrapped cache, from :meth:`Wrapper.start_forward`."""
+
+    plans: tuple
+
+    def __getitem__(self, i: int):
+        return self.plans[i]
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+
+class Wrapper:
+    """Several caches behind one interface, for models whose layers differ (Ollama's Wrapper).
+
+    Layer ``i`` of the model uses ``caches[layer_to_cache[i]]``; inside that
+    cache it is the ``j``-th layer routed there (layers are numbered per
+    cache, in model order), so each cache needs at least that many layers.
+    E.g. gemma-style: a sliding-window :class:`Causal` for local layers and a
+    full one for global layers.
+
+    Parameters
+    ----------
+    caches : sequence of Causal or Encoder
+        The wrapped caches.
+    layer_to_cache : sequence of int
+        Cache index of every model layer.
+    """
+
+    def __init__(self, caches, layer_to_cache) -> None:
+        self.caches = list(caches)
+        if not self.caches:
+            raise ValueError("Wrapper needs at least one cache")
+        layer_to_cache = [int(i) for i in layer_to_cache]
+        if not layer_to_cache:
+            raise ValueError("layer_to_cache must not be empty")
+        for i in layer_to_cache:
+            if not 0 <= i < len(self.caches):
+                raise ValueError(f"cache index {i} out of range [0, {len(self.caches)})")
+        self.layer_to_cache = layer_to_cache
+        counts = [0] * len(self.caches)
+        local = []
+        for i in layer_to_cache:
+            local.append(counts[i])
+            counts[i] += 1
+        for k, (cache, n) in enumerate(zip(self.caches, counts)):
+            if n > cache.n_layers:
+                raise ValueError(f"cache {k} has {cache.n_layers} layers but {n} are routed to it")
+        self._local = local
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layer_to_cache)
+
+    def route(self, layer: int) -> tuple:
+        """``(cache, layer within that cache)`` of a model layer."""
+        layer = int(layer)
+        if not 0 <= layer < len(self.layer_to_cache):
+            raise ValueError(f"layer {layer} out of range [0, {len(self.layer_to_cache)})")
+        return self.caches[self.layer_to_cache[layer]], self._local[layer]
+
+    def underlying(self, layer: int):
+        """The cache a model layer uses."""
+        return self.route(layer)[0]
+
+    def init(self, capacity: int, n_seq_max: int, max_batch: int) -> None:
+        """Initialise every cache (see :meth:`Causal.init`)."""
+        for cache in self.caches:
+            cache.init(capacity, n_seq_max, max_batch)
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+
+    def _check_plan(self, plan) -> None:
+        if not isinstance(plan, WrapperPlan) or len(plan) != len(self.caches):
+            raise TypeError("plan must be a WrapperPlan from this Wrapper")
+
+    def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> WrapperPlan:
+        """Plan the batch on every cache; changes nothing (an error leaves nothing to unwind)."""
+        return WrapperPlan(tuple(c.start_forward(positions, seq_ids, reserve, **kw)
+                                 for c in self.caches))
+
+    def apply(self, plan: WrapperPlan) -> None:
+        """Commit every cache's plan; all or nothing."""
+        self._check_plan(plan)
+        staged = [c._planned_cells(p) for c, p in zip(self.caches, plan.plans)]
+        for c, p, cells in zip(self.caches, plan.plans, staged):
+            if isinstance(c, Causal):
+                if cells is not None:
+                    c._cells = cells
+            else:
+                c.apply(p)
+
+    def put(self, ctx: Context, layer: int, plan: WrapperPlan, k: Tensor, v: Tensor, **kw):
+        """:meth:`Causal.put` on the layer's cache."""
+        self._check_plan(plan)
+        cache, local = self.route(layer)
+        return cache.put(ctx, local, plan.plans[self.layer_to_cache[int(layer)]], k, v, **kw)
+
+    def get(self, ctx: Context, layer: int, plan: WrapperPlan, **kw):
+        """:meth:`Causal.get` on the layer's cache."""
+        self._check_plan(plan)
+        cache, local = self.route(layer)
+        return cache.get(ctx, local, plan.plans[self.layer_to_cache[int(layer)]], **kw)
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        """True iff every cache can resume."""
+        return all(c.can_resume(seq, pos) for c in self.caches)
+
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        """Remove from every cache; checked on all first, so :class:`NotSupported` changes nothing."""
+        for c in self.caches:
+            c._plan_remove(seq, begin, end)
+        for c in self.caches:
+            c.remove(seq, begin, end)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        for c in self.caches:
+            c.copy_prefix(src, dst, length)
+
+    def clear(self, seq: Optional[int] = None) -> None:
+        for c in self.caches:
+            c.clear(seq)
+
+
+# ====================================================================== Encoder
+
+
+@dataclass
+class EncoderPlan:
+    """A batch for :class:`Encoder`: the encoder position and whether it is a reserve pass."""
+
+    pos: int
+    reserve: bool
+    wrote: bool = False
+
+
+class Encoder:
+    """Position-independent K/V stored once, e.g. cross-attention over image features.
+
+    Ollama's encoder cache: one sequence, no mask. :meth:`put` stores K and V
+    as given (any shape, f32/f16; storage in ``dtype`` or the input's type)
+    and :meth:`get` returns the stored tensors whole. Storage is allocated on
+    the first :meth:`put` of each layer (again if the shape changes).
+
+    Parameters
+    ----------
+    n_layers : int
+        Number of layers.
+    dtype : Type, optional
+        Storage type; None keeps the input's type.
+    """
+
+    def __init__(self, n_layers: int, dtype=None) -> None:
+        self.n_layers = int(n_layers)
+        if self.n_layers < 1:
+            raise ValueError("n_layers must be >= 1")
+        self.dtype = None if dtype is None else Type(dtype)
+        self.keys: list = [None] * self.n_layers
+        self.values: list = [None] * self.n_layers
+        self._ctxs: list = [None] * self.n_layers
+        self.encoder_pos = -1
+        self.encoder_cached = False
+        self._ready = False
+
+    def init(self, capacity: int = 1, n_seq_max: int = 1, max_batch: int = 1) -> None:
+        """Check the sizing: only one sequence is supported."""
+        if int(n_seq_max) != 1:
+            raise ValueError(f"the encoder cache supports one sequence, got n_seq_max={n_seq_max}")
+        self._ready = True
+
+    def close(self) -> None:
+        for ctx in self._ctxs:
+            if ctx is not None:
+                ctx.free()
+        self.keys = [None] * self.n_layers
+        self.values = [None] * self.n_layers
+        self._ctxs = [None] * self.n_layers
+        self.encoder_cached = False
+        self.encoder_pos = -1
+
+    def _check_layer(self, layer: int) -> int:
+        layer = int(layer)
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.n_layers})")
+        return layer
+
+    def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> EncoderPlan:
+        """Plan a batch; the encoder position is the batch's last position (or ``encoder_pos``)."""
+        positions = _int_array(positions, "positions")
+        seq_ids = _int_array(seq_ids, "seq_ids")
+        if positions.size == 0:
+            raise ValueError("empty batch")
+        if (seq_ids != 0).any():
+            raise ValueError("the encoder cache supports only sequence 0")
+        pos = kw.get("encoder_pos")
+        pos = int(positions[-1]) if pos is None else int(pos)
+        return EncoderPlan(pos, bool(reserve))
+
+    def _planned_cells(self, plan) -> None:
+        if not isinstance(plan, EncoderPlan):
+            raise TypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
+        return None
+
+    def apply(self, plan: EncoderPlan) -> None:
+        """Commit: after a non-reserve batch that stored K/V, the encoder output is cached."""
+        if not isinstance(plan, EncoderPlan):
+            raise TypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
+        if plan.wrote and not plan.reserve:
+            self.encoder_cached = True
+            self.encoder_pos = plan.pos
+
+    def _storage(self, layer: int, k: Tensor, v: Tensor) -> None:
+        kt = self.dtype or k.type
+        vt = self.dtype or v.type
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if (old_k is not None and old_k.ne == k.ne and old_k.type == kt
+                and old_v.ne == v.ne and old_v.type == vt):
+            return
+        size = Type(kt).row_size(k.ne[0]) * k.ne[1] * k.ne[2] * k.ne[3]
+        size += Type(vt).row_size(v.ne[0]) * v.ne[1] * v.ne[2] * v.ne[3]
+        ctx = Context(size + 2 * (tensor_overhead() + 64) + 1024, no_alloc=False)
+        nk = ctx.new_tensor(kt, k.ne, name=f"enc_k_l{layer}")
+        nv = ctx.new_tensor(vt, v.ne, name=f"enc_v_l{layer}")
+        if self._ctxs[layer] is not None:
+            self._ctxs[layer].free()
+        self._ctxs[layer] = ctx
+        self.keys[layer], self.values[layer] = nk, nv
+
+    def put(self, ctx: Context, layer: int, plan: EncoderPlan, k: Tensor, v: Tensor):
+        """Copy ``k`` and ``v`` into the layer's storage; returns the two copies to expand."""
+        layer = self._check_layer(layer)
+        if not isinstance(plan, EncoderPlan):
+            raise TypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
+        self._storage(layer, k, v)
+        plan.wrote = True
+        return ctx.cpy(k, self.keys[layer]), ctx.cpy(v, self.values[layer])
+
+    def get(self, ctx: Context, layer: int, plan: Optional[EncoderPlan] = None, **kw):
+        """``(k, v, None)``: the stored tensors, whole (no mask)."""
+        layer = self._check_layer(layer)
+        if self.keys[layer] is None:
+            raise RuntimeError(f"nothing stored for layer {layer}")
+        return self.keys[layer], self.values[layer], None
+
+    def _plan_remove(self, seq: int, begin: int, end: Optional[int]):
+        if int(seq) != 0:
+            raise ValueError("the encoder cache supports only sequence 0")
+
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
+        """Forget the encoder output if its position lies in ``[begin, end)``."""
+        self._plan_remove(seq, begin, end)
+        end = _INT32_MAX if end is None else int(end)
+        if int(begin) <= self.encoder_pos < end:
+            self.encoder_cached = False
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        raise NotSupported("the encoder cache has one sequence; copy_prefix is not supported")
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        return True
+
+    def clear(self, seq: Optional[int] = None) -> None:
+        self.encoder_cached = False
+        self.encoder_pos = -1

@@ -1,0 +1,537 @@
+"""Tests for the extended KV caches in ggmlpy.kvcache.
+
+Transposed V storage (Ollama's ``PermutedV``), chunked attention, non-causal
+spans, the memory-saving sliding window, the Wrapper and the Encoder cache.
+Scenarios follow Ollama's ``kvcache/causal_test.go`` (padding 1, K = V).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ggmlpy
+from ggmlpy import Type
+from ggmlpy.kvcache import Causal, Encoder, KVCacheFull, NotSupported, Wrapper
+
+X = -np.inf
+
+
+def _m(*rows: str) -> np.ndarray:
+    return np.array([[0.0 if ch == "o" else X for ch in r] for r in rows], dtype=np.float32)
+
+
+def _cache(capacity=16, n_seq=1, max_batch=8, dtype=Type.F32, *, head_dim=1, n_head_kv=1,
+           n_layers=1, **kw) -> Causal:
+    c = Causal(n_layers, head_dim * n_head_kv, head_dim * n_head_kv, dtype, n_head_kv=n_head_kv, **kw)
+    c.init(capacity, n_seq, max_batch)
+    return c
+
+
+def _vnp(vv, v_trans: bool) -> np.ndarray:
+    """A V view read back as numpy (n_head_kv, n_kv, head_dim) whatever the layout."""
+    a = vv.get().reshape(vv.ne[2], vv.ne[1], vv.ne[0])
+    return a.transpose(0, 2, 1) if v_trans else a
+
+
+def _step(cache, positions, seqs, k=None, v=None, layer=0, **kw):
+    """One forward: put, get, compute, apply. Views as numpy (n_head_kv, n_kv, head_dim)."""
+    plan = cache.start_forward(positions, seqs, **kw)
+    n = plan.n_batch
+    if k is None:
+        k = (np.asarray(positions, dtype=np.float32) + 1).reshape(n, 1, 1)
+    if v is None:
+        v = k
+    with ggmlpy.Context(1 << 20) as ctx:
+        kt = ctx.new_tensor(Type.F32, k.shape[::-1])
+        kt.set(k)
+        vt = ctx.new_tensor(Type.F32, v.shape[::-1])
+        vt.set(v)
+        gf = ctx.new_graph(64)
+        for t in cache.put(ctx, layer, plan, kt, vt):
+            gf.build_forward_expand(t)
+        kv, vv, mask = cache.get(ctx, layer, plan)
+        kc, vc = ctx.cont(kv), ctx.cont(vv)
+        gf.build_forward_expand(kc)
+        gf.build_forward_expand(vc)
+        gf.compute(2)
+        out = (kc.get().reshape(kv.ne[2], kv.ne[1], kv.ne[0]), _vnp(vc, cache.v_trans),
+               mask.get().astype(np.float32).reshape(n, -1))
+    cache.apply(plan)
+    return (*out, plan)
+
+
+def _flat(a) -> list:
+    return np.asarray(a).reshape(-1).tolist()
+
+
+# ---------------------------------------------------------------- 1. transposed V
+
+VT = pytest.mark.parametrize("v_trans", [False, True])
+
+
+@VT
+@pytest.mark.parametrize("dtype", [Type.F32, Type.F16])
+def test_store_v_trans(v_trans, dtype):
+    c = _cache(16, 1, 8, dtype, head_dim=2, n_head_kv=3, v_trans=v_trans)
+    want_ne = (c.n_cells, 6) if v_trans else (6, c.n_cells)
+    assert c.values[0].ne[:2] == want_ne
+    x = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+    k, v, mask, plan = _step(c, [0, 1, 2, 3], [0] * 4, x, -x)
+    assert np.array_equal(k, x.transpose(1, 0, 2)) and np.array_equal(v, -x.transpose(1, 0, 2))
+    assert np.array_equal(mask, _m("oxxx", "ooxx", "ooox", "oooo"))
+    y = np.full((1, 3, 2), 100, dtype=np.float32)
+    k, v, mask, plan = _step(c, [4], [0], y, 2 * y)
+    assert np.array_equal(v, np.concatenate([-x, 2 * y]).transpose(1, 0, 2))
+    assert np.array_equal(mask, _m("ooooo"))
+
+
+@VT
+def test_sequences_v_trans(v_trans):
+    c = _cache(8, 2, 8, v_trans=v_trans)
+    _, v, mask, _ = _step(c, [0, 0, 1, 1, 2], [0, 1, 0, 1, 0])
+    assert _flat(v) == [1, 1, 2, 2, 3]
+    _, v, mask, plan = _step(c, [3, 2], [0, 1])
+    assert plan.slots.tolist() == [5, 6]
+    assert _flat(v) == [1, 1, 2, 2, 3, 4, 3]
+    assert np.array_equal(mask, _m("oxoxoox", "xoxoxxo"))
+    # a sub-range starting past cell 0: seq 1 only
+    c2 = _cache(8, 2, 8, v_trans=v_trans)
+    _step(c2, [0, 1], [0, 0])
+    _, v, _, plan = _step(c2, [0, 1], [1, 1])
+    assert (plan.lo, plan.hi) == (2, 4) and _flat(v) == [1, 2]
+
+
+@VT
+def test_swa_v_trans(v_trans):
+    c = _cache(16, 1, 4, window=1, v_trans=v_trans)
+    _step(c, [0, 1, 2, 3], [0] * 4)
+    k, v, mask, plan = _step(c, [4, 5], [0, 0])
+    assert _flat(k) == _flat(v) == [5, 6, 3, 4]
+    assert np.array_equal(mask, _m("oxxo", "ooxx"))
+
+
+@VT
+def test_defrag_v_trans(v_trans):
+    x2 = np.arange(4 * 2 * 2, dtype=np.float32).reshape(4, 2, 2) + 50
+    c2 = _cache(8, 2, 8, head_dim=2, n_head_kv=2, v_trans=v_trans)
+    _step(c2, [0, 0, 1, 1], [0, 1, 0, 1], x2, -x2)
+    c2.clear(0)           # holes at 0 and 2
+    moves = c2.defrag()   # cell 3 moves into the hole at 0
+    assert moves == [(3, 0, 1)] and c2.fragmentation() == 0.0
+    k, v, _, _ = _step(c2, [2], [1], np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.float32))
+    assert np.array_equal(k[:, :2], x2[[3, 1]].transpose(1, 0, 2))
+    assert np.array_equal(v[:, :2], -x2[[3, 1]].transpose(1, 0, 2))
+
+
+def test_v_trans_rejects_quantized():
+    with pytest.raises(ValueError):
+        Causal(1, 64, 64, Type.Q8_0, v_trans=True)
+
+
+def _reference(q, hist, positions, seqs, scale, group, window=None, chunk=None, except_rows=()):
+    n, n_head, d = q.shape
+    out = np.zeros_like(q)
+    for i, (p, s) in enumerate(zip(positions, seqs)):
+        items = [(pp, kk, vv) for pp, kk, vv in hist[s]
+                 if (pp <= p or i in except_rows)
+                 and (window is None or pp >= p - window)
+                 and (chunk is None or pp >= p - p % chunk)]
+        ks = np.stack([it[1] for it in items])
+        vs = np.stack([it[2] for it in items])
+        for h in range(n_head):
+            logits = ks[:, h // group] @ q[i, h] * scale
+            w = np.exp(logits - logits.max())
+            out[i, h] = (w / w.sum()) @ vs[:, h // group]
+    return out
+
+
+def _attention_run(c, steps, d, n_head, n_head_kv, seed=1, ref_kw=None, fwd_kw=None):
+    rng = np.random.default_rng(seed)
+    scale = 1 / np.sqrt(d)
+    hist = {s: [] for s in range(c.cells.n_seq_max)}
+    rnd = (lambda a: a.astype(np.float16).astype(np.float32)) if c.dtype == Type.F16 else (lambda a: a)
+    for j, (positions, seqs) in enumerate(steps):
+        n = len(positions)
+        q = rng.standard_normal((n, n_head, d)).astype(np.float32)
+        k = rng.standard_normal((n, n_head_kv, d)).astype(np.float32)
+        v = rng.standard_normal((n, n_head_kv, d)).astype(np.float32)
+        for i, (p, s) in enumerate(zip(positions, seqs)):
+            hist[s].append((p, rnd(k[i]), rnd(v[i])))
+        kw = (fwd_kw or {}).get(j, {})
+        plan = c.start_forward(positions, seqs, **kw)
+        with ggmlpy.Context(1 << 22) as ctx:
+            qt = ctx.new_tensor(Type.F32, (d, n_head, n))
+            qt.set(q)
+            kt = ctx.new_tensor(Type.F32, (d, n_head_kv, n))
+            kt.set(k)
+            vt = ctx.new_tensor(Type.F32, (d, n_head_kv, n))
+            vt.set(v)
+            gf = ctx.new_graph(128)
+            for t in c.put(ctx, 0, plan, kt, vt):
+                gf.build_forward_expand(t)
+            kv, vv, mask = c.get(ctx, 0, plan, mask_type=Type.F32)
+            qp = ctx.permute(qt, 0, 2, 1, 3)               # (d, n, n_head)
+            kq = ctx.mul_mat(kv, qp)                        # (n_kv, n, n_head)
+            kq = ctx.soft_max_ext(kq, mask, float(scale))
+            if not c.v_trans:
+                vv = ctx.cont(ctx.permute(vv, 1, 0, 2, 3))  # (n_kv, d, n_head_kv)
+            else:
+                assert vv.ne[:3] == (plan.n_kv, d, n_head_kv)
+            o = ctx.mul_mat(vv, kq)                         # (d, n, n_head)
+            o = ctx.cont(ctx.permute(o, 0, 2, 1, 3))        # (d, n_head, n)
+            gf.build_forward_expand(o)
+            gf.compute(2)
+            got = o.get().reshape(n, n_head, d)
+        c.apply(plan)
+        rk = dict(ref_kw or {})
+        if "except_rows" in kw:
+            rk["except_rows"] = set(kw["except_rows"])
+        want = _reference(q, hist, positions, seqs, scale, n_head // n_head_kv, **rk)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+@VT
+@pytest.mark.parametrize("dtype", [Type.F32, Type.F16])
+def test_mul_mat_attention_over_two_sequences(v_trans, dtype):
+    c = _cache(16, 2, 8, dtype, head_dim=8, n_head_kv=2, v_trans=v_trans)
+    steps = [([0, 0, 1, 1, 2], [0, 1, 0, 1, 0]), ([3, 2, 3], [0, 1, 1]), ([4, 5, 4], [0, 0, 1])]
+    _attention_run(c, steps, 8, 4, 2)
+
+
+# ---------------------------------------------------------------- 2. chunked attention, non-causal spans
+
+
+@VT
+def test_chunked_attention(v_trans):
+    # Ollama TestChunkedAttention: chunk 2, all history kept
+    c = _cache(16, 1, 8, chunk=2, v_trans=v_trans)
+    assert c.memory is None
+    k, v, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4)
+    assert _flat(k) == _flat(v) == [1, 2, 3, 4]
+    assert np.array_equal(mask, _m("oxxx", "ooxx", "xxox", "xxoo"))
+    k, _, mask, _ = _step(c, [4, 5, 6], [0] * 3)
+    assert _flat(k) == [1, 2, 3, 4, 5, 6, 7]
+    assert np.array_equal(mask, _m("xxxxoxx", "xxxxoox", "xxxxxxo"))
+    k, _, mask, _ = _step(c, [7, 8], [0] * 2)
+    assert _flat(k) == list(range(1, 10))
+    assert np.array_equal(mask, _m("xxxxxxoox", "xxxxxxxxo"))
+    assert c.cells.used == 9
+
+
+def test_chunk_validation():
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, chunk=0)
+
+
+@VT
+def test_non_causal_span(v_trans):
+    c = _cache(16, 2, 8, v_trans=v_trans)
+    _step(c, [0, 1], [0, 0])
+    # seq 0 continues with a bidirectional span at batch rows 1..2 (pos 3, 4); seq 1 interleaved
+    _, _, mask, plan = _step(c, [2, 3, 4, 5, 0], [0, 0, 0, 0, 1], except_rows=[1, 2])
+    assert plan.slots.tolist() == [2, 3, 4, 5, 6]
+    assert np.array_equal(mask, _m(
+        "oooxxxx",    # pos 2: causal
+        "oooooox",    # pos 3: sees 4 and 5 too (own sequence, this batch)
+        "oooooox",    # pos 4: likewise
+        "oooooox",    # pos 5: causal, sees everything before
+        "xxxxxxo",    # seq 1: isolated
+    ))
+    # the exemption is per batch: the next batch is causal again
+    _, _, mask, _ = _step(c, [6, 1], [0, 1], except_rows=[])
+    assert np.array_equal(mask, _m("ooooooxox", "xxxxxxoxo"))
+    with pytest.raises(ValueError):
+        c.start_forward([7], [0], except_rows=[3])
+
+
+def test_non_causal_span_keeps_window_and_chunk():
+    c = _cache(16, 1, 8, chunk=2)
+    _, _, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4, except_rows=[0, 2])
+    # the chunk rule is only a lower bound (Ollama): exempt row 0 sees the next chunk too
+    assert np.array_equal(mask, _m("oooo", "ooxx", "xxoo", "xxoo"))
+    w = _cache(16, 1, 8, window=1)
+    _, _, mask, _ = _step(w, [0, 1, 2, 3], [0] * 4, except_rows=[1])
+    assert np.array_equal(mask, _m("oxxx", "oooo", "xoox", "xxoo"))
+
+
+@VT
+def test_attention_chunked_and_non_causal(v_trans):
+    c = _cache(16, 2, 8, Type.F16, head_dim=8, n_head_kv=2, v_trans=v_trans, chunk=3)
+    steps = [([0, 0, 1, 1, 2], [0, 1, 0, 1, 0]), ([3, 2, 3, 4], [0, 1, 1, 1]), ([4, 5, 5], [0, 0, 1])]
+    _attention_run(c, steps, 8, 4, 2, ref_kw={"chunk": 3}, fwd_kw={1: {"except_rows": [1, 2]}})
+
+
+# ---------------------------------------------------------------- 3. windowed memory
+
+
+@VT
+def test_swa_mem(v_trans):
+    # Ollama TestSWAMem: window 1, memory 3
+    c = _cache(16, 1, 4, window=1, memory=3, v_trans=v_trans)
+    assert (c.memory, c.n_cells) == (3, 7)
+    k, v, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4)
+    assert np.array_equal(mask, _m("oxxx", "ooxx", "xoox", "xxoo"))
+    k, v, mask, plan = _step(c, [4, 5], [0, 0])
+    assert plan.trim == {0: 4} and plan.slots.tolist() == [0, 4]
+    assert _flat(k) == _flat(v) == [5, 2, 3, 4, 6]  # pos 0 evicted, 1..3 kept but masked
+    assert np.array_equal(mask, _m("oxxox", "oxxxo"))
+    assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (1, 5)
+
+
+def test_swa_mem_sizing_and_validation():
+    assert _cache(16, 1, 4, window=2, memory=5).memory == 5
+    assert _cache(16, 2, 4, window=2, memory=2).memory == 3  # several sequences: window + 1
+    assert _cache(16, 2, 4, window=2, memory=5).memory == 5
+    c = _cache(4, 1, 4, window=2, memory=8)  # memory >= capacity: unlimited
+    assert (c.memory, c.n_cells) == (None, 4)
+    assert _cache(16, 1, 4, window=2, memory=0).memory == 2  # 0 means the window
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, window=4, memory=3)
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, memory=3)
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, window=4, memory=-1)
+
+
+@pytest.mark.parametrize("memory, want", [
+    (None, [True] + [False] * 4 + [True] * 2),      # Ollama TestCanResume (window 4)
+    (5, [True] + [False] * 5 + [True] * 2),         # Ollama TestCanResumeSWAMem (window 4, memory 5)
+])
+def test_can_resume_windowed(memory, want):
+    c = _cache(16, 1, 8, window=4, memory=memory)
+    first = list(range(7)) if memory else list(range(5))
+    _step(c, first, [0] * len(first))
+    assert all(c.can_resume(0, p) for p in range(len(first) + 1))
+    _step(c, [len(first)], [0])
+    got = [c.can_resume(0, p) for p in range(len(want))]
+    assert got == want
+    assert not c.can_resume(0, len(first) + 2)  # past the last stored position + 1
+
+
+def test_swa_mem_evicts_idle_sequence_and_fills():
+    c = _cache(16, 2, 2, window=1, memory=2)
+    assert (c.memory, c.n_cells) == (2, 6)
+    _step(c, [0, 1], [0, 0])
+    _step(c, [0, 1], [1, 1])
+    _step(c, [2, 3], [0, 0])  # lowest 2: seq 0 keeps pos >= 0; seq 1 idle at 2 keeps >= 0
+    assert c.cells.used == 6
+    _, _, _, plan = _step(c, [4, 5], [0, 0])  # seq 0 drops pos < 2, frees two cells
+    assert plan.slots.tolist() == [0, 1]
+    with pytest.raises(KVCacheFull):
+        c.start_forward([2, 3, 4], [1, 1, 1])
+
+
+# ---------------------------------------------------------------- 4. Wrapper
+
+
+def _wstep(w, positions, seqs, vals=None, **kw):
+    """One forward over every wrapper layer; layer l writes K = V = (pos + 1) * (l + 1)."""
+    plan = w.start_forward(positions, seqs, **kw)
+    n = len(positions)
+    base = np.asarray(positions, dtype=np.float32) + 1 if vals is None else np.asarray(vals, np.float32)
+    outs = []
+    with ggmlpy.Context(1 << 20) as ctx:
+        gf = ctx.new_graph(256)
+        for layer in range(w.n_layers):
+            x = (base * (layer + 1)).reshape(n, 1, 1)
+            t = ctx.new_tensor(Type.F32, (1, 1, n))
+            t.set(x)
+            for r in w.put(ctx, layer, plan, t, t):
+                gf.build_forward_expand(r)
+            kv, vv, mask = w.get(ctx, layer, plan)
+            kc, vc = ctx.cont(kv), ctx.cont(vv)
+            gf.build_forward_expand(kc)
+            gf.build_forward_expand(vc)
+            outs.append((kc, vc, mask))
+        gf.compute(2)
+        res = [(_flat(k.get()), _flat(v.get()), m.get().astype(np.float32).reshape(n, -1)) for k, v, m in outs]
+    w.apply(plan)
+    return res, plan
+
+
+def _wrapper(v_trans=False, shift=False):
+    shift_fn = (lambda ctx, layer, k, off: ctx.scale(k, 1.0)) if shift else None
+    swa = Causal(2, 1, 1, Type.F32, window=1, v_trans=v_trans, shift_fn=shift_fn)
+    full = Causal(1, 1, 1, Type.F32, v_trans=v_trans)
+    w = Wrapper([swa, full], [0, 1, 0])  # layers 0 and 2 local (window 1), layer 1 global
+    w.init(16, 1, 4)
+    return w, swa, full
+
+
+@VT
+def test_wrapper_routes_layers(v_trans):
+    w, swa, full = _wrapper(v_trans)
+    assert w.route(0) == (swa, 0) and w.route(1) == (full, 0) and w.route(2) == (swa, 1)
+    assert w.underlying(1) is full
+    res, _ = _wstep(w, [0, 1, 2, 3], [0] * 4)
+    assert res[0][0] == res[0][1] == [1, 2, 3, 4]
+    assert res[1][0] == [2, 4, 6, 8] and res[2][0] == [3, 6, 9, 12]
+    assert np.array_equal(res[0][2], _m("oxxx", "ooxx", "xoox", "xxoo"))
+    assert np.array_equal(res[1][2], _m("oxxx", "ooxx", "ooox", "oooo"))
+    res, plan = _wstep(w, [4, 5], [0, 0])
+    assert plan[0].slots.tolist() == [0, 1] and plan[1].slots.tolist() == [4, 5]
+    assert res[0][0] == [5, 6, 3, 4] and res[2][1] == [15, 18, 9, 12]
+    assert res[1][0] == [2, 4, 6, 8, 10, 12]
+    assert np.array_equal(res[0][2], _m("oxxo", "ooxx"))
+    assert np.array_equal(res[1][2], _m("ooooox", "oooooo"))
+    # AND of can_resume: the full cache could resume at 2, the window cache not
+    assert full.can_resume(0, 3) and not swa.can_resume(0, 3) and not w.can_resume(0, 3)
+    assert w.can_resume(0, 6) and w.can_resume(0, 0)
+
+
+def test_wrapper_validation():
+    a = Causal(1, 1, 1, Type.F32)
+    with pytest.raises(ValueError):
+        Wrapper([a], [0, 0])  # two layers routed to a one-layer cache
+    with pytest.raises(ValueError):
+        Wrapper([a], [1])
+    with pytest.raises(ValueError):
+        Wrapper([], [])
+
+
+def test_wrapper_start_forward_failure_changes_nothing():
+    swa = Causal(1, 1, 1, Type.F32, window=1)
+    full = Causal(1, 1, 1, Type.F32)
+    w = Wrapper([swa, full], [0, 1])
+    w.init(4, 1, 4)
+    _wstep(w, [0, 1, 2], [0] * 3)
+    before = [(c.cells.pos.copy(), c.cells.seqs.copy()) for c in (swa, full)]
+    with pytest.raises(KVCacheFull):  # the window cache has room, the full one does not
+        w.start_forward([3, 4], [0, 0])
+    after = [(c.cells.pos.copy(), c.cells.seqs.copy()) for c in (swa, full)]
+    assert all(np.array_equal(x, y) for b, a in zip(before, after) for x, y in zip(b, a))
+
+
+def test_wrapper_remove_is_all_or_nothing():
+    w, swa, full = _wrapper(shift=True)  # only the window cache can shift
+    _wstep(w, [0, 1, 2, 3], [0] * 4)
+    before = [(c.cells.pos.copy(), c.cells.seqs.copy()) for c in (swa, full)]
+    with pytest.raises(NotSupported):
+        w.remove(0, 2, 3)
+    after = [(c.cells.pos.copy(), c.cells.seqs.copy()) for c in (swa, full)]
+    assert all(np.array_equal(x, y) for b, a in zip(before, after) for x, y in zip(b, a))
+    w.remove(0, 2)  # to the end: fine everywhere
+    assert swa.seq_pos_max(0) == full.seq_pos_max(0) == 1
+
+
+def test_wrapper_copy_prefix_clear_and_apply():
+    swa = Causal(1, 1, 1, Type.F32, window=2)
+    full = Causal(1, 1, 1, Type.F32)
+    w = Wrapper([swa, full], [1, 0])
+    w.init(8, 2, 4)
+    _wstep(w, [0, 1, 2], [0] * 3)
+    w.copy_prefix(0, 1, 2)
+    assert swa.seq_pos_max(1) == full.seq_pos_max(1) == 1
+    plan = w.start_forward([2], [1])
+    with pytest.raises(TypeError):
+        w.apply(plan[0])
+    w.apply(plan)
+    assert swa.seq_pos_max(1) == full.seq_pos_max(1) == 2
+    w.clear(0)
+    assert swa.seq_pos_max(0) == full.seq_pos_max(0) == -1 and full.seq_pos_max(1) == 2
+    w.clear()
+    assert swa.cells.used == full.cells.used == 0
+
+
+# ---------------------------------------------------------------- 5. Encoder
+
+
+def _enc_put(enc, plan, ks, vs):
+    with ggmlpy.Context(1 << 20) as ctx:
+        gf = ctx.new_graph(64)
+        for layer, (k, v) in enumerate(zip(ks, vs)):
+            kt = ctx.new_tensor(Type.F32, k.shape[::-1])
+            kt.set(k)
+            vt = ctx.new_tensor(Type.F32, v.shape[::-1])
+            vt.set(v)
+            for r in enc.put(ctx, layer, plan, kt, vt):
+                gf.build_forward_expand(r)
+        gf.compute(1)
+
+
+def _enc_get(enc, layer):
+    with ggmlpy.Context(1 << 16) as ctx:
+        k, v, mask = enc.get(ctx, layer, None)
+        return k.get().copy(), v.get().copy(), mask
+
+
+@pytest.mark.parametrize("dtype", [None, Type.F16])
+def test_encoder_store_once_and_get(dtype):
+    rng = np.random.default_rng(0)
+    enc = Encoder(2, dtype)
+    enc.init(16, 1, 8)
+    ks = [rng.standard_normal((5, 2, 4)).astype(np.float32) for _ in range(2)]
+    vs = [rng.standard_normal((5, 2, 4)).astype(np.float32) for _ in range(2)]
+    assert not enc.encoder_cached
+    plan = enc.start_forward([0, 1, 2, 3], [0] * 4)
+    _enc_put(enc, plan, ks, vs)
+    enc.apply(plan)
+    assert enc.encoder_cached and enc.encoder_pos == 3
+    tol = 0 if dtype is None else 1e-2
+    for layer in range(2):
+        k, v, mask = _enc_get(enc, layer)
+        assert mask is None and enc.keys[layer].ne[:3] == (4, 2, 5)
+        np.testing.assert_allclose(k.reshape(ks[layer].shape), ks[layer], atol=tol)
+        np.testing.assert_allclose(v.reshape(vs[layer].shape), vs[layer], atol=tol)
+    # later batches only read: storage untouched, still cached
+    plan = enc.start_forward([4], [0])
+    enc.apply(plan)
+    assert enc.encoder_cached and enc.encoder_pos == 3
+    k, _, _ = _enc_get(enc, 0)
+    np.testing.assert_allclose(k.reshape(ks[0].shape), ks[0], atol=tol)
+    enc.close()
+
+
+def test_encoder_reserve_remove_and_limits():
+    enc = Encoder(1)
+    with pytest.raises(ValueError):
+        enc.init(16, 2, 8)
+    enc.init(16, 1, 8)
+    with pytest.raises(RuntimeError):
+        _enc_get(enc, 0)
+    x = np.ones((3, 1, 4), np.float32)
+    plan = enc.start_forward([5], [0], reserve=True)
+    _enc_put(enc, plan, [x], [x])
+    enc.apply(plan)
+    assert not enc.encoder_cached  # a reserve pass caches nothing
+    plan = enc.start_forward([5, 6], [0, 0])
+    _enc_put(enc, plan, [x], [2 * x])
+    enc.apply(plan)
+    assert enc.encoder_cached and enc.encoder_pos == 6
+    assert enc.can_resume(0, 100)
+    enc.remove(0, 0, 6)  # does not cover the encoder position
+    assert enc.encoder_cached
+    enc.remove(0, 6)
+    assert not enc.encoder_cached
+    with pytest.raises(NotSupported):
+        enc.copy_prefix(0, 1, 2)
+    with pytest.raises(ValueError):
+        enc.start_forward([0], [1])
+
+
+def test_encoder_in_wrapper():
+    enc = Encoder(1)
+    self_attn = Causal(1, 4, 4, Type.F32)
+    w = Wrapper([self_attn, enc], [0, 1])
+    w.init(8, 1, 4)
+    plan = w.start_forward([0, 1], [0, 0])
+    x = np.arange(8, dtype=np.float32).reshape(2, 1, 4)
+    with ggmlpy.Context(1 << 20) as ctx:
+        t = ctx.new_tensor(Type.F32, (4, 1, 2))
+        t.set(x)
+        gf = ctx.new_graph(64)
+        for layer in range(2):
+            for r in w.put(ctx, layer, plan, t, t):
+                gf.build_forward_expand(r)
+        k, v, mask = w.get(ctx, 1, plan)
+        assert mask is None
+        gf.compute(1)
+    w.apply(plan)
+    assert enc.encoder_cached and self_attn.cells.used == 2
+    assert np.array_equal(enc.keys[0].get().reshape(2, 1, 4), x)
+    assert enc.encoder_pos == 1  # the batch's last position
+    w.remove(0, 2)
+    assert enc.encoder_cached and self_attn.seq_pos_max(0) == 1
+    w.remove(0, 1)
+    assert not enc.encoder_cached and self_attn.seq_pos_max(0) == 0
