@@ -240,3 +240,39 @@ def test_rpc_server_refuses_a_port_in_use():
         out = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--port", str(port)],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "in use" in out.stderr.lower()
+
+
+DEAD_SERVER_SCRIPT = r"""
+import gc, socket, subprocess, sys, time
+import numpy as np
+import ggmlpy as gp
+from ggmlpy import _core as c
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--port", str(port), "-t", "1"],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+for _ in range(300):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.2).close(); break
+    except OSError:
+        time.sleep(0.1)
+dev = c.rpc_add_server(f"127.0.0.1:{port}")[0]
+be = dev.init()
+ctx = gp.Context.for_tensors(2, no_alloc=True)
+t = ctx.new_tensor(gp.Type.F32, (16,))
+buf = c.alloc_ctx_tensors(ctx, be)
+t.set(np.ones(16, np.float32))
+s = c.Scheduler([be, c.backend_init("CPU")], graph_size=64)
+proc.kill(); proc.wait()
+time.sleep(0.2)
+del t, ctx, buf, s, be
+gc.collect()
+print("survived")
+"""
+
+
+@pytest.mark.rpc
+def test_dropping_memory_of_a_dead_rpc_server_does_not_abort():
+    out = subprocess.run([sys.executable, "-c", DEAD_SERVER_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "survived" in out.stdout, out.stdout + out.stderr[-2000:]

@@ -66,8 +66,8 @@ def choose_devices(spec: str | Sequence[str] = "auto", rpc: Iterable[str] = ()) 
     Parameters
     ----------
     spec : ``"auto"``, ``"cpu"``, or a list (or comma-separated string) of device names
-        ``"auto"`` takes every GPU (RPC servers count as GPUs, as ggml reports
-        them) and then the CPU; names are case-insensitive (``"CUDA0"``,
+        ``"auto"`` takes every local GPU and the devices of the RPC servers given
+        in ``rpc`` (ggml reports them as GPUs), then the CPU; names are case-insensitive (``"CUDA0"``,
         ``"RPC0"``, ``"CPU"``).
     rpc : endpoints ``"host:port"`` of ``ggmlpy rpc-server`` processes to add first
 
@@ -84,7 +84,9 @@ def choose_devices(spec: str | Sequence[str] = "auto", rpc: Iterable[str] = ()) 
     """
     rpc_devs = [d for ep in rpc for d in _core.rpc_add_server(ep)]
     if isinstance(spec, str) and spec.lower() == "auto":
-        chosen = [d for d in devices() if d.type in ("GPU", "IGPU")]
+        # local accelerators, plus the RPC servers named in this call (not every
+        # server added earlier in the process, which may be gone by now)
+        chosen = [d for d in devices() if d.type in ("GPU", "IGPU") and d.endpoint is None] + rpc_devs
     elif isinstance(spec, str) and spec.lower() == "cpu":
         chosen = list(rpc_devs)
     else:

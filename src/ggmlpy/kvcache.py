@@ -44,9 +44,9 @@ from typing import Optional
 
 import numpy as np
 
-from ._core import Context, Tensor, Type, graph_overhead, tensor_overhead
+from ._core import Context, GGMLMemoryError, Tensor, Type, graph_overhead, tensor_overhead
 
-__all__ = ["Causal", "Cells", "Encoder", "EncoderPlan", "ForwardPlan", "KVCacheFull", "NotSupported",
+__all__ = ["Causal", "Cells", "Encoder", "EncoderPlan", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported",
            "Wrapper", "WrapperPlan"]
 
 
@@ -626,10 +626,54 @@ class ForwardPlan:
         return self.hi - self.lo
 
 
-class Causal:
-    """A causal KV cache: per-layer K/V tensors in host memory plus :class:`Cells`.
+class Forward:
+    """The per-forward view of a cache, in the shape of Ollama's Cache protocol.
 
-    Follows Ollama's causal cache. One forward pass is::
+    Made by ``cache.forward(ctx, plan)``: ``set_layer(i)``, then ``put(k, v)``
+    and ``get()`` for that layer. The index and mask tensors are created once
+    and shared by every layer; ``pending`` collects the writes to expand into
+    the graph before anything that reads the cache.
+    """
+
+    def __init__(self, cache, ctx: Context, plan) -> None:
+        self.cache, self.ctx, self.plan = cache, ctx, plan
+        self.layer: Optional[int] = None
+        self.pending: list = []
+        self._idx = None
+        self._mask = None
+
+    def set_layer(self, layer: int) -> Forward:
+        self.layer = self.cache._check_layer(layer)
+        return self
+
+    def _need_layer(self) -> int:
+        if self.layer is None:
+            raise ValueError("call set_layer(i) first")
+        return self.layer
+
+    def put(self, k: Tensor, v: Tensor) -> tuple:
+        """Write this batch's K and V for the current layer (a batch-size mismatch raises ValueError)."""
+        layer = self._need_layer()
+        if self._idx is None:
+            self._idx = self.cache.index_tensor(self.ctx, self.plan)
+        out = self.cache.put(self.ctx, layer, self.plan, k, v, idx=self._idx)
+        self.pending.extend(out)
+        return out
+
+    def get(self) -> tuple:
+        """``(k_view, v_view, mask)`` of the current layer."""
+        layer = self._need_layer()
+        if self._mask is None:
+            self._mask = self.cache.mask_tensor(self.ctx, self.plan)
+        return self.cache.get(self.ctx, layer, self.plan, mask=self._mask)
+
+
+class Causal:
+    """A causal KV cache: per-layer K/V tensors plus :class:`Cells`.
+
+    Follows Ollama's causal cache. One forward pass is (or, layer by layer,
+    ``fw = cache.forward(ctx, plan)``, then ``fw.set_layer(i)``, ``fw.put(k,
+    v)``, ``fw.get()``)::
 
         plan = cache.start_forward(positions, seq_ids)   # plan only
         for each layer:
@@ -639,9 +683,15 @@ class Causal:
         gf.compute(); cache.apply(plan)                # commit the metadata
 
     Storage: layer ``i`` has K ``ne = (n_embd_k, cells)`` and V
-    ``ne = (n_embd_v, cells)`` in ``dtype``, zero-filled, in a context the
-    cache owns (CPU host memory). A row is one cell, laid out as
-    ``(head_dim, n_head_kv)``.
+    ``ne = (n_embd_v, cells)`` in ``dtype``, zero-filled, in host memory or,
+    with ``init(..., placement=...)``, in a buffer on the layer's device. A
+    row is one cell, laid out as ``(head_dim, n_head_kv)``.
+
+    Attention paths and cache types: ``flash_attn_ext`` takes K/V of any of
+    F32, F16, Q8_0, Q4_0 with an F16 mask (``mask_tensor`` default) and V in
+    the plain layout; the ``mul_mat`` + ``soft_max_ext`` path takes F32/F16
+    K/V (V transposed is best there: ``v_trans=True``) and an F16 or F32
+    mask. Quantized caches therefore need flash attention, as in Ollama.
 
     Parameters
     ----------
@@ -725,6 +775,8 @@ class Causal:
         self.memory: Optional[int] = None
         self._cells: Optional[Cells] = None
         self._ctx: Optional[Context] = None
+        self._placed: Optional[list] = None
+        self.report = None
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
 
@@ -749,7 +801,7 @@ class Causal:
     def n_cells(self) -> int:
         return self.cells.n_cells
 
-    def init(self, capacity: int, n_seq_max: int, max_batch: int) -> None:
+    def init(self, capacity: int, n_seq_max: int, max_batch: int, *, placement=None, report=None) -> None:
         """Size the cache and allocate zero-filled K/V for every layer.
 
         ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
@@ -757,6 +809,18 @@ class Causal:
         window, rounded up to ``padding``. ``memory`` is the ``memory``
         option (default the window), at least ``window + 1`` with several
         sequences, and unlimited when that reaches ``capacity``.
+
+        With ``placement`` (a :class:`ggmlpy.backend.Placement`), each layer's
+        K/V live in a buffer on that layer's device and their bytes are
+        recorded in ``report`` (a :class:`ggmlpy.backend.MemoryReport`) as
+        cache; otherwise they are host memory. Shift and defragmentation run on
+        the host, so on other devices they raise :class:`NotSupported` (the
+        caller clears and re-processes instead).
+
+        Raises
+        ------
+        GGMLMemoryError
+            A device had no room; ``.report`` has what every device needed.
         """
         if self._ctx is not None:
             raise RuntimeError("cache is already initialised")
@@ -776,10 +840,14 @@ class Causal:
         k_row = self.dtype.row_size(self.n_embd_k)
         v_row = self.dtype.row_size(self.n_embd_v)
         size = self.n_layers * ((k_row + v_row) * n + 2 * (tensor_overhead() + 64))
+        v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
+        if placement is not None:
+            self._init_placed(n, v_ne, placement, report)
+            self._cells = Cells(n, n_seq_max)
+            return
         ctx = Context(size + 1024, no_alloc=False)
         keys, values = [], []
         zeros_k = np.zeros((n, self.n_embd_k), dtype=np.float32)
-        v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
         zeros_v = np.zeros(v_ne[::-1], dtype=np.float32)
         for i in range(self.n_layers):
             k = ctx.new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
@@ -792,6 +860,60 @@ class Causal:
         self.keys, self.values = keys, values
         self._cells = Cells(n, n_seq_max)
 
+    def _init_placed(self, n: int, v_ne, placement, report) -> None:
+        # One no_alloc context and one buffer per device, as the weights do.
+        from ggmlpy import _core
+        from ggmlpy.backend import MemoryReport
+
+        if report is None:
+            report = MemoryReport(placement.n_layers)
+        ctxs: dict = {}
+        keys, values = [], []
+        for i in range(self.n_layers):
+            dev = placement.device_of(i)
+            ctx = ctxs.get(dev.name)
+            if ctx is None:
+                ctx = ctxs[dev.name] = (dev, Context.for_tensors(2 * self.n_layers, no_alloc=True))
+            k = ctx[1].new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
+            v = ctx[1].new_tensor(self.dtype, v_ne, name=f"cache_v_l{i}")
+            keys.append(k)
+            values.append(v)
+        failed = None
+        for i in range(self.n_layers):
+            dev = placement.device_of(i)
+            m = report.device(dev)
+            m.cache[i] = 0
+        for dev, ctx in ctxs.values():
+            bt = dev.buffer_type()
+            for i, (k, v) in enumerate(zip(keys, values)):
+                if placement.device_of(i) == dev:
+                    report.add_cache(dev, i, sum(-(-bt.alloc_size(t) // bt.alignment) * bt.alignment for t in (k, v)))
+            try:
+                buf = _core.alloc_ctx_tensors(ctx, bt)
+            except MemoryError as e:
+                report.device(dev).cache_ok = False
+                failed = failed or e
+                continue
+            buf.clear(0)
+            report.device(dev).cache_ok = True
+        if failed is not None:
+            for _dev, ctx in ctxs.values():
+                ctx.free()
+            raise GGMLMemoryError(f"kv cache: allocation failed ({failed})\n{report}", report)
+        self._placed = [ctx for _dev, ctx in ctxs.values()]
+        self.report = report
+        self.keys, self.values = keys, values
+        self._ctx = self._placed[0]
+
+    def _require_host(self, what: str) -> None:
+        if not all(t.is_host for t in (*self.keys, *self.values)):
+            raise NotSupported(f"{what} runs on the host; this cache lives in device memory")
+
+    def forward(self, ctx: Context, plan: ForwardPlan) -> Forward:
+        """A :class:`Forward` for building this batch's graph layer by layer."""
+        self._check_plan(plan)
+        return Forward(self, ctx, plan)
+
     def bytes_per_layer(self) -> int:
         """Bytes of K plus V storage of one layer."""
         return self.keys[0].nbytes + self.values[0].nbytes if self.keys else 0
@@ -799,8 +921,9 @@ class Causal:
     def close(self) -> None:
         """Free the storage; the cache must be initialised again to be used."""
         self.keys, self.values = [], []
-        if self._ctx is not None:
-            self._ctx.free()
+        for ctx in getattr(self, "_placed", None) or ([self._ctx] if self._ctx is not None else []):
+            ctx.free()
+        self._placed = None
         self._ctx = None
         self._cells = None
 
@@ -1017,6 +1140,7 @@ class Causal:
         """
         trial, shifted, begin, end = self._plan_remove(seq, begin, end)
         if shifted.size:
+            self._require_host("shifting positions")
             self._shift(shifted, int(begin) - int(end))
         self._cells = trial
 
@@ -1094,6 +1218,7 @@ class Causal:
         moves = cells.defrag_plan()
         if not moves:
             return moves
+        self._require_host("defragmentation")
         per_move = 6 * self.n_layers
         batch = max(1, (int(max_nodes) - 2 * self.n_layers) // per_move)
         for i in range(0, len(moves), batch):
@@ -1213,10 +1338,13 @@ class Wrapper:
         """The cache a model layer uses."""
         return self.route(layer)[0]
 
-    def init(self, capacity: int, n_seq_max: int, max_batch: int) -> None:
+    def init(self, capacity: int, n_seq_max: int, max_batch: int, **kw) -> None:
         """Initialise every cache (see :meth:`Causal.init`)."""
         for cache in self.caches:
-            cache.init(capacity, n_seq_max, max_batch)
+            if isinstance(cache, Causal):
+                cache.init(capacity, n_seq_max, max_batch, **kw)
+            else:
+                cache.init(capacity, n_seq_max, max_batch)
 
     def close(self) -> None:
         for cache in self.caches:

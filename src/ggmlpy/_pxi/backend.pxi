@@ -98,7 +98,7 @@ cdef class Device:
 
     def buffer_type(self):
         """The device's memory (``ggml_backend_dev_buffer_type``)."""
-        return BufferType._make(g.ggml_backend_dev_buffer_type(self.ptr), self.name)
+        return BufferType._make(g.ggml_backend_dev_buffer_type(self.ptr), self.name, self.rpc_endpoint)
 
     def host_buffer_type(self):
         """Pinned host memory for fast transfers to this device, or None."""
@@ -175,15 +175,17 @@ cdef class BufferType:
     """A kind of memory a backend allocates from (``ggml_backend_buffer_type_t``)."""
     cdef g.ggml_backend_buffer_type_t ptr
     cdef str dev_name
+    cdef object endpoint     # RPC server of the device, or None
 
     def __init__(self, *args, **kwargs):
         raise TypeError("BufferTypes come from Device.buffer_type() or Backend.buffer_type")
 
     @staticmethod
-    cdef BufferType _make(g.ggml_backend_buffer_type_t p, str dev_name):
+    cdef BufferType _make(g.ggml_backend_buffer_type_t p, str dev_name, object endpoint=None):
         cdef BufferType b = BufferType.__new__(BufferType)
         b.ptr = p
         b.dev_name = dev_name
+        b.endpoint = endpoint
         return b
 
     @property
@@ -267,6 +269,12 @@ cdef class Buffer:
 
     def __dealloc__(self):
         if self.ptr != NULL:
+            if _rpc_gone(self.owner):
+                # ggml's RPC client aborts the process when freeing memory on a
+                # server that died; the memory died with it, so let it go.
+                self.ptr = NULL
+                _debug_count_nogil(2)
+                return
             g.ggml_backend_buffer_free(self.ptr)
             self.ptr = NULL
             _debug_count_nogil(2)
@@ -290,7 +298,8 @@ cdef class Buffer:
         live = [c for c in self.ctxs if not c.freed]
         if live:
             raise GGMLValueError(f"buffer_free: {len(live)} context(s) still hold tensors in this buffer; free them first")
-        g.ggml_backend_buffer_free(self.ptr)
+        if not _rpc_gone(self.owner):
+            g.ggml_backend_buffer_free(self.ptr)
         self.ptr = NULL
         _debug_count_nogil(2)
 
@@ -334,6 +343,21 @@ cdef class Buffer:
         if self.ptr == NULL:
             return "<ggmlpy.Buffer (freed)>"
         return f"<ggmlpy.Buffer {self.name} {_fmt_bytes(self.size)}>"
+
+
+cdef bint _rpc_gone(object owner) noexcept:
+    # True when owner (a BufferType or Backend) lives on an RPC server that no
+    # longer accepts connections.
+    try:
+        ep = owner.endpoint if isinstance(owner, BufferType) else (
+            (<Backend> owner).dev.rpc_endpoint if isinstance(owner, Backend) else None)
+        if ep is None:
+            return False
+        host, _, port = ep.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=0.5):
+            return False
+    except BaseException:
+        return True
 
 
 def alloc_ctx_tensors(Context ctx not None, target):
@@ -422,7 +446,7 @@ cdef class Backend:
     def buffer_type(self):
         """The backend's default BufferType."""
         self._ensure()
-        return BufferType._make(g.ggml_backend_get_default_buffer_type(self.ptr), self.dev.name)
+        return BufferType._make(g.ggml_backend_get_default_buffer_type(self.ptr), self.dev.name, self.dev.rpc_endpoint)
 
     @property
     def alignment(self):

@@ -119,16 +119,28 @@ cdef class Scheduler:
             ggmlpy_srcs_restore(self.saved, 0)   # the graph may be gone already; just free
             self.saved = NULL
         if self.ptr != NULL:
-            g.ggml_backend_sched_free(self.ptr)
+            if not self._servers_gone():
+                g.ggml_backend_sched_free(self.ptr)
             self.ptr = NULL
             _debug_count_nogil(4)
+
+    cdef bint _servers_gone(self) noexcept:
+        # Freeing compute buffers on a dead RPC server aborts in ggml: leak them instead.
+        try:
+            for b in self.backends:
+                if _rpc_gone(b):
+                    return True
+        except BaseException:
+            return True
+        return False
 
     def free(self):
         """Free the scheduler and its compute buffers now."""
         with self.lock:
             if self.ptr != NULL:
                 self._restore()
-                g.ggml_backend_sched_free(self.ptr)
+                if not self._servers_gone():
+                    g.ggml_backend_sched_free(self.ptr)
                 self.ptr = NULL
                 _debug_count_nogil(4)
 

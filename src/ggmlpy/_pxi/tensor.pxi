@@ -230,6 +230,12 @@ cdef class Tensor:
         return <uintptr_t> self.ptr.data
 
     @property
+    def is_host(self):
+        """True if the data is host memory (its context's arena or a host buffer), readable without a copy."""
+        self._ensure()
+        return self.ptr.data != NULL and not _device_tensor(self.ptr)
+
+    @property
     def has_data(self):
         """True if the tensor has memory (its context allocated it, or a buffer did)."""
         self._ensure()
