@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kv_helpers import _cache, _flat, _m, _step  # noqa: F401
 
 import ggmlpy
 from ggmlpy import Type
@@ -16,53 +17,12 @@ from ggmlpy.kvcache import Causal, ForwardPlan, KVCacheFull, NotSupported
 X = -np.inf
 
 
-def _m(*rows: str) -> np.ndarray:
-    """Mask from strings: 'o' = visible (0.0), 'x' = masked (-inf)."""
-    return np.array([[0.0 if ch == "o" else X for ch in r] for r in rows], dtype=np.float32)
 
 
-def _cache(capacity=16, n_seq=1, max_batch=8, dtype=Type.F32, *, head_dim=1, n_head_kv=1,
-           n_layers=1, **kw) -> Causal:
-    c = Causal(n_layers, head_dim * n_head_kv, head_dim * n_head_kv, dtype, n_head_kv=n_head_kv, **kw)
-    c.init(capacity, n_seq, max_batch)
-    return c
 
 
-def _step(cache: Causal, positions, seqs, k=None, v=None, layer=0):
-    """One forward: put k/v (numpy (n_batch, n_head_kv, head_dim)), get, compute, apply.
-
-    Returns (k_view, v_view, mask, plan) with the views as numpy
-    (n_head_kv, n_kv, head_dim) and the mask as read back from its tensor.
-    """
-    plan = cache.start_forward(positions, seqs)
-    n = plan.n_batch
-    if k is None:  # Ollama's tests: one value per token, K = V = pos + 1
-        k = (np.asarray(positions, dtype=np.float32) + 1).reshape(n, 1, 1)
-    if v is None:
-        v = k
-    with ggmlpy.Context(1 << 20) as ctx:
-        kt = ctx.new_tensor(Type.F32, k.shape[::-1])
-        kt.set(k)
-        vt = ctx.new_tensor(Type.F32, v.shape[::-1])
-        vt.set(v)
-        gf = ctx.new_graph(64)
-        for t in cache.put(ctx, layer, plan, kt, vt):
-            gf.build_forward_expand(t)
-        kv, vv, mask = cache.get(ctx, layer, plan)
-        # copy the views so the graph computes them after the writes
-        kc, vc = ctx.cont(kv), ctx.cont(vv)
-        gf.build_forward_expand(kc)
-        gf.build_forward_expand(vc)
-        gf.compute(2)
-        out = (kc.get().reshape(kv.ne[2], kv.ne[1], kv.ne[0]),
-               vc.get().reshape(vv.ne[2], vv.ne[1], vv.ne[0]),
-               mask.get().astype(np.float32).reshape(n, -1))
-    cache.apply(plan)
-    return (*out, plan)
 
 
-def _flat(view: np.ndarray) -> list:
-    return view.reshape(-1).tolist()
 
 
 def _snapshot(cache: Causal):
