@@ -1,4 +1,4 @@
-"""The ``ggmlpy`` command: ``ggmlpy info`` (more subcommands arrive with the runtime layers)."""
+"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench`` and ``ggmlpy rpc-server``."""
 
 from __future__ import annotations
 
@@ -32,12 +32,22 @@ def _cmd_rpc_server(args: argparse.Namespace) -> int:
     return 1
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ggmlpy import benchmark
+
+    return benchmark.main(args.bench_args, prog="ggmlpy bench")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, RPC server")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, CPU features, compiled backends and devices")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=_cmd_info)
+    p = sub.add_parser("bench", add_help=False,
+                       help="prompt/generation throughput, llama-bench compatible (ggmlpy bench -h)")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("rpc-server", help="serve this machine's devices to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
@@ -49,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # bench has llama-bench's own option syntax (-ngl, -pg, comma lists): hand it over whole.
+        return _cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,345 @@
+"""Synthetic llama models: deterministic random weights written as a real GGUF file.
+
+The benchmark needs a model on a fresh machine with nothing downloaded. This
+module writes one: a llama-architecture GGUF with the shapes of a known model
+(llama2.c's *stories* models, TinyLlama) and random weights drawn from a seeded
+numpy generator. The file has no tokenizer (``tokenizer.ggml.model = "none"``
+plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
+benchmarked by llama.cpp for a side-by-side comparison.
+
+Sizes are nominal names (``"tiny"``, ``"15M"``, ``"42M"``, ``"110M"``,
+``"1B"``); the parameter count of the written file is a little larger for the
+llama2.c shapes because ``output.weight`` is written as its own matrix instead of
+being tied to ``token_embd.weight`` (``"110M"`` has 134M parameters).
+
+Examples
+--------
+>>> from ggmlpy.models.synthetic import parse_size
+>>> parse_size("100m")
+'110M'
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+__all__ = [
+    "SIZES", "TYPES", "SyntheticConfig", "cache_dir", "parse_size", "synthetic_path",
+    "tensor_specs", "write_synthetic",
+]
+
+#: Bumped whenever the written content changes, so cached files are not reused.
+FORMAT_VERSION = 1
+
+#: llama.cpp's ``LLAMA_FTYPE`` numbers for ``general.file_type``.
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}
+
+#: Weight types the generator writes for the 2-D matrices.
+TYPES = ("F16", "Q8_0", "Q4_0")
+
+#: Standard deviation of the random matrix entries (norm weights are 1).
+WEIGHT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    """The hyper-parameters of one synthetic llama model.
+
+    Parameters
+    ----------
+    name : str
+        Nominal size name (the key in :data:`SIZES`).
+    n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, n_ctx : int
+        The usual llama hyper-parameters (``n_ctx`` is the training context
+        written as ``llama.context_length``).
+    shape_of : str
+        The public model whose shape this copies.
+    """
+
+    name: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_vocab: int
+    n_ctx: int
+    shape_of: str = ""
+    rope_freq_base: float = 10000.0
+    rms_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.n_embd // self.n_head
+
+    @property
+    def n_params(self) -> int:
+        """Number of parameters written (embeddings, output and all blocks)."""
+        return sum(math.prod(shape) for _, shape, _ in tensor_specs(self))
+
+    @property
+    def nominal_params(self) -> float:
+        """The parameter count the name stands for (``110M`` -> 110e6)."""
+        return _size_number(self.name) if self.name != "tiny" else float(self.n_params)
+
+
+#: The sizes :func:`write_synthetic` knows, by nominal name.
+SIZES: dict[str, SyntheticConfig] = {
+    c.name: c for c in (
+        SyntheticConfig("tiny", 64, 2, 4, 2, 192, 512, 2048, "test model"),
+        SyntheticConfig("15M", 288, 6, 6, 6, 768, 32000, 2048, "llama2.c stories15M"),
+        SyntheticConfig("42M", 512, 8, 8, 8, 1376, 32000, 2048, "llama2.c stories42M"),
+        SyntheticConfig("110M", 768, 12, 12, 12, 2048, 32000, 2048, "llama2.c stories110M"),
+        SyntheticConfig("1B", 2048, 22, 32, 4, 5632, 32000, 2048, "TinyLlama 1.1B"),
+    )
+}
+
+_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def _size_number(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMbBgGtT]?)\s*", text)
+    if not m:
+        raise ValueError(
+            f"synthetic model size {text!r}: expected a name ({', '.join(SIZES)}) "
+            "or a parameter count such as 110M or 1B")
+    value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if value <= 0:
+        raise ValueError(f"synthetic model size {text!r} must be positive")
+    return value
+
+
+def parse_size(size: str) -> str:
+    """The entry of :data:`SIZES` nearest to ``size``.
+
+    Parameters
+    ----------
+    size : str
+        A name of :data:`SIZES` (case-insensitive) or a parameter count such as
+        ``"110M"``, ``"0.1B"`` or ``"42m"``; a count picks the entry whose nominal
+        size is nearest on a log scale.
+
+    Returns
+    -------
+    str
+        The key in :data:`SIZES`.
+
+    Raises
+    ------
+    ValueError
+        ``size`` is neither a name nor a count.
+    """
+    key = str(size).strip()
+    for name in SIZES:
+        if key.lower() == name.lower():
+            return name
+    value = _size_number(key)
+    return min(SIZES, key=lambda n: abs(math.log(SIZES[n].nominal_params / value)))
+
+
+def _normalize_type(type: str) -> str:
+    t = str(getattr(type, "name", type)).upper()
+    if t not in TYPES:
+        raise ValueError(f"synthetic model type {type!r}: expected one of {', '.join(TYPES)}")
+    return t
+
+
+def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The tensors of a synthetic model in file order.
+
+    Returns
+    -------
+    list of (name, numpy_shape, kind)
+        ``kind`` is ``"norm"`` (F32 ones) or ``"matrix"`` (random, written in the
+        model's type). Shapes are in numpy order (the reverse of ggml's ``ne``).
+    """
+    d, hd = cfg.n_embd, cfg.head_dim
+    specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (cfg.n_vocab, d), "matrix")]
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        specs += [
+            (b + "attn_norm.weight", (d,), "norm"),
+            (b + "attn_q.weight", (cfg.n_head * hd, d), "matrix"),
+            (b + "attn_k.weight", (cfg.n_head_kv * hd, d), "matrix"),
+            (b + "attn_v.weight", (cfg.n_head_kv * hd, d), "matrix"),
+            (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix"),
+            (b + "ffn_norm.weight", (d,), "norm"),
+            (b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"),
+            (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
+            (b + "ffn_down.weight", (d, cfg.n_ff), "matrix"),
+        ]
+    specs += [("output_norm.weight", (d,), "norm"), ("output.weight", (cfg.n_vocab, d), "matrix")]
+    return specs
+
+
+def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, object, str]]:
+    """(key, value, value type name) in the order they are written."""
+    md: list[tuple[str, object, str]] = [
+        ("general.name", f"ggmlpy synthetic {cfg.name} {type}", "STRING"),
+        ("general.description", f"random weights (seed {seed}) in the shape of {cfg.shape_of}",
+         "STRING"),
+        ("general.file_type", FILE_TYPES[type], "UINT32"),
+    ]
+    if type != "F16":
+        md.append(("general.quantization_version", 2, "UINT32"))
+    md += [
+        ("llama.vocab_size", cfg.n_vocab, "UINT32"),
+        ("llama.context_length", cfg.n_ctx, "UINT32"),
+        ("llama.embedding_length", cfg.n_embd, "UINT32"),
+        ("llama.block_count", cfg.n_layer, "UINT32"),
+        ("llama.feed_forward_length", cfg.n_ff, "UINT32"),
+        ("llama.attention.head_count", cfg.n_head, "UINT32"),
+        ("llama.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
+        ("llama.rope.dimension_count", cfg.head_dim, "UINT32"),
+        ("llama.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
+        ("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
+        ("tokenizer.ggml.model", "none", "STRING"),
+        ("ggmlpy.synthetic.size", cfg.name, "STRING"),
+        ("ggmlpy.synthetic.seed", int(seed), "UINT32"),
+        ("ggmlpy.synthetic.format_version", FORMAT_VERSION, "UINT32"),
+    ]
+    return md
+
+
+def _random_matrix(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
+    # One generator per tensor: a tensor's values do not depend on the others.
+    rng = np.random.default_rng([int(seed), index])
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(WEIGHT_STD)
+    return out
+
+
+def write_synthetic(path: str | os.PathLike, size: str = "110M", type: str = "F16", seed: int = 0,
+                    progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a llama GGUF file with deterministic random weights.
+
+    Parameters
+    ----------
+    path : str or PathLike
+        Where to write (overwritten).
+    size : str
+        A size name or parameter count, see :func:`parse_size`.
+    type : {"F16", "Q8_0", "Q4_0"}
+        Type of the 2-D matrices (``token_embd`` and ``output`` included); the
+        norm weights are F32.
+    seed : int
+        Seed of the weights: the same seed gives the same file.
+    progress : callable, optional
+        Called as ``progress(done, total)`` with the number of parameters
+        generated so far.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> from ggmlpy import gguf
+    >>> p = write_synthetic(os.path.join(tempfile.mkdtemp(), "tiny.gguf"), "tiny")
+    >>> gguf.GGUFReader(p).metadata["llama.block_count"]
+    2
+    """
+    from ggmlpy import gguf
+
+    cfg = SIZES[parse_size(size)]
+    type = _normalize_type(type)
+    path = Path(path)
+    specs = tensor_specs(cfg)
+    total = sum(math.prod(s) for _, s, _ in specs)
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    for key, value, vtype in _metadata(cfg, type, seed):
+        w.add(key, value, type=getattr(gguf.ValueType, vtype))
+    done = 0
+    if progress is not None:
+        progress(0, total)
+    for index, (name, shape, kind) in enumerate(specs):
+        if kind == "norm":
+            w.add_tensor(name, np.ones(shape, np.float32), type="F32")
+        elif type == "F16":
+            w.add_tensor(name, _random_matrix(shape, seed, index).astype(np.float16), type="F16")
+        else:
+            w.add_tensor(name, _random_matrix(shape, seed, index), type=type)
+        done += math.prod(shape)
+        if progress is not None:
+            progress(done, total)
+    w.write()
+    return path
+
+
+def cache_dir() -> Path:
+    """Where synthetic models are cached: ``$GGMLPY_CACHE`` or ``~/.cache/ggmlpy``."""
+    env = os.environ.get("GGMLPY_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "ggmlpy"
+
+
+def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
+    try:
+        from ggmlpy import gguf
+
+        r = gguf.GGUFReader(str(path))
+        md = r.metadata
+        if (md.get("ggmlpy.synthetic.format_version") != FORMAT_VERSION
+                or md.get("ggmlpy.synthetic.seed") != seed
+                or md.get("general.file_type") != FILE_TYPES[type]
+                or len(r.tensors) != len(tensor_specs(cfg))):
+            return False
+        return True
+    except Exception:
+        return False
+
+
+def synthetic_path(size: str = "110M", type: str = "F16", seed: int = 0,
+                   cache_dir: str | os.PathLike | None = None, create: bool = True,
+                   progress: Callable[[int, int], None] | None = None) -> Path:
+    """The cached file of a synthetic model, written first if missing.
+
+    The file is written to a temporary name in the cache folder and renamed into
+    place, so a present file is a complete one; it is still checked (format
+    version, seed, type, tensor count) and rewritten if it does not match.
+
+    Parameters
+    ----------
+    size, type, seed
+        As for :func:`write_synthetic`.
+    cache_dir : str or PathLike, optional
+        Folder of the cache (default :func:`cache_dir`).
+    create : bool
+        Write the file if it is missing (default); otherwise only return the path.
+    progress : callable, optional
+        Passed to :func:`write_synthetic` when the file is written.
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    name = parse_size(size)
+    type = _normalize_type(type)
+    cfg = SIZES[name]
+    folder = Path(cache_dir) if cache_dir is not None else globals()["cache_dir"]()
+    path = folder / f"synthetic-llama-{name}-{type}-seed{int(seed)}-v{FORMAT_VERSION}.gguf"
+    if not create or (path.exists() and _is_complete(path, cfg, type, int(seed))):
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        write_synthetic(tmp, name, type, seed, progress)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path

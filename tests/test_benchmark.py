@@ -1,0 +1,500 @@
+"""ggmlpy bench: option parsing, llama-bench's output formats, the synthetic model, short real runs."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ggmlpy import benchmark as bm
+from ggmlpy.benchmark import BenchError, BenchParams, Instance, Result, parse_args, parse_int_range
+
+# --------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512", [512]),
+    ("16,32", [16, 32]),
+    ("1-4", [1, 2, 3, 4]),
+    ("1-4,8", [1, 2, 3, 4, 8]),
+    ("0-1024+256", [0, 256, 512, 768, 1024]),
+    ("64-512*2", [64, 128, 256, 512]),
+    ("64-500*2", [64, 128, 256]),
+    ("3-3", [3]),
+    ("5-1", []),
+])
+def test_int_ranges(text, expected):
+    assert parse_int_range(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a", "1-", "1,,2", "1-4*1", "0-8*2", "1-4+0", "-1", "1.5", "1-4/2"])
+def test_int_range_errors(text):
+    with pytest.raises(BenchError):
+        parse_int_range(text)
+
+
+def test_negative_only_where_allowed():
+    assert parse_int_range("-1", allow_negative=True) == [-1]
+    assert parse_args(["-m", "x.gguf", "-ngl", "-1,99"]).n_gpu_layers == [-1, 99]
+
+
+def test_defaults_are_llama_bench_defaults():
+    p = parse_args(["-m", "x.gguf"])
+    assert (p.n_prompt, p.n_gen, p.n_pg, p.n_depth) == ([512], [128], [], [0])
+    assert (p.n_batch, p.n_ubatch, p.type_k, p.type_v) == ([2048], [512], ["f16"], ["f16"])
+    assert (p.n_gpu_layers, p.flash_attn, p.devices) == ([-1], [-1], ["auto"])
+    assert (p.reps, p.output, p.delay, p.progress) == (5, "md", 0, False)
+    assert p.n_threads == [bm.default_threads()] and p.n_threads[0] >= 1
+
+
+def test_lists_repeats_and_aliases():
+    p = parse_args(["-m", "a.gguf", "-m", "b.gguf", "-p", "16", "-p", "32,64", "--n_gen", "4",
+                    "-pg", "8,2", "-pg", "16,4", "-fa", "on,off,auto", "-ctk", "q8_0", "-ctv", "Q4_0",
+                    "-dev", "none,auto", "-t", "1-2", "-r", "3", "-o", "jsonl", "--delay", "0"])
+    assert p.models == ["a.gguf", "b.gguf"]
+    assert p.n_prompt == [16, 32, 64] and p.n_gen == [4]
+    assert p.n_pg == [(8, 2), (16, 4)]
+    assert p.flash_attn == [1, 0, -1]
+    assert p.type_k == ["q8_0"] and p.type_v == ["q4_0"]
+    assert p.devices == ["none", "auto"] and p.n_threads == [1, 2]
+    assert p.reps == 3 and p.output == "jsonl"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-pg", "512"], "-pg"),
+    (["-pg", "a,b"], "-pg"),
+    (["-fa", "maybe"], "-fa"),
+    (["-ctk", "q3_k"], "cache type"),
+    (["-r", "0"], "repetition"),
+    (["-t", "0"], "n_threads"),
+    (["-p", "x"], "range"),
+    (["--vs", "vllm"], "llama.cpp"),
+    (["--bogus"], "unrecognized"),
+    (["-o", "xml"], "invalid choice"),
+    (["--type", "Q5_K"], "--type"),
+    (["--synthetic", "huge"], "synthetic"),
+])
+def test_parse_errors(argv, words):
+    with pytest.raises(BenchError, match=words):
+        parse_args((["-m", "x.gguf"] if "--type" not in argv and "--synthetic" not in argv else [])
+                   + argv)
+
+
+def test_synthetic_and_vs_options():
+    p = parse_args(["--synthetic", "100m,tiny", "--type", "f16,q8_0", "--vs", "llama_cpp"])
+    assert p.models == [] and p.synthetic == ["110M", "tiny"] and p.types == ["F16", "Q8_0"]
+    assert p.vs == ["llama.cpp"]
+
+
+def test_cartesian_product_in_llama_bench_order():
+    p = parse_args(["-m", "m.gguf", "-p", "16,32", "-n", "4", "-pg", "8,2", "-t", "1,2", "-d", "0,8"])
+    insts = bm.make_instances(p)
+    assert len(insts) == 2 * 2 * 4
+    # threads outside depth, tests innermost (pp, then tg, then pg)
+    assert [(i.n_threads, i.n_depth, i.name) for i in insts[:8]] == [
+        (1, 0, "pp16"), (1, 0, "pp32"), (1, 0, "tg4"), (1, 0, "pp8+tg2"),
+        (1, 8, "pp16 @ d8"), (1, 8, "pp32 @ d8"), (1, 8, "tg4 @ d8"), (1, 8, "pp8+tg2 @ d8")]
+    assert {i.n_ctx for i in insts if i.name == "pp8+tg2 @ d8"} == {18}
+    # zero sizes are skipped
+    assert [i.name for i in bm.make_instances(parse_args(["-m", "m", "-p", "0", "-n", "0,4"]))] == ["tg4"]
+
+
+def test_synthetic_sizes():
+    from ggmlpy.models.synthetic import SIZES, parse_size
+
+    assert parse_size("110M") == "110M" and parse_size("tiny") == "tiny"
+    assert parse_size("0.1B") == "110M" and parse_size("1.1b") == "1B" and parse_size("20M") == "15M"
+    assert parse_size("1M") == "tiny"
+    c = SIZES["110M"]
+    assert (c.n_embd, c.n_layer, c.n_head, c.n_ff, c.n_vocab) == (768, 12, 12, 2048, 32000)
+    with pytest.raises(ValueError):
+        parse_size("big")
+
+
+# --------------------------------------------------------------------------- results and formats
+
+def _result(n_prompt=512, n_gen=0, n_depth=0, samples=(1_000_000_000, 2_000_000_000), engine="ggmlpy",
+            **inst_kw) -> Result:
+    inst = Instance("/models/m.gguf", n_prompt, n_gen, n_depth, n_threads=2, **inst_kw)
+    return Result(inst=inst, engine=engine, engine_version="0.1.0", build_commit="abc1234",
+                  build_number=0, cpu_info="Some CPU", gpu_info="", backends="CPU",
+                  model_type="llama 110M F16", model_size=268_435_456, model_n_params=134_105_856,
+                  load_mode="none", test_time="2026-01-01T00:00:00Z", samples_ns=list(samples),
+                  ttft_ns=[t // 2 for t in samples], load_time_ms=12.5, ggmlpy_version="0.1.0")
+
+
+def test_statistics_are_per_rep_rates():
+    r = _result(n_prompt=100, samples=(1_000_000_000, 2_000_000_000))
+    assert r.samples_ts == [100.0, 50.0]
+    assert r.avg_ts == pytest.approx(75.0)
+    assert r.stddev_ts == pytest.approx(35.3553, rel=1e-4)   # sample stddev of the rates
+    assert r.avg_ns == 1_500_000_000 and r.stddev_ns == 707106781
+    assert r.ttft_ms == pytest.approx(750.0)
+    one = _result(samples=(5,))
+    assert one.stddev_ts == 0.0 and one.stddev_ns == 0
+
+
+def test_test_names():
+    assert Instance("m", 512, 0).name == "pp512"
+    assert Instance("m", 0, 128).name == "tg128"
+    assert Instance("m", 512, 128).name == "pp512+tg128"
+    assert Instance("m", 512, 0, 4096).name == "pp512 @ d4096"
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def test_markdown_like_llama_bench():
+    results = [_result(), _result(n_prompt=0, n_gen=128)]
+    text = bm.format_results(results, "md", BenchParams(n_threads=[2]), build="abc1234 (ggmlpy 0.1.0)")
+    lines = text.splitlines()
+    assert _cells(lines[0]) == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert lines[0] == ("| model                          |       size |     params | backend    "
+                        "| threads |            test |                  t/s |")
+    assert lines[1] == ("| ------------------------------ | ---------: | ---------: | ---------- "
+                        "| ------: | --------------: | -------------------: |")
+    assert _cells(lines[2]) == ["llama 110M F16", "256.00 MiB", "134.11 M", "CPU", "2", "pp512",
+                                "384.00 ± 181.02"]
+    assert len(lines[2]) == len(lines[0])
+    assert _cells(lines[3])[5] == "tg128"
+    assert lines[-1] == "build: abc1234 (ggmlpy 0.1.0)" and lines[-2] == ""
+
+
+def test_markdown_shows_non_default_params_and_gpu_columns():
+    p = BenchParams(n_threads=[2], n_batch=[256], flash_attn=[0, 1], type_k=["q8_0"])
+    header = _cells(bm.format_results([_result(flash_attn=1)], "md", p).splitlines()[0])
+    assert header == ["model", "size", "params", "backend", "threads", "n_batch", "type_k", "fa",
+                      "test", "t/s"]
+    header = _cells(bm.format_results([_result()], "md", BenchParams(), gpu=True).splitlines()[0])
+    assert header == ["model", "size", "params", "backend", "ngl", "test", "t/s"]
+    big = _result()
+    big.model_size, big.model_n_params = 3 * 1024 ** 3, 6_740_000_000
+    assert _cells(bm.format_results([big], "md").splitlines()[2])[1:3] == ["3.00 GiB", "6.74 B"]
+
+
+def test_markdown_vs_column():
+    p = BenchParams(n_threads=[2], vs=["llama.cpp"])
+    a, b = _result(), _result(engine="llama.cpp", samples=(2_000_000_000, 2_000_000_000))
+    a.ratios["llama.cpp"] = bm.ratio(a, b)
+    lines = bm.format_results([a, b], "md", p).splitlines()
+    assert _cells(lines[0]) == ["model", "size", "params", "backend", "engine", "threads", "test",
+                                "t/s", "ggmlpy/llama.cpp"]
+    assert _cells(lines[2])[4] == "ggmlpy" and _cells(lines[2])[-1] == "1.50 ± 0.71"
+    assert _cells(lines[3])[4] == "llama.cpp" and _cells(lines[3])[-1] == ""
+
+
+def _check_types(rec: dict):
+    for f in bm.FIELDS:
+        v = rec[f]
+        if f in bm.BOOL_FIELDS:
+            assert isinstance(v, bool), f
+        elif f in bm.INT_FIELDS:
+            assert isinstance(v, int) and not isinstance(v, bool), f
+        elif f in bm.FLOAT_FIELDS:
+            assert isinstance(v, float), f
+        else:
+            assert isinstance(v, str), f
+
+
+LLAMA_BENCH_FIELDS = [
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends", "model_filename", "model_type",
+    "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
+    "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload",
+    "flash_attn", "devices", "tensor_split", "tensor_buft_overrides", "load_mode", "embeddings",
+    "no_op_offload", "no_host", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
+    "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"]
+
+
+def test_json_and_jsonl_fields_and_types():
+    results = [_result(), _result(n_prompt=16, n_gen=4, n_depth=8)]
+    for fmt in ("json", "jsonl"):
+        text = bm.format_results(results, fmt)
+        recs = json.loads(text) if fmt == "json" else [json.loads(line) for line in text.splitlines()]
+        assert len(recs) == 2
+        for rec in recs:
+            assert list(rec)[:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
+            assert list(rec)[len(LLAMA_BENCH_FIELDS):len(LLAMA_BENCH_FIELDS) + 2] == [
+                "samples_ns", "samples_ts"]
+            _check_types(rec)
+            assert all(isinstance(x, int) for x in rec["samples_ns"])
+            assert all(isinstance(x, float) for x in rec["samples_ts"])
+            for extra in ("engine", "engine_version", "ggmlpy_version", "load_time_ms", "ttft_ms"):
+                assert extra in rec
+            assert rec["flash_attn"] == -1 and rec["no_kv_offload"] is False
+        assert recs[1]["n_depth"] == 8 and recs[1]["avg_ts"] == pytest.approx(15.0)
+
+
+def test_csv_fields_quoted_and_parseable():
+    text = bm.format_results([_result(), _result(n_prompt=0, n_gen=32)], "csv")
+    lines = text.splitlines()
+    assert lines[0].split(",")[:len(LLAMA_BENCH_FIELDS)] == LLAMA_BENCH_FIELDS
+    assert lines[1].startswith('"abc1234","0",')
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert len(rows) == 2
+    assert int(rows[1]["n_gen"]) == 32 and float(rows[1]["avg_ts"]) > 0
+    assert rows[0]["cpu_strict"] == "0" and rows[0]["engine"] == "ggmlpy"
+    assert rows[0]["avg_ts"] == "384.000000"
+
+
+def test_sql_loads_into_sqlite():
+    text = bm.format_results([_result(), _result(n_prompt=0, n_gen=8)], "sql")
+    db = sqlite3.connect(":memory:")
+    db.executescript(text)
+    assert db.execute("select count(*), sum(n_gen) from llama_bench").fetchone() == (2, 8)
+
+
+# --------------------------------------------------------------------------- the loop, on a fake engine
+
+class FakeEngine(bm.Engine):
+    """Records what the loop asks; each decoded token 'costs' 10 µs."""
+
+    name = "fake"
+    version = "9"
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+        self.loads = 0
+
+    def system(self):
+        return {"build_commit": "c", "build_number": 1, "cpu_info": "cpu", "gpu_info": ""}
+
+    def load(self, inst):
+        self.loads += 1
+        self.info = {"desc": "fake 1M F16", "size": 2 << 20, "n_params": 10 ** 6, "n_vocab": 100,
+                     "backends": "CPU"}
+
+    def new_context(self, inst):
+        self.calls.append(("ctx", inst.n_ctx))
+
+    def clear(self):
+        self.calls.append(("clear",))
+
+    def decode(self, tokens):
+        assert tokens.dtype == np.int32 and tokens.min() >= 0 and tokens.max() < 100
+        self.calls.append(("decode", len(tokens)))
+        time.sleep(1e-5 * len(tokens))
+
+
+def test_run_instance_follows_llama_bench():
+    eng = FakeEngine()
+    inst = Instance("m.gguf", n_prompt=10, n_gen=3, n_depth=5, n_batch=4)
+    msgs: list[str] = []
+    res = bm.run_instance(eng, inst, reps=2, seed=0, progress=msgs.append)
+    decodes = [c for c in eng.calls]
+    assert decodes[0] == ("ctx", 18)
+    # warm-up: the prompt in n_batch chunks, one token
+    assert decodes[1:6] == [("clear",), ("decode", 4), ("decode", 4), ("decode", 2), ("decode", 1)]
+    rep = [("clear",), ("decode", 4), ("decode", 1),                   # depth 5
+           ("decode", 4), ("decode", 4), ("decode", 2),                # prompt 10
+           ("decode", 1), ("decode", 1), ("decode", 1)]                # 3 generated
+    assert decodes[6:] == rep + rep
+    assert len(res.samples_ns) == 2 and all(t > 0 for t in res.samples_ns)
+    assert all(0 < f < t for f, t in zip(res.ttft_ns, res.samples_ns))
+    assert res.avg_ts > 0 and res.model_type == "fake 1M F16"
+    assert msgs == ["warmup prompt run", "warmup generation run",
+                    "depth run 1/2", "prompt run 1/2", "generation run 1/2",
+                    "depth run 2/2", "prompt run 2/2", "generation run 2/2"]
+
+
+def test_same_seed_same_tokens():
+    seen = []
+
+    class Rec(FakeEngine):
+        def decode(self, tokens):
+            seen.append(tokens.tolist())
+
+    for _ in range(2):
+        bm.run_instance(Rec(), Instance("m", 8, 2), reps=1, seed=3, index=7)
+    assert seen[:len(seen) // 2] == seen[len(seen) // 2:]
+
+
+def test_run_with_fake_engine_reuses_model_and_prints(tmp_path):
+    p = parse_args(["-m", "a.gguf", "-p", "8,16", "-n", "2", "-r", "2", "-t", "1,2", "-o", "jsonl",
+                    "--progress", "--no-warmup"])
+    out, err = io.StringIO(), io.StringIO()
+    eng = FakeEngine()
+    code, results = bm.run(p, out, err, engine=eng)
+    assert code == 0 and len(results) == 6 and eng.loads == 1
+    recs = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["n_threads"] for r in recs] == [1, 1, 1, 2, 2, 2]
+    assert [r["engine"] for r in recs] == ["fake"] * 6
+    assert "benchmark 1/6: starting" in err.getvalue()
+    assert "benchmark 6/6: fake: generation run 2/2" in err.getvalue()
+    assert "warmup" not in err.getvalue()
+
+
+def test_failed_test_is_counted_and_others_run():
+    class Failing(FakeEngine):
+        def new_context(self, inst):
+            if inst.n_gen:
+                raise MemoryError("no room")
+
+    out, err = io.StringIO(), io.StringIO()
+    code, results = bm.run(parse_args(["-m", "a", "-p", "8", "-n", "2", "-r", "1"]), out, err,
+                           engine=Failing())
+    assert code == 1 and [r.inst.name for r in results] == ["pp8"]
+    assert "no room" in err.getvalue() and "pp8" in out.getvalue()
+
+
+def test_plot_writes_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = [_result(n_prompt=n, samples=(n * 1000, n * 1100)) for n in (64, 128, 256)]
+    results += [_result(n_prompt=n, engine="llama.cpp", samples=(n * 900, n * 950)) for n in (64, 128, 256)]
+    results += [_result(n_prompt=0, n_gen=16)]
+    assert bm.swept_variable(results) == "n_prompt"
+    path = tmp_path / "pp.png"
+    bm.plot(results, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    depth = [_result(n_prompt=0, n_gen=8, n_depth=d) for d in (0, 64)]
+    assert bm.swept_variable(depth) == "n_depth"
+    bm.plot(depth, tmp_path / "d.png")
+    assert (tmp_path / "d.png").stat().st_size > 1000
+
+
+def test_plot_without_matplotlib_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(BenchError, match="pip install matplotlib"):
+        bm.plot([_result()], "x.png")
+
+
+def test_vs_llama_cpp_missing_gives_clear_message(tmp_path, monkeypatch, capsys):
+    # A llama_cpp that cannot be imported shadows any installed one in the worker.
+    fake = tmp_path / "shadow" / "llama_cpp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(fake.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    code = bm.main(["-m", "a.gguf", "-p", "8", "-n", "0", "-r", "1", "--vs", "llama.cpp"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "pip install llama-cpp-python" in err and "simulated" in err
+
+
+def test_worker_never_imports_ggmlpy(tmp_path):
+    # The worker runs benchmark.py as a script; it must not load ggmlpy's ggml next to llama.cpp's.
+    code = ("import runpy, sys; sys.argv = [sys.argv[0], '--engine-worker', 'nothing'];\n"
+            f"try:\n    runpy.run_path({bm.__file__!r}, run_name='__main__')\n"
+            "except SystemExit:\n    pass\n"
+            "assert 'ggmlpy' not in sys.modules and 'ggmlpy._core' not in sys.modules\n"
+            "print('CLEAN', file=sys.stderr)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "CLEAN" in r.stderr, r.stderr
+    assert json.loads(r.stdout.splitlines()[0])["ok"] is False
+
+
+def test_cli_bench_help(capsys):
+    from ggmlpy import cli
+
+    assert cli.main(["bench", "--help"]) == 0
+    assert "-ngl" in capsys.readouterr().out
+    assert cli.main(["bench", "-p", "nonsense"]) == 2
+
+
+# --------------------------------------------------------------------------- the synthetic model file
+
+def _gguf_pypi():
+    return pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize("wtype", ["F16", "Q8_0", "Q4_0"])
+def test_synthetic_gguf_reads_back(tmp_path, wtype):
+    from ggmlpy.models.synthetic import SIZES, write_synthetic
+
+    t0 = time.perf_counter()
+    path = write_synthetic(tmp_path / "tiny.gguf", "tiny", wtype, seed=1)
+    assert time.perf_counter() - t0 < 2
+    cfg = SIZES["tiny"]
+    gg = _gguf_pypi()
+    r = gg.GGUFReader(str(path))
+
+    def field(key):
+        f = r.get_field(key)
+        assert f is not None, key
+        return f.contents()
+
+    assert field("general.architecture") == "llama"
+    assert field("tokenizer.ggml.model") == "none"
+    assert field("llama.vocab_size") == cfg.n_vocab
+    assert field("llama.block_count") == 2 and field("llama.embedding_length") == 64
+    assert field("llama.attention.head_count") == 4 and field("llama.attention.head_count_kv") == 2
+    assert field("llama.feed_forward_length") == 192 and field("llama.rope.dimension_count") == 16
+    assert field("general.file_type") == {"F16": 1, "Q8_0": 7, "Q4_0": 2}[wtype]
+    assert field("llama.attention.layer_norm_rms_epsilon") == pytest.approx(1e-5)
+    for key in ("llama.context_length", "llama.vocab_size", "llama.block_count"):
+        assert r.get_field(key).types == [gg.GGUFValueType.UINT32]
+    if wtype != "F16":
+        assert field("general.quantization_version") == 2
+    tensors = {t.name: t for t in r.tensors}
+    assert len(tensors) == 3 + 9 * cfg.n_layer
+    assert list(tensors["token_embd.weight"].shape) == [64, 512]
+    assert list(tensors["output.weight"].shape) == [64, 512]
+    assert list(tensors["blk.1.attn_k.weight"].shape) == [64, 32]
+    assert list(tensors["blk.0.attn_output.weight"].shape) == [64, 64]
+    assert list(tensors["blk.0.ffn_down.weight"].shape) == [192, 64]
+    assert list(tensors["blk.0.ffn_up.weight"].shape) == [64, 192]
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gg.GGMLQuantizationType.F32
+    assert tensors["blk.0.attn_q.weight"].tensor_type == getattr(gg.GGMLQuantizationType, wtype)
+    assert np.all(tensors["output_norm.weight"].data == 1)
+    w = gg.quants.dequantize(tensors["blk.0.ffn_gate.weight"].data,
+                             tensors["blk.0.ffn_gate.weight"].tensor_type)
+    assert w.shape == (192, 64) and 0.015 < float(np.std(w)) < 0.025
+
+    from ggmlpy import gguf as ggguf
+
+    mine = ggguf.GGUFReader(str(path))
+    assert mine.metadata["general.architecture"] == "llama"
+    assert mine.metadata["llama.vocab_size"] == 512
+    assert {t.name: tuple(t.ne) for t in mine.tensors}["blk.0.ffn_down.weight"][:2] == (192, 64)
+
+
+def test_synthetic_is_deterministic_and_cached(tmp_path):
+    from ggmlpy.models.synthetic import synthetic_path, write_synthetic
+
+    a = write_synthetic(tmp_path / "a.gguf", "tiny", "Q8_0", seed=5)
+    b = write_synthetic(tmp_path / "b.gguf", "tiny", "Q8_0", seed=5)
+    c = write_synthetic(tmp_path / "c.gguf", "tiny", "Q8_0", seed=6)
+    assert a.read_bytes() == b.read_bytes() != c.read_bytes()
+    p1 = synthetic_path("tiny", "F16", cache_dir=tmp_path / "cache")
+    mtime = p1.stat().st_mtime_ns
+    p2 = synthetic_path("tiny", "f16", cache_dir=tmp_path / "cache")
+    assert p1 == p2 and p2.stat().st_mtime_ns == mtime
+    assert [f.name for f in (tmp_path / "cache").iterdir()] == [p1.name]   # no temporary left
+    p1.write_bytes(b"GGUF truncated")                                        # a broken file is rewritten
+    assert synthetic_path("tiny", "F16", cache_dir=tmp_path / "cache").stat().st_size > 1000
+    monkey_env = dict(os.environ, GGMLPY_CACHE=str(tmp_path / "env"))
+    r = subprocess.run([sys.executable, "-c", "from ggmlpy.models.synthetic import cache_dir; "
+                        "print(cache_dir())"], env=monkey_env, capture_output=True, text=True)
+    assert Path(r.stdout.strip()) == tmp_path / "env"
+
+
+# --------------------------------------------------------------------------- real runs (ggmlpy's model + runner)
+
+def test_real_run_on_tiny_model(tmp_path, capsys):
+    """Needs ggmlpy.models.load_model and ggmlpy.runner.Runner."""
+    code = bm.main(["--synthetic", "tiny", "--type", "F16", "-p", "16", "-n", "4", "-pg", "8,2",
+                    "-d", "0,8", "-r", "2", "-t", "1", "-o", "json", "--cache-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    recs = json.loads(out)
+    assert [(r["n_prompt"], r["n_gen"], r["n_depth"]) for r in recs] == [
+        (16, 0, 0), (0, 4, 0), (8, 2, 0), (16, 0, 8), (0, 4, 8), (8, 2, 8)]
+    for r in recs:
+        assert r["avg_ts"] > 0 and len(r["samples_ts"]) == 2 and r["engine"] == "ggmlpy"
+        assert r["model_type"].startswith("llama") and r["model_n_params"] > 100_000
+        assert r["ttft_ms"] > 0 and r["load_time_ms"] > 0
+    assert bm.main(["--synthetic", "tiny", "-p", "16", "-n", "4", "-r", "1", "-v",
+                    "--cache-dir", str(tmp_path)]) == 0
+    cap = capsys.readouterr()
+    assert "| pp16 |" in cap.out.replace(" ", "").replace("|pp16|", "| pp16 |")
+    assert "memory of pp16" in cap.err
