@@ -14,12 +14,14 @@ settings.register_profile("ci", max_examples=200, deadline=None,
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 # Groups that need something this machine may not have run only when asked:
-# --run-<group> or GGMLPY_TEST_<GROUP>=1. fuzz and slow run by default.
-OPT_IN = ("gpu", "hf")
+# --run-<group> or GGMLPY_TEST_<GROUP>=1. fuzz, slow and hf run by default (hf
+# tests skip when torch/transformers are missing, except under CI=true, where
+# they must run: .ci/run installs them).
+OPT_IN = ("gpu",)
 
 
 def pytest_addoption(parser):
-    for group in OPT_IN + ("slow", "fuzz"):
+    for group in OPT_IN + ("slow", "fuzz", "hf"):
         parser.addoption(f"--run-{group}", action="store_true", help=f"run tests marked {group}")
     parser.addoption("--skip-fuzz", action="store_true", help="skip the fuzz tests")
 
@@ -35,7 +37,7 @@ def _enabled(config, group: str) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for group in OPT_IN + ("slow", "fuzz"):
+        for group in OPT_IN + ("slow", "fuzz", "hf"):
             if group in item.keywords and not _enabled(config, group):
                 item.add_marker(pytest.mark.skip(reason=f"{group} tests are off (GGMLPY_TEST_{group.upper()}=1)"))
 

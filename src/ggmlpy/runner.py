@@ -1,0 +1,900 @@
+"""The model runner: sequences, batching, forward, sampling, logprobs, embeddings.
+
+A :class:`Runner` owns a model's KV cache, a scheduler over the model's
+devices (with the worst-case graphs reserved at start) and a request loop
+after Ollama's ``ollamarunner``:
+
+* :meth:`Runner.decode` is the low-level step: append tokens to a sequence
+  and get logits back (the benchmark and the tests use it);
+* :meth:`Runner.submit` queues a request from any thread and returns a
+  :class:`Handle` that streams tokens and can be cancelled;
+  :meth:`Runner.generate` and :meth:`Runner.embed` wait for the result.
+
+The loop fills each batch round-robin across the active sequences up to
+``n_batch`` tokens (computed in micro-batches of ``n_ubatch``), requests
+logits only for each sequence's last input, samples, and feeds the sampled
+token back as the sequence's next input. With ``pipeline=True`` the next
+batch's graphs are built while the current batch computes (ggml releases the
+GIL), and the sampled tokens are written into the next batch just before it
+computes, as Ollama does; the output is identical to the sequential loop.
+
+A sequence that reaches ``n_ctx`` is shifted (keep ``n_keep`` tokens, drop
+half of the rest, re-rotating the kept keys) or, when the cache cannot shift,
+cleared and re-processed. A new request takes the free slot with the longest
+common prefix, or forks another slot's prefix, re-evaluating at least its
+last prompt token so that it has logits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ggmlpy._core import GGMLValueError, Type
+from ggmlpy.backend import MemoryReport, Runtime
+from ggmlpy.kvcache import Causal, NotSupported
+from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
+from ggmlpy.sampling import logprobs as _logprobs
+from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_prompt
+
+__all__ = ["Completion", "DoneReason", "Handle", "InputTooLong", "Runner", "RunnerError", "TokenEvent"]
+
+log = logging.getLogger("ggmlpy")
+
+_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0}
+
+
+class RunnerError(RuntimeError):
+    """A request failed inside the runner (the runner itself goes on serving)."""
+
+
+class DoneReason:
+    """Why a sequence ended (``Completion.done_reason``)."""
+
+    STOP = "stop"            # a stop token was sampled
+    LENGTH = "length"        # max_tokens reached, or the context is full and shifting is off
+    CANCEL = "cancel"        # Handle.cancel()
+    ERROR = "error"          # see Completion.error
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as streamed by :class:`Handle`."""
+
+    token: int
+    logprobs: Optional[Logprobs] = None
+
+
+@dataclass
+class Completion:
+    """The result of a request.
+
+    ``tokens`` are the generated ids (the stop token included when one ended
+    it); ``embedding`` is set for embedding requests. Timings follow Ollama:
+    prompt evaluation runs from the first batch to the first token, generation
+    from the first token to the last.
+    """
+
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    done_reason: Optional[str] = None
+    error: Optional[BaseException] = None
+    embedding: Optional[np.ndarray] = None
+    prompt_eval_count: int = 0
+    prompt_eval_duration: float = 0.0
+    eval_count: int = 0
+    eval_duration: float = 0.0
+    n_cached: int = 0
+    n_shifts: int = 0
+
+    @property
+    def ttft(self) -> float:
+        """Seconds from the request's first batch to its first token."""
+        return self.prompt_eval_duration
+
+
+class Handle:
+    """A submitted request: iterate it for :class:`TokenEvent` s, or wait with :meth:`result`."""
+
+    def __init__(self, runner: Runner, seq: _Seq) -> None:
+        self._runner, self._seq = runner, seq
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            ev = self._seq.events.get()
+            if ev is None:
+                break
+            yield ev
+        if self._seq.result.done_reason == DoneReason.ERROR:
+            raise RunnerError(f"request failed: {self._seq.result.error}") from self._seq.result.error
+
+    def cancel(self) -> None:
+        """Stop the request; its slot is freed at the next batch boundary."""
+        self._seq.cancelled = True
+        self._runner._wake()
+
+    @property
+    def done(self) -> bool:
+        return self._seq.finished.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        """Wait for the request to end and return its :class:`Completion` (errors re-raised)."""
+        if not self._seq.finished.wait(timeout):
+            raise TimeoutError("request still running")
+        r = self._seq.result
+        if r.done_reason == DoneReason.ERROR:
+            raise RunnerError(f"request failed: {r.error}") from r.error
+        return r
+
+
+class _Seq:
+    """A request being served (the loop's private state)."""
+
+    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize):
+        self.prompt = list(prompt)
+        self.params = params
+        self.sampler = None if embedding else Sampler(params)
+        self.max_tokens = max_tokens
+        self.stop = frozenset(int(t) for t in stop)
+        self.n_keep = n_keep
+        self.shift = shift
+        self.embedding = embedding
+        self.pooling = pooling
+        self.normalize = normalize
+        self.slot: Optional[int] = None
+        self.pending: list = []          # inputs not yet in the cache
+        self.cached: list = []           # tokens the cache holds for this slot (what the slot table sees)
+        self.n_prompt_left = 0           # inputs of `pending` that are prompt (no sampling while > 0)
+        self.events: queue.Queue = queue.Queue()
+        self.finished = threading.Event()
+        self.cancelled = False
+        self.result = Completion()
+        self.t_start: Optional[float] = None
+        self.t_first: Optional[float] = None
+        self.placeholder = None          # (token array, index) in the batch being built, for the sampled token
+
+
+@dataclass
+class _UBatch:
+    tokens: np.ndarray
+    positions: np.ndarray
+    seqs: np.ndarray
+    out_rows: np.ndarray         # indices into this micro-batch whose output is wanted
+    built: object = None         # BuiltGraph
+    plan: object = None
+
+
+@dataclass
+class _Member:
+    seq: _Seq
+    n_in: int                    # inputs of this sequence in the batch
+    has_out: bool                # whether the batch produces its output (a sample, or the embedding rows)
+
+
+@dataclass
+class _Batch:
+    ubatches: list
+    embedding: bool
+    members: list
+    outputs: list = field(default_factory=list)
+    thread: Optional[threading.Thread] = None
+    error: Optional[BaseException] = None
+
+
+class _Placeholder:
+    """A sequence's next input whose token is sampled from the batch still computing (pipelining)."""
+
+    __slots__ = ("seq", "value", "ubatch", "row")
+
+    def __init__(self, seq: _Seq) -> None:
+        self.seq, self.value, self.ubatch, self.row = seq, None, None, None
+
+    def fill(self, tok: int) -> None:
+        self.value = int(tok)
+        if self.ubatch is not None:
+            self.ubatch.tokens[self.row] = self.value
+
+    def __int__(self) -> int:
+        return 0 if self.value is None else self.value
+
+    def __repr__(self) -> str:
+        return f"<sampled token {self.value}>"
+
+
+class Runner:
+    """A model plus its cache, scheduler and request loop.
+
+    Parameters
+    ----------
+    model : ggmlpy.models.LlamaModel
+        A loaded model.
+    n_ctx : int
+        Context per sequence (cache cells per sequence; positions stay below it).
+    n_batch, n_ubatch : int
+        Tokens per logical batch and per computed micro-batch; shrunk to ``n_ctx``.
+    n_seq_max : int
+        Sequences served at once (slots).
+    n_threads : int
+        CPU threads (0: all cores).
+    flash_attn : bool, optional
+        Use ``flash_attn_ext``; default: only when the cache type is quantized (which needs it).
+    type_k, type_v : str
+        Cache types ``f32``, ``f16`` (default), ``q8_0``, ``q4_0`` (K and V must match).
+    pipeline : bool
+        Build the next batch's graphs while the current one computes.
+    multi_user_cache : bool
+        Slot choice: fork prefixes and evict the least recently used slot
+        (True), or take the free slot with the longest prefix (False).
+
+    Raises
+    ------
+    GGMLMemoryError
+        Cache or compute buffers do not fit (``.report`` says what was needed).
+    """
+
+    def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
+                 n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
+                 pipeline: bool = True, multi_user_cache: bool = True) -> None:
+        if not getattr(model, "loaded", True):
+            raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
+        for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
+            if int(v) < 1:
+                raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
+        tk, tv = str(type_k).lower(), str(type_v).lower()
+        if tk not in _CACHE_TYPES or tv not in _CACHE_TYPES:
+            raise GGMLValueError(f"runner: cache types must be one of {sorted(_CACHE_TYPES)} (got {type_k}, {type_v})")
+        if tk != tv:
+            raise GGMLValueError(f"runner: type_k and type_v must match (got {type_k}, {type_v})")
+        dtype = _CACHE_TYPES[tk]
+        quantized = dtype not in (Type.F32, Type.F16)
+        if flash_attn is None:
+            flash_attn = quantized
+        if quantized and not flash_attn:
+            raise GGMLValueError(f"runner: a {tk} cache needs flash attention (flash_attn=True)")
+        self.model = model
+        cfg = model.config
+        self.n_ctx = int(n_ctx)
+        self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
+        self.n_ubatch = min(int(n_ubatch), self.n_batch)
+        self.n_seq_max = int(n_seq_max)
+        self.flash_attn = bool(flash_attn)
+        self.type_k = self.type_v = tk
+        self.pipeline = bool(pipeline)
+        window = cfg.sliding_window - 1 if cfg.sliding_window else None   # cache window excludes the token itself
+        self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype,
+                            window=window, padding=1, n_head_kv=cfg.n_head_kv, shift_fn=model.shift_fn,
+                            v_trans=not self.flash_attn)
+        self.report: MemoryReport = model.report
+        self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=model.placement, report=self.report)
+        self.rt = None
+        try:
+            self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
+                              report=self.report)
+            self._reserve()
+        except BaseException:
+            self.close()
+            raise
+        self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
+        self._lock = threading.Condition()
+        self._engine = threading.Lock()       # one batch at a time: the loop or a direct decode()
+        self._waiting: deque = deque()
+        self._active: dict[int, _Seq] = {}
+        self._next_seq = 0
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.n_batches = 0
+        self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
+        self.closed = False
+
+    # ------------------------------------------------------------------ set-up
+
+    def _reserve(self) -> None:
+        keep = []
+
+        def build(n: int):
+            plan = self.cache.start_forward(np.zeros(n, np.int64), np.zeros(n, np.int64), reserve=True)
+            b = self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn)
+            keep.append(b)
+            return b.graph
+
+        self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch))
+        for b in keep:
+            b.free()
+
+    def memory_report(self) -> MemoryReport:
+        """Weights, cache and compute graph per device (a :class:`ggmlpy.backend.MemoryReport`)."""
+        return self.report
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.n_vocab
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_tokens(self, tokens, what: str) -> np.ndarray:
+        arr = np.asarray(tokens)
+        if arr.ndim != 1:
+            raise GGMLValueError(f"{what}: tokens must be a 1-D sequence (got shape {arr.shape})")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise GGMLValueError(f"{what}: token ids must be integers (got {arr.dtype})")
+        arr = arr.astype(np.int64)
+        bad = (arr < 0) | (arr >= self.n_vocab)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise GGMLValueError(f"{what}: token id {int(arr[i])} at index {i} is outside the vocabulary "
+                                 f"[0, {self.n_vocab})")
+        return arr
+
+    def _check_seq_id(self, seq, what: str) -> int:
+        s = int(seq)
+        if not 0 <= s < self.n_seq_max:
+            raise GGMLValueError(f"{what}: sequence {s} is out of range: this runner serves n_seq_max="
+                                 f"{self.n_seq_max} sequences (0..{self.n_seq_max - 1})")
+        return s
+
+    # ------------------------------------------------------------------ the compute core
+
+    def _split(self, tokens, positions, seqs, want) -> list:
+        """Cut one logical batch into micro-batches of n_ubatch."""
+        out = []
+        for a in range(0, len(tokens), self.n_ubatch):
+            b = min(a + self.n_ubatch, len(tokens))
+            w = want[a:b]
+            out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(w)))
+        return out
+
+    def _build(self, ub: _UBatch, embedding: bool) -> None:
+        """Plan the cache for a micro-batch, commit its metadata and build its graph."""
+        n = len(ub.tokens)
+        n_out = max(1, len(ub.out_rows))
+        plan = self.cache.start_forward(ub.positions, ub.seqs)
+        built = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding)
+        # Metadata is committed when the graph exists; the cells are written when it computes. A failed
+        # compute clears the sequences involved (see _fail).
+        self.cache.apply(plan)
+        ub.plan, ub.built = plan, built
+
+    def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
+        """Allocate, fill the inputs, compute; the wanted output rows as numpy (rows, n_out_dim)."""
+        b = ub.built
+        self.rt.sched.alloc_graph(b.graph)
+        out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1])
+        b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows)
+        self.rt.compute(b.graph)
+        res = b.output.get() if len(ub.out_rows) else None
+        b.free()
+        ub.built = None
+        return None if res is None else res.reshape(len(out_rows), -1)
+
+    def decode(self, tokens, seq: int = 0, logits="last", positions=None) -> Optional[np.ndarray]:
+        """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
+
+        Positions continue from what the cache holds for ``seq`` unless
+        given. The tokens are computed in micro-batches of ``n_ubatch``.
+
+        Parameters
+        ----------
+        logits : ``"last"`` (default), ``"all"``, ``None``/False, or a list of indices into ``tokens``
+
+        Returns
+        -------
+        numpy.ndarray ``float32[n_rows, n_vocab]`` of the requested rows, or None.
+
+        Raises
+        ------
+        GGMLValueError
+            Token ids outside the vocabulary, a sequence id out of range,
+            positions at or past ``n_ctx``, or requests being served.
+        """
+        seq = self._check_seq_id(seq, "decode")
+        toks = self._check_tokens(tokens, "decode")
+        n = len(toks)
+        if n == 0:
+            raise GGMLValueError("decode: empty batch")
+        if positions is None:
+            start = self.cache.seq_pos_max(seq) + 1
+            pos = np.arange(start, start + n, dtype=np.int64)
+        else:
+            pos = np.asarray(positions, dtype=np.int64)
+            if pos.shape != toks.shape:
+                raise GGMLValueError(f"decode: {len(pos)} positions for {n} tokens")
+        if pos.min() < 0 or pos.max() >= self.n_ctx:
+            raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
+                                 f"context [0, {self.n_ctx}) of sequence {seq}")
+        want = np.zeros(n, dtype=bool)
+        if isinstance(logits, str):
+            if logits == "last":
+                want[-1] = True
+            elif logits == "all":
+                want[:] = True
+            else:
+                raise GGMLValueError(f"decode: logits must be 'last', 'all', None or indices (got {logits!r})")
+        elif logits is not None and logits is not False:
+            idx = np.asarray(logits, dtype=np.int64)
+            if idx.size and (idx.min() < -n or idx.max() >= n):
+                raise GGMLValueError(f"decode: logits indices out of range for {n} tokens")
+            want[idx] = True
+        with self._lock:
+            if self._active or self._waiting:
+                raise GGMLValueError("decode: requests are being served; decode() is for direct use only")
+        with self._engine:
+            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=False)
+
+    def _run_direct(self, toks, pos, seqs, want, embedding) -> Optional[np.ndarray]:
+        rows = []
+        for ub in self._split(toks, pos, seqs, want):
+            self._build(ub, embedding)
+            try:
+                r = self._compute(ub)
+            except BaseException:
+                for s in np.unique(seqs):
+                    self.cache.clear(int(s))
+                raise
+            if r is not None:
+                rows.append(r)
+        self.n_batches += 1
+        return np.concatenate(rows) if rows else None
+
+    def decode_batch(self, tokens, positions, seq_ids, logits) -> np.ndarray:
+        """Compute one batch of several sequences: ``tokens``, ``positions``, ``seq_ids`` per row.
+
+        ``logits`` is a boolean mask (or indices) of the rows to return, in order.
+        """
+        toks = self._check_tokens(tokens, "decode_batch")
+        pos = np.asarray(positions, dtype=np.int64)
+        seqs = np.asarray(seq_ids, dtype=np.int64)
+        if not (toks.shape == pos.shape == seqs.shape) or toks.size == 0:
+            raise GGMLValueError(f"decode_batch: tokens, positions and seq_ids need one equal, non-zero length "
+                                 f"(got {toks.size}, {pos.size}, {seqs.size})")
+        for s in np.unique(seqs):
+            self._check_seq_id(s, "decode_batch")
+        if pos.min() < 0 or pos.max() >= self.n_ctx:
+            raise GGMLValueError(f"decode_batch: positions must be in [0, {self.n_ctx})")
+        want = np.zeros(toks.size, dtype=bool)
+        want[np.asarray(logits)] = True
+        with self._engine:
+            return self._run_direct(toks, pos, seqs, want, embedding=False)
+
+    def clear(self, seq: Optional[int] = None) -> None:
+        """Forget one sequence's cache contents, or everything's (not while requests are served)."""
+        with self._lock:
+            if self._active:
+                raise GGMLValueError("clear: requests are being served")
+            if seq is not None:
+                seq = self._check_seq_id(seq, "clear")
+            with self._engine:
+                self.cache.clear(seq)
+                for s in range(self.n_seq_max) if seq is None else [seq]:
+                    self.slots.set_tokens(s, [])
+
+    def seq_len(self, seq: int) -> int:
+        """Tokens the cache holds for ``seq``."""
+        return self.cache.seq_pos_max(self._check_seq_id(seq, "seq_len")) + 1
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, prompt: Sequence[int], *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
+               stop: Sequence[int] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
+               embedding: bool = False, pooling: str = "mean", normalize: bool = True) -> Handle:
+        """Queue a request (thread-safe) and return its :class:`Handle`.
+
+        Parameters
+        ----------
+        prompt : token ids
+        max_tokens : generation limit (done reason ``length``); -1 for no limit but the context
+        sampling : :class:`ggmlpy.sampling.SamplingParams` (default greedy)
+        stop : token ids that end the generation (done reason ``stop``); the model's EOS ids are added
+        n_keep : tokens kept at the start on a context shift (-1: the whole prompt)
+        shift : shift the context when it is full; False ends with ``length`` instead
+        truncate : drop prompt tokens after ``n_keep`` when the prompt exceeds ``n_ctx``;
+            otherwise such a prompt raises :class:`InputTooLong`
+        embedding : return the pooled final hidden state instead of generating
+        pooling : ``mean``, ``cls`` or ``last`` (embedding requests)
+        normalize : L2-normalise the embedding
+
+        Raises
+        ------
+        GGMLValueError, InputTooLong
+            Bad token ids, an empty prompt, a prompt longer than the context.
+        """
+        if self.closed:
+            raise GGMLValueError("submit: the runner is closed")
+        toks = self._check_tokens(prompt, "submit")
+        if toks.size == 0:
+            raise GGMLValueError("submit: empty prompt")
+        if pooling not in ("mean", "cls", "last"):
+            raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
+        max_tokens = int(max_tokens)
+        if max_tokens == 0 and not embedding:
+            raise GGMLValueError("submit: max_tokens must be >= 1 or -1")
+        params = sampling if sampling is not None else SamplingParams()
+        toks_l = toks.tolist()
+        n_keep = len(toks_l) if n_keep < 0 else int(n_keep)
+        n_keep = min(n_keep, self.n_ctx - 1)
+        if embedding:
+            if len(toks_l) > self.n_ctx:
+                raise InputTooLong(f"input too long: {len(toks_l)} tokens for an embedding with context "
+                                   f"{self.n_ctx}")
+        elif len(toks_l) > self.n_ctx:
+            toks_l = truncate_prompt(toks_l, self.n_ctx, n_keep, truncate=truncate)
+        seq = _Seq(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
+                   n_keep, shift, embedding, pooling, normalize)
+        with self._lock:
+            self._waiting.append(seq)
+            self._ensure_loop()
+            self._lock.notify_all()
+        return Handle(self, seq)
+
+    def generate(self, prompt: Sequence[int], **kw) -> Completion:
+        """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`)."""
+        return self.submit(prompt, **kw).result()
+
+    def embed(self, tokens: Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch."""
+        r = self.submit(tokens, embedding=True, pooling=pooling, normalize=normalize).result()
+        return r.embedding
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _ensure_loop(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="ggmlpy-runner", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (lock held)."""
+        while self._waiting and len(self._active) < self.n_seq_max:
+            seq = self._waiting.popleft()
+            if seq.cancelled:
+                self._finish(seq, DoneReason.CANCEL)
+                continue
+            try:
+                self._load_slot(seq)
+            except BaseException as e:           # noqa: BLE001 - reported to the request
+                self._finish(seq, DoneReason.ERROR, e)
+                continue
+            self._active[seq.slot] = seq
+
+    def _load_slot(self, seq: _Seq) -> None:
+        """Pick a slot (prefix reuse), trim the cache to the reusable prefix, queue the rest."""
+        for other in self._active.values():       # busy slots can be forked from: show what they hold now
+            self.slots.set_tokens(other.slot, self._slot_tokens(other))
+        lp = self.slots.load(seq.prompt, cache_prompt=not seq.embedding)
+        slot, n_past = lp.slot, lp.n_past
+        seq.slot = slot
+        try:
+            if lp.fork_from is not None and n_past > 0:
+                self.cache.clear(slot)
+                self.cache.copy_prefix(lp.fork_from, slot, n_past)
+            elif n_past > 0 and not self.cache.can_resume(slot, n_past):
+                n_past = 0
+            if n_past == 0:
+                self.cache.clear(slot)
+            elif lp.fork_from is None:
+                try:
+                    self.cache.remove(slot, n_past, None)
+                except NotSupported:
+                    self.cache.clear(slot)
+                    n_past = 0
+        except BaseException:
+            self.cache.clear(slot)
+            self.slots.set_tokens(slot, [])
+            self.slots.release(slot)
+            seq.slot = None
+            raise
+        seq.cached = list(seq.prompt[:n_past])
+        self.slots.set_tokens(slot, seq.cached)
+        seq.pending = list(seq.prompt[n_past:])
+        seq.n_prompt_left = len(seq.pending)
+        seq.result.n_cached = n_past
+        seq.result.prompt_eval_count = len(seq.prompt)
+        seq.t_start = time.perf_counter()
+
+    def _slot_tokens(self, seq: _Seq) -> list:
+        return [(-1 if t.value is None else t.value) if isinstance(t, _Placeholder) else t for t in seq.cached]
+
+    def _finish(self, seq: _Seq, reason: str, error: Optional[BaseException] = None) -> None:
+        """End a request on any path: result, stream end, slot freed (lock held)."""
+        if seq.finished.is_set():
+            return
+        r = seq.result
+        r.done_reason = reason
+        r.error = error
+        if seq.t_first is not None:
+            r.eval_duration = time.perf_counter() - seq.t_first
+        for t in seq.cached:
+            if isinstance(t, _Placeholder) and t.value is None:
+                t.fill(0)           # the row computes token 0: the cache then really holds 0 there
+        seq.pending = []
+        if seq.slot is not None:
+            self._active.pop(seq.slot, None)
+            if error is not None:
+                self.cache.clear(seq.slot)
+                seq.cached = []
+            self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
+            self.slots.release(seq.slot)
+        seq.finished.set()
+        seq.events.put(None)
+
+    def _shift(self, seq: _Seq) -> None:
+        """Make room in a full context: drop tokens after n_keep (or clear and re-process)."""
+        n = len(seq.cached)
+        keep = min(seq.n_keep, self.n_ctx - 1)
+        discard = shift_discard(n, keep, self.n_ctx)
+        seq.result.n_shifts += 1
+        if discard <= 0:
+            return
+        kept = seq.cached[:keep] + seq.cached[keep + discard:]
+        try:
+            self.cache.remove(seq.slot, keep, keep + discard)
+            seq.cached = kept
+        except NotSupported:
+            # the cache cannot shift (device memory, shared cells): re-process what is kept
+            self.cache.clear(seq.slot)
+            seq.cached = []
+            seq.pending = kept + seq.pending
+            seq.n_prompt_left += len(kept)
+        self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
+
+    def _form_batch(self, wait_prev) -> Optional[_Batch]:
+        """Fill a batch round-robin from ``_next_seq`` (lock held); None when nothing is pending.
+
+        ``wait_prev()`` completes the batch in flight; it is called before
+        anything that must not overlap its compute (a shift rewrites keys).
+        """
+        self._admit()
+        for seq in list(self._active.values()):
+            if seq.cancelled:
+                wait_prev()
+                self._finish(seq, DoneReason.CANCEL)
+        ready = [s for s in sorted(self._active) if self._active[s].pending]
+        if not ready:
+            return None
+        order = [s for s in ready if s >= self._next_seq] + [s for s in ready if s < self._next_seq]
+        embedding = self._active[order[0]].embedding
+        toks: list = []
+        pos, rows_seq, want = [], [], []
+        members = []
+        limit = self.n_batch
+        resume = None
+        for slot in order:
+            seq = self._active.get(slot)
+            if seq is None or seq.embedding != embedding or not seq.pending:
+                continue
+            if embedding:
+                if toks:
+                    break
+                limit = max(limit, len(seq.pending))       # the whole input in one batch
+            n_in = 0
+            while seq.pending and len(toks) < limit:
+                if len(seq.cached) + 1 > self.n_ctx:
+                    if n_in:
+                        break                 # never shift in the middle of a batch
+                    wait_prev()
+                    if seq.finished.is_set():
+                        break
+                    if not seq.shift or embedding:
+                        self._finish(seq, DoneReason.LENGTH)
+                        break
+                    self._shift(seq)
+                    if len(seq.cached) + 1 > self.n_ctx:
+                        self._finish(seq, DoneReason.LENGTH)
+                        break
+                    continue
+                tok = seq.pending.pop(0)
+                if isinstance(tok, _Placeholder):
+                    tok.row = len(toks)
+                pos.append(len(seq.cached))
+                seq.cached.append(tok)
+                toks.append(tok)
+                rows_seq.append(slot)
+                want.append(embedding)
+                n_in += 1
+                if seq.n_prompt_left:
+                    seq.n_prompt_left -= 1
+            if seq.finished.is_set():
+                continue
+            if n_in:
+                # generation: one output row, the last input, once the prompt is all in
+                has_out = embedding or seq.n_prompt_left == 0
+                if not embedding and has_out:
+                    want[-1] = True
+                members.append(_Member(seq, n_in, has_out))
+            if seq.pending and resume is None:
+                resume = slot
+            if len(toks) >= limit:
+                break
+        if not toks:
+            return None
+        self._next_seq = resume if resume is not None else rows_seq[-1] + 1
+        tok_a = np.array([0 if isinstance(t, _Placeholder) and t.value is None else int(t) for t in toks],
+                         dtype=np.int64)
+        ubs = self._split(tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want))
+        for t in toks:
+            if isinstance(t, _Placeholder):
+                t.ubatch = ubs[t.row // self.n_ubatch]
+                t.row %= self.n_ubatch
+        return _Batch(ubs, embedding, members)
+
+    def _launch(self, batch: _Batch) -> None:
+        """Compute a built batch; in a worker thread when pipelining (the GIL is released inside ggml)."""
+        def work():
+            try:
+                for ub in batch.ubatches:
+                    r = self._compute(ub)
+                    if r is not None:
+                        batch.outputs.append(r)
+            except BaseException as e:       # noqa: BLE001 - handed to _complete
+                batch.error = e
+
+        if self.pipeline:
+            batch.thread = threading.Thread(target=work, name="ggmlpy-compute", daemon=True)
+            batch.thread.start()
+        else:
+            work()
+
+    def _complete(self, batch: _Batch) -> None:
+        """Wait for a batch, then sample, stream and feed each sequence's next input (lock held)."""
+        if batch.thread is not None:
+            batch.thread.join()
+            batch.thread = None
+        self.n_batches += 1
+        if batch.error is not None:
+            for m in batch.members:
+                self._finish(m.seq, DoneReason.ERROR, batch.error)
+            return
+        out = np.concatenate(batch.outputs) if batch.outputs else None
+        now = time.perf_counter()
+        base = 0
+        for m in batch.members:
+            seq = m.seq
+            if not m.has_out:
+                continue
+            n_rows = m.n_in if batch.embedding else 1
+            rows = out[base:base + n_rows]
+            base += n_rows
+            if seq.finished.is_set():
+                continue
+            if batch.embedding:
+                seq.result.embedding = _pool(rows, seq.pooling, seq.normalize)
+                seq.result.prompt_eval_duration = now - seq.t_start
+                self._finish(seq, DoneReason.STOP)
+                continue
+            if seq.cancelled:
+                self._finish(seq, DoneReason.CANCEL)
+                continue
+            row = rows[0]
+            try:
+                tok = seq.sampler.sample(row)
+                lp = _logprobs(row, tok, seq.params.top_logprobs) if seq.params.logprobs else None
+            except BaseException as e:       # noqa: BLE001 - a sampling failure ends that request only
+                self._finish(seq, DoneReason.ERROR, e)
+                continue
+            r = seq.result
+            if seq.t_first is None:
+                seq.t_first = now
+                r.prompt_eval_duration = now - seq.t_start
+            r.tokens.append(tok)
+            r.eval_count += 1
+            if lp is not None:
+                r.logprobs.append(lp)
+            seq.events.put(TokenEvent(tok, lp))
+            ph = seq.placeholder
+            seq.placeholder = None
+            if ph is not None:
+                ph.fill(tok)          # already in the next batch (or still pending): the real token now
+            if tok in seq.stop:
+                self._finish(seq, DoneReason.STOP)
+            elif seq.max_tokens > 0 and r.eval_count >= seq.max_tokens:
+                self._finish(seq, DoneReason.LENGTH)
+            elif ph is None:
+                seq.pending.append(tok)
+
+    def _loop(self) -> None:
+        prev: Optional[_Batch] = None
+
+        def wait_prev():
+            nonlocal prev
+            if prev is not None:
+                p, prev = prev, None
+                self._complete(p)
+
+        while True:
+            with self._lock:
+                if self._stopping:
+                    wait_prev()
+                    for seq in list(self._active.values()) + list(self._waiting):
+                        self._finish(seq, DoneReason.CANCEL)
+                    self._waiting.clear()
+                    return
+                if prev is not None:
+                    # a sequence waiting for prev's sample gets a placeholder as its next input,
+                    # so the next batch can be built while prev computes
+                    for m in prev.members:
+                        seq = m.seq
+                        if m.has_out and not prev.embedding and not seq.pending and not seq.finished.is_set():
+                            seq.placeholder = _Placeholder(seq)
+                            seq.pending.append(seq.placeholder)
+                try:
+                    batch = self._form_batch(wait_prev)
+                except BaseException as e:     # noqa: BLE001 - fail the requests, keep serving
+                    log.exception("runner: forming a batch failed")
+                    wait_prev()
+                    for seq in list(self._active.values()):
+                        self._finish(seq, DoneReason.ERROR, e)
+                    batch = None
+                if batch is None and prev is None:
+                    if not self._active and not self._waiting:
+                        self._lock.wait(timeout=0.5)
+                    continue
+            if batch is not None:
+                t0 = time.perf_counter()
+                try:
+                    for ub in batch.ubatches:
+                        self._build(ub, batch.embedding)
+                except BaseException as e:     # noqa: BLE001
+                    batch.error = e
+                if prev is not None and prev.thread is not None and prev.thread.is_alive():
+                    self.overlap_s += time.perf_counter() - t0
+            with self._lock:
+                wait_prev()
+                if batch is None:
+                    continue
+                if batch.error is not None:
+                    self._complete(batch)
+                    continue
+                self._launch(batch)
+                prev = batch
+                if not self.pipeline:
+                    wait_prev()
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        """Stop the loop (pending requests end with ``cancel``) and free the cache and scheduler."""
+        if getattr(self, "closed", False):
+            return
+        t = getattr(self, "_thread", None)
+        if t is not None:
+            with self._lock:
+                self._stopping = True
+                self._lock.notify_all()
+            t.join()
+        self.closed = True
+        if self.rt is not None:
+            self.rt.close()
+        self.cache.close()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pool(hidden: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
+    if pooling == "mean":
+        v = hidden.mean(axis=0)
+    elif pooling == "cls":
+        v = hidden[0]
+    else:
+        v = hidden[-1]
+    v = v.astype(np.float32)
+    if normalize:
+        n = float(np.linalg.norm(v))
+        if n > 0:
+            v = v / n
+    return v

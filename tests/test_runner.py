@@ -1,0 +1,206 @@
+"""runner.py: generation against transformers' greedy decoding, pipelined == sequential, batching across
+sequences, context shift and prefix reuse against from-scratch runs, logprobs, threads and cancellation,
+bad input and recovery."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hf_helpers import VOCAB, export_gguf, hf_logits, hf_model
+
+from ggmlpy.models import load_model
+from ggmlpy.runner import DoneReason, InputTooLong, Runner, RunnerError
+from ggmlpy.sampling import SamplingParams
+
+pytestmark = pytest.mark.hf
+
+PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200]
+
+
+@pytest.fixture(scope="module")
+def hf_and_path(tmp_path_factory):
+    hf = hf_model("llama", seed=11)
+    return hf, export_gguf(hf, tmp_path_factory.mktemp("rn") / "m.gguf", "llama")
+
+
+@pytest.fixture(scope="module")
+def model(hf_and_path):
+    m = load_model(hf_and_path[1])
+    yield m
+    m.close()
+
+
+def hf_greedy(hf, prompt, n):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(int(hf_logits(hf, toks)[-1].argmax()))
+    return toks[len(prompt):]
+
+
+def test_greedy_generation_matches_transformers(hf_and_path, model):
+    hf, _ = hf_and_path
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        r = rt.generate(PROMPT, max_tokens=12)
+    assert r.tokens == hf_greedy(hf, PROMPT, 12)
+    assert r.done_reason == DoneReason.LENGTH and r.eval_count == 12 and r.prompt_eval_count == len(PROMPT)
+    assert r.ttft > 0 and r.eval_duration > 0
+
+
+@pytest.mark.parametrize("n_seq", [1, 3])
+def test_pipelined_equals_sequential(model, n_seq):
+    prompts = [PROMPT, PROMPT[2:9], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]][:n_seq]
+    outs = {}
+    for pipeline in (False, True):
+        with Runner(model, n_ctx=64, n_seq_max=n_seq, n_batch=8, pipeline=pipeline) as rt:
+            hs = [rt.submit(p, max_tokens=20) for p in prompts]
+            outs[pipeline] = [h.result().tokens for h in hs]
+            if pipeline:
+                assert rt.n_batches > 20
+    assert outs[True] == outs[False]
+
+
+def test_concurrent_requests_equal_each_alone(model):
+    prompts = [PROMPT, PROMPT[:5], [7, 7, 7, 1], PROMPT[3:], [300, 200, 100]]
+    with Runner(model, n_ctx=48, type_k="f32", type_v="f32") as rt:
+        alone = [rt.generate(p, max_tokens=10).tokens for p in prompts]
+    with Runner(model, n_ctx=48, n_seq_max=3, n_batch=16, type_k="f32", type_v="f32") as rt:
+        results = [None] * len(prompts)
+
+        def worker(i):
+            results[i] = rt.generate(prompts[i], max_tokens=10).tokens
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert results == alone
+
+
+def test_stream_stop_token_and_logprobs(hf_and_path, model):
+    hf, _ = hf_and_path
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        first = rt.generate(PROMPT, max_tokens=6).tokens
+        stop = first[3]
+        h = rt.submit(PROMPT, max_tokens=20, stop=[stop],
+                      sampling=SamplingParams(logprobs=True, top_logprobs=5))
+        events = list(h)
+        r = h.result()
+    assert [e.token for e in events] == r.tokens == first[:first.index(stop) + 1]
+    assert r.done_reason == DoneReason.STOP
+    ref = hf_logits(hf, PROMPT + r.tokens[:-1])[len(PROMPT) - 1:]
+    for lp, row in zip(r.logprobs, ref):
+        ls = row.astype(np.float64) - np.log(np.exp(row - row.max()).sum()) - row.max()
+        assert abs(lp.logprob - ls[lp.token]) < 1e-3
+        assert [t.token for t in lp.top] == list(np.argsort(-ls, kind="stable")[:5])
+
+
+def test_sampling_is_seeded(model):
+    sp = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, min_p=0.01, seed=123)
+    with Runner(model, n_ctx=64) as rt:
+        a = rt.generate(PROMPT, max_tokens=15, sampling=sp).tokens
+        b = rt.generate(PROMPT, max_tokens=15, sampling=sp).tokens
+        c = rt.generate(PROMPT, max_tokens=15, sampling=SamplingParams(temperature=0.9, seed=7)).tokens
+    assert a == b and a != c
+
+
+def test_context_shift_keeps_generating(hf_and_path, model):
+    """n_ctx 16: generation continues past the context by shifting; the logits after the shift equal a
+    from-scratch run over the kept tokens (checked through greedy tokens with an F32 cache)."""
+    with Runner(model, n_ctx=16, type_k="f32", type_v="f32") as rt:
+        r = rt.generate(PROMPT[:6], max_tokens=30, n_keep=2)
+        assert r.n_shifts >= 1 and len(r.tokens) == 30 and r.done_reason == DoneReason.LENGTH
+    with Runner(model, n_ctx=16, type_k="f32", type_v="f32") as rt:
+        r2 = rt.generate(PROMPT[:6], max_tokens=30, n_keep=2, shift=False)
+        # the last token is sampled from position 15 but never fed: 16 - 6 + 1 tokens
+        assert r2.done_reason == DoneReason.LENGTH and len(r2.tokens) == 16 - 6 + 1
+        assert r2.tokens == r.tokens[:len(r2.tokens)]
+
+
+def test_shift_result_equals_from_scratch(tmp_path):
+    """The token sampled right after a shift equals the one a fresh run over the kept tokens gives
+    (one layer, where a shift is exact: see test_models_llama)."""
+    from ggmlpy.sequences import shift_discard
+
+    model = load_model(export_gguf(hf_model("llama", layers=1, seed=12), tmp_path / "m.gguf", "llama"))
+    prompt = PROMPT[:6]
+    n_ctx, keep = 16, 2
+    with model, Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32", pipeline=False) as rt:
+        r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep)
+        assert r.n_shifts == 1
+        history = prompt + r.tokens[:-1]
+        full = history[:n_ctx]                           # the context when it filled
+        d = shift_discard(len(full), keep, n_ctx)
+        kept = full[:keep] + full[keep + d:] + history[n_ctx:]
+        rt.clear()
+        logits = rt.decode(kept)
+    assert int(logits[0].argmax()) == r.tokens[-1]
+
+
+def test_prefix_reuse(model):
+    with Runner(model, n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as rt:
+        a = rt.generate(PROMPT, max_tokens=5)
+        assert a.n_cached == 0
+        b = rt.generate(PROMPT + a.tokens[:2] + [9], max_tokens=5)     # shares the whole history
+        assert b.n_cached == len(PROMPT) + 2
+        c = rt.generate(PROMPT, max_tokens=5)                           # fully cached: last token re-evaluated
+        assert c.n_cached == len(PROMPT) - 1
+        assert c.tokens == a.tokens
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        fresh = rt.generate(PROMPT + a.tokens[:2] + [9], max_tokens=5)
+    assert b.tokens == fresh.tokens
+
+
+def test_prefix_fork_from_a_busy_slot(model):
+    with Runner(model, n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32", n_batch=4) as rt:
+        long = rt.submit(PROMPT, max_tokens=40)
+        next(iter(long))                                                 # slot 0 is busy now
+        b = rt.submit(PROMPT[:8] + [1, 2], max_tokens=5).result()
+        long.result()
+        assert b.n_cached == 8
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        fresh = rt.generate(PROMPT[:8] + [1, 2], max_tokens=5)
+    assert b.tokens == fresh.tokens
+
+
+def test_bad_input_then_serves_correctly(model):
+    with Runner(model, n_ctx=16, n_seq_max=2) as rt:
+        good = rt.generate(PROMPT[:4], max_tokens=3).tokens
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            rt.submit([1, VOCAB, 2])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            rt.decode([-1])
+        with pytest.raises(ValueError, match="outside the context"):
+            rt.decode([1, 2], positions=[15, 16])
+        with pytest.raises(ValueError, match="n_seq_max=2"):
+            rt.decode([1], seq=2)
+        with pytest.raises(InputTooLong, match="exceeds the context length"):
+            rt.submit(list(range(1, 20)))
+        t = rt.generate(list(range(1, 20)), max_tokens=2, truncate=True, n_keep=2)
+        assert t.prompt_eval_count == 16 and len(t.tokens) == 2      # 3 tokens after n_keep dropped
+        rt.clear()
+        assert rt.generate(PROMPT[:4], max_tokens=3).tokens == good
+
+
+def test_thousands_of_cancelled_requests_leak_nothing(model):
+    with Runner(model, n_ctx=32, n_seq_max=4, n_batch=8) as rt:
+        handles = [rt.submit(PROMPT[:3 + i % 5], max_tokens=50) for i in range(2000)]
+        for h in handles:
+            h.cancel()
+        for h in handles:
+            r = h.result(timeout=60)
+            assert r.done_reason in (DoneReason.CANCEL, DoneReason.LENGTH)
+        assert not rt._active and not rt._waiting
+        assert all(not s.in_use for s in rt.slots.slots)
+        assert rt.generate(PROMPT, max_tokens=3).done_reason == DoneReason.LENGTH
+
+
+def test_error_in_one_request_fails_only_that_request(model):
+    with Runner(model, n_ctx=16) as rt:
+        h = rt.submit(PROMPT[:3], max_tokens=3, sampling=SamplingParams(temperature=1.0, seed=1))
+        h._seq.sampler.sample = lambda row: (_ for _ in ()).throw(ValueError("boom"))
+        with pytest.raises(RunnerError, match="boom"):
+            h.result()
+        assert rt.generate(PROMPT[:3], max_tokens=2).done_reason == DoneReason.LENGTH
