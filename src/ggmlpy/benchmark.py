@@ -1009,11 +1009,9 @@ class LlamaCppEngine(Engine):
         self.model = load(inst.model.encode(), mp)
         if not self.model:
             raise BenchError(f"llama.cpp failed to load {inst.model}")
-        buf = (ll.ctypes.c_char * 256)() if hasattr(ll, "ctypes") else None
-        if buf is None:
-            import ctypes
+        import ctypes
 
-            buf = (ctypes.c_char * 256)()
+        buf = ctypes.create_string_buffer(256)
         ll.llama_model_desc(self.model, buf, 256)
         if hasattr(ll, "llama_model_get_vocab") and hasattr(ll, "llama_vocab_n_tokens"):
             n_vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model))
@@ -1213,8 +1211,13 @@ class WorkerClient:
     def run(self, inst: Instance, **kw: Any) -> Result:
         """Run one test in the worker (same arguments as :func:`run_instance`)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": "run", "inst": asdict(inst), **kw}) + "\n")
-        self.proc.stdin.flush()
+        if self.proc.poll() is not None:
+            raise BenchError(f"the {self.engine} worker has exited ({self.proc.returncode})")
+        try:
+            self.proc.stdin.write(json.dumps({"cmd": "run", "inst": asdict(inst), **kw}) + "\n")
+            self.proc.stdin.flush()
+        except OSError as e:
+            raise BenchError(f"the {self.engine} worker is gone: {e}") from None
         reply = self._recv()
         if not reply.get("ok"):
             raise BenchError(reply.get("error", "worker error"))
