@@ -204,3 +204,23 @@ def test_error_in_one_request_fails_only_that_request(model):
         with pytest.raises(RunnerError, match="boom"):
             h.result()
         assert rt.generate(PROMPT[:3], max_tokens=2).done_reason == DoneReason.LENGTH
+
+
+def test_same_batch_groups_are_never_split(model):
+    prompt = PROMPT[:10]
+    sb = [0] * 10
+    sb[2] = 3                                         # inputs 2..5 go in one batch
+    with Runner(model, n_ctx=32, n_batch=4, n_ubatch=4, pipeline=False) as rt:
+        r = rt.generate(prompt, max_tokens=3, same_batch=sb)
+        assert list(rt.batch_sizes)[:3] == [[2], [4], [4]]
+        plain = rt.generate(PROMPT[:9] + [1], max_tokens=3)
+        assert plain.n_cached == 9                    # the shared prefix 0..8 was reused
+    with Runner(model, n_ctx=32, n_batch=4, n_ubatch=4) as rt:
+        assert rt.generate(prompt, max_tokens=3).tokens == r.tokens
+        with pytest.raises(ValueError, match="same_batch"):
+            rt.submit(prompt, same_batch=[0] * 9 + [2])      # runs past the prompt
+    with Runner(model, n_ctx=32, n_batch=8, n_ubatch=3, pipeline=False) as rt:
+        sb = [0] * 10
+        sb[1] = 2                                     # 1..3 in one micro-batch: the cut moves back
+        rt.generate(prompt, max_tokens=1, same_batch=sb)
+        assert list(rt.batch_sizes)[0] == [1, 3, 3, 1]

@@ -27,6 +27,7 @@ last prompt token so that it has logits.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -43,7 +44,7 @@ from ggmlpy.backend import MemoryReport, Runtime
 from ggmlpy.kvcache import Causal, NotSupported
 from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
-from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_prompt
+from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
 
 __all__ = ["Completion", "DoneReason", "Handle", "InputTooLong", "Runner", "RunnerError", "TokenEvent"]
 
@@ -138,8 +139,12 @@ class Handle:
 class _Seq:
     """A request being served (the loop's private state)."""
 
-    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize):
+    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
+                 same_batch):
         self.prompt = list(prompt)
+        self.same_batch = list(same_batch)   # per prompt input: how many following inputs share its batch
+        self.sb_pending: deque = deque()     # same_batch markers of `pending` (0 for sampled tokens)
+        self.sb_cached: list = []            # ... and of `cached`
         self.params = params
         self.sampler = None if embedding else Sampler(params)
         self.max_tokens = max_tokens
@@ -150,7 +155,7 @@ class _Seq:
         self.pooling = pooling
         self.normalize = normalize
         self.slot: Optional[int] = None
-        self.pending: list = []          # inputs not yet in the cache
+        self.pending: deque = deque()    # inputs not yet in the cache
         self.cached: list = []           # tokens the cache holds for this slot (what the slot table sees)
         self.n_prompt_left = 0           # inputs of `pending` that are prompt (no sampling while > 0)
         self.events: queue.Queue = queue.Queue()
@@ -291,6 +296,7 @@ class Runner:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.n_batches = 0
+        self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
         self.closed = False
 
@@ -342,13 +348,24 @@ class Runner:
 
     # ------------------------------------------------------------------ the compute core
 
-    def _split(self, tokens, positions, seqs, want) -> list:
-        """Cut one logical batch into micro-batches of n_ubatch."""
+    def _split(self, tokens, positions, seqs, want, tied=None) -> list:
+        """Cut one logical batch into micro-batches of at most n_ubatch.
+
+        ``tied[i]`` marks a row that must stay with the row before it (a
+        same-batch group): a cut moves back to the group's start.
+        """
         out = []
-        for a in range(0, len(tokens), self.n_ubatch):
-            b = min(a + self.n_ubatch, len(tokens))
-            w = want[a:b]
-            out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(w)))
+        a, n = 0, len(tokens)
+        while a < n:
+            b = min(a + self.n_ubatch, n)
+            if tied is not None and b < n:
+                c = b
+                while c > a and tied[c]:
+                    c -= 1
+                if c > a:
+                    b = c
+            out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(want[a:b])))
+            a = b
         return out
 
     def _build(self, ub: _UBatch, embedding: bool) -> None:
@@ -483,7 +500,8 @@ class Runner:
 
     def submit(self, prompt: Sequence[int], *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
                stop: Sequence[int] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
-               embedding: bool = False, pooling: str = "mean", normalize: bool = True) -> Handle:
+               embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+               same_batch: Optional[Sequence[int]] = None) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
         Parameters
@@ -499,6 +517,9 @@ class Runner:
         embedding : return the pooled final hidden state instead of generating
         pooling : ``mean``, ``cls`` or ``last`` (embedding requests)
         normalize : L2-normalise the embedding
+        same_batch : per prompt token, how many following tokens must be computed in the same
+            batch (Ollama's ``SameBatch``, e.g. an image's embeddings): such a group is never split
+            across batches or micro-batches, nor cut by truncation or a context shift
 
         Raises
         ------
@@ -517,6 +538,17 @@ class Runner:
             raise GGMLValueError("submit: max_tokens must be >= 1 or -1")
         params = sampling if sampling is not None else SamplingParams()
         toks_l = toks.tolist()
+        if same_batch is None:
+            sb = [0] * len(toks_l)
+        else:
+            sb = [int(x) for x in same_batch]
+            if len(sb) != len(toks_l) or any(x < 0 for x in sb):
+                raise GGMLValueError(f"submit: same_batch needs one non-negative count per prompt token "
+                                     f"(got {len(sb)} for {len(toks_l)} tokens)")
+            if max((i + x + 1 for i, x in enumerate(sb)), default=0) > len(toks_l) or \
+                    _max_group(sb) > self.n_ubatch:
+                raise GGMLValueError(f"submit: a same_batch group runs past the prompt or exceeds n_ubatch "
+                                     f"{self.n_ubatch}")
         n_keep = len(toks_l) if n_keep < 0 else int(n_keep)
         n_keep = min(n_keep, self.n_ctx - 1)
         if embedding:
@@ -524,9 +556,11 @@ class Runner:
                 raise InputTooLong(f"input too long: {len(toks_l)} tokens for an embedding with context "
                                    f"{self.n_ctx}")
         elif len(toks_l) > self.n_ctx:
-            toks_l = truncate_prompt(toks_l, self.n_ctx, n_keep, truncate=truncate)
+            keep_idx = truncate_indices(len(toks_l), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
+            toks_l = [toks_l[i] for i in keep_idx]
+            sb = [sb[i] for i in keep_idx]
         seq = _Seq(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
-                   n_keep, shift, embedding, pooling, normalize)
+                   n_keep, shift, embedding, pooling, normalize, sb)
         with self._lock:
             self._waiting.append(seq)
             self._ensure_loop()
@@ -595,9 +629,14 @@ class Runner:
             self.slots.release(slot)
             seq.slot = None
             raise
+        if n_past and any(i + x >= n_past for i, x in enumerate(seq.same_batch[:n_past]) if x):
+            n_past = 0                           # a reused prefix must not end inside a group: re-process
+            self.cache.clear(slot)
         seq.cached = list(seq.prompt[:n_past])
+        seq.sb_cached = list(seq.same_batch[:n_past])
         self.slots.set_tokens(slot, seq.cached)
-        seq.pending = list(seq.prompt[n_past:])
+        seq.pending = deque(seq.prompt[n_past:])
+        seq.sb_pending = deque(seq.same_batch[n_past:])
         seq.n_prompt_left = len(seq.pending)
         seq.result.n_cached = n_past
         seq.result.prompt_eval_count = len(seq.prompt)
@@ -618,7 +657,7 @@ class Runner:
         for t in seq.cached:
             if isinstance(t, _Placeholder) and t.value is None:
                 t.fill(0)           # the row computes token 0: the cache then really holds 0 there
-        seq.pending = []
+        seq.pending, seq.sb_pending = deque(), deque()
         if seq.slot is not None:
             self._active.pop(seq.slot, None)
             if error is not None:
@@ -633,19 +672,21 @@ class Runner:
         """Make room in a full context: drop tokens after n_keep (or clear and re-process)."""
         n = len(seq.cached)
         keep = min(seq.n_keep, self.n_ctx - 1)
-        discard = shift_discard(n, keep, self.n_ctx)
+        discard = shift_discard(n, keep, self.n_ctx, seq.sb_cached)
         seq.result.n_shifts += 1
         if discard <= 0:
             return
         kept = seq.cached[:keep] + seq.cached[keep + discard:]
+        kept_sb = seq.sb_cached[:keep] + seq.sb_cached[keep + discard:]
         try:
             self.cache.remove(seq.slot, keep, keep + discard)
-            seq.cached = kept
+            seq.cached, seq.sb_cached = kept, kept_sb
         except NotSupported:
             # the cache cannot shift (device memory, shared cells): re-process what is kept
             self.cache.clear(seq.slot)
-            seq.cached = []
-            seq.pending = kept + seq.pending
+            seq.cached, seq.sb_cached = [], []
+            seq.pending = deque(kept + list(seq.pending))
+            seq.sb_pending = deque(kept_sb + list(seq.sb_pending))
             seq.n_prompt_left += len(kept)
         self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
 
@@ -666,7 +707,7 @@ class Runner:
         order = [s for s in ready if s >= self._next_seq] + [s for s in ready if s < self._next_seq]
         embedding = self._active[order[0]].embedding
         toks: list = []
-        pos, rows_seq, want = [], [], []
+        pos, rows_seq, want, tied = [], [], [], []
         members = []
         limit = self.n_batch
         resume = None
@@ -680,7 +721,14 @@ class Runner:
                 limit = max(limit, len(seq.pending))       # the whole input in one batch
             n_in = 0
             while seq.pending and len(toks) < limit:
-                if len(seq.cached) + 1 > self.n_ctx:
+                need = _group_extent(seq.sb_pending)
+                if need > limit:
+                    if toks:
+                        break                 # a group bigger than the batch goes first in the next one
+                    limit = need
+                if len(toks) + need > limit:
+                    break
+                if len(seq.cached) + need > self.n_ctx:
                     if n_in:
                         break                 # never shift in the middle of a batch
                     wait_prev()
@@ -690,21 +738,24 @@ class Runner:
                         self._finish(seq, DoneReason.LENGTH)
                         break
                     self._shift(seq)
-                    if len(seq.cached) + 1 > self.n_ctx:
+                    if len(seq.cached) + need > self.n_ctx:
                         self._finish(seq, DoneReason.LENGTH)
                         break
                     continue
-                tok = seq.pending.pop(0)
-                if isinstance(tok, _Placeholder):
-                    tok.row = len(toks)
-                pos.append(len(seq.cached))
-                seq.cached.append(tok)
-                toks.append(tok)
-                rows_seq.append(slot)
-                want.append(embedding)
-                n_in += 1
-                if seq.n_prompt_left:
-                    seq.n_prompt_left -= 1
+                for j in range(need):         # a same-batch group goes in whole
+                    tok = seq.pending.popleft()
+                    seq.sb_cached.append(seq.sb_pending.popleft())
+                    if isinstance(tok, _Placeholder):
+                        tok.row = len(toks)
+                    tied.append(j > 0)
+                    pos.append(len(seq.cached))
+                    seq.cached.append(tok)
+                    toks.append(tok)
+                    rows_seq.append(slot)
+                    want.append(embedding)
+                    n_in += 1
+                    if seq.n_prompt_left:
+                        seq.n_prompt_left -= 1
             if seq.finished.is_set():
                 continue
             if n_in:
@@ -722,11 +773,14 @@ class Runner:
         self._next_seq = resume if resume is not None else rows_seq[-1] + 1
         tok_a = np.array([0 if isinstance(t, _Placeholder) and t.value is None else int(t) for t in toks],
                          dtype=np.int64)
-        ubs = self._split(tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want))
+        ubs = self._split(tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want),
+                          np.asarray(tied, bool))
+        starts = np.cumsum([0] + [len(ub.tokens) for ub in ubs])
         for t in toks:
             if isinstance(t, _Placeholder):
-                t.ubatch = ubs[t.row // self.n_ubatch]
-                t.row %= self.n_ubatch
+                k = int(np.searchsorted(starts, t.row, side="right")) - 1
+                t.ubatch, t.row = ubs[k], t.row - int(starts[k])
+        self.batch_sizes.append([len(ub.tokens) for ub in ubs])
         return _Batch(ubs, embedding, members)
 
     def _launch(self, batch: _Batch) -> None:
@@ -802,6 +856,7 @@ class Runner:
                 self._finish(seq, DoneReason.LENGTH)
             elif ph is None:
                 seq.pending.append(tok)
+                seq.sb_pending.append(0)
 
     def _loop(self) -> None:
         prev: Optional[_Batch] = None
@@ -828,6 +883,7 @@ class Runner:
                         if m.has_out and not prev.embedding and not seq.pending and not seq.finished.is_set():
                             seq.placeholder = _Placeholder(seq)
                             seq.pending.append(seq.placeholder)
+                            seq.sb_pending.append(0)
                 try:
                     batch = self._form_batch(wait_prev)
                 except BaseException as e:     # noqa: BLE001 - fail the requests, keep serving
@@ -883,6 +939,30 @@ class Runner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _group_extent(sb) -> int:
+    """How many leading inputs form one same-batch group (overlapping groups merge); 1 without one."""
+    if not sb or not sb[0]:
+        return 1
+    end, k = 1 + sb[0], 1
+    for x in itertools.islice(sb, 1, None):
+        if k >= end:
+            break
+        end = max(end, k + 1 + x)
+        k += 1
+    return min(end, len(sb))
+
+
+def _max_group(sb: list) -> int:
+    """The longest same-batch group (overlapping groups merged)."""
+    best = start = end = 0
+    for i, x in enumerate(sb):
+        if i >= end:
+            start = end = i
+        end = max(end, i + 1 + x)
+        best = max(best, end - start)
+    return best
 
 
 def _pool(hidden: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
