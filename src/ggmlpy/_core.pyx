@@ -43,5 +43,6 @@ include "_pxi/backend.pxi"       # devices, backends, buffer types, buffers, gra
 include "_pxi/sched.pxi"         # scheduler, RPC
 include "_pxi/quants.pxi"        # quantize / dequantize
 include "_pxi/system.pxi"        # versions, CPU features, devices
+include "_pxi/gguf.pxi"          # GGUF files through gguf.h (reader/writer in ggmlpy.gguf)
 
 _install_hooks()

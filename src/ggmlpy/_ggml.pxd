@@ -2,7 +2,7 @@
 # One `cdef extern` block per header, in ggml's order; names are verbatim.
 # Only _core cimports this file.
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t
+from libc.stdint cimport int8_t, int16_t, int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdio cimport FILE
 
 
@@ -514,6 +514,76 @@ cdef extern from "ggml-cpu.h" nogil:
     int ggml_cpu_has_sve()
     int ggml_cpu_has_llamafile()
 
+
+
+# gguf.h: the GGUF file format. Most getters and setters GGML_ASSERT (abort) on
+# a wrong index, a type mismatch, an empty key, a duplicate tensor name or a
+# general.alignment that is not a power-of-two u32: gguf.pxi checks first.
+cdef extern from "gguf.h" nogil:
+    enum:
+        GGUF_VERSION
+        GGUF_DEFAULT_ALIGNMENT
+    enum gguf_type:
+        GGUF_TYPE_UINT8
+        GGUF_TYPE_INT8
+        GGUF_TYPE_UINT16
+        GGUF_TYPE_INT16
+        GGUF_TYPE_UINT32
+        GGUF_TYPE_INT32
+        GGUF_TYPE_FLOAT32
+        GGUF_TYPE_BOOL
+        GGUF_TYPE_STRING
+        GGUF_TYPE_ARRAY
+        GGUF_TYPE_UINT64
+        GGUF_TYPE_INT64
+        GGUF_TYPE_FLOAT64
+        GGUF_TYPE_COUNT
+    struct gguf_context
+    struct gguf_init_params:
+        bint no_alloc
+        ggml_context ** ctx
+    gguf_context * gguf_init_empty()
+    gguf_context * gguf_init_from_file(const char * fname, gguf_init_params params)
+    gguf_context * gguf_init_from_buffer(const void * data, size_t size, gguf_init_params params)
+    void gguf_free(gguf_context * ctx)
+    const char * gguf_type_name(gguf_type type)
+    uint32_t gguf_get_version(const gguf_context * ctx)
+    size_t gguf_get_alignment(const gguf_context * ctx)
+    size_t gguf_get_data_offset(const gguf_context * ctx)
+    int64_t gguf_get_n_kv(const gguf_context * ctx)
+    int64_t gguf_find_key(const gguf_context * ctx, const char * key)
+    const char * gguf_get_key(const gguf_context * ctx, int64_t key_id)
+    gguf_type gguf_get_kv_type(const gguf_context * ctx, int64_t key_id)
+    gguf_type gguf_get_arr_type(const gguf_context * ctx, int64_t key_id)
+    const char * gguf_get_val_str(const gguf_context * ctx, int64_t key_id)
+    const void * gguf_get_val_data(const gguf_context * ctx, int64_t key_id)
+    size_t gguf_get_arr_n(const gguf_context * ctx, int64_t key_id)
+    const void * gguf_get_arr_data(const gguf_context * ctx, int64_t key_id)
+    const char * gguf_get_arr_str(const gguf_context * ctx, int64_t key_id, size_t i)
+    int64_t gguf_get_n_tensors(const gguf_context * ctx)
+    int64_t gguf_find_tensor(const gguf_context * ctx, const char * name)
+    size_t gguf_get_tensor_offset(const gguf_context * ctx, int64_t tensor_id)
+    const char * gguf_get_tensor_name(const gguf_context * ctx, int64_t tensor_id)
+    const int64_t * gguf_get_tensor_ne(const gguf_context * ctx, int64_t tensor_id)
+    ggml_type gguf_get_tensor_type(const gguf_context * ctx, int64_t tensor_id)
+    size_t gguf_get_tensor_size(const gguf_context * ctx, int64_t tensor_id)
+    void gguf_set_val_u8(gguf_context * ctx, const char * key, uint8_t val)
+    void gguf_set_val_i8(gguf_context * ctx, const char * key, int8_t val)
+    void gguf_set_val_u16(gguf_context * ctx, const char * key, uint16_t val)
+    void gguf_set_val_i16(gguf_context * ctx, const char * key, int16_t val)
+    void gguf_set_val_u32(gguf_context * ctx, const char * key, uint32_t val)
+    void gguf_set_val_i32(gguf_context * ctx, const char * key, int32_t val)
+    void gguf_set_val_f32(gguf_context * ctx, const char * key, float val)
+    void gguf_set_val_u64(gguf_context * ctx, const char * key, uint64_t val)
+    void gguf_set_val_i64(gguf_context * ctx, const char * key, int64_t val)
+    void gguf_set_val_f64(gguf_context * ctx, const char * key, double val)
+    void gguf_set_val_bool(gguf_context * ctx, const char * key, bint val)
+    void gguf_set_val_str(gguf_context * ctx, const char * key, const char * val)
+    void gguf_set_arr_data(gguf_context * ctx, const char * key, gguf_type type, const void * data, size_t n)
+    void gguf_set_arr_str(gguf_context * ctx, const char * key, const char ** data, size_t n)
+    void gguf_add_tensor(gguf_context * ctx, const ggml_tensor * tensor)
+    size_t gguf_get_meta_size(const gguf_context * ctx)
+    void gguf_get_meta_data(const gguf_context * ctx, void * data)
 
 # ggml-rpc.h: remote devices over TCP. Reached through ggmlpy_rpc.h, which
 # compiles to stubs when ggml was built without GGML_RPC.
