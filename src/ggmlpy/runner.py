@@ -190,7 +190,7 @@ class _Batch:
     embedding: bool
     members: list
     outputs: list = field(default_factory=list)
-    thread: Optional[threading.Thread] = None
+    done: Optional[threading.Event] = None    # set by the compute thread (pipelining)
     error: Optional[BaseException] = None
 
 
@@ -294,6 +294,8 @@ class Runner:
         self._active: dict[int, _Seq] = {}
         self._next_seq = 0
         self._thread: Optional[threading.Thread] = None
+        self._worker: Optional[threading.Thread] = None
+        self._jobs = None
         self._stopping = False
         self.n_batches = 0
         self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
@@ -784,27 +786,42 @@ class Runner:
         return _Batch(ubs, embedding, members)
 
     def _launch(self, batch: _Batch) -> None:
-        """Compute a built batch; in a worker thread when pipelining (the GIL is released inside ggml)."""
-        def work():
-            try:
-                for ub in batch.ubatches:
-                    r = self._compute(ub)
-                    if r is not None:
-                        batch.outputs.append(r)
-            except BaseException as e:       # noqa: BLE001 - handed to _complete
-                batch.error = e
+        """Compute a built batch: on the compute thread when pipelining (ggml releases the GIL), else here."""
+        if not self.pipeline:
+            self._work(batch)
+            return
+        if self._worker is None or not self._worker.is_alive():
+            # one long-lived thread: ggml's CPU backend (OpenMP) keeps a thread team per calling thread,
+            # so a new thread per batch would pay for a new team every time
+            self._jobs = queue.SimpleQueue()
+            self._worker = threading.Thread(target=self._work_loop, args=(self._jobs,), name="ggmlpy-compute",
+                                            daemon=True)
+            self._worker.start()
+        batch.done = threading.Event()
+        self._jobs.put(batch)
 
-        if self.pipeline:
-            batch.thread = threading.Thread(target=work, name="ggmlpy-compute", daemon=True)
-            batch.thread.start()
-        else:
-            work()
+    def _work_loop(self, jobs) -> None:
+        while True:
+            batch = jobs.get()
+            if batch is None:
+                return
+            self._work(batch)
+            batch.done.set()
+
+    def _work(self, batch: _Batch) -> None:
+        try:
+            for ub in batch.ubatches:
+                r = self._compute(ub)
+                if r is not None:
+                    batch.outputs.append(r)
+        except BaseException as e:       # noqa: BLE001 - handed to _complete
+            batch.error = e
 
     def _complete(self, batch: _Batch) -> None:
         """Wait for a batch, then sample, stream and feed each sequence's next input (lock held)."""
-        if batch.thread is not None:
-            batch.thread.join()
-            batch.thread = None
+        if batch.done is not None:
+            batch.done.wait()
+            batch.done = None
         self.n_batches += 1
         if batch.error is not None:
             for m in batch.members:
@@ -903,7 +920,7 @@ class Runner:
                         self._build(ub, batch.embedding)
                 except BaseException as e:     # noqa: BLE001
                     batch.error = e
-                if prev is not None and prev.thread is not None and prev.thread.is_alive():
+                if prev is not None and prev.done is not None and not prev.done.is_set():
                     self.overlap_s += time.perf_counter() - t0
             with self._lock:
                 wait_prev()
@@ -929,6 +946,10 @@ class Runner:
                 self._stopping = True
                 self._lock.notify_all()
             t.join()
+        w = getattr(self, "_worker", None)
+        if w is not None:
+            self._jobs.put(None)
+            w.join()
         self.closed = True
         if self.rt is not None:
             self.rt.close()

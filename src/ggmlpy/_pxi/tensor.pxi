@@ -537,6 +537,45 @@ cdef class Tensor:
                     PyBuffer_Release(&src)
         self._set_slow(array)
 
+    def set_bytes(self, data, offset=0):
+        """Write raw bytes (already in the tensor's type and layout) at byte ``offset``.
+
+        For loading files: quantized and BF16 data go in as stored, host or
+        device memory alike (device writes release the GIL). The tensor must
+        be contiguous and the bytes must fit.
+
+        Raises
+        ------
+        GGMLValueError
+            Out of range, not contiguous, read-only or no memory.
+        """
+        cdef g.ggml_tensor * p = self.ptr
+        cdef Py_buffer src
+        cdef size_t off, n, total
+        self._ensure_op("set_bytes")
+        off = _index(offset, "set_bytes", "offset", _K_SIZE)
+        if not g.ggml_is_contiguous(p):
+            raise GGMLValueError("set_bytes: the tensor must be contiguous")
+        if self.readonly:
+            raise GGMLValueError("set_bytes: tensor is read-only")
+        if p.data == NULL:
+            raise GGMLValueError(f"set_bytes: tensor {p.name.decode(errors='replace')!r} has no memory")
+        total = g.ggml_nbytes(p)
+        PyObject_GetBuffer(data, &src, PyBUF_SIMPLE)
+        try:
+            n = <size_t> src.len
+            if off > total or n > total - off:
+                raise GGMLValueError(f"set_bytes: {n} bytes at offset {off} do not fit a tensor of {total} bytes")
+            if n == 0:
+                return
+            if _device_tensor(p):
+                with nogil:
+                    g.ggml_backend_tensor_set(p, src.buf, off, n)
+            else:
+                _copy_bytes(<char *> p.data + off, src.buf, n)
+        finally:
+            PyBuffer_Release(&src)
+
     cdef int _set_slow(self, array) except -1:
         cdef g.ggml_tensor * p = self.ptr
         dt = _NP_DTYPES.get(p.type)

@@ -325,10 +325,17 @@ class LlamaModel:
                             progress(done + pos, total)
                     del dst
                 else:
-                    data = f.read(t.nbytes)
-                    if len(data) != t.nbytes:
-                        raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
-                    t.set_raw(data)
+                    buf = bytearray(min(chunk, t.nbytes))
+                    pos = 0
+                    while pos < t.nbytes:
+                        view = memoryview(buf)[:min(chunk, t.nbytes - pos)]
+                        n = f.readinto(view)
+                        if n != len(view):
+                            raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
+                        t.set_bytes(view, pos)
+                        pos += n
+                        if progress is not None:
+                            progress(done + pos, total)
                 done += t.nbytes
                 if progress is not None:
                     progress(done, total)

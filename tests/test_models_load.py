@@ -1,0 +1,72 @@
+"""Loading a GGUF model: peak RSS stays near the model's size (data is read straight into the weight
+buffers), progress is reported, and bad files give clear errors (no transformers needed here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ggmlpy import gguf
+from ggmlpy.models import MissingTensor, load_model
+from ggmlpy.models.synthetic import write_synthetic
+
+CHILD = r"""
+import json, resource, sys
+import ggmlpy
+from ggmlpy.models import load_model
+from ggmlpy.runner import Runner
+kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = kib()
+m = load_model(sys.argv[1])
+after = kib()
+print(json.dumps({"before": before * 1024, "after": after * 1024, "size": m.size}))
+"""
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("syn") / "m.gguf", size="15M", type="F16", seed=3)
+
+
+def test_peak_rss_is_model_size_plus_a_small_margin(synth):
+    out = subprocess.run([sys.executable, "-c", CHILD, str(synth)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    grew = r["after"] - r["before"]
+    assert r["size"] > 30 << 20
+    # margin: 8 MiB plus 5% (allocator rounding, the metadata context); a second copy would be 100%
+    assert grew <= r["size"] * 1.05 + (8 << 20), (grew / 2**20, r["size"] / 2**20)
+
+
+def test_weights_equal_the_file(synth):
+    with load_model(synth) as m, gguf.GGUFReader(synth) as rd:
+        for name in ("token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"):
+            np.testing.assert_array_equal(m.weights[name].numpy().view(np.uint8).ravel(),
+                                          rd.tensor_data(name).view(np.uint8).ravel())
+
+
+def test_truncated_file_and_wrong_shape(tmp_path, synth):
+    data = open(synth, "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(gguf.GGUFError):
+        load_model(cut)
+    # a tensor with the wrong shape: MissingTensor naming it, nothing left allocated
+    bad = tmp_path / "bad.gguf"
+    with gguf.GGUFReader(synth) as rd:
+        w = gguf.GGUFWriter(str(bad))
+        for k, v in rd.metadata.items():
+            if k != gguf.ALIGNMENT_KEY:
+                w.add(k, v, None if isinstance(v, (list, np.ndarray)) else rd.kv_type(k))
+        for info in rd.tensors:
+            arr = rd.tensor_data(info.name)
+            if info.name == "blk.1.ffn_down.weight":
+                arr = arr[:, :-32]
+            w.add_tensor(info.name, arr, type=info.type)
+        w.write()
+    with pytest.raises(MissingTensor, match="blk.1.ffn_down.weight.*expected"):
+        load_model(bad)
