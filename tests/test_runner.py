@@ -58,6 +58,7 @@ def test_pipelined_equals_sequential(model, n_seq):
             outs[pipeline] = [h.result().tokens for h in hs]
             if pipeline:
                 assert rt.n_batches > 20
+            assert rt.rt.reallocations == 0           # the start-up reservation covered every batch
     assert outs[True] == outs[False]
 
 
@@ -224,3 +225,22 @@ def test_same_batch_groups_are_never_split(model):
         sb[1] = 2                                     # 1..3 in one micro-batch: the cut moves back
         rt.generate(prompt, max_tokens=1, same_batch=sb)
         assert list(rt.batch_sizes)[0] == [1, 3, 3, 1]
+
+
+def test_prefix_reuse_with_a_sliding_window(tmp_path):
+    """mistral with a window of 6: the cache keeps only the last positions, so a prompt may resume
+    where the window's history is still stored, and is re-processed fully where it was evicted;
+    both give what a fresh run (and transformers) give."""
+    hf = hf_model("mistral", seed=13)
+    with load_model(export_gguf(hf, tmp_path / "m.gguf", "mistral")) as m:
+        with Runner(m, n_ctx=32, n_seq_max=2, type_k="f32", type_v="f32") as rt:
+            rt.generate(PROMPT, max_tokens=1)                       # stores positions 6..12
+            tail = rt.generate(PROMPT + [9], max_tokens=6)        # needs 7..11: forked, resumed at 12
+            assert tail.n_cached == len(PROMPT)
+            head = rt.generate(PROMPT[:4] + [8], max_tokens=6)    # positions 0..3 evicted
+            assert head.n_cached == 0
+        with Runner(m, n_ctx=32, type_k="f32", type_v="f32") as rt:
+            assert rt.generate(PROMPT + [9], max_tokens=6).tokens == tail.tokens
+            assert rt.generate(PROMPT[:4] + [8], max_tokens=6).tokens == head.tokens
+    assert tail.tokens == hf_greedy(hf, PROMPT + [9], 6)
+    assert head.tokens == hf_greedy(hf, PROMPT[:4] + [8], 6)

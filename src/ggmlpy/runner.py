@@ -612,14 +612,15 @@ class Runner:
         slot, n_past = lp.slot, lp.n_past
         seq.slot = slot
         try:
-            if lp.fork_from is not None and n_past > 0:
+            fork = lp.fork_from is not None and n_past > 0
+            if fork:
                 self.cache.clear(slot)
                 self.cache.copy_prefix(lp.fork_from, slot, n_past)
-            elif n_past > 0 and not self.cache.can_resume(slot, n_past):
-                n_past = 0
+            if n_past > 0 and not self.cache.can_resume(slot, n_past):
+                n_past = 0                       # e.g. a sliding window evicted what the prompt needs
             if n_past == 0:
                 self.cache.clear(slot)
-            elif lp.fork_from is None:
+            elif not fork:
                 try:
                     self.cache.remove(slot, n_past, None)
                 except NotSupported:

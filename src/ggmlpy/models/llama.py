@@ -176,7 +176,7 @@ class BuiltGraph:
     positions: Tensor
     kv_idx: Tensor
     kv_mask: Tensor
-    out_ids: Optional[Tensor]
+    out_ids: Tensor
     output: Tensor           # logits (n_vocab, n_out) or hidden states (n_embd, n_out) for embeddings
     n_tokens: int
     n_out: int
@@ -187,17 +187,19 @@ class BuiltGraph:
         self.positions.set(np.asarray(positions, dtype=np.int32))
         self.kv_idx.set(np.asarray(plan.slots, dtype=np.int64))
         self.kv_mask.set(plan.mask)
-        if self.out_ids is not None:
-            self.out_ids.set(np.asarray(out_ids, dtype=np.int32))
+        self.out_ids.set(np.asarray(out_ids, dtype=np.int32))
 
     def free(self) -> None:
         self.ctx.free()
 
 
 def _size_label(n: int) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.0f}B" if n >= 1e10 else f"{n / 1e9:.1f}B".replace(".0B", "B")
-    return f"{n / 1e6:.0f}M"
+    """``110M``, ``1.1B``, ``7B``; one decimal below 10 of the unit."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale or unit == "K":
+            v = n / scale
+            return (f"{v:.1f}" if v < 10 else f"{v:.0f}").replace(".0", "") + unit
+    return str(n)
 
 
 class LlamaModel:
@@ -362,8 +364,7 @@ class LlamaModel:
               embeddings: bool = False) -> BuiltGraph:
         """Build the forward graph for a batch of ``n_tokens`` through ``cache`` with ``plan``.
 
-        ``n_out`` rows produce output (selected by the ``out_ids`` input when
-        fewer than ``n_tokens``). The result is the logits ``ne = (n_vocab,
+        ``n_out`` rows produce output (selected by the ``out_ids`` input). The result is the logits ``ne = (n_vocab,
         n_out)``, or with ``embeddings`` the final-normed hidden states
         ``ne = (n_embd, n_out)``. Inputs are created unallocated: allocate
         the graph with the scheduler, then :meth:`BuiltGraph.set_inputs`.
@@ -379,7 +380,9 @@ class LlamaModel:
         pos = ctx.new_tensor(Type.I32, (n,), name="inp_pos").set_input()
         kv_idx = ctx.new_tensor(Type.I64, (n,), name="kv_slots").set_input()
         kv_mask = ctx.new_tensor(Type.F16, (plan.n_kv, n), name="kv_mask").set_input()
-        out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input() if n_out < n else None
+        # always present (even when every row is output) so that every graph has the topology the
+        # worst-case reservation measured
+        out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input()
         ff = w["rope_freqs.weight"] if self.has_rope_freqs else None
         scale = 1.0 / math.sqrt(c.head_dim)
         pending = []
@@ -411,7 +414,7 @@ class LlamaModel:
                     o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
                 o = ctx.cont(ctx.permute(o, 0, 2, 1, 3), (c.head_dim * c.n_head, n))
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
-            if il == c.n_layer - 1 and out_ids is not None:
+            if il == c.n_layer - 1:
                 # only the rows that produce output go further
                 o = ctx.get_rows(o, out_ids)
                 x = ctx.get_rows(x, out_ids)
