@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -498,3 +499,19 @@ def test_real_run_on_tiny_model(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "| pp16 |" in cap.out.replace(" ", "").replace("|pp16|", "| pp16 |")
     assert "memory of pp16" in cap.err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_vs_llama_cpp_for_real(tmp_path, capsys):
+    """The same tests through llama-cpp-python in its worker process, on the same synthetic file."""
+    code = bm.main(["--synthetic", "tiny", "-p", "16", "-n", "4", "-r", "2", "-t", "1", "-o", "jsonl",
+                    "--vs", "llama.cpp", "--cache-dir", str(tmp_path)])
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0
+    assert [(r["engine"], r["n_prompt"], r["n_gen"]) for r in recs] == [
+        ("ggmlpy", 16, 0), ("llama.cpp", 16, 0), ("ggmlpy", 0, 4), ("llama.cpp", 0, 4)]
+    for mine, peer in (recs[:2], recs[2:]):
+        assert peer["avg_ts"] > 0 and peer["model_n_params"] == mine["model_n_params"]
+        assert peer["model_filename"] == mine["model_filename"]
+        assert mine["ratio_vs_llama_cpp"] == pytest.approx(mine["avg_ts"] / peer["avg_ts"])
+        assert peer["ratio_vs_llama_cpp"] is None

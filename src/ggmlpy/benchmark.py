@@ -1425,7 +1425,7 @@ def swept_variable(results: list[Result]) -> str:
 def plot(results: list[Result], path: str | os.PathLike) -> None:
     """Plot t/s (with the ± as error bars) against the swept variable and save a PNG.
 
-    One line per model, engine and kind of test (pp, tg, pp+tg). When the prompt
+    One line per model file, engine and kind of test (pp, tg, pp+tg). When the prompt
     size is the swept variable, tg tests (which have no prompt) are left out.
 
     Raises
@@ -1456,7 +1456,7 @@ def plot(results: list[Result], path: str | os.PathLike) -> None:
             kind = Instance(i.model, i.n_prompt, i.n_gen).name
         else:
             kind = i.name
-        key = (r.model_type, r.engine, kind)
+        key = (Path(i.model).stem, r.engine, kind)  # engines name one model differently
         lines.setdefault(key, []).append((getattr(i, x_name), r.avg_ts, r.stddev_ts))
     fig, ax = plt.subplots(figsize=(8, 5))
     for (model, engine, kind), pts in sorted(lines.items()):
