@@ -37,9 +37,8 @@ apply the whole change or raise with the state untouched.
 
 from __future__ import annotations
 
-import copy as _copy
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -101,6 +100,18 @@ class Cells:
         self._pos_min = np.full(n_seq_max, -1, dtype=np.int32)
         self._pos_max = np.full(n_seq_max, -1, dtype=np.int32)
         self._used = 0
+        self._version = 0           # bumped by every change, so a plan can tell it is still current
+
+    def copy(self) -> Cells:
+        """An independent copy (plain array copies: much cheaper than ``copy.deepcopy``)."""
+        c = object.__new__(Cells)
+        c._n_cells, c._n_seq_max, c._used, c._version = self._n_cells, self._n_seq_max, self._used, self._version
+        c._pos, c._seq = self._pos.copy(), self._seq.copy()
+        c._pos_min, c._pos_max = self._pos_min.copy(), self._pos_max.copy()
+        return c
+
+    def __deepcopy__(self, memo) -> Cells:
+        return self.copy()
 
     # ------------------------------------------------------------------ state
 
@@ -134,6 +145,7 @@ class Cells:
 
     def _refresh(self) -> None:
         """Free empty cells and recompute ``used`` and per-sequence min/max."""
+        self._version += 1
         occupied = self._seq.any(axis=1)
         self._pos[~occupied] = -1
         self._used = int(occupied.sum())
@@ -614,6 +626,8 @@ class ForwardPlan:
     reserve: bool
     trim: dict
     n_cells: int
+    _base: Optional[tuple] = field(default=None, repr=False, compare=False)
+    _after: Optional[Cells] = field(default=None, repr=False, compare=False)
 
     @property
     def n_batch(self) -> int:
@@ -985,7 +999,7 @@ class Causal:
             mask = np.zeros((n, cells.n_cells), dtype=np.float32)
             return ForwardPlan(positions, seq_ids, slots, 0, cells.n_cells, mask, True, {},
                                cells.n_cells)
-        trial = _copy.deepcopy(cells)
+        trial = cells.copy()
         trim = self._trim_positions(trial, positions, seq_ids)
         if trim:
             trial.trim_window(trim, self.memory)
@@ -996,7 +1010,8 @@ class Causal:
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
         mask = trial.mask(positions, seq_ids, window=self.window, chunk=self.chunk,
                           except_rows=except_rows, lo=lo, hi=hi)
-        return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells)
+        return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells,
+                           _base=(cells, cells._version), _after=trial)
 
     def apply(self, plan: ForwardPlan) -> None:
         """Commit a plan's metadata (eviction, then the new cells); all or nothing."""
@@ -1009,7 +1024,12 @@ class Causal:
         self._check_plan(plan)
         if plan.reserve:
             return None
-        trial = _copy.deepcopy(self.cells)
+        base = plan._base
+        if base is not None and base[0] is self._cells and base[1] == self._cells._version:
+            # nothing changed since the plan was made: its planned state is the answer
+            object.__setattr__(plan, "_base", None)
+            return plan._after
+        trial = self.cells.copy()
         if plan.trim:
             trial.trim_window(plan.trim, self.memory)
         trial.apply(plan.slots, plan.positions, plan.seq_ids)
@@ -1154,7 +1174,7 @@ class Causal:
             held = cells.seqs[:, seq]
             if (held & (cells.pos >= int(end))).any():
                 raise NotSupported("model does not support operation: shifting positions")
-        trial = _copy.deepcopy(cells)
+        trial = cells.copy()
         shifted = trial.remove(seq, begin, end)
         return trial, shifted, begin, end
 

@@ -224,7 +224,8 @@ cdef class BufferType:
             The device could not provide it (the message names size and device).
         """
         cdef g.ggml_backend_buffer_t b
-        _need(size > 0, "alloc_buffer", "size must be > 0")
+        if not (size > 0):
+            _fail("alloc_buffer", "size must be > 0")
         with nogil:
             b = g.ggml_backend_buft_alloc_buffer(self.ptr, size)
         if b == NULL:
@@ -329,13 +330,15 @@ cdef class Buffer:
     def usage(self, value):
         cdef int u = _index(value, "buffer_set_usage", "usage", _K_INT)
         self._ensure()
-        _need(u in (0, 1, 2), "buffer_set_usage", f"usage must be a BufferUsage (got {value!r})")
+        if not (u in (0, 1, 2)):
+            _fail("buffer_set_usage", f"usage must be a BufferUsage (got {value!r})")
         g.ggml_backend_buffer_set_usage(self.ptr, <g.ggml_backend_buffer_usage> u)
 
     def clear(self, int value=0):
         """Fill the whole buffer with the byte ``value``."""
         self._ensure()
-        _need(0 <= value <= 255, "buffer_clear", f"value must be a byte (got {value})")
+        if not (0 <= value <= 255):
+            _fail("buffer_clear", f"value must be a byte (got {value})")
         with nogil:
             g.ggml_backend_buffer_clear(self.ptr, <uint8_t> value)
 
@@ -469,7 +472,8 @@ cdef class Backend:
         self._ensure()
         if not g.ggml_backend_is_cpu(self.ptr):
             raise GGMLValueError(f"set_n_threads: {self.name} is not a CPU backend")
-        _need(1 <= n_threads <= 512, "set_n_threads", f"n_threads must be in [1, 512] (got {n_threads})")
+        if not (1 <= n_threads <= 512):
+            _fail("set_n_threads", f"n_threads must be in [1, 512] (got {n_threads})")
         g.ggml_backend_cpu_set_n_threads(self.ptr, n_threads)
 
     def supports_op(self, Tensor op not None):

@@ -8,10 +8,12 @@ cdef int64_t _conv_out(int64_t ins, int64_t ks, int64_t s, int64_t p, int64_t d)
 
 
 cdef int _conv_params(str op, int s0, int s1, int p0, int p1, int d0, int d1) except -1:
-    _need(s0 > 0 and s1 > 0, op, f"strides must be > 0 (got s0={s0}, s1={s1})")
-    _need(0 <= p0 < (1 << 30) and 0 <= p1 < (1 << 30), op,
-          f"padding must be in [0, 2**30) (got p0={p0}, p1={p1}; ggml doubles it in a C int)")
-    _need(d0 > 0 and d1 > 0, op, f"dilation must be > 0 (got d0={d0}, d1={d1})")
+    if not (s0 > 0 and s1 > 0):
+        _fail(op, f"strides must be > 0 (got s0={s0}, s1={s1})")
+    if not (0 <= p0 < (1 << 30) and 0 <= p1 < (1 << 30)):
+        _fail(op, f"padding must be in [0, 2**30) (got p0={p0}, p1={p1}; ggml doubles it in a C int)")
+    if not (d0 > 0 and d1 > 0):
+        _fail(op, f"dilation must be > 0 (got d0={d0}, d1={d1})")
     return 0
 
 
@@ -76,15 +78,18 @@ cdef class Context(_CtxOps):
             raise GGMLTypeError(f"im2col: dst_type must be F16 or F32 (got {type_name(t)})")
         _contig(b, "im2col", "b")
         if is_2D:
-            _need(a.ptr.ne[2] == b.ptr.ne[2], "im2col", f"channels differ (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[2])")
+            if not (a.ptr.ne[2] == b.ptr.ne[2]):
+                _fail("im2col", f"channels differ (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[2])")
             OH = _conv_out(b.ptr.ne[1], a.ptr.ne[1], s1, p1, d1)
-            _need(OH > 0, "im2col", f"the kernel does not fit the input height (got a: {_desc(a)}, b: {_desc(b)})")
+            if not (OH > 0):
+                _fail("im2col", f"the kernel does not fit the input height (got a: {_desc(a)}, b: {_desc(b)})")
         else:
-            _need(b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1, "im2col",
-                  f"channels differ (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1], b.ne[3] == 1)")
+            if not (b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1):
+                _fail("im2col", f"channels differ (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1], b.ne[3] == 1)")
             OH = b.ptr.ne[2]
         OW = _conv_out(b.ptr.ne[0], a.ptr.ne[0], s0, p0, d0)
-        _need(OW > 0, "im2col", f"the kernel does not fit the input width (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (OW > 0):
+            _fail("im2col", f"the kernel does not fit the input width (got a: {_desc(a)}, b: {_desc(b)})")
         self._room("im2col", _out_bytes(t, a.ptr.ne[0] * a.ptr.ne[1] * (a.ptr.ne[2] if is_2D else 1), OW, OH,
                                         b.ptr.ne[3] if is_2D else 1), 1)
         return _res(self, g.ggml_im2col(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1, is_2D, <g.ggml_type> t), a, b)
@@ -106,11 +111,12 @@ cdef class Context(_CtxOps):
         _types(a, "conv_1d", "a", M_F32_F16); _types(b, "conv_1d", "b", M_F32_F16)
         _contig(a, "conv_1d", "a"); _contig(b, "conv_1d", "b")
         _conv_params("conv_1d", s0, 1, p0, 0, d0, 1)
-        _need(a.ptr.ne[3] == 1 and b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1, "conv_1d",
-              f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1] input channels)")
+        if not (a.ptr.ne[3] == 1 and b.ptr.ne[1] == a.ptr.ne[1] and b.ptr.ne[3] == 1):
+            _fail("conv_1d", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[1] == b.ne[1] input channels)")
         K, IC, OC, N = a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], b.ptr.ne[2]
         OL = _conv_out(b.ptr.ne[0], K, s0, p0, d0)
-        _need(OL > 0, "conv_1d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (OL > 0):
+            _fail("conv_1d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
         # im2col (f16), 2 reshapes, mul_mat, reshape, permute, cont
         self._room("conv_1d", _out_bytes(g.GGML_TYPE_F16, K * IC, OL, N, 1)
                    + 2 * _out_bytes(g.GGML_TYPE_F32, OL, OC, N, 1), 7)
@@ -133,10 +139,12 @@ cdef class Context(_CtxOps):
         _types(a, "conv_2d", "a", M_F32_F16); _types(b, "conv_2d", "b", M_F32_F16)
         _contig(a, "conv_2d", "a"); _contig(b, "conv_2d", "b")
         _conv_params("conv_2d", s0, s1, p0, p1, d0, d1)
-        _need(a.ptr.ne[2] == b.ptr.ne[2], "conv_2d", f"input channels differ (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (a.ptr.ne[2] == b.ptr.ne[2]):
+            _fail("conv_2d", f"input channels differ (got a: {_desc(a)}, b: {_desc(b)})")
         OW = _conv_out(b.ptr.ne[0], a.ptr.ne[0], s0, p0, d0)
         OH = _conv_out(b.ptr.ne[1], a.ptr.ne[1], s1, p1, d1)
-        _need(OW > 0 and OH > 0, "conv_2d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (OW > 0 and OH > 0):
+            _fail("conv_2d", f"the kernel does not fit the input (got a: {_desc(a)}, b: {_desc(b)})")
         self._room("conv_2d", _out_bytes(g.GGML_TYPE_F16, a.ptr.ne[0] * a.ptr.ne[1] * a.ptr.ne[2], OW, OH, b.ptr.ne[3])
                    + 2 * _out_bytes(g.GGML_TYPE_F32, OW, OH, a.ptr.ne[3], b.ptr.ne[3]), 7)
         return _res(self, g.ggml_conv_2d(self.ptr, a.ptr, b.ptr, s0, s1, p0, p1, d0, d1), a, b)
@@ -151,10 +159,12 @@ cdef class Context(_CtxOps):
         _nonzero_dims(a, "conv_transpose_1d", "a", 0); _nonzero_dims(b, "conv_transpose_1d", "b", 0)
         _types(a, "conv_transpose_1d", "a", M_F32_F16); _types(b, "conv_transpose_1d", "b", M_F32)
         _contig(a, "conv_transpose_1d", "a"); _contig(b, "conv_transpose_1d", "b")
-        _need(s0 > 0, "conv_transpose_1d", f"stride must be > 0 (got {s0})")
-        _need(p0 == 0 and d0 == 1, "conv_transpose_1d", f"ggml supports only p0=0, d0=1 (got p0={p0}, d0={d0})")
-        _need(b.ptr.ne[2] == 1 and b.ptr.ne[3] == 1 and a.ptr.ne[2] == b.ptr.ne[1] and a.ptr.ne[3] == 1,
-              "conv_transpose_1d", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[1], 2-d b)")
+        if not (s0 > 0):
+            _fail("conv_transpose_1d", f"stride must be > 0 (got {s0})")
+        if not (p0 == 0 and d0 == 1):
+            _fail("conv_transpose_1d", f"ggml supports only p0=0, d0=1 (got p0={p0}, d0={d0})")
+        if not (b.ptr.ne[2] == 1 and b.ptr.ne[3] == 1 and a.ptr.ne[2] == b.ptr.ne[1] and a.ptr.ne[3] == 1):
+            _fail("conv_transpose_1d", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[1], 2-d b)")
         self._room("conv_transpose_1d", _out_bytes(g.GGML_TYPE_F32, (b.ptr.ne[0] - 1) * s0 + a.ptr.ne[0], a.ptr.ne[1], 1, 1), 1)
         return _res(self, g.ggml_conv_transpose_1d(self.ptr, a.ptr, b.ptr, s0, p0, d0), a, b)
 
@@ -166,10 +176,13 @@ cdef class Context(_CtxOps):
         cdef int o = _index(op, "pool_1d", "op", _K_INT)
         cdef int64_t n
         _unary(self, a, "pool_1d", M_F32_F16, 2)
-        _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_1d", f"op must be PoolOp.MAX or AVG (got {op!r})")
-        _need(k0 > 0 and s0 > 0 and p0 >= 0, "pool_1d", f"k0 and s0 must be > 0 and p0 >= 0 (got {k0}, {s0}, {p0})")
+        if not (o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG):
+            _fail("pool_1d", f"op must be PoolOp.MAX or AVG (got {op!r})")
+        if not (k0 > 0 and s0 > 0 and p0 >= 0):
+            _fail("pool_1d", f"k0 and s0 must be > 0 and p0 >= 0 (got {k0}, {s0}, {p0})")
         n = (a.ptr.ne[0] + 2 * <int64_t> p0 - k0) // s0 + 1
-        _need(n > 0 and a.ptr.ne[0] + 2 * <int64_t> p0 >= k0, "pool_1d", f"the window does not fit (got a: {_desc(a)}, k0={k0})")
+        if not (n > 0 and a.ptr.ne[0] + 2 * <int64_t> p0 >= k0):
+            _fail("pool_1d", f"the window does not fit (got a: {_desc(a)}, k0={k0})")
         self._room("pool_1d", _out_bytes(g.GGML_TYPE_F32, n, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pool_1d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, s0, p0), a)
 
@@ -184,20 +197,22 @@ cdef class Context(_CtxOps):
         cdef int o = _index(op, "pool_2d", "op", _K_INT)
         cdef int64_t n0, n1
         _unary(self, a, "pool_2d", M_F32_F16, 2)
-        _need(o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG, "pool_2d", f"op must be PoolOp.MAX or AVG (got {op!r})")
-        _need(k0 > 0 and k1 > 0 and s0 > 0 and s1 > 0 and p0 >= 0 and p1 >= 0, "pool_2d",
-              "kernel sizes and strides must be > 0, padding >= 0")
+        if not (o == g.GGML_OP_POOL_MAX or o == g.GGML_OP_POOL_AVG):
+            _fail("pool_2d", f"op must be PoolOp.MAX or AVG (got {op!r})")
+        if not (k0 > 0 and k1 > 0 and s0 > 0 and s1 > 0 and p0 >= 0 and p1 >= 0):
+            _fail("pool_2d", "kernel sizes and strides must be > 0, padding >= 0")
         n0 = (a.ptr.ne[0] + 2 * <int64_t> p0 - k0) // s0 + 1
         n1 = (a.ptr.ne[1] + 2 * <int64_t> p1 - k1) // s1 + 1
-        _need(n0 > 0 and n1 > 0 and a.ptr.ne[0] + 2 * <int64_t> p0 >= k0 and a.ptr.ne[1] + 2 * <int64_t> p1 >= k1, "pool_2d",
-              f"the window does not fit (got a: {_desc(a)}, k=({k0}, {k1}))")
+        if not (n0 > 0 and n1 > 0 and a.ptr.ne[0] + 2 * <int64_t> p0 >= k0 and a.ptr.ne[1] + 2 * <int64_t> p1 >= k1):
+            _fail("pool_2d", f"the window does not fit (got a: {_desc(a)}, k=({k0}, {k1}))")
         self._room("pool_2d", _out_bytes(g.GGML_TYPE_F32, n0, n1, a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pool_2d(self.ptr, a.ptr, <g.ggml_op_pool> o, k0, k1, s0, s1, p0, p1), a)
 
     def upscale(self, Tensor a, scale_factor, mode=ScaleMode.NEAREST):
         """Scale dims 0 and 1 by an integer factor (f32)."""
         scale_factor = _index(scale_factor, "upscale", "scale_factor", _K_INT)
-        _need(scale_factor >= 1, "upscale", f"scale_factor must be >= 1 (got {scale_factor})")
+        if not (scale_factor >= 1):
+            _fail("upscale", f"scale_factor must be >= 1 (got {scale_factor})")
         self._ensure_op("upscale")
         _arg(a, "upscale", "a")
         return self.interpolate(a, a.ptr.ne[0] * scale_factor, a.ptr.ne[1] * scale_factor, a.ptr.ne[2], a.ptr.ne[3], mode)
@@ -211,9 +226,10 @@ cdef class Context(_CtxOps):
         cdef uint32_t m = _index(mode, "interpolate", "mode", _K_INT)
         _unary(self, a, "interpolate", M_F32, 0)
         _nonzero_dims(a, "interpolate", "a", 0)
-        _need((m & 0xFF) <= g.GGML_SCALE_MODE_BICUBIC and (m & ~(<uint32_t> 0x1FF)) == 0, "interpolate",
-              f"mode must be NEAREST, BILINEAR or BICUBIC, optionally | ALIGN_CORNERS (got {mode!r})")
-        _need(ne0 > 0 and ne1 > 0 and ne2 > 0 and ne3 > 0, "interpolate", f"target ne must be > 0 (got ({ne0}, {ne1}, {ne2}, {ne3}))")
+        if not ((m & 0xFF) <= g.GGML_SCALE_MODE_BICUBIC and (m & ~(<uint32_t> 0x1FF)) == 0):
+            _fail("interpolate", f"mode must be NEAREST, BILINEAR or BICUBIC, optionally | ALIGN_CORNERS (got {mode!r})")
+        if not (ne0 > 0 and ne1 > 0 and ne2 > 0 and ne3 > 0):
+            _fail("interpolate", f"target ne must be > 0 (got ({ne0}, {ne1}, {ne2}, {ne3}))")
         self._room("interpolate", _out_bytes(g.GGML_TYPE_F32, ne0, ne1, ne2, ne3), 1)
         return _res(self, g.ggml_interpolate(self.ptr, a.ptr, ne0, ne1, ne2, ne3, m), a)
 
@@ -237,7 +253,8 @@ cdef class Context(_CtxOps):
         rp3 = _index(rp3, "pad_ext", "rp3", _K_INT)
         _unary(self, a, "pad_ext", M_F32, 0)
         pads = (lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3)
-        _need(all(p >= 0 for p in pads), "pad_ext", f"padding must be >= 0 (got {pads})")
+        if not (all(p >= 0 for p in pads)):
+            _fail("pad_ext", f"padding must be >= 0 (got {pads})")
         self._room("pad_ext", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0] + lp0 + rp0, a.ptr.ne[1] + lp1 + rp1,
                                          a.ptr.ne[2] + lp2 + rp2, a.ptr.ne[3] + lp3 + rp3), 1)
         return _res(self, g.ggml_pad_ext(self.ptr, a.ptr, lp0, rp0, lp1, rp1, lp2, rp2, lp3, rp3), a)
@@ -247,8 +264,8 @@ cdef class Context(_CtxOps):
         p0 = _index(p0, "pad_reflect_1d", "p0", _K_INT)
         p1 = _index(p1, "pad_reflect_1d", "p1", _K_INT)
         _unary(self, a, "pad_reflect_1d", M_F32, 2)
-        _need(0 <= p0 < a.ptr.ne[0] and 0 <= p1 < a.ptr.ne[0], "pad_reflect_1d",
-              f"padding must be in [0, a.ne[0]) (got p0={p0}, p1={p1}, a: {_desc(a)})")
+        if not (0 <= p0 < a.ptr.ne[0] and 0 <= p1 < a.ptr.ne[0]):
+            _fail("pad_reflect_1d", f"padding must be in [0, a.ne[0]) (got p0={p0}, p1={p1}, a: {_desc(a)})")
         self._room("pad_reflect_1d", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0] + p0 + p1, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_pad_reflect_1d(self.ptr, a.ptr, p0, p1), a)
 
@@ -261,15 +278,18 @@ cdef class Context(_CtxOps):
         _unary(self, a, "roll", M_F32, 0)
         shifts = (shift0, shift1, shift2, shift3)
         for i in range(4):
-            _need(-a.ptr.ne[i] < shifts[i] < a.ptr.ne[i], "roll", f"|shift{i}| must be < ne[{i}] (got {shifts}, a: {_desc(a)})")
+            if not (-a.ptr.ne[i] < shifts[i] < a.ptr.ne[i]):
+                _fail("roll", f"|shift{i}| must be < ne[{i}] (got {shifts}, a: {_desc(a)})")
         return _res(self, g.ggml_roll(self.ptr, a.ptr, shift0, shift1, shift2, shift3), a)
 
     def tri(self, Tensor a, type=TriType.LOWER_DIAG):
         """Keep one triangle of a square f32 matrix, zero the rest (``TriType``)."""
         cdef int t = _index(type, "tri", "type", _K_INT)
         _unary(self, a, "tri", M_F32, 2)
-        _need(0 <= t <= 3, "tri", f"type must be a TriType (got {type!r})")
-        _need(a.ptr.ne[0] == a.ptr.ne[1], "tri", f"a must be square (got a: {_desc(a)})")
+        if not (0 <= t <= 3):
+            _fail("tri", f"type must be a TriType (got {type!r})")
+        if not (a.ptr.ne[0] == a.ptr.ne[1]):
+            _fail("tri", f"a must be square (got a: {_desc(a)})")
         return _res(self, g.ggml_tri(self.ptr, a.ptr, <g.ggml_tri_type> t), a)
 
     def fill(self, Tensor a, float c):
@@ -282,9 +302,11 @@ cdef class Context(_CtxOps):
         cdef double n
         self._ensure_op("arange")
         _finite(start, "arange", "start"); _finite(stop, "arange", "stop"); _finite(step, "arange", "step")
-        _need(stop > start and step > 0, "arange", f"needs stop > start and step > 0 (got {start}, {stop}, {step})")
+        if not (stop > start and step > 0):
+            _fail("arange", f"needs stop > start and step > 0 (got {start}, {stop}, {step})")
         n = (stop - start) / step
-        _need(n < 2.0 ** 40, "arange", f"too many elements ({n:.0f})")
+        if not (n < 2.0 ** 40):
+            _fail("arange", f"too many elements ({n:.0f})")
         self._room("arange", 4 * (<int64_t> n + 1), 1)
         return _wrap(self, g.ggml_arange(self.ptr, start, stop, step))
 
@@ -293,9 +315,10 @@ cdef class Context(_CtxOps):
         dim = _index(dim, "timestep_embedding", "dim", _K_INT)
         max_period = _index(max_period, "timestep_embedding", "max_period", _K_INT)
         _unary(self, timesteps, "timestep_embedding", M_F32, 2)
-        _need(dim > 0 and max_period > 0, "timestep_embedding", f"dim and max_period must be > 0 (got {dim}, {max_period})")
-        _need(timesteps.ptr.ne[1] == 1 and timesteps.ptr.ne[2] == 1 and timesteps.ptr.ne[3] == 1, "timestep_embedding",
-              f"timesteps must be 1-d (got {_desc(timesteps)})")
+        if not (dim > 0 and max_period > 0):
+            _fail("timestep_embedding", f"dim and max_period must be > 0 (got {dim}, {max_period})")
+        if not (timesteps.ptr.ne[1] == 1 and timesteps.ptr.ne[2] == 1 and timesteps.ptr.ne[3] == 1):
+            _fail("timestep_embedding", f"timesteps must be 1-d (got {_desc(timesteps)})")
         self._room("timestep_embedding", _out_bytes(g.GGML_TYPE_F32, dim + (dim % 2), timesteps.ptr.ne[0], 1, 1), 1)
         return _res(self, g.ggml_timestep_embedding(self.ptr, timesteps.ptr, dim, max_period), timesteps)
 
@@ -312,7 +335,8 @@ cdef class Context(_CtxOps):
         size = _index(size, "new_graph", "size", _K_SIZE)
         cdef size_t need
         self._ensure_op("new_graph")
-        _need(0 < size <= 1 << 30, "new_graph", f"size must be in [1, 2**30] (got {size})")
+        if not (0 < size <= 1 << 30):
+            _fail("new_graph", f"size must be in [1, 2**30] (got {size})")
         need = g.ggml_graph_overhead_custom(size, grads) + g.GGML_MEM_ALIGN
         if g.ggml_used_mem(self.ptr) + need > self.mem_size:
             raise GGMLMemoryError(f"new_graph: context out of memory (a graph of size {size} needs {_fmt_bytes(need)}, "

@@ -309,9 +309,9 @@ cdef class _CtxOps(_CtxBase):
         _arg(a, "add_id", "a"); _arg(b, "add_id", "b"); _arg(ids, "add_id", "ids")
         _types(a, "add_id", "a", M_F32); _types(b, "add_id", "b", M_F32); _types(ids, "add_id", "ids", M_I32)
         _rows_contig(a, "add_id", "a"); _rows_contig(b, "add_id", "b")
-        _need(a.ptr.ne[0] == b.ptr.ne[0] and a.ptr.ne[1] == ids.ptr.ne[0] and a.ptr.ne[2] == ids.ptr.ne[1],
-              "add_id", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
-              f"a.ne[0] == b.ne[0], a.ne[1] == ids.ne[0], a.ne[2] == ids.ne[1])")
+        if not (a.ptr.ne[0] == b.ptr.ne[0] and a.ptr.ne[1] == ids.ptr.ne[0] and a.ptr.ne[2] == ids.ptr.ne[1]):
+            _fail("add_id", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
+                  f"a.ne[0] == b.ne[0], a.ne[1] == ids.ne[0], a.ne[2] == ids.ne[1])")
         _room_like(self, "add_id", a)
         return _res(self, g.ggml_add_id(self.ptr, a.ptr, b.ptr, ids.ptr), a, b, ids)
 
@@ -371,7 +371,8 @@ cdef class _CtxOps(_CtxBase):
     def argmax(self, Tensor a):
         """Index of the largest element of each row of a matrix: i32, ne ``(ne1,)``."""
         _unary(self, a, "argmax", M_F32, 2)
-        _need(a.ptr.ne[2] == 1 and a.ptr.ne[3] == 1, "argmax", f"a must be a matrix (got a: {_desc(a)})")
+        if not (a.ptr.ne[2] == 1 and a.ptr.ne[3] == 1):
+            _fail("argmax", f"a must be a matrix (got a: {_desc(a)})")
         return _res(self, g.ggml_argmax(self.ptr, a.ptr), a)
 
     def count_equal(self, Tensor a, Tensor b):
@@ -381,7 +382,8 @@ cdef class _CtxOps(_CtxBase):
         _types(a, "count_equal", "a", M_I32); _types(b, "count_equal", "b", M_I32)
         _same_shape(a, b, "count_equal", "a", "b")
         _contig(a, "count_equal", "a"); _contig(b, "count_equal", "b")
-        _need(a.ptr.ne[2] == 1 and a.ptr.ne[3] == 1, "count_equal", f"inputs must be at most 2-d (got a: {_desc(a)})")
+        if not (a.ptr.ne[2] == 1 and a.ptr.ne[3] == 1):
+            _fail("count_equal", f"inputs must be at most 2-d (got a: {_desc(a)})")
         self._room("count_equal", 8, 1)
         return _res(self, g.ggml_count_equal(self.ptr, a.ptr, b.ptr), a, b)
 
@@ -394,8 +396,10 @@ cdef class _CtxOps(_CtxBase):
         """Indices that sort each row (i32, same ne as ``a``); ``a`` f32 contiguous."""
         cdef int o = _index(order, "argsort", "order", _K_INT)
         _unary(self, a, "argsort", M_F32, 2)
-        _need(o == g.GGML_SORT_ORDER_ASC or o == g.GGML_SORT_ORDER_DESC, "argsort", f"order must be ASC or DESC (got {order!r})")
-        _need(a.ptr.ne[0] <= 2147483647, "argsort", "rows must have fewer than 2**31 elements")
+        if not (o == g.GGML_SORT_ORDER_ASC or o == g.GGML_SORT_ORDER_DESC):
+            _fail("argsort", f"order must be ASC or DESC (got {order!r})")
+        if not (a.ptr.ne[0] <= 2147483647):
+            _fail("argsort", "rows must have fewer than 2**31 elements")
         self._room("argsort", _out_bytes(g.GGML_TYPE_I32, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_argsort(self.ptr, a.ptr, <g.ggml_sort_order> o), a)
 
@@ -403,7 +407,8 @@ cdef class _CtxOps(_CtxBase):
         """Indices of the ``k`` largest elements of each row (i32, ne ``(k, ne1, ne2, ne3)``, unordered)."""
         k = _index(k, "top_k", "k", _K_INT)
         _unary(self, a, "top_k", M_F32, 2)
-        _need(0 <= k <= a.ptr.ne[0], "top_k", f"k must be in [0, a.ne[0]] (got k={k}, a: {_desc(a)})")
+        if not (0 <= k <= a.ptr.ne[0]):
+            _fail("top_k", f"k must be in [0, a.ne[0]] (got k={k}, a: {_desc(a)})")
         self._room("top_k", _out_bytes(g.GGML_TYPE_I32, k, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_top_k(self.ptr, a.ptr, k), a)
 
@@ -421,7 +426,8 @@ cdef class _CtxOps(_CtxBase):
         _types(a, "repeat", "a", M_REPEAT)
         _rows_contig(a, "repeat", "a")
         _repeats(a, b, "repeat", "a", "b")
-        _need(g.ggml_nelements(a.ptr) > 0 or g.ggml_nelements(b.ptr) == 0, "repeat", "cannot tile an empty tensor")
+        if not (g.ggml_nelements(a.ptr) > 0 or g.ggml_nelements(b.ptr) == 0):
+            _fail("repeat", "cannot tile an empty tensor")
         self._room("repeat", _out_bytes(a.ptr.type, b.ptr.ne[0], b.ptr.ne[1], b.ptr.ne[2], b.ptr.ne[3]), 1)
         return _res(self, g.ggml_repeat(self.ptr, a.ptr, b.ptr), a, b)
 
@@ -438,8 +444,8 @@ cdef class _CtxOps(_CtxBase):
         _rows_contig(a, "repeat_4d", "a")
         ne[0] = ne0; ne[1] = ne1; ne[2] = ne2; ne[3] = ne3
         for i in range(4):
-            _need(ne[i] >= 0 and ((a.ptr.ne[i] > 0 and ne[i] % a.ptr.ne[i] == 0) or ne[i] == 0), "repeat_4d",
-                  f"target ne=({ne0}, {ne1}, {ne2}, {ne3}) must be multiples of a.ne (got a: {_desc(a)})")
+            if not (ne[i] >= 0 and ((a.ptr.ne[i] > 0 and ne[i] % a.ptr.ne[i] == 0) or ne[i] == 0)):
+                _fail("repeat_4d", f"target ne=({ne0}, {ne1}, {ne2}, {ne3}) must be multiples of a.ne (got a: {_desc(a)})")
         self._room("repeat_4d", _out_bytes(a.ptr.type, ne0, ne1, ne2, ne3), 1)
         return _res(self, g.ggml_repeat_4d(self.ptr, a.ptr, ne0, ne1, ne2, ne3), a)
 
@@ -449,12 +455,13 @@ cdef class _CtxOps(_CtxBase):
         cdef int64_t ne[4]
         self._ensure_op("concat")
         _arg(a, "concat", "a"); _arg(b, "concat", "b")
-        _need(0 <= dim < 4, "concat", f"dim must be in [0, 4) (got {dim})")
+        if not (0 <= dim < 4):
+            _fail("concat", f"dim must be in [0, 4) (got {dim})")
         _same_type(a, b, "concat", "a", "b")
         for i in range(4):
             if i != dim:
-                _need(a.ptr.ne[i] == b.ptr.ne[i], "concat",
-                      f"ne[{i}] must match (got a: {_desc(a)}, b: {_desc(b)}, dim={dim})")
+                if not (a.ptr.ne[i] == b.ptr.ne[i]):
+                    _fail("concat", f"ne[{i}] must match (got a: {_desc(a)}, b: {_desc(b)}, dim={dim})")
             ne[i] = a.ptr.ne[i] + (b.ptr.ne[i] if i == dim else 0)
         if g.ggml_is_quantized(a.ptr.type):
             _rows_contig(a, "concat", "a"); _rows_contig(b, "concat", "b")
@@ -583,9 +590,10 @@ cdef class _CtxOps(_CtxBase):
         """
         cdef int o = _index(op, "glu", "op", _K_INT)
         _unary(self, a, "glu", M_F32_F16, 1)
-        _need(0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI, "glu",
-              f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
-        _need(a.ptr.ne[0] % 2 == 0, "glu", f"a.ne[0] must be even (got a: {_desc(a)})")
+        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI):
+            _fail("glu", f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
+        if not (a.ptr.ne[0] % 2 == 0):
+            _fail("glu", f"a.ne[0] must be even (got a: {_desc(a)})")
         return _res(self, g.ggml_glu(self.ptr, a.ptr, <g.ggml_glu_op> o, swapped), a)
 
     def glu_split(self, Tensor a, Tensor b, op):
@@ -596,8 +604,8 @@ cdef class _CtxOps(_CtxBase):
         _same_type(a, b, "glu_split", "a", "b")
         _same_shape(a, b, "glu_split", "a", "b")
         _contig1(b, "glu_split", "b")
-        _need(0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI, "glu_split",
-              f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
+        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI):
+            _fail("glu_split", f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
         return _res(self, g.ggml_glu_split(self.ptr, a.ptr, b.ptr, <g.ggml_glu_op> o), a, b)
 
     def reglu(self, Tensor a):
@@ -658,7 +666,8 @@ cdef class _CtxOps(_CtxBase):
         n_groups = _index(n_groups, "group_norm", "n_groups", _K_INT)
         _unary(self, a, "group_norm", M_F32, 0)
         _eps(eps, "group_norm")
-        _need(n_groups > 0, "group_norm", f"n_groups must be > 0 (got {n_groups})")
+        if not (n_groups > 0):
+            _fail("group_norm", f"n_groups must be > 0 (got {n_groups})")
         return _res(self, g.ggml_group_norm(self.ptr, a.ptr, n_groups, eps), a)
 
     def l2_norm(self, Tensor a, float eps=1e-12):
@@ -699,16 +708,18 @@ cdef class _CtxOps(_CtxBase):
         _types(a, "mul_mat", "a", M_VEC_DOT)
         if not (b.ptr.type == g.GGML_TYPE_F32 or (b.ptr.type == a.ptr.type and (M_F16 | M_BF16) & _bit(a.ptr.type))):
             raise GGMLTypeError(f"mul_mat: b must be f32 (or a's type for f16/bf16 a) (got a: {_desc(a)}, b: {_desc(b)})")
-        _need(p == g.GGML_PREC_DEFAULT or p == g.GGML_PREC_F32, "mul_mat", f"prec must be a Prec (got {prec!r})")
-        _need(a.ptr.ne[0] == b.ptr.ne[0], "mul_mat", f"a.ne[0] must equal b.ne[0] (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (p == g.GGML_PREC_DEFAULT or p == g.GGML_PREC_F32):
+            _fail("mul_mat", f"prec must be a Prec (got {prec!r})")
+        if not (a.ptr.ne[0] == b.ptr.ne[0]):
+            _fail("mul_mat", f"a.ne[0] must equal b.ne[0] (got a: {_desc(a)}, b: {_desc(b)})")
         _nonzero_dims(a, "mul_mat", "a", 2)
-        _need(b.ptr.ne[2] % a.ptr.ne[2] == 0 and b.ptr.ne[3] % a.ptr.ne[3] == 0, "mul_mat",
-              f"a must broadcast over b in dims 2 and 3 (got a: {_desc(a)}, b: {_desc(b)}; expected b.ne[2] % a.ne[2] == 0 "
-              f"and b.ne[3] % a.ne[3] == 0)")
-        _need(a.ptr.nb[0] == g.ggml_type_size(a.ptr.type) and a.ptr.nb[0] <= a.ptr.nb[1], "mul_mat",
-              f"a must not be transposed (got a: {_desc(a)} nb={a.nb}); call ctx.cont(a)")
-        _need(b.ptr.nb[0] == g.ggml_type_size(b.ptr.type), "mul_mat",
-              f"b must have contiguous rows (got b: {_desc(b)} nb={b.nb}); call ctx.cont(b)")
+        if not (b.ptr.ne[2] % a.ptr.ne[2] == 0 and b.ptr.ne[3] % a.ptr.ne[3] == 0):
+            _fail("mul_mat", f"a must broadcast over b in dims 2 and 3 (got a: {_desc(a)}, b: {_desc(b)}; expected b.ne[2] % a.ne[2] == 0 "
+                  f"and b.ne[3] % a.ne[3] == 0)")
+        if not (a.ptr.nb[0] == g.ggml_type_size(a.ptr.type) and a.ptr.nb[0] <= a.ptr.nb[1]):
+            _fail("mul_mat", f"a must not be transposed (got a: {_desc(a)} nb={a.nb}); call ctx.cont(a)")
+        if not (b.ptr.nb[0] == g.ggml_type_size(b.ptr.type)):
+            _fail("mul_mat", f"b must have contiguous rows (got b: {_desc(b)} nb={b.nb}); call ctx.cont(b)")
         self._room("mul_mat", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[1], b.ptr.ne[1], b.ptr.ne[2], b.ptr.ne[3]), 1)
         cdef g.ggml_tensor * r = g.ggml_mul_mat(self.ptr, a.ptr, b.ptr)
         if p:
@@ -728,13 +739,11 @@ cdef class _CtxOps(_CtxBase):
         if not (b.ptr.type == g.GGML_TYPE_F32 or (b.ptr.type == as_.ptr.type and (M_F16 | M_BF16) & _bit(as_.ptr.type))):
             raise GGMLTypeError(f"mul_mat_id: b must be f32 (got as_: {_desc(as_)}, b: {_desc(b)})")
         _types(ids, "mul_mat_id", "ids", M_I32)
-        _need(as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1
-              and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0] and b.ptr.ne[1] > 0
-              and ids.ptr.ne[0] % b.ptr.ne[1] == 0 and as_.ptr.ne[2] > 0,
-              "mul_mat_id", f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
-              f"as_.ne[0] == b.ne[0], ids.ne[1] == b.ne[2], ids.ne[0] % b.ne[1] == 0, 3-d as_ and b, 2-d ids)")
-        _need(as_.ptr.nb[0] == g.ggml_type_size(as_.ptr.type) and as_.ptr.nb[0] <= as_.ptr.nb[1], "mul_mat_id",
-              f"as_ must have contiguous rows and not be transposed (got as_: {_desc(as_)})")
+        if not (as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1 and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0] and b.ptr.ne[1] > 0 and ids.ptr.ne[0] % b.ptr.ne[1] == 0 and as_.ptr.ne[2] > 0):
+            _fail("mul_mat_id", f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
+                  f"as_.ne[0] == b.ne[0], ids.ne[1] == b.ne[2], ids.ne[0] % b.ne[1] == 0, 3-d as_ and b, 2-d ids)")
+        if not (as_.ptr.nb[0] == g.ggml_type_size(as_.ptr.type) and as_.ptr.nb[0] <= as_.ptr.nb[1]):
+            _fail("mul_mat_id", f"as_ must have contiguous rows and not be transposed (got as_: {_desc(as_)})")
         _rows_contig(b, "mul_mat_id", "b")
         self._room("mul_mat_id", _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
         return _res(self, g.ggml_mul_mat_id(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
@@ -745,16 +754,17 @@ cdef class _CtxOps(_CtxBase):
         _arg(a, "out_prod", "a"); _arg(b, "out_prod", "b")
         _types(a, "out_prod", "a", M_F32 | M_F16 | M_QUANT)
         _types(b, "out_prod", "b", M_F32)
-        _need(a.ptr.ne[1] == b.ptr.ne[1], "out_prod", f"a.ne[1] must equal b.ne[1] (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (a.ptr.ne[1] == b.ptr.ne[1]):
+            _fail("out_prod", f"a.ne[1] must equal b.ne[1] (got a: {_desc(a)}, b: {_desc(b)})")
         _nonzero_dims(a, "out_prod", "a", 2)
         if a.ptr.type == g.GGML_TYPE_F32:
-            _need(b.ptr.ne[2] % a.ptr.ne[2] == 0 and b.ptr.ne[3] % a.ptr.ne[3] == 0, "out_prod",
-                  f"a must broadcast over b in dims 2 and 3 (got a: {_desc(a)}, b: {_desc(b)})")
+            if not (b.ptr.ne[2] % a.ptr.ne[2] == 0 and b.ptr.ne[3] % a.ptr.ne[3] == 0):
+                _fail("out_prod", f"a must broadcast over b in dims 2 and 3 (got a: {_desc(a)}, b: {_desc(b)})")
         else:
-            _need(b.ptr.ne[2] == a.ptr.ne[2] and b.ptr.ne[3] == a.ptr.ne[3], "out_prod",
-                  f"for non-f32 a, dims 2 and 3 must match (got a: {_desc(a)}, b: {_desc(b)})")
-        _need(a.ptr.nb[0] == g.ggml_type_size(a.ptr.type) and a.ptr.nb[0] <= a.ptr.nb[1], "out_prod",
-              f"a must have contiguous rows and not be transposed (got a: {_desc(a)})")
+            if not (b.ptr.ne[2] == a.ptr.ne[2] and b.ptr.ne[3] == a.ptr.ne[3]):
+                _fail("out_prod", f"for non-f32 a, dims 2 and 3 must match (got a: {_desc(a)}, b: {_desc(b)})")
+        if not (a.ptr.nb[0] == g.ggml_type_size(a.ptr.type) and a.ptr.nb[0] <= a.ptr.nb[1]):
+            _fail("out_prod", f"a must have contiguous rows and not be transposed (got a: {_desc(a)})")
         self._room("out_prod", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0], b.ptr.ne[0], b.ptr.ne[2], b.ptr.ne[3]), 1)
         return _res(self, g.ggml_out_prod(self.ptr, a.ptr, b.ptr), a, b)
 
@@ -774,8 +784,8 @@ cdef class _CtxOps(_CtxBase):
         cdef int t = _as_type(type, "cast")
         self._ensure_op("cast")
         _arg(a, "cast", "a")
-        _need(a.ptr.ne[0] % g.ggml_blck_size(<g.ggml_type> t) == 0, "cast",
-              f"a.ne[0] must be a multiple of the block size of {type_name(t)} (got a: {_desc(a)})")
+        if not (a.ptr.ne[0] % g.ggml_blck_size(<g.ggml_type> t) == 0):
+            _fail("cast", f"a.ne[0] must be a multiple of the block size of {type_name(t)} (got a: {_desc(a)})")
         _cpy_ok(a, NULL, t, "cast")
         self._room("cast", _out_bytes(t, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_cast(self.ptr, a.ptr, <g.ggml_type> t), a)
@@ -788,9 +798,10 @@ cdef class _CtxOps(_CtxBase):
         if ne is None:
             return _res(self, g.ggml_cont(self.ptr, a.ptr), a)
         _ne_list(ne, c_ne, "cont")
-        _need(c_ne[0] * c_ne[1] * c_ne[2] * c_ne[3] == g.ggml_nelements(a.ptr), "cont",
-              f"ne={tuple(ne)} has a different number of elements than a ({_desc(a)})")
-        _need(c_ne[0] % g.ggml_blck_size(a.ptr.type) == 0, "cont", "ne[0] must be a multiple of the block size")
+        if not (c_ne[0] * c_ne[1] * c_ne[2] * c_ne[3] == g.ggml_nelements(a.ptr)):
+            _fail("cont", f"ne={tuple(ne)} has a different number of elements than a ({_desc(a)})")
+        if not (c_ne[0] % g.ggml_blck_size(a.ptr.type) == 0):
+            _fail("cont", "ne[0] must be a multiple of the block size")
         if g.ggml_is_quantized(a.ptr.type):
             _contig(a, "cont", "a")
         return _res(self, g.ggml_cont_4d(self.ptr, a.ptr, c_ne[0], c_ne[1], c_ne[2], c_ne[3]), a)
@@ -825,9 +836,10 @@ cdef class _CtxOps(_CtxBase):
         _arg(a, "reshape", "a")
         n = _ne_list(ne, c_ne, "reshape")
         _contig(a, "reshape", "a")
-        _need(c_ne[0] * c_ne[1] * c_ne[2] * c_ne[3] == g.ggml_nelements(a.ptr), "reshape",
-              f"ne={tuple(ne)} has a different number of elements than a ({_desc(a)})")
-        _need(c_ne[0] % g.ggml_blck_size(a.ptr.type) == 0, "reshape", "ne[0] must be a multiple of the block size")
+        if not (c_ne[0] * c_ne[1] * c_ne[2] * c_ne[3] == g.ggml_nelements(a.ptr)):
+            _fail("reshape", f"ne={tuple(ne)} has a different number of elements than a ({_desc(a)})")
+        if not (c_ne[0] % g.ggml_blck_size(a.ptr.type) == 0):
+            _fail("reshape", "ne[0] must be a multiple of the block size")
         self._room("reshape", 0, 1)
         if n == 1:
             r = g.ggml_reshape_1d(self.ptr, a.ptr, c_ne[0])
@@ -880,9 +892,11 @@ cdef class _CtxOps(_CtxBase):
         c_nb[3] = c_nb[2] * c_ne[2]
         if nb is not None:
             nbs = tuple(nb)
-            _need(len(nbs) == n - 1, "view", f"nb must give the {n - 1} strides nb[1..{n - 1}] (got {nbs!r})")
+            if not (len(nbs) == n - 1):
+                _fail("view", f"nb must give the {n - 1} strides nb[1..{n - 1}] (got {nbs!r})")
             for i in range(n - 1):
-                _need(nbs[i] >= 0, "view", f"strides must be non-negative (got {nbs!r})")
+                if not (nbs[i] >= 0):
+                    _fail("view", f"strides must be non-negative (got {nbs!r})")
                 c_nb[i + 1] = nbs[i]
             for i in range(n, 4):
                 c_nb[i] = c_nb[i - 1] * c_ne[i - 1]
@@ -942,8 +956,10 @@ cdef class _CtxOps(_CtxBase):
         self._ensure_op("permute")
         _arg(a, "permute", "a")
         axes = (axis0, axis1, axis2, axis3)
-        _need(sorted(axes) == [0, 1, 2, 3], "permute", f"axes must be a permutation of 0..3 (got {axes})")
-        _need(ggmlpy_permute_ok(a.ptr), "permute", f"ggml's permute keeps ne and nb in 32-bit ints (got a: {_desc(a)} nb={a.nb})")
+        if not (sorted(axes) == [0, 1, 2, 3]):
+            _fail("permute", f"axes must be a permutation of 0..3 (got {axes})")
+        if not (ggmlpy_permute_ok(a.ptr)):
+            _fail("permute", f"ggml's permute keeps ne and nb in 32-bit ints (got a: {_desc(a)} nb={a.nb})")
         self._room("permute", 0, 1)
         return _res(self, g.ggml_permute(self.ptr, a.ptr, axis0, axis1, axis2, axis3), a)
 
@@ -965,9 +981,9 @@ cdef class _CtxOps(_CtxBase):
         _types(a, "get_rows", "a", M_GET_ROWS)
         _types(b, "get_rows", "b", M_I32)
         _rows_contig(a, "get_rows", "a")
-        _need(a.ptr.ne[2] == b.ptr.ne[1] and a.ptr.ne[3] == b.ptr.ne[2] and b.ptr.ne[3] == 1, "get_rows",
-              f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[1], "
-              f"a.ne[3] == b.ne[2], b.ne[3] == 1)")
+        if not (a.ptr.ne[2] == b.ptr.ne[1] and a.ptr.ne[3] == b.ptr.ne[2] and b.ptr.ne[3] == 1):
+            _fail("get_rows", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}; expected a.ne[2] == b.ne[1], "
+                  f"a.ne[3] == b.ne[2], b.ne[3] == 1)")
         t = g.GGML_TYPE_I32 if a.ptr.type == g.GGML_TYPE_I32 else g.GGML_TYPE_F32
         self._room("get_rows", _out_bytes(t, a.ptr.ne[0], b.ptr.ne[0], b.ptr.ne[1], b.ptr.ne[2]), 1)
         return _res(self, g.ggml_get_rows(self.ptr, a.ptr, b.ptr), a, b)
@@ -985,11 +1001,9 @@ cdef class _CtxOps(_CtxBase):
         _types(b, "set_rows", "b", M_F32_F16)
         _types(c, "set_rows", "c", M_IDX)
         _nonzero_dims(c, "set_rows", "c", 1)
-        _need(a.ptr.ne[0] == b.ptr.ne[0] and a.ptr.ne[2] == b.ptr.ne[2] and a.ptr.ne[3] == b.ptr.ne[3]
-              and b.ptr.ne[1] == c.ptr.ne[0] and b.ptr.ne[2] % c.ptr.ne[1] == 0 and b.ptr.ne[3] % c.ptr.ne[2] == 0
-              and c.ptr.ne[3] == 1, "set_rows",
-              f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}, c: {_desc(c)}; expected a.ne[0] == b.ne[0], "
-              f"a.ne[2:] == b.ne[2:], b.ne[1] == c.ne[0], b.ne[2] % c.ne[1] == 0, b.ne[3] % c.ne[2] == 0)")
+        if not (a.ptr.ne[0] == b.ptr.ne[0] and a.ptr.ne[2] == b.ptr.ne[2] and a.ptr.ne[3] == b.ptr.ne[3] and b.ptr.ne[1] == c.ptr.ne[0] and b.ptr.ne[2] % c.ptr.ne[1] == 0 and b.ptr.ne[3] % c.ptr.ne[2] == 0 and c.ptr.ne[3] == 1):
+            _fail("set_rows", f"shapes do not match (got a: {_desc(a)}, b: {_desc(b)}, c: {_desc(c)}; expected a.ne[0] == b.ne[0], "
+                  f"a.ne[2:] == b.ne[2:], b.ne[1] == c.ne[0], b.ne[2] % c.ne[1] == 0, b.ne[3] % c.ne[2] == 0)")
         _rows_contig(a, "set_rows", "a"); _rows_contig(b, "set_rows", "b")
         if g.ggml_is_quantized(a.ptr.type):
             _contig(a, "set_rows", "a")
@@ -999,7 +1013,8 @@ cdef class _CtxOps(_CtxBase):
     def diag(self, Tensor a):
         """A square matrix with the row ``a`` on its diagonal (f32)."""
         _unary(self, a, "diag", M_F32, 0)
-        _need(a.ptr.ne[1] == 1, "diag", f"a must be a row (ne[1] == 1) (got a: {_desc(a)})")
+        if not (a.ptr.ne[1] == 1):
+            _fail("diag", f"a must be a row (ne[1] == 1) (got a: {_desc(a)})")
         self._room("diag", _out_bytes(g.GGML_TYPE_F32, a.ptr.ne[0], a.ptr.ne[0], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_diag(self.ptr, a.ptr), a)
 
@@ -1007,14 +1022,16 @@ cdef class _CtxOps(_CtxBase):
         """Set ``a[i, j] = -inf`` where ``j > n_past + i`` (causal mask; f32, contiguous)."""
         n_past = _index(n_past, "diag_mask_inf", "n_past", _K_INT)
         _unary(self, a, "diag_mask_inf", M_F32, 2)
-        _need(n_past >= 0, "diag_mask_inf", f"n_past must be >= 0 (got {n_past})")
+        if not (n_past >= 0):
+            _fail("diag_mask_inf", f"n_past must be >= 0 (got {n_past})")
         return _res(self, g.ggml_diag_mask_inf(self.ptr, a.ptr, n_past), a)
 
     def diag_mask_zero(self, Tensor a, n_past):
         """Set ``a[i, j] = 0`` where ``j > n_past + i`` (f32, contiguous)."""
         n_past = _index(n_past, "diag_mask_zero", "n_past", _K_INT)
         _unary(self, a, "diag_mask_zero", M_F32, 2)
-        _need(n_past >= 0, "diag_mask_zero", f"n_past must be >= 0 (got {n_past})")
+        if not (n_past >= 0):
+            _fail("diag_mask_zero", f"n_past must be >= 0 (got {n_past})")
         return _res(self, g.ggml_diag_mask_zero(self.ptr, a.ptr, n_past), a)
 
     # -- attention ---------------------------------------------------------------------
@@ -1036,17 +1053,19 @@ cdef class _CtxOps(_CtxBase):
             _types(mask, "soft_max_ext", "mask", M_F32_F16)
             _contig(mask, "soft_max_ext", "mask")
             _nonzero_dims(mask, "soft_max_ext", "mask", 2)
-            _need(mask.ptr.ne[0] == a.ptr.ne[0] and mask.ptr.ne[1] >= a.ptr.ne[1] and a.ptr.ne[2] % mask.ptr.ne[2] == 0
-                  and a.ptr.ne[3] % mask.ptr.ne[3] == 0, "soft_max_ext",
-                  f"mask does not fit a (got a: {_desc(a)}, mask: {_desc(mask)}; expected mask.ne[0] == a.ne[0], "
-                  f"mask.ne[1] >= a.ne[1], a.ne[2] % mask.ne[2] == 0, a.ne[3] % mask.ne[3] == 0)")
-        _need(not (max_bias > 0) or mask is not None, "soft_max_ext", "max_bias > 0 (ALiBi) needs a mask")
-        _need(max_bias == max_bias, "soft_max_ext", "max_bias must not be NaN")
+            if not (mask.ptr.ne[0] == a.ptr.ne[0] and mask.ptr.ne[1] >= a.ptr.ne[1] and a.ptr.ne[2] % mask.ptr.ne[2] == 0 and a.ptr.ne[3] % mask.ptr.ne[3] == 0):
+                _fail("soft_max_ext", f"mask does not fit a (got a: {_desc(a)}, mask: {_desc(mask)}; expected mask.ne[0] == a.ne[0], "
+                      f"mask.ne[1] >= a.ne[1], a.ne[2] % mask.ne[2] == 0, a.ne[3] % mask.ne[3] == 0)")
+        if not (not (max_bias > 0) or mask is not None):
+            _fail("soft_max_ext", "max_bias > 0 (ALiBi) needs a mask")
+        if not (max_bias == max_bias):
+            _fail("soft_max_ext", "max_bias must not be NaN")
         if sinks is not None:
             _arg(sinks, "soft_max_ext", "sinks")
             _types(sinks, "soft_max_ext", "sinks", M_F32)
-            _need(sinks.ptr.ne[0] == a.ptr.ne[2], "soft_max_ext", f"sinks.ne[0] must equal a.ne[2] (got a: {_desc(a)}, "
-                  f"sinks: {_desc(sinks)})")
+            if not (sinks.ptr.ne[0] == a.ptr.ne[2]):
+                _fail("soft_max_ext", f"sinks.ne[0] must equal a.ne[2] (got a: {_desc(a)}, "
+                      f"sinks: {_desc(sinks)})")
         cdef g.ggml_tensor * r = g.ggml_soft_max_ext(self.ptr, a.ptr, mask.ptr if mask is not None else NULL, scale, max_bias)
         if sinks is not None:
             g.ggml_soft_max_add_sinks(r, sinks.ptr)
@@ -1090,30 +1109,37 @@ cdef class _CtxOps(_CtxBase):
         _unary(self, a, op, M_F32_F16, 0)
         _arg(pos, op, "pos")
         _types(pos, op, "pos", M_I32)
-        _need(pos.ptr.ne[1] == 1 and pos.ptr.ne[2] == 1 and pos.ptr.ne[3] == 1, op, f"pos must be a vector (got pos: {_desc(pos)})")
+        if not (pos.ptr.ne[1] == 1 and pos.ptr.ne[2] == 1 and pos.ptr.ne[3] == 1):
+            _fail(op, f"pos must be a vector (got pos: {_desc(pos)})")
         if multi:
-            _need(mode in (g.GGML_ROPE_TYPE_MROPE, g.GGML_ROPE_TYPE_VISION, g.GGML_ROPE_TYPE_IMROPE), op,
-                  f"mode must be MROPE, VISION or IMROPE (got {mode})")
+            if not (mode in (g.GGML_ROPE_TYPE_MROPE, g.GGML_ROPE_TYPE_VISION, g.GGML_ROPE_TYPE_IMROPE)):
+                _fail(op, f"mode must be MROPE, VISION or IMROPE (got {mode})")
             secs = tuple(sections)
-            _need(len(secs) == 4 and all(s >= 0 for s in secs) and any(s > 0 for s in secs[:3]), op,
-                  f"sections must be 4 non-negative ints, one of the first three > 0 (got {secs!r})")
-            _need(sum(secs) <= a.ptr.ne[0], op, f"sum(sections) must be <= a.ne[0] (got {secs!r}, a: {_desc(a)})")
+            if not (len(secs) == 4 and all(s >= 0 for s in secs) and any(s > 0 for s in secs[:3])):
+                _fail(op, f"sections must be 4 non-negative ints, one of the first three > 0 (got {secs!r})")
+            if not (sum(secs) <= a.ptr.ne[0]):
+                _fail(op, f"sum(sections) must be <= a.ne[0] (got {secs!r}, a: {_desc(a)})")
             for i in range(4):
                 sec[i] = secs[i]
-            _need(pos.ptr.ne[0] == 4 * a.ptr.ne[2], op, f"pos must have 4 * a.ne[2] entries (got a: {_desc(a)}, pos: {_desc(pos)})")
+            if not (pos.ptr.ne[0] == 4 * a.ptr.ne[2]):
+                _fail(op, f"pos must have 4 * a.ne[2] entries (got a: {_desc(a)}, pos: {_desc(pos)})")
             if mode == g.GGML_ROPE_TYPE_VISION:
-                _need(n_dims * 2 == a.ptr.ne[0], op, f"VISION mode needs n_dims == a.ne[0] / 2 (got n_dims={n_dims})")
+                if not (n_dims * 2 == a.ptr.ne[0]):
+                    _fail(op, f"VISION mode needs n_dims == a.ne[0] / 2 (got n_dims={n_dims})")
         else:
-            _need(mode == g.GGML_ROPE_TYPE_NORMAL or mode == g.GGML_ROPE_TYPE_NEOX, op,
-                  f"mode must be RopeType.NORMAL or NEOX (got {mode}); use rope_multi for M-RoPE")
-            _need(pos.ptr.ne[0] == a.ptr.ne[2], op, f"pos.ne[0] must equal a.ne[2] (got a: {_desc(a)}, pos: {_desc(pos)})")
-        _need(0 < n_dims <= a.ptr.ne[0] and n_dims % 2 == 0, op,
-              f"n_dims must be even and in (0, a.ne[0]] (got n_dims={n_dims}, a: {_desc(a)})")
-        _need(freq_base > 0 and freq_scale > 0, op, f"freq_base and freq_scale must be > 0 (got {freq_base}, {freq_scale})")
+            if not (mode == g.GGML_ROPE_TYPE_NORMAL or mode == g.GGML_ROPE_TYPE_NEOX):
+                _fail(op, f"mode must be RopeType.NORMAL or NEOX (got {mode}); use rope_multi for M-RoPE")
+            if not (pos.ptr.ne[0] == a.ptr.ne[2]):
+                _fail(op, f"pos.ne[0] must equal a.ne[2] (got a: {_desc(a)}, pos: {_desc(pos)})")
+        if not (0 < n_dims <= a.ptr.ne[0] and n_dims % 2 == 0):
+            _fail(op, f"n_dims must be even and in (0, a.ne[0]] (got n_dims={n_dims}, a: {_desc(a)})")
+        if not (freq_base > 0 and freq_scale > 0):
+            _fail(op, f"freq_base and freq_scale must be > 0 (got {freq_base}, {freq_scale})")
         if ff is not None:
             _arg(ff, op, "freq_factors")
             _types(ff, op, "freq_factors", M_F32)
-            _need(ff.ptr.ne[0] >= n_dims // 2, op, f"freq_factors needs at least n_dims/2 entries (got {_desc(ff)})")
+            if not (ff.ptr.ne[0] >= n_dims // 2):
+                _fail(op, f"freq_factors needs at least n_dims/2 entries (got {_desc(ff)})")
             _rows_contig(ff, op, "freq_factors")
         if multi:
             r = g.ggml_rope_multi(self.ptr, a.ptr, pos.ptr, ff.ptr if ff is not None else NULL, n_dims, sec, mode,
@@ -1141,25 +1167,26 @@ cdef class _CtxOps(_CtxBase):
         _types(v, "flash_attn_ext", "v", M_VEC_DOT)
         _rows_contig(q, "flash_attn_ext", "q"); _rows_contig(k, "flash_attn_ext", "k"); _rows_contig(v, "flash_attn_ext", "v")
         _nonzero_dims(k, "flash_attn_ext", "k", 2)
-        _need(k.ptr.ne[0] == q.ptr.ne[0] and q.ptr.ne[2] % k.ptr.ne[2] == 0 and q.ptr.ne[3] == k.ptr.ne[3]
-              and q.ptr.ne[3] == v.ptr.ne[3] and v.ptr.ne[1] == k.ptr.ne[1] and v.ptr.ne[2] == k.ptr.ne[2],
-              "flash_attn_ext", f"shapes do not match (got q: {_desc(q)}, k: {_desc(k)}, v: {_desc(v)}; expected "
-              f"k.ne[0] == q.ne[0], q.ne[2] % k.ne[2] == 0, v.ne[1:3] == k.ne[1:3], equal ne[3])")
+        if not (k.ptr.ne[0] == q.ptr.ne[0] and q.ptr.ne[2] % k.ptr.ne[2] == 0 and q.ptr.ne[3] == k.ptr.ne[3] and q.ptr.ne[3] == v.ptr.ne[3] and v.ptr.ne[1] == k.ptr.ne[1] and v.ptr.ne[2] == k.ptr.ne[2]):
+            _fail("flash_attn_ext", f"shapes do not match (got q: {_desc(q)}, k: {_desc(k)}, v: {_desc(v)}; expected "
+                  f"k.ne[0] == q.ne[0], q.ne[2] % k.ne[2] == 0, v.ne[1:3] == k.ne[1:3], equal ne[3])")
         if mask is not None:
             _arg(mask, "flash_attn_ext", "mask")
             _types(mask, "flash_attn_ext", "mask", M_F16)
             _contig(mask, "flash_attn_ext", "mask")
             _nonzero_dims(mask, "flash_attn_ext", "mask", 2)
-            _need(mask.ptr.ne[0] >= k.ptr.ne[1] and mask.ptr.ne[1] >= q.ptr.ne[1] and q.ptr.ne[2] % mask.ptr.ne[2] == 0
-                  and q.ptr.ne[3] % mask.ptr.ne[3] == 0, "flash_attn_ext",
-                  f"mask does not fit (got q: {_desc(q)}, k: {_desc(k)}, mask: {_desc(mask)}; expected mask.ne[0] >= "
-                  f"k.ne[1], mask.ne[1] >= q.ne[1], q.ne[2] % mask.ne[2] == 0, q.ne[3] % mask.ne[3] == 0)")
-        _need(not (max_bias > 0) or mask is not None, "flash_attn_ext", "max_bias > 0 (ALiBi) needs a mask")
-        _need(p == g.GGML_PREC_DEFAULT or p == g.GGML_PREC_F32, "flash_attn_ext", f"prec must be a Prec (got {prec!r})")
+            if not (mask.ptr.ne[0] >= k.ptr.ne[1] and mask.ptr.ne[1] >= q.ptr.ne[1] and q.ptr.ne[2] % mask.ptr.ne[2] == 0 and q.ptr.ne[3] % mask.ptr.ne[3] == 0):
+                _fail("flash_attn_ext", f"mask does not fit (got q: {_desc(q)}, k: {_desc(k)}, mask: {_desc(mask)}; expected mask.ne[0] >= "
+                      f"k.ne[1], mask.ne[1] >= q.ne[1], q.ne[2] % mask.ne[2] == 0, q.ne[3] % mask.ne[3] == 0)")
+        if not (not (max_bias > 0) or mask is not None):
+            _fail("flash_attn_ext", "max_bias > 0 (ALiBi) needs a mask")
+        if not (p == g.GGML_PREC_DEFAULT or p == g.GGML_PREC_F32):
+            _fail("flash_attn_ext", f"prec must be a Prec (got {prec!r})")
         if sinks is not None:
             _arg(sinks, "flash_attn_ext", "sinks")
             _types(sinks, "flash_attn_ext", "sinks", M_F32)
-            _need(sinks.ptr.ne[0] == q.ptr.ne[2], "flash_attn_ext", f"sinks.ne[0] must equal q.ne[2] (got {_desc(sinks)})")
+            if not (sinks.ptr.ne[0] == q.ptr.ne[2]):
+                _fail("flash_attn_ext", f"sinks.ne[0] must equal q.ne[2] (got {_desc(sinks)})")
         self._room("flash_attn_ext", _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[2], q.ptr.ne[1], q.ptr.ne[3]), 1)
         cdef g.ggml_tensor * r = g.ggml_flash_attn_ext(self.ptr, q.ptr, k.ptr, v.ptr,
                                                        mask.ptr if mask is not None else NULL, scale, max_bias, logit_softcap)

@@ -89,19 +89,23 @@ cdef class Scheduler:
         self.assigned = {}
         self.lock = threading.RLock()
         n = len(self.backends)
-        _need(1 <= n <= GGML_SCHED_MAX_BACKENDS, "sched_new", f"needs 1 to {GGML_SCHED_MAX_BACKENDS} backends (got {n})")
-        _need(graph_size >= 16, "sched_new", f"graph_size must be >= 16 (got {graph_size})")
+        if not (1 <= n <= GGML_SCHED_MAX_BACKENDS):
+            _fail("sched_new", f"needs 1 to {GGML_SCHED_MAX_BACKENDS} backends (got {n})")
+        if not (graph_size >= 16):
+            _fail("sched_new", f"graph_size must be >= 16 (got {graph_size})")
         for i, b in enumerate(self.backends):
             if b is None:
                 raise GGMLTypeError("sched_new: backends must be Backend objects")
             b._ensure()
             c_backends[i] = b.ptr
-        _need(len({id(x) for x in self.backends}) == n, "sched_new", "backends must be distinct")
-        _need((<Backend> self.backends[n - 1]).dev.type == "CPU", "sched_new",
-              f"the last backend must be a CPU backend (got {[x.name for x in self.backends]})")
+        if not (len({id(x) for x in self.backends}) == n):
+            _fail("sched_new", "backends must be distinct")
+        if not ((<Backend> self.backends[n - 1]).dev.type == "CPU"):
+            _fail("sched_new", f"the last backend must be a CPU backend (got {[x.name for x in self.backends]})")
         if bufts is not None:
             bl = list(bufts)
-            _need(len(bl) == n, "sched_new", f"bufts needs one BufferType per backend (got {len(bl)} for {n})")
+            if not (len(bl) == n):
+                _fail("sched_new", f"bufts needs one BufferType per backend (got {len(bl)} for {n})")
             for i in range(n):
                 if not isinstance(bl[i], BufferType) or not g.ggml_backend_supports_buft(c_backends[i], (<BufferType> bl[i]).ptr):
                     raise GGMLValueError(f"sched_new: backend {self.backends[i].name} cannot use buffer type {bl[i]!r}")
@@ -485,7 +489,8 @@ def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_thread
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((addr, port))      # raises OSError (address in use) before ggml would just return
     dl = list(devices) if devices is not None else [device("CPU")]
-    _need(1 <= len(dl) <= 16, "rpc_start_server", "serve 1 to 16 devices")
+    if not (1 <= len(dl) <= 16):
+        _fail("rpc_start_server", "serve 1 to 16 devices")
     for d in dl:
         devs[n] = d.ptr
         n += 1

@@ -188,10 +188,10 @@ cdef inline int _contig1(Tensor t, str op, str name) except -1:
     return 0
 
 
-cdef inline int _need(bint cond, str op, str what) except -1:
-    if not cond:
-        raise GGMLValueError(f"{op}: {what}")
-    return 0
+cdef int _fail(str op, str what) except -1:
+    # Callers write `if not cond: _fail(op, f"...")` so the message is only formatted on failure
+    # (an eager f-string with _desc() costs microseconds per op).
+    raise GGMLValueError(f"{op}: {what}")
 
 
 # Integer parameters of the op methods are taken as Python objects and
