@@ -184,8 +184,9 @@ def test_memory_report_has_weights_cache_and_graph(models):
     with load_model(path) as model, Runner(model, n_ctx=64, n_seq_max=2) as rt:
         d = rt.memory_report().devices["CPU"]
         assert d.weights_total == model.weights.buffers["CPU"].size
-        # F16 K and V: 2 layers x 2 x (64 x 2 cells) x (2 heads x 16 dims) x 2 bytes
-        assert d.cache_total == 2 * rt.cache.bytes_per_layer() == 2 * 2 * 128 * 32 * 2
+        # F16 K and V: 2 layers x 2 x (64 x 2 cells, padded to 256) x (2 heads x 16 dims) x 2 bytes
+        assert rt.cache.n_cells == 256
+        assert d.cache_total == 2 * rt.cache.bytes_per_layer() == 2 * 2 * 256 * 32 * 2
         assert d.graph == rt.rt.sched.buffer_size(rt.rt.backends[-1]) > 0
         assert d.weights_ok and d.cache_ok
         text = str(rt.memory_report())

@@ -244,3 +244,18 @@ def test_prefix_reuse_with_a_sliding_window(tmp_path):
             assert rt.generate(PROMPT[:4] + [8], max_tokens=6).tokens == head.tokens
     assert tail.tokens == hf_greedy(hf, PROMPT + [9], 6)
     assert head.tokens == hf_greedy(hf, PROMPT[:4] + [8], 6)
+
+
+def test_graph_reuse_gives_the_same_logits(model):
+    outs = {}
+    for reuse in (False, True):
+        with Runner(model, n_ctx=64, reuse_graphs=reuse, type_k="f32", type_v="f32") as rt:
+            rows = [rt.decode(PROMPT)]
+            rows += [rt.decode([t]) for t in (3, 1, 4, 1, 5, 9, 2, 6)]
+            outs[reuse] = np.concatenate(rows)
+            built = rt.graphs_built
+        if reuse:
+            assert built == 2                 # the prompt's graph and one for every single-token step
+        else:
+            assert built == 9
+    np.testing.assert_array_equal(outs[True], outs[False])

@@ -230,7 +230,8 @@ class Runner:
     n_threads : int
         CPU threads (0: all cores).
     flash_attn : bool, optional
-        Use ``flash_attn_ext``; default: only when the cache type is quantized (which needs it).
+        Use ``flash_attn_ext`` (default; a quantized cache needs it), or
+        ``mul_mat`` + ``soft_max_ext`` with V stored transposed.
     type_k, type_v : str
         Cache types ``f32``, ``f16`` (default), ``q8_0``, ``q4_0`` (K and V must match).
     pipeline : bool
@@ -238,6 +239,10 @@ class Runner:
     multi_user_cache : bool
         Slot choice: fork prefixes and evict the least recently used slot
         (True), or take the free slot with the longest prefix (False).
+    reuse_graphs : bool
+        Reuse a built graph for the next batch of the same shape (the visible
+        cache range is padded to 256 cells with flash attention, 32 without,
+        so most one-token steps share a graph), as llama.cpp does.
 
     Raises
     ------
@@ -247,7 +252,7 @@ class Runner:
 
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
-                 pipeline: bool = True, multi_user_cache: bool = True) -> None:
+                 pipeline: bool = True, multi_user_cache: bool = True, reuse_graphs: bool = True) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -261,7 +266,7 @@ class Runner:
         dtype = _CACHE_TYPES[tk]
         quantized = dtype not in (Type.F32, Type.F16)
         if flash_attn is None:
-            flash_attn = quantized
+            flash_attn = True
         if quantized and not flash_attn:
             raise GGMLValueError(f"runner: a {tk} cache needs flash attention (flash_attn=True)")
         self.model = model
@@ -275,7 +280,8 @@ class Runner:
         self.pipeline = bool(pipeline)
         window = cfg.sliding_window - 1 if cfg.sliding_window else None   # cache window excludes the token itself
         self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype,
-                            window=window, padding=1, n_head_kv=cfg.n_head_kv, shift_fn=model.shift_fn,
+                            window=window, padding=256 if self.flash_attn else 32, n_head_kv=cfg.n_head_kv,
+                            shift_fn=model.shift_fn,
                             v_trans=not self.flash_attn)
         self.report: MemoryReport = model.report
         self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=model.placement, report=self.report)
@@ -297,6 +303,9 @@ class Runner:
         self._worker: Optional[threading.Thread] = None
         self._jobs = None
         self._stopping = False
+        self._graphs: dict = {}
+        self.reuse_graphs = bool(reuse_graphs)
+        self.graphs_built = 0
         self.n_batches = 0
         self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
@@ -375,7 +384,15 @@ class Runner:
         n = len(ub.tokens)
         n_out = max(1, len(ub.out_rows))
         plan = self.cache.start_forward(ub.positions, ub.seqs)
-        built = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding)
+        # A graph of the same shape (tokens, outputs, visible cell range) is reused with new inputs:
+        # with the visible range padded, consecutive one-token steps share one graph.
+        key = (n, n_out, plan.lo, plan.hi, embedding)
+        pool = self._graphs.get(key)
+        built = pool.pop() if pool else None
+        if built is None:
+            built = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding)
+            built.key = key
+            self.graphs_built += 1
         # Metadata is committed when the graph exists; the cells are written when it computes. A failed
         # compute clears the sequences involved (see _fail).
         self.cache.apply(plan)
@@ -389,9 +406,21 @@ class Runner:
         b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows)
         self.rt.compute(b.graph)
         res = b.output.get() if len(ub.out_rows) else None
-        b.free()
         ub.built = None
+        self._release_graph(b)
         return None if res is None else res.reshape(len(out_rows), -1)
+
+    def _release_graph(self, b) -> None:
+        """Keep a computed graph for reuse (two per shape: one computing, one being built)."""
+        pool = self._graphs.setdefault(b.key, [])
+        if len(pool) < 2 and self.reuse_graphs:
+            pool.append(b)
+        else:
+            b.free()
+        if len(self._graphs) > 16:              # shapes seen long ago
+            for key in list(self._graphs)[:-16]:
+                for old in self._graphs.pop(key):
+                    old.free()
 
     def decode(self, tokens, seq: int = 0, logits="last", positions=None) -> Optional[np.ndarray]:
         """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
@@ -952,6 +981,9 @@ class Runner:
             self._jobs.put(None)
             w.join()
         self.closed = True
+        for pool in getattr(self, "_graphs", {}).values():
+            for b in pool:
+                b.free()
         if self.rt is not None:
             self.rt.close()
         self.cache.close()

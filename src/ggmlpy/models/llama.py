@@ -180,6 +180,7 @@ class BuiltGraph:
     output: Tensor           # logits (n_vocab, n_out) or hidden states (n_embd, n_out) for embeddings
     n_tokens: int
     n_out: int
+    key: tuple = ()
 
     def set_inputs(self, tokens, positions, plan, out_ids) -> None:
         """Fill the inputs: token ids, positions, the cache plan's slots and mask, the output rows."""
