@@ -41,3 +41,20 @@ def test_docstring_example(test):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     runner.run(test)
     assert runner.failures == 0, f"{test.name}: {runner.failures} example(s) failed"
+
+
+def test_readme_runner_example_runs(tmp_path, capsys):
+    """The README's model/runner example, on the built-in tiny synthetic model."""
+    import re
+    from pathlib import Path
+
+    from ggmlpy.models.synthetic import write_synthetic
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "load_model" in b]
+    assert len(blocks) == 1
+    path = write_synthetic(tmp_path / "tiny.gguf", size="tiny", type="F16")
+    code = blocks[0].replace('"model.gguf"', repr(str(path)))
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr()
+    assert "CPU" in out.out and "length" in out.out

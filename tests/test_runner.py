@@ -259,3 +259,17 @@ def test_graph_reuse_gives_the_same_logits(model):
         else:
             assert built == 9
     np.testing.assert_array_equal(outs[True], outs[False])
+
+
+def test_direct_decode_between_requests(model):
+    """decode() right after a request waits for the loop's last pipelined batch; the slot is then
+    re-processed by the next request (the slot table no longer knows what it holds)."""
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        ref = rt.generate(PROMPT, max_tokens=4).tokens
+        for _ in range(10):
+            r = rt.generate(PROMPT, max_tokens=4)
+            assert r.tokens == ref
+            rt.clear()
+            rt.decode(PROMPT[:3], seq=0)
+        r = rt.generate(PROMPT, max_tokens=4)
+        assert r.n_cached == 0 and r.tokens == ref

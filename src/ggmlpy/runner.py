@@ -27,6 +27,7 @@ last prompt token so that it has logits.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -303,6 +304,8 @@ class Runner:
         self._worker: Optional[threading.Thread] = None
         self._jobs = None
         self._stopping = False
+        self._inflight = 0                     # batches launched and not yet completed
+        self._direct_busy = 0
         self._graphs: dict = {}
         self.reuse_graphs = bool(reuse_graphs)
         self.graphs_built = 0
@@ -470,11 +473,24 @@ class Runner:
             if idx.size and (idx.min() < -n or idx.max() >= n):
                 raise GGMLValueError(f"decode: logits indices out of range for {n} tokens")
             want[idx] = True
+        with self._direct("decode"):
+            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=False)
+
+    @contextlib.contextmanager
+    def _direct(self, what: str):
+        """Direct use of the cache and scheduler: only while no request is served or computing."""
         with self._lock:
             if self._active or self._waiting:
-                raise GGMLValueError("decode: requests are being served; decode() is for direct use only")
-        with self._engine:
-            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=False)
+                raise GGMLValueError(f"{what}: requests are being served; {what}() is for direct use only")
+            while self._inflight:                 # the loop's last batch is still computing
+                self._lock.wait()
+            self._direct_busy += 1
+        try:
+            with self._engine:
+                yield
+        finally:
+            with self._lock:
+                self._direct_busy -= 1
 
     def _run_direct(self, toks, pos, seqs, want, embedding) -> Optional[np.ndarray]:
         rows = []
@@ -488,6 +504,8 @@ class Runner:
                 raise
             if r is not None:
                 rows.append(r)
+        for s in np.unique(seqs):
+            self.slots.set_tokens(int(s), [])     # unknown to the slot table: a request re-processes
         self.n_batches += 1
         return np.concatenate(rows) if rows else None
 
@@ -508,20 +526,17 @@ class Runner:
             raise GGMLValueError(f"decode_batch: positions must be in [0, {self.n_ctx})")
         want = np.zeros(toks.size, dtype=bool)
         want[np.asarray(logits)] = True
-        with self._engine:
+        with self._direct("decode_batch"):
             return self._run_direct(toks, pos, seqs, want, embedding=False)
 
     def clear(self, seq: Optional[int] = None) -> None:
         """Forget one sequence's cache contents, or everything's (not while requests are served)."""
-        with self._lock:
-            if self._active:
-                raise GGMLValueError("clear: requests are being served")
-            if seq is not None:
-                seq = self._check_seq_id(seq, "clear")
-            with self._engine:
-                self.cache.clear(seq)
-                for s in range(self.n_seq_max) if seq is None else [seq]:
-                    self.slots.set_tokens(s, [])
+        if seq is not None:
+            seq = self._check_seq_id(seq, "clear")
+        with self._direct("clear"):
+            self.cache.clear(seq)
+            for s in range(self.n_seq_max) if seq is None else [seq]:
+                self.slots.set_tokens(s, [])
 
     def seq_len(self, seq: int) -> int:
         """Tokens the cache holds for ``seq``."""
@@ -593,6 +608,8 @@ class Runner:
         seq = _Seq(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
                    n_keep, shift, embedding, pooling, normalize, sb)
         with self._lock:
+            if self._direct_busy:
+                raise GGMLValueError("submit: a direct decode()/clear() is running on this runner")
             self._waiting.append(seq)
             self._ensure_loop()
             self._lock.notify_all()
@@ -828,6 +845,7 @@ class Runner:
                                             daemon=True)
             self._worker.start()
         batch.done = threading.Event()
+        self._inflight += 1
         self._jobs.put(batch)
 
     def _work_loop(self, jobs) -> None:
@@ -852,6 +870,8 @@ class Runner:
         if batch.done is not None:
             batch.done.wait()
             batch.done = None
+            self._inflight -= 1
+            self._lock.notify_all()
         self.n_batches += 1
         if batch.error is not None:
             for m in batch.members:
