@@ -62,11 +62,12 @@ def test_pipelined_equals_sequential(model, n_seq):
     assert outs[True] == outs[False]
 
 
-def test_concurrent_requests_equal_each_alone(model):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_concurrent_requests_equal_each_alone(model, pipeline):
     prompts = [PROMPT, PROMPT[:5], [7, 7, 7, 1], PROMPT[3:], [300, 200, 100]]
     with Runner(model, n_ctx=48, type_k="f32", type_v="f32") as rt:
         alone = [rt.generate(p, max_tokens=10).tokens for p in prompts]
-    with Runner(model, n_ctx=48, n_seq_max=3, n_batch=16, type_k="f32", type_v="f32") as rt:
+    with Runner(model, n_ctx=48, n_seq_max=3, n_batch=16, type_k="f32", type_v="f32", pipeline=pipeline) as rt:
         results = [None] * len(prompts)
 
         def worker(i):
@@ -185,15 +186,29 @@ def test_bad_input_then_serves_correctly(model):
         assert rt.generate(PROMPT[:4], max_tokens=3).tokens == good
 
 
-def test_thousands_of_cancelled_requests_leak_nothing(model):
-    with Runner(model, n_ctx=32, n_seq_max=4, n_batch=8) as rt:
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_thousands_of_cancelled_requests_leak_nothing(model, pipeline):
+    """2,000 requests cancelled from another thread while they wait, prefill or stream."""
+    import time
+
+    with Runner(model, n_ctx=32, n_seq_max=4, n_batch=8, pipeline=pipeline) as rt:
         handles = [rt.submit(PROMPT[:3 + i % 5], max_tokens=50) for i in range(2000)]
-        for h in handles:
-            h.cancel()
-        for h in handles:
-            r = h.result(timeout=60)
-            assert r.done_reason in (DoneReason.CANCEL, DoneReason.LENGTH)
-        assert not rt._active and not rt._waiting
+
+        def canceller():
+            for i, h in enumerate(handles):
+                if i % 200 == 0:
+                    time.sleep(0.02)          # let some requests start generating first
+                h.cancel()
+
+        t = threading.Thread(target=canceller)
+        t.start()
+        results = [h.result(timeout=120) for h in handles]
+        t.join()
+        reasons = {r.done_reason for r in results}
+        assert reasons <= {DoneReason.CANCEL, DoneReason.LENGTH}
+        assert any(r.done_reason == DoneReason.CANCEL and r.tokens for r in results)   # cut mid-stream
+        assert rt.wait_idle(timeout=10)       # the loop's last pipelined batch may still be computing
+        assert not rt._active and not rt._waiting and rt._inflight == 0
         assert all(not s.in_use for s in rt.slots.slots)
         assert rt.generate(PROMPT, max_tokens=3).done_reason == DoneReason.LENGTH
 

@@ -235,8 +235,11 @@ class Runner:
         ``mul_mat`` + ``soft_max_ext`` with V stored transposed.
     type_k, type_v : str
         Cache types ``f32``, ``f16`` (default), ``q8_0``, ``q4_0`` (K and V must match).
-    pipeline : bool
-        Build the next batch's graphs while the current one computes.
+    pipeline : bool, optional
+        Build the next batch's graphs while the current one computes. Default:
+        only when an accelerator or RPC device computes layers; on the CPU
+        alone the building thread takes a core from ggml's threads and the
+        sequential loop was faster here (``bench/bench_runner.py``).
     multi_user_cache : bool
         Slot choice: fork prefixes and evict the least recently used slot
         (True), or take the free slot with the longest prefix (False).
@@ -253,7 +256,7 @@ class Runner:
 
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
-                 pipeline: bool = True, multi_user_cache: bool = True, reuse_graphs: bool = True) -> None:
+                 pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -278,6 +281,8 @@ class Runner:
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
         self.type_k = self.type_v = tk
+        if pipeline is None:
+            pipeline = any(d.type != "CPU" for d in model.placement.devices())
         self.pipeline = bool(pipeline)
         window = cfg.sliding_window - 1 if cfg.sliding_window else None   # cache window excludes the token itself
         self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype,
@@ -538,6 +543,17 @@ class Runner:
             for s in range(self.n_seq_max) if seq is None else [seq]:
                 self.slots.set_tokens(s, [])
 
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no request is queued, served or computing; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._active or self._waiting or self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
     def seq_len(self, seq: int) -> int:
         """Tokens the cache holds for ``seq``."""
         return self.cache.seq_pos_max(self._check_seq_id(seq, "seq_len")) + 1
@@ -716,6 +732,7 @@ class Runner:
             self.slots.release(seq.slot)
         seq.finished.set()
         seq.events.put(None)
+        self._lock.notify_all()              # wait_idle() and direct calls watch _active
 
     def _shift(self, seq: _Seq) -> None:
         """Make room in a full context: drop tokens after n_keep (or clear and re-process)."""
