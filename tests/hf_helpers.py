@@ -108,6 +108,10 @@ def export_gguf(model, path, arch: str, wtype="F32", embd_type=None) -> str:
     if rtype == "linear":
         w.add(f"{gguf_arch}.rope.scaling.type", "linear")
         w.add(f"{gguf_arch}.rope.scaling.factor", float(rs["factor"]), F)
+    elif rtype == "yarn":
+        w.add(f"{gguf_arch}.rope.scaling.type", "yarn")
+        w.add(f"{gguf_arch}.rope.scaling.factor", float(rs["factor"]), F)
+        w.add(f"{gguf_arch}.rope.scaling.original_context_length", int(rs["original_max_position_embeddings"]), U)
     elif rtype == "llama3":
         # llama.cpp's converter stores the llama3 frequency factors as rope_freqs.weight: base / scaled
         inv = model.model.rotary_emb.inv_freq.detach().double().numpy()

@@ -109,6 +109,16 @@ def test_llama3_rope_frequency_factors(tmp_path):
     assert rel_err(run_full(path, toks, n_ctx=128), hf_logits(hf, toks)) < 1e-5
 
 
+def test_yarn_rope_scaling(tmp_path):
+    hf = hf_model("qwen2", max_pos=256, seed=8,
+                  rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    path = export_gguf(hf, tmp_path / "m.gguf", "qwen2")
+    with load_model(path) as model:
+        assert model.config.rope_scaling == "yarn" and model.config.n_ctx_orig == 32
+    toks = (PROMPT * 4)[:70]
+    assert rel_err(run_full(path, toks, n_ctx=128), hf_logits(hf, toks)) < 1e-5
+
+
 @pytest.mark.parametrize("flash", [False, True])
 def test_incremental_decoding_equals_one_pass(models, flash):
     _hf, path = models["llama"]
