@@ -1294,7 +1294,10 @@ def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
             if not path.exists():
                 print(f"{PROG}: writing the built-in {size} {t} model to {path}", file=err, flush=True)
             t0 = time.perf_counter()
-            path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir)
+            from ggmlpy.backend import ProgressBar
+
+            path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir,
+                                  progress=ProgressBar(f"writing {size} {t}", stream=err))
             if time.perf_counter() - t0 > 1:
                 print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
             paths.append(str(path))
