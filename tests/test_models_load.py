@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ggmlpy import gguf
-from ggmlpy.models import MissingTensor, load_model
+from ggmlpy.models import MissingTensor, UnknownArchitecture, load_model
 from ggmlpy.models.synthetic import write_synthetic
 
 CHILD = r"""
@@ -55,18 +55,38 @@ def test_truncated_file_and_wrong_shape(tmp_path, synth):
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(gguf.GGUFError):
         load_model(cut)
-    # a tensor with the wrong shape: MissingTensor naming it, nothing left allocated
-    bad = tmp_path / "bad.gguf"
-    with gguf.GGUFReader(synth) as rd:
-        w = gguf.GGUFWriter(str(bad))
-        for k, v in rd.metadata.items():
-            if k != gguf.ALIGNMENT_KEY:
-                w.add(k, v, None if isinstance(v, (list, np.ndarray)) else rd.kv_type(k))
-        for info in rd.tensors:
-            arr = rd.tensor_data(info.name)
-            if info.name == "blk.1.ffn_down.weight":
-                arr = arr[:, :-32]
-            w.add_tensor(info.name, arr, type=info.type)
-        w.write()
+    # a tensor with the wrong shape: MissingTensor naming it
+    bad = rewrite(synth, tmp_path / "bad.gguf", tensor=("blk.1.ffn_down.weight", lambda a: a[:, :-32]))
     with pytest.raises(MissingTensor, match="blk.1.ffn_down.weight.*expected"):
         load_model(bad)
+
+
+@pytest.mark.parametrize("key,value,error,match", [
+    ("general.architecture", "gpt2", UnknownArchitecture, "gpt2"),
+    ("llama.expert_count", 8, UnknownArchitecture, "mixture-of-experts"),
+    ("llama.attention.value_length", 32, ValueError, "key and value head sizes differ"),
+    ("llama.attention.head_count_kv", 4, ValueError, "head_count_kv 4 must divide"),
+    ("llama.rope.scaling.type", "longrope", ValueError, "rope scaling 'longrope'"),
+])
+def test_unsupported_metadata_is_refused(tmp_path, synth, key, value, error, match):
+    path = rewrite(synth, tmp_path / "x.gguf", meta=(key, value))
+    with pytest.raises(error, match=match):
+        load_model(path)
+
+
+def rewrite(src, dst, meta=None, tensor=None):
+    """Copy a GGUF file, replacing one metadata value or transforming one tensor's data."""
+    with gguf.GGUFReader(src) as rd:
+        w = gguf.GGUFWriter(str(dst))
+        for k, v in rd.metadata.items():
+            if k != gguf.ALIGNMENT_KEY and (meta is None or k != meta[0]):
+                w.add(k, v, None if isinstance(v, (list, np.ndarray)) else rd.kv_type(k))
+        if meta is not None:
+            w.add(*meta)
+        for info in rd.tensors:
+            arr = rd.tensor_data(info.name)
+            if tensor is not None and info.name == tensor[0]:
+                arr = tensor[1](arr)
+            w.add_tensor(info.name, arr, type=info.type)
+        w.write()
+    return dst

@@ -110,6 +110,11 @@ class LlamaConfig:
         if n_head < 1 or n_embd < 1:
             raise GGMLValueError(f"{path}: embedding_length and head_count must be >= 1")
         head_dim = int(get("attention.key_length", n_embd // n_head))
+        if int(get("attention.value_length", head_dim)) != head_dim:
+            raise GGMLValueError(f"{path}: key and value head sizes differ "
+                                 f"({head_dim} != {get('attention.value_length')}); not supported")
+        if int(get("expert_count", 0) or 0) > 0:
+            raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported")
         vocab = get("vocab_size")
         if vocab is None:
             tokens = md.get("tokenizer.ggml.tokens")
@@ -466,7 +471,7 @@ class LlamaModel:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"LlamaModel({self.desc!r}, n_layer={c.n_layer}, n_embd={c.n_embd}, n_head={c.n_head}/"
+        return (f"LlamaModel({getattr(self, 'desc', self.path)!r}, n_layer={c.n_layer}, n_embd={c.n_embd}, n_head={c.n_head}/"
                 f"{c.n_head_kv}, n_vocab={c.n_vocab}, {self.placement.summary()})")
 
 
