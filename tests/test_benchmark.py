@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_core_backend import rpc_server  # noqa: F401  (the loopback server fixture)
 
 from ggmlpy import benchmark as bm
 from ggmlpy.benchmark import BenchError, BenchParams, Instance, Result, parse_args, parse_int_range
@@ -499,6 +500,17 @@ def test_real_run_on_tiny_model(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "| pp16 |" in cap.out.replace(" ", "").replace("|pp16|", "| pp16 |")
     assert "memory of pp16" in cap.err
+
+
+@pytest.mark.rpc
+def test_rpc_server_takes_the_layers(tmp_path, capsys, rpc_server):  # noqa: F811
+    """-rpc with -ngl 99 puts the model on a real loopback server (backend column RPC)."""
+    code = bm.main(["--synthetic", "tiny", "-p", "8", "-n", "2", "-r", "1", "-t", "1", "-o", "json",
+                    "-rpc", rpc_server, "-ngl", "0,99", "--cache-dir", str(tmp_path)])
+    recs = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [(r["n_gpu_layers"], r["backends"]) for r in recs] == [(0, "CPU"), (0, "CPU"), (99, "RPC"), (99, "RPC")]
+    assert all(r["avg_ts"] > 0 for r in recs)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")

@@ -905,10 +905,11 @@ class GgmlpyEngine(Engine):
     name = "ggmlpy"
     load_mode = "none"
 
-    def __init__(self) -> None:
+    def __init__(self, rpc: list[str] | None = None) -> None:
         super().__init__()
         import ggmlpy
 
+        self.rpc = list(rpc or [])           # -rpc servers: "auto" device choice takes only those named
         self.version = ggmlpy.__version__
         self.model: Any = None
         self.rt: Any = None
@@ -927,7 +928,7 @@ class GgmlpyEngine(Engine):
         from ggmlpy.models import load_model
 
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
-        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers)
+        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}
@@ -1360,7 +1361,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                                   make_printer(p.output_err, err, p, gpu, build)) if pr]
         for pr in printers:
             pr.header()
-        engine = engine or GgmlpyEngine()
+        engine = engine or GgmlpyEngine(rpc=p.rpc)
         failed = 0
         results: list[Result] = []
         n = len(instances)
