@@ -2,8 +2,10 @@
 exported to GGUF with ggmlpy's writer, loaded with ggmlpy, logits compared at every position.
 
 Tolerances (relative to the largest |logit| of the reference, "the logits' scale"):
-F32 weights and cache 1e-5 (measured 2e-7 to 6e-7; the issue asks 1e-4); F16 and BF16 weights 2e-2 with the same top-1 token everywhere; Q8_0 3e-2, same top-1;
-Q4_0, Q4_K and Q6_K 0.25 (a quantization smoke check: the model loads and tracks the reference).
+F32 weights and cache 1e-5 (measured 2e-7 to 6e-7; the issue asks 1e-4). With an F16 cache, the same top-1
+token everywhere and: F16 weights 3e-3 (measured 8.8e-4), BF16 1.5e-2 (5.0e-3), Q8_0 3e-2 (2.1e-2: ggml also
+quantizes the activations to 8 bits for Q8_0 products); Q6_K 0.08 (0.043), Q4_0 and Q4_K 0.25 (0.19, 0.20):
+a check that the low-bit model loads and tracks the reference.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def test_mistral_window_is_used(models):
     assert rel_err(full_attention, ref) > 1e-2      # the window matters for this prompt
 
 
-@pytest.mark.parametrize("wtype,tol", [("F16", 2e-2), ("BF16", 2e-2), ("Q8_0", 3e-2)])
+@pytest.mark.parametrize("wtype,tol", [("F16", 3e-3), ("BF16", 1.5e-2), ("Q8_0", 3e-2)])
 def test_half_and_q8_same_top1(tmp_path, wtype, tol):
     hf = hf_model("llama", seed=2)
     path = export_gguf(hf, tmp_path / "m.gguf", "llama", wtype=wtype)
@@ -77,8 +79,8 @@ def test_half_and_q8_same_top1(tmp_path, wtype, tol):
     np.testing.assert_array_equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K", "Q6_K"])
-def test_low_bit_types_load_and_track(tmp_path, wtype):
+@pytest.mark.parametrize("wtype,tol", [("Q4_0", 0.25), ("Q4_K", 0.25), ("Q6_K", 0.08)])
+def test_low_bit_types_load_and_track(tmp_path, wtype, tol):
     # K-quants need rows of 256
     hf = hf_model("llama", hidden=256, heads=4, kv_heads=2, ff=512, seed=3)
     path = export_gguf(hf, tmp_path / "m.gguf", "llama", wtype=wtype)
@@ -87,7 +89,7 @@ def test_low_bit_types_load_and_track(tmp_path, wtype):
         assert model.weights["blk.0.attn_q.weight"].type == gp.Type[wtype]
         with Runner(model, n_ctx=32) as rt:
             got = rt.decode(PROMPT[:8], logits="all")
-    assert rel_err(got, ref) < 0.25, rel_err(got, ref)
+    assert rel_err(got, ref) < tol, rel_err(got, ref)
 
 
 def test_tied_output_and_linear_rope_scaling(tmp_path):
