@@ -64,7 +64,7 @@ def _int_array(values, name: str) -> np.ndarray:
         arr = arr.reshape(1)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
@@ -149,7 +149,7 @@ class Cells:
         occupied = self._seq.any(axis=1)
         self._pos[~occupied] = -1
         self._used = int(occupied.sum())
-        big = np.iinfo(np.int32).max
+        big = _INT32_MAX
         pos = self._pos[:, None]
         lo = np.where(self._seq, pos, big).min(axis=0)
         hi = np.where(self._seq, pos, -1).max(axis=0)
@@ -323,7 +323,8 @@ class Cells:
         pad = int(pad)
         if pad < 1:
             raise ValueError(f"pad must be >= 1, got {pad}")
-        cells = np.flatnonzero(self._seq[:, np.unique(seq_ids)].any(axis=1))
+        seqs = np.unique(seq_ids) if seq_ids.size > 1 else seq_ids
+        cells = np.flatnonzero(self._seq[:, seqs].any(axis=1))
         if cells.size == 0:
             return (0, 0)
         lo = int(cells[0]) // pad * pad
@@ -417,9 +418,9 @@ class Cells:
             )
         if ((slots < 0) | (slots >= self._n_cells)).any():
             raise ValueError(f"slot out of range [0, {self._n_cells})")
-        if np.unique(slots).size != slots.size:
+        if slots.size > 1 and np.unique(slots).size != slots.size:
             raise ValueError("slots contain a repeated cell")
-        if (positions < 0).any() or (positions > np.iinfo(np.int32).max).any():
+        if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
             raise ValueError("positions must be in [0, 2**31)")
         self._check_seq_array(seq_ids)
         taken = self._seq[slots].any(axis=1)

@@ -409,7 +409,8 @@ class Runner:
     def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
         """Allocate, fill the inputs, compute; the wanted output rows as numpy (rows, n_out_dim)."""
         b = ub.built
-        self.rt.sched.alloc_graph(b.graph)
+        if not self.rt.sched.is_allocated(b.graph):      # a reused graph keeps its allocation
+            self.rt.sched.alloc_graph(b.graph)
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1])
         b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows)
         self.rt.compute(b.graph)

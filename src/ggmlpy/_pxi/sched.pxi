@@ -281,6 +281,16 @@ cdef class Scheduler:
                 self.poisoned = True
                 raise GGMLMemoryError("sched_alloc_graph: could not allocate the graph's compute buffers")
 
+    def is_allocated(self, Graph graph not None):
+        """Whether ``graph`` (unchanged since) is the graph the scheduler holds memory for now.
+
+        A reused graph can then have its inputs set and be computed again
+        without another allocation.
+        """
+        alloc = self.allocated
+        return (alloc is not None and alloc[0] is graph and alloc[1] == graph.ptr.n_nodes
+                and alloc[2] == graph.ptr.n_leafs)
+
     def compute(self, Graph graph not None):
         """Allocate (if ``graph`` is not the one allocated) and compute it (GIL released)."""
         self._compute(graph, False)
