@@ -213,10 +213,17 @@ def test_thousands_of_cancelled_requests_leak_nothing(model, pipeline):
         assert rt.generate(PROMPT, max_tokens=3).done_reason == DoneReason.LENGTH
 
 
-def test_error_in_one_request_fails_only_that_request(model):
+def test_error_in_one_request_fails_only_that_request(model, monkeypatch):
+    import ggmlpy.runner as runner_mod
+
+    class Failing(runner_mod.Sampler):
+        def sample(self, logits):
+            raise ValueError("boom")
+
     with Runner(model, n_ctx=16) as rt:
+        monkeypatch.setattr(runner_mod, "Sampler", Failing)      # the request's sampler fails, always
         h = rt.submit(PROMPT[:3], max_tokens=3, sampling=SamplingParams(temperature=1.0, seed=1))
-        h._seq.sampler.sample = lambda row: (_ for _ in ()).throw(ValueError("boom"))
+        monkeypatch.undo()
         with pytest.raises(RunnerError, match="boom"):
             h.result()
         assert rt.generate(PROMPT[:3], max_tokens=2).done_reason == DoneReason.LENGTH

@@ -165,7 +165,7 @@ class _Seq:
         self.result = Completion()
         self.t_start: Optional[float] = None
         self.t_first: Optional[float] = None
-        self.placeholder = None          # (token array, index) in the batch being built, for the sampled token
+        self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
 
 
 @dataclass
@@ -198,10 +198,10 @@ class _Batch:
 class _Placeholder:
     """A sequence's next input whose token is sampled from the batch still computing (pipelining)."""
 
-    __slots__ = ("seq", "value", "ubatch", "row")
+    __slots__ = ("value", "ubatch", "row")
 
-    def __init__(self, seq: _Seq) -> None:
-        self.seq, self.value, self.ubatch, self.row = seq, None, None, None
+    def __init__(self) -> None:
+        self.value, self.ubatch, self.row = None, None, None
 
     def fill(self, tok: int) -> None:
         self.value = int(tok)
@@ -301,7 +301,7 @@ class Runner:
             raise
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
         self._lock = threading.Condition()
-        self._engine = threading.Lock()       # one batch at a time: the loop or a direct decode()
+        self._engine = threading.Lock()       # direct decode()/clear() calls one at a time
         self._waiting: deque = deque()
         self._active: dict[int, _Seq] = {}
         self._next_seq = 0
@@ -966,7 +966,7 @@ class Runner:
                     for m in prev.members:
                         seq = m.seq
                         if m.has_out and not prev.embedding and not seq.pending and not seq.finished.is_set():
-                            seq.placeholder = _Placeholder(seq)
+                            seq.placeholder = _Placeholder()
                             seq.pending.append(seq.placeholder)
                             seq.sb_pending.append(0)
                 try:

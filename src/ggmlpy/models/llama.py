@@ -232,10 +232,7 @@ class LlamaModel:
 
     def __init__(self, reader, placement: Optional[Placement] = None) -> None:
         self.path = str(reader.path)
-        md = reader.metadata
-        emb = reader.tensor_info("token_embd.weight") if "token_embd.weight" in reader else None
-        self.config = cfg = LlamaConfig.from_metadata(md, self.path, n_vocab=emb.ne[1] if emb else None)
-        cfg.validate(self.path)
+        self.config = cfg = _config(reader, self.path)
         if placement is None:
             placement = split_layers(cfg.n_layer, choose_devices("cpu"))
         if placement.n_layers != cfg.n_layer:
@@ -475,6 +472,14 @@ class LlamaModel:
                 f"{c.n_head_kv}, n_vocab={c.n_vocab}, {self.placement.summary()})")
 
 
+def _config(reader, path: str) -> LlamaConfig:
+    """The checked configuration of an open GGUF file (vocabulary size from ``token_embd`` if needed)."""
+    emb = reader.tensor_info("token_embd.weight") if "token_embd.weight" in reader else None
+    cfg = LlamaConfig.from_metadata(reader.metadata, path, n_vocab=emb.ne[1] if emb else None)
+    cfg.validate(path)
+    return cfg
+
+
 def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
                load: bool = True) -> LlamaModel:
@@ -502,12 +507,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
 
     reader = gguf.GGUFReader(path)
     try:
-        md = reader.metadata
-        arch = md.get("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise UnknownArchitecture(f"{path}: architecture {arch!r} is not supported "
-                                      f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-        n_layer = int(_md(md, f"{arch}.block_count", required=True, path=str(path)))
+        n_layer = _config(reader, str(path)).n_layer      # the placement needs the layer count first
         devs = choose_devices(devices, rpc=rpc)
         placement = split_layers(n_layer, devs, n_gpu_layers)
         model = LlamaModel(reader, placement)
