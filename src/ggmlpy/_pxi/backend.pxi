@@ -348,18 +348,28 @@ cdef class Buffer:
         return f"<ggmlpy.Buffer {self.name} {_fmt_bytes(self.size)}>"
 
 
-cdef bint _rpc_gone(object owner) noexcept:
-    # True when owner (a BufferType or Backend) lives on an RPC server that no
-    # longer accepts connections.
+cdef object _owner_endpoint(object owner):
+    # RPC endpoint ("host:port") of the device a BufferType or Backend belongs to, else None.
+    if isinstance(owner, BufferType):
+        return (<BufferType> owner).endpoint
+    if isinstance(owner, Backend):
+        return (<Backend> owner).dev.rpc_endpoint
+    return None
+
+
+cdef bint _rpc_gone(object owner):
+    # True only when owner (a BufferType or Backend) lives on an RPC server
+    # that no longer accepts connections. Local memory is never "gone": a
+    # programming error here must surface, not turn into a skipped free (that
+    # once leaked every backend buffer).
+    ep = _owner_endpoint(owner)
+    if ep is None:
+        return False
+    host, _, port = ep.rpartition(":")
     try:
-        ep = owner.endpoint if isinstance(owner, BufferType) else (
-            (<Backend> owner).dev.rpc_endpoint if isinstance(owner, Backend) else None)
-        if ep is None:
-            return False
-        host, _, port = ep.rpartition(":")
         with socket.create_connection((host, int(port)), timeout=0.5):
             return False
-    except BaseException:
+    except OSError:
         return True
 
 
