@@ -158,3 +158,52 @@ def rel_err(actual, expected) -> float:
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"shape {a.shape} != expected {e.shape}"
     return float(np.linalg.norm(a - e) / np.linalg.norm(e))
+
+
+# --- memory the process really holds -------------------------------------------------------------
+# Leak tests measure RSS, never ggmlpy's own object counters alone: a leak of every backend buffer
+# once hid behind counters that said 0.
+
+def rss_mib() -> float:
+    """Resident set size of this process now, in MiB (``/proc/self/status`` VmRSS)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:  # give freed heap pages back to the OS first, so RSS shows what is really held
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def rss_growth(fn, loops: int = 5, warmup: int = 1) -> float:
+    """MiB of RSS gained over ``loops`` calls of ``fn()``, after ``warmup`` calls (caches, lazy init).
+
+    A loop that gives back what it takes stays within a few MiB whatever ``loops`` is; a leak of
+    ``n`` MiB per call grows by ``loops * n``.
+    """
+    for _ in range(warmup):
+        fn()
+    before = rss_mib()
+    for _ in range(loops):
+        fn()
+    return rss_mib() - before
+
+
+def run_child(code: str, *args, timeout: float = 120):
+    """Run ``code`` in a fresh interpreter (with faulthandler) and return the CompletedProcess.
+
+    Crash tests go through here: an abort or segfault kills the child, not the test run, and shows
+    as a negative return code with the C stack faulthandler printed.
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
