@@ -13,6 +13,7 @@ Reading::
         arch = r.get("general.architecture")
         for t in r.tensors:                  # TensorInfo(name, type, ne, offset, nbytes)
             a = r.tensor_data(t.name)        # read-only, memory-mapped, no copy
+            b = r.tensor_data(t.name, copy=True)   # a private copy (safe if the file changes)
 
 Writing::
 
@@ -49,8 +50,8 @@ import numpy as np
 from ggmlpy import _core
 from ggmlpy._core import GGMLError, GGMLTypeError, GGUFError, Type
 
-__all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "GGUFError", "GGUFReader", "GGUFWriter", "TensorInfo",
-           "ValueType"]
+__all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "GGUFError", "GGUFReader", "GGUFWriter", "MetadataError",
+           "MetadataTypeError", "TensorInfo", "ValueType", "meta_float", "meta_int", "meta_str"]
 
 ValueType = _core.GGUFValueType
 DEFAULT_ALIGNMENT = 32
@@ -100,6 +101,129 @@ class TensorInfo:
         for x in self.ne:
             n *= x
         return n
+
+
+# --- typed metadata ----------------------------------------------------------------
+
+class MetadataError(GGUFError):
+    """A metadata value of a GGUF file is missing, malformed or out of range.
+
+    The message names the file and the key; both are also attributes.
+
+    Attributes
+    ----------
+    path : str
+    key : str
+    """
+
+    def __init__(self, path: str, key: str, message: str) -> None:
+        super().__init__(f"{path}: metadata {key!r}: {message}" if path else f"metadata {key!r}: {message}")
+        self.path = path
+        self.key = key
+
+
+class MetadataTypeError(MetadataError, GGMLTypeError):
+    """A metadata value has the wrong type (a string where a number is needed, a float for a count...).
+
+    Both a :class:`MetadataError` (so a ``ValueError``) and a ``TypeError``.
+    """
+
+
+_REQUIRED: Any = object()
+
+
+def _meta_raw(md: Any, key: str, default: Any, path: str, per_layer: bool) -> Any:
+    """The value of ``key``, or ``default`` (``_REQUIRED``: raise). A per-layer array gives its one value."""
+    if key not in md:
+        if default is _REQUIRED:
+            raise MetadataError(path, key, "is missing")
+        return default
+    v = md[key]
+    if isinstance(v, (np.ndarray, list)):
+        if not per_layer:
+            raise MetadataTypeError(path, key, f"expected a single value, got an array of {len(v)}")
+        if len(v) == 0:
+            raise MetadataError(path, key, "is an empty array")
+        first = v[0]
+        # per-layer arrays (llama.cpp allows them for head counts ...) are supported only when uniform
+        if any(x != first for x in v[1:]):
+            raise MetadataError(path, key, f"per-layer values differ ({_short(v)}); not supported")
+        v = first.item() if isinstance(first, np.generic) else first
+    return v
+
+
+def _short(v: Any) -> str:
+    items = list(v[:6])
+    return "[" + ", ".join(repr(x.item() if isinstance(x, np.generic) else x) for x in items) + \
+        (", ...]" if len(v) > 6 else "]")
+
+
+def meta_int(md: Any, key: str, default: Any = _REQUIRED, *, lo: int | None = None, hi: int | None = None,
+             path: str = "", per_layer: bool = False) -> Any:
+    """Integer metadata value ``md[key]``, checked.
+
+    Parameters
+    ----------
+    md : mapping
+        Metadata as :attr:`GGUFReader.metadata` holds it.
+    key : str
+    default
+        Returned when the key is absent (unchecked); without it an absent key raises.
+    lo, hi : int, optional
+        Inclusive bounds.
+    path : str
+        The file, for the message.
+    per_layer : bool
+        Accept an array of identical integers (one per layer) and return its value.
+
+    Raises
+    ------
+    MetadataError
+        Missing, out of ``[lo, hi]``, or a per-layer array whose values differ.
+    MetadataTypeError
+        Not an integer (bools, floats and strings are refused, not converted).
+    """
+    v = _meta_raw(md, key, default, path, per_layer)
+    if v is default and key not in md:
+        return v
+    if not _is_int(v):
+        raise MetadataTypeError(path, key, f"expected an integer, got {_type_name_of(v)} {v!r:.80}")
+    v = int(v)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise MetadataError(path, key, f"{v} is out of range [{lo if lo is not None else '-inf'}, "
+                                       f"{hi if hi is not None else 'inf'}]")
+    return v
+
+
+def meta_float(md: Any, key: str, default: Any = _REQUIRED, *, lo: float | None = None, hi: float | None = None,
+               lo_open: bool = False, path: str = "", per_layer: bool = False) -> Any:
+    """Finite real metadata value ``md[key]`` (integers are accepted), checked.
+
+    As :func:`meta_int`; NaN and infinities are always refused, ``lo_open``
+    makes the lower bound exclusive (``lo=0, lo_open=True``: strictly positive).
+    """
+    v = _meta_raw(md, key, default, path, per_layer)
+    if v is default and key not in md:
+        return v
+    if not (_is_int(v) or _is_float(v)):
+        raise MetadataTypeError(path, key, f"expected a number, got {_type_name_of(v)} {v!r:.80}")
+    v = float(v)
+    if not np.isfinite(v):
+        raise MetadataError(path, key, f"{v} is not a finite number")
+    if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and v > hi:
+        raise MetadataError(path, key, f"{v:g} is out of range {'(' if lo_open else '['}"
+                                       f"{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]")
+    return v
+
+
+def meta_str(md: Any, key: str, default: Any = _REQUIRED, *, path: str = "") -> Any:
+    """String metadata value ``md[key]``; :class:`MetadataTypeError` if it is not a string."""
+    v = _meta_raw(md, key, default, path, False)
+    if v is default and key not in md:
+        return v
+    if not isinstance(v, str):
+        raise MetadataTypeError(path, key, f"expected a string, got {_type_name_of(v)} {v!r:.80}")
+    return v
 
 
 # --- reading ---------------------------------------------------------------------
@@ -153,9 +277,16 @@ class GGUFReader:
     """Read a GGUF file: its metadata, its tensor table and (memory-mapped) its tensor data.
 
     The header is parsed by ggml (``gguf_init_from_file``) when the reader is
-    made; the tensor data is mapped read-only on the first ``tensor_data`` call
-    and never copied. Also a context manager; ``close()`` unmaps the file
-    (arrays already returned keep their mapping alive).
+    made, and the tensor table is checked against the file: the tensors must
+    tile the data section (each starts where the one before ends, padded to the
+    alignment) and the file must end where the last one does, so a tensor count
+    that is too small or a file truncated before opening is an error here.
+    The tensor data is mapped read-only on the first ``tensor_data`` call and
+    not copied (``tensor_data(name, copy=True)`` reads a copy instead; see its
+    warning about files truncated while mapped). Also a context manager;
+    ``close()`` unmaps the file (arrays already returned keep their mapping
+    alive). Typed, checked metadata: :meth:`get_int`, :meth:`get_float`,
+    :meth:`get_str`.
 
     Parameters
     ----------
@@ -184,8 +315,9 @@ class GGUFReader:
         As ``open`` does.
     GGUFError
         Not a GGUF file, an unsupported version, a corrupt or truncated header
-        (with ggml's reason), a tensor of a type this build does not know, or
-        tensor data that would lie past the end of the file.
+        (with ggml's reason), a tensor of a type this build does not know,
+        tensor data that would lie past the end of the file, or bytes after
+        the last tensor that no tensor describes.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -224,8 +356,33 @@ class GGUFReader:
                                 f"past the end of the file ({self.file_size} bytes): the file is truncated")
             self.tensors.append(ti)
             self._by_name[name] = ti
+        self._check_layout()
         self._mm: np.memmap | None = None
         self._closed = False
+
+    def _check_layout(self) -> None:
+        """The tensor table must tile the data section: each tensor starts where the one before it ends
+        (padded to the alignment) and the file ends where the last one does (padding allowed).
+
+        ggml checks the first rule while parsing; the second catches a header whose tensor count is too
+        small (ggml then takes the last tensor's info for data, and every weight moves) and data appended
+        to a file. A tensor re-typed to a type of the same size (F16 as BF16) cannot be seen here; the
+        model loader checks that the data looks like its type.
+        """
+        end = self.data_offset
+        a = self.alignment
+        for ti in self.tensors:
+            if ti.offset != end:
+                raise GGUFError(f"{self.path}: tensor {ti.name!r} starts at {ti.offset}, but the tensor before it "
+                                f"ends (padded to {a}) at {end}: the tensor table is corrupt")
+            end = ti.offset + ti.nbytes
+            end += -end % a if ti is not self.tensors[-1] else 0
+        if self.file_size > end + (-end % a):      # the last tensor (or the header) may be padded
+            extra = self.file_size - end
+            what = (f"the last tensor {self.tensors[-1].name!r} ends at {end}" if self.tensors else
+                    f"the file has no tensors and its data section starts at {self.data_offset}")
+            raise GGUFError(f"{self.path}: {what}, but the file has {extra} more bytes ({self.file_size} in all) that "
+                            "no tensor describes: the tensor count or a tensor's size is wrong (or data was appended)")
 
     # metadata
     def get(self, key: str, default: Any = None) -> Any:
@@ -257,14 +414,31 @@ class GGUFReader:
         except KeyError:
             raise KeyError(f"{self.path} has no tensor {name!r} ({len(self.tensors)} tensors)") from None
 
-    def tensor_data(self, name: str) -> np.ndarray:
-        """The data of tensor ``name`` as a read-only view of the mapped file (no copy).
+    def tensor_data(self, name: str, copy: bool = False) -> np.ndarray:
+        """The data of tensor ``name``: a read-only view of the mapped file, or with ``copy=True`` a copy.
 
         F32, F16, F64, I8, I16, I32 and I64 data is a typed array of shape
         ``TensorInfo.shape`` (numpy order); BF16 and quantized data is uint8 of
         shape ``(rows..., row_size_bytes)``, i.e. ``shape`` with its last axis
         replaced by the row's size in bytes (decode it with
         ``ggmlpy.dequantize(data, type, ne0)``).
+
+        Parameters
+        ----------
+        name : str
+        copy : bool
+            False (default): no copy; the array is a view of a memory map of the
+            file. True: the bytes are read (``pread``) into a new writable array
+            that does not depend on the file afterwards.
+
+        Warnings
+        --------
+        A memory-mapped array reads the file when it is used. If the file is
+        truncated or replaced in place while such an array (or a view of it)
+        exists, touching the missing pages kills the process with SIGBUS;
+        Python cannot catch that. The size is checked when the reader is made
+        and on each call, not at every access. Use ``copy=True`` for files that
+        another process may rewrite, or for data kept long after reading.
 
         Raises
         ------
@@ -274,16 +448,50 @@ class GGUFReader:
             The reader is closed, or the file has shrunk since it was opened.
         """
         ti = self.tensor_info(name)
-        mm = self._map()
         end = ti.offset + ti.nbytes
-        if end > mm.shape[0]:
-            raise GGUFError(f"{self.path}: tensor {name!r} data [{ti.offset}, {end}) lies past the end of the "
-                            f"file ({mm.shape[0]} bytes): it was truncated after opening")
-        raw = np.asarray(mm[ti.offset:end])
+        if copy:
+            if self._closed:
+                raise GGUFError(f"{self.path}: the reader is closed")
+            raw = np.empty(ti.nbytes, np.uint8)
+            with open(self.path, "rb", buffering=0) as f:
+                n = f.seek(ti.offset)
+                got = 0
+                view = memoryview(raw)
+                while n == ti.offset and got < ti.nbytes:
+                    k = f.readinto(view[got:])
+                    if not k:
+                        break
+                    got += k
+            if got != ti.nbytes:
+                raise GGUFError(f"{self.path}: tensor {name!r} data [{ti.offset}, {end}) lies past the end of the "
+                                f"file ({ti.offset + got} bytes): it was truncated after opening")
+        else:
+            mm = self._map()
+            if end > mm.shape[0] or os.stat(self.path).st_size < end:
+                raise GGUFError(f"{self.path}: tensor {name!r} data [{ti.offset}, {end}) lies past the end of the "
+                                f"file ({min(mm.shape[0], os.stat(self.path).st_size)} bytes): it was truncated "
+                                "after opening")
+            raw = np.asarray(mm[ti.offset:end])
         dt = ti.type.numpy_dtype
         if dt is not None:
             return raw.view(dt).reshape(ti.shape)
         return raw.reshape(ti.shape[:-1] + (ti.type.row_size(ti.ne[0]),))
+
+    # typed metadata
+    def get_int(self, key: str, default: Any = _REQUIRED, *, lo: int | None = None, hi: int | None = None,
+                per_layer: bool = False) -> Any:
+        """Integer value of ``key``, checked; see :func:`meta_int` (errors name the key and this file)."""
+        return meta_int(self.metadata, key, default, lo=lo, hi=hi, path=self.path, per_layer=per_layer)
+
+    def get_float(self, key: str, default: Any = _REQUIRED, *, lo: float | None = None, hi: float | None = None,
+                  lo_open: bool = False, per_layer: bool = False) -> Any:
+        """Finite real value of ``key``, checked; see :func:`meta_float`."""
+        return meta_float(self.metadata, key, default, lo=lo, hi=hi, lo_open=lo_open, path=self.path,
+                          per_layer=per_layer)
+
+    def get_str(self, key: str, default: Any = _REQUIRED) -> Any:
+        """String value of ``key``; see :func:`meta_str`."""
+        return meta_str(self.metadata, key, default, path=self.path)
 
     def _map(self) -> np.memmap:
         if self._closed:

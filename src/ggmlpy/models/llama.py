@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -31,6 +32,7 @@ import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, Graph, RopeType, Tensor, Type
 from ggmlpy.backend import MemoryReport, Placement, Weights, choose_devices, split_layers
+from ggmlpy.gguf import _REQUIRED, GGUFError, MetadataError, MetadataTypeError, meta_float, meta_int, meta_str
 
 __all__ = ["ARCHITECTURES", "BuiltGraph", "LlamaConfig", "LlamaModel", "MissingTensor", "UnknownArchitecture",
            "load_model"]
@@ -52,17 +54,13 @@ class MissingTensor(GGMLValueError):
     """A tensor the architecture needs is not in the file, or has the wrong shape or type."""
 
 
-def _md(md: dict, key: str, default=None, required: bool = False, path: str = ""):
-    if key in md:
-        v = md[key]
-        if isinstance(v, np.ndarray):       # per-layer arrays: llama.cpp takes the first value
-            if v.size == 0:
-                raise GGMLValueError(f"{path}: metadata {key} is an empty array")
-            v = v.flat[0].item()
-        return v
-    if required:
-        raise GGMLValueError(f"{path}: metadata key {key!r} is missing")
-    return default
+# Sane bounds on hyperparameters, checked before anything is sized from them (a hostile file must not
+# make the loader allocate or loop by its numbers). Generous: ten times what large public models use.
+_MAX_LAYERS = 4096
+_MAX_EMBD = 1 << 20
+_MAX_HEADS = 1 << 14
+_MAX_VOCAB = 1 << 24
+_MAX_CTX = 1 << 27          # token positions are I32; the longest trained contexts are ~1e7
 
 
 @dataclass(frozen=True)
@@ -94,7 +92,22 @@ class LlamaConfig:
 
     @classmethod
     def from_metadata(cls, md: dict, path: str = "", n_vocab: Optional[int] = None) -> LlamaConfig:
-        """Read the configuration; raises :class:`UnknownArchitecture` or a ValueError naming the key."""
+        """Read the configuration.
+
+        Every value is type-checked and range-checked as it is read (see :meth:`validate` for the
+        relations between them).
+
+        Raises
+        ------
+        UnknownArchitecture
+            No or another ``general.architecture``; a mixture-of-experts model.
+        ggmlpy.gguf.MetadataError
+            A missing key, a value out of range or not finite (names the key and the file).
+        ggmlpy.gguf.MetadataTypeError
+            A value of the wrong type (a string for a count, a float for an integer...).
+        GGMLValueError
+            A combination this module does not support (key and value head sizes differ...).
+        """
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
             raise UnknownArchitecture(f"{path}: no general.architecture in the file")
@@ -102,71 +115,95 @@ class LlamaConfig:
             raise UnknownArchitecture(f"{path}: architecture {arch!r} is not supported "
                                       f"(supported: {', '.join(sorted(ARCHITECTURES))})")
 
-        def get(key, default=None, required=False):
-            return _md(md, f"{arch}.{key}", default, required, path)
+        def geti(key, default=_REQUIRED, lo=None, hi=None, full=None):
+            return meta_int(md, full or f"{arch}.{key}", default, lo=lo, hi=hi, path=path, per_layer=True)
 
-        n_embd = int(get("embedding_length", required=True))
-        n_head = int(get("attention.head_count", required=True))
-        if n_head < 1 or n_embd < 1:
-            raise GGMLValueError(f"{path}: embedding_length and head_count must be >= 1")
-        head_dim = int(get("attention.key_length", n_embd // n_head))
-        if int(get("attention.value_length", head_dim)) != head_dim:
-            raise GGMLValueError(f"{path}: key and value head sizes differ "
-                                 f"({head_dim} != {get('attention.value_length')}); not supported")
-        if int(get("expert_count", 0) or 0) > 0:
+        def getf(key, default=_REQUIRED, lo=None, hi=None, lo_open=False):
+            return meta_float(md, f"{arch}.{key}", default, lo=lo, hi=hi, lo_open=lo_open, path=path,
+                              per_layer=True)
+
+        if geti("expert_count", 0, lo=0) > 0:
             raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported")
-        vocab = get("vocab_size")
-        if vocab is None:
-            tokens = md.get("tokenizer.ggml.tokens")
-            vocab = len(tokens) if tokens is not None else n_vocab
-        if vocab is None:
+        n_embd = geti("embedding_length", lo=1, hi=_MAX_EMBD)
+        n_layer = geti("block_count", lo=1, hi=_MAX_LAYERS)
+        n_head = geti("attention.head_count", lo=1, hi=_MAX_HEADS)
+        n_head_kv = geti("attention.head_count_kv", n_head, lo=1, hi=_MAX_HEADS)
+        head_dim = geti("attention.key_length", n_embd // n_head, lo=1, hi=_MAX_EMBD)
+        v_dim = geti("attention.value_length", head_dim, lo=1, hi=_MAX_EMBD)
+        if v_dim != head_dim:
+            raise GGMLValueError(f"{path}: key and value head sizes differ ({head_dim} != {v_dim}); not supported")
+        n_ff = geti("feed_forward_length", lo=1, hi=_MAX_EMBD * 8)
+        if f"{arch}.vocab_size" in md:
+            vocab = geti("vocab_size", lo=1, hi=_MAX_VOCAB)
+        elif "tokenizer.ggml.tokens" in md:
+            tokens = md["tokenizer.ggml.tokens"]
+            if not isinstance(tokens, list):
+                raise MetadataTypeError(path, "tokenizer.ggml.tokens", "expected an array of strings")
+            vocab = len(tokens)
+        elif n_vocab is not None:
+            vocab = int(n_vocab)
+        else:
             raise GGMLValueError(f"{path}: no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
-        scaling = str(get("rope.scaling.type", "none"))
-        factor = float(get("rope.scaling.factor", 0.0) or 0.0)
+        if not 1 <= vocab <= _MAX_VOCAB:
+            raise MetadataError(path, "tokenizer.ggml.tokens", f"vocabulary size {vocab} is out of range "
+                                                               f"[1, {_MAX_VOCAB}]")
+        n_ctx_train = geti("context_length", lo=1, hi=_MAX_CTX)
+        rms_eps = getf("attention.layer_norm_rms_epsilon", lo=0.0, lo_open=True, hi=1.0)
+        rope_base = getf("rope.freq_base", 10000.0, lo=0.0, lo_open=True)
+        rope_dim = geti("rope.dimension_count", head_dim, lo=1, hi=_MAX_EMBD)
+        scaling = meta_str(md, f"{arch}.rope.scaling.type", "none", path=path)
+        factor = getf("rope.scaling.factor", 0.0, lo=0.0)
         freq_scale, ext_factor, attn_factor = 1.0, 0.0, 1.0
         if scaling == "linear" and factor > 0:
             freq_scale = 1.0 / factor
         elif scaling == "yarn" and factor > 0:
             freq_scale, ext_factor = 1.0 / factor, 1.0
-            attn_factor = float(get("rope.scaling.attn_factor", 1.0))
+            attn_factor = getf("rope.scaling.attn_factor", 1.0, lo=0.0, lo_open=True)
         elif scaling not in ("none", "linear", "yarn"):
             raise GGMLValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn)")
-        eos = md.get("tokenizer.ggml.eos_token_id")
-        eos_ids = () if eos is None else (int(eos),)
-        extra = md.get("tokenizer.ggml.eot_token_id")
-        if extra is not None and int(extra) not in eos_ids:
-            eos_ids += (int(extra),)
-        window = get("attention.sliding_window")
-        n_ctx_train = int(get("context_length", required=True))
-        bos = md.get("tokenizer.ggml.bos_token_id")
-        ft = md.get("general.file_type")
+        n_ctx_orig = geti("rope.scaling.original_context_length", n_ctx_train, lo=1, hi=_MAX_CTX)
+        window = geti("attention.sliding_window", 0, lo=0, hi=_MAX_CTX) or None
+        # token ids index the embedding rows: one out of range would make get_rows read outside it
+        tok = {k: geti("", None, lo=0, hi=vocab - 1, full=f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "bos")}
+        eos_ids = () if tok["eos"] is None else (tok["eos"],)
+        if tok["eot"] is not None and tok["eot"] not in eos_ids:
+            eos_ids += (tok["eot"],)
+        ft = geti("", None, lo=0, full="general.file_type")
         return cls(
-            arch=arch, n_vocab=int(vocab), n_ctx_train=n_ctx_train, n_embd=n_embd,
-            n_layer=int(get("block_count", required=True)), n_head=n_head,
-            n_head_kv=int(get("attention.head_count_kv", n_head)), head_dim=head_dim,
-            n_ff=int(get("feed_forward_length", required=True)),
-            rms_eps=float(get("attention.layer_norm_rms_epsilon", required=True)),
-            rope_base=float(get("rope.freq_base", 10000.0)), rope_dim=int(get("rope.dimension_count", head_dim)),
-            rope_mode=int(ARCHITECTURES[arch]), rope_scaling=scaling, rope_freq_scale=freq_scale,
-            rope_ext_factor=ext_factor, rope_attn_factor=attn_factor,
-            n_ctx_orig=int(get("rope.scaling.original_context_length", n_ctx_train)),
-            sliding_window=int(window) if window else None, eos_token_ids=eos_ids,
-            bos_token_id=None if bos is None else int(bos), file_type=None if ft is None else int(ft))
+            arch=arch, n_vocab=vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
+            n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, rms_eps=rms_eps, rope_base=rope_base,
+            rope_dim=rope_dim, rope_mode=int(ARCHITECTURES[arch]), rope_scaling=scaling, rope_freq_scale=freq_scale,
+            rope_ext_factor=ext_factor, rope_attn_factor=attn_factor, n_ctx_orig=n_ctx_orig, sliding_window=window,
+            eos_token_ids=eos_ids, bos_token_id=tok["bos"], file_type=ft)
 
     def validate(self, path: str = "") -> None:
+        """Check the relations between the hyperparameters (and their ranges, for a config made by hand).
+
+        Raises
+        ------
+        GGMLValueError
+            Listing every bad value with its key.
+        """
+        a = self.arch
         bad = []
-        if self.n_layer < 1:
-            bad.append(f"block_count {self.n_layer} < 1")
+        if not 1 <= self.n_layer <= _MAX_LAYERS:
+            bad.append(f"{a}.block_count {self.n_layer} is out of range [1, {_MAX_LAYERS}]")
         if self.n_head_kv < 1 or self.n_head % self.n_head_kv:
-            bad.append(f"head_count_kv {self.n_head_kv} must divide head_count {self.n_head}")
+            bad.append(f"{a}.attention.head_count_kv {self.n_head_kv} must divide head_count {self.n_head}")
         if self.head_dim < 1 or self.head_dim % 2:
-            bad.append(f"head dimension {self.head_dim} must be even and >= 1")
+            bad.append(f"head dimension {self.head_dim} ({a}.attention.key_length, or embedding_length / "
+                       "head_count) must be even and >= 1")
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
-            bad.append(f"rope.dimension_count {self.rope_dim} must be even and in (0, {self.head_dim}]")
+            bad.append(f"{a}.rope.dimension_count {self.rope_dim} must be even and in (0, {self.head_dim}]")
         if self.n_vocab < 1 or self.n_ff < 1:
-            bad.append("vocab_size and feed_forward_length must be >= 1")
-        if not self.rms_eps > 0:
-            bad.append(f"layer_norm_rms_epsilon {self.rms_eps} must be > 0")
+            bad.append(f"{a}.vocab_size and {a}.feed_forward_length must be >= 1")
+        # not (x > 0) is also true for NaN
+        if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
+            bad.append(f"{a}.attention.layer_norm_rms_epsilon {self.rms_eps} must be finite and in (0, 1)")
+        for key, v in (("rope.freq_base", self.rope_base), ("rope.scaling.factor", self.rope_freq_scale),
+                       ("rope.scaling.attn_factor", self.rope_attn_factor)):
+            if not (math.isfinite(v) and v > 0):
+                bad.append(f"{a}.{key} gives {v}, which must be finite and > 0")
         if bad:
             raise GGMLValueError(f"{path}: bad hyperparameters: " + "; ".join(bad))
 
@@ -247,6 +284,13 @@ class LlamaModel:
         try:
             for name, ne, group, types in self._expected():
                 self._add(reader, name, ne, group, types)
+            # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
+            # a missing bias ...) do not describe the file, and the model would run without that weight
+            unused = [t.name for t in reader.tensors if t.name not in self.weights]
+            if unused:
+                raise GGUFError(f"{self.path}: {len(unused)} tensor(s) of the file are not used by {cfg.arch} with "
+                                f"these hyperparameters (block_count {cfg.n_layer}): "
+                                f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
             self.weights.allocate()
         except BaseException:
             self.weights.close()
@@ -308,6 +352,19 @@ class LlamaModel:
         (no intermediate copy, so peak RSS stays near the model's size); device
         tensors are written in chunks. ``progress(done_bytes, total_bytes)``
         is called as data arrives.
+
+        A few rows of every tensor are decoded first and must be finite, with
+        magnitudes some model could have (see :func:`_check_sample`): data of
+        another type re-labelled (F16 as BF16 has the same size, so the file's
+        layout cannot show it) or NaN/inf weights are an error, not garbage
+        output.
+
+        Raises
+        ------
+        GGUFError
+            Implausible data (names the tensor and what was found).
+        GGMLValueError, MissingTensor
+            The file ends inside a tensor, or a tensor's size disagrees with its type and shape.
         """
         total = self.size
         done = 0
@@ -317,6 +374,7 @@ class LlamaModel:
                 info = self._reader.tensor_info(name)
                 if info.nbytes != t.nbytes:
                     raise MissingTensor(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, expected {t.nbytes}")
+                _check_sample(f, info, self.path)
                 f.seek(info.offset)
                 if t.is_host:
                     dst = memoryview(t.numpy()).cast("B")
@@ -472,11 +530,107 @@ class LlamaModel:
                 f"{c.n_head_kv}, n_vocab={c.n_vocab}, {self.placement.summary()})")
 
 
+# Weights of any trained or freshly initialised model have a typical magnitude within these bounds;
+# data of another type read as F16/BF16/F32 lands far outside (F16 weights of ~0.02 read as BF16 are ~1e-16).
+_PLAUSIBLE_MAGNITUDE = (1e-8, 1e8)
+_SAMPLE_ROWS = 4
+
+
+def _check_sample(f, info, path: str) -> None:
+    """Decode a few rows of tensor ``info`` from the open file ``f`` and check they are plausible weights.
+
+    Checked: every value is finite (NaN/inf weights, or quantized blocks with NaN/inf scales, turn every
+    output into garbage), and the median magnitude of the non-zero values lies in ``_PLAUSIBLE_MAGNITUDE``.
+    Integer tensors are not checked. Rows: the first, the last and some between (cheap: a few KiB each).
+    """
+    from ggmlpy import dequantize
+
+    t = info.type
+    if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
+        return
+    ne0 = info.ne[0]
+    rs = t.row_size(ne0)
+    n_rows = info.nbytes // rs if rs else 0
+    if not n_rows:
+        return
+    picks = sorted({(n_rows - 1) * k // (_SAMPLE_ROWS - 1) for k in range(_SAMPLE_ROWS)})
+    vals = []
+    for r in picks:
+        f.seek(info.offset + r * rs)
+        raw = f.read(rs)
+        if len(raw) != rs:
+            raise GGMLValueError(f"{path}: file ends inside tensor {info.name!r}")
+        if t == Type.F32:
+            v = np.frombuffer(raw, np.float32)
+        elif t == Type.F16:
+            v = np.frombuffer(raw, np.float16).astype(np.float32)
+        elif t == Type.BF16:
+            v = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            v = dequantize(raw, t, ne0).reshape(-1)
+        vals.append(v)
+    v = np.concatenate(vals)
+    bad = ~np.isfinite(v)
+    if bad.any():
+        raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({int(bad.sum())} of "
+                        f"{v.size} sampled, e.g. {v[bad][0]}): the data is corrupt")
+    nz = np.abs(v[v != 0])
+    if nz.size:
+        med = float(np.median(nz))
+        lo, hi = _PLAUSIBLE_MAGNITUDE
+        if not lo <= med <= hi:
+            raise GGUFError(f"{path}: tensor {info.name!r} does not look like {t.name} data: the median magnitude "
+                            f"of its sampled values is {med:.3g}, outside [{lo:g}, {hi:g}] (data of another type "
+                            "labelled as this one?)")
+
+
+_LAYER_RE = re.compile(r"blk\.(\d+)\.")
+
+
 def _config(reader, path: str) -> LlamaConfig:
-    """The checked configuration of an open GGUF file (vocabulary size from ``token_embd`` if needed)."""
+    """The configuration of an open GGUF file, checked against the file's own tensors.
+
+    Before anything is sized from the hyperparameters, they must agree with the tensors the file holds:
+    ``block_count`` with the ``blk.N`` layers present, the embedding length and vocabulary size with
+    ``token_embd.weight``, head counts, head size and feed-forward length with layer 0's matrices. Each
+    error names the key, the value and the tensor it contradicts.
+    """
     emb = reader.tensor_info("token_embd.weight") if "token_embd.weight" in reader else None
-    cfg = LlamaConfig.from_metadata(reader.metadata, path, n_vocab=emb.ne[1] if emb else None)
+    if emb is None:
+        raise MissingTensor(f"{path}: tensor 'token_embd.weight' is missing")
+    if len(emb.ne) != 2:
+        raise MissingTensor(f"{path}: tensor 'token_embd.weight' has ne={emb.ne}, expected 2 dimensions")
+    cfg = LlamaConfig.from_metadata(reader.metadata, path, n_vocab=emb.ne[1])
     cfg.validate(path)
+    a = cfg.arch
+    layers = {int(m.group(1)) for t in reader.tensors if (m := _LAYER_RE.match(t.name))}
+    n_file = max(layers) + 1 if layers else 0
+    if cfg.n_layer != n_file:
+        raise MetadataError(path, f"{a}.block_count", f"{cfg.n_layer}, but the file has tensors for {n_file} layers "
+                                                     f"(blk.0 .. blk.{n_file - 1})" if n_file else
+                            f"{cfg.n_layer}, but the file has no blk.N tensors")
+    if len(layers) != n_file:
+        missing = sorted(set(range(n_file)) - layers)[:5]
+        raise MissingTensor(f"{path}: no tensors for layers {missing} of {n_file}")
+
+    def rows(name):
+        info = reader.tensor_info(name) if name in reader else None
+        return info.ne[1] if info is not None and len(info.ne) == 2 else None
+
+    vocab_key = f"{a}.vocab_size" if f"{a}.vocab_size" in reader.metadata else "tokenizer.ggml.tokens"
+    checks = [
+        (f"{a}.embedding_length", cfg.n_embd, "token_embd.weight", emb.ne[0], "ne[0]"),
+        (vocab_key, cfg.n_vocab, "token_embd.weight", emb.ne[1], "ne[1]"),
+        (f"{a}.attention.head_count", cfg.n_head * cfg.head_dim, "blk.0.attn_q.weight", rows("blk.0.attn_q.weight"),
+         "rows (head_count x head size)"),
+        (f"{a}.attention.head_count_kv", cfg.n_head_kv * cfg.head_dim, "blk.0.attn_k.weight",
+         rows("blk.0.attn_k.weight"), "rows (head_count_kv x head size)"),
+        (f"{a}.feed_forward_length", cfg.n_ff, "blk.0.ffn_gate.weight", rows("blk.0.ffn_gate.weight"), "rows"),
+    ]
+    for key, want, tname, got, what in checks:
+        if got is not None and got != want:
+            raise MetadataError(path, key, f"the metadata gives {want} {what}, but {tname} has "
+                                           f"ne={reader.tensor_info(tname).ne}")
     return cfg
 
 

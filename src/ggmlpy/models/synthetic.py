@@ -284,9 +284,9 @@ def cache_dir() -> Path:
 
 
 def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
-    try:
-        from ggmlpy import gguf
+    from ggmlpy import GGMLError, gguf
 
+    try:
         r = gguf.GGUFReader(str(path))
         md = r.metadata
         if (md.get("ggmlpy.synthetic.format_version") != FORMAT_VERSION
@@ -295,7 +295,8 @@ def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool
                 or len(r.tensors) != len(tensor_specs(cfg))):
             return False
         return True
-    except Exception:
+    except (OSError, GGMLError):
+        # unreadable or corrupt (GGUFError): rewrite it; anything else is a bug and propagates
         return False
 
 
