@@ -115,12 +115,15 @@ class LlamaConfig:
             raise UnknownArchitecture(f"{path}: architecture {arch!r} is not supported "
                                       f"(supported: {', '.join(sorted(ARCHITECTURES))})")
 
+        # llama.cpp allows an array (one value per layer) for these; we build uniform layers only
+        per_layer = {"attention.head_count", "attention.head_count_kv", "feed_forward_length"}
+
         def geti(key, default=_REQUIRED, lo=None, hi=None, full=None):
-            return meta_int(md, full or f"{arch}.{key}", default, lo=lo, hi=hi, path=path, per_layer=True)
+            return meta_int(md, full or f"{arch}.{key}", default, lo=lo, hi=hi, path=path,
+                            per_layer=key in per_layer)
 
         def getf(key, default=_REQUIRED, lo=None, hi=None, lo_open=False):
-            return meta_float(md, f"{arch}.{key}", default, lo=lo, hi=hi, lo_open=lo_open, path=path,
-                              per_layer=True)
+            return meta_float(md, f"{arch}.{key}", default, lo=lo, hi=hi, lo_open=lo_open, path=path)
 
         if geti("expert_count", 0, lo=0) > 0:
             raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported")

@@ -1,0 +1,654 @@
+"""Corrupted GGUF model files against GGUFReader and load_model, in child processes.
+
+Two tiny synthetic llama models (F16 and Q8_0, written by
+``ggmlpy.models.synthetic``) are the bases. Case ``i`` of a run is a pure
+function of ``(base, seed, i)``, so any case can be written out again
+(``--write-case``). Each case is one edit of a base file:
+
+* structural (anything may happen but a crash or a hang): truncations, bit
+  flips and random bytes in the header, inserted / deleted bytes, huge key,
+  tensor, string and array counts, duplicated keys and tensor infos, tensor
+  offsets out of range, ``n_dims > 4``, unknown tensor and value types, huge
+  or negative dimensions, random bytes in the tensor data;
+* semantic (the file stays well-formed, the model does not make sense; each
+  must be *rejected*, a load is a "silent garbage load"): one tensor fewer in
+  the header's count, ``rms_eps`` inf/NaN/<= 0, ``block_count`` other than the
+  layers present (1, 0, 3, 2**31 - 1 ...), F16 data re-typed as BF16 (or F32
+  as I32), hyperparameters that contradict the tensor shapes or are out of
+  range, metadata of the wrong type, a tensor info dropped, a layer renamed
+  out of range, NaN weights, token ids outside the vocabulary.
+
+Each case goes through ``GGUFReader`` (metadata, every tensor's data, mapped
+and copied) and, when that works, ``load_model`` plus one decode step of a
+``Runner``. An error must be a ``ggmlpy.GGMLError`` (or OSError); anything
+else is reported as a failure. Children handle a batch of cases each; the
+parent watches them: a negative return code is an abort (the case is named),
+a case that makes no progress for ``--case-timeout`` seconds (20) is a hang.
+
+Usage::
+
+    python tests/gguf_fuzz.py --cases 10000 --jobs 2            # the long run (about 10 minutes on 2 cores)
+    python tests/gguf_fuzz.py --cases 300 --seed 7              # a sample
+    python tests/gguf_fuzz.py --write-case 123 --seed 7 --out case.gguf   # reproduce one case
+
+The last line on stdout is a JSON summary: counts per outcome and per kind,
+wall time, and the failures (aborts, hangs, silent loads of semantic edits,
+exceptions of the wrong class). Exit status 0 when there are none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import select
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+# --- the GGUF header, parsed in pure Python (positions of every field) -------------------------------
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+F32, F16, I32, BF16 = 0, 1, 26, 30
+
+
+class Header:
+    """A GGUF file split into raw chunks: the fixed head, each KV, each tensor info, the data section.
+
+    Only well-formed files are parsed (the bases); edits work on the chunks and :meth:`build` joins
+    them again, padding the header to the alignment so the data section keeps its relative offsets.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        assert data[:4] == b"GGUF"
+        self.version = struct.unpack_from("<I", data, 4)[0]
+        n_tensors, n_kv = struct.unpack_from("<QQ", data, 8)
+        pos = 24
+        self.kvs = []               # (key, type, raw chunk, value offset within chunk)
+        for _ in range(n_kv):
+            start = pos
+            klen = struct.unpack_from("<Q", data, pos)[0]
+            key = data[pos + 8:pos + 8 + klen].decode()
+            pos += 8 + klen
+            t = struct.unpack_from("<I", data, pos)[0]
+            pos += 4
+            vpos = pos
+            pos = self._skip(t, pos)
+            self.kvs.append((key, t, data[start:pos], vpos - start))
+        self.tinfos = []            # (name, raw chunk)
+        for _ in range(n_tensors):
+            start = pos
+            nlen = struct.unpack_from("<Q", data, pos)[0]
+            name = data[pos + 8:pos + 8 + nlen].decode()
+            pos += 8 + nlen
+            nd = struct.unpack_from("<I", data, pos)[0]
+            pos += 4 + 8 * nd + 4 + 8
+            self.tinfos.append((name, data[start:pos]))
+        self.header_end = pos
+        self.alignment = 32
+        for key, t, chunk, vo in self.kvs:
+            if key == "general.alignment":
+                self.alignment = struct.unpack_from("<I", chunk, vo)[0]
+        self.data_start = pos + (-pos % self.alignment)
+        self.section = data[self.data_start:]
+
+    def _skip(self, t: int, pos: int) -> int:
+        if t == STRING:
+            return pos + 8 + struct.unpack_from("<Q", self.data, pos)[0]
+        if t == ARRAY:
+            et, n = struct.unpack_from("<IQ", self.data, pos)
+            pos += 12
+            for _ in range(n):
+                pos = self._skip(et, pos)
+            return pos
+        return pos + struct.calcsize(_SCALAR[t])
+
+    def kv_index(self, key: str) -> int:
+        return [k for k, *_ in self.kvs].index(key)
+
+    def tensor_index(self, name: str) -> int:
+        return [n for n, _ in self.tinfos].index(name)
+
+    def tinfo_fields(self, i: int) -> dict:
+        """Offsets (within tensor info ``i``'s chunk) of n_dims, ne[0], type and offset, and their values."""
+        name, chunk = self.tinfos[i]
+        p = 8 + len(name.encode())
+        nd = struct.unpack_from("<I", chunk, p)[0]
+        ne = struct.unpack_from(f"<{nd}q", chunk, p + 4)
+        tp = p + 4 + 8 * nd
+        return {"n_dims_at": p, "ne_at": p + 4, "n_dims": nd, "ne": ne, "type_at": tp,
+                "type": struct.unpack_from("<I", chunk, tp)[0], "offset_at": tp + 4,
+                "offset": struct.unpack_from("<Q", chunk, tp + 4)[0]}
+
+    def build(self, kvs=None, tinfos=None, n_kv=None, n_tensors=None, section=None) -> bytes:
+        kvs = self.kvs if kvs is None else kvs
+        tinfos = self.tinfos if tinfos is None else tinfos
+        head = (b"GGUF" + struct.pack("<IQQ", self.version, len(tinfos) if n_tensors is None else n_tensors,
+                                      len(kvs) if n_kv is None else n_kv)
+                + b"".join(c for _, _, c, _ in kvs) + b"".join(c for _, c in tinfos))
+        head += b"\0" * (-len(head) % self.alignment)
+        return head + (self.section if section is None else section)
+
+
+def kv_chunk(key: str, t: int, value) -> tuple:
+    """A KV as (key, type, raw chunk, value offset); ``value`` for ARRAY is (element type, list)."""
+    k = key.encode()
+    head = struct.pack("<Q", len(k)) + k + struct.pack("<I", t)
+    return key, t, head + _value(t, value), len(head)
+
+
+def _value(t: int, v) -> bytes:
+    if t == STRING:
+        b = v.encode()
+        return struct.pack("<Q", len(b)) + b
+    if t == ARRAY:
+        et, items = v
+        return struct.pack("<IQ", et, len(items)) + b"".join(_value(et, x) for x in items)
+    return struct.pack(_SCALAR[t], v)
+
+
+def _put(buf: bytes, pos: int, b: bytes) -> bytes:
+    return buf[:pos] + b + buf[pos + len(b):]
+
+
+# --- the cases ---------------------------------------------------------------------------------------
+
+EDGES = [0, 1, 2, 3, 4, 5, 63, 64, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63,
+         2**64 - 1]
+
+STRUCTURAL = ["truncate", "flip", "bytes", "insert", "delete", "count", "strlen", "arrlen", "dupkey",
+              "duptensor", "offset", "ndims", "ttype", "kvtype", "ne", "data"]
+SEMANTIC = ["count-1", "eps", "block_count", "retype", "hparam", "wrongtype", "droptensor", "rename", "nan",
+            "tokenid"]
+
+
+def make_case(base: bytes, hdr: Header, seed: int, i: int) -> tuple[str, str, bytes, bool]:
+    """Case ``i``: ``(kind, description, file bytes, semantic)``; a pure function of its arguments."""
+    rng = random.Random(f"{seed}:{i}")
+    # about one case in three is a semantic edit
+    semantic = rng.random() < 0.35
+    kind = rng.choice(SEMANTIC if semantic else STRUCTURAL)
+    desc, data = globals()["_case_" + kind.replace("-", "_")](base, hdr, rng)
+    return kind, desc, data, semantic
+
+
+def _case_truncate(base, hdr, rng):
+    n = rng.randrange(hdr.data_start + 64) if rng.random() < 0.6 else rng.randrange(len(base))
+    return f"truncate at {n}", base[:n]
+
+
+def _case_flip(base, hdr, rng):
+    out, what = base, []
+    for _ in range(rng.randint(1, 4)):
+        p, b = rng.randrange(hdr.header_end), rng.randrange(8)
+        out = _put(out, p, bytes([out[p] ^ (1 << b)]))
+        what.append(f"{p}.{b}")
+    return f"flip bits {' '.join(what)}", out
+
+
+def _case_bytes(base, hdr, rng):
+    out, what = base, []
+    for _ in range(rng.randint(1, 4)):
+        p, v = rng.randrange(hdr.header_end), rng.randrange(256)
+        out = _put(out, p, bytes([v]))
+        what.append(f"{p}={v}")
+    return f"bytes {' '.join(what)}", out
+
+
+def _case_insert(base, hdr, rng):
+    p = rng.randrange(hdr.header_end)
+    junk = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+    return f"insert {junk.hex()} at {p}", base[:p] + junk + base[p:]
+
+
+def _case_delete(base, hdr, rng):
+    p, n = rng.randrange(hdr.header_end), rng.randint(1, 16)
+    return f"delete {n} bytes at {p}", base[:p] + base[p + n:]
+
+
+def _case_count(base, hdr, rng):
+    which, v = rng.choice(("n_tensors", "n_kv")), rng.choice(EDGES + [len(hdr.tinfos) + 1, len(hdr.kvs) + 1])
+    return f"{which} = {v}", _put(base, 8 if which == "n_tensors" else 16, struct.pack("<Q", v))
+
+
+def _case_strlen(base, hdr, rng):
+    # a key's length, a string value's length or a tensor name's length
+    v = rng.choice(EDGES)
+    if rng.random() < 0.5:
+        i = rng.randrange(len(hdr.kvs))
+        key, t, chunk, vo = hdr.kvs[i]
+        if t == STRING and rng.random() < 0.5:
+            kvs = list(hdr.kvs)
+            kvs[i] = (key, t, _put(chunk, vo, struct.pack("<Q", v)), vo)
+            return f"string length of {key} = {v}", hdr.build(kvs=kvs)
+        kvs = list(hdr.kvs)
+        kvs[i] = (key, t, _put(chunk, 0, struct.pack("<Q", v)), vo)
+        return f"key length of {key} = {v}", hdr.build(kvs=kvs)
+    i = rng.randrange(len(hdr.tinfos))
+    tinfos = list(hdr.tinfos)
+    tinfos[i] = (tinfos[i][0], _put(tinfos[i][1], 0, struct.pack("<Q", v)))
+    return f"name length of tensor {hdr.tinfos[i][0]} = {v}", hdr.build(tinfos=tinfos)
+
+
+def _case_arrlen(base, hdr, rng):
+    v = rng.choice(EDGES)
+    key = rng.choice(["test.array.ints", "test.array.strings"])
+    extra = (kv_chunk("test.array.ints", ARRAY, (5, [1, 2, 3])) if key.endswith("ints") else
+             kv_chunk("test.array.strings", ARRAY, (STRING, ["a", "bc"])))
+    k, t, chunk, vo = extra
+    kvs = list(hdr.kvs) + [(k, t, _put(chunk, vo + 4, struct.pack("<Q", v)), vo)]
+    return f"array {key} of {v} elements", hdr.build(kvs=kvs)
+
+
+def _case_dupkey(base, hdr, rng):
+    i = rng.randrange(len(hdr.kvs))
+    kvs = list(hdr.kvs)
+    kvs.insert(rng.randrange(len(kvs) + 1), hdr.kvs[i])
+    return f"duplicate key {hdr.kvs[i][0]}", hdr.build(kvs=kvs)
+
+
+def _case_duptensor(base, hdr, rng):
+    i = rng.randrange(len(hdr.tinfos))
+    tinfos = list(hdr.tinfos) + [hdr.tinfos[i]]
+    return f"duplicate tensor info {hdr.tinfos[i][0]}", hdr.build(tinfos=tinfos)
+
+
+def _tinfo_edit(hdr, i, at, b):
+    tinfos = list(hdr.tinfos)
+    tinfos[i] = (tinfos[i][0], _put(tinfos[i][1], at, b))
+    return hdr.build(tinfos=tinfos)
+
+
+def _case_offset(base, hdr, rng):
+    i = rng.randrange(len(hdr.tinfos))
+    f = hdr.tinfo_fields(i)
+    v = rng.choice(EDGES + [f["offset"] + hdr.alignment, max(0, f["offset"] - hdr.alignment), len(hdr.section)])
+    return f"offset of {hdr.tinfos[i][0]} = {v}", _tinfo_edit(hdr, i, f["offset_at"], struct.pack("<Q", v))
+
+
+def _case_ndims(base, hdr, rng):
+    i = rng.randrange(len(hdr.tinfos))
+    v = rng.choice([0, 5, 6, 8, 255, 2**16, 2**31, 2**32 - 1])
+    return f"n_dims of {hdr.tinfos[i][0]} = {v}", _tinfo_edit(hdr, i, hdr.tinfo_fields(i)["n_dims_at"],
+                                                             struct.pack("<I", v))
+
+
+def _case_ttype(base, hdr, rng):
+    i = rng.randrange(len(hdr.tinfos))
+    v = rng.choice([4, 5, 31, 32, 33, 36, 39, 40, 41, 64, 255, 2**31 - 1, 2**31, 2**32 - 1] + list(range(0, 40)))
+    return f"type of {hdr.tinfos[i][0]} = {v}", _tinfo_edit(hdr, i, hdr.tinfo_fields(i)["type_at"],
+                                                           struct.pack("<I", v))
+
+
+def _case_kvtype(base, hdr, rng):
+    i = rng.randrange(len(hdr.kvs))
+    key, t, chunk, vo = hdr.kvs[i]
+    v = rng.choice([13, 14, 255, 2**31, 2**32 - 1] + list(range(13)))
+    kvs = list(hdr.kvs)
+    kvs[i] = (key, t, _put(chunk, vo - 4, struct.pack("<I", v)), vo)
+    return f"value type of {key} = {v}", hdr.build(kvs=kvs)
+
+
+def _case_ne(base, hdr, rng):
+    i = rng.randrange(len(hdr.tinfos))
+    f = hdr.tinfo_fields(i)
+    d = rng.randrange(f["n_dims"])
+    v = rng.choice(EDGES[:-3] + [-1, -2**63, f["ne"][d] + 1, f["ne"][d] * 2, max(f["ne"][d] - 1, 0)])
+    return (f"ne[{d}] of {hdr.tinfos[i][0]} = {v}",
+            _tinfo_edit(hdr, i, f["ne_at"] + 8 * d, struct.pack("<q", v)))
+
+
+def _case_data(base, hdr, rng):
+    out, what = base, []
+    for _ in range(rng.randint(1, 8)):
+        p, v = rng.randrange(hdr.data_start, len(base)), rng.randrange(256)
+        out = _put(out, p, bytes([v]))
+        what.append(f"{p}={v}")
+    return f"data bytes {' '.join(what)}", out
+
+
+# semantic edits: each leaves a well-formed file that no model loader should accept
+
+def _set_kv(hdr, key, t, value):
+    kvs = list(hdr.kvs)
+    kvs[hdr.kv_index(key)] = kv_chunk(key, t, value)
+    return hdr.build(kvs=kvs)
+
+
+def _case_count_1(base, hdr, rng):
+    return "n_tensors one fewer", _put(base, 8, struct.pack("<Q", len(hdr.tinfos) - 1))
+
+
+def _case_eps(base, hdr, rng):
+    v = rng.choice([math.inf, -math.inf, math.nan, 0.0, -1e-5, 5.0])
+    return f"rms_eps = {v}", _set_kv(hdr, "llama.attention.layer_norm_rms_epsilon", 6, v)
+
+
+def _case_block_count(base, hdr, rng):
+    v = rng.choice([0, 1, 3, 4, 64, 2**28, 2**31 - 1, 2**32 - 1])
+    return f"block_count = {v}", _set_kv(hdr, "llama.block_count", 4, v)
+
+
+def _case_retype(base, hdr, rng):
+    f16 = [i for i in range(len(hdr.tinfos)) if hdr.tinfo_fields(i)["type"] == F16]
+    if f16:
+        i = rng.choice(f16)
+        return (f"{hdr.tinfos[i][0]} F16 -> BF16",
+                _tinfo_edit(hdr, i, hdr.tinfo_fields(i)["type_at"], struct.pack("<I", BF16)))
+    f32 = [i for i in range(len(hdr.tinfos)) if hdr.tinfo_fields(i)["type"] == F32]
+    i = rng.choice(f32)
+    return f"{hdr.tinfos[i][0]} F32 -> I32", _tinfo_edit(hdr, i, hdr.tinfo_fields(i)["type_at"], struct.pack("<I", I32))
+
+
+# values that contradict the tiny model's tensors (n_embd 64, 4 heads / 2 kv heads of 16, ff 192,
+# vocab 512) or are out of any sane range
+_HPARAM = {
+    "llama.embedding_length": [32, 63, 65, 128, 0, 2**31],
+    "llama.attention.head_count": [2, 8, 0, 3, 2**20],
+    "llama.attention.head_count_kv": [1, 4, 0, 3, 2**20],
+    "llama.feed_forward_length": [191, 96, 0, 2**31],
+    "llama.vocab_size": [511, 513, 0, 2**31 - 1, 2**32 - 1],
+    "llama.context_length": [0, 2**31, 2**32 - 1],
+    "llama.rope.dimension_count": [0, 17, 18, 2**31],
+    "llama.rope.freq_base": [math.nan, math.inf, 0.0, -10000.0],
+    "llama.attention.key_length": [8, 32, 0, 2**31],
+}
+
+
+def _case_hparam(base, hdr, rng):
+    key = rng.choice(sorted(_HPARAM))
+    v = rng.choice(_HPARAM[key])
+    t = 6 if isinstance(v, float) else 4
+    if key in [k for k, *_ in hdr.kvs]:
+        return f"{key} = {v}", _set_kv(hdr, key, t, v)
+    return f"{key} = {v} (added)", hdr.build(kvs=list(hdr.kvs) + [kv_chunk(key, t, v)])
+
+
+def _case_wrongtype(base, hdr, rng):
+    key, t, v = rng.choice([
+        ("llama.block_count", STRING, "2"), ("llama.block_count", 6, 2.0), ("llama.block_count", ARRAY, (STRING, ["2"])),
+        ("llama.block_count", 7, True), ("llama.embedding_length", 6, 64.0), ("llama.embedding_length", STRING, "64"),
+        ("llama.attention.layer_norm_rms_epsilon", STRING, "1e-5"), ("llama.attention.head_count", 12, 4.0),
+        ("llama.vocab_size", ARRAY, (4, [512, 512])), ("llama.context_length", STRING, "2048"),
+        ("llama.attention.head_count", ARRAY, (4, [4, 2])), ("general.architecture", 4, 7),
+        ("llama.rope.freq_base", STRING, "10000"),
+    ])
+    return f"{key} as type {t} = {v!r}", _set_kv(hdr, key, t, v)
+
+
+def _case_droptensor(base, hdr, rng):
+    names = [n for n, _ in hdr.tinfos if n != "output.weight"]
+    n = rng.choice(names)
+    tinfos = [x for x in hdr.tinfos if x[0] != n]
+    return f"drop tensor info {n}", hdr.build(tinfos=tinfos)
+
+
+def _case_rename(base, hdr, rng):
+    # a layer tensor moved to a layer index the block count does not have (same name length)
+    i = rng.choice([j for j, (n, _) in enumerate(hdr.tinfos) if n.startswith("blk.1.")])
+    name = hdr.tinfos[i][0]
+    new = "blk." + str(rng.choice([2, 3, 7, 9])) + name[5:]
+    chunk = hdr.tinfos[i][1]
+    chunk = chunk[:8] + new.encode() + chunk[8 + len(name):]
+    tinfos = list(hdr.tinfos)
+    tinfos[i] = (new, chunk)
+    return f"rename {name} -> {new}", hdr.build(tinfos=tinfos)
+
+
+def _case_nan(base, hdr, rng):
+    i = rng.choice([j for j in range(len(hdr.tinfos)) if hdr.tinfo_fields(j)["type"] in (F32, F16, 8)])
+    f = hdr.tinfo_fields(i)
+    at = hdr.data_start + f["offset"]
+    v = rng.choice(["nan", "inf"])
+    if f["type"] == F32:
+        b = struct.pack("<f", math.nan if v == "nan" else math.inf)
+    else:   # F16, or the F16 scale that starts a Q8_0 block
+        b = struct.pack("<H", 0x7E00 if v == "nan" else 0x7C00)
+    return f"{v} at the start of {hdr.tinfos[i][0]}", _put(base, at, b)
+
+
+def _case_tokenid(base, hdr, rng):
+    key = rng.choice(["tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
+    v = rng.choice([512, 513, 2**31 - 1, 2**32 - 1])
+    return f"{key} = {v}", hdr.build(kvs=list(hdr.kvs) + [kv_chunk(key, 4, v)])
+
+
+# --- the child: runs cases, one JSON line each ---------------------------------------------------------
+
+def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str) -> None:
+    """Run cases ``start .. stop - 1``, printing ``start i`` before and a JSON result after each."""
+    import numpy as np
+
+    from ggmlpy import GGMLError, gguf
+    from ggmlpy.models import load_model
+    from ggmlpy.runner import Runner
+
+    blobs = [open(b, "rb").read() for b in bases]
+    hdrs = [Header(b) for b in blobs]
+    path = os.path.join(work, f"case-{os.getpid()}.gguf")
+    for i in range(start, stop):
+        b = i % len(blobs)
+        kind, desc, data, semantic = make_case(blobs[b], hdrs[b], seed, i)
+        with open(path, "wb") as f:
+            f.write(data)
+        print(f"start {i}", flush=True)
+        res = {"i": i, "base": b, "kind": kind, "desc": desc, "semantic": semantic}
+        stage = "read"
+        try:
+            with gguf.GGUFReader(path) as r:
+                for t in r.tensors:
+                    a = r.tensor_data(t.name)
+                    c = r.tensor_data(t.name, copy=True)
+                    if a.tobytes() != c.tobytes():
+                        raise AssertionError(f"mapped and copied data of {t.name} differ")
+                for k in r.metadata:
+                    r.kv_type(k)
+            stage = "load"
+            with load_model(path) as m:
+                stage = "decode"
+                with Runner(m, n_ctx=16) as rt:
+                    logits = rt.decode([1, 2, 3])
+                if logits is None or logits.shape[-1] != m.n_vocab:
+                    raise AssertionError(f"decode gave {None if logits is None else logits.shape} logits")
+            res["outcome"] = "loaded"
+            # random bytes in the data may hold NaNs outside the rows the loader samples: noted, allowed
+            res["finite"] = bool(np.all(np.isfinite(logits)))
+        except (GGMLError, OSError) as e:
+            res["outcome"] = "rejected"
+            res["stage"] = stage
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        except Exception as e:  # noqa: BLE001 -- the point: report any other class as a failure
+            res["outcome"] = "bad-exception"
+            res["stage"] = stage
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(res), flush=True)
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# --- the parent: batches, watchdog, summary -------------------------------------------------------------
+
+def make_bases(folder: str) -> list[str]:
+    from ggmlpy.models.synthetic import write_synthetic
+
+    out = []
+    for t in ("F16", "Q8_0"):
+        p = os.path.join(folder, f"base-{t}.gguf")
+        if not os.path.exists(p):
+            write_synthetic(p, size="tiny", type=t, seed=5)
+        out.append(p)
+    return out
+
+
+class _Batch:
+    """One child process and what the parent knows of it (stderr goes to a file: a full pipe would stall it)."""
+
+    def __init__(self, bases, seed, start, stop, work):
+        self.next, self.stop = start, stop
+        self.err = tempfile.TemporaryFile(dir=work)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", __file__, "--child", "--seed", str(seed), "--range",
+             f"{start}:{stop}", "--work", work, *bases],
+            stdout=subprocess.PIPE, stderr=self.err)
+        self.fd = self.proc.stdout.fileno()
+        self.buf = b""
+        self.eof = False
+        self.current = None
+        self.since = time.monotonic()
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        text = self.err.read().decode(errors="replace")
+        self.err.close()
+        return text[-1500:]
+
+
+def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout: float = 20.0,
+        work: str | None = None, start: int = 0, log=None) -> dict:
+    """Run ``cases`` cases (numbered from ``start``) in child processes; returns the summary dict."""
+    t0 = time.monotonic()
+    own = work is None
+    tmp = tempfile.TemporaryDirectory(prefix="gguf-fuzz-") if own else None
+    work = tmp.name if own else work
+    try:
+        bases = make_bases(work)
+        todo = [(s, min(s + batch, start + cases)) for s in range(start, start + cases, batch)]
+        running: list[_Batch] = []
+        summary = {"cases": 0, "loaded": 0, "rejected": 0, "aborts": 0, "hangs": 0, "bad_exceptions": 0,
+                   "silent_semantic_loads": 0, "semantic": 0, "semantic_rejected": 0, "by_kind": {},
+                   "failures": []}
+
+        def record(res):
+            summary["cases"] += 1
+            k = summary["by_kind"].setdefault(res["kind"], {})
+            k[res["outcome"]] = k.get(res["outcome"], 0) + 1
+            if res["semantic"]:
+                summary["semantic"] += 1
+            out = res["outcome"]
+            if out == "loaded":
+                summary["loaded"] += 1
+                if res["semantic"]:
+                    summary["silent_semantic_loads"] += 1
+                    summary["failures"].append(f"case {res['i']} ({res['desc']}): semantic edit loaded silently")
+            elif out == "rejected":
+                summary["rejected"] += 1
+                if res["semantic"]:
+                    summary["semantic_rejected"] += 1
+            else:
+                key = {"abort": "aborts", "hang": "hangs", "bad-exception": "bad_exceptions"}[out]
+                summary[key] += 1
+                summary["failures"].append(f"case {res['i']} ({res.get('desc', '?')}): {out} "
+                                           f"{res.get('error', '')}".rstrip())
+            if log is not None:
+                log.write(json.dumps(res) + "\n")
+
+        def respawn(b: _Batch, after: int):
+            if after + 1 < b.stop:
+                todo.insert(0, (after + 1, b.stop))
+
+        while todo or running:
+            while todo and len(running) < jobs:
+                running.append(_Batch(bases, seed, *todo.pop(0), work))
+            ready, _, _ = select.select([b.fd for b in running], [], [], 0.5)
+            for b in list(running):
+                if b.fd in ready:
+                    chunk = os.read(b.fd, 1 << 16)
+                    b.eof = not chunk
+                    b.buf += chunk
+                while b"\n" in b.buf:
+                    line, b.buf = b.buf.split(b"\n", 1)
+                    if line.startswith(b"start "):
+                        b.current = int(line.split()[1])
+                        b.since = time.monotonic()
+                    elif line.startswith(b"{"):
+                        record(json.loads(line))
+                        b.current = None
+                        b.since = time.monotonic()
+                if b.eof:
+                    rc = b.proc.wait()
+                    b.proc.stdout.close()
+                    err = b.stderr()
+                    running.remove(b)
+                    if b.current is not None:     # died inside a case: an abort (or an unexpected exit)
+                        info = _describe(bases, seed, b.current)
+                        record({**info, "outcome": "abort", "error": f"rc={rc} {err}"})
+                        respawn(b, b.current)
+                    elif rc != 0:
+                        summary["failures"].append(f"child for cases {b.next}..{b.stop} exited {rc}: {err}")
+                        summary["aborts"] += 1
+                elif time.monotonic() - b.since > case_timeout:
+                    b.proc.kill()
+                    b.proc.wait()
+                    b.proc.stdout.close()
+                    b.stderr()
+                    running.remove(b)
+                    if b.current is None:
+                        summary["failures"].append(f"child for cases {b.next}..{b.stop} stalled between cases")
+                        summary["hangs"] += 1
+                        continue
+                    info = _describe(bases, seed, b.current)
+                    record({**info, "outcome": "hang", "error": f"no result after {case_timeout:g} s"})
+                    respawn(b, b.current)
+        summary["wall_s"] = round(time.monotonic() - t0, 1)
+        summary["failures"] = summary["failures"][:50]
+        return summary
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def _describe(bases, seed, i):
+    blob = open(bases[i % len(bases)], "rb").read()
+    kind, desc, _, semantic = make_case(blob, Header(blob), seed, i)
+    return {"i": i, "base": i % len(bases), "kind": kind, "desc": desc, "semantic": semantic}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--start", type=int, default=0, help="number of the first case")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=1, help="child processes at a time")
+    ap.add_argument("--batch", type=int, default=250, help="cases per child process")
+    ap.add_argument("--case-timeout", type=float, default=20.0)
+    ap.add_argument("--log", help="write every case's result (JSON lines) here")
+    ap.add_argument("--write-case", type=int, help="write case N to --out and describe it, run nothing")
+    ap.add_argument("--out", default="case.gguf")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--range", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help="folder for the base models and case files (default: a temporary one)")
+    ap.add_argument("bases", nargs="*", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        lo, hi = map(int, a.range.split(":"))
+        run_cases(a.bases, a.seed, lo, hi, a.work)
+        return 0
+    if a.write_case is not None:
+        work = a.work or tempfile.mkdtemp(prefix="gguf-fuzz-")
+        bases = make_bases(work)
+        blob = open(bases[a.write_case % len(bases)], "rb").read()
+        kind, desc, data, semantic = make_case(blob, Header(blob), a.seed, a.write_case)
+        with open(a.out, "wb") as f:
+            f.write(data)
+        print(json.dumps({"case": a.write_case, "kind": kind, "desc": desc, "semantic": semantic, "out": a.out}))
+        return 0
+    log = open(a.log, "w") if a.log else None
+    try:
+        summary = run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log)
+    finally:
+        if log is not None:
+            log.close()
+    print(json.dumps(summary))
+    return 0 if not summary["failures"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
