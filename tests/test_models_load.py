@@ -101,7 +101,7 @@ def test_corrupt_model_files_never_abort_and_semantic_edits_never_load(tmp_path)
     decode, in child processes: no abort, no hang, every semantic edit rejected, every error a GGMLError."""
     import gguf_fuzz
 
-    n = int(os.environ.get("GGMLPY_FUZZ_CASES", "400"))
+    n = int(os.environ.get("GGMLPY_GGUF_FUZZ_CASES", "400"))
     s = gguf_fuzz.run(n, seed=11, jobs=1, batch=200, case_timeout=20.0, work=str(tmp_path))
     assert s["cases"] == n and not s["failures"], s["failures"]
     assert s["aborts"] == s["hangs"] == s["bad_exceptions"] == s["silent_semantic_loads"] == 0, s
