@@ -212,7 +212,16 @@ class DeviceMemory:
 
     @property
     def unaccounted(self) -> int:
-        """``total - free - self``, signed (other processes, drivers; negative when ``free`` is stale)."""
+        """``total - free - self``, signed: memory in use on the device that this report does not explain.
+
+        Positive: other processes, the driver, this process's other allocations.
+        Negative: the report counts more than the device shows as used. That is
+        normal on the CPU device, whose ``free`` is the system's available
+        memory: ggml's host buffers are reserved but their pages are only
+        taken when first written, so untouched parts of the cache and compute
+        buffers still look free; it also happens when ``free`` was read before
+        an allocation (the figures are read when each part is recorded).
+        """
         return self.total - self.free - self.self_total
 
     def to_dict(self) -> dict:
@@ -241,6 +250,8 @@ class MemoryReport:
     llama.cpp-style breakdown ``total = free + (self = model + context +
     compute) + unaccounted``; :meth:`to_dict` / :meth:`to_json` give the same
     numbers. A device whose allocation failed still shows what it needed.
+    ``unaccounted`` may be negative (see :attr:`DeviceMemory.unaccounted`); the
+    table then says why in a note.
     """
 
     def __init__(self, n_layers: int = 0):
@@ -302,7 +313,12 @@ class MemoryReport:
                  "compute) + unaccounted"]
         for m in self.devices.values():
             lines.append(f"  - {m.name} ({m.description}) | {_mib(m.total)} = {_mib(m.free)} + ({_mib(m.self_total)} = "
-                         f"{_mib(m.weights_total)} + {_mib(m.cache_total)} + {_mib(m.graph)}) + {_mib(m.unaccounted)}")
+                         f"{_mib(m.weights_total)} + {_mib(m.cache_total)} + {_mib(m.graph)}) + {_mib(m.unaccounted)}"
+                         + (" *" if m.unaccounted < 0 else ""))
+        if any(m.unaccounted < 0 for m in self.devices.values()):
+            lines.append("  * unaccounted < 0: this report counts more than the device shows as used; host "
+                         "buffers take\n    their pages only when first written (untouched cache and compute "
+                         "memory still\n    looks free), or free memory was read before an allocation")
         return "\n".join(lines)
 
 
@@ -433,29 +449,59 @@ class ProgressBar:
 
     ``bar(done, total)`` redraws one line on ``stream`` (stderr by default):
     ``loading [##########..........]  50%  12.0/24.0 MiB``; the line ends when
-    ``done == total``. On a stream that is not a terminal it prints only at
-    every 10% so logs stay short.
+    ``done == total``. On a stream that is not a terminal it prints one line
+    per 10% step reached (each step once) and the final line once, however
+    often the caller reports the same figures, so logs stay short.
+
+    Parameters
+    ----------
+    label : str
+        Text before the bar.
+    width : int
+        Characters of the bar.
+    stream : text stream, optional
+        Where to draw (default ``sys.stderr``).
+    unit : str
+        What ``done`` and ``total`` count: ``"bytes"`` (shown in MiB, the
+        default) or the name of anything else (``"params"``), shown in
+        millions: ``1.2/24.5 M params``.
     """
 
-    def __init__(self, label: str = "loading", width: int = 30, stream=None):
+    def __init__(self, label: str = "loading", width: int = 30, stream=None, unit: str = "bytes"):
         import sys
 
-        self.label, self.width = label, width
+        self.label, self.width, self.unit = label, width, unit
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self._last_tenth = -1
+        self._ended = False
+
+    def _amount(self, done: int, total: int) -> str:
+        if self.unit == "bytes":
+            return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
+        return f"{done / 1e6:.1f}/{total / 1e6:.1f} M {self.unit}"
 
     def __call__(self, done: int, total: int) -> None:
         frac = 1.0 if total <= 0 else min(max(done / total, 0.0), 1.0)
-        tenth = int(frac * 10)
-        if not self.tty and tenth == self._last_tenth and done < total:
-            return
-        self._last_tenth = tenth
+        end = done >= total
+        if end and self._ended:
+            return                        # the final line is drawn once, however often it is reported
+        if not end:
+            if self._ended:               # a new run with the same bar
+                self._ended, self._last_tenth = False, -1
+            tenth = int(frac * 10)
+            if not self.tty and tenth == self._last_tenth:
+                return
+            self._last_tenth = tenth
+        self._ended = end
         filled = int(round(frac * self.width))
-        line = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {frac * 100:3.0f}%  "
-                f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB")
-        end = "\n" if done >= total else ""
-        self.stream.write(("\r" if self.tty else "") + line + (end if self.tty else "\n"))
+        pct = frac * 100 if end else min(frac * 100, 99.0)   # "100%" only on the final line
+        line = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {pct:3.0f}%  "
+                f"{self._amount(done, total)}")
+        if self.tty:
+            self.stream.write("\r" + line + ("\n" if end else ""))
+        else:
+            self.stream.write(line + "\n")
         self.stream.flush()
 
 
@@ -475,10 +521,18 @@ class Runtime:
         self.devices = list(devs)
         if not self.devices or self.devices[-1].type != "CPU":
             self.devices = [d for d in self.devices if d.type != "CPU"] + [_core.device("CPU")]
-        self.backends: list[Backend] = [d.init() for d in self.devices]
-        cpu = self.backends[-1]
-        cpu.set_n_threads(n_threads if n_threads > 0 else _core.default_n_threads())
-        self.sched = _core.Scheduler(self.backends, graph_size=graph_size, parallel=parallel, op_offload=op_offload)
+        self.backends: list[Backend] = []
+        self.sched = None
+        try:
+            for d in self.devices:
+                self.backends.append(d.init())
+            cpu = self.backends[-1]
+            cpu.set_n_threads(n_threads if n_threads > 0 else _core.default_n_threads())
+            self.sched = _core.Scheduler(self.backends, graph_size=graph_size, parallel=parallel,
+                                         op_offload=op_offload)
+        except BaseException:
+            self.close()              # the backends made so far: a failed start holds nothing
+            raise
         self.report = report if report is not None else MemoryReport()
         self.reserved: dict[str, int] = {}
         self.stats: dict[str, tuple[int, int]] = {}
@@ -530,7 +584,11 @@ class Runtime:
             log.warning("compute buffers grew past the reservation: %s", self.reserved)
 
     def close(self) -> None:
-        self.sched.free()
+        """Free the scheduler (its compute buffers) and the backends; safe to call twice."""
+        if self.sched is not None:
+            self.sched.free()
+            self.sched = None
         for b in self.backends:
             b.free()
+        self.backends = []
 

@@ -58,6 +58,7 @@ import re
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -103,8 +104,18 @@ _FALSEY = ("off", "disabled", "false", "0")
 _AUTOY = ("auto", "-1")
 
 
-class BenchError(ValueError):
-    """A bad option value or an engine that cannot run."""
+if __name__ == "__main__":
+    # the llama.cpp worker process (this file run as a script) must not load ggml: its errors only
+    # travel as JSON text, so a plain ValueError base is enough there
+    _BenchErrorBase: type = ValueError
+    GGMLErrorBase: type = ValueError
+else:
+    from ggmlpy._core import GGMLError as GGMLErrorBase
+    from ggmlpy._core import GGMLValueError as _BenchErrorBase
+
+
+class BenchError(_BenchErrorBase):
+    """A bad option value or an engine that cannot run (a :class:`ggmlpy.GGMLError` and a ValueError)."""
 
 
 # --------------------------------------------------------------------------- parsing
@@ -1298,7 +1309,7 @@ def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
             from ggmlpy.backend import ProgressBar
 
             path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir,
-                                  progress=ProgressBar(f"writing {size} {t}", stream=err))
+                                  progress=ProgressBar(f"writing {size} {t}", stream=err, unit="params"))
             if time.perf_counter() - t0 > 1:
                 print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
             paths.append(str(path))
@@ -1339,6 +1350,9 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
     err = err or sys.stderr
     import ggmlpy
 
+    for m in p.models:
+        if not Path(m).is_file():
+            raise BenchError(f"-m {m}: no such model file")
     for ep in p.rpc:
         ggmlpy.rpc_add_server(ep)
     if p.list_devices:
@@ -1384,8 +1398,11 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                                         verbose=verbose if p.verbose else None, **kw))
                 row[0].ggmlpy_version = engine.version
             except Exception as e:
+                # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
                 failed += 1
                 engine.close()
+                if p.verbose or _debug():
+                    traceback.print_exc(file=err)
                 print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
                       f"{type(e).__name__}: {e}", file=err, flush=True)
             for peer in peers:
@@ -1487,17 +1504,35 @@ def main(argv: list[str] | None = None, prog: str = PROG) -> int:
     if "-h" in argv or "--help" in argv:
         build_parser(prog).print_help()
         return 0
+    debug = _debug() or "-v" in argv or "--verbose" in argv
     try:
         params = parse_args(argv)
     except BenchError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        return 1
     try:
         code, _ = run(params)
-    except BenchError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+    except (GGMLErrorBase, OSError, MemoryError) as e:
+        # expected failures (a dead RPC server, a missing file, memory): one line, the traceback with -v or
+        # GGMLPY_DEBUG=1; anything else is a bug and keeps its traceback
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
     return code
+
+
+def _debug() -> bool:
+    return os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0")
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type when the message does not say much, the first line of the message
+    (memory errors carry a whole report after it)."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, BenchError) and msg:
+        return msg
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 if __name__ == "__main__":

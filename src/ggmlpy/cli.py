@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -64,7 +66,17 @@ def main(argv: list[str] | None = None) -> int:
         # bench has llama-bench's own option syntax (-ngl, -pg, comma lists): hand it over whole.
         return _cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from ggmlpy import GGMLError
+
+    try:
+        return args.func(args)
+    except (GGMLError, OSError, MemoryError) as e:
+        # one clear line for what a user can cause; GGMLPY_DEBUG=1 shows the traceback
+        if os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0"):
+            traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"ggmlpy {args.command}: error: {type(e).__name__}: {first}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

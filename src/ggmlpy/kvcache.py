@@ -43,13 +43,19 @@ from typing import Optional
 
 import numpy as np
 
-from ._core import Context, GGMLMemoryError, Tensor, Type, graph_overhead, tensor_overhead
+from ._core import (Context, GGMLError, GGMLMemoryError, GGMLTypeError, GGMLValueError, Tensor,
+                    Type, graph_overhead, tensor_overhead)
 
-__all__ = ["Causal", "Cells", "Encoder", "EncoderPlan", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported",
+__all__ = ["CacheStateError", "Causal", "Cells", "Encoder", "EncoderPlan", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported",
            "Wrapper", "WrapperPlan"]
 
 
-class NotSupported(Exception):
+class CacheStateError(RuntimeError, GGMLError):
+    """The cache is not in a state for this call: not initialised (or closed), initialised twice, or
+    asked for a layer nothing was stored for."""
+
+
+class NotSupported(RuntimeError, GGMLError):
     """The operation is not supported for the current cache state.
 
     Raised by :meth:`Cells.remove` when shifting positions would touch a cell
@@ -63,9 +69,9 @@ def _int_array(values, name: str) -> np.ndarray:
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
+        raise GGMLValueError(f"{name} must be one-dimensional, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        raise GGMLValueError(f"{name} must hold integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -90,9 +96,9 @@ class Cells:
         n_cells = int(n_cells)
         n_seq_max = int(n_seq_max)
         if n_cells < 1:
-            raise ValueError(f"n_cells must be >= 1, got {n_cells}")
+            raise GGMLValueError(f"n_cells must be >= 1, got {n_cells}")
         if n_seq_max < 1:
-            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
+            raise GGMLValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         self._n_cells = n_cells
         self._n_seq_max = n_seq_max
         self._pos = np.full(n_cells, -1, dtype=np.int32)
@@ -158,16 +164,16 @@ class Cells:
 
     def _check_seq(self, seq, name: str = "seq") -> int:
         if isinstance(seq, (bool, np.bool_)) or not isinstance(seq, (int, np.integer)):
-            raise TypeError(f"{name} must be an int, got {type(seq).__name__}")
+            raise GGMLTypeError(f"{name} must be an int, got {type(seq).__name__}")
         seq = int(seq)
         if not 0 <= seq < self._n_seq_max:
-            raise ValueError(f"{name} {seq} out of range [0, {self._n_seq_max})")
+            raise GGMLValueError(f"{name} {seq} out of range [0, {self._n_seq_max})")
         return seq
 
     def _check_seq_array(self, seq_ids: np.ndarray) -> None:
         bad = (seq_ids < 0) | (seq_ids >= self._n_seq_max)
         if bad.any():
-            raise ValueError(
+            raise GGMLValueError(
                 f"sequence id {int(seq_ids[bad][0])} out of range [0, {self._n_seq_max})"
             )
 
@@ -222,7 +228,7 @@ class Cells:
         """
         n_tokens = int(n_tokens)
         if n_tokens < 0:
-            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
+            raise GGMLValueError(f"n_tokens must be >= 0, got {n_tokens}")
         free = np.flatnonzero(~self._seq.any(axis=1))
         if free.size < n_tokens:
             return None
@@ -272,18 +278,18 @@ class Cells:
         positions = _int_array(positions, "positions")
         seq_ids = _int_array(seq_ids, "seq_ids")
         if positions.shape != seq_ids.shape:
-            raise ValueError(
+            raise GGMLValueError(
                 f"positions and seq_ids differ in length: {positions.size} != {seq_ids.size}"
             )
         self._check_seq_array(seq_ids)
         hi = self._n_cells if hi is None else int(hi)
         lo = int(lo)
         if not 0 <= lo <= hi <= self._n_cells:
-            raise ValueError(f"bad cell range [{lo}, {hi}) for {self._n_cells} cells")
+            raise GGMLValueError(f"bad cell range [{lo}, {hi}) for {self._n_cells} cells")
         if window is not None and window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
+            raise GGMLValueError(f"window must be >= 0, got {window}")
         if chunk is not None and chunk < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+            raise GGMLValueError(f"chunk must be >= 1, got {chunk}")
 
         cell_pos = self._pos[lo:hi].astype(np.int64)[None, :]
         row_pos = positions[:, None]
@@ -293,7 +299,7 @@ class Cells:
             if except_rows is not None:
                 rows = _int_array(list(except_rows), "except_rows")
                 if rows.size and ((rows < 0) | (rows >= positions.size)).any():
-                    raise ValueError("except_rows index out of range")
+                    raise GGMLValueError("except_rows index out of range")
                 visible[rows] = True
             ok = ok & visible
         if window is not None:
@@ -322,7 +328,7 @@ class Cells:
         self._check_seq_array(seq_ids)
         pad = int(pad)
         if pad < 1:
-            raise ValueError(f"pad must be >= 1, got {pad}")
+            raise GGMLValueError(f"pad must be >= 1, got {pad}")
         seqs = np.unique(seq_ids) if seq_ids.size > 1 else seq_ids
         cells = np.flatnonzero(self._seq[:, seqs].any(axis=1))
         if cells.size == 0:
@@ -354,7 +360,7 @@ class Cells:
         seq = self._check_seq(seq)
         pos = int(pos)
         if pos < 0:
-            raise ValueError(f"pos must be >= 0, got {pos}")
+            raise GGMLValueError(f"pos must be >= 0, got {pos}")
         start = max(0, pos - (window or pos))
         if start >= pos:
             return True
@@ -412,20 +418,20 @@ class Cells:
         positions = _int_array(positions, "positions")
         seq_ids = _int_array(seq_ids, "seq_ids")
         if not slots.size == positions.size == seq_ids.size:
-            raise ValueError(
+            raise GGMLValueError(
                 "slots, positions and seq_ids differ in length: "
                 f"{slots.size}, {positions.size}, {seq_ids.size}"
             )
         if ((slots < 0) | (slots >= self._n_cells)).any():
-            raise ValueError(f"slot out of range [0, {self._n_cells})")
+            raise GGMLValueError(f"slot out of range [0, {self._n_cells})")
         if slots.size > 1 and np.unique(slots).size != slots.size:
-            raise ValueError("slots contain a repeated cell")
+            raise GGMLValueError("slots contain a repeated cell")
         if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
-            raise ValueError("positions must be in [0, 2**31)")
+            raise GGMLValueError("positions must be in [0, 2**31)")
         self._check_seq_array(seq_ids)
         taken = self._seq[slots].any(axis=1)
         if taken.any():
-            raise ValueError(f"cell {int(slots[taken][0])} is not free")
+            raise GGMLValueError(f"cell {int(slots[taken][0])} is not free")
         self._pos[slots] = positions
         self._seq[slots, seq_ids] = True
         self._refresh()
@@ -461,11 +467,11 @@ class Cells:
         seq = self._check_seq(seq)
         begin = int(begin)
         if begin < 0:
-            raise ValueError(f"begin must be >= 0, got {begin}")
+            raise GGMLValueError(f"begin must be >= 0, got {begin}")
         if end is not None:
             end = int(end)
             if end < begin:
-                raise ValueError(f"end {end} < begin {begin}")
+                raise GGMLValueError(f"end {end} < begin {begin}")
         held = self._seq[:, seq]
         pos = self._pos
         drop = held & (pos >= begin)
@@ -500,10 +506,10 @@ class Cells:
         src = self._check_seq(src, "src")
         dst = self._check_seq(dst, "dst")
         if src == dst:
-            raise ValueError("src and dst must differ")
+            raise GGMLValueError("src and dst must differ")
         length = int(length)
         if length < 0:
-            raise ValueError(f"length must be >= 0, got {length}")
+            raise GGMLValueError(f"length must be >= 0, got {length}")
         self._seq[:, dst] = self._seq[:, src] & (self._pos < length)
         self._refresh()
 
@@ -524,7 +530,7 @@ class Cells:
         """
         window = int(window)
         if window < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
+            raise GGMLValueError(f"window must be >= 0, got {window}")
         items = [(self._check_seq(s), int(p)) for s, p in seq_positions.items()]
         for s, p in items:
             self._seq[:, s] &= ~(self._pos < p - window)
@@ -568,13 +574,13 @@ class Cells:
         for move in moves:
             src, dst, n = (int(v) for v in move)
             if n < 0 or src < 0 or dst < 0 or src + n > self._n_cells or dst + n > self._n_cells:
-                raise ValueError(f"move {move} out of range for {self._n_cells} cells")
+                raise GGMLValueError(f"move {move} out of range for {self._n_cells} cells")
             p = pos[src:src + n].copy()
             q = seq[src:src + n].copy()
             pos[src:src + n] = -1
             seq[src:src + n] = False
             if seq[dst:dst + n].any():
-                raise ValueError(f"move {move} would overwrite a live cell")
+                raise GGMLValueError(f"move {move} would overwrite a live cell")
             pos[dst:dst + n] = p
             seq[dst:dst + n] = q
         self._pos = pos
@@ -590,7 +596,7 @@ class Cells:
 _INT32_MAX = 2**31 - 1
 
 
-class KVCacheFull(Exception):
+class KVCacheFull(RuntimeError, GGMLError):
     """No free cache slots for a batch. Nothing has been changed."""
 
 
@@ -663,7 +669,7 @@ class Forward:
 
     def _need_layer(self) -> int:
         if self.layer is None:
-            raise ValueError("call set_layer(i) first")
+            raise GGMLValueError("call set_layer(i) first")
         return self.layer
 
     def put(self, k: Tensor, v: Tensor) -> tuple:
@@ -758,34 +764,34 @@ class Causal:
         self.dtype = Type(dtype)
         self.n_head_kv = int(n_head_kv)
         if self.n_layers < 1 or self.n_embd_k < 1 or self.n_embd_v < 1:
-            raise ValueError("n_layers, n_embd_k and n_embd_v must be >= 1")
+            raise GGMLValueError("n_layers, n_embd_k and n_embd_v must be >= 1")
         if self.n_head_kv < 1 or self.n_embd_k % self.n_head_kv or self.n_embd_v % self.n_head_kv:
-            raise ValueError(f"n_head_kv {self.n_head_kv} must divide n_embd_k and n_embd_v")
+            raise GGMLValueError(f"n_head_kv {self.n_head_kv} must divide n_embd_k and n_embd_v")
         if window is not None and int(window) < 0:
-            raise ValueError(f"window must be >= 0, got {window}")
+            raise GGMLValueError(f"window must be >= 0, got {window}")
         # Ollama: window 0 means unlimited.
         self.window = None if not window else int(window)
         self.padding = max(1, int(padding))
         blk = self.dtype.block_size
         if (self.n_embd_k // self.n_head_kv) % blk or (self.n_embd_v // self.n_head_kv) % blk:
-            raise ValueError(f"head dims must be multiples of the {self.dtype.name} block size {blk}")
+            raise GGMLValueError(f"head dims must be multiples of the {self.dtype.name} block size {blk}")
         if shift_fn is not None and not callable(shift_fn):
-            raise TypeError(f"shift_fn must be callable, got {type(shift_fn).__name__}")
+            raise GGMLTypeError(f"shift_fn must be callable, got {type(shift_fn).__name__}")
         self.shift_fn = shift_fn
         self.v_trans = bool(v_trans)
         if self.v_trans and self.dtype not in (Type.F32, Type.F16):
-            raise ValueError(f"v_trans needs an F32 or F16 cache, got {self.dtype.name}")
+            raise GGMLValueError(f"v_trans needs an F32 or F16 cache, got {self.dtype.name}")
         if chunk is not None and int(chunk) < 1:
-            raise ValueError(f"chunk must be >= 1, got {chunk}")
+            raise GGMLValueError(f"chunk must be >= 1, got {chunk}")
         self.chunk = None if chunk is None else int(chunk)
         if memory is not None and int(memory) < 0:
-            raise ValueError(f"memory must be >= 0, got {memory}")
+            raise GGMLValueError(f"memory must be >= 0, got {memory}")
         memory = None if not memory else int(memory)
         if memory is not None:
             if self.window is None:
-                raise ValueError("memory needs a window")
+                raise GGMLValueError("memory needs a window")
             if memory < self.window:
-                raise ValueError(f"memory {memory} must be >= window {self.window}")
+                raise GGMLValueError(f"memory {memory} must be >= window {self.window}")
         self.memory_size = memory
         self.memory: Optional[int] = None
         self._cells: Optional[Cells] = None
@@ -809,7 +815,7 @@ class Causal:
     def cells(self) -> Cells:
         """The metadata (do not mutate it directly)."""
         if self._cells is None:
-            raise RuntimeError("cache is not initialised; call init() first")
+            raise CacheStateError("kv cache: not initialised (call init() first) or closed")
         return self._cells
 
     @property
@@ -838,19 +844,9 @@ class Causal:
             A device had no room; ``.report`` has what every device needed.
         """
         if self._ctx is not None:
-            raise RuntimeError("cache is already initialised")
+            raise CacheStateError("kv cache: already initialised (close() it first)")
         capacity, n_seq_max, max_batch = int(capacity), int(n_seq_max), int(max_batch)
-        if capacity < 1 or n_seq_max < 1 or max_batch < 1:
-            raise ValueError("capacity, n_seq_max and max_batch must be >= 1")
-        memory = self.memory_size or self.window
-        if memory is not None and n_seq_max > 1:
-            # keep the stop token so a conversation can resume
-            memory = max(memory, self.window + 1)
-        if memory is not None and memory >= capacity:
-            memory = None
-        self.memory = memory
-        n = n_seq_max * capacity if memory is None else n_seq_max * memory + max_batch
-        n = -(-n // self.padding) * self.padding
+        n, self.memory = self._size(capacity, n_seq_max, max_batch)
         self.max_batch = max_batch
         k_row = self.dtype.row_size(self.n_embd_k)
         v_row = self.dtype.row_size(self.n_embd_v)
@@ -874,6 +870,23 @@ class Causal:
         self._ctx = ctx
         self.keys, self.values = keys, values
         self._cells = Cells(n, n_seq_max)
+
+    def _size(self, capacity: int, n_seq_max: int, max_batch: int) -> tuple[int, Optional[int]]:
+        """``(cells, memory)`` that :meth:`init` would use (see there)."""
+        if capacity < 1 or n_seq_max < 1 or max_batch < 1:
+            raise GGMLValueError("capacity, n_seq_max and max_batch must be >= 1")
+        memory = self.memory_size or self.window
+        if memory is not None and n_seq_max > 1:
+            # keep the stop token so a conversation can resume
+            memory = max(memory, self.window + 1)
+        if memory is not None and memory >= capacity:
+            memory = None
+        n = n_seq_max * capacity if memory is None else n_seq_max * memory + max_batch
+        return -(-n // self.padding) * self.padding, memory
+
+    def cells_needed(self, capacity: int, n_seq_max: int, max_batch: int) -> int:
+        """Cells :meth:`init` would allocate for these arguments (nothing is allocated)."""
+        return self._size(int(capacity), int(n_seq_max), int(max_batch))[0]
 
     def _init_placed(self, n: int, v_ne, placement, report) -> None:
         # One no_alloc context and one buffer per device, as the weights do.
@@ -985,14 +998,14 @@ class Causal:
         positions = _int_array(positions, "positions")
         seq_ids = _int_array(seq_ids, "seq_ids")
         if positions.shape != seq_ids.shape:
-            raise ValueError(
+            raise GGMLValueError(
                 f"positions and seq_ids differ in length: {positions.size} != {seq_ids.size}")
         n = positions.size
         if n == 0:
-            raise ValueError("empty batch")
+            raise GGMLValueError("empty batch")
         cells._check_seq_array(seq_ids)
         if (positions < 0).any():
-            raise ValueError("positions must be >= 0")
+            raise GGMLValueError("positions must be >= 0")
         if reserve:
             if n > cells.n_cells:
                 raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
@@ -1038,14 +1051,14 @@ class Causal:
 
     def _check_plan(self, plan: ForwardPlan) -> None:
         if not isinstance(plan, ForwardPlan):
-            raise TypeError(f"plan must be a ForwardPlan, got {type(plan).__name__}")
+            raise GGMLTypeError(f"plan must be a ForwardPlan, got {type(plan).__name__}")
         if plan.n_cells != self.cells.n_cells:
-            raise ValueError("plan was made for a different cache")
+            raise GGMLValueError("plan was made for a different cache")
 
     def _check_layer(self, layer: int) -> int:
         layer = int(layer)
         if not 0 <= layer < len(self.keys):
-            raise ValueError(f"layer {layer} out of range [0, {len(self.keys)})")
+            raise GGMLValueError(f"layer {layer} out of range [0, {len(self.keys)})")
         return layer
 
     # ------------------------------------------------------------------ graph building
@@ -1083,7 +1096,7 @@ class Causal:
         for name, t, embd in (("k", k, self.n_embd_k), ("v", v, self.n_embd_v)):
             ne = t.ne
             if ne[0] * ne[1] != embd or ne[2] * ne[3] != n:
-                raise ValueError(f"put: {name} ne={ne} does not hold {n} rows of {embd} "
+                raise GGMLValueError(f"put: {name} ne={ne} does not hold {n} rows of {embd} "
                                  f"(expected (head_dim, n_head_kv, n_batch))")
         if idx is None:
             idx = self.index_tensor(ctx, plan)
@@ -1124,7 +1137,7 @@ class Causal:
         self._check_plan(plan)
         layer = self._check_layer(layer)
         if plan.n_kv == 0:
-            raise ValueError("get: empty visible range")
+            raise GGMLValueError("get: empty visible range")
         views = []
         for cache, hd in ((self.keys[layer], self.head_dim_k), (self.values[layer], self.head_dim_v)):
             row = cache.nb[1]
@@ -1214,7 +1227,7 @@ class Causal:
                 src = ctx.cast(view, Type.F32) if quantized else view
                 out = self.shift_fn(ctx, layer, src, pos)
                 if not isinstance(out, Tensor):
-                    raise TypeError(f"shift_fn must return a Tensor, got {type(out).__name__}")
+                    raise GGMLTypeError(f"shift_fn must return a Tensor, got {type(out).__name__}")
                 gf.build_forward_expand(ctx.cpy(out, view))
             gf.compute(1)
 
@@ -1326,13 +1339,13 @@ class Wrapper:
     def __init__(self, caches, layer_to_cache) -> None:
         self.caches = list(caches)
         if not self.caches:
-            raise ValueError("Wrapper needs at least one cache")
+            raise GGMLValueError("Wrapper needs at least one cache")
         layer_to_cache = [int(i) for i in layer_to_cache]
         if not layer_to_cache:
-            raise ValueError("layer_to_cache must not be empty")
+            raise GGMLValueError("layer_to_cache must not be empty")
         for i in layer_to_cache:
             if not 0 <= i < len(self.caches):
-                raise ValueError(f"cache index {i} out of range [0, {len(self.caches)})")
+                raise GGMLValueError(f"cache index {i} out of range [0, {len(self.caches)})")
         self.layer_to_cache = layer_to_cache
         counts = [0] * len(self.caches)
         local = []
@@ -1341,7 +1354,7 @@ class Wrapper:
             counts[i] += 1
         for k, (cache, n) in enumerate(zip(self.caches, counts)):
             if n > cache.n_layers:
-                raise ValueError(f"cache {k} has {cache.n_layers} layers but {n} are routed to it")
+                raise GGMLValueError(f"cache {k} has {cache.n_layers} layers but {n} are routed to it")
         self._local = local
 
     @property
@@ -1352,7 +1365,7 @@ class Wrapper:
         """``(cache, layer within that cache)`` of a model layer."""
         layer = int(layer)
         if not 0 <= layer < len(self.layer_to_cache):
-            raise ValueError(f"layer {layer} out of range [0, {len(self.layer_to_cache)})")
+            raise GGMLValueError(f"layer {layer} out of range [0, {len(self.layer_to_cache)})")
         return self.caches[self.layer_to_cache[layer]], self._local[layer]
 
     def underlying(self, layer: int):
@@ -1373,7 +1386,7 @@ class Wrapper:
 
     def _check_plan(self, plan) -> None:
         if not isinstance(plan, WrapperPlan) or len(plan) != len(self.caches):
-            raise TypeError("plan must be a WrapperPlan from this Wrapper")
+            raise GGMLTypeError("plan must be a WrapperPlan from this Wrapper")
 
     def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> WrapperPlan:
         """Plan the batch on every cache; changes nothing (an error leaves nothing to unwind)."""
@@ -1454,7 +1467,7 @@ class Encoder:
     def __init__(self, n_layers: int, dtype=None) -> None:
         self.n_layers = int(n_layers)
         if self.n_layers < 1:
-            raise ValueError("n_layers must be >= 1")
+            raise GGMLValueError("n_layers must be >= 1")
         self.dtype = None if dtype is None else Type(dtype)
         self.keys: list = [None] * self.n_layers
         self.values: list = [None] * self.n_layers
@@ -1466,7 +1479,7 @@ class Encoder:
     def init(self, capacity: int = 1, n_seq_max: int = 1, max_batch: int = 1) -> None:
         """Check the sizing: only one sequence is supported."""
         if int(n_seq_max) != 1:
-            raise ValueError(f"the encoder cache supports one sequence, got n_seq_max={n_seq_max}")
+            raise GGMLValueError(f"the encoder cache supports one sequence, got n_seq_max={n_seq_max}")
         self._ready = True
 
     def close(self) -> None:
@@ -1482,7 +1495,7 @@ class Encoder:
     def _check_layer(self, layer: int) -> int:
         layer = int(layer)
         if not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer {layer} out of range [0, {self.n_layers})")
+            raise GGMLValueError(f"layer {layer} out of range [0, {self.n_layers})")
         return layer
 
     def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> EncoderPlan:
@@ -1490,22 +1503,22 @@ class Encoder:
         positions = _int_array(positions, "positions")
         seq_ids = _int_array(seq_ids, "seq_ids")
         if positions.size == 0:
-            raise ValueError("empty batch")
+            raise GGMLValueError("empty batch")
         if (seq_ids != 0).any():
-            raise ValueError("the encoder cache supports only sequence 0")
+            raise GGMLValueError("the encoder cache supports only sequence 0")
         pos = kw.get("encoder_pos")
         pos = int(positions[-1]) if pos is None else int(pos)
         return EncoderPlan(pos, bool(reserve))
 
     def _planned_cells(self, plan) -> None:
         if not isinstance(plan, EncoderPlan):
-            raise TypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
+            raise GGMLTypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
         return None
 
     def apply(self, plan: EncoderPlan) -> None:
         """Commit: after a non-reserve batch that stored K/V, the encoder output is cached."""
         if not isinstance(plan, EncoderPlan):
-            raise TypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
+            raise GGMLTypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
         if plan.wrote and not plan.reserve:
             self.encoder_cached = True
             self.encoder_pos = plan.pos
@@ -1531,7 +1544,7 @@ class Encoder:
         """Copy ``k`` and ``v`` into the layer's storage; returns the two copies to expand."""
         layer = self._check_layer(layer)
         if not isinstance(plan, EncoderPlan):
-            raise TypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
+            raise GGMLTypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
         self._storage(layer, k, v)
         plan.wrote = True
         return ctx.cpy(k, self.keys[layer]), ctx.cpy(v, self.values[layer])
@@ -1540,12 +1553,12 @@ class Encoder:
         """``(k, v, None)``: the stored tensors, whole (no mask)."""
         layer = self._check_layer(layer)
         if self.keys[layer] is None:
-            raise RuntimeError(f"nothing stored for layer {layer}")
+            raise CacheStateError(f"encoder cache: nothing stored for layer {layer} (put() it first)")
         return self.keys[layer], self.values[layer], None
 
     def _plan_remove(self, seq: int, begin: int, end: Optional[int]):
         if int(seq) != 0:
-            raise ValueError("the encoder cache supports only sequence 0")
+            raise GGMLValueError("the encoder cache supports only sequence 0")
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
         """Forget the encoder output if its position lies in ``[begin, end)``."""

@@ -40,22 +40,25 @@ from typing import Optional
 
 import numpy as np
 
-from ggmlpy._core import GGMLValueError, Type
+from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
 from ggmlpy.backend import MemoryReport, Runtime
 from ggmlpy.kvcache import Causal, NotSupported
 from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
 
-__all__ = ["Completion", "DoneReason", "Handle", "InputTooLong", "Runner", "RunnerError", "TokenEvent"]
+__all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", "Runner", "RunnerError", "TokenEvent"]
 
 log = logging.getLogger("ggmlpy")
 
 _CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0}
 
 
-class RunnerError(RuntimeError):
-    """A request failed inside the runner (the runner itself goes on serving)."""
+class RunnerError(RuntimeError, GGMLError):
+    """A request failed inside the runner (the runner itself goes on serving).
+
+    ``__cause__`` is the original error (a failed compute, a sampling error...).
+    """
 
 
 class DoneReason:
@@ -290,16 +293,9 @@ class Runner:
                             shift_fn=model.shift_fn,
                             v_trans=not self.flash_attn)
         self.report: MemoryReport = model.report
-        self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=model.placement, report=self.report)
+        # Every piece of state close() looks at exists before anything is allocated, so that a failed
+        # start frees through the same path as close().
         self.rt = None
-        try:
-            self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
-                              report=self.report)
-            self._reserve()
-        except BaseException:
-            self.close()
-            raise
-        self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
         self._lock = threading.Condition()
         self._engine = threading.Lock()       # direct decode()/clear() calls one at a time
         self._waiting: deque = deque()
@@ -308,7 +304,8 @@ class Runner:
         self._thread: Optional[threading.Thread] = None
         self._worker: Optional[threading.Thread] = None
         self._jobs = None
-        self._stopping = False
+        self._closing = False                  # set once by close(): no new request or direct call
+        self._closed_event = threading.Event()
         self._inflight = 0                     # batches launched and not yet completed
         self._direct_busy = 0
         self._graphs: dict = {}
@@ -318,8 +315,49 @@ class Runner:
         self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
         self.closed = False
+        self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
+        try:
+            self._check_host_memory()
+            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=model.placement,
+                            report=self.report)
+            self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
+                              report=self.report)
+            self._reserve()
+        except BaseException as e:
+            self._closing = True
+            self._free()
+            if isinstance(e, MemoryError) and not isinstance(e, GGMLError):
+                # numpy (host arrays sized from n_ctx) ran out: the same error as a device allocation
+                raise GGMLMemoryError(f"runner: host memory ran out while reserving for n_ctx={self.n_ctx}, "
+                                      f"n_seq_max={self.n_seq_max}, n_ubatch={self.n_ubatch} ({e})\n{self.report}",
+                                      self.report) from e
+            raise
 
     # ------------------------------------------------------------------ set-up
+
+    def host_bytes(self) -> int:
+        """Host memory the worst-case batch needs for arrays sized from the context (an upper estimate).
+
+        The attention mask of a micro-batch is ``n_ubatch x n_cells`` and is
+        built on the host (float32, boolean temporaries, the F16 upload copy:
+        about 12 bytes a cell per row), and every batch plans on a copy of the
+        cells' metadata (position and sequence flags per cell).
+        """
+        n_cells = self.cache.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
+        mask = self.n_ubatch * n_cells * 12
+        cells = 2 * n_cells * (4 + self.n_seq_max)
+        return mask + cells
+
+    def _check_host_memory(self) -> None:
+        """Fail before allocating anything when the host arrays cannot fit (GGMLMemoryError with the report)."""
+        need = self.host_bytes()
+        avail = _available_host_memory()
+        if avail is not None and need > avail:
+            raise GGMLMemoryError(
+                f"runner: n_ctx={self.n_ctx} with n_seq_max={self.n_seq_max} and n_ubatch={self.n_ubatch} needs "
+                f"about {need / 2**30:.2f} GiB of host memory for the attention mask and cache metadata of the "
+                f"worst-case batch, but {avail / 2**30:.2f} GiB are available; lower n_ctx, n_seq_max or "
+                f"n_ubatch\n{self.report}", self.report)
 
     def _reserve(self) -> None:
         keep = []
@@ -330,9 +368,11 @@ class Runner:
             keep.append(b)
             return b.graph
 
-        self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch))
-        for b in keep:
-            b.free()
+        try:
+            self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch))
+        finally:
+            for b in keep:             # on failure too: each holds a graph context
+                b.free()
 
     def memory_report(self) -> MemoryReport:
         """Weights, cache and compute graph per device (a :class:`ggmlpy.backend.MemoryReport`)."""
@@ -451,21 +491,16 @@ class Runner:
             Token ids outside the vocabulary, a sequence id out of range,
             positions at or past ``n_ctx``, or requests being served.
         """
+        self._check_open("decode")
         seq = self._check_seq_id(seq, "decode")
         toks = self._check_tokens(tokens, "decode")
         n = len(toks)
         if n == 0:
             raise GGMLValueError("decode: empty batch")
-        if positions is None:
-            start = self.cache.seq_pos_max(seq) + 1
-            pos = np.arange(start, start + n, dtype=np.int64)
-        else:
+        if positions is not None:
             pos = np.asarray(positions, dtype=np.int64)
             if pos.shape != toks.shape:
                 raise GGMLValueError(f"decode: {len(pos)} positions for {n} tokens")
-        if pos.min() < 0 or pos.max() >= self.n_ctx:
-            raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
-                                 f"context [0, {self.n_ctx}) of sequence {seq}")
         want = np.zeros(n, dtype=bool)
         if isinstance(logits, str):
             if logits == "last":
@@ -480,16 +515,32 @@ class Runner:
                 raise GGMLValueError(f"decode: logits indices out of range for {n} tokens")
             want[idx] = True
         with self._direct("decode"):
+            if positions is None:             # read under _direct: the cache is alive and no one else writes
+                start = self.cache.seq_pos_max(seq) + 1
+                pos = np.arange(start, start + n, dtype=np.int64)
+            if pos.min() < 0 or pos.max() >= self.n_ctx:
+                raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
+                                     f"context [0, {self.n_ctx}) of sequence {seq}")
             return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=False)
+
+    def _check_open(self, what: str) -> None:
+        if self._closing:
+            raise ClosedError(f"{what}: the runner is closed")
 
     @contextlib.contextmanager
     def _direct(self, what: str):
-        """Direct use of the cache and scheduler: only while no request is served or computing."""
+        """Direct use of the cache and scheduler: only while no request is served or computing.
+
+        close() waits for a direct call in progress before it frees anything,
+        and a direct call started after close() raises ClosedError.
+        """
         with self._lock:
+            self._check_open(what)
             if self._active or self._waiting:
                 raise GGMLValueError(f"{what}: requests are being served; {what}() is for direct use only")
-            while self._inflight:                 # the loop's last batch is still computing
+            while self._inflight and not self._closing:     # the loop's last batch is still computing
                 self._lock.wait()
+            self._check_open(what)
             self._direct_busy += 1
         try:
             with self._engine:
@@ -497,6 +548,7 @@ class Runner:
         finally:
             with self._lock:
                 self._direct_busy -= 1
+                self._lock.notify_all()       # close() waits for the last direct call
 
     def _run_direct(self, toks, pos, seqs, want, embedding) -> Optional[np.ndarray]:
         rows = []
@@ -505,6 +557,9 @@ class Runner:
             try:
                 r = self._compute(ub)
             except BaseException:
+                if ub.built is not None:
+                    ub.built.free()
+                    ub.built = None
                 for s in np.unique(seqs):
                     self.cache.clear(int(s))
                 raise
@@ -520,6 +575,7 @@ class Runner:
 
         ``logits`` is a boolean mask (or indices) of the rows to return, in order.
         """
+        self._check_open("decode_batch")
         toks = self._check_tokens(tokens, "decode_batch")
         pos = np.asarray(positions, dtype=np.int64)
         seqs = np.asarray(seq_ids, dtype=np.int64)
@@ -537,6 +593,7 @@ class Runner:
 
     def clear(self, seq: Optional[int] = None) -> None:
         """Forget one sequence's cache contents, or everything's (not while requests are served)."""
+        self._check_open("clear")
         if seq is not None:
             seq = self._check_seq_id(seq, "clear")
         with self._direct("clear"):
@@ -557,7 +614,10 @@ class Runner:
 
     def seq_len(self, seq: int) -> int:
         """Tokens the cache holds for ``seq``."""
-        return self.cache.seq_pos_max(self._check_seq_id(seq, "seq_len")) + 1
+        seq = self._check_seq_id(seq, "seq_len")
+        with self._lock:          # close() frees the cache under the same lock
+            self._check_open("seq_len")
+            return self.cache.seq_pos_max(seq) + 1
 
     # ------------------------------------------------------------------ requests
 
@@ -570,7 +630,10 @@ class Runner:
         Parameters
         ----------
         prompt : token ids
-        max_tokens : generation limit (done reason ``length``); -1 for no limit but the context
+        max_tokens : generation limit (done reason ``length``). As llama.cpp's ``n_predict``:
+            ``-1`` for no limit (the request runs until a stop token, EOS or :meth:`Handle.cancel`;
+            with ``shift`` it never ends on its own), ``-2`` until the context is full (done
+            reason ``length`` when the next token would not fit, whatever ``shift`` says)
         sampling : :class:`ggmlpy.sampling.SamplingParams` (default greedy)
         stop : token ids that end the generation (done reason ``stop``); the model's EOS ids are added
         n_keep : tokens kept at the start on a context shift (-1: the whole prompt)
@@ -588,17 +651,20 @@ class Runner:
         ------
         GGMLValueError, InputTooLong
             Bad token ids, an empty prompt, a prompt longer than the context.
+        ClosedError
+            The runner is closed (or closing): a request accepted before that
+            ends with done reason ``cancel``.
         """
-        if self.closed:
-            raise GGMLValueError("submit: the runner is closed")
+        self._check_open("submit")
         toks = self._check_tokens(prompt, "submit")
         if toks.size == 0:
             raise GGMLValueError("submit: empty prompt")
         if pooling not in ("mean", "cls", "last"):
             raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
         max_tokens = int(max_tokens)
-        if max_tokens == 0 and not embedding:
-            raise GGMLValueError("submit: max_tokens must be >= 1 or -1")
+        if not embedding and (max_tokens == 0 or max_tokens < -2):
+            raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
+                                 f"full) (got {max_tokens})")
         params = sampling if sampling is not None else SamplingParams()
         toks_l = toks.tolist()
         if same_batch is None:
@@ -625,6 +691,9 @@ class Runner:
         seq = _Seq(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
                    n_keep, shift, embedding, pooling, normalize, sb)
         with self._lock:
+            # checked again under the lock: close() sets _closing under it, so a request is either
+            # refused here or seen by whoever ends the requests (the loop, or close() itself)
+            self._check_open("submit")
             if self._direct_busy:
                 raise GGMLValueError("submit: a direct decode()/clear() is running on this runner")
             self._waiting.append(seq)
@@ -646,8 +715,8 @@ class Runner:
             self._lock.notify_all()
 
     def _ensure_loop(self) -> None:
+        """Start the loop thread if it is not running (lock held, runner open)."""
         if self._thread is None or not self._thread.is_alive():
-            self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="ggmlpy-runner", daemon=True)
             self._thread.start()
 
@@ -662,7 +731,7 @@ class Runner:
                 continue
             try:
                 self._load_slot(seq)
-            except BaseException as e:           # noqa: BLE001 - reported to the request
+            except Exception as e:               # the request ends with it (its handle raises it)
                 self._finish(seq, DoneReason.ERROR, e)
                 continue
             self._active[seq.slot] = seq
@@ -712,28 +781,40 @@ class Runner:
         return [(-1 if t.value is None else t.value) if isinstance(t, _Placeholder) else t for t in seq.cached]
 
     def _finish(self, seq: _Seq, reason: str, error: Optional[BaseException] = None) -> None:
-        """End a request on any path: result, stream end, slot freed (lock held)."""
+        """End a request on any path: result, stream end, slot freed (lock held).
+
+        The request ends even when freeing its slot fails (that error is
+        logged and, for a request that was not failing already, becomes its
+        error): a waiting :meth:`Handle.result` must always return.
+        """
         if seq.finished.is_set():
             return
         r = seq.result
         r.done_reason = reason
         r.error = error
-        if seq.t_first is not None:
-            r.eval_duration = time.perf_counter() - seq.t_first
-        for t in seq.cached:
-            if isinstance(t, _Placeholder) and t.value is None:
-                t.fill(0)           # the row computes token 0: the cache then really holds 0 there
-        seq.pending, seq.sb_pending = deque(), deque()
-        if seq.slot is not None:
-            self._active.pop(seq.slot, None)
-            if error is not None:
-                self.cache.clear(seq.slot)
-                seq.cached = []
-            self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
-            self.slots.release(seq.slot)
-        seq.finished.set()
-        seq.events.put(None)
-        self._lock.notify_all()              # wait_idle() and direct calls watch _active
+        try:
+            if seq.t_first is not None:
+                r.eval_duration = time.perf_counter() - seq.t_first
+            for t in seq.cached:
+                if isinstance(t, _Placeholder) and t.value is None:
+                    t.fill(0)           # the row computes token 0: the cache then really holds 0 there
+            seq.pending, seq.sb_pending = deque(), deque()
+            if seq.slot is not None:
+                if self._active.get(seq.slot) is seq:
+                    del self._active[seq.slot]
+                if error is not None and not self.closed:
+                    self.cache.clear(seq.slot)
+                    seq.cached = []
+                self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
+                self.slots.release(seq.slot)
+        except Exception as e:
+            log.exception("runner: freeing the slot of a finished request failed")
+            if r.error is None:
+                r.done_reason, r.error = DoneReason.ERROR, e
+        finally:
+            seq.finished.set()
+            seq.events.put(None)
+            self._lock.notify_all()              # wait_idle(), close() and direct calls watch _active
 
     def _shift(self, seq: _Seq) -> None:
         """Make room in a full context: drop tokens after n_keep (or clear and re-process)."""
@@ -801,7 +882,7 @@ class Runner:
                     wait_prev()
                     if seq.finished.is_set():
                         break
-                    if not seq.shift or embedding:
+                    if not seq.shift or embedding or seq.max_tokens == -2:     # -2: until the context is full
                         self._finish(seq, DoneReason.LENGTH)
                         break
                     self._shift(seq)
@@ -853,6 +934,7 @@ class Runner:
     def _launch(self, batch: _Batch) -> None:
         """Compute a built batch: on the compute thread when pipelining (ggml releases the GIL), else here."""
         if not self.pipeline:
+            self._prev = batch                # completed at once by the caller
             self._work(batch)
             return
         if self._worker is None or not self._worker.is_alive():
@@ -864,6 +946,7 @@ class Runner:
             self._worker.start()
         batch.done = threading.Event()
         self._inflight += 1
+        self._prev = batch
         self._jobs.put(batch)
 
     def _work_loop(self, jobs) -> None:
@@ -871,8 +954,10 @@ class Runner:
             batch = jobs.get()
             if batch is None:
                 return
-            self._work(batch)
-            batch.done.set()
+            try:
+                self._work(batch)
+            finally:
+                batch.done.set()          # the loop waits on it: set on every path
 
     def _work(self, batch: _Batch) -> None:
         try:
@@ -880,7 +965,7 @@ class Runner:
                 r = self._compute(ub)
                 if r is not None:
                     batch.outputs.append(r)
-        except BaseException as e:       # noqa: BLE001 - handed to _complete
+        except BaseException as e:       # noqa: BLE001 - handed to _complete, which ends the batch's requests
             batch.error = e
 
     def _complete(self, batch: _Batch) -> None:
@@ -892,6 +977,7 @@ class Runner:
             self._lock.notify_all()
         self.n_batches += 1
         if batch.error is not None:
+            _drop_graphs(batch)          # graphs of micro-batches not computed (or whose compute failed)
             for m in batch.members:
                 self._finish(m.seq, DoneReason.ERROR, batch.error)
             return
@@ -919,7 +1005,7 @@ class Runner:
             try:
                 tok = seq.sampler.sample(row)
                 lp = _logprobs(row, tok, seq.params.top_logprobs) if seq.params.logprobs else None
-            except BaseException as e:       # noqa: BLE001 - a sampling failure ends that request only
+            except Exception as e:           # a sampling failure ends that request only (its handle raises it)
                 self._finish(seq, DoneReason.ERROR, e)
                 continue
             r = seq.result
@@ -943,94 +1029,190 @@ class Runner:
                 seq.pending.append(tok)
                 seq.sb_pending.append(0)
 
+    def _wait_prev(self) -> None:
+        """Complete the batch in flight, if any (lock held)."""
+        p, self._prev = self._prev, None
+        if p is not None:
+            self._complete(p)
+
     def _loop(self) -> None:
-        prev: Optional[_Batch] = None
+        """The request loop (thread ``ggmlpy-runner``).
 
-        def wait_prev():
-            nonlocal prev
-            if prev is not None:
-                p, prev = prev, None
-                self._complete(p)
-
+        It returns once close() was called and every request it knew has
+        ended. An error escaping one round (a bug, an error in sampling
+        bookkeeping...) ends every request with that error, so no handle is
+        left waiting, and the loop goes on serving new requests.
+        """
+        self._prev: Optional[_Batch] = None
+        self._building: Optional[_Batch] = None     # formed, not launched yet
         while True:
-            with self._lock:
-                if self._stopping:
-                    wait_prev()
-                    for seq in list(self._active.values()) + list(self._waiting):
-                        self._finish(seq, DoneReason.CANCEL)
-                    self._waiting.clear()
+            try:
+                if self._round():
                     return
-                if prev is not None:
-                    # a sequence waiting for prev's sample gets a placeholder as its next input,
-                    # so the next batch can be built while prev computes
-                    for m in prev.members:
-                        seq = m.seq
-                        if m.has_out and not prev.embedding and not seq.pending and not seq.finished.is_set():
-                            seq.placeholder = _Placeholder()
-                            seq.pending.append(seq.placeholder)
-                            seq.sb_pending.append(0)
-                try:
-                    batch = self._form_batch(wait_prev)
-                except BaseException as e:     # noqa: BLE001 - fail the requests, keep serving
-                    log.exception("runner: forming a batch failed")
-                    wait_prev()
-                    for seq in list(self._active.values()):
-                        self._finish(seq, DoneReason.ERROR, e)
-                    batch = None
-                if batch is None and prev is None:
-                    if not self._active and not self._waiting:
-                        self._lock.wait(timeout=0.5)
-                    continue
-            if batch is not None:
-                t0 = time.perf_counter()
-                try:
-                    for ub in batch.ubatches:
-                        self._build(ub, batch.embedding)
-                except BaseException as e:     # noqa: BLE001
-                    batch.error = e
-                if prev is not None and prev.done is not None and not prev.done.is_set():
-                    self.overlap_s += time.perf_counter() - t0
-            with self._lock:
-                wait_prev()
-                if batch is None:
-                    continue
-                if batch.error is not None:
-                    self._complete(batch)
-                    continue
-                self._launch(batch)
-                prev = batch
-                if not self.pipeline:
-                    wait_prev()
+            except BaseException as e:
+                log.exception("runner: the request loop failed; every request it holds ends with the error")
+                with self._lock:
+                    self._abandon(e)
+                    if not isinstance(e, Exception) or self._closing:
+                        return
+                    if not self._waiting:
+                        self._lock.wait(timeout=0.5)      # an error that repeats must not spin a core
+
+    def _abandon(self, error: BaseException) -> None:
+        """After a failed round: wait for the compute in flight, then end every request with ``error`` (lock held)."""
+        p, self._prev = self._prev, None
+        if p is not None and p.done is not None:
+            p.done.wait()                 # the compute thread still reads this batch's graphs and cache
+            p.done = None
+            self._inflight -= 1
+        for b in (p, self._building):
+            if b is not None:
+                _drop_graphs(b)
+        self._building = None
+        for seq in list(self._active.values()) + list(self._waiting):
+            self._finish(seq, DoneReason.ERROR, error)
+        self._waiting.clear()
+
+    def _round(self) -> bool:
+        """One batch: form it (lock held), build it (lock released), launch it. True once closing is done."""
+        with self._lock:
+            if self._closing:
+                self._wait_prev()
+                for seq in list(self._active.values()) + list(self._waiting):
+                    self._finish(seq, DoneReason.CANCEL)
+                self._waiting.clear()
+                return True
+            prev = self._prev
+            if prev is not None:
+                # a sequence waiting for prev's sample gets a placeholder as its next input,
+                # so the next batch can be built while prev computes
+                for m in prev.members:
+                    seq = m.seq
+                    if m.has_out and not prev.embedding and not seq.pending and not seq.finished.is_set():
+                        seq.placeholder = _Placeholder()
+                        seq.pending.append(seq.placeholder)
+                        seq.sb_pending.append(0)
+            # an error forming the batch goes to _loop, which ends every request (queued ones too:
+            # an error that repeats would otherwise keep them waiting forever)
+            batch = self._form_batch(self._wait_prev)
+            if batch is None and self._prev is None:
+                if not self._active and not self._waiting:
+                    self._lock.wait(timeout=0.5)
+                return False
+            self._building = batch
+        if batch is not None:
+            t0 = time.perf_counter()
+            try:
+                for ub in batch.ubatches:
+                    self._build(ub, batch.embedding)
+            except Exception as e:     # handed to the batch: _complete ends its requests with it
+                batch.error = e
+            if prev is not None and prev.done is not None and not prev.done.is_set():
+                self.overlap_s += time.perf_counter() - t0
+        with self._lock:
+            self._wait_prev()
+            if batch is None:
+                return False
+            if batch.error is not None:
+                self._complete(batch)
+                self._building = None
+                return False
+            self._launch(batch)
+            self._building = None
+            if not self.pipeline:
+                self._wait_prev()
+        return False
 
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
-        """Stop the loop (pending requests end with ``cancel``) and free the cache and scheduler."""
-        if getattr(self, "closed", False):
+        """Stop serving and free the cache, the scheduler and the graphs.
+
+        Requests not finished end with done reason ``cancel`` (a batch
+        computing is completed first); a direct :meth:`decode` (or
+        :meth:`decode_batch`, :meth:`clear`) running in another thread is
+        waited for. When close() returns, every handle is done, no thread of
+        the runner is alive, and every later call raises
+        :class:`~ggmlpy.ClosedError`. Safe to call more than once, and from
+        several threads (all return once the runner is closed).
+        """
+        with self._lock:
+            first = not self._closing
+            self._closing = True
+            self._lock.notify_all()
+        if not first:
+            if threading.current_thread() not in (self._thread, self._worker):
+                self._closed_event.wait()
             return
-        t = getattr(self, "_thread", None)
-        if t is not None:
+        try:
+            t = self._thread
+            if t is not None and t is not threading.current_thread():
+                t.join()                      # it ends every request it holds, after its batch in flight
             with self._lock:
-                self._stopping = True
-                self._lock.notify_all()
-            t.join()
-        w = getattr(self, "_worker", None)
+                while self._direct_busy:      # a direct decode() computing in another thread
+                    self._lock.wait()
+                # requests the loop never saw (it died, or never started) end here
+                for seq in list(self._active.values()) + list(self._waiting):
+                    self._finish(seq, DoneReason.CANCEL)
+                self._waiting.clear()
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        """Stop the compute thread and free graphs, scheduler and cache (each once, every one tried)."""
+        errors = []
+        w = self._worker
         if w is not None:
-            self._jobs.put(None)
-            w.join()
-        self.closed = True
-        for pool in getattr(self, "_graphs", {}).values():
-            for b in pool:
-                b.free()
-        if self.rt is not None:
-            self.rt.close()
-        self.cache.close()
+            self._jobs.put(None)              # after the batch it may still be computing
+            if w is not threading.current_thread():
+                w.join()
+        with self._lock:
+            self.closed = True
+            pools, self._graphs = self._graphs, {}
+            steps = [b.free for pool in pools.values() for b in pool]
+            if self.rt is not None:
+                steps.append(self.rt.close)
+            steps.append(self.cache.close)
+            for step in steps:
+                try:
+                    step()
+                except Exception as e:
+                    errors.append(e)
+            self.rt = None
+        self._closed_event.set()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _drop_graphs(batch: _Batch) -> None:
+    """Free the graphs of a batch's micro-batches that were built and not computed (nothing computes them)."""
+    for ub in batch.ubatches:
+        if ub.built is not None:
+            ub.built.free()
+            ub.built = None
+
+
+def _available_host_memory() -> Optional[int]:
+    """Bytes of host memory available to this process now (Linux ``MemAvailable``), or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _group_extent(sb) -> int:

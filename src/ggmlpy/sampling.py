@@ -32,7 +32,7 @@ Differences from Ollama, all deliberate:
   (float32 for float32 logits, as Ollama does) but summed in float64, and the
   draw uses numpy's PCG64 generator, not Go's PCG: a seed reproduces ggmlpy's
   own results, not Ollama's.
-* Invalid parameters raise :class:`ValueError` instead of being clamped.
+* Invalid parameters raise :class:`ggmlpy.GGMLValueError` (a ValueError) instead of being clamped.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ggmlpy._core import GGMLTypeError, GGMLValueError
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -59,16 +61,16 @@ MAX_TOP_LOGPROBS = 20
 
 def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
+        raise GGMLValueError(f"{name} must be a real number, got {value!r}")
     out = float(value)
     if not math.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise GGMLValueError(f"{name} must be finite, got {value!r}")
     return out
 
 
 def _integer(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        raise GGMLValueError(f"{name} must be an integer, got {value!r}")
     return int(value)
 
 
@@ -117,24 +119,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         temperature = _real("temperature", self.temperature)
         if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise GGMLValueError(f"temperature must be >= 0, got {self.temperature!r}")
         top_k = _integer("top_k", self.top_k)
         top_p = _real("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise GGMLValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         min_p = _real("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise GGMLValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         seed = self.seed
         if seed is not None:
             seed = _integer("seed", seed)
             if seed < 0:
-                raise ValueError(f"seed must be >= 0 (None for a random seed), got {seed}")
+                raise GGMLValueError(f"seed must be >= 0 (None for a random seed), got {seed}")
         if not isinstance(self.logprobs, (bool, np.bool_)):
-            raise ValueError(f"logprobs must be a bool, got {self.logprobs!r}")
+            raise GGMLValueError(f"logprobs must be a bool, got {self.logprobs!r}")
         top_logprobs = _integer("top_logprobs", self.top_logprobs)
         if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
+            raise GGMLValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}"
             )
         # Normalise numpy scalars and ints-for-floats to plain Python types.
@@ -158,18 +160,18 @@ class SamplingParams:
 def _as_logits(logits: object) -> np.ndarray:
     x = np.asarray(logits)
     if x.ndim != 1:
-        raise ValueError(f"logits must be 1-D (one row over the vocabulary), got shape {x.shape}")
+        raise GGMLValueError(f"logits must be 1-D (one row over the vocabulary), got shape {x.shape}")
     if x.size == 0:
-        raise ValueError("logits are empty: no token to choose from")
+        raise GGMLValueError("logits are empty: no token to choose from")
     if x.dtype.kind != "f":
         if x.dtype.kind in "iub":
             x = x.astype(np.float64)
         else:
-            raise ValueError(f"logits must be floating point, got dtype {x.dtype}")
+            raise GGMLValueError(f"logits must be floating point, got dtype {x.dtype}")
     return x
 
 
-def _bad_logits(x: np.ndarray) -> ValueError:
+def _bad_logits(x: np.ndarray) -> GGMLValueError:
     n_nan = int(np.count_nonzero(np.isnan(x)))
     n_pos = int(np.count_nonzero(np.isposinf(x)))
     if n_nan or n_pos:
@@ -179,11 +181,11 @@ def _bad_logits(x: np.ndarray) -> ValueError:
         if n_pos:
             parts.append(f"{n_pos} +inf")
         first = int(np.flatnonzero(np.isnan(x) | np.isposinf(x))[0])
-        return ValueError(
+        return GGMLValueError(
             f"logits contain {' and '.join(parts)} value(s) (first at token {first}) "
             f"out of {x.size}; check the model output"
         )
-    return ValueError(f"all {x.size} logits are -inf: every token is masked")
+    return GGMLValueError(f"all {x.size} logits are -inf: every token is masked")
 
 
 def _argmax_checked(x: np.ndarray) -> int:
@@ -245,7 +247,7 @@ class Sampler:
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise GGMLTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         self.params = params
         self._rng = np.random.default_rng(params.seed)
 
@@ -418,10 +420,10 @@ def logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> Logprobs:
     lp = log_softmax(logits)
     token = _integer("token", token)
     if not 0 <= token < lp.size:
-        raise ValueError(f"token {token} is out of range for a vocabulary of {lp.size}")
+        raise GGMLValueError(f"token {token} is out of range for a vocabulary of {lp.size}")
     top_n = _integer("top_n", top_n)
     if top_n < 0:
-        raise ValueError(f"top_n must be >= 0, got {top_n}")
+        raise GGMLValueError(f"top_n must be >= 0, got {top_n}")
     top: list[TokenLogprob] = []
     if top_n:
         ids = _top_ids(lp, min(top_n, lp.size))

@@ -30,11 +30,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from ggmlpy._core import GGMLError, GGMLTypeError, GGMLValueError
+
 __all__ = [
     "InputTooLong",
     "LoadPlan",
     "NoFreeSlot",
     "Slot",
+    "SlotIndexError",
     "SlotTable",
     "common_prefix",
     "effective_keep",
@@ -44,7 +47,7 @@ __all__ = [
 ]
 
 
-class InputTooLong(ValueError):
+class InputTooLong(GGMLValueError):
     """The prompt is longer than the context and truncation is disabled.
 
     ``InputTooLong(n_inputs, n_ctx)`` writes the standard message;
@@ -78,8 +81,12 @@ class InputTooLong(ValueError):
         return (type(self), (self.n_inputs, self.n_ctx))
 
 
-class NoFreeSlot(RuntimeError):
+class NoFreeSlot(RuntimeError, GGMLError):
     """Every cache slot is in use."""
+
+
+class SlotIndexError(IndexError, GGMLError):
+    """A slot number outside the table."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -87,7 +94,7 @@ class NoFreeSlot(RuntimeError):
 
 def _int(name: str, value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {value!r}")
+        raise GGMLTypeError(f"{name} must be an int, got {value!r}")
     return int(value)
 
 
@@ -100,15 +107,15 @@ def _reach(same_batch: Sequence[int] | None, n_inputs: int) -> Optional[np.ndarr
         return None
     sb = np.asarray(same_batch)
     if sb.ndim != 1 or sb.size != n_inputs:
-        raise ValueError(
+        raise GGMLValueError(
             f"same_batch must have one entry per input ({n_inputs}), got shape {sb.shape}"
         )
     if sb.size and sb.dtype.kind not in "iu":
         if sb.dtype.kind != "f" or not np.array_equal(sb, np.floor(sb)):
-            raise TypeError(f"same_batch must hold integers, got {sb.dtype} values")
+            raise GGMLTypeError(f"same_batch must hold integers, got {sb.dtype} values")
     sb = sb.astype(np.int64, copy=False)
     if sb.size and int(sb.min()) < 0:
-        raise ValueError(f"same_batch entries must be >= 0, got {int(sb.min())}")
+        raise GGMLValueError(f"same_batch entries must be >= 0, got {int(sb.min())}")
     if not sb.any():
         return None
     return np.arange(n_inputs, dtype=np.int64) + sb
@@ -153,9 +160,9 @@ def effective_keep(n_keep: int, n_inputs: int, n_ctx: int) -> int:
     n_keep, n_inputs, n_ctx = (_int("n_keep", n_keep), _int("n_inputs", n_inputs),
                                _int("n_ctx", n_ctx))
     if n_ctx < 1:
-        raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        raise GGMLValueError(f"n_ctx must be >= 1, got {n_ctx}")
     if n_inputs < 0:
-        raise ValueError(f"n_inputs must be >= 0, got {n_inputs}")
+        raise GGMLValueError(f"n_inputs must be >= 0, got {n_inputs}")
     if n_keep < 0:
         n_keep = n_inputs
     return min(n_keep, n_ctx - 1)
@@ -191,13 +198,13 @@ def shift_discard(n_inputs: int, n_keep: int, n_ctx: int,
     n_inputs, n_keep, n_ctx = (_int("n_inputs", n_inputs), _int("n_keep", n_keep),
                                _int("n_ctx", n_ctx))
     if n_ctx < 1:
-        raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+        raise GGMLValueError(f"n_ctx must be >= 1, got {n_ctx}")
     if not 0 <= n_keep < n_ctx:
-        raise ValueError(
+        raise GGMLValueError(
             f"unable to shift context: keep must be in [0, n_ctx) (keep: {n_keep} context: {n_ctx})"
         )
     if not 0 <= n_keep <= n_inputs:
-        raise ValueError(f"n_keep ({n_keep}) exceeds the number of inputs ({n_inputs})")
+        raise GGMLValueError(f"n_keep ({n_keep}) exceeds the number of inputs ({n_inputs})")
     reach = _reach(same_batch, n_inputs)
     target_free = max((n_ctx - n_keep) // 2, 1)
     need = min(max(target_free - (n_ctx - n_inputs), 0), n_inputs - n_keep)
@@ -257,7 +264,7 @@ def _truncation(n_inputs: int, n_ctx: int, n_keep: int,
     """``(keep, start)``: keep ``[0, keep)`` and ``[start, n_inputs)``."""
     n_inputs = _int("n_inputs", n_inputs)
     if n_inputs < 1:
-        raise ValueError("no input provided: the prompt is empty")
+        raise GGMLValueError("no input provided: the prompt is empty")
     keep = effective_keep(n_keep, n_inputs, n_ctx)
     reach = _reach(same_batch, n_inputs)
     if n_inputs <= n_ctx:
@@ -268,13 +275,13 @@ def _truncation(n_inputs: int, n_ctx: int, n_keep: int,
         inside = np.flatnonzero(reach[:keep] > np.arange(keep))
         if inside.size:
             i = int(inside[0])
-            raise ValueError(
+            raise GGMLValueError(
                 f"a same-batch group may not start within num_keep "
                 f"(index: {i} num_keep: {keep} same_batch: {int(reach[i]) - i})"
             )
     start = _close_groups(reach, keep, keep + (n_inputs - n_ctx), n_inputs)
     if start >= n_inputs:
-        raise ValueError(
+        raise GGMLValueError(
             f"entire prompt removed by truncation (prompt: {n_inputs} context: {n_ctx} "
             f"keep: {keep})"
         )
@@ -409,7 +416,7 @@ class SlotTable:
                  clock: Callable[[], float] = time.monotonic) -> None:
         n_slots = _int("n_slots", n_slots)
         if n_slots < 1:
-            raise ValueError(f"n_slots must be >= 1, got {n_slots}")
+            raise GGMLValueError(f"n_slots must be >= 1, got {n_slots}")
         self.slots: list[Slot] = [Slot(i) for i in range(n_slots)]
         self.multi_user = bool(multi_user)
         self._clock = clock
@@ -428,7 +435,7 @@ class SlotTable:
     def _slot(self, slot: int) -> Slot:
         i = _int("slot", slot)
         if not 0 <= i < len(self.slots):
-            raise IndexError(f"slot {i} out of range for {len(self.slots)} slots")
+            raise SlotIndexError(f"slot {i} out of range for {len(self.slots)} slots")
         return self.slots[i]
 
     # ----------------------------------------------------------------- choice
@@ -513,7 +520,7 @@ class SlotTable:
         """
         prompt = [int(t) for t in prompt]
         if not prompt:
-            raise ValueError("no input provided: the prompt is empty")
+            raise GGMLValueError("no input provided: the prompt is empty")
         fork: Optional[int] = None
         if self.multi_user:
             slot, n_past, fork = self._find_best(prompt)
@@ -539,7 +546,7 @@ class SlotTable:
         """
         n_past = _int("n_past", n_past)
         if not 0 <= n_past <= plan.n_past:
-            raise ValueError(f"n_past must be in [0, {plan.n_past}], got {n_past}")
+            raise GGMLValueError(f"n_past must be in [0, {plan.n_past}], got {n_past}")
         s = self._slot(plan.slot)
         restored = s.tokens[n_past:plan.n_past]
         del s.tokens[n_past:]
@@ -564,7 +571,7 @@ class SlotTable:
         begin = _int("begin", begin)
         stop = len(s.tokens) if end is None else _int("end", end)
         if not 0 <= begin <= stop:
-            raise ValueError(f"invalid range [{begin}, {stop})")
+            raise GGMLValueError(f"invalid range [{begin}, {stop})")
         del s.tokens[begin:stop]
 
     def reset(self, slot: int) -> None:
