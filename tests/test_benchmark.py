@@ -377,7 +377,9 @@ def test_vs_llama_cpp_missing_gives_clear_message(tmp_path, monkeypatch, capsys)
     (fake / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(fake.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    code = bm.main(["-m", "a.gguf", "-p", "8", "-n", "0", "-r", "1", "--vs", "llama.cpp"])
+    model = tmp_path / "a.gguf"
+    model.write_bytes(b"")                  # exists (a missing file is reported first); never loaded
+    code = bm.main(["-m", str(model), "-p", "8", "-n", "0", "-r", "1", "--vs", "llama.cpp"])
     err = capsys.readouterr().err
     assert code == 1
     assert "pip install llama-cpp-python" in err and "simulated" in err
@@ -400,7 +402,7 @@ def test_cli_bench_help(capsys):
 
     assert cli.main(["bench", "--help"]) == 0
     assert "-ngl" in capsys.readouterr().out
-    assert cli.main(["bench", "-p", "nonsense"]) == 2
+    assert cli.main(["bench", "-p", "nonsense"]) == 1                    # llama-bench exits 1 on a bad option too
 
 
 # --------------------------------------------------------------------------- the synthetic model file
