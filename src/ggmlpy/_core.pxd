@@ -16,11 +16,14 @@ cdef class _CtxBase:
     cdef list keep            # other owners (buffers, foreign memory) kept alive
     cdef object dependents    # WeakSet of Contexts whose tensors read this one's
     cdef size_t stale_below   # arena offset below which tensors read a freed/reset context
+    cdef dict allocs          # _Allocator -> its epoch when it last gave this context's tensors memory
+    cdef int busy             # running computes / device copies that read this context (GIL-protected)
     cdef object __weakref__
-    cdef void _invalidate_dependents(self) noexcept
+    cdef int _invalidate_dependents(self) except -1
     cdef bint _fresh(self, g.ggml_tensor * p) noexcept
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
+    cdef int _refuse_busy(self, str op) except -1
     cdef void _release(self) noexcept
     cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1
 
@@ -44,6 +47,7 @@ cdef class Tensor:
     cdef Py_ssize_t _strides[4]
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
+    cdef int _data(self, str op) except -1
     cdef int _host(self, str op) except -1
     cdef object _get_converted(self)
     cdef object _device_get(self)
@@ -63,11 +67,27 @@ cdef class Graph:
     cdef int checked_nodes    # nodes [0, checked_nodes) were validated for compute
     cdef list index_checks    # [(index tensor address, bound, op)] scanned before every compute
     cdef volatile bint cancel_flag
-    cdef bint busy            # a compute is running (from some thread)
+    cdef bint busy            # a compute or allocation is running (from some thread)
+    cdef list busy_ctxs       # contexts whose busy count this graph raised while busy
     cdef g.ggml_threadpool * tp   # kept between computes; rebuilt when n_threads changes
     cdef int tp_n
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
     cdef int _note_ctx(self, _CtxBase c) except -1
     cdef int _check_ctxs(self) except -1
+    cdef int _begin(self, str op) except -1
+    cdef void _end(self) noexcept
+    cdef uint64_t _unallocated_mask(self) noexcept
     cdef int _check_compute(self, g.ggml_backend_dev_t dev) except -1
+
+
+cdef class _Allocator:
+    # Base of Gallocr and Scheduler: tensors they place point into buffers they own. ``epoch`` moves
+    # whenever those buffers are replaced (grown) and ``dead`` once they are freed, so a context
+    # stamped with an older epoch knows its tensors' data is gone.
+    cdef unsigned int epoch
+    cdef bint dead
+    cdef object stamped       # WeakSet of the contexts it gave memory to
+    cdef object __weakref__
+    cdef int _stamp(self, Graph graph, uint64_t mask) except -1
+    cdef int _refuse_busy(self, str op) except -1

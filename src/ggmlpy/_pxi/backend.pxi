@@ -78,6 +78,7 @@ cdef class Device:
         cdef size_t free_b = 0, total_b = 0
         with nogil:
             g.ggml_backend_dev_memory(self.ptr, &free_b, &total_b)
+        _rpc_check("dev_memory", self.rpc_endpoint)
         return free_b, total_b
 
     @property
@@ -229,6 +230,7 @@ cdef class BufferType:
         with nogil:
             b = g.ggml_backend_buft_alloc_buffer(self.ptr, size)
         if b == NULL:
+            _rpc_check("alloc_buffer", self.endpoint)
             raise GGMLMemoryError(f"alloc_buffer: could not allocate {_fmt_bytes(size)} of {self.name} "
                                   f"on device {self.dev_name}")
         return Buffer._make(b, self)
@@ -341,6 +343,7 @@ cdef class Buffer:
             _fail("buffer_clear", f"value must be a byte (got {value})")
         with nogil:
             g.ggml_backend_buffer_clear(self.ptr, <uint8_t> value)
+        _rpc_check("buffer_clear", _owner_endpoint(self.owner))
 
     def __repr__(self):
         if self.ptr == NULL:
@@ -358,12 +361,14 @@ cdef object _owner_endpoint(object owner):
 
 
 cdef bint _rpc_gone(object owner):
-    # True only when owner (a BufferType or Backend) lives on an RPC server
-    # that no longer accepts connections. Local memory is never "gone": a
-    # programming error here must surface, not turn into a skipped free (that
-    # once leaked every backend buffer).
+    # True only when freeing memory of owner (a BufferType or Backend) must be
+    # skipped. Local memory is never "gone": a programming error here must
+    # surface, not turn into a skipped free (that once leaked every backend
+    # buffer). With our patch to ggml's RPC client (GGMLPY_RPC_ERRORS) freeing
+    # on a lost server returns quietly, so nothing is ever skipped; an
+    # unpatched client aborts there, so probe whether the server still listens.
     ep = _owner_endpoint(owner)
-    if ep is None:
+    if ep is None or g.GGMLPY_RPC_ERRORS:
         return False
     host, _, port = ep.rpartition(":")
     try:
@@ -405,6 +410,7 @@ def alloc_ctx_tensors(Context ctx not None, target):
         # context's tensors must not be touched again.
         ctx.gen += 1
         ctx.stale_below = g.ggml_used_mem(ctx.ptr)
+        _rpc_check("alloc_ctx_tensors", bt.endpoint)
         raise GGMLMemoryError(f"alloc_ctx_tensors: could not allocate {_fmt_bytes(need)} of {bt.name} on device "
                               f"{bt.dev_name}; the context's tensors are invalid now")
     buf = Buffer._make(b, bt)
@@ -418,6 +424,8 @@ cdef class Backend:
     """An execution stream on a device (``ggml_backend_t``). Made by ``Device.init()`` or ``backend_init``."""
     cdef g.ggml_backend_t ptr
     cdef Device dev
+    cdef int busy             # computes running on it with the GIL released
+    cdef object users         # WeakSet of the Schedulers built over it
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Backends come from Device.init() or ggmlpy.backend_init(name)")
@@ -427,6 +435,7 @@ cdef class Backend:
         cdef Backend b = Backend.__new__(Backend)
         b.ptr = p
         b.dev = dev
+        b.users = weakref.WeakSet()
         _debug_count("Backend", 1)
         return b
 
@@ -517,14 +526,33 @@ cdef class Backend:
         for entry in graph.index_checks:
             _scan_indices(entry)
         cg = graph.ptr
-        with _rpc_lock_for(self.dev.rpc_endpoint):
-            with nogil:
-                st = g.ggml_backend_graph_compute(self.ptr, cg)
+        graph._begin("backend_graph_compute")
+        self.busy += 1
+        try:
+            with _rpc_lock_for(self.dev.rpc_endpoint):
+                with nogil:
+                    st = g.ggml_backend_graph_compute(self.ptr, cg)
+        finally:
+            self.busy -= 1
+            graph._end()
+        _rpc_check("backend_graph_compute", self.dev.rpc_endpoint)
         _check_status(st, "backend_graph_compute")
 
     def free(self):
-        """Release the backend now (only once nothing uses it)."""
+        """Release the backend now.
+
+        Raises
+        ------
+        GGMLValueError
+            A compute runs on it in another thread, or a live Scheduler uses it
+            (free the scheduler first).
+        """
         if self.ptr != NULL:
+            if self.busy > 0:
+                raise GGMLValueError(f"backend_free: {self.name} is computing in another thread")
+            live = [s for s in self.users if not (<Scheduler> s).dead]
+            if live:
+                raise GGMLValueError(f"backend_free: {len(live)} live Scheduler(s) use {self.name}; free them first")
             g.ggml_backend_free(self.ptr)
             self.ptr = NULL
             _debug_count_nogil(3)
@@ -566,9 +594,52 @@ def backend_init(name=None, params=None):
     return device(name).init(params)
 
 
+cdef class _Allocator:
+    """Base of ``Gallocr`` and ``Scheduler``: allocators that point graph tensors into buffers they own.
+
+    Lifetime rule: a tensor must not outlive the memory it points into. Each
+    context whose tensors an allocator placed keeps the allocator alive (so
+    dropping it does not free the memory) and remembers the allocator's
+    ``epoch``; freeing the allocator explicitly, or growing its buffers for a
+    bigger graph (ggml frees the old buffer and never moves tensors that
+    already have data), makes those tensors raise ``ClosedError`` on any data
+    access or compute instead of reading freed memory.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self.stamped = weakref.WeakSet()
+
+    cdef int _stamp(self, Graph graph, uint64_t mask) except -1:
+        # The contexts of graph whose tensors this allocator just gave memory (bits of mask, in
+        # the order of graph.ctxs) depend on it from now on.
+        cdef _CtxBase c
+        cdef int i = 0
+        for entry in graph.ctxs:
+            if mask & ((<uint64_t> 1) << (i if i < 63 else 63)):
+                c = entry[0]
+                c.allocs[self] = self.epoch
+                if not any(k is self for k in c.keep):
+                    c.keep.append(self)
+                self.stamped.add(c)
+            i += 1
+        return 0
+
+    cdef int _refuse_busy(self, str op) except -1:
+        cdef _CtxBase c
+        for c in list(self.stamped):
+            if c.busy > 0:
+                raise GGMLValueError(f"{op}: tensors in this allocator's buffers are being computed or copied in "
+                                     f"another thread; wait for that to finish first")
+        return 0
+
+
 @cython.no_gc_clear
-cdef class Gallocr:
-    """A graph allocator for one buffer type (``ggml_gallocr``): places a graph's tensors in one reusable buffer."""
+cdef class Gallocr(_Allocator):
+    """A graph allocator for one buffer type (``ggml_gallocr``): places a graph's tensors in one reusable buffer.
+
+    Contexts whose tensors it placed keep it alive; after ``free()`` (or after
+    its buffer grew for a bigger graph) those tensors raise ``ClosedError``.
+    """
     cdef g.ggml_gallocr_t ptr
     cdef BufferType bt
     cdef bint poisoned
@@ -584,12 +655,34 @@ cdef class Gallocr:
             g.ggml_gallocr_free(self.ptr)
             self.ptr = NULL
 
+    def free(self):
+        """Free the buffer now; tensors it placed raise ``ClosedError`` afterwards."""
+        if self.ptr != NULL:
+            self._refuse_busy("gallocr_free")
+            self.dead = True
+            g.ggml_gallocr_free(self.ptr)
+            self.ptr = NULL
+
+    close = free
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
+        return False
+
     cdef int _ready(self, str op, Graph graph) except -1:
+        if self.ptr == NULL:
+            raise ClosedError(f"{op}: the allocator has been freed")
         if self.poisoned:
             raise GGMLValueError(f"{op}: this allocator failed earlier; create a new Gallocr")
         graph._ensure()
         graph._check_ctxs()
         return 0
+
+    cdef size_t _size(self) noexcept:
+        return g.ggml_gallocr_get_buffer_size(self.ptr, 0) if self.ptr != NULL else 0
 
     def reserve(self, Graph graph not None):
         """Size the buffer for ``graph`` (the largest graph it will allocate).
@@ -600,24 +693,51 @@ cdef class Gallocr:
             The buffer could not be allocated; this Gallocr is unusable afterwards.
         """
         cdef bint ok
+        cdef size_t before
         self._ready("gallocr_reserve", graph)
-        with nogil:
-            ok = g.ggml_gallocr_reserve(self.ptr, graph.ptr)
+        before = self._size()
+        graph._begin("gallocr_reserve")
+        try:
+            with nogil:
+                ok = g.ggml_gallocr_reserve(self.ptr, graph.ptr)
+        finally:
+            graph._end()
+        if not ok or self._size() != before:
+            self.epoch += 1           # the old buffer is gone
         if not ok:
             self.poisoned = True
             raise GGMLMemoryError(f"gallocr_reserve: could not allocate the compute buffer of {self.bt.name}")
 
     def alloc_graph(self, Graph graph not None):
-        """Assign memory to every unallocated tensor of ``graph``; call again for each new graph."""
+        """Assign memory to every unallocated tensor of ``graph``; call again for each new graph.
+
+        Raises
+        ------
+        GGMLMemoryError
+            The buffer could not be (re)allocated; this Gallocr is unusable afterwards.
+        ClosedError
+            The allocator was freed, or ``graph`` reads tensors whose memory is gone.
+        """
         cdef bint ok
+        cdef size_t before
+        cdef uint64_t mask
         self._ready("gallocr_alloc_graph", graph)
-        with nogil:
-            ok = g.ggml_gallocr_alloc_graph(self.ptr, graph.ptr)
+        mask = graph._unallocated_mask()
+        before = self._size()
+        graph._begin("gallocr_alloc_graph")
+        try:
+            with nogil:
+                ok = g.ggml_gallocr_alloc_graph(self.ptr, graph.ptr)
+        finally:
+            graph._end()
+        if not ok or self._size() != before:
+            self.epoch += 1
         if not ok:
             self.poisoned = True
             raise GGMLMemoryError(f"gallocr_alloc_graph: could not allocate the graph in {self.bt.name}")
+        self._stamp(graph, mask)
 
     @property
     def buffer_size(self):
         """Bytes of the compute buffer (0 before reserve)."""
-        return g.ggml_gallocr_get_buffer_size(self.ptr, 0)
+        return self._size()

@@ -2,6 +2,7 @@
 # no_alloc, tensor data).
 
 DEFAULT_MEM_SIZE = 16 * 1024 * 1024
+cdef size_t _MAX_ARENA = (<size_t> 1) << 62
 
 # Arena bytes one tensor object can take beyond its data (header, struct, padding).
 cdef size_t _TENSOR_OBJ_SIZE = g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN
@@ -12,21 +13,27 @@ cdef class _CtxBase:
     """Fields, lifetime and tensor creation of Context (see ``Context``)."""
 
 
-    def __cinit__(self, size_t mem_size=DEFAULT_MEM_SIZE, *, bint no_alloc=False):
+    def __cinit__(self, mem_size=DEFAULT_MEM_SIZE, *, bint no_alloc=False):
         cdef g.ggml_init_params params
         cdef void * mem = NULL
+        cdef size_t c_size = _index(mem_size, "Context", "mem_size", _K_SIZE)
         self.deps = {}
+        self.allocs = {}
         self.dependents = weakref.WeakSet()
         self.keep = []
         self.gen = 1
-        if mem_size < g.GGML_MEM_ALIGN:
-            mem_size = g.GGML_MEM_ALIGN
-        mem_size = (mem_size + 63) & ~(<size_t> 63)
+        if c_size > _MAX_ARENA:
+            # rounding up would wrap (2**64 - 1 became a 0-byte arena); no host can hold it anyway
+            raise GGMLMemoryError(f"Context: mem_size={c_size} is larger than any host allocation "
+                                  f"(at most {_MAX_ARENA})")
+        if c_size < g.GGML_MEM_ALIGN:
+            c_size = g.GGML_MEM_ALIGN
+        c_size = (c_size + 63) & ~(<size_t> 63)
         # We allocate the arena ourselves: ggml_init asserts (aborts) when its
         # own malloc fails, we raise MemoryError instead.
-        if posix_memalign(&mem, 64, mem_size) != 0 or mem == NULL:
-            raise GGMLMemoryError(f"Context: could not allocate {_fmt_bytes(mem_size)} on the host")
-        params.mem_size = mem_size
+        if posix_memalign(&mem, 64, c_size) != 0 or mem == NULL:
+            raise GGMLMemoryError(f"Context: could not allocate {_fmt_bytes(c_size)} on the host")
+        params.mem_size = c_size
         params.mem_buffer = mem
         params.no_alloc = no_alloc
         self.ptr = g.ggml_init(params)
@@ -34,7 +41,7 @@ cdef class _CtxBase:
             free(mem)
             raise GGMLMemoryError("Context: ggml_init failed")
         self.mem = mem
-        self.mem_size = mem_size
+        self.mem_size = c_size
         self.no_alloc_ = no_alloc
         _debug_count("Context", 1)
 
@@ -49,25 +56,31 @@ cdef class _CtxBase:
             self.mem = NULL
             _debug_count_nogil(0)
 
-    cdef void _invalidate_dependents(self) noexcept:
+    cdef int _invalidate_dependents(self) except -1:
         # Tensors of other contexts that read this one's now point at freed or
         # reused memory: make them stale too (and whatever reads them).
         cdef _CtxBase d
-        try:
-            for d in list(self.dependents):
-                if d.deps.pop(self, None) is not None:
-                    d.gen += 1
-                    if d.ptr != NULL:
-                        # tensors made so far may read this context: never hand them out again
-                        d.stale_below = g.ggml_used_mem(d.ptr)
-                    d._invalidate_dependents()
-            self.dependents.clear()
-        except BaseException:
-            pass
+        for d in list(self.dependents):
+            if d.deps.pop(self, None) is not None:
+                d.gen += 1
+                if d.ptr != NULL:
+                    # tensors made so far may read this context: never hand them out again
+                    d.stale_below = g.ggml_used_mem(d.ptr)
+                d._invalidate_dependents()
+        self.dependents.clear()
+        return 0
 
     cdef int _ensure(self) except -1:
         if self.freed:
             raise ClosedError("context: it has been freed")
+        return 0
+
+    cdef int _refuse_busy(self, str op) except -1:
+        # Another thread computes (or copies device data) over this context's tensors with the GIL
+        # released; freeing or resetting the arena under it would be a use-after-free.
+        if self.busy > 0:
+            raise GGMLValueError(f"{op}: a graph that uses this context is being computed (or its tensors copied) "
+                                 f"in another thread; wait for it to finish or cancel it first")
         return 0
 
     cdef int _ensure_op(self, str op) except -1:
@@ -116,9 +129,11 @@ cdef class _CtxBase:
         """
         if self.freed:
             return
+        self._refuse_busy("free")
         self.freed = True
         self.gen += 1
         self.keep = []
+        self.allocs = {}
         self._invalidate_dependents()
         if self.n_exports == 0:
             self._release()
@@ -136,12 +151,14 @@ cdef class _CtxBase:
     def reset(self):
         """Forget every tensor and graph in the arena but keep its memory (``ggml_reset``)."""
         self._ensure()
+        self._refuse_busy("reset")
         if self.n_exports:
             raise GGMLValueError(f"reset: {self.n_exports} numpy/buffer views of this context's tensors are alive; "
                                  f"new tensors would reuse their memory")
         g.ggml_reset(self.ptr)
         self.gen += 1
         self.stale_below = 0
+        self.allocs = {}
         self._invalidate_dependents()
 
     @property

@@ -109,25 +109,21 @@ cdef void _log_cb(g.ggml_log_level level, const char * text, void * user) noexce
     if lvl < _log_min_level or text == NULL:
         return
     with gil:
-        try:
-            msg = text.decode("utf-8", "replace").rstrip("\n")
-            if msg:
-                _log.log({1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING}.get(lvl, logging.ERROR), msg)
-        except BaseException:
-            pass
+        # An exception here (a broken handler on the logger) cannot reach ggml: Cython reports it
+        # through sys.unraisablehook, never silently.
+        msg = text.decode("utf-8", "replace").rstrip("\n")
+        if msg:
+            _log.log({1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING}.get(lvl, logging.ERROR), msg)
 
 
 cdef void _abort_cb(const char * message) noexcept nogil:
     # Reaching here means a precondition slipped past our validators: the
     # process is about to abort. Leave the Python stack to find the call.
     with gil:
-        try:
-            sys.stderr.write("ggmlpy: ggml aborted: " + message.decode("utf-8", "replace") +
-                             "\nggmlpy: this is a bug in ggmlpy's validation; the Python stack follows.\n")
-            sys.stderr.flush()
-            faulthandler.dump_traceback(all_threads=True)
-        except BaseException:
-            pass
+        sys.stderr.write("ggmlpy: ggml aborted: " + message.decode("utf-8", "replace") +
+                         "\nggmlpy: this is a bug in ggmlpy's validation; the Python stack follows.\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
 
 
 def set_log_level(level):

@@ -124,6 +124,33 @@ cdef extern from *:
     void ggmlpy_name_new(g.ggml_cgraph * gr, g.ggml_tensor * t) noexcept nogil
 
 
+cdef extern from *:
+    """
+    /* Bit i set when arena i (starts[i] .. starts[i] + sizes[i]) holds a node or leaf with no data
+       yet: the contexts whose tensors a graph allocator is about to point into its own buffers.
+       Arenas past 63 share bit 63. */
+    static uint64_t ggmlpy_unalloc_mask(const struct ggml_cgraph * g, char ** starts, const size_t * sizes, int n) {
+        uint64_t mask = 0;
+        int k, i, j;
+        for (k = 0; k < 2; k++) {
+            int m = k == 0 ? g->n_leafs : g->n_nodes;
+            for (i = 0; i < m; i++) {
+                const struct ggml_tensor * t = k == 0 ? g->leafs[i] : g->nodes[i];
+                if (t->data != NULL) continue;
+                for (j = 0; j < n; j++) {
+                    if ((const char *) t >= starts[j] && (const char *) t < starts[j] + sizes[j]) {
+                        mask |= (uint64_t) 1 << (j < 63 ? j : 63);
+                        break;
+                    }
+                }
+            }
+        }
+        return mask;
+    }
+    """
+    uint64_t ggmlpy_unalloc_mask(g.ggml_cgraph * gr, char ** starts, size_t * sizes, int n) noexcept nogil
+
+
 # ggml visits new parts of a graph recursively; keep far below a thread's stack.
 cdef int _MAX_EXPAND_DEPTH = 50000
 MAX_EXPAND_DEPTH = _MAX_EXPAND_DEPTH
@@ -227,8 +254,13 @@ cdef class Graph:
         return 0
 
     cdef int _check_ctxs(self) except -1:
+        # Every context the graph reads is alive, unchanged since it was added, and any memory a
+        # graph allocator gave its tensors still exists. (ggml never moves a tensor that has data:
+        # allocating the graph again would keep pointers into a replaced buffer.)
         cdef _CtxBase c
         if len(self.ctxs) == 1 and not self.ctx.deps:
+            if self.ctx.allocs:
+                _allocs_live(self.ctx, "graph_compute")
             return 0          # only the graph's own context, checked by _ensure
         for entry in self.ctxs:
             c = entry[0]
@@ -237,7 +269,45 @@ cdef class Graph:
                                   "since they were added")
             if c.deps:
                 _deps_alive(c, "graph_compute")
+            if c.allocs:
+                _allocs_live(c, "graph_compute")
         return 0
+
+    cdef int _begin(self, str op) except -1:
+        # Mark the graph and every context it reads as in use for the time the GIL is released
+        # (compute, allocation): freeing, resetting or expanding them meanwhile raises instead of
+        # pulling memory from under ggml.
+        cdef _CtxBase c
+        if self.busy:
+            raise GGMLValueError(f"{op}: this graph is already being computed or allocated (in another thread)")
+        self.busy = True
+        self.busy_ctxs = [entry[0] for entry in self.ctxs]
+        for c in self.busy_ctxs:
+            c.busy += 1
+        return 0
+
+    cdef void _end(self) noexcept:
+        cdef _CtxBase c
+        if self.busy_ctxs is not None:
+            for c in self.busy_ctxs:
+                c.busy -= 1
+            self.busy_ctxs = None
+        self.busy = False
+
+    cdef uint64_t _unallocated_mask(self) noexcept:
+        # Which of self.ctxs own tensors without data (see ggmlpy_unalloc_mask).
+        cdef char * starts[64]
+        cdef size_t sizes[64]
+        cdef int n = 0
+        cdef _CtxBase c
+        for entry in self.ctxs:
+            c = entry[0]
+            starts[n] = <char *> c.mem
+            sizes[n] = c.mem_size if c.mem != NULL else 0
+            n += 1
+            if n == 64:
+                break
+        return ggmlpy_unalloc_mask(self.ptr, starts, sizes, n)
 
     @property
     def context(self):
@@ -307,6 +377,9 @@ cdef class Graph:
         """
         cdef int n_nodes, n_leafs, depth, rc
         self._ensure_op("build_forward_expand")
+        if self.busy:
+            raise GGMLValueError("build_forward_expand: the graph is being computed in another thread; "
+                                 "expand it after the compute returns")
         _arg(tensor, "build_forward_expand", "tensor")
         if tensor.ctx is not self.ctx:
             self._note_ctx(tensor.ctx)
@@ -340,6 +413,8 @@ cdef class Graph:
     def clear(self):
         """Remove every node and leaf."""
         self._ensure()
+        if self.busy:
+            raise GGMLValueError("graph_clear: the graph is being computed in another thread")
         g.ggml_graph_clear(self.ptr)
         self.checked_nodes = 0
         self.index_checks = []
@@ -430,12 +505,12 @@ cdef class Graph:
         st.exc = NULL
         plan.abort_callback = _abort_poll
         plan.abort_callback_data = &st
-        self.busy = True
+        self._begin("graph_compute")
         try:
             with nogil:
                 status = g.ggml_graph_compute(self.ptr, &plan)
         finally:
-            self.busy = False
+            self._end()
         self.cancel_flag = False
         if st.exc != NULL:
             exc = <object> st.exc

@@ -361,11 +361,14 @@ cdef class _CtxOps(_CtxBase):
     def sum_rows(self, Tensor a):
         """Sum of each row: ne ``(1, ne1, ne2, ne3)`` (f32)."""
         _unary(self, a, "sum_rows", M_F32, 0)
+        # the result can be larger than a (empty rows): room for it, not for a
+        self._room("sum_rows", _out_bytes(g.GGML_TYPE_F32, 1, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_sum_rows(self.ptr, a.ptr), a)
 
     def mean(self, Tensor a):
         """Mean of each row: ne ``(1, ne1, ne2, ne3)`` (f32)."""
         _unary(self, a, "mean", M_F32, 2)
+        self._room("mean", _out_bytes(g.GGML_TYPE_F32, 1, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
         return _res(self, g.ggml_mean(self.ptr, a.ptr), a)
 
     def argmax(self, Tensor a):
@@ -373,6 +376,7 @@ cdef class _CtxOps(_CtxBase):
         _unary(self, a, "argmax", M_F32, 2)
         if not (a.ptr.ne[2] == 1 and a.ptr.ne[3] == 1):
             _fail("argmax", f"a must be a matrix (got a: {_desc(a)})")
+        self._room("argmax", _out_bytes(g.GGML_TYPE_I32, a.ptr.ne[1], 1, 1, 1), 1)
         return _res(self, g.ggml_argmax(self.ptr, a.ptr), a)
 
     def count_equal(self, Tensor a, Tensor b):

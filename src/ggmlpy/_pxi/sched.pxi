@@ -43,7 +43,7 @@ GGML_SCHED_MAX_BACKENDS = 16
 
 
 @cython.no_gc_clear
-cdef class Scheduler:
+cdef class Scheduler(_Allocator):
     """``ggml_backend_sched``: splits graphs over several backends and owns their compute buffers.
 
     Parameters
@@ -68,6 +68,11 @@ cdef class Scheduler:
     This class keeps the order ggml needs (reset, assign, reserve, reset,
     assign, allocate), re-applies ``set_tensor_backend`` assignments after each
     reset, and refuses further use after an allocation failure.
+
+    Tensors it allocates point into its compute buffers: their contexts keep
+    the scheduler alive, and after ``free()`` (or after a bigger graph grew the
+    buffers) they raise ``ClosedError`` instead of reading freed memory.
+    ``free()`` waits for a compute running in another thread.
     """
     cdef g.ggml_backend_sched_t ptr
     cdef list backends
@@ -116,6 +121,8 @@ cdef class Scheduler:
                                                 parallel, op_offload)
         if self.ptr == NULL:
             raise GGMLMemoryError("sched_new: out of host memory")
+        for b in self.backends:
+            (<Backend> b).users.add(self)
         _debug_count("Scheduler", 1)
 
     def __dealloc__(self):
@@ -136,14 +143,24 @@ cdef class Scheduler:
         return False
 
     def free(self):
-        """Free the scheduler and its compute buffers now."""
+        """Free the scheduler and its compute buffers now (after a compute running in another thread).
+
+        Tensors it allocated raise ``ClosedError`` afterwards.
+        """
         with self.lock:
             if self.ptr != NULL:
+                self._refuse_busy("sched_free")
+                self.dead = True
                 self._restore()
                 if not self._servers_gone():
                     g.ggml_backend_sched_free(self.ptr)
                 self.ptr = NULL
                 _debug_count_nogil(4)
+
+    cdef tuple _sizes(self):
+        # Compute buffer bytes per backend: ggml replaces a buffer only to grow it (or frees it in
+        # reserve_size), so a change means tensors placed before point into freed memory.
+        return tuple(g.ggml_backend_sched_get_buffer_size(self.ptr, (<Backend> b).ptr) for b in self.backends)
 
     cdef int _ready(self, str op) except -1:
         if self.ptr == NULL:
@@ -215,23 +232,37 @@ cdef class Scheduler:
         GGMLMemoryError
             A buffer could not be allocated; this scheduler is unusable afterwards.
         """
+        with self.lock:
+            self._reserve(graph, True)
+
+    cdef int _reserve(self, Graph graph, bint mark_busy) except -1:
         cdef bint ok
         cdef ggmlpy_saved_srcs * saved
-        with self.lock:
-            self._ready("sched_reserve")
-            self._check_graph(graph, "sched_reserve")
-            self._reset()
-            saved = ggmlpy_srcs_save(graph.ptr)
-            if saved == NULL:
-                raise GGMLMemoryError("sched_reserve: out of host memory")
+        self._ready("sched_reserve")
+        self._check_graph(graph, "sched_reserve")
+        self._reset()
+        saved = ggmlpy_srcs_save(graph.ptr)
+        if saved == NULL:
+            raise GGMLMemoryError("sched_reserve: out of host memory")
+        before = self._sizes()
+        if mark_busy:
+            graph._begin("sched_reserve")
+        try:
             with nogil:
                 ok = g.ggml_backend_sched_reserve(self.ptr, graph.ptr)
                 ggmlpy_srcs_restore(saved, 1)
-            if not ok:
-                self.poisoned = True
-                raise GGMLMemoryError("sched_reserve: could not allocate the compute buffers")
-            self.need_reserve = False
-            self._reset()
+        finally:
+            if mark_busy:
+                graph._end()
+        if not ok or self._sizes() != before:
+            self.epoch += 1
+        if not ok:
+            self.poisoned = True
+            _rpc_check("sched_reserve")
+            raise GGMLMemoryError("sched_reserve: could not allocate the compute buffers")
+        self.need_reserve = False
+        self._reset()
+        return 0
 
     def reserve_size(self, Graph graph not None):
         """Bytes each backend's compute buffer would need for ``graph``, without keeping them (a dict by name)."""
@@ -246,9 +277,16 @@ cdef class Scheduler:
             saved = ggmlpy_srcs_save(graph.ptr)
             if saved == NULL:
                 raise GGMLMemoryError("sched_reserve_size: out of host memory")
-            with nogil:
-                g.ggml_backend_sched_reserve_size(self.ptr, graph.ptr, sizes)
-                ggmlpy_srcs_restore(saved, 1)
+            before = self._sizes()
+            graph._begin("sched_reserve_size")
+            try:
+                with nogil:
+                    g.ggml_backend_sched_reserve_size(self.ptr, graph.ptr, sizes)
+                    ggmlpy_srcs_restore(saved, 1)
+            finally:
+                graph._end()
+            if self._sizes() != before:
+                self.epoch += 1
             # reserve_size frees buffers that would have to grow: reserve again before the next allocation.
             self.need_reserve = True
             self._reset()
@@ -261,22 +299,40 @@ cdef class Scheduler:
         while the graph is allocated; they are put back when the scheduler
         resets or allocates another graph, so the graph stays reusable.
         """
-        cdef bint ok
         with self.lock:
-            self._ready("sched_alloc_graph")
-            self._check_graph(graph, "sched_alloc_graph")
-            if self.need_reserve:
-                self.reserve(graph)
-            self._reset()
-            self.saved = ggmlpy_srcs_save(graph.ptr)
-            if self.saved == NULL:
-                raise GGMLMemoryError("sched_alloc_graph: out of host memory")
-            self.allocated = (graph, graph.ptr.n_nodes, graph.ptr.n_leafs)
+            self._alloc(graph, True)
+
+    cdef int _alloc(self, Graph graph, bint mark_busy) except -1:
+        cdef bint ok
+        cdef uint64_t mask
+        self._ready("sched_alloc_graph")
+        self._check_graph(graph, "sched_alloc_graph")
+        if self.need_reserve:
+            self._reserve(graph, mark_busy)
+        self._reset()
+        mask = graph._unallocated_mask()
+        before = self._sizes()
+        self.saved = ggmlpy_srcs_save(graph.ptr)
+        if self.saved == NULL:
+            raise GGMLMemoryError("sched_alloc_graph: out of host memory")
+        self.allocated = (graph, graph.ptr.n_nodes, graph.ptr.n_leafs)
+        if mark_busy:
+            graph._begin("sched_alloc_graph")
+        try:
             with nogil:
                 ok = g.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr)
-            if not ok:
-                self.poisoned = True
-                raise GGMLMemoryError("sched_alloc_graph: could not allocate the graph's compute buffers")
+        finally:
+            if mark_busy:
+                graph._end()
+        if not ok or self._sizes() != before:
+            self.epoch += 1
+        if not ok:
+            self.poisoned = True
+            self.allocated = None
+            _rpc_check("sched_alloc_graph")
+            raise GGMLMemoryError("sched_alloc_graph: could not allocate the graph's compute buffers")
+        self._stamp(graph, mask)
+        return 0
 
     def is_allocated(self, Graph graph not None):
         """Whether ``graph`` (unchanged since) is the graph the scheduler holds memory for now.
@@ -304,20 +360,26 @@ cdef class Scheduler:
         cdef g.ggml_cgraph * cg
         with self.lock:
             self._ready("sched_graph_compute")
-            alloc = self.allocated
-            if alloc is None or alloc[0] is not graph or alloc[1] != graph.ptr.n_nodes or alloc[2] != graph.ptr.n_leafs:
-                self.alloc_graph(graph)
-            else:
-                graph._ensure()
-                graph._check_ctxs()
-            for entry in graph.index_checks:
-                _scan_indices(entry)
-            cg = graph.ptr
-            with nogil:
-                if is_async:
-                    st = g.ggml_backend_sched_graph_compute_async(self.ptr, cg)
+            graph._begin("sched_graph_compute")
+            try:
+                alloc = self.allocated
+                if (alloc is None or alloc[0] is not graph or alloc[1] != graph.ptr.n_nodes
+                        or alloc[2] != graph.ptr.n_leafs):
+                    self._alloc(graph, False)
                 else:
-                    st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
+                    graph._ensure()
+                    graph._check_ctxs()
+                for entry in graph.index_checks:
+                    _scan_indices(entry)
+                cg = graph.ptr
+                with nogil:
+                    if is_async:
+                        st = g.ggml_backend_sched_graph_compute_async(self.ptr, cg)
+                    else:
+                        st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
+            finally:
+                graph._end()
+            _rpc_check("sched_graph_compute")
             _check_status(st, "sched_graph_compute")
         return 0
 
@@ -393,9 +455,103 @@ cdef class Scheduler:
 
 
 # -- RPC -----------------------------------------------------------------------------
+# ggml's RPC client keeps one socket per endpoint, shared by every buffer and
+# backend on that server. Upstream it aborts the process when a socket call
+# fails or a reply has the wrong size; our patch
+# (vendor/ggml/patches/0001-rpc-client-errors-instead-of-abort.patch) records
+# the failure for the calling thread instead, shuts that socket down so that no
+# later call reads a reply out of step, and bounds every socket call by a
+# timeout. Each call that may talk to a server is followed by _rpc_check, which
+# turns the recorded failure into RPCError / RPCTimeoutError naming the server;
+# frees use _rpc_discard (memory on a lost server is gone with it).
+
+import struct
 
 cdef dict _rpc_devices = {}     # endpoint -> [Device]
 cdef dict _rpc_locks = {}       # endpoint -> lock serializing calls (ggml shares one socket per endpoint)
+
+
+class RPCError(ConnectionError, GGMLError):
+    """An RPC server refused or lost the connection, or does not speak ggml's RPC protocol.
+
+    ``endpoint`` is the server's ``host:port`` (None where unknown). Objects in
+    that server's memory are lost; once it runs again, ``rpc_add_server`` and
+    new buffers work again.
+    """
+
+    endpoint = None
+
+
+class RPCTimeoutError(TimeoutError, RPCError):
+    """An RPC server did not answer within the timeout (see ``rpc_set_timeout``)."""
+
+
+def _rpc_error(cls, str message, endpoint):
+    # OSError subclasses read a second constructor argument as strerror: set the endpoint afterwards.
+    e = cls(message)
+    e.endpoint = endpoint
+    return e
+
+
+#: Default bound, in seconds, on each send/receive of an RPC connection: long
+#: enough for one graph compute on a slow server, finite so that a stalled
+#: server cannot hang the client. ``GGMLPY_RPC_TIMEOUT`` (seconds, 0 = none)
+#: overrides it at import.
+RPC_DEFAULT_TIMEOUT = 300.0
+cdef double _rpc_timeout = RPC_DEFAULT_TIMEOUT
+
+
+def rpc_set_timeout(seconds):
+    """Bound each call to an RPC server by ``seconds`` (0 or None: wait forever).
+
+    Applies to connections ggml opens from now on: set it before
+    ``rpc_add_server``. The limit is per socket send or receive, and a graph
+    compute's result is received in one: it must exceed the longest graph
+    compute of a server. Default ``RPC_DEFAULT_TIMEOUT`` (300 s), or the
+    ``GGMLPY_RPC_TIMEOUT`` environment variable (seconds) at import.
+
+    Raises
+    ------
+    GGMLValueError
+        ``seconds`` is negative, not finite or above 49 days.
+    """
+    global _rpc_timeout
+    s = 0.0 if seconds is None else float(seconds)
+    if not (0.0 <= s <= 4.2e6):
+        raise GGMLValueError(f"rpc_set_timeout: seconds must be in [0, 4.2e6] or None (got {seconds!r})")
+    _rpc_timeout = s
+    g.ggml_backend_rpc_set_timeout_ms(<uint32_t> (s * 1000.0 + 0.5) if s > 0 else 0)
+
+
+def rpc_get_timeout():
+    """The bound ``rpc_set_timeout`` set, in seconds (0.0: none)."""
+    return _rpc_timeout
+
+
+rpc_set_timeout(os.environ.get("GGMLPY_RPC_TIMEOUT") or RPC_DEFAULT_TIMEOUT)
+
+
+cdef int _rpc_check(str op, object endpoint=None) except -1:
+    # Raise for an RPC failure this thread met since the last check.
+    cdef char ep[96]
+    cdef int kind = g.ggml_backend_rpc_take_error(ep, sizeof(ep))
+    if kind == 0:
+        return 0
+    where = ep.decode("utf-8", "replace") or endpoint
+    server = f"RPC server {where}" if where else "an RPC server"
+    if kind == 2:
+        raise _rpc_error(RPCTimeoutError, f"{op}: {server} did not answer within {_rpc_timeout:g} s "
+                              f"(rpc_set_timeout changes the limit)", where)
+    if kind == 3:
+        raise _rpc_error(RPCError, f"{op}: {server} sent a malformed reply (not a compatible ggml RPC server?); "
+                       f"the connection is closed", where)
+    raise _rpc_error(RPCError, f"{op}: {server} refused or lost the connection (did it stop?)", where)
+
+
+cdef void _rpc_discard() noexcept nogil:
+    # After freeing: memory on a lost server is gone with it, nothing to report.
+    cdef char ep[8]
+    g.ggml_backend_rpc_take_error(ep, sizeof(ep))
 
 
 class _NoLock:
@@ -432,41 +588,111 @@ def _parse_endpoint(str endpoint, bint server=False):
     return addr, int(port)
 
 
+# HELLO as the pinned ggml's client sends it: command byte 14, an 8-byte size,
+# rpc_msg_hello_req (24 bytes of transport capabilities, zero: plain TCP). The
+# reply is an 8-byte size then rpc_msg_hello_rsp (major, minor, patch, pad, 24
+# bytes of capabilities). Mirrors ggml-rpc.cpp; test_rpc_robust checks it
+# against a real server, so a pin with another layout fails there.
+_RPC_CMD_HELLO = 14
+_RPC_HELLO_REQ = 24
+_RPC_HELLO_RSP = 28
+
+
+def _rpc_recv_exact(sock, size_t n, str key):
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise _rpc_error(RPCError, f"rpc_add_server: {key} closed the connection after {len(data)} of {n} bytes of its "
+                           f"HELLO reply: not a ggml RPC server, or one serving another client", key)
+        data += chunk
+    return bytes(data)
+
+
+def _rpc_hello(str key, addr, int port, double timeout):
+    # ggml's client connects and reads the HELLO reply with no limit of its
+    # own: check within `timeout` that a ggml RPC server of our protocol
+    # answers before ggml's client opens its connection.
+    try:
+        sock = socket.create_connection((addr, port), timeout=timeout)
+    except TimeoutError:
+        raise _rpc_error(RPCTimeoutError, f"rpc_add_server: no TCP connection to {key} within {timeout:g} s", key) from None
+    except OSError as e:
+        raise _rpc_error(RPCError, f"rpc_add_server: nothing answers at {key}: {e}", key) from None
+    try:
+        sock.sendall(struct.pack("<BQ", _RPC_CMD_HELLO, _RPC_HELLO_REQ) + bytes(_RPC_HELLO_REQ))
+        size, = struct.unpack("<Q", _rpc_recv_exact(sock, 8, key))
+        if size != _RPC_HELLO_RSP:
+            raise _rpc_error(RPCError, f"rpc_add_server: {key} is not a compatible ggml RPC server (its HELLO reply announces "
+                           f"{size} bytes, expected {_RPC_HELLO_RSP})", key)
+        major, minor, patch = _rpc_recv_exact(sock, _RPC_HELLO_RSP, key)[:3]
+    except TimeoutError:
+        raise _rpc_error(RPCTimeoutError, f"rpc_add_server: {key} accepted the connection but gave no HELLO reply within "
+                              f"{timeout:g} s (not a ggml RPC server, or busy with another client)", key) from None
+    except RPCError:
+        raise
+    except OSError as e:
+        raise _rpc_error(RPCError, f"rpc_add_server: {key} broke the HELLO exchange: {e}", key) from None
+    finally:
+        sock.close()
+    if major != g.RPC_PROTO_MAJOR_VERSION or minor > g.RPC_PROTO_MINOR_VERSION:
+        raise _rpc_error(RPCError, f"rpc_add_server: {key} speaks RPC protocol {major}.{minor}.{patch}; this build of ggml "
+                       f"needs {g.RPC_PROTO_MAJOR_VERSION}.x with x <= {g.RPC_PROTO_MINOR_VERSION}", key)
+
+
 def rpc_add_server(str endpoint, float timeout=5.0):
     """Connect to a ggml RPC server at ``host:port`` and return its devices.
 
     The endpoint is normalised to its IPv4 address (ggml keeps one connection
-    per spelling, and a server serves one client at a time). The server is
-    probed with ``timeout`` first, since ggml's own connect has no timeout.
+    per spelling, and a server serves one client at a time). The server must
+    answer ggml's HELLO within ``timeout`` seconds; later calls to it are
+    bounded by ``rpc_get_timeout()``.
 
     Raises
     ------
     BackendUnavailable
         This build has no RPC backend.
-    ConnectionError
-        Nothing answers at the endpoint, or it is not a ggml RPC server.
+    GGMLValueError
+        A malformed endpoint.
+    RPCTimeoutError
+        (a TimeoutError and an RPCError) No answer within ``timeout``.
+    RPCError
+        (a ConnectionError) Nothing answers at the endpoint, or it is not a
+        ggml RPC server of this protocol version.
     """
     cdef bytes ep
     cdef g.ggml_backend_reg * reg
+    cdef g.ggml_backend_dev_t dev
+    cdef g.ggml_backend_buffer_type_t bt
     if not g.GGMLPY_HAVE_RPC:
         raise _unavailable("RPC")
+    if not (timeout > 0):
+        raise GGMLValueError(f"rpc_add_server: timeout must be > 0 seconds (got {timeout})")
     addr, port = _parse_endpoint(endpoint)
     key = f"{addr}:{port}"
     if key in _rpc_devices:
         return list(_rpc_devices[key])
-    try:
-        with socket.create_connection((addr, port), timeout=timeout):
-            pass
-    except OSError as e:
-        raise ConnectionError(f"rpc_add_server: nothing answers at {key}: {e}") from None
+    _rpc_hello(key, addr, port, timeout)
     ep = key.encode()
     cdef const char * c_ep = ep
     with _rpc_lock_for(key):
+        _rpc_discard()
         with nogil:
             reg = g.ggml_backend_rpc_add_server(c_ep)
-    if reg == NULL:
-        raise ConnectionError(f"rpc_add_server: {key} is not a compatible ggml RPC server (see the ggmlpy log)")
-    devs = [Device._make(g.ggml_backend_reg_dev_get(reg, i), key) for i in range(g.ggml_backend_reg_dev_count(reg))]
+        _rpc_check("rpc_add_server", key)
+        if reg == NULL:
+            raise _rpc_error(RPCError, f"rpc_add_server: {key} is not a compatible ggml RPC server (see the ggmlpy log)", key)
+        devs = []
+        for i in range(g.ggml_backend_reg_dev_count(reg)):
+            dev = g.ggml_backend_reg_dev_get(reg, i)
+            # ggml makes each device's buffer type once and keeps it: make it
+            # now, while the server is known to answer, so that it never fails later.
+            with nogil:
+                bt = g.ggml_backend_dev_buffer_type(dev)
+            _rpc_check("rpc_add_server", key)
+            if bt == NULL:
+                raise _rpc_error(RPCError, f"rpc_add_server: {key} did not describe its device {i}", key)
+            devs.append(Device._make(dev, key))
     _rpc_devices[key] = devs
     return list(devs)
 

@@ -103,6 +103,14 @@ cdef class Tensor:
             _deps_alive(self.ctx, op)
         return 0
 
+    cdef int _data(self, str op) except -1:
+        # About to touch the data, not only the metadata: memory a graph allocator gave the tensor
+        # (or a tensor it views) must still exist.
+        self._ensure_op(op)
+        if self.ctx.allocs or self.ctx.deps:
+            _data_alive(self.ctx, op)
+        return 0
+
     # -- metadata ------------------------------------------------------------
 
     @property
@@ -160,8 +168,16 @@ cdef class Tensor:
 
     @property
     def is_contiguous(self):
+        """True if every stride is exactly packed, size-1 dimensions included.
+
+        This is the layout every op that needs a contiguous input accepts, so
+        an op never rejects a tensor this property calls contiguous. ggml's own
+        ``ggml_is_contiguous`` skips size-1 dimensions, but some of its
+        kernels (``scale``, the norms) check their strides all the same;
+        ``ctx.cont(t)`` gives a tensor for which this is True.
+        """
         self._ensure()
-        return bool(g.ggml_is_contiguous(self.ptr))
+        return bool(_is_strict_contig(self.ptr))
 
     @property
     def is_view(self):
@@ -232,7 +248,7 @@ cdef class Tensor:
     @property
     def is_host(self):
         """True if the data is host memory (its context's arena or a host buffer), readable without a copy."""
-        self._ensure()
+        self._data("is_host")
         return self.ptr.data != NULL and not _device_tensor(self.ptr)
 
     @property
@@ -318,7 +334,7 @@ cdef class Tensor:
     # -- host memory access ----------------------------------------------------
 
     cdef int _host(self, str op) except -1:
-        self._ensure_op(op)
+        self._data(op)
         if self.ptr.data == NULL and g.ggml_nelements(self.ptr) != 0:
             raise GGMLValueError(f"{op}: tensor has no data (its context is no_alloc and no buffer was allocated)")
         if self.ptr.buffer != NULL and not _buffer_is_host(self.ptr.buffer):
@@ -405,26 +421,30 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer dst
-        self._ensure_op("get")
-        if _device_tensor(p):
-            return self._device_get()
-        self._host("get")
-        dt = _NP_DTYPES.get(p.type)
-        if dt is None:
-            return self._get_converted()
+        self._data("get")
+        held = _hold(self.ctx)
         try:
-            out = _np_empty(_np_shape(p), dt)
-        except ValueError as e:
-            raise GGMLValueError(f"get: numpy cannot hold this tensor (ne={_ne_str(p)}): {e}") from None
-        if not g.ggml_is_contiguous(p):
-            out[...] = self.numpy()
+            if _device_tensor(p):
+                return self._device_get()
+            self._host("get")
+            dt = _NP_DTYPES.get(p.type)
+            if dt is None:
+                return self._get_converted()
+            try:
+                out = _np_empty(_np_shape(p), dt)
+            except ValueError as e:
+                raise GGMLValueError(f"get: numpy cannot hold this tensor (ne={_ne_str(p)}): {e}") from None
+            if not g.ggml_is_contiguous(p):
+                out[...] = self.numpy()
+                return out
+            PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
+            try:
+                _copy_bytes(dst.buf, p.data, g.ggml_nbytes(p))
+            finally:
+                PyBuffer_Release(&dst)
             return out
-        PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
-        try:
-            _copy_bytes(dst.buf, p.data, g.ggml_nbytes(p))
         finally:
-            PyBuffer_Release(&dst)
-        return out
+            _unhold(held)
 
     cdef object _device_get(self):
         # Device memory: one ggml_backend_tensor_get into a new array.
@@ -443,6 +463,7 @@ cdef class Tensor:
                     g.ggml_backend_tensor_get(p, dst.buf, 0, n)
             finally:
                 PyBuffer_Release(&dst)
+            _rpc_check("get")
         if raw:
             return dequantize(out, Type(p.type), p.ne[0]).reshape(_np_shape(p)) if p.type != g.GGML_TYPE_BF16 else \
                 (out.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(_np_shape(p))
@@ -461,6 +482,7 @@ cdef class Tensor:
         if dt is not None:
             if not np.can_cast(arr.dtype, dt, "same_kind"):
                 raise GGMLTypeError(f"set: cannot cast {arr.dtype} to the tensor's {dt}")
+            _int_range(arr, dt, p)
             data = np.ascontiguousarray(arr, dtype=dt)
         elif p.type == g.GGML_TYPE_BF16:
             f = np.ascontiguousarray(arr, dtype=np.float32).view(np.uint32)
@@ -477,6 +499,7 @@ cdef class Tensor:
                     g.ggml_backend_tensor_set(p, src.buf, 0, n)
             finally:
                 PyBuffer_Release(&src)
+            _rpc_check("set")
         return 0
 
     cdef object _get_converted(self):
@@ -518,24 +541,28 @@ cdef class Tensor:
         """
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer src
-        self._ensure_op("set")
-        if _device_tensor(p):
-            self._device_set(array)
-            return
-        self._host("set")
-        if self.readonly:
-            raise GGMLValueError("set: tensor is read-only")
-        # Fast path: a C-contiguous buffer of exactly the tensor's type and
-        # shape into a contiguous tensor: one memcpy, no numpy calls.
-        if g.ggml_is_contiguous(p) and PyObject_CheckBuffer(array):
-            if PyObject_GetBuffer(array, &src, PyBUF_RECORDS_RO) == 0:
-                try:
-                    if _buffer_matches(&src, p):
-                        _copy_bytes(p.data, src.buf, g.ggml_nbytes(p))
-                        return
-                finally:
-                    PyBuffer_Release(&src)
-        self._set_slow(array)
+        self._data("set")
+        held = _hold(self.ctx)
+        try:
+            if _device_tensor(p):
+                self._device_set(array)
+                return
+            self._host("set")
+            if self.readonly:
+                raise GGMLValueError("set: tensor is read-only")
+            # Fast path: a C-contiguous buffer of exactly the tensor's type and
+            # shape into a contiguous tensor: one memcpy, no numpy calls.
+            if g.ggml_is_contiguous(p) and PyObject_CheckBuffer(array):
+                if PyObject_GetBuffer(array, &src, PyBUF_RECORDS_RO) == 0:
+                    try:
+                        if _buffer_matches(&src, p):
+                            _copy_bytes(p.data, src.buf, g.ggml_nbytes(p))
+                            return
+                    finally:
+                        PyBuffer_Release(&src)
+            self._set_slow(array)
+        finally:
+            _unhold(held)
 
     def set_bytes(self, data, offset=0):
         """Write raw bytes (already in the tensor's type and layout) at byte ``offset``.
@@ -552,29 +579,34 @@ cdef class Tensor:
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer src
         cdef size_t off, n, total
-        self._ensure_op("set_bytes")
-        off = _index(offset, "set_bytes", "offset", _K_SIZE)
-        if not g.ggml_is_contiguous(p):
-            raise GGMLValueError("set_bytes: the tensor must be contiguous")
-        if self.readonly:
-            raise GGMLValueError("set_bytes: tensor is read-only")
-        if p.data == NULL:
-            raise GGMLValueError(f"set_bytes: tensor {p.name.decode(errors='replace')!r} has no memory")
-        total = g.ggml_nbytes(p)
-        PyObject_GetBuffer(data, &src, PyBUF_SIMPLE)
+        self._data("set_bytes")
+        held = _hold(self.ctx)
         try:
-            n = <size_t> src.len
-            if off > total or n > total - off:
-                raise GGMLValueError(f"set_bytes: {n} bytes at offset {off} do not fit a tensor of {total} bytes")
-            if n == 0:
-                return
-            if _device_tensor(p):
-                with nogil:
-                    g.ggml_backend_tensor_set(p, src.buf, off, n)
-            else:
-                _copy_bytes(<char *> p.data + off, src.buf, n)
+            off = _index(offset, "set_bytes", "offset", _K_SIZE)
+            if not g.ggml_is_contiguous(p):
+                raise GGMLValueError("set_bytes: the tensor must be contiguous")
+            if self.readonly:
+                raise GGMLValueError("set_bytes: tensor is read-only")
+            if p.data == NULL:
+                raise GGMLValueError(f"set_bytes: tensor {p.name.decode(errors='replace')!r} has no memory")
+            total = g.ggml_nbytes(p)
+            PyObject_GetBuffer(data, &src, PyBUF_SIMPLE)
+            try:
+                n = <size_t> src.len
+                if off > total or n > total - off:
+                    raise GGMLValueError(f"set_bytes: {n} bytes at offset {off} do not fit a tensor of {total} bytes")
+                if n == 0:
+                    return
+                if _device_tensor(p):
+                    with nogil:
+                        g.ggml_backend_tensor_set(p, src.buf, off, n)
+                    _rpc_check("set_bytes")
+                else:
+                    _copy_bytes(<char *> p.data + off, src.buf, n)
+            finally:
+                PyBuffer_Release(&src)
         finally:
-            PyBuffer_Release(&src)
+            _unhold(held)
 
     cdef int _set_slow(self, array) except -1:
         cdef g.ggml_tensor * p = self.ptr
@@ -587,6 +619,7 @@ cdef class Tensor:
             if not np.can_cast(arr.dtype, dt, "same_kind"):
                 raise GGMLTypeError(f"set: cannot cast {arr.dtype} to the tensor's {dt} (type "
                                     f"{g.ggml_type_name(p.type).decode()})")
+            _int_range(arr, dt, p)
             self.numpy()[...] = arr.reshape(self.shape)
             return 0
         if arr.dtype.kind not in "fiu":
@@ -652,6 +685,46 @@ _np_empty = np.empty
 
 
 cdef char _EMPTY = 0
+
+
+cdef int _int_range(object arr, object dt, g.ggml_tensor * p) except -1:
+    # numpy's same_kind cast wraps integers silently (2**40 into i32 became 0): check the values.
+    cdef object info
+    if arr.dtype.kind in "iub" and dt.kind in "iu" and arr.size and not np.can_cast(arr.dtype, dt, "safe"):
+        info = np.iinfo(dt)
+        lo, hi = arr.min(), arr.max()
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            raise GGMLValueError(f"set: value {int(bad)} does not fit the tensor's "
+                                 f"{g.ggml_type_name(p.type).decode()} (range {info.min}..{info.max})")
+    return 0
+
+
+cdef object _hold(_CtxBase ctx):
+    # Mark ctx and every context it reads as busy while data is copied (copies may release the GIL):
+    # another thread's free() or reset() then raises instead of pulling the memory away.
+    cdef _CtxBase c
+    if not ctx.deps:
+        ctx.busy += 1
+        return ctx
+    held = []
+    todo = [ctx]
+    while todo:
+        c = todo.pop()
+        if c not in held:
+            c.busy += 1
+            held.append(c)
+            todo.extend(c.deps)
+    return held
+
+
+cdef void _unhold(object held) noexcept:
+    cdef _CtxBase c
+    if isinstance(held, _CtxBase):
+        (<_CtxBase> held).busy -= 1
+        return
+    for c in held:
+        c.busy -= 1
 
 
 cdef inline void _copy_bytes(void * dst, const void * src, size_t n) noexcept:

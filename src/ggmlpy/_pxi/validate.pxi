@@ -109,6 +109,38 @@ cdef int _deps_alive(_CtxBase ctx, str op) except -1:
     return 0
 
 
+cdef int _allocs_live(_CtxBase c, str op) except -1:
+    """The graph allocators that gave c's tensors memory still hold it (not freed, buffers not replaced)."""
+    cdef _Allocator a
+    for a, epoch in c.allocs.items():
+        if a.dead:
+            raise ClosedError(f"{op}: the tensor's memory came from a {type(a).__name__} that has been freed")
+        if a.epoch != epoch:
+            raise ClosedError(f"{op}: the tensor's memory came from a {type(a).__name__} that has since replaced "
+                              f"its buffers with larger ones (a bigger graph was allocated); build the graph again, "
+                              f"or reserve the largest graph first so buffers never grow")
+    return 0
+
+
+cdef int _data_alive(_CtxBase ctx, str op) except -1:
+    """Before touching data: ctx's and its dependencies' allocator-given memory still exists."""
+    cdef _CtxBase c
+    if ctx.allocs:
+        _allocs_live(ctx, op)
+    if ctx.deps:
+        seen = set()
+        todo = list(ctx.deps)
+        while todo:
+            c = todo.pop()
+            if id(c) in seen:
+                continue
+            seen.add(id(c))
+            if c.allocs:
+                _allocs_live(c, op)
+            todo.extend(c.deps)
+    return 0
+
+
 cdef int _add_dep(_CtxBase ctx, Tensor t) except -1:
     # ctx's new tensor reads t, which lives in another context: remember that
     # context and its generation (a reset there would invalidate what ctx holds).
