@@ -563,10 +563,8 @@ def _check_sample(f, info, path: str) -> None:
         raw = f.read(rs)
         if len(raw) != rs:
             raise GGMLValueError(f"{path}: file ends inside tensor {info.name!r}")
-        if t == Type.F32:
-            v = np.frombuffer(raw, np.float32)
-        elif t == Type.F16:
-            v = np.frombuffer(raw, np.float16).astype(np.float32)
+        if t.numpy_dtype is not None:                 # F32, F16, F64
+            v = np.frombuffer(raw, t.numpy_dtype).astype(np.float64)
         elif t == Type.BF16:
             v = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
