@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -55,12 +56,18 @@ def test_extension_finds_ggml_in_its_own_folder():
             assert str(pkg) in line, line
 
 
-def test_only_pin_and_fetch_script_are_tracked():
+def test_only_pin_fetch_script_and_our_patches_are_tracked():
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     files = subprocess.run(["git", "ls-files", "vendor/ggml"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
-    assert sorted(files) == ["vendor/ggml/PIN", "vendor/ggml/fetch.py"]
+    patches = [f for f in files if f.startswith("vendor/ggml/patches/")]
+    assert sorted(set(files) - set(patches)) == ["vendor/ggml/PIN", "vendor/ggml/fetch.py"]
+    for f in patches:   # NNNN-what.patch, each with a header saying why before the diff
+        name = Path(f).name
+        assert name[:4].isdigit() and name[4] == "-" and name.endswith(".patch"), name
+        text = (ROOT / f).read_text()
+        assert text.index("Why:") < text.index("\n--- ") and "upstream" in text[:text.index("\n--- ")]
 
 
 def _load_fetch():
@@ -111,6 +118,50 @@ def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypat
     with pytest.raises(fetch.FetchError) as ei:
         fetch.fetch(dest2)
     assert "sha256 mismatch" in str(ei.value) and "GGMLPY_GGML_DIR" in str(ei.value)
+    assert not dest2.exists()
+
+
+PATCH_OK = """Header: why and what upstream does.
+
+--- a/include/ggml.h
++++ b/include/ggml.h
+@@ -1,2 +1,3 @@
+ /* one */
+-/* two */
++/* two, patched */
++/* three */
+"""
+
+
+def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_path, monkeypatch):
+    fetch = _load_fetch()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
+                           "pkg-1.0/ggml/include/ggml.h": b"/* one */\n/* two */\n"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    archive.write_bytes(buf.getvalue())
+    good = hashlib.sha256(archive.read_bytes()).hexdigest()
+    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\nsubfolder = ggml\n")
+    monkeypatch.setattr(fetch, "HERE", tmp_path)
+    monkeypatch.setattr(fetch, "download", lambda pin, into: Path(shutil.copy(archive, into)))
+    (tmp_path / "patches").mkdir()
+    (tmp_path / "patches/0001-first.patch").write_text(PATCH_OK)
+    # the second patch applies only on top of the first: order matters
+    (tmp_path / "patches/0002-second.patch").write_text(PATCH_OK.replace("-/* two */\n+/* two, patched */\n+/* three */",
+                                                                          " /* two, patched */\n-/* three */\n+/* 3 */"))
+    dest = tmp_path / "src"
+    fetch.fetch(dest)
+    assert (dest / "include/ggml.h").read_text() == "/* one */\n/* two, patched */\n/* 3 */\n"
+    assert fetch.fetch(dest) == dest                          # up to date: not fetched again
+    # A patch that does not apply stops the fetch, names itself, and leaves no tree.
+    (tmp_path / "patches/0003-stale.patch").write_text(PATCH_OK.replace("/* one */", "/* gone */"))
+    dest2 = tmp_path / "src2"
+    with pytest.raises(fetch.FetchError, match="0003-stale.patch does not apply: hunk 1 of include/ggml.h"):
+        fetch.fetch(dest2)
     assert not dest2.exists()
 
 

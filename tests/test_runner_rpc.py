@@ -65,3 +65,61 @@ def cpu_model_weights(path, name):
         info = rd.tensor_info(name)
         import ggmlpy as gp
         return gp.dequantize(rd.tensor_data(name).tobytes(), info.type, info.ne[0]).reshape(info.shape)
+
+
+RUNNER_KILL = r"""
+import socket, subprocess, sys, time
+import ggmlpy as gp
+from ggmlpy.models import load_model
+from ggmlpy.runner import Runner, RunnerError
+path = sys.argv[1]
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1", "--port", str(port),
+                         "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+ep = f"127.0.0.1:{port}"
+try:
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close(); break
+        except OSError:
+            time.sleep(0.1)
+    with load_model(path, devices="auto", rpc=[ep], n_gpu_layers=2) as model:
+        rt = Runner(model, n_ctx=512, type_k="f32", type_v="f32")
+        h = rt.submit([5, 17, 250, 3], max_tokens=480)
+        events = iter(h)
+        for _ in range(3):
+            next(events)                                  # generating now
+        proc.kill(); proc.wait()
+        try:
+            h.result(timeout=120)
+        except RunnerError as e:
+            cause = e.__cause__
+            assert isinstance(cause, ConnectionError) and isinstance(cause, gp.GGMLError), repr(cause)
+            assert ep in str(e), str(e)
+            print("request failed:", e)
+        else:
+            raise AssertionError("the request finished although its server died")
+        # a later request on the same runner ends with an error too, never hangs
+        try:
+            rt.generate([5, 17], max_tokens=4)
+        except (RunnerError, ConnectionError) as e:
+            assert ep in str(e), str(e)
+        else:
+            raise AssertionError("a request on a dead server succeeded")
+        rt.close()
+    with load_model(path) as model, Runner(model, n_ctx=32) as rt:      # the CPU keeps working
+        assert len(rt.generate([5, 17, 250], max_tokens=5).tokens) == 5
+finally:
+    proc.kill()
+print("survived")
+"""
+
+
+def test_server_killed_while_generating_fails_the_request(tmp_path):
+    # Fails on 076c683: the client process aborted in ggml's RPC client when the server died.
+    from helpers import run_child
+
+    path = export_gguf(hf_model("qwen2", layers=3, seed=21), tmp_path / "m.gguf", "qwen2")
+    out = run_child(RUNNER_KILL, path, timeout=300)
+    assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])

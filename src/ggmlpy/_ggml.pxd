@@ -589,6 +589,11 @@ cdef extern from "gguf.h" nogil:
 # compiles to stubs when ggml was built without GGML_RPC.
 cdef extern from "ggmlpy_rpc.h" nogil:
     bint GGMLPY_HAVE_RPC
+    bint GGMLPY_RPC_ERRORS
+    int RPC_PROTO_MAJOR_VERSION
+    int RPC_PROTO_MINOR_VERSION
+    void ggml_backend_rpc_set_timeout_ms(uint32_t timeout_ms)
+    int ggml_backend_rpc_take_error(char * endpoint, size_t endpoint_size)
     ggml_backend_reg * ggml_backend_rpc_add_server(const char * endpoint)
     void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
                                        size_t n_devices, ggml_backend_dev_t * devices)

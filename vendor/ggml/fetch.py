@@ -1,9 +1,12 @@
 """Fetch ggml's source for the build from the pinned registry package.
 
 Reads ``PIN`` beside this file (package, version, sha256, subfolder), downloads
-that sdist with pip, checks its sha256 and extracts only ``subfolder/`` into
-``src/`` beside this file. Run by CMake when ``src/CMakeLists.txt`` is missing;
-run it by hand to refresh the tree::
+that sdist with pip, checks its sha256, extracts only ``subfolder/``, applies
+our patches (``patches/NNNN-*.patch`` beside this file, in name order; each
+says in its header why it exists) and moves the result into ``src/`` beside
+this file. A patch that does not apply stops the fetch and leaves no tree.
+Run by CMake when ``src/CMakeLists.txt`` is missing; run it by hand to refresh
+the tree (it also refetches when ``src/`` was patched with another set)::
 
     python vendor/ggml/fetch.py [--force] [--dest DIR]
 
@@ -31,6 +34,9 @@ WAY_OUT = (
     "pip install . -C cmake.define.GGMLPY_GGML_DIR=/path/to/ggml "
     "(or CMAKE_ARGS=-DGGMLPY_GGML_DIR=/path/to/ggml)."
 )
+
+
+STAMP = ".ggmlpy-patches"   # in the extracted tree: the sha256 of each patch applied
 
 
 class FetchError(RuntimeError):
@@ -84,7 +90,91 @@ def download(pin: dict[str, str], into: Path) -> Path:
     return files[0]
 
 
-def extract(archive: Path, subfolder: str, dest: Path) -> None:
+def patch_files(patch_dir: Path) -> list[Path]:
+    return sorted(patch_dir.glob("*.patch")) if patch_dir.is_dir() else []
+
+
+def patch_stamp(patches: list[Path]) -> str:
+    return "".join(f"{sha256_of(p)}  {p.name}\n" for p in patches)
+
+
+def _parse_patch(text: str, name: str) -> list[tuple[str, list[tuple[int, list[str], list[str]]]]]:
+    # A unified diff (diff -ru / git diff): text before the first '--- ' line
+    # is the header. Returns [(path, [(old_start, old_lines, new_lines)])].
+    files: list = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+            path = lines[i + 1][4:].split("\t")[0].strip()
+            path = path.split("/", 1)[1] if path.startswith("b/") else path
+            files.append((path, []))
+            i += 2
+            continue
+        if line.startswith("@@ "):
+            if not files:
+                raise FetchError(f"{name}: a hunk before any file header")
+            try:
+                old_start = int(line.split()[1][1:].split(",")[0])
+            except (IndexError, ValueError):
+                raise FetchError(f"{name}: malformed hunk header {line!r}") from None
+            old: list[str] = []
+            new: list[str] = []
+            i += 1
+            while i < len(lines) and lines[i][:1] in (" ", "-", "+", "\\", ""):
+                body = lines[i]
+                if body.startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+                    break
+                tag, rest = (body[:1] or " "), body[1:]
+                if tag in (" ", "-"):
+                    old.append(rest)
+                if tag in (" ", "+"):
+                    new.append(rest)
+                i += 1
+            files[-1][1].append((old_start, old, new))
+            continue
+        i += 1
+    if not files:
+        raise FetchError(f"{name}: no file changes found (not a unified diff?)")
+    return files
+
+
+def apply_patch(patch: Path, root: Path) -> None:
+    """Apply one unified diff to the tree at ``root``; raise FetchError, changing nothing, if any hunk fails."""
+    out: dict[Path, list[str]] = {}
+    for rel, hunks in _parse_patch(patch.read_text(), patch.name):
+        target = root / rel
+        if ".." in Path(rel).parts or not target.is_file():
+            raise FetchError(f"{patch.name}: {rel} is not a file of the ggml tree")
+        text = target.read_text()
+        lines = out.get(target) or text.splitlines()
+        offset = 0
+        for k, (start, old, new) in enumerate(hunks, 1):
+            at = start - 1 + offset
+            if lines[at:at + len(old)] != old:
+                # ggml moved the lines: accept one exact match anywhere else, never a guess.
+                hits = [j for j in range(len(lines) - len(old) + 1) if lines[j:j + len(old)] == old]
+                if len(hits) != 1:
+                    raise FetchError(
+                        f"{patch.name} does not apply: hunk {k} of {rel} (at line {start}) "
+                        f"{'matches nowhere' if not hits else f'matches {len(hits)} places'} in this ggml. "
+                        f"Port the patch to the pinned ggml (vendor/ggml/PIN) or drop it.")
+                at = hits[0]
+            lines[at:at + len(old)] = new
+            offset = at + len(new) - (start - 1) - len(old)
+        out[target] = lines
+    for target, lines in out.items():
+        target.write_text("\n".join(lines) + "\n")
+
+
+def apply_patches(root: Path, patches: list[Path]) -> None:
+    for p in patches:
+        apply_patch(p, root)
+    (root / STAMP).write_text(patch_stamp(patches))
+
+
+def extract(archive: Path, subfolder: str, dest: Path, patches: list[Path] = ()) -> None:
     staging = Path(tempfile.mkdtemp(prefix="ggml-src-", dir=dest.parent))
     try:
         if archive.name.endswith((".tar.gz", ".tgz")):
@@ -100,6 +190,7 @@ def extract(archive: Path, subfolder: str, dest: Path) -> None:
         roots = list(staging.iterdir())
         if len(roots) != 1 or not (roots[0] / subfolder / "CMakeLists.txt").is_file():
             raise FetchError(f"{archive.name} has no {subfolder}/CMakeLists.txt")
+        apply_patches(roots[0] / subfolder, list(patches))
         if dest.exists():
             shutil.rmtree(dest)
         # Rename is atomic: a build that dies half-way never leaves a partial tree.
@@ -115,7 +206,10 @@ def _inside(name: str, subfolder: str) -> bool:
 
 def fetch(dest: Path, force: bool = False) -> Path:
     pin = read_pin(HERE / "PIN")
-    if (dest / "CMakeLists.txt").is_file() and not force:
+    patches = patch_files(HERE / "patches")
+    stamp = dest / STAMP
+    if ((dest / "CMakeLists.txt").is_file() and not force
+            and stamp.is_file() and stamp.read_text() == patch_stamp(patches)):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ggml-dl-") as tmp:
@@ -126,7 +220,7 @@ def fetch(dest: Path, force: bool = False) -> Path:
                 f"sha256 mismatch for {archive.name}: got {got}, "
                 f"pinned {pin['sha256']}. Refusing to build from it.\n{WAY_OUT}"
             )
-        extract(archive, pin["subfolder"], dest)
+        extract(archive, pin["subfolder"], dest, patches)
     return dest
 
 

@@ -1,0 +1,334 @@
+"""RPC endpoints that are not healthy ggml servers: foreign protocols, servers that close, stall or die
+mid-compute. Each case runs in a child process (ggml's unpatched client aborts the interpreter or hangs
+in them) against fake servers (Python threads) or real ``ggmlpy rpc-server`` processes on 127.0.0.1,
+which the child kills before it ends. Expected everywhere: RPCError (a ConnectionError) or
+RPCTimeoutError (a TimeoutError), both GGMLErrors naming ``host:port``, and the process goes on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import rss_mib, run_child
+
+import ggmlpy as gp
+
+pytestmark = pytest.mark.rpc
+
+# Shared by the children: fake servers and a real server, all on loopback, all stopped by the child.
+PRELUDE = r'''
+import os, signal, socket, struct, subprocess, sys, threading, time
+import numpy as np
+import ggmlpy as gp
+
+HELLO_REPLY = struct.pack("<Q", 28) + bytes([5, 0, 0, 0]) + bytes(24)   # protocol 5.0.0, plain TCP
+
+def fake_server(mode):
+    """A TCP server on a free loopback port that speaks something else than ggml RPC."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    held = []
+
+    def serve(c):
+        try:
+            if mode == "close":
+                c.close(); return
+            if mode == "garbage":
+                c.sendall(b"\xff" * 64); return
+            if mode == "echo":
+                while True:
+                    d = c.recv(4096)
+                    if not d: return
+                    c.sendall(d)
+            if mode == "silent":
+                return                                   # accepts, never answers
+            c.recv(33)                                   # the HELLO request
+            if mode == "version":
+                c.sendall(struct.pack("<Q", 28) + bytes([9, 0, 0, 0]) + bytes(24)); return
+            if mode == "half":
+                c.sendall(struct.pack("<Q", 28) + bytes([5, 0])); return
+            # the rest pass HELLO (so ggml's own client meets the fault) and misbehave on the next command
+            c.sendall(HELLO_REPLY)
+            if not c.recv(9): return
+            if mode == "then-close":
+                c.close()
+            elif mode == "then-garbage":
+                c.sendall(b"\xff" * 64)
+            elif mode == "then-wrong-size":
+                c.sendall(struct.pack("<Q", 3) + b"abc")
+            elif mode == "then-half":
+                c.sendall(struct.pack("<Q", 4) + b"\x01")
+            # then-silent: say nothing more
+        except OSError:
+            pass
+
+    def accept():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            held.append(c)
+            threading.Thread(target=serve, args=(c,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return f"127.0.0.1:{srv.getsockname()[1]}", srv
+
+def real_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
+                             "--port", str(port), "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close(); break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill(); raise SystemExit("rpc-server did not start")
+    return f"127.0.0.1:{port}", proc
+
+def cpu_still_works():
+    ctx = gp.Context(1 << 20)
+    y = ctx.scale(ctx.from_numpy(np.arange(4, dtype=np.float32)), 2.0)
+    gf = ctx.new_graph(); gf.build_forward_expand(y); gf.compute(1)
+    assert y.numpy().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+def expect_rpc_error(fn, endpoint, timeout=False):
+    try:
+        fn()
+    except gp.GGMLError as e:
+        assert isinstance(e, ConnectionError), type(e)
+        assert timeout is None or isinstance(e, TimeoutError) == timeout, (type(e), str(e))
+        assert endpoint in str(e) and e.endpoint == endpoint, (str(e), e.endpoint)
+        return e
+    raise AssertionError(f"{fn} did not raise")
+'''
+
+
+def _run(body: str, timeout: float = 120):
+    out = run_child(PRELUDE + body, timeout=timeout)
+    assert out.returncode == 0 and "survived" in out.stdout, (out.returncode, out.stdout[-2000:], out.stderr[-3000:])
+    return out
+
+
+@pytest.mark.parametrize("mode", ["close", "garbage", "version", "half", "echo", "silent"])
+def test_add_server_to_a_foreign_endpoint_raises(mode):
+    # Fails on 076c683: every mode aborted the interpreter ("silent" hung in ggml's handshake).
+    out = _run(f'''
+ep, srv = fake_server("{mode}")
+t = time.monotonic()
+e = expect_rpc_error(lambda: gp.rpc_add_server(ep, timeout=2.0), ep, timeout={mode in ("half", "silent")})
+assert time.monotonic() - t < 30
+print(type(e).__name__, e)
+assert not any(d.endpoint == ep for d in gp.devices())
+cpu_still_works()
+srv.close()
+print("survived")
+''')
+    if mode == "version":
+        assert "9.0.0" in out.stdout                            # says what the server speaks
+
+
+@pytest.mark.parametrize("mode", ["then-close", "then-garbage", "then-wrong-size", "then-half", "then-silent"])
+def test_failures_inside_ggml_client_raise(mode):
+    # These pass our HELLO check, so the fault reaches ggml's own client (the patch's error paths):
+    # an abort or (then-silent, then-half) an endless wait without it.
+    _run(f'''
+gp.rpc_set_timeout(2)
+ep, srv = fake_server("{mode}")
+e = expect_rpc_error(lambda: gp.rpc_add_server(ep, timeout=2.0), ep, timeout={mode in ("then-half", "then-silent")})
+print(type(e).__name__, e)
+cpu_still_works()
+srv.close()
+print("survived")
+''')
+
+
+SPLIT_MODEL = r'''
+ep, proc = real_server()
+try:
+    dev = gp.rpc_add_server(ep)[0]
+    be = dev.init(); cpu = gp.backend_init("CPU")
+    N = 512
+    wctx = gp.Context.for_tensors(2, no_alloc=True)
+    w = wctx.new_tensor(gp.Type.F32, (N, N))
+    buf = gp.alloc_ctx_tensors(wctx, be); buf.usage = gp.BufferUsage.WEIGHTS
+    w.set(np.eye(N, dtype=np.float32))
+    ctx = gp.Context.for_tensors(64, graph_size=64, no_alloc=True)
+    x = ctx.new_tensor(gp.Type.F32, (N, N)).set_input()
+    y = x
+    for _ in range(12):                                  # long enough to kill or stop the server in the middle
+        y = ctx.mul_mat(w, y)
+    y.set_output()
+    gf = ctx.new_graph(64); gf.build_forward_expand(y)
+    s = gp.Scheduler([be, cpu], graph_size=256); s.reserve(gf); s.alloc_graph(gf)
+    X = np.random.default_rng(0).standard_normal((N, N)).astype(np.float32)
+    x.set(X); s.compute(gf)
+    np.testing.assert_allclose(y.get(), X, rtol=1e-5, atol=1e-5)
+
+    def compute_and_read():
+        s.compute(gf)
+        return y.get()
+'''
+
+
+def test_server_killed_during_compute_raises_and_the_process_goes_on():
+    # Fails on 076c683: the client aborted in the RPC call that met the dead server.
+    _run(SPLIT_MODEL + r'''
+    threading.Timer(0.05, proc.kill).start()
+    try:
+        for _ in range(200):                             # bounded: the kill lands during one of these
+            compute_and_read()
+    except gp.GGMLError as e:
+        assert isinstance(e, ConnectionError) and ep in str(e) and e.endpoint == ep, (type(e), e)
+        print("raised", type(e).__name__, e)
+    else:
+        raise AssertionError("no error while the server was killed")
+    proc.wait()
+    expect_rpc_error(compute_and_read, ep)               # stays an error, fast (broken socket, refused reconnect)
+    expect_rpc_error(lambda: w.set(np.ones((N, N), np.float32)), ep)
+    expect_rpc_error(dev.memory, ep)
+    cpu_still_works()
+    del s, gf, y, x, ctx, w, wctx, buf, be                 # frees on the dead server: quiet
+    import gc; gc.collect()
+    cpu_still_works()
+finally:
+    proc.kill()
+print("survived")
+''')
+
+
+def test_a_restarted_server_is_usable_again():
+    # After a server died and came back on its port, new buffers on its device work (ggml reconnects).
+    _run(SPLIT_MODEL + r'''
+    proc.kill(); proc.wait()
+    expect_rpc_error(compute_and_read, ep)
+    port = int(ep.rsplit(":", 1)[1])
+    proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
+                             "--port", str(port), "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close(); break
+        except OSError:
+            time.sleep(0.1)
+    assert gp.rpc_add_server(ep) == [dev]
+    c2 = gp.Context.for_tensors(1, no_alloc=True)
+    t = c2.new_tensor(gp.Type.F32, (8,))
+    b2 = gp.alloc_ctx_tensors(c2, dev.buffer_type())
+    t.set(np.arange(8, dtype=np.float32))
+    assert t.get().tolist() == list(range(8))
+finally:
+    proc.kill()
+print("survived")
+''')
+
+
+def test_stalled_server_times_out():
+    # A server that stops answering mid-compute (SIGSTOP): bounded by rpc_set_timeout, then
+    # RPCTimeoutError. Fails on 076c683: no timeout at all, the client waited forever.
+    _run(r'''
+gp.rpc_set_timeout(3)
+''' + SPLIT_MODEL + r'''
+    t = time.monotonic()
+    threading.Timer(0.05, os.kill, (proc.pid, signal.SIGSTOP)).start()
+    try:
+        for _ in range(200):
+            compute_and_read()
+    except gp.GGMLError as e:
+        assert isinstance(e, TimeoutError) and isinstance(e, ConnectionError) and e.endpoint == ep, (type(e), e)
+        assert "3 s" in str(e) and "rpc_set_timeout" in str(e), str(e)
+        print("raised", type(e).__name__, e)
+    else:
+        raise AssertionError("no error while the server was stopped")
+    assert time.monotonic() - t < 60
+    expect_rpc_error(compute_and_read, ep, timeout=None)    # still an error (refused or timed out), bounded
+    cpu_still_works()
+    del s, gf, y, x, ctx, w, wctx, buf, be
+    cpu_still_works()
+finally:
+    proc.kill()
+print("survived")
+''', timeout=180)
+
+
+def test_timeout_setting():
+    before = gp.rpc_get_timeout()
+    try:
+        assert before == float(os.environ.get("GGMLPY_RPC_TIMEOUT") or gp._core.RPC_DEFAULT_TIMEOUT)
+        gp.rpc_set_timeout(None)
+        assert gp.rpc_get_timeout() == 0.0
+        gp.rpc_set_timeout(1.5)
+        assert gp.rpc_get_timeout() == 1.5
+        for bad in (-1, float("inf"), float("nan"), 1e9):
+            with pytest.raises(gp.GGMLValueError, match="rpc_set_timeout"):
+                gp.rpc_set_timeout(bad)
+        assert gp.rpc_get_timeout() == 1.5
+    finally:
+        gp.rpc_set_timeout(before)
+    out = run_child("import ggmlpy; print(ggmlpy.rpc_get_timeout())", timeout=60)
+    assert out.stdout.split()[-1] == str(float(os.environ.get("GGMLPY_RPC_TIMEOUT") or 300.0))
+
+
+def _proc_rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    raise RuntimeError("no VmRSS")
+
+
+@pytest.fixture
+def fresh_rpc_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
+                             "--port", str(port), "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("rpc-server did not start")
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_rpc_buffers_alloc_free_loop_gives_memory_back(fresh_rpc_server):
+    # Fails on b9826bb (every Buffer.free skipped: client and server kept all of it) and on 076c683
+    # (the TCP probe guarding each free fills the busy server's accept queue, then reads "gone" and
+    # skips the free).
+    ep, proc = fresh_rpc_server
+    dev = gp.rpc_add_server(ep)[0]
+    bt = dev.buffer_type()
+    size = 64 << 20
+
+    def one():
+        b = bt.alloc_buffer(size)
+        b.clear(1)                                        # the server touches every page
+        b.free()
+
+    one()
+    base = _proc_rss_mib(proc.pid)
+    b = bt.alloc_buffer(size)
+    b.clear(1)
+    held = _proc_rss_mib(proc.pid)
+    b.free()
+    del b
+    assert held - base > 48, (base, held)                 # the server's RSS does show a live buffer
+    client_before = rss_mib()
+    for _ in range(12):
+        one()
+    assert rss_mib() - client_before < 8
+    assert _proc_rss_mib(proc.pid) - base < 24, (base, _proc_rss_mib(proc.pid))   # 12 x 64 MiB given back
