@@ -86,6 +86,7 @@ cdef class Device:
         """Capabilities: async, host_buffer, buffer_from_host_ptr, events, mmap_support."""
         cdef g.ggml_backend_dev_props props
         g.ggml_backend_dev_get_props(self.ptr, &props)
+        _rpc_discard()      # an RPC device's props also ask for its memory; not what was asked here
         return {"async": props.caps.async_, "host_buffer": props.caps.host_buffer,
                 "buffer_from_host_ptr": props.caps.buffer_from_host_ptr, "events": props.caps.events,
                 "mmap_support": props.caps.mmap_support}
@@ -95,6 +96,7 @@ cdef class Device:
         """PCI bus id (GPUs) or None."""
         cdef g.ggml_backend_dev_props props
         g.ggml_backend_dev_get_props(self.ptr, &props)
+        _rpc_discard()
         return None if props.device_id == NULL else props.device_id.decode()
 
     def buffer_type(self):
@@ -137,7 +139,10 @@ cdef class Device:
         return hash(<uintptr_t> self.ptr)
 
     def __repr__(self):
-        free_b, total_b = self.memory()
+        try:
+            free_b, total_b = self.memory()
+        except RPCError:
+            return f"<ggmlpy.Device {self.name} ({self.type}) {self.description!r} unreachable>"
         return (f"<ggmlpy.Device {self.name} ({self.type}) {self.description!r} "
                 f"{_fmt_bytes(free_b)} free of {_fmt_bytes(total_b)}>")
 
