@@ -92,7 +92,7 @@ class Header:
             self.tinfos.append((name, data[start:pos]))
         self.header_end = pos
         self.alignment = 32
-        for key, t, chunk, vo in self.kvs:
+        for key, _t, chunk, vo in self.kvs:
             if key == "general.alignment":
                 self.alignment = struct.unpack_from("<I", chunk, vo)[0]
         self.data_start = pos + (-pos % self.alignment)

@@ -711,6 +711,7 @@ cdef class Gallocr(_Allocator):
             self.epoch += 1           # the old buffer is gone
         if not ok:
             self.poisoned = True
+            _rpc_check("gallocr_reserve", self.bt.endpoint)
             raise GGMLMemoryError(f"gallocr_reserve: could not allocate the compute buffer of {self.bt.name}")
 
     def alloc_graph(self, Graph graph not None):
@@ -739,6 +740,7 @@ cdef class Gallocr(_Allocator):
             self.epoch += 1
         if not ok:
             self.poisoned = True
+            _rpc_check("gallocr_alloc_graph", self.bt.endpoint)
             raise GGMLMemoryError(f"gallocr_alloc_graph: could not allocate the graph in {self.bt.name}")
         self._stamp(graph, mask)
 

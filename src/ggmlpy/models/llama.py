@@ -32,7 +32,15 @@ import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, Graph, RopeType, Tensor, Type
 from ggmlpy.backend import MemoryReport, Placement, Weights, choose_devices, split_layers
-from ggmlpy.gguf import _REQUIRED, GGUFError, MetadataError, MetadataTypeError, meta_float, meta_int, meta_str
+from ggmlpy.gguf import (
+    _REQUIRED,
+    GGUFError,
+    MetadataError,
+    MetadataTypeError,
+    meta_float,
+    meta_int,
+    meta_str,
+)
 
 __all__ = ["ARCHITECTURES", "BuiltGraph", "LlamaConfig", "LlamaModel", "MissingTensor", "UnknownArchitecture",
            "load_model"]
