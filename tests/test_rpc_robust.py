@@ -194,6 +194,11 @@ def test_server_killed_during_compute_raises_and_the_process_goes_on():
     expect_rpc_error(compute_and_read, ep)               # stays an error, fast (broken socket, refused reconnect)
     expect_rpc_error(lambda: w.set(np.ones((N, N), np.float32)), ep)
     expect_rpc_error(dev.memory, ep)
+    expect_rpc_error(lambda: dev.buffer_type().alloc_buffer(1 << 20), ep)      # not a MemoryError
+    g2ctx = gp.Context.for_tensors(4, graph_size=16, no_alloc=True)
+    y2 = g2ctx.scale(g2ctx.new_tensor(gp.Type.F32, (N,)), 2.0)
+    g2 = g2ctx.new_graph(16); g2.build_forward_expand(y2)
+    expect_rpc_error(lambda: gp.Gallocr(dev.buffer_type()).reserve(g2), ep)
     assert "unreachable" in repr(dev) and dev.caps["mmap_support"]      # no error from either
     cpu_still_works()
     del s, gf, y, x, ctx, w, wctx, buf, be                 # frees on the dead server: quiet
