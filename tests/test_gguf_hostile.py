@@ -279,3 +279,15 @@ def test_tensor_data_copy_survives_truncation(base, tmp_path):
     r.close()
     with pytest.raises(GGUFError, match="closed"):
         r.tensor_data(name, copy=True)
+
+
+def test_check_tensors_finds_a_nan_in_any_row(edit):
+    """A NaN in a row the sample skips loads by default (documented); check_tensors finds it and names the row."""
+    def fn(h):
+        f = h.tinfo_fields(h.tensor_index("token_embd.weight"))
+        at = h.data_start + f["offset"] + 2 * (64 * 100 + 5)        # row 100, column 5 of 512 rows
+        return h.data[:at] + struct.pack("<H", 0x7E00) + h.data[at + 2:]
+    path = edit(fn)
+    load_model(path).close()
+    with pytest.raises(GGUFError, match=r"'token_embd.weight' \(F16\) holds non-finite values .* row 100, column 5"):
+        load_model(path, check_tensors=True)

@@ -356,7 +356,7 @@ class LlamaModel:
                                 f"{'/'.join(t.name for t in types)}")
         self.weights.add(name, info.type, ne, group)
 
-    def load(self, progress: Optional[Callable[[int, int], None]] = None) -> None:
+    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False) -> None:
         """Read every tensor's data from the file into its buffer.
 
         Host tensors are filled with ``readinto`` straight into their memory
@@ -368,12 +368,14 @@ class LlamaModel:
         magnitudes some model could have (see :func:`_check_sample`): data of
         another type re-labelled (F16 as BF16 has the same size, so the file's
         layout cannot show it) or NaN/inf weights are an error, not garbage
-        output.
+        output. ``check_tensors=True`` checks every row for non-finite values
+        too (as llama.cpp's ``--check-tensors``; it decodes the whole model, so
+        it costs about one more pass over the data).
 
         Raises
         ------
         GGUFError
-            Implausible data (names the tensor and what was found).
+            Implausible or non-finite data (names the tensor, and the row with ``check_tensors``).
         GGMLValueError, MissingTensor
             The file ends inside a tensor, or a tensor's size disagrees with its type and shape.
         """
@@ -387,6 +389,7 @@ class LlamaModel:
                     raise MissingTensor(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, expected {t.nbytes}")
                 _check_sample(f, info, self.path)
                 f.seek(info.offset)
+                rs = info.type.row_size(info.ne[0]) or 1
                 if t.is_host:
                     dst = memoryview(t.numpy()).cast("B")
                     pos = 0
@@ -397,15 +400,22 @@ class LlamaModel:
                         pos += n
                         if progress is not None:
                             progress(done + pos, total)
+                    if check_tensors:
+                        step = max(rs, chunk // rs * rs)
+                        for at in range(0, t.nbytes, step):
+                            _check_finite(dst[at:at + step], info, at // rs, self.path)
                     del dst
                 else:
-                    buf = bytearray(min(chunk, t.nbytes))
+                    step = max(rs, chunk // rs * rs)        # whole rows, so each piece can be checked
+                    buf = bytearray(min(step, t.nbytes))
                     pos = 0
                     while pos < t.nbytes:
-                        view = memoryview(buf)[:min(chunk, t.nbytes - pos)]
+                        view = memoryview(buf)[:min(step, t.nbytes - pos)]
                         n = f.readinto(view)
                         if n != len(view):
                             raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
+                        if check_tensors:
+                            _check_finite(view, info, pos // rs, self.path)
                         t.set_bytes(view, pos)
                         pos += n
                         if progress is not None:
@@ -547,6 +557,31 @@ _PLAUSIBLE_MAGNITUDE = (1e-8, 1e8)
 _SAMPLE_ROWS = 4
 
 
+def _decode(raw, t: Type, ne0: int) -> np.ndarray:
+    """Whole rows of type ``t`` as a flat float array."""
+    if t.numpy_dtype is not None:                 # F32, F16, F64
+        return np.frombuffer(raw, t.numpy_dtype)
+    if t == Type.BF16:
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    from ggmlpy import dequantize
+
+    return dequantize(raw, t, ne0).reshape(-1)
+
+
+def _check_finite(raw, info, first_row: int, path: str) -> None:
+    """Every value of the whole rows in ``raw`` (starting at row ``first_row`` of ``info``) is finite."""
+    t = info.type
+    if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
+        return
+    ne0 = info.ne[0]
+    v = _decode(raw, t, ne0)
+    bad = np.flatnonzero(~np.isfinite(v))
+    if bad.size:
+        raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({bad.size} in rows "
+                        f"from {first_row}; the first at row {first_row + bad[0] // ne0}, column {bad[0] % ne0}: "
+                        f"{v[bad[0]]}): the data is corrupt")
+
+
 def _check_sample(f, info, path: str) -> None:
     """Decode a few rows of tensor ``info`` from the open file ``f`` and check they are plausible weights.
 
@@ -554,8 +589,6 @@ def _check_sample(f, info, path: str) -> None:
     output into garbage), and the median magnitude of the non-zero values lies in ``_PLAUSIBLE_MAGNITUDE``.
     Integer tensors are not checked. Rows: the first, the last and some between (cheap: a few KiB each).
     """
-    from ggmlpy import dequantize
-
     t = info.type
     if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
         return
@@ -571,14 +604,8 @@ def _check_sample(f, info, path: str) -> None:
         raw = f.read(rs)
         if len(raw) != rs:
             raise GGMLValueError(f"{path}: file ends inside tensor {info.name!r}")
-        if t.numpy_dtype is not None:                 # F32, F16, F64
-            v = np.frombuffer(raw, t.numpy_dtype).astype(np.float64)
-        elif t == Type.BF16:
-            v = (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-        else:
-            v = dequantize(raw, t, ne0).reshape(-1)
-        vals.append(v)
-    v = np.concatenate(vals)
+        vals.append(_decode(raw, t, ne0))
+    v = np.concatenate(vals).astype(np.float64)
     bad = ~np.isfinite(v)
     if bad.any():
         raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({int(bad.sum())} of "
@@ -645,7 +672,7 @@ def _config(reader, path: str) -> LlamaConfig:
 
 def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
-               load: bool = True) -> LlamaModel:
+               load: bool = True, check_tensors: bool = False) -> LlamaModel:
     """Open a GGUF file, place and allocate its weights, and load them.
 
     Parameters
@@ -656,11 +683,18 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     progress : ``progress(done_bytes, total_bytes)`` while loading (e.g. ``backend.ProgressBar()``)
     rpc : RPC server endpoints to add
     load : False to stop after allocation (the memory report is then available; call ``model.load()``)
+    check_tensors : check every weight for NaN/inf while loading (a few rows of each are always checked)
 
     Raises
     ------
     FileNotFoundError, ggmlpy.gguf.GGUFError
-        No file, or not a valid GGUF file.
+        No file, or not a valid GGUF file: a corrupt header, a tensor table that does not tile the
+        file, a tensor the hyperparameters leave unused, weights that are not finite or do not look
+        like their type.
+    ggmlpy.gguf.MetadataError, ggmlpy.gguf.MetadataTypeError
+        A hyperparameter missing, out of range, not finite, of the wrong type, or contradicting the
+        file's tensors (``block_count`` vs. the ``blk.N`` layers present, sizes vs. shapes); the
+        message names the key and the file. Checked before anything is sized from it.
     UnknownArchitecture, MissingTensor, GGMLValueError
         The file is not a llama-family model this module can build.
     GGMLMemoryError
@@ -679,7 +713,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         raise
     if load:
         try:
-            model.load(progress)
+            model.load(progress, check_tensors)
         except BaseException:
             model.close()
             raise
