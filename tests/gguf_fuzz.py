@@ -27,7 +27,7 @@ a case that makes no progress for ``--case-timeout`` seconds (20) is a hang.
 
 Usage::
 
-    python tests/gguf_fuzz.py --cases 10000 --jobs 2            # the long run (about 10 minutes on 2 cores)
+    python tests/gguf_fuzz.py --cases 10000 --jobs 2            # the long run (about 2 minutes on 2 cores)
     python tests/gguf_fuzz.py --cases 300 --seed 7              # a sample
     python tests/gguf_fuzz.py --write-case 123 --seed 7 --out case.gguf   # reproduce one case
 

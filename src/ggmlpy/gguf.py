@@ -183,9 +183,9 @@ def meta_int(md: Any, key: str, default: Any = _REQUIRED, *, lo: int | None = No
     MetadataTypeError
         Not an integer (bools, floats and strings are refused, not converted).
     """
+    if key not in md and default is not _REQUIRED:
+        return default
     v = _meta_raw(md, key, default, path, per_layer)
-    if v is default and key not in md:
-        return v
     if not _is_int(v):
         raise MetadataTypeError(path, key, f"expected an integer, got {_type_name_of(v)} {v!r:.80}")
     v = int(v)
@@ -202,9 +202,9 @@ def meta_float(md: Any, key: str, default: Any = _REQUIRED, *, lo: float | None 
     As :func:`meta_int`; NaN and infinities are always refused, ``lo_open``
     makes the lower bound exclusive (``lo=0, lo_open=True``: strictly positive).
     """
+    if key not in md and default is not _REQUIRED:
+        return default
     v = _meta_raw(md, key, default, path, per_layer)
-    if v is default and key not in md:
-        return v
     if not (_is_int(v) or _is_float(v)):
         raise MetadataTypeError(path, key, f"expected a number, got {_type_name_of(v)} {v!r:.80}")
     v = float(v)
@@ -218,9 +218,9 @@ def meta_float(md: Any, key: str, default: Any = _REQUIRED, *, lo: float | None 
 
 def meta_str(md: Any, key: str, default: Any = _REQUIRED, *, path: str = "") -> Any:
     """String metadata value ``md[key]``; :class:`MetadataTypeError` if it is not a string."""
+    if key not in md and default is not _REQUIRED:
+        return default
     v = _meta_raw(md, key, default, path, False)
-    if v is default and key not in md:
-        return v
     if not isinstance(v, str):
         raise MetadataTypeError(path, key, f"expected a string, got {_type_name_of(v)} {v!r:.80}")
     return v
