@@ -152,7 +152,7 @@ def test_submit_racing_close_every_request_ends(model, pipeline):
         accepted, outcome = [], {}
         go = threading.Event()
 
-        def submitter(k):
+        def submitter(k, rt=rt, accepted=accepted, outcome=outcome, go=go):
             go.wait()
             for j in range(200):
                 try:
@@ -194,7 +194,7 @@ def test_random_interleavings_of_submit_cancel_close(model, ops, close_at, pipel
     step = threading.Condition()
 
     def program(part):
-        for i, (op, arg) in enumerate(part):
+        for op, arg in part:
             try:
                 if op == "submit":
                     h = rt.submit([1 + arg, 2 + arg], max_tokens=1 + arg % 5)

@@ -43,8 +43,17 @@ from typing import Optional
 
 import numpy as np
 
-from ._core import (Context, GGMLError, GGMLMemoryError, GGMLTypeError, GGMLValueError, Tensor,
-                    Type, graph_overhead, tensor_overhead)
+from ._core import (
+    Context,
+    GGMLError,
+    GGMLMemoryError,
+    GGMLTypeError,
+    GGMLValueError,
+    Tensor,
+    Type,
+    graph_overhead,
+    tensor_overhead,
+)
 
 __all__ = ["CacheStateError", "Causal", "Cells", "Encoder", "EncoderPlan", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported",
            "Wrapper", "WrapperPlan"]

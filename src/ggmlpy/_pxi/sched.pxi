@@ -528,7 +528,19 @@ def rpc_get_timeout():
     return _rpc_timeout
 
 
-rpc_set_timeout(os.environ.get("GGMLPY_RPC_TIMEOUT") or RPC_DEFAULT_TIMEOUT)
+def _rpc_timeout_from_env():
+    text = os.environ.get("GGMLPY_RPC_TIMEOUT")
+    if text:
+        try:
+            rpc_set_timeout(float(text))
+            return
+        except (ValueError, GGMLValueError):
+            _log.warning("GGMLPY_RPC_TIMEOUT=%r is not a number of seconds in [0, 4.2e6]; using %g s",
+                         text, RPC_DEFAULT_TIMEOUT)
+    rpc_set_timeout(RPC_DEFAULT_TIMEOUT)
+
+
+_rpc_timeout_from_env()
 
 
 cdef int _rpc_check(str op, object endpoint=None) except -1:
