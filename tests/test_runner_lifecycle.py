@@ -342,7 +342,8 @@ def test_huge_context_fails_early_with_a_memory_report(model, monkeypatch):
     assert rep is model.report and "memory [MiB]" in str(ei.value)
     # the same runner with a context that fits starts, and estimates what it needs
     with Runner(model, n_ctx=256, n_ubatch=64) as rt:
-        assert 64 * 256 * 12 <= rt.host_bytes() < 64 * 256 * 12 + 2 * 256 * 8
+        kv = 2 * 256 * 2 * 32 * 2                    # layers x cells x (K + V) x n_embd_kv x F16
+        assert rt.host_bytes() == 64 * 256 * 10 + 2 * 256 * (4 + 1) + kv
 
 
 def test_huge_context_fails_early_on_this_machine(model):
@@ -379,6 +380,22 @@ def test_failed_runner_start_gives_memory_back(model, monkeypatch):
     def fail():
         with pytest.raises(ggmlpy.GGMLMemoryError, match="injected"):
             Runner(model, n_ctx=2**18, n_batch=32, n_ubatch=32)
+
+    assert rss_growth(fail, loops=4, warmup=1) < 16
+    assert not _runner_threads()
+
+
+def test_cache_too_large_for_the_device_fails_cleanly_and_gives_memory_back(model, monkeypatch):
+    """Host check passed (patched), the device refuses the 256 GiB cache: GGMLMemoryError with the report marking
+    the cache allocation failed; nothing stays allocated (RSS flat over 4 failures)."""
+    import ggmlpy.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "_available_host_memory", lambda: 1 << 50)
+
+    def fail():
+        with pytest.raises(ggmlpy.GGMLMemoryError) as ei:
+            Runner(model, n_ctx=2**30, n_batch=1, n_ubatch=1)
+        assert ei.value.report.devices["CPU"].cache_ok is False
 
     assert rss_growth(fail, loops=4, warmup=1) < 16
     assert not _runner_threads()

@@ -315,7 +315,8 @@ class Cells:
             ok = ok & (cell_pos >= row_pos - int(window))
         if chunk is not None:
             ok = ok & (cell_pos >= row_pos - row_pos % int(chunk))
-        return np.where(ok, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+        # np.where of two float32 scalars is float32 already: no second full-size copy
+        return np.where(ok, np.float32(0.0), np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def visible_range(self, seq_ids, pad: int = 1) -> tuple[int, int]:
         """Smallest cell range covering every cell of some sequences.

@@ -336,17 +336,23 @@ class Runner:
     # ------------------------------------------------------------------ set-up
 
     def host_bytes(self) -> int:
-        """Host memory the worst-case batch needs for arrays sized from the context (an upper estimate).
+        """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes).
 
         The attention mask of a micro-batch is ``n_ubatch x n_cells`` and is
-        built on the host (float32, boolean temporaries, the F16 upload copy:
-        about 12 bytes a cell per row), and every batch plans on a copy of the
-        cells' metadata (position and sequence flags per cell).
+        built on the host (float32 plus boolean temporaries and the F16
+        upload copy: at most 10 bytes a cell per row at the peak); every
+        batch plans on a copy of the cells' metadata (position and sequence
+        flags per cell); and the K/V of layers placed on the CPU are host
+        memory too.
         """
-        n_cells = self.cache.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
-        mask = self.n_ubatch * n_cells * 12
+        c = self.cache
+        n_cells = c.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
+        mask = self.n_ubatch * n_cells * 10
         cells = 2 * n_cells * (4 + self.n_seq_max)
-        return mask + cells
+        placement = self.model.placement
+        cpu_layers = sum(1 for i in range(c.n_layers) if placement.device_of(i).type == "CPU")
+        kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype.row_size(c.n_embd_v))
+        return mask + cells + kv
 
     def _check_host_memory(self) -> None:
         """Fail before allocating anything when the host arrays cannot fit (GGMLMemoryError with the report)."""
@@ -355,8 +361,8 @@ class Runner:
         if avail is not None and need > avail:
             raise GGMLMemoryError(
                 f"runner: n_ctx={self.n_ctx} with n_seq_max={self.n_seq_max} and n_ubatch={self.n_ubatch} needs "
-                f"about {need / 2**30:.2f} GiB of host memory for the attention mask and cache metadata of the "
-                f"worst-case batch, but {avail / 2**30:.2f} GiB are available; lower n_ctx, n_seq_max or "
+                f"about {need / 2**30:.2f} GiB of host memory for the K/V cache on the CPU and the attention "
+                f"mask and cache metadata of the worst-case batch, but {avail / 2**30:.2f} GiB are available; lower n_ctx, n_seq_max or "
                 f"n_ubatch\n{self.report}", self.report)
 
     def _reserve(self) -> None:
