@@ -263,7 +263,7 @@ print("survived")
 ''', timeout=180)
 
 
-def test_timeout_setting():
+def test_timeout_setting(monkeypatch):
     before = gp.rpc_get_timeout()
     try:
         assert before == float(os.environ.get("GGMLPY_RPC_TIMEOUT") or gp._core.RPC_DEFAULT_TIMEOUT)
@@ -277,8 +277,11 @@ def test_timeout_setting():
         assert gp.rpc_get_timeout() == 1.5
     finally:
         gp.rpc_set_timeout(before)
-    out = run_child("import ggmlpy; print(ggmlpy.rpc_get_timeout())", timeout=60)
-    assert out.stdout.split()[-1] == str(float(os.environ.get("GGMLPY_RPC_TIMEOUT") or 300.0))
+    for env, want in (("7.5", 7.5), ("0", 0.0), ("abc", 300.0), ("-1", 300.0)):   # a bad value: default + warning
+        monkeypatch.setenv("GGMLPY_RPC_TIMEOUT", env)
+        out = run_child("import ggmlpy; print(ggmlpy.rpc_get_timeout())", timeout=60)
+        assert out.returncode == 0 and out.stdout.split()[-1] == str(want), (env, out.stdout, out.stderr[-500:])
+        assert ("GGMLPY_RPC_TIMEOUT" in out.stderr) == (want == 300.0), out.stderr
 
 
 def _proc_rss_mib(pid: int) -> float:
