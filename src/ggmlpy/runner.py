@@ -65,9 +65,9 @@ class DoneReason:
     """Why a sequence ended (``Completion.done_reason``)."""
 
     STOP = "stop"            # a stop token was sampled
-    LENGTH = "length"        # max_tokens reached, or the context is full and shifting is off
-    CANCEL = "cancel"        # Handle.cancel()
-    ERROR = "error"          # see Completion.error
+    LENGTH = "length"        # max_tokens reached, or the context is full (shifting off, or max_tokens=-2)
+    CANCEL = "cancel"        # Handle.cancel(), or Runner.close() before the request ended
+    ERROR = "error"          # see Completion.error (Handle.result() raises RunnerError from it)
 
 
 @dataclass
@@ -254,7 +254,18 @@ class Runner:
     Raises
     ------
     GGMLMemoryError
-        Cache or compute buffers do not fit (``.report`` says what was needed).
+        Cache or compute buffers do not fit, or the host arrays sized from
+        the context (see :meth:`host_bytes`) exceed the available memory
+        (``.report`` says what was needed); nothing stays allocated.
+
+    Notes
+    -----
+    Thread safety: :meth:`submit` (and :meth:`generate`, :meth:`embed`) may
+    be called from any thread; direct calls (:meth:`decode`,
+    :meth:`decode_batch`, :meth:`clear`) run one at a time and only while no
+    request is being served; :meth:`close` may be called from any thread at
+    any time (see there). After close every call raises
+    :class:`~ggmlpy.ClosedError`.
     """
 
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
@@ -496,6 +507,9 @@ class Runner:
         GGMLValueError
             Token ids outside the vocabulary, a sequence id out of range,
             positions at or past ``n_ctx``, or requests being served.
+        ClosedError
+            The runner is closed (a close() from another thread waits for a
+            decode already computing).
         """
         self._check_open("decode")
         seq = self._check_seq_id(seq, "decode")
