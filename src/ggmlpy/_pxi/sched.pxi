@@ -290,6 +290,7 @@ cdef class Scheduler(_Allocator):
             # reserve_size frees buffers that would have to grow: reserve again before the next allocation.
             self.need_reserve = True
             self._reset()
+            _rpc_check("sched_reserve_size")
             return {self.backends[i].name: sizes[i] for i in range(n)}
 
     def alloc_graph(self, Graph graph not None):
