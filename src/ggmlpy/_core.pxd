@@ -18,6 +18,7 @@ cdef class _CtxBase:
     cdef size_t stale_below   # arena offset below which tensors read a freed/reset context
     cdef dict allocs          # _Allocator -> its epoch when it last gave this context's tensors memory
     cdef int busy             # running computes / device copies that read this context (GIL-protected)
+    cdef int writers          # running graph operations that write its tensors (0 or 1)
     cdef object __weakref__
     cdef int _invalidate_dependents(self) except -1
     cdef bint _fresh(self, g.ggml_tensor * p) noexcept
@@ -69,6 +70,8 @@ cdef class Graph:
     cdef volatile bint cancel_flag
     cdef bint busy            # a compute or allocation is running (from some thread)
     cdef list busy_ctxs       # contexts whose busy count this graph raised while busy
+    cdef list written_ctxs    # the ones among them it holds as writer
+    cdef unsigned long long serial   # unique per graph made: allocators recognise a graph by it
     cdef g.ggml_threadpool * tp   # kept between computes; rebuilt when n_threads changes
     cdef int tp_n
     cdef int _ensure(self) except -1
@@ -78,6 +81,7 @@ cdef class Graph:
     cdef int _begin(self, str op) except -1
     cdef void _end(self) noexcept
     cdef uint64_t _unallocated_mask(self) noexcept
+    cdef uint64_t _ctx_mask(self, bint written) noexcept
     cdef int _check_compute(self, g.ggml_backend_dev_t dev) except -1
 
 

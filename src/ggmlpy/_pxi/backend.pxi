@@ -260,6 +260,7 @@ cdef class Buffer:
     cdef g.ggml_backend_buffer_t ptr
     cdef object owner        # BufferType or Backend it came from
     cdef list ctxs           # Contexts with tensors placed in this buffer
+    cdef int busy            # clears running with the GIL released
     cdef readonly size_t size
 
     def __init__(self, *args, **kwargs):
@@ -303,6 +304,8 @@ cdef class Buffer:
         cdef _CtxBase c
         if self.ptr == NULL:
             return
+        if self.busy:
+            raise GGMLValueError("buffer_free: the buffer is being cleared in another thread")
         live = [c for c in self.ctxs if not c.freed]
         if live:
             raise GGMLValueError(f"buffer_free: {len(live)} context(s) still hold tensors in this buffer; free them first")
@@ -343,11 +346,17 @@ cdef class Buffer:
 
     def clear(self, int value=0):
         """Fill the whole buffer with the byte ``value``."""
+        cdef g.ggml_backend_buffer_t p
         self._ensure()
         if not (0 <= value <= 255):
             _fail("buffer_clear", f"value must be a byte (got {value})")
-        with nogil:
-            g.ggml_backend_buffer_clear(self.ptr, <uint8_t> value)
+        p = self.ptr
+        self.busy += 1               # free() in another thread refuses meanwhile
+        try:
+            with nogil:
+                g.ggml_backend_buffer_clear(p, <uint8_t> value)
+        finally:
+            self.busy -= 1
         _rpc_check("buffer_clear", _owner_endpoint(self.owner))
 
     def __repr__(self):
@@ -383,6 +392,25 @@ cdef bint _rpc_gone(object owner):
         return True
 
 
+cdef int _check_views_placeable(_CtxBase ctx) except -1:
+    # ggml gives every view without a buffer the buffer of its source: a view of a tensor that has no
+    # backend buffer (host memory of an allocating context, or a no_alloc context not allocated yet)
+    # would abort in ggml_backend_view_init, unless the source is allocated in this same call.
+    cdef g.ggml_tensor * p = g.ggml_get_first_tensor(ctx.ptr)
+    cdef g.ggml_tensor * src
+    cdef bint here
+    while p != NULL:
+        if p.view_src != NULL and p.buffer == NULL:
+            src = p.view_src
+            here = <char *> ctx.mem <= <char *> src < <char *> ctx.mem + ctx.mem_size
+            if src.buffer == NULL and not (here and src.data == NULL):
+                raise GGMLValueError(f"alloc_ctx_tensors: '{p.name.decode(errors='replace')}' is a view of a tensor "
+                                     f"without backend memory (in another context not allocated yet, or in host "
+                                     f"memory of an allocating context); allocate that context first")
+        p = g.ggml_get_next_tensor(ctx.ptr, p)
+    return 0
+
+
 def alloc_ctx_tensors(Context ctx not None, target):
     """Allocate every tensor of a no_alloc context in one buffer of ``target``.
 
@@ -405,11 +433,21 @@ def alloc_ctx_tensors(Context ctx not None, target):
         raise GGMLTypeError(f"alloc_ctx_tensors: target must be a Backend or BufferType (got {target!r})")
     if not ctx.no_alloc_:
         raise GGMLValueError("alloc_ctx_tensors: the context must be no_alloc (its tensors already have host memory)")
+    _check_views_placeable(ctx)
     need = g.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.ptr, bt.ptr)
     if need == 0:
         raise GGMLValueError("alloc_ctx_tensors: the context has no tensors that need memory")
-    with nogil:
-        b = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx.ptr, bt.ptr)
+    if ctx.writers:
+        raise GGMLValueError("alloc_ctx_tensors: the context's tensors are being allocated or computed in another "
+                             "thread")
+    held = _hold(ctx)            # the context and those its views read stay put while ggml runs
+    ctx.writers += 1
+    try:
+        with nogil:
+            b = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx.ptr, bt.ptr)
+    finally:
+        ctx.writers -= 1
+        _unhold(held)
     if b == NULL:
         # ggml may have placed earlier tensors in buffers it then freed: the
         # context's tensors must not be touched again.
@@ -648,8 +686,11 @@ cdef class Gallocr(_Allocator):
     cdef g.ggml_gallocr_t ptr
     cdef BufferType bt
     cdef bint poisoned
+    cdef object lock          # ggml's allocator is not thread-safe: one call at a time
+    cdef object shape         # (graph serial, n_nodes, n_leafs) it was last sized for
 
     def __cinit__(self, BufferType buft not None):
+        self.lock = threading.RLock()
         self.bt = buft
         self.ptr = g.ggml_gallocr_new(buft.ptr)
         if self.ptr == NULL:
@@ -661,12 +702,14 @@ cdef class Gallocr(_Allocator):
             self.ptr = NULL
 
     def free(self):
-        """Free the buffer now; tensors it placed raise ``ClosedError`` afterwards."""
-        if self.ptr != NULL:
-            self._refuse_busy("gallocr_free")
-            self.dead = True
-            g.ggml_gallocr_free(self.ptr)
-            self.ptr = NULL
+        """Free the buffer now (after a call running in another thread); tensors it placed raise
+        ``ClosedError`` afterwards."""
+        with self.lock:
+            if self.ptr != NULL:
+                self._refuse_busy("gallocr_free")
+                self.dead = True
+                g.ggml_gallocr_free(self.ptr)
+                self.ptr = NULL
 
     close = free
 
@@ -697,6 +740,10 @@ cdef class Gallocr(_Allocator):
         GGMLMemoryError
             The buffer could not be allocated; this Gallocr is unusable afterwards.
         """
+        with self.lock:
+            self._reserve(graph)
+
+    cdef int _reserve(self, Graph graph) except -1:
         cdef bint ok
         cdef size_t before
         self._ready("gallocr_reserve", graph)
@@ -709,10 +756,12 @@ cdef class Gallocr(_Allocator):
             graph._end()
         if not ok or self._size() != before:
             self.epoch += 1           # the old buffer is gone
+        self.shape = (graph.serial, graph.ptr.n_nodes, graph.ptr.n_leafs) if ok else None
         if not ok:
             self.poisoned = True
             _rpc_check("gallocr_reserve", self.bt.endpoint)
             raise GGMLMemoryError(f"gallocr_reserve: could not allocate the compute buffer of {self.bt.name}")
+        return 0
 
     def alloc_graph(self, Graph graph not None):
         """Assign memory to every unallocated tensor of ``graph``; call again for each new graph.
@@ -724,10 +773,19 @@ cdef class Gallocr(_Allocator):
         ClosedError
             The allocator was freed, or ``graph`` reads tensors whose memory is gone.
         """
+        with self.lock:
+            self._alloc(graph)
+
+    cdef int _alloc(self, Graph graph) except -1:
         cdef bint ok
         cdef size_t before
         cdef uint64_t mask
         self._ready("gallocr_alloc_graph", graph)
+        if self.shape is None or self.shape[0] != graph.serial or self.shape[1] != graph.ptr.n_nodes \
+                or self.shape[2] != graph.ptr.n_leafs:
+            # ggml re-sizes by itself only when the node count changes and would then place leafs
+            # with the previous graph's offsets (a crash): size for this graph first
+            self._reserve(graph)
         mask = graph._unallocated_mask()
         before = self._size()
         graph._begin("gallocr_alloc_graph")
@@ -743,6 +801,7 @@ cdef class Gallocr(_Allocator):
             _rpc_check("gallocr_alloc_graph", self.bt.endpoint)
             raise GGMLMemoryError(f"gallocr_alloc_graph: could not allocate the graph in {self.bt.name}")
         self._stamp(graph, mask)
+        return 0
 
     @property
     def buffer_size(self):

@@ -127,16 +127,20 @@ cdef extern from *:
 cdef extern from *:
     """
     /* Bit i set when arena i (starts[i] .. starts[i] + sizes[i]) holds a node or leaf with no data
-       yet: the contexts whose tensors a graph allocator is about to point into its own buffers.
-       Arenas past 63 share bit 63. */
-    static uint64_t ggmlpy_unalloc_mask(const struct ggml_cgraph * g, char ** starts, const size_t * sizes, int n) {
+       yet: the contexts whose tensors a graph allocator is about to point into its own buffers
+       (with `written`, also every node: the contexts a compute writes). Arenas past 63 share
+       bit 63. */
+    static uint64_t ggmlpy_unalloc_mask(const struct ggml_cgraph * g, char ** starts, const size_t * sizes, int n,
+                                        int written) {
         uint64_t mask = 0;
         int k, i, j;
         for (k = 0; k < 2; k++) {
             int m = k == 0 ? g->n_leafs : g->n_nodes;
             for (i = 0; i < m; i++) {
                 const struct ggml_tensor * t = k == 0 ? g->leafs[i] : g->nodes[i];
-                if (t->data != NULL) continue;
+                /* written: every node (compute writes it) and every leaf without data (an allocator
+                   writes its data pointer); else only tensors without data */
+                if (t->data != NULL && !(written && k == 1)) continue;
                 for (j = 0; j < n; j++) {
                     if ((const char *) t >= starts[j] && (const char *) t < starts[j] + sizes[j]) {
                         mask |= (uint64_t) 1 << (j < 63 ? j : 63);
@@ -148,7 +152,16 @@ cdef extern from *:
         return mask;
     }
     """
-    uint64_t ggmlpy_unalloc_mask(g.ggml_cgraph * gr, char ** starts, size_t * sizes, int n) noexcept nogil
+    uint64_t ggmlpy_unalloc_mask(g.ggml_cgraph * gr, char ** starts, size_t * sizes, int n, int written) noexcept nogil
+
+
+cdef unsigned long long _graph_serial = 0
+
+
+cdef unsigned long long _next_graph_serial() noexcept:
+    global _graph_serial
+    _graph_serial += 1
+    return _graph_serial
 
 
 # ggml visits new parts of a graph recursively; keep far below a thread's stack.
@@ -276,12 +289,30 @@ cdef class Graph:
     cdef int _begin(self, str op) except -1:
         # Mark the graph and every context it reads as in use for the time the GIL is released
         # (compute, allocation): freeing, resetting or expanding them meanwhile raises instead of
-        # pulling memory from under ggml.
+        # pulling memory from under ggml. The contexts whose tensors it writes (its nodes, the
+        # inputs an allocator places) are taken exclusively: ggml's allocators and scheduler
+        # rewrite those tensors' fields, so a second graph over them must wait its turn.
         cdef _CtxBase c
+        cdef uint64_t written
+        cdef int i = 0
         if self.busy:
             raise GGMLValueError(f"{op}: this graph is already being computed or allocated (in another thread)")
+        written = self._ctx_mask(True)
+        taken = []
+        for entry in self.ctxs:
+            c = entry[0]
+            if written & ((<uint64_t> 1) << (i if i < 63 else 63)):
+                if c.writers:
+                    for c in taken:
+                        c.writers -= 1
+                    raise GGMLValueError(f"{op}: another graph that computes tensors of the same context is running in "
+                                         f"another thread; one graph at a time may write a context's tensors")
+                c.writers += 1
+                taken.append(c)
+            i += 1
         self.busy = True
         self.busy_ctxs = [entry[0] for entry in self.ctxs]
+        self.written_ctxs = taken
         for c in self.busy_ctxs:
             c.busy += 1
         return 0
@@ -291,11 +322,17 @@ cdef class Graph:
         if self.busy_ctxs is not None:
             for c in self.busy_ctxs:
                 c.busy -= 1
+            for c in self.written_ctxs:
+                c.writers -= 1
             self.busy_ctxs = None
+            self.written_ctxs = None
         self.busy = False
 
     cdef uint64_t _unallocated_mask(self) noexcept:
-        # Which of self.ctxs own tensors without data (see ggmlpy_unalloc_mask).
+        return self._ctx_mask(False)
+
+    cdef uint64_t _ctx_mask(self, bint written) noexcept:
+        # Which of self.ctxs own tensors without data / tensors a compute writes (see ggmlpy_unalloc_mask).
         cdef char * starts[64]
         cdef size_t sizes[64]
         cdef int n = 0
@@ -307,7 +344,7 @@ cdef class Graph:
             n += 1
             if n == 64:
                 break
-        return ggmlpy_unalloc_mask(self.ptr, starts, sizes, n)
+        return ggmlpy_unalloc_mask(self.ptr, starts, sizes, n, written)
 
     @property
     def context(self):

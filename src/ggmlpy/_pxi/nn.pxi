@@ -346,6 +346,7 @@ cdef class Context(_CtxOps):
         gr.ptr = g.ggml_new_graph_custom(self.ptr, size, grads)
         gr.ctx = self
         gr.gen = self.gen
+        gr.serial = _next_graph_serial()
         gr.ctxs = []
         gr.index_checks = []
         gr._note_ctx(self)

@@ -24,6 +24,14 @@ cdef extern from *:
         }
         return s;
     }
+    /* Whether some node of g reads t (directly). */
+    static int ggmlpy_is_read(const struct ggml_cgraph * g, const struct ggml_tensor * t) {
+        int i, j;
+        for (i = 0; i < g->n_nodes; i++)
+            for (j = 0; j < GGML_MAX_SRC; j++)
+                if (g->nodes[i]->src[j] == t) return 1;
+        return 0;
+    }
     static void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) {
         int i;
         if (!s) return;
@@ -35,6 +43,7 @@ cdef extern from *:
         free(s->nodes); free(s->srcs); free(s);
     }
     """
+    int ggmlpy_is_read(g.ggml_cgraph * gr, g.ggml_tensor * t) noexcept nogil
     ctypedef struct ggmlpy_saved_srcs
     ggmlpy_saved_srcs * ggmlpy_srcs_save(g.ggml_cgraph * gr) nogil
     void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) nogil
@@ -83,6 +92,7 @@ cdef class Scheduler(_Allocator):
     cdef bint need_reserve
     cdef object lock
     cdef ggmlpy_saved_srcs * saved   # inputs of the allocated graph's nodes before ggml rewired them
+    cdef object shape          # (graph serial, n_nodes, n_leafs) the allocator was last planned for
 
     def __cinit__(self, backends, bufts=None, size_t graph_size=g.GGML_DEFAULT_GRAPH_SIZE,
                   bint parallel=False, bint op_offload=True):
@@ -115,14 +125,23 @@ cdef class Scheduler(_Allocator):
                 if not isinstance(bl[i], BufferType) or not g.ggml_backend_supports_buft(c_backends[i], (<BufferType> bl[i]).ptr):
                     raise GGMLValueError(f"sched_new: backend {self.backends[i].name} cannot use buffer type {bl[i]!r}")
                 c_bufts[i] = (<BufferType> bl[i]).ptr
+        # Registered as a user of each backend, then the pointers read again with no Python code in
+        # between: from here on Backend.free() in another thread refuses (ggml_backend_sched_new
+        # below runs without the GIL).
+        for b in self.backends:
+            b.users.add(self)
+        for i, b in enumerate(self.backends):
+            if b.ptr == NULL:
+                self.dead = True
+                raise ClosedError("sched_new: a backend was freed while the scheduler was being made")
+            c_backends[i] = b.ptr
         self.graph_size = graph_size
         with nogil:
             self.ptr = g.ggml_backend_sched_new(c_backends, c_bufts if bufts is not None else NULL, n, graph_size,
                                                 parallel, op_offload)
         if self.ptr == NULL:
+            self.dead = True
             raise GGMLMemoryError("sched_new: out of host memory")
-        for b in self.backends:
-            (<Backend> b).users.add(self)
         _debug_count("Scheduler", 1)
 
     def __dealloc__(self):
@@ -180,10 +199,18 @@ cdef class Scheduler(_Allocator):
             raise GGMLMemoryError(f"{op}: the graph has {graph.ptr.n_nodes} nodes and {graph.ptr.n_leafs} leafs; a "
                                   f"scheduler of graph_size {self.graph_size} takes at most "
                                   f"{self.graph_size // 2} together (create it with a larger graph_size)")
+        if graph.ptr.n_nodes == 0:
+            raise GGMLValueError(f"{op}: the graph has no nodes to schedule")
         for k in range(2):
             for i in range(graph.ptr.n_leafs if k == 0 else graph.ptr.n_nodes):
                 t = graph.ptr.leafs[i] if k == 0 else graph.ptr.nodes[i]
                 buf = t.buffer if t.view_src == NULL or t.buffer != NULL else t.view_src.buffer
+                if (k == 0 and buf == NULL and t.data == NULL and not (t.flags & g.GGML_TENSOR_FLAG_INPUT)
+                        and not ggmlpy_is_read(graph.ptr, t)):
+                    # ggml places a data-less leaf by the node that reads it, or on the CPU when it
+                    # is an input; otherwise it has no backend and ggml's allocator aborts
+                    raise GGMLValueError(f"{op}: leaf '{t.name.decode()}' has no memory, is not marked as an input "
+                                         f"(set_input()) and no node reads it: the scheduler cannot place it")
                 if t.data != NULL and buf == NULL and t.view_src == NULL:
                     raise GGMLValueError(f"{op}: tensor '{t.name.decode()}' has host memory from its context; tensors "
                                          f"a scheduler runs must live in backend buffers (use a no_alloc context and "
@@ -261,6 +288,7 @@ cdef class Scheduler(_Allocator):
             _rpc_check("sched_reserve")
             raise GGMLMemoryError("sched_reserve: could not allocate the compute buffers")
         self.need_reserve = False
+        self.shape = (graph.serial, graph.ptr.n_nodes, graph.ptr.n_leafs)
         self._reset()
         return 0
 
@@ -308,7 +336,9 @@ cdef class Scheduler(_Allocator):
         cdef uint64_t mask
         self._ready("sched_alloc_graph")
         self._check_graph(graph, "sched_alloc_graph")
-        if self.need_reserve:
+        if self.need_reserve or self.shape != (graph.serial, graph.ptr.n_nodes, graph.ptr.n_leafs):
+            # ggml re-plans by itself only when the node count changes and would otherwise place
+            # leafs with another graph's plan (an abort or a crash): plan for this graph first
             self._reserve(graph, mark_busy)
         self._reset()
         mask = graph._unallocated_mask()
@@ -361,6 +391,8 @@ cdef class Scheduler(_Allocator):
         cdef g.ggml_cgraph * cg
         with self.lock:
             self._ready("sched_graph_compute")
+            graph._ensure()
+            graph._check_ctxs()
             graph._begin("sched_graph_compute")
             try:
                 alloc = self.allocated
