@@ -58,3 +58,44 @@ def test_readme_runner_example_runs(tmp_path, capsys):
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr()
     assert "CPU" in out.out and "length" in out.out
+
+
+def _readme_blocks():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", readme, re.S)
+
+
+def test_readme_blocks_are_all_tested():
+    # every python block of the README runs in one of the tests here
+    blocks = _readme_blocks()
+    assert len(blocks) == 3
+    assert "load_model" in blocks[2] and "Weights" in blocks[1] and "Context" in blocks[0]
+
+
+def test_readme_core_example_runs_and_raises_what_it_says(capsys):
+    """The first example: runs, prints the result, and its last line raises the error it shows."""
+    block = _readme_blocks()[0]
+    lines = block.rstrip("\n").split("\n")
+    raising = [i for i, ln in enumerate(lines) if "# GGMLValueError:" in ln]
+    assert raising == [len(lines) - 1]
+    code, message = lines[-1].split("# GGMLValueError:")
+    env: dict = {}
+    exec(compile("\n".join(lines[:-1]), "README.md", "exec"), env)
+    assert np.allclose(env["y"].numpy(), (lambda z: z / (1 + np.exp(-z)))(env["x"].numpy() @ env["w"].numpy().T),
+                       rtol=1e-5, atol=1e-6)
+    with pytest.raises(ggmlpy.GGMLValueError) as e:
+        exec(code, env)
+    shown = message.strip()
+    assert shown.endswith("; ...)")                      # the README shows the message up to "; ..."
+    assert str(e.value).startswith(shown[:-len("...)")])
+
+
+def test_readme_backend_example_runs(capsys):
+    env: dict = {}
+    exec(compile(_readme_blocks()[1], "README.md", "exec"), env)
+    assert "memory" in capsys.readouterr().out
+    assert not env["weights"].allocated and not env["weights"].buffers      # closed at the end
+    assert env["placement"].device_of(1).type == "CPU"
