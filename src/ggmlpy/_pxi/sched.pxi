@@ -495,8 +495,10 @@ cdef class Scheduler(_Allocator):
 # the failure for the calling thread instead, shuts that socket down so that no
 # later call reads a reply out of step, and bounds every socket call by a
 # timeout. Each call that may talk to a server is followed by _rpc_check, which
-# turns the recorded failure into RPCError / RPCTimeoutError naming the server;
-# frees use _rpc_discard (memory on a lost server is gone with it).
+# turns the recorded failure into RPCError / RPCTimeoutError naming the server.
+# Freeing on a lost server records nothing (its memory is gone with it), so
+# Buffer and Scheduler free as usual; _rpc_discard drops a failure met by a
+# call whose result does not matter (device props).
 
 import struct
 
