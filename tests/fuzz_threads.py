@@ -68,6 +68,9 @@ class Pool:
 
 
 def _shape(rng):
+    if rng.random() < 0.15:
+        # some tensors large enough that computes and copies overlap between threads
+        return [rng.choice([128, 256, 512]), rng.choice([64, 128, 256])]
     return [rng.choice([1, 2, 3, 4, 8, 16, 32, 64]) for _ in range(rng.randint(1, 3))]
 
 
@@ -84,9 +87,24 @@ class Program:
         self.unexpected = []
         self.count_lock = threading.Lock()
         self.pool = Pool(random.Random(seed))
+        self.last_dir = os.environ.get("GGMLPY_FUZZ_LAST_DIR")
         self.actions = [m for m in dir(self) if m.startswith("a_")]
         if model_path is None:
             self.actions = [a for a in self.actions if not a.startswith("a_runner")]
+
+    def _note(self, what, alloc, g):
+        # --last-dir: the graph each thread is about to allocate, written before the call, so a crash
+        # leaves the last one of every thread on disk (a debugging aid; off by default)
+        if self.last_dir is None:
+            return
+        try:
+            text = f"{what} {id(alloc):x}\n{g.summary()}\n"
+            for t in g.leafs + g.nodes:
+                text += f"{t.name} data={t.data_ptr:x} view={t.is_view} flags={t.flags}\n"
+        except self.G.GGMLError as e:
+            text = f"{what}: {e}\n"
+        with open(os.path.join(self.last_dir, f"{threading.get_ident()}.txt"), "w") as f:
+            f.write(text)
 
     # -- actions: each takes a Random and returns nothing; GGMLError is an expected outcome ------
 
@@ -204,6 +222,7 @@ class Program:
         elif r < 0.35:
             ga.free()
         elif g is not None:
+            self._note("gallocr", ga, g)
             (ga.reserve if r < 0.5 else ga.alloc_graph)(g)
 
     def a_backend_compute(self, rng):
@@ -223,6 +242,7 @@ class Program:
         elif r < 0.35:
             s.reset()
         elif g is not None:
+            self._note("sched", s, g)
             (s.reserve if r < 0.5 else s.alloc_graph if r < 0.65 else s.compute)(g)
 
     def a_drop(self, rng):
@@ -320,7 +340,7 @@ def _crash_site(stderr: str) -> str:
 
 def tiny_model(path_dir: str) -> str:
     from ggmlpy.models import synthetic
-    return str(synthetic.write_model("tiny", "F16", os.path.join(path_dir, "tiny-F16.gguf")))
+    return str(synthetic.write_synthetic(os.path.join(path_dir, "tiny-F16.gguf"), size="tiny", type="F16"))
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,17 @@ def test_threads_sharing_objects_never_crash_the_interpreter():
     assert out.returncode == 0
 
 
+@pytest.mark.fuzz
+def test_threads_sharing_runners_never_crash_the_interpreter():
+    # Runners over one tiny model, created, used (decode, generate, submit, cancel, clear) and closed
+    # from several threads, beside the core objects.
+    out = subprocess.run([sys.executable, str(DRIVER), "--calls", "3000", "--chunk", "3000", "--threads", "3",
+                          "--seed", "11", "--runner"], capture_output=True, text=True, timeout=600)
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["aborts"] == 0 and summary["hangs"] == 0 and summary["unexpected"] == 0, out.stderr[-4000:]
+    assert summary["calls"] == 3000 and out.returncode == 0
+
+
 def test_driver_reports_a_crash_as_an_abort(tmp_path):
     # A child that dies must be counted, not passed over: run the driver on a program that aborts.
     fake = tmp_path / "fuzz_threads.py"

@@ -183,6 +183,104 @@ def test_tensors_placed_by_an_allocator_never_read_freed_memory(case):
     assert out.returncode == 0 and out.stdout.rstrip().endswith("OK"), out.stdout + out.stderr
 
 
+# --- shapes of programs the thread fuzzer found aborting or crashing in ggml --------------------------
+
+FOUND_CHILD = r"""
+import sys
+import numpy as np
+import ggmlpy
+from ggmlpy import GGMLValueError, ClosedError
+
+be = ggmlpy.device("CPU").init()
+case = sys.argv[1]
+
+def expect(exc, fn, what):
+    try:
+        fn()
+    except exc as e:
+        print(what, type(e).__name__, e)
+    else:
+        raise SystemExit(f"{what}: no {exc.__name__}")
+
+if case == "gallocr-next-graph":
+    # a Gallocr used for one graph, then for a graph with another set of leafs: ggml placed the new
+    # leafs with the old graph's plan (segfault); it is planned for every new graph now
+    ga = ggmlpy.Gallocr(be.buffer_type)
+    c1 = ggmlpy.Context(1 << 20, no_alloc=True)
+    a = c1.new_tensor_2d(ggmlpy.Type.F32, 64, 32)
+    a.set_input()
+    g1 = c1.new_graph()
+    g1.build_forward_expand(c1.scale(a, 2.0))
+    ga.alloc_graph(g1)
+    c2 = ggmlpy.Context(1 << 20, no_alloc=True)
+    b = c2.new_tensor_1d(ggmlpy.Type.F32, 16)
+    c = c2.new_tensor_1d(ggmlpy.Type.F32, 16)
+    g2 = c2.new_graph()
+    g2.build_forward_expand(b)
+    g2.build_forward_expand(c2.add(b, c))
+    ga.alloc_graph(g2)
+    b.set(np.ones(16, np.float32))
+    c.set(np.full(16, 2.0, np.float32))
+    be.graph_compute(g2)
+    assert g2.node(-1).get().tolist() == [3.0] * 16
+elif case == "sched-unplaceable-leaf":
+    s = ggmlpy.Scheduler([be])
+    ctx = ggmlpy.Context(1 << 20, no_alloc=True)
+    leaf = ctx.new_tensor_2d(ggmlpy.Type.F16, 16, 8)          # no data, not an input
+    g0 = ctx.new_graph()
+    g0.build_forward_expand(leaf)
+    expect(GGMLValueError, lambda: s.alloc_graph(g0), "no nodes")
+    g1 = ctx.new_graph()
+    g1.build_forward_expand(ctx.cont(ctx.view_1d(leaf, 8, 0)))   # read only through a view
+    expect(GGMLValueError, lambda: s.compute(g1), "read through a view")
+    leaf.set_input()                                            # an input is placed on the CPU
+    s.alloc_graph(g1)
+elif case == "alloc-views-without-memory":
+    host = ggmlpy.Context(1 << 20)
+    h = host.from_numpy(np.ones((4, 8), np.float32))           # host arena, no backend buffer
+    ctx = ggmlpy.Context(1 << 20, no_alloc=True)
+    ctx.view_1d(h, 8, 0)
+    expect(GGMLValueError, lambda: ggmlpy.alloc_ctx_tensors(ctx, be), "view of host memory")
+    other = ggmlpy.Context(1 << 20, no_alloc=True)
+    t = other.new_tensor_1d(ggmlpy.Type.F32, 32)               # not allocated yet
+    ctx2 = ggmlpy.Context(1 << 20, no_alloc=True)
+    ctx2.new_tensor_1d(ggmlpy.Type.F32, 4)                      # something of its own to allocate
+    v = ctx2.view_1d(t, 8, 0)
+    expect(GGMLValueError, lambda: ggmlpy.alloc_ctx_tensors(ctx2, be), "view of unallocated")
+    ggmlpy.alloc_ctx_tensors(other, be)                        # allocated first: then it works
+    ggmlpy.alloc_ctx_tensors(ctx2, be)
+    t.set(np.arange(32, dtype=np.float32))
+    assert v.get().tolist() == list(range(8))                  # the view reads its source's memory
+    other2 = ggmlpy.Context(1 << 20, no_alloc=True)
+    u = other2.new_tensor_1d(ggmlpy.Type.F32, 32)
+    ctx3 = ggmlpy.Context(1 << 20, no_alloc=True)
+    ctx3.new_tensor_1d(ggmlpy.Type.F32, 4)
+    ctx3.view_1d(u, 8, 0)
+    other2.free()                                              # the view's source is gone
+    expect(GGMLValueError, lambda: ggmlpy.alloc_ctx_tensors(ctx3, be), "view of freed")
+elif case == "graph-of-freed-tensors":
+    x = ggmlpy.Context(1 << 20)
+    t = x.from_numpy(np.ones(8, np.float32))
+    y = x.scale(t, 2.0)
+    gctx = ggmlpy.Context(1 << 20)
+    g = gctx.new_graph()
+    g.build_forward_expand(y)                                  # the graph's context made none of them
+    assert g.nodes[0].context is x                             # owned by x, not by the graph's context
+    x.free()
+    for what, fn in (("summary", g.summary), ("nodes", lambda: g.nodes), ("leafs", lambda: g.leafs),
+                     ("get_tensor", lambda: g.get_tensor("leaf_0")), ("compute", lambda: g.compute(1))):
+        expect(ClosedError, fn, what)
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("case", ["gallocr-next-graph", "sched-unplaceable-leaf", "alloc-views-without-memory",
+                                  "graph-of-freed-tensors"])
+def test_programs_the_thread_fuzzer_found(case):
+    out = run_child(FOUND_CHILD, case)
+    assert out.returncode == 0 and out.stdout.rstrip().endswith("OK"), out.stdout + out.stderr
+
+
 # --- nothing is freed or changed under a running compute -------------------------------------------
 
 THREADS_CHILD = r"""

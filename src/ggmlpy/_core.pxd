@@ -25,6 +25,7 @@ cdef class _CtxBase:
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
     cdef int _refuse_busy(self, str op) except -1
+    cdef int _start_moving(self, Graph graph, str op) except -1
     cdef void _release(self) noexcept
     cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1
 
@@ -78,6 +79,9 @@ cdef class Graph:
     cdef int _ensure_op(self, str op) except -1
     cdef int _note_ctx(self, _CtxBase c) except -1
     cdef int _check_ctxs(self) except -1
+    cdef int _readable(self) except -1
+    cdef bint _ctxs_valid(self) noexcept
+    cdef _CtxBase _owner(self, g.ggml_tensor * p)
     cdef int _begin(self, str op) except -1
     cdef void _end(self) noexcept
     cdef uint64_t _unallocated_mask(self) noexcept
@@ -91,7 +95,9 @@ cdef class _Allocator:
     # stamped with an older epoch knows its tensors' data is gone.
     cdef unsigned int epoch
     cdef bint dead
+    cdef bint moving          # ggml is placing tensors / maybe replacing its buffers right now
     cdef object stamped       # WeakSet of the contexts it gave memory to
     cdef object __weakref__
     cdef int _stamp(self, Graph graph, uint64_t mask) except -1
     cdef int _refuse_busy(self, str op) except -1
+    cdef int _start_moving(self, Graph graph, str op) except -1

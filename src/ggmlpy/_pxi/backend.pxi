@@ -433,6 +433,13 @@ def alloc_ctx_tensors(Context ctx not None, target):
         raise GGMLTypeError(f"alloc_ctx_tensors: target must be a Backend or BufferType (got {target!r})")
     if not ctx.no_alloc_:
         raise GGMLValueError("alloc_ctx_tensors: the context must be no_alloc (its tensors already have host memory)")
+    if ctx.stale_below:
+        # ggml would walk every tensor of the arena, those that read freed memory included
+        raise GGMLValueError("alloc_ctx_tensors: some of the context's tensors read a context that was freed or "
+                             "reset since; reset this context (or make a new one) first")
+    if ctx.deps:
+        _deps_alive(ctx, "alloc_ctx_tensors")
+    _data_alive(ctx, "alloc_ctx_tensors")
     _check_views_placeable(ctx)
     need = g.ggml_backend_alloc_ctx_tensors_from_buft_size(ctx.ptr, bt.ptr)
     if need == 0:
@@ -667,6 +674,20 @@ cdef class _Allocator:
             i += 1
         return 0
 
+    cdef int _start_moving(self, Graph graph, str op) except -1:
+        # About to let ggml (re)place tensors and maybe replace the buffers: from now on computes
+        # over tensors it placed refuse to start (_allocs_live), and none may be running except
+        # the caller's own graph (counted once per context by its _begin).
+        cdef _CtxBase c
+        self.moving = True
+        mine = graph.busy_ctxs or ()
+        for c in list(self.stamped):
+            if c.busy > (1 if any(x is c for x in mine) else 0):
+                self.moving = False
+                raise GGMLValueError(f"{op}: tensors this allocator placed are being computed or copied in another "
+                                     f"thread; it cannot allocate (and maybe move its buffers) now")
+        return 0
+
     cdef int _refuse_busy(self, str op) except -1:
         cdef _CtxBase c
         for c in list(self.stamped):
@@ -750,9 +771,11 @@ cdef class Gallocr(_Allocator):
         before = self._size()
         graph._begin("gallocr_reserve")
         try:
+            self._start_moving(graph, "gallocr_reserve")
             with nogil:
                 ok = g.ggml_gallocr_reserve(self.ptr, graph.ptr)
         finally:
+            self.moving = False
             graph._end()
         if not ok or self._size() != before:
             self.epoch += 1           # the old buffer is gone
@@ -790,9 +813,11 @@ cdef class Gallocr(_Allocator):
         before = self._size()
         graph._begin("gallocr_alloc_graph")
         try:
+            self._start_moving(graph, "gallocr_alloc_graph")
             with nogil:
                 ok = g.ggml_gallocr_alloc_graph(self.ptr, graph.ptr)
         finally:
+            self.moving = False
             graph._end()
         if not ok or self._size() != before:
             self.epoch += 1

@@ -286,6 +286,38 @@ cdef class Graph:
                 _allocs_live(c, "graph_compute")
         return 0
 
+    cdef _CtxBase _owner(self, g.ggml_tensor * p):
+        # The context whose arena holds p, among all the graph holds (expanded tensors of other
+        # contexts included): the Tensor handed out must go stale when that context is freed.
+        cdef _CtxBase c
+        for entry in self.ctxs:
+            c = entry[0]
+            if c.mem != NULL and <char *> c.mem <= <char *> p < <char *> c.mem + c.mem_size:
+                return c
+        return _owner_of(self.ctx, p)
+
+    cdef bint _ctxs_valid(self) noexcept:
+        # _check_ctxs without raising (for cleanup paths)
+        cdef _CtxBase c
+        if self.gen != self.ctx.gen:
+            return False
+        for entry in self.ctxs:
+            c = entry[0]
+            if c.freed or c.gen != entry[1]:
+                return False
+            for d, gen in c.deps.items():
+                if (<_CtxBase> d).freed or (<_CtxBase> d).gen != gen:
+                    return False
+        return True
+
+    cdef int _readable(self) except -1:
+        # Inspection reads every node and leaf, which may live in other contexts: those must be
+        # alive too (a context freed after its tensors were expanded into this graph would leave
+        # dangling pointers here).
+        self._ensure()
+        self._check_ctxs()
+        return 0
+
     cdef int _begin(self, str op) except -1:
         # Mark the graph and every context it reads as in use for the time the GIL is released
         # (compute, allocation): freeing, resetting or expanding them meanwhile raises instead of
@@ -374,32 +406,32 @@ cdef class Graph:
 
     def node(self, int i):
         """The i-th node (negative i counts from the end)."""
-        self._ensure()
+        self._readable()
         cdef int n = self.ptr.n_nodes
         if i < -n or i >= n:
             raise IndexError(f"graph_node: index {i} out of range for a graph of {n} nodes")
         if i < 0:
             i += n
-        return _wrap(_owner_of(self.ctx, self.ptr.nodes[i]), self.ptr.nodes[i])
+        return _wrap(self._owner(self.ptr.nodes[i]), self.ptr.nodes[i])
 
     @property
     def nodes(self):
         """All nodes, in execution order."""
-        self._ensure()
-        return [_wrap(_owner_of(self.ctx, self.ptr.nodes[i]), self.ptr.nodes[i]) for i in range(self.ptr.n_nodes)]
+        self._readable()
+        return [_wrap(self._owner(self.ptr.nodes[i]), self.ptr.nodes[i]) for i in range(self.ptr.n_nodes)]
 
     @property
     def leafs(self):
         """All leafs (tensors without an op)."""
-        self._ensure()
-        return [_wrap(_owner_of(self.ctx, self.ptr.leafs[i]), self.ptr.leafs[i]) for i in range(self.ptr.n_leafs)]
+        self._readable()
+        return [_wrap(self._owner(self.ptr.leafs[i]), self.ptr.leafs[i]) for i in range(self.ptr.n_leafs)]
 
     def get_tensor(self, str name):
         """The node or leaf named ``name``, or None."""
-        self._ensure()
+        self._readable()
         cdef bytes b = name.encode()
         cdef g.ggml_tensor * p = g.ggml_graph_get_tensor(self.ptr, b)
-        return None if p == NULL else _wrap(_owner_of(self.ctx, p), p)
+        return None if p == NULL else _wrap(self._owner(p), p)
 
     @cython.always_allow_keywords(False)   # METH_O: the hot call of op-by-op graph building
     def build_forward_expand(self, Tensor tensor not None):
@@ -561,7 +593,7 @@ cdef class Graph:
 
     def summary(self):
         """A readable listing of the graph's nodes and leafs."""
-        self._ensure()
+        self._readable()
         lines = [f"graph: {self.ptr.n_nodes} nodes, {self.ptr.n_leafs} leafs (size {self.ptr.size})"]
         for i in range(self.ptr.n_nodes):
             t = self.ptr.nodes[i]
@@ -578,6 +610,7 @@ cdef class Graph:
         path = os.fsencode(filename)
         with open(path, "w"):
             pass  # ggml asserts if it cannot open the file: find out here
+        self._readable()   # after the open, which let other threads run
         g.ggml_graph_dump_dot(self.ptr, NULL, path)
 
     def __repr__(self):

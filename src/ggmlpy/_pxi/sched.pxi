@@ -24,12 +24,19 @@ cdef extern from *:
         }
         return s;
     }
-    /* Whether some node of g reads t (directly). */
+    /* Whether some node of g that computes reads t directly: the scheduler places a data-less
+       leaf by such a consumer only (not through a view of it, nor by a view). */
     static int ggmlpy_is_read(const struct ggml_cgraph * g, const struct ggml_tensor * t) {
         int i, j;
-        for (i = 0; i < g->n_nodes; i++)
-            for (j = 0; j < GGML_MAX_SRC; j++)
-                if (g->nodes[i]->src[j] == t) return 1;
+        for (i = 0; i < g->n_nodes; i++) {
+            const struct ggml_tensor * n = g->nodes[i];
+            if (n->op == GGML_OP_VIEW || n->op == GGML_OP_RESHAPE || n->op == GGML_OP_PERMUTE ||
+                n->op == GGML_OP_TRANSPOSE || n->op == GGML_OP_NONE) continue;
+            for (j = 0; j < GGML_MAX_SRC; j++) {
+                const struct ggml_tensor * s = n->src[j];
+                if (s == t) return 1;
+            }
+        }
         return 0;
     }
     static void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) {
@@ -207,10 +214,10 @@ cdef class Scheduler(_Allocator):
                 buf = t.buffer if t.view_src == NULL or t.buffer != NULL else t.view_src.buffer
                 if (k == 0 and buf == NULL and t.data == NULL and not (t.flags & g.GGML_TENSOR_FLAG_INPUT)
                         and not ggmlpy_is_read(graph.ptr, t)):
-                    # ggml places a data-less leaf by the node that reads it, or on the CPU when it
+                    # ggml places a data-less leaf by the op that reads it, or on the CPU when it
                     # is an input; otherwise it has no backend and ggml's allocator aborts
                     raise GGMLValueError(f"{op}: leaf '{t.name.decode()}' has no memory, is not marked as an input "
-                                         f"(set_input()) and no node reads it: the scheduler cannot place it")
+                                         f"(set_input()) and no op reads it directly (views do not count): the scheduler cannot place it")
                 if t.data != NULL and buf == NULL and t.view_src == NULL:
                     raise GGMLValueError(f"{op}: tensor '{t.name.decode()}' has host memory from its context; tensors "
                                          f"a scheduler runs must live in backend buffers (use a no_alloc context and "
@@ -236,7 +243,9 @@ cdef class Scheduler(_Allocator):
         cdef Graph prev
         if self.saved != NULL:
             prev = self.allocated[0] if self.allocated is not None else None
-            ggmlpy_srcs_restore(self.saved, prev is not None and prev.gen == prev.ctx.gen)
+            # the saved nodes may live in any context the graph read: write back only while every one
+            # of them is alive and unchanged (else the writes would land in freed or reused memory)
+            ggmlpy_srcs_restore(self.saved, prev is not None and prev._ctxs_valid())
             self.saved = NULL
 
     cdef void _reset(self) noexcept:
@@ -272,14 +281,21 @@ cdef class Scheduler(_Allocator):
         if saved == NULL:
             raise GGMLMemoryError("sched_reserve: out of host memory")
         before = self._sizes()
-        if mark_busy:
-            graph._begin("sched_reserve")
+        begun = False
         try:
+            if mark_busy:
+                graph._begin("sched_reserve")
+                begun = True
+            self._start_moving(graph, "sched_reserve")
             with nogil:
                 ok = g.ggml_backend_sched_reserve(self.ptr, graph.ptr)
                 ggmlpy_srcs_restore(saved, 1)
+            saved = NULL
         finally:
-            if mark_busy:
+            self.moving = False
+            if saved != NULL:
+                ggmlpy_srcs_restore(saved, 1)
+            if begun:
                 graph._end()
         if not ok or self._sizes() != before:
             self.epoch += 1
@@ -306,13 +322,21 @@ cdef class Scheduler(_Allocator):
             if saved == NULL:
                 raise GGMLMemoryError("sched_reserve_size: out of host memory")
             before = self._sizes()
-            graph._begin("sched_reserve_size")
+            begun = False
             try:
+                graph._begin("sched_reserve_size")
+                begun = True
+                self._start_moving(graph, "sched_reserve_size")
                 with nogil:
                     g.ggml_backend_sched_reserve_size(self.ptr, graph.ptr, sizes)
                     ggmlpy_srcs_restore(saved, 1)
+                saved = NULL
             finally:
-                graph._end()
+                self.moving = False
+                if saved != NULL:
+                    ggmlpy_srcs_restore(saved, 1)
+                if begun:
+                    graph._end()
             if self._sizes() != before:
                 self.epoch += 1
             # reserve_size frees buffers that would have to grow: reserve again before the next allocation.
@@ -347,13 +371,20 @@ cdef class Scheduler(_Allocator):
         if self.saved == NULL:
             raise GGMLMemoryError("sched_alloc_graph: out of host memory")
         self.allocated = (graph, graph.ptr.n_nodes, graph.ptr.n_leafs)
-        if mark_busy:
-            graph._begin("sched_alloc_graph")
+        begun = False
         try:
+            if mark_busy:
+                graph._begin("sched_alloc_graph")
+                begun = True
+            self._start_moving(graph, "sched_alloc_graph")
             with nogil:
                 ok = g.ggml_backend_sched_alloc_graph(self.ptr, graph.ptr)
+        except BaseException:
+            self.allocated = None
+            raise
         finally:
-            if mark_busy:
+            self.moving = False
+            if begun:
                 graph._end()
         if not ok or self._sizes() != before:
             self.epoch += 1

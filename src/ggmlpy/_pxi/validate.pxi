@@ -115,6 +115,9 @@ cdef int _allocs_live(_CtxBase c, str op) except -1:
     for a, epoch in c.allocs.items():
         if a.dead:
             raise ClosedError(f"{op}: the tensor's memory came from a {type(a).__name__} that has been freed")
+        if a.moving:
+            raise GGMLValueError(f"{op}: the {type(a).__name__} that placed these tensors is allocating in another "
+                                 f"thread (its buffers may move); try again after it returns")
         if a.epoch != epoch:
             raise ClosedError(f"{op}: the tensor's memory came from a {type(a).__name__} that has since replaced "
                               f"its buffers with larger ones (a bigger graph was allocated); build the graph again, "
