@@ -319,6 +319,16 @@ def run_while_computing(compute, attempt):
     assert not errors, errors
     return result, running
 
+def refusals(*fns):
+    # the GGMLValueError message of each call that was refused
+    out = []
+    for fn in fns:
+        try:
+            fn()
+        except GGMLValueError as e:
+            out.append(str(e))
+    return out
+
 case = sys.argv[1]
 w_np = (np.random.default_rng(0).random((N, N), dtype=np.float32) - 0.5) / N
 if case == "free-graph-context":
@@ -341,15 +351,7 @@ elif case == "reset-input-context":
     w = wctx.from_numpy(w_np)
     ctx = ggmlpy.Context(256 << 20)
     gf, x = long_graph(ctx, w)
-    def attempt():
-        out = []
-        for fn in (wctx.reset, wctx.free):
-            try:
-                fn()
-            except GGMLValueError as e:
-                out.append(str(e))
-        return out
-    msgs, running = run_while_computing(lambda: gf.compute(1), attempt)
+    msgs, running = run_while_computing(lambda: gf.compute(1), lambda: refusals(wctx.reset, wctx.free))
     assert running and len(msgs) == 2, msgs
     assert np.isfinite(x.get()).all()
 elif case == "expand-while-computing":
@@ -357,15 +359,8 @@ elif case == "expand-while-computing":
     w = ctx.from_numpy(w_np)
     gf, x = long_graph(ctx, w)
     extra = ctx.scale(x, 2.0)
-    def attempt():
-        out = []
-        for fn in (lambda: gf.build_forward_expand(extra), gf.clear, lambda: gf.compute(1)):
-            try:
-                fn()
-            except GGMLValueError as e:
-                out.append(str(e))
-        return out
-    msgs, running = run_while_computing(lambda: gf.compute(1), attempt)
+    msgs, running = run_while_computing(
+        lambda: gf.compute(1), lambda: refusals(lambda: gf.build_forward_expand(extra), gf.clear, lambda: gf.compute(1)))
     assert running and len(msgs) == 3, msgs
     gf.build_forward_expand(extra)           # fine once the compute is over
 elif case == "sched-free-waits":

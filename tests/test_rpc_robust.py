@@ -79,9 +79,10 @@ def fake_server(mode):
     threading.Thread(target=accept, daemon=True).start()
     return f"127.0.0.1:{srv.getsockname()[1]}", srv
 
-def real_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
+def real_server(port=None):
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
                              "--port", str(port), "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
@@ -215,14 +216,7 @@ def test_a_restarted_server_is_usable_again():
     _run(SPLIT_MODEL + r'''
     proc.kill(); proc.wait()
     expect_rpc_error(compute_and_read, ep)
-    port = int(ep.rsplit(":", 1)[1])
-    proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
-                             "--port", str(port), "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close(); break
-        except OSError:
-            time.sleep(0.1)
+    _, proc = real_server(int(ep.rsplit(":", 1)[1]))     # the same endpoint again
     assert gp.rpc_add_server(ep) == [dev]
     c2 = gp.Context.for_tensors(1, no_alloc=True)
     t = c2.new_tensor(gp.Type.F32, (8,))
