@@ -147,6 +147,8 @@ cdef extern from *:
                         break;
                     }
                 }
+                /* not in the first 64 arenas: count it against bit 63, which stands for them all */
+                if (j == n) mask |= (uint64_t) 1 << 63;
             }
         }
         return mask;
