@@ -1401,8 +1401,8 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                 # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
                 failed += 1
                 engine.close()
-                if p.verbose or _debug():
-                    traceback.print_exc(file=err)
+                if p.verbose or _debug() or not isinstance(e, (GGMLErrorBase, OSError, MemoryError)):
+                    traceback.print_exc(file=err)     # always for what is not a user's error: a bug
                 print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
                       f"{type(e).__name__}: {e}", file=err, flush=True)
             for peer in peers:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 
@@ -72,10 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (GGMLError, OSError, MemoryError) as e:
         # one clear line for what a user can cause; GGMLPY_DEBUG=1 shows the traceback
-        if os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0"):
+        from ggmlpy.benchmark import _debug, _one_line
+
+        if _debug():
             traceback.print_exc()
-        first = (str(e).strip().splitlines() or [""])[0]
-        print(f"ggmlpy {args.command}: error: {type(e).__name__}: {first}", file=sys.stderr)
+        print(f"ggmlpy {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
 
 

@@ -50,7 +50,7 @@ import numpy as np
 from ggmlpy import _core
 from ggmlpy._core import GGMLError, GGMLTypeError, GGUFError, Type
 
-__all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "GGUFError", "GGUFReader", "GGUFWriter", "MetadataError",
+__all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "GGUFError", "GGUFKeyError", "GGUFReader", "GGUFWriter", "MetadataError",
            "MetadataTypeError", "TensorInfo", "ValueType", "meta_float", "meta_int", "meta_str"]
 
 ValueType = _core.GGUFValueType
@@ -104,6 +104,10 @@ class TensorInfo:
 
 
 # --- typed metadata ----------------------------------------------------------------
+
+class GGUFKeyError(KeyError, GGMLError):
+    """A metadata key or tensor name the file does not have (``reader[key]``, ``tensor_info``...)."""
+
 
 class MetadataError(GGUFError):
     """A metadata value of a GGUF file is missing, malformed or out of range.
@@ -394,14 +398,14 @@ class GGUFReader:
         try:
             return self._types[key][0]
         except KeyError:
-            raise KeyError(f"{self.path} has no metadata key {key!r}") from None
+            raise GGUFKeyError(f"{self.path} has no metadata key {key!r}") from None
 
     def arr_type(self, key: str) -> ValueType | None:
         """The element ValueType of the array ``key``; None if ``key`` is not an array."""
         try:
             return self._types[key][1]
         except KeyError:
-            raise KeyError(f"{self.path} has no metadata key {key!r}") from None
+            raise GGUFKeyError(f"{self.path} has no metadata key {key!r}") from None
 
     # tensors
     def __contains__(self, name: object) -> bool:
@@ -412,7 +416,7 @@ class GGUFReader:
         try:
             return self._by_name[name]
         except KeyError:
-            raise KeyError(f"{self.path} has no tensor {name!r} ({len(self.tensors)} tensors)") from None
+            raise GGUFKeyError(f"{self.path} has no tensor {name!r} ({len(self.tensors)} tensors)") from None
 
     def tensor_data(self, name: str, copy: bool = False) -> np.ndarray:
         """The data of tensor ``name``: a read-only view of the mapped file, or with ``copy=True`` a copy.

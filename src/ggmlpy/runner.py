@@ -47,11 +47,16 @@ from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
 
-__all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", "Runner", "RunnerError", "TokenEvent"]
+__all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", "RequestTimeout", "Runner",
+           "RunnerError", "TokenEvent"]
 
 log = logging.getLogger("ggmlpy")
 
 _CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0}
+
+
+class RequestTimeout(TimeoutError, GGMLError):
+    """:meth:`Handle.result` waited ``timeout`` seconds and the request is still running."""
 
 
 class RunnerError(RuntimeError, GGMLError):
@@ -133,7 +138,7 @@ class Handle:
     def result(self, timeout: Optional[float] = None) -> Completion:
         """Wait for the request to end and return its :class:`Completion` (errors re-raised)."""
         if not self._seq.finished.wait(timeout):
-            raise TimeoutError("request still running")
+            raise RequestTimeout(f"result: the request is still running after {timeout} s")
         r = self._seq.result
         if r.done_reason == DoneReason.ERROR:
             raise RunnerError(f"request failed: {r.error}") from r.error
@@ -336,7 +341,10 @@ class Runner:
             self._reserve()
         except BaseException as e:
             self._closing = True
-            self._free()
+            try:
+                self._free()
+            except Exception:                # the start's own error is the one to report
+                log.exception("runner: cleanup after a failed start failed too")
             if isinstance(e, MemoryError) and not isinstance(e, GGMLError):
                 # numpy (host arrays sized from n_ctx) ran out: the same error as a device allocation
                 raise GGMLMemoryError(f"runner: host memory ran out while reserving for n_ctx={self.n_ctx}, "
@@ -460,7 +468,11 @@ class Runner:
             self.graphs_built += 1
         # Metadata is committed when the graph exists; the cells are written when it computes. A failed
         # compute clears the sequences involved (see _fail).
-        self.cache.apply(plan)
+        try:
+            self.cache.apply(plan)
+        except BaseException:
+            built.free()
+            raise
         ub.plan, ub.built = plan, built
 
     def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
@@ -470,6 +482,7 @@ class Runner:
             self.rt.sched.alloc_graph(b.graph)
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1])
         b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows)
+        ub.plan = None          # its mask is uploaded: the micro-batches of a batch must not all hold one
         self.rt.compute(b.graph)
         res = b.output.get() if len(ub.out_rows) else None
         ub.built = None
@@ -555,15 +568,19 @@ class Runner:
         and a direct call started after close() raises ClosedError.
         """
         with self._lock:
-            self._check_open(what)
-            if self._active or self._waiting:
-                raise GGMLValueError(f"{what}: requests are being served; {what}() is for direct use only")
-            while self._inflight and not self._closing:     # the loop's last batch is still computing
-                self._lock.wait()
-            self._check_open(what)
+            while True:
+                # checked again after every wait: a request may be accepted while we wait for
+                # the loop's last batch, and then the loop owns the cache
+                self._check_open(what)
+                if self._active or self._waiting:
+                    raise GGMLValueError(f"{what}: requests are being served; {what}() is for direct use only")
+                if not self._inflight:
+                    break
+                self._lock.wait()                    # the loop's last batch is still computing
             self._direct_busy += 1
         try:
             with self._engine:
+                self._check_open(what)               # close() may have come while we queued for the engine
                 yield
         finally:
             with self._lock:
@@ -573,10 +590,11 @@ class Runner:
     def _run_direct(self, toks, pos, seqs, want, embedding) -> Optional[np.ndarray]:
         rows = []
         for ub in self._split(toks, pos, seqs, want):
-            self._build(ub, embedding)
             try:
+                self._build(ub, embedding)
                 r = self._compute(ub)
             except BaseException:
+                # whatever part of the batch reached the cache is undone, as for a failed compute
                 if ub.built is not None:
                     ub.built.free()
                     ub.built = None
@@ -1186,20 +1204,24 @@ class Runner:
             self._jobs.put(None)              # after the batch it may still be computing
             if w is not threading.current_thread():
                 w.join()
-        with self._lock:
-            self.closed = True
-            pools, self._graphs = self._graphs, {}
-            steps = [b.free for pool in pools.values() for b in pool]
-            if self.rt is not None:
-                steps.append(self.rt.close)
-            steps.append(self.cache.close)
-            for step in steps:
-                try:
-                    step()
-                except Exception as e:
-                    errors.append(e)
-            self.rt = None
-        self._closed_event.set()
+        try:
+            with self._lock:
+                self.closed = True
+                pools, self._graphs = self._graphs, {}
+                steps = [b.free for pool in pools.values() for b in pool]
+                if self.rt is not None:
+                    steps.append(self.rt.close)
+                steps.append(self.cache.close)
+                for step in steps:
+                    try:
+                        step()
+                    except Exception as e:
+                        errors.append(e)
+                self.rt = None
+        finally:
+            self._closed_event.set()          # a second close() never waits forever
+        for e in errors[1:]:
+            log.error("runner: another error while freeing: %r", e)
         if errors:
             raise errors[0]
 
@@ -1219,7 +1241,8 @@ def _drop_graphs(batch: _Batch) -> None:
 
 
 def _available_host_memory() -> Optional[int]:
-    """Bytes of host memory available to this process now (Linux ``MemAvailable``), or None if unknown."""
+    """Bytes of host memory the machine has available now (Linux ``MemAvailable``; cgroup limits are not read),
+    or None if unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -31,6 +31,8 @@ from typing import Callable
 
 import numpy as np
 
+from ggmlpy._core import GGMLValueError
+
 __all__ = [
     "SIZES", "TYPES", "SyntheticConfig", "cache_dir", "parse_size", "synthetic_path",
     "tensor_specs", "write_synthetic",
@@ -109,12 +111,12 @@ _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 def _size_number(text: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMbBgGtT]?)\s*", text)
     if not m:
-        raise ValueError(
+        raise GGMLValueError(
             f"synthetic model size {text!r}: expected a name ({', '.join(SIZES)}) "
             "or a parameter count such as 110M or 1B")
     value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
     if value <= 0:
-        raise ValueError(f"synthetic model size {text!r} must be positive")
+        raise GGMLValueError(f"synthetic model size {text!r} must be positive")
     return value
 
 
@@ -149,7 +151,7 @@ def parse_size(size: str) -> str:
 def _normalize_type(type: str) -> str:
     t = str(getattr(type, "name", type)).upper()
     if t not in TYPES:
-        raise ValueError(f"synthetic model type {type!r}: expected one of {', '.join(TYPES)}")
+        raise GGMLValueError(f"synthetic model type {type!r}: expected one of {', '.join(TYPES)}")
     return t
 
 
