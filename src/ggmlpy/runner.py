@@ -325,6 +325,7 @@ class Runner:
         self._inflight = 0                     # batches launched and not yet completed
         self._direct_busy = 0
         self._graphs: dict = {}
+        self._graphs_lock = threading.Lock()
         self.reuse_graphs = bool(reuse_graphs)
         self.graphs_built = 0
         self.n_batches = 0
@@ -460,8 +461,9 @@ class Runner:
         # A graph of the same shape (tokens, outputs, visible cell range) is reused with new inputs:
         # with the visible range padded, consecutive one-token steps share one graph.
         key = (n, n_out, plan.lo, plan.hi, embedding)
-        pool = self._graphs.get(key)
-        built = pool.pop() if pool else None
+        with self._graphs_lock:                 # the compute thread returns graphs to the pools
+            pool = self._graphs.get(key)
+            built = pool.pop() if pool else None
         if built is None:
             built = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding)
             built.key = key
@@ -491,15 +493,16 @@ class Runner:
 
     def _release_graph(self, b) -> None:
         """Keep a computed graph for reuse (two per shape: one computing, one being built)."""
-        pool = self._graphs.setdefault(b.key, [])
-        if len(pool) < 2 and self.reuse_graphs:
-            pool.append(b)
-        else:
-            b.free()
-        if len(self._graphs) > 16:              # shapes seen long ago
-            for key in list(self._graphs)[:-16]:
-                for old in self._graphs.pop(key):
-                    old.free()
+        with self._graphs_lock:                 # the loop thread takes graphs from the pools meanwhile
+            pool = self._graphs.setdefault(b.key, [])
+            if len(pool) < 2 and self.reuse_graphs:
+                pool.append(b)
+            else:
+                b.free()
+            if len(self._graphs) > 16:          # shapes seen long ago
+                for key in list(self._graphs)[:-16]:
+                    for old in self._graphs.pop(key):
+                        old.free()
 
     def decode(self, tokens, seq: int = 0, logits="last", positions=None) -> Optional[np.ndarray]:
         """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
@@ -1207,7 +1210,8 @@ class Runner:
         try:
             with self._lock:
                 self.closed = True
-                pools, self._graphs = self._graphs, {}
+                with self._graphs_lock:
+                    pools, self._graphs = self._graphs, {}
                 steps = [b.free for pool in pools.values() for b in pool]
                 if self.rt is not None:
                     steps.append(self.rt.close)
