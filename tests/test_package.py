@@ -151,8 +151,9 @@ def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_
     (tmp_path / "patches").mkdir()
     (tmp_path / "patches/0001-first.patch").write_text(PATCH_OK)
     # the second patch applies only on top of the first: order matters
-    (tmp_path / "patches/0002-second.patch").write_text(PATCH_OK.replace("-/* two */\n+/* two, patched */\n+/* three */",
-                                                                          " /* two, patched */\n-/* three */\n+/* 3 */"))
+    (tmp_path / "patches/0002-second.patch").write_text(
+        PATCH_OK.replace("@@ -1,2 +1,3 @@", "@@ -1,3 +1,3 @@")
+                .replace("-/* two */\n+/* two, patched */\n+/* three */", " /* two, patched */\n-/* three */\n+/* 3 */"))
     dest = tmp_path / "src"
     fetch.fetch(dest)
     assert (dest / "include/ggml.h").read_text() == "/* one */\n/* two, patched */\n/* 3 */\n"
@@ -161,6 +162,12 @@ def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_
     (tmp_path / "patches/0003-stale.patch").write_text(PATCH_OK.replace("/* one */", "/* gone */"))
     dest2 = tmp_path / "src2"
     with pytest.raises(fetch.FetchError, match="0003-stale.patch does not apply: hunk 1 of include/ggml.h"):
+        fetch.fetch(dest2)
+    assert not dest2.exists()
+    # A patch cut short inside a hunk (fewer lines than its header says) is refused, not half-applied.
+    (tmp_path / "patches/0003-stale.patch").unlink()
+    (tmp_path / "patches/0003-cut.patch").write_text(PATCH_OK.replace("@@ -1,2 +1,3 @@", "@@ -1,2 +1,4 @@"))
+    with pytest.raises(fetch.FetchError, match="0003-cut.patch: hunk .* says 2/4"):
         fetch.fetch(dest2)
     assert not dest2.exists()
 

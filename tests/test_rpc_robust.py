@@ -54,6 +54,27 @@ def fake_server(mode):
                 c.sendall(struct.pack("<Q", 28) + bytes([5, 0])); return
             # the rest pass HELLO (so ggml's own client meets the fault) and misbehave on the next command
             c.sendall(HELLO_REPLY)
+            if mode.startswith("impossible-"):
+                # well-framed replies with values no ggml server sends
+                while True:
+                    head = c.recv(9, socket.MSG_WAITALL)
+                    if len(head) < 9: return
+                    n = struct.unpack("<Q", head[1:])[0]
+                    if n: c.recv(n, socket.MSG_WAITALL)
+                    cmd = head[0]
+                    if cmd == 15:                       # DEVICE_COUNT
+                        count = 10**6 if mode == "impossible-devices" else 1
+                        c.sendall(struct.pack("<QI", 4, count))
+                    elif cmd == 1:                      # GET_ALIGNMENT
+                        c.sendall(struct.pack("<QQ", 8, 3 if mode == "impossible-alignment" else 32))
+                    elif cmd == 2:                      # GET_MAX_SIZE
+                        c.sendall(struct.pack("<QQ", 8, 1 << 30))
+                    elif cmd == 11:                     # GET_DEVICE_MEMORY
+                        c.sendall(struct.pack("<QQQ", 16, 1 << 30, 1 << 30))
+                    elif cmd == 0:                      # ALLOC_BUFFER: a buffer smaller than asked for
+                        c.sendall(struct.pack("<QQQ", 16, 4096, 16))
+                    else:
+                        return
             if not c.recv(9): return
             if mode == "then-close":
                 c.close()
@@ -177,6 +198,58 @@ try:
         s.compute(gf)
         return y.get()
 '''
+
+
+@pytest.mark.parametrize("mode", ["impossible-devices", "impossible-alignment", "impossible-buffer"])
+def test_replies_no_ggml_server_sends_raise(mode):
+    # Well framed, but values ggml's allocators would abort on (alignment 3, a buffer smaller than
+    # asked for) or a device count that kept the client busy for minutes: malformed replies.
+    _run(f'''
+gp.rpc_set_timeout(5)
+ep, srv = fake_server("{mode}")
+t0 = time.perf_counter()
+if "{mode}" == "impossible-buffer":
+    dev = gp.rpc_add_server(ep, timeout=5.0)[0]
+    expect_rpc_error(lambda: dev.buffer_type().alloc_buffer(1 << 20), ep, timeout=False)
+else:
+    expect_rpc_error(lambda: gp.rpc_add_server(ep, timeout=5.0), ep, timeout=False)
+assert time.perf_counter() - t0 < 10
+cpu_still_works()
+srv.close()
+print("survived")
+''')
+
+
+def test_threads_sharing_one_server_keep_its_connection(fresh_rpc_server):
+    # ggml's client has one connection per server; two threads talking to it at once interleaved
+    # their bytes ("malformed reply") and lost the connection with every buffer on it.
+    ep, _ = fresh_rpc_server
+    _run(f'''
+dev = gp.rpc_add_server("{ep}")[0]
+be = dev.init()
+ctx = gp.Context.for_tensors(1, no_alloc=True)
+t = ctx.new_tensor(gp.Type.F32, (4096,))
+buf = gp.alloc_ctx_tensors(ctx, be)
+t.set(np.arange(4096, dtype=np.float32))
+errors = []
+def reader():
+    try:
+        for _ in range(300):
+            assert t.get()[4095] == 4095.0
+    except BaseException as e:
+        errors.append(e)
+def asker():
+    try:
+        for _ in range(300):
+            dev.memory()
+    except BaseException as e:
+        errors.append(e)
+ts = [threading.Thread(target=f) for f in (reader, asker, reader, asker)]
+for th in ts: th.start()
+for th in ts: th.join(120)
+assert not errors, errors[:2]
+print("survived")
+''')
 
 
 def test_server_killed_during_compute_raises_and_the_process_goes_on():

@@ -116,7 +116,10 @@ def _parse_patch(text: str, name: str) -> list[tuple[str, list[tuple[int, list[s
             if not files:
                 raise FetchError(f"{name}: a hunk before any file header")
             try:
-                old_start = int(line.split()[1][1:].split(",")[0])
+                old_range, new_range = line.split()[1][1:], line.split()[2][1:]
+                old_start = int(old_range.split(",")[0])
+                old_len = int(old_range.split(",")[1]) if "," in old_range else 1
+                new_len = int(new_range.split(",")[1]) if "," in new_range else 1
             except (IndexError, ValueError):
                 raise FetchError(f"{name}: malformed hunk header {line!r}") from None
             old: list[str] = []
@@ -132,6 +135,10 @@ def _parse_patch(text: str, name: str) -> list[tuple[str, list[tuple[int, list[s
                 if tag in (" ", "+"):
                     new.append(rest)
                 i += 1
+            if len(old) != old_len or len(new) != new_len:
+                # a patch cut short (or edited by hand) must not half-apply
+                raise FetchError(f"{name}: hunk {line.strip()!r} has {len(old)}/{len(new)} lines, its header "
+                                 f"says {old_len}/{new_len}")
             files[-1][1].append((old_start, old, new))
             continue
         i += 1
@@ -147,8 +154,14 @@ def apply_patch(patch: Path, root: Path) -> None:
         target = root / rel
         if ".." in Path(rel).parts or not target.is_file():
             raise FetchError(f"{patch.name}: {rel} is not a file of the ggml tree")
-        text = target.read_text()
-        lines = out.get(target) or text.splitlines()
+        # split on "\n" only (str.splitlines would also split form feeds and turn CRLF into LF)
+        with open(target, encoding="utf-8", newline="") as f:
+            text = f.read()
+        lines = out.get(target)
+        if lines is None:
+            lines = text.split("\n")
+            if text.endswith("\n"):
+                lines.pop()
         offset = 0
         for k, (start, old, new) in enumerate(hunks, 1):
             at = start - 1 + offset
@@ -165,7 +178,8 @@ def apply_patch(patch: Path, root: Path) -> None:
             offset = at + len(new) - (start - 1) - len(old)
         out[target] = lines
     for target, lines in out.items():
-        target.write_text("\n".join(lines) + "\n")
+        with open(target, "w", encoding="utf-8", newline="") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 def apply_patches(root: Path, patches: list[Path]) -> None:

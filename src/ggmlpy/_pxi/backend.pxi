@@ -76,6 +76,12 @@ cdef class Device:
     def memory(self):
         """``(free, total)`` bytes of device memory, as the backend reports it now."""
         cdef size_t free_b = 0, total_b = 0
+        if self.rpc_endpoint is None:
+            # a local device asks no server: a failure recorded earlier is not this call's
+            with nogil:
+                g.ggml_backend_dev_memory(self.ptr, &free_b, &total_b)
+            return free_b, total_b
+        _rpc_discard()
         with nogil:
             g.ggml_backend_dev_memory(self.ptr, &free_b, &total_b)
         _rpc_check("dev_memory", self.rpc_endpoint)
@@ -218,8 +224,14 @@ cdef class BufferType:
 
     def alloc_size(self, Tensor t not None):
         """Bytes ``t`` takes in this buffer type (may exceed ``t.nbytes`` for padded layouts)."""
+        cdef size_t n
         _arg(t, "alloc_size", "t")
-        return g.ggml_backend_buft_get_alloc_size(self.ptr, t.ptr)
+        if self.endpoint is None:
+            return g.ggml_backend_buft_get_alloc_size(self.ptr, t.ptr)
+        _rpc_discard()                   # an RPC buffer type may ask its server
+        n = g.ggml_backend_buft_get_alloc_size(self.ptr, t.ptr)
+        _rpc_check("alloc_size", self.endpoint)
+        return n
 
     def alloc_buffer(self, size_t size):
         """A new Buffer of ``size`` bytes.

@@ -586,7 +586,8 @@ def rpc_set_timeout(seconds):
     if not (0.0 <= s <= 4.2e6):
         raise GGMLValueError(f"rpc_set_timeout: seconds must be in [0, 4.2e6] or None (got {seconds!r})")
     _rpc_timeout = s
-    g.ggml_backend_rpc_set_timeout_ms(<uint32_t> (s * 1000.0 + 0.5) if s > 0 else 0)
+    # a positive limit never rounds to 0 ms, which would mean no limit
+    g.ggml_backend_rpc_set_timeout_ms(max(1, <uint32_t> (s * 1000.0 + 0.5)) if s > 0 else 0)
 
 
 def rpc_get_timeout():
@@ -627,7 +628,8 @@ cdef int _rpc_check(str op, object endpoint=None) except -1:
 
 
 cdef void _rpc_discard() noexcept nogil:
-    # After freeing: memory on a lost server is gone with it, nothing to report.
+    # Forget a recorded failure: after freeing (memory on a lost server is gone with it), or before a
+    # call whose own failure must not be confused with an earlier one.
     cdef char ep[8]
     g.ggml_backend_rpc_take_error(ep, sizeof(ep))
 
