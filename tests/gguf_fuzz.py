@@ -162,10 +162,11 @@ def _put(buf: bytes, pos: int, b: bytes) -> bytes:
 EDGES = [0, 1, 2, 3, 4, 5, 63, 64, 255, 2**16, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**62, 2**63 - 1, 2**63,
          2**64 - 1]
 
+# "tokenid" (a special token id outside the vocabulary) may load: like llama.cpp, the loader drops
+# such an id with a warning; it can never be sampled
 STRUCTURAL = ["truncate", "flip", "bytes", "insert", "delete", "count", "strlen", "arrlen", "dupkey",
-              "duptensor", "offset", "ndims", "ttype", "kvtype", "ne", "data"]
-SEMANTIC = ["count-1", "eps", "block_count", "retype", "hparam", "wrongtype", "droptensor", "rename", "nan",
-            "tokenid"]
+              "duptensor", "offset", "ndims", "ttype", "kvtype", "ne", "data", "tokenid"]
+SEMANTIC = ["count-1", "eps", "block_count", "retype", "hparam", "wrongtype", "droptensor", "rename", "nan"]
 
 
 def make_case(base: bytes, hdr: Header, seed: int, i: int) -> tuple[str, str, bytes, bool]:

@@ -106,14 +106,30 @@ def test_rms_eps_must_be_finite_and_in_range(edit, value):
 @pytest.mark.parametrize("key,value,t", [
     ("llama.rope.freq_base", math.nan, 6), ("llama.rope.freq_base", 0.0, 6),
     ("llama.context_length", 2**31, 4), ("llama.context_length", 0, 4),
-    ("llama.vocab_size", 2**31 - 1, 4), ("tokenizer.ggml.bos_token_id", 512, 4),
-    ("tokenizer.ggml.eos_token_id", 2**32 - 1, 4), ("llama.rope.scaling.factor", math.inf, 6),
+    ("llama.vocab_size", 2**31 - 1, 4), ("llama.rope.scaling.factor", math.inf, 6),
 ])
 def test_out_of_range_values_name_their_key(edit, key, value, t):
     path = edit(set_kv(key, t, value))
     with pytest.raises(MetadataError) as e:
         load_model(path)
     assert e.value.key == key and str(path) in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("key,value", [("tokenizer.ggml.bos_token_id", 512), ("tokenizer.ggml.eos_token_id", 2**32 - 1)])
+def test_special_token_ids_outside_the_vocabulary_are_dropped_with_a_warning(edit, key, value, caplog):
+    # as llama.cpp ("bad special token ... using default"): the id could never be sampled, and it is
+    # never used as an input
+    path = edit(set_kv(key, 4, value))
+    with caplog.at_level("WARNING", logger="ggmlpy"):
+        model = load_model(path)
+    try:
+        assert key in caplog.text and "outside the vocabulary" in caplog.text
+        if "bos" in key:
+            assert model.config.bos_token_id is None
+        else:
+            assert value not in model.config.eos_token_ids
+    finally:
+        model.close()
 
 
 @pytest.mark.parametrize("key,value,tensor", [

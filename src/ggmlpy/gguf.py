@@ -13,7 +13,7 @@ Reading::
         arch = r.get("general.architecture")
         for t in r.tensors:                  # TensorInfo(name, type, ne, offset, nbytes)
             a = r.tensor_data(t.name)        # read-only, memory-mapped, no copy
-            b = r.tensor_data(t.name, copy=True)   # a private copy (safe if the file changes)
+            b = r.tensor_data(t.name, copy=True)   # a private copy (no SIGBUS if the file is truncated later)
 
 Writing::
 
@@ -432,8 +432,10 @@ class GGUFReader:
         name : str
         copy : bool
             False (default): no copy; the array is a view of a memory map of the
-            file. True: the bytes are read (``pread``) into a new writable array
-            that does not depend on the file afterwards.
+            file. True: the bytes are read (the file is opened again by its path)
+            into a new writable array that does not depend on the file afterwards;
+            if the file was replaced since the reader opened it, this reads the
+            new file at the old offsets.
 
         Warnings
         --------

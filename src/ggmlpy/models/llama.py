@@ -21,6 +21,7 @@ rows are permuted so that ggml's "normal" RoPE (adjacent pairs) applies; for
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -46,6 +47,8 @@ __all__ = ["ARCHITECTURES", "BuiltGraph", "LlamaConfig", "LlamaModel", "MissingT
            "load_model"]
 
 #: Supported ``general.architecture`` values and their RoPE layout.
+_log = logging.getLogger("ggmlpy")
+
 ARCHITECTURES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
 
 # llama.cpp's LLAMA_FTYPE numbers (general.file_type) and the names llama-bench prints.
@@ -174,8 +177,17 @@ class LlamaConfig:
             raise GGMLValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn)")
         n_ctx_orig = geti("rope.scaling.original_context_length", n_ctx_train, lo=1, hi=_MAX_CTX)
         window = geti("attention.sliding_window", 0, lo=0, hi=_MAX_CTX) or None
-        # token ids index the embedding rows: one out of range would make get_rows read outside it
-        tok = {k: geti("", None, lo=0, hi=vocab - 1, full=f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "bos")}
+        # A special token id outside the vocabulary is dropped with a warning, as llama.cpp does
+        # ("bad special token"): it could never be sampled, and as input it would index past the
+        # embedding rows.
+        tok = {}
+        for k in ("eos", "eot", "bos"):
+            v = geti("", None, lo=0, full=f"tokenizer.ggml.{k}_token_id")
+            if v is not None and v >= vocab:
+                _log.warning("%s: tokenizer.ggml.%s_token_id = %d is outside the vocabulary of %d; ignored",
+                             path, k, v, vocab)
+                v = None
+            tok[k] = v
         eos_ids = () if tok["eos"] is None else (tok["eos"],)
         if tok["eot"] is not None and tok["eot"] not in eos_ids:
             eos_ids += (tok["eot"],)
@@ -351,6 +363,10 @@ class LlamaModel:
         got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
         if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
             raise MissingTensor(f"{self.path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
+        if info.type in (Type.I8, Type.I16, Type.I32, Type.I64):
+            # no matrix op takes integer weights; ggml would refuse the graph much later
+            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}: weights must be float or "
+                                f"quantized")
         if types is not None and info.type not in types:
             raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected "
                                 f"{'/'.join(t.name for t in types)}")
@@ -365,10 +381,12 @@ class LlamaModel:
         is called as data arrives.
 
         A few rows of every tensor are decoded first and must be finite, with
-        magnitudes some model could have (see :func:`_check_sample`): data of
-        another type re-labelled (F16 as BF16 has the same size, so the file's
-        layout cannot show it) or NaN/inf weights are an error, not garbage
-        output. ``check_tensors=True`` checks every row for non-finite values
+        magnitudes some model could have (see :func:`_check_sample`): NaN/inf
+        weights, and F16 data re-labelled as BF16 at typical weight scales
+        (median |w| below about 0.2; the two types have the same size, so the
+        file's layout cannot show it), are an error, not garbage output. The
+        other direction (BF16 read as F16) and re-labelled quantized types of
+        the same block size are not detected. ``check_tensors=True`` checks every row for non-finite values
         too (as llama.cpp's ``--check-tensors``; it decodes the whole model, so
         it costs about one more pass over the data).
 
