@@ -1096,8 +1096,7 @@ class Runner:
                     self._abandon(e)
                     if not isinstance(e, Exception) or self._closing:
                         return
-                    if not self._waiting:
-                        self._lock.wait(timeout=0.5)      # an error that repeats must not spin a core
+                    self._lock.wait(timeout=0.5)          # an error that repeats must not spin a core
 
     def _abandon(self, error: BaseException) -> None:
         """After a failed round: wait for the compute in flight, then end every request with ``error`` (lock held)."""

@@ -291,8 +291,9 @@ cdef class Buffer:
     def __dealloc__(self):
         if self.ptr != NULL:
             if _rpc_gone(self.owner):
-                # ggml's RPC client aborts the process when freeing memory on a
-                # server that died; the memory died with it, so let it go.
+                # an unpatched ggml RPC client aborts the process when freeing memory
+                # on a server that died; the memory died with it, so let it go
+                # (never taken with vendor/ggml/patches/0001: see _rpc_gone)
                 self.ptr = NULL
                 _debug_count_nogil(2)
                 return

@@ -162,7 +162,8 @@ cdef class Scheduler(_Allocator):
             _debug_count_nogil(4)
 
     cdef bint _servers_gone(self) except -1:
-        # Freeing compute buffers on a dead RPC server aborts in ggml: leak them instead.
+        # Freeing compute buffers on a dead RPC server aborts an unpatched ggml client: leak them
+        # instead (with our patch, vendor/ggml/patches/0001, nothing is ever skipped: see _rpc_gone).
         for b in self.backends:
             if _rpc_gone(b):
                 return True
