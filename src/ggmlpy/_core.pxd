@@ -25,7 +25,6 @@ cdef class _CtxBase:
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
     cdef int _refuse_busy(self, str op) except -1
-    cdef int _start_moving(self, Graph graph, str op) except -1
     cdef void _release(self) noexcept
     cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1
 
