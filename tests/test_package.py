@@ -121,6 +121,40 @@ def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypat
     assert not dest2.exists()
 
 
+def test_fetch_extracts_a_nested_subfolder(tmp_path, monkeypatch):
+    # The pin's subfolder may be a path (llama-cpp-python: vendor/llama.cpp/ggml).
+    fetch = _load_fetch()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        for name, data in {"pkg-1.0/vendor/llama.cpp/ggml/CMakeLists.txt": b"project(x)\n",
+                           "pkg-1.0/vendor/llama.cpp/ggml/src/a.c": b"/* */\n",
+                           "pkg-1.0/vendor/llama.cpp/src/llama.cpp": b"not extracted\n",
+                           "pkg-1.0/ggml/CMakeLists.txt": b"not extracted\n"}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    archive = tmp_path / "pkg-1.0.tar.gz"
+    archive.write_bytes(buf.getvalue())
+    good = hashlib.sha256(archive.read_bytes()).hexdigest()
+    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\n"
+                                  f"subfolder = vendor/llama.cpp/ggml\n")
+    monkeypatch.setattr(fetch, "HERE", tmp_path)
+
+    def fake_download(pin, into):
+        target = Path(into) / archive.name
+        target.write_bytes(archive.read_bytes())
+        return target
+
+    monkeypatch.setattr(fetch, "download", fake_download)
+    dest = tmp_path / "src"
+    fetch.fetch(dest)
+    assert (dest / "CMakeLists.txt").read_bytes() == b"project(x)\n"
+    assert (dest / "src/a.c").exists()
+    assert sorted(p.name for p in dest.iterdir()) == [".ggmlpy-patches", "CMakeLists.txt", "src"]
+    assert not fetch._inside("pkg-1.0/vendor/llama.cpp/ggml2/x", "vendor/llama.cpp/ggml")
+    assert not fetch._inside("pkg-1.0/vendor/../ggml/x", "vendor/../ggml")
+
+
 PATCH_OK = """Header: why and what upstream does.
 
 --- a/include/ggml.h

@@ -1,7 +1,8 @@
 """Fetch ggml's source for the build from the pinned registry package.
 
 Reads ``PIN`` beside this file (package, version, sha256, subfolder), downloads
-that sdist with pip, checks its sha256, extracts only ``subfolder/``, applies
+that sdist with pip, checks its sha256, extracts only ``subfolder/`` (a path
+inside the sdist's top folder, possibly nested), applies
 our patches (``patches/NNNN-*.patch`` beside this file, in name order; each
 says in its header why it exists) and moves the result into ``src/`` beside
 this file. A patch that does not apply stops the fetch and leaves no tree.
@@ -214,8 +215,12 @@ def extract(archive: Path, subfolder: str, dest: Path, patches: list[Path] = ())
 
 
 def _inside(name: str, subfolder: str) -> bool:
-    parts = name.split("/")
-    return len(parts) >= 2 and parts[1] == subfolder and ".." not in parts
+    # subfolder may be nested ("vendor/llama.cpp/ggml"); the archive's first
+    # component is its top folder (e.g. "pkg-1.0/").
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    sub = [p for p in subfolder.split("/") if p not in ("", ".")]
+    return (len(parts) >= 1 + len(sub) and parts[1:1 + len(sub)] == sub
+            and ".." not in parts and ".." not in sub)
 
 
 def fetch(dest: Path, force: bool = False) -> Path:
