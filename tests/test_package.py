@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_versions():
     assert ggmlpy.__version__ == "0.1.0"
     pin = (ROOT / "vendor/ggml/PIN").read_text()
-    assert "version = 0.20.2.post1" in pin
-    # The pinned sdist's ggml folder is ggml 0.20.2.
-    assert ggmlpy.ggml_version() == "0.20.2"
+    assert "package = llama-cpp-python" in pin and "version = 0.3.36" in pin
+    # The pinned sdist's vendor/llama.cpp/ggml folder is ggml 0.25.3.
+    assert ggmlpy.ggml_version() == "0.25.3"
 
 
 def test_system_info_lists_cpu():
@@ -37,7 +37,7 @@ def test_system_info_lists_cpu():
 
 def test_cli_info_runs():
     out = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "info"], capture_output=True, text=True, check=True)
-    assert "ggml 0.20.2" in out.stdout and "CPU" in out.stdout
+    assert "ggml 0.25.3" in out.stdout and "CPU" in out.stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF check")

@@ -10,7 +10,7 @@ from ggmlpy._version import __version__
 
 
 def ggml_version() -> str:
-    """The version of the ggml ggmlpy was built with (``'0.20.2'``)."""
+    """The version of the ggml ggmlpy was built with (``'0.25.3'``)."""
     return _core._ggml_version()[0]
 
 
