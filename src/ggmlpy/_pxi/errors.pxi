@@ -99,6 +99,58 @@ _log = logging.getLogger("ggmlpy")
 cdef int _log_min_level = g.GGML_LOG_LEVEL_WARN
 cdef int _log_last_level = g.GGML_LOG_LEVEL_INFO
 
+cdef extern from "Python.h":
+    void * PyGILState_GetThisThreadState() nogil
+
+# Messages from threads Python never saw (ggml's own: the RPC client's dispatcher thread,
+# which logs while the Python thread that waits for it holds the GIL). Taking the GIL there
+# would deadlock, so they wait here, in order, and are logged by the next Python thread that
+# logs or checks an RPC call (_log_drain). Entries: level byte, text, NUL.
+cdef enum:
+    _LOG_PEND_SIZE = 16384
+cdef char _log_pend[_LOG_PEND_SIZE]
+cdef size_t _log_pend_len = 0
+cdef size_t _log_pend_dropped = 0
+cdef PyThread_type_lock _log_pend_lock = PyThread_allocate_lock()
+
+
+cdef void _log_pend_add(int lvl, const char * text) noexcept nogil:
+    global _log_pend_len, _log_pend_dropped
+    cdef size_t n = strlen(text)
+    PyThread_acquire_lock(_log_pend_lock, WAIT_LOCK)
+    if _log_pend_len + n + 2 <= _LOG_PEND_SIZE:
+        _log_pend[_log_pend_len] = <char> lvl
+        memcpy(&_log_pend[_log_pend_len + 1], text, n)
+        _log_pend[_log_pend_len + 1 + n] = 0
+        _log_pend_len += n + 2
+    else:
+        _log_pend_dropped += 1
+    PyThread_release_lock(_log_pend_lock)
+
+
+cdef int _log_drain() except -1:
+    global _log_pend_len, _log_pend_dropped
+    if _log_pend_len == 0:
+        return 0
+    PyThread_acquire_lock(_log_pend_lock, WAIT_LOCK)
+    data = PyBytes_FromStringAndSize(_log_pend, _log_pend_len)
+    dropped = _log_pend_dropped
+    _log_pend_len = 0
+    _log_pend_dropped = 0
+    PyThread_release_lock(_log_pend_lock)
+    for entry in data.split(b"\0")[:-1]:
+        _log_emit(entry[0], entry[1:])
+    if dropped:
+        _log.warning("%d ggml log messages from ggml's own threads were dropped", dropped)
+    return 0
+
+
+cdef void _log_emit(int lvl, bytes text):
+    msg = text.decode("utf-8", "replace").rstrip("\n")
+    if msg:
+        _log.log({1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING}.get(lvl, logging.ERROR), msg)
+
+
 cdef void _log_cb(g.ggml_log_level level, const char * text, void * user) noexcept nogil:
     global _log_last_level
     cdef int lvl = level
@@ -108,12 +160,14 @@ cdef void _log_cb(g.ggml_log_level level, const char * text, void * user) noexce
         _log_last_level = lvl
     if lvl < _log_min_level or text == NULL:
         return
+    if PyGILState_GetThisThreadState() == NULL:
+        _log_pend_add(lvl, text)
+        return
     with gil:
         # An exception here (a broken handler on the logger) cannot reach ggml: Cython reports it
         # through sys.unraisablehook, never silently.
-        msg = text.decode("utf-8", "replace").rstrip("\n")
-        if msg:
-            _log.log({1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING}.get(lvl, logging.ERROR), msg)
+        _log_drain()
+        _log_emit(lvl, text)
 
 
 cdef void _abort_cb(const char * message) noexcept nogil:
