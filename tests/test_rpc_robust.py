@@ -25,7 +25,7 @@ import os, signal, socket, struct, subprocess, sys, threading, time
 import numpy as np
 import ggmlpy as gp
 
-HELLO_REPLY = struct.pack("<Q", 28) + bytes([5, 0, 0, 0]) + bytes(24)   # protocol 5.0.0, plain TCP
+HELLO_REPLY = struct.pack("<Q", 28) + bytes([7, 0, 0, 0]) + bytes(24)   # protocol 7.0.0 (ggml 0.25), plain TCP
 
 def fake_server(mode):
     """A TCP server on a free loopback port that speaks something else than ggml RPC."""
@@ -51,7 +51,7 @@ def fake_server(mode):
             if mode == "version":
                 c.sendall(struct.pack("<Q", 28) + bytes([9, 0, 0, 0]) + bytes(24)); return
             if mode == "half":
-                c.sendall(struct.pack("<Q", 28) + bytes([5, 0])); return
+                c.sendall(struct.pack("<Q", 28) + bytes([7, 0])); return
             # the rest pass HELLO (so ggml's own client meets the fault) and misbehave on the next command
             c.sendall(HELLO_REPLY)
             if mode.startswith("impossible-"):

@@ -615,6 +615,7 @@ cdef int _rpc_check(str op, object endpoint=None) except -1:
     # Raise for an RPC failure this thread met since the last check.
     cdef char ep[96]
     cdef int kind = g.ggml_backend_rpc_take_error(ep, sizeof(ep))
+    _log_drain()   # what the RPC client's own thread logged about it
     if kind == 0:
         return 0
     where = ep.decode("utf-8", "replace") or endpoint
@@ -669,7 +670,8 @@ def _parse_endpoint(str endpoint, bint server=False):
     return addr, int(port)
 
 
-# HELLO as the pinned ggml's client sends it: command byte 14, an 8-byte size,
+# HELLO as the pinned ggml's client sends it (unchanged from ggml 0.20 to 0.25; the
+# protocol version, 7 in ggml 0.25.3, comes from ggml-rpc.h): command byte 14, an 8-byte size,
 # rpc_msg_hello_req (24 bytes of transport capabilities, zero: plain TCP). The
 # reply is an 8-byte size then rpc_msg_hello_rsp (major, minor, patch, pad, 24
 # bytes of capabilities). Mirrors ggml-rpc.cpp; test_rpc_robust checks it
