@@ -417,7 +417,7 @@ cdef class _CtxOps(_CtxBase):
         return _res(self, g.ggml_top_k(self.ptr, a.ptr, k), a)
 
     def clamp(self, Tensor a, float min, float max):
-        """Clamp to ``[min, max]`` (f32/f16). Note: like ggml_clamp, the result is a view that writes into ``a``."""
+        """Clamp to ``[min, max]`` (f32/f16): a new tensor; ``a`` is left as it is (ggml >= 0.25)."""
         _unary(self, a, "clamp", M_F32_F16, 2)
         return _res(self, g.ggml_clamp(self.ptr, a.ptr, min, max), a)
 
