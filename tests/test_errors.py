@@ -376,6 +376,7 @@ def _rope_a(c):
     ("reshape", lambda c, s: c.reshape(s.new_tensor(Q8_0, (32, 2)), (16, 4)), ["block size"]),
     ("cont", lambda c, s: c.cont(s.new_tensor(F32, (4, 3)), (5, 2)), ["different number of elements"]),
     ("glu", lambda c, s: c.glu(s.new_tensor(F32, (4, 3)), 3), ["SWIGLU_OAI"]),
+    ("glu", lambda c, s: c.glu(s.new_tensor(F32, (4, 3)), 6), ["SWIGLU_CLAMP"]),
     ("glu", lambda c, s: c.swiglu(s.new_tensor(F32, (5, 3))), ["a.ne[0] must be even"]),
     ("concat", lambda c, s: c.concat(s.new_tensor(F32, (4, 3)), s.new_tensor(F32, (4, 3)), 4), ["dim must be in [0, 4)"]),
     ("diag_mask_inf", lambda c, s: c.diag_mask_inf(s.new_tensor(F32, (4, 4)), -1), ["n_past must be >= 0"]),
@@ -735,3 +736,17 @@ def test_message_shapes_are_ggml_order(env):
     b = c.from_numpy(np.zeros((2, 5), np.float32))
     msg = expect(env, GGMLValueError, "mul_mat", lambda: c.mul_mat(a, b))
     assert ne(3, 2) in msg and ne(5, 2) in msg
+
+
+def test_set_input_refuses_a_computed_tensor():
+    # ggml 0.25 asserts (aborts) in ggml_set_input unless the tensor is a leaf
+    import ggmlpy as gp
+
+    ctx = gp.Context.for_tensors(8, no_alloc=True)
+    a = ctx.new_tensor(gp.Type.F32, (4,))
+    a.set_input()
+    b = ctx.add(a, a)
+    with pytest.raises(gp.GGMLValueError, match="leaf"):
+        b.set_input()
+    with pytest.raises(gp.GGMLValueError, match="leaf"):
+        ctx.reshape(a, (2, 2)).set_input()

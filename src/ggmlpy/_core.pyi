@@ -65,6 +65,7 @@ class GluOp(enum.IntEnum):
     SWIGLU_OAI = 3
     GEGLU_ERF = 4
     GEGLU_QUICK = 5
+    SWIGLU_CLAMP = 6
 
 class Op(enum.IntEnum):
     NONE = 0

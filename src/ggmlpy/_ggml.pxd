@@ -86,6 +86,7 @@ cdef extern from "ggml.h" nogil:
         GGML_GLU_OP_SWIGLU_OAI
         GGML_GLU_OP_GEGLU_ERF
         GGML_GLU_OP_GEGLU_QUICK
+        GGML_GLU_OP_SWIGLU_CLAMP
         GGML_GLU_OP_COUNT
 
     enum ggml_log_level:

@@ -594,8 +594,9 @@ cdef class _CtxOps(_CtxBase):
         """
         cdef int o = _index(op, "glu", "op", _K_INT)
         _unary(self, a, "glu", M_F32_F16, 1)
-        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI):
-            _fail("glu", f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
+        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI and o != g.GGML_GLU_OP_SWIGLU_CLAMP):
+            # these two read parameters (alpha, limit) only their own ggml constructors set
+            _fail("glu", f"op must be a GluOp other than SWIGLU_OAI and SWIGLU_CLAMP (got {op!r})")
         if not (a.ptr.ne[0] % 2 == 0):
             _fail("glu", f"a.ne[0] must be even (got a: {_desc(a)})")
         return _res(self, g.ggml_glu(self.ptr, a.ptr, <g.ggml_glu_op> o, swapped), a)
@@ -608,8 +609,9 @@ cdef class _CtxOps(_CtxBase):
         _same_type(a, b, "glu_split", "a", "b")
         _same_shape(a, b, "glu_split", "a", "b")
         _contig1(b, "glu_split", "b")
-        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI):
-            _fail("glu_split", f"op must be a GluOp other than SWIGLU_OAI (got {op!r})")
+        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI and o != g.GGML_GLU_OP_SWIGLU_CLAMP):
+            # these two read parameters (alpha, limit) only their own ggml constructors set
+            _fail("glu_split", f"op must be a GluOp other than SWIGLU_OAI and SWIGLU_CLAMP (got {op!r})")
         return _res(self, g.ggml_glu_split(self.ptr, a.ptr, b.ptr, <g.ggml_glu_op> o), a, b)
 
     def reglu(self, Tensor a):

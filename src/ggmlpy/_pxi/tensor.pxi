@@ -283,8 +283,15 @@ cdef class Tensor:
         return self.ptr.flags
 
     def set_input(self):
-        """Mark as a graph input: allocators place it first and never reuse its memory early."""
+        """Mark as a graph input: allocators place it first and never reuse its memory early.
+
+        Only a tensor that no op computes (a leaf: ``op`` is ``NONE``) can be an input.
+        """
         self._ensure()
+        if self.ptr.op != g.GGML_OP_NONE:
+            # ggml >= 0.25 asserts (aborts) here
+            raise GGMLValueError(f"set_input: only a leaf tensor (op NONE) can be a graph input; "
+                                 f"{_desc(self)} is the result of {g.ggml_op_name(self.ptr.op).decode()}")
         g.ggml_set_input(self.ptr)
         return self
 

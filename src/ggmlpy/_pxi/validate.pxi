@@ -282,6 +282,20 @@ cdef int _ne_list(object ne, int64_t out[4], str op) except -1:
     return n
 
 
+cdef int _check_nelements(const int64_t ne[4], str op) except -1:
+    """ggml >= 0.25 asserts (aborts) unless the product of ne[0] and every ne[i] > 1 fits int64,
+    even where another dimension is 0: refuse that shape first."""
+    cdef int64_t cur = ne[0]
+    cdef int i
+    for i in range(1, 4):
+        if ne[i] > 1:
+            if not (INT64_MAX // ne[i] > cur):
+                raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large "
+                                      f"(its dimensions multiply past int64)")
+            cur *= ne[i]
+    return 0
+
+
 cdef int64_t _checked_nbytes(int t, const int64_t ne[4], str op) except -1:
     """Bytes a contiguous tensor of type t and shape ne takes, with overflow checks."""
     cdef int64_t bs = g.ggml_blck_size(<g.ggml_type> t)
@@ -293,6 +307,7 @@ cdef int64_t _checked_nbytes(int t, const int64_t ne[4], str op) except -1:
     if <double> ne[0] * _TSIZE[t] / bs > <double> limit:
         raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large")
     total = <int64_t> g.ggml_row_size(<g.ggml_type> t, ne[0])
+    _check_nelements(ne, op)
     if <double> ne[0] * ne[1] * ne[2] * ne[3] > <double> limit:
         raise GGMLMemoryError(f"{op}: tensor of ne=({ne[0]}, {ne[1]}, {ne[2]}, {ne[3]}) is too large (too many elements)")
     for i in range(1, 4):
