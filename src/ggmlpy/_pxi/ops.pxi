@@ -65,6 +65,11 @@ cdef inline int64_t _out_bytes(int t, int64_t ne0, int64_t ne1, int64_t ne2, int
     cdef double elems = <double> ne0 * <double> ne1 * <double> ne2 * <double> ne3
     if ne0 < 0 or ne1 < 0 or ne2 < 0 or ne3 < 0 or elems * _TSIZE[t] > 4.0e18:
         return -1
+    # ggml >= 0.25 asserts that ne0 times every ne[i] > 1 fits int64, even where another ne is 0
+    cdef double nonzero = <double> ne0 * (<double> ne1 if ne1 > 1 else 1.0) * (<double> ne2 if ne2 > 1 else 1.0) \
+        * (<double> ne3 if ne3 > 1 else 1.0)
+    if nonzero > 4.0e18:
+        return -1
     return <int64_t> _row_bytes(t, ne0) * ne1 * ne2 * ne3
 
 
