@@ -377,6 +377,8 @@ def _rope_a(c):
     ("cont", lambda c, s: c.cont(s.new_tensor(F32, (4, 3)), (5, 2)), ["different number of elements"]),
     ("glu", lambda c, s: c.glu(s.new_tensor(F32, (4, 3)), 3), ["SWIGLU_OAI"]),
     ("glu", lambda c, s: c.glu(s.new_tensor(F32, (4, 3)), 6), ["SWIGLU_CLAMP"]),
+    # ggml 0.25 asserts that the nonzero dimensions multiply within int64 (fuzz seeds 702438, 16558)
+    ("repeat_4d", lambda c, s: c.repeat_4d(s.new_tensor(F32, (4,)), 4, 0, 0, 1 << 62), ["2**62"]),
     ("glu", lambda c, s: c.swiglu(s.new_tensor(F32, (5, 3))), ["a.ne[0] must be even"]),
     ("concat", lambda c, s: c.concat(s.new_tensor(F32, (4, 3)), s.new_tensor(F32, (4, 3)), 4), ["dim must be in [0, 4)"]),
     ("diag_mask_inf", lambda c, s: c.diag_mask_inf(s.new_tensor(F32, (4, 4)), -1), ["n_past must be >= 0"]),
@@ -405,6 +407,8 @@ def test_huge_parameters_do_not_wrap(env):
     # sizes whose byte count overflows 64 bits are refused, not wrapped
     expect(env, GGMLMemoryError, "new_tensor", lambda: c.new_tensor(F32, (2**40, 2**40)), "too large")
     expect(env, GGMLMemoryError, "new_tensor", lambda: c.new_tensor(F32, (2**62, 4)), "too large")
+    # ggml 0.25 asserts that the nonzero dimensions multiply within int64, even with a zero one (fuzz seed 702438)
+    expect(env, GGMLMemoryError, "new_tensor", lambda: c.new_tensor(F32, (2**31, 0, 1, 2**40)), "multiply past int64")
     # C int parameters out of range: a Python error, never a silent wrap
     with pytest.raises((OverflowError, GGMLError)):
         c.top_k(env.x, 2**40)
