@@ -19,6 +19,7 @@ cdef class _CtxBase:
     cdef dict allocs          # _Allocator -> its epoch when it last gave this context's tensors memory
     cdef int busy             # running computes / device copies that read this context (GIL-protected)
     cdef int writers          # running graph operations that write its tensors (0 or 1)
+    cdef bint allocating      # alloc_ctx_tensors is walking its tensors (no new objects meanwhile)
     cdef object __weakref__
     cdef int _invalidate_dependents(self) except -1
     cdef bint _fresh(self, g.ggml_tensor * p) noexcept

@@ -462,10 +462,12 @@ def alloc_ctx_tensors(Context ctx not None, target):
                              "thread")
     held = _hold(ctx)            # the context and those its views read stay put while ggml runs
     ctx.writers += 1
+    ctx.allocating = True        # and nobody adds objects to the list ggml walks
     try:
         with nogil:
             b = g.ggml_backend_alloc_ctx_tensors_from_buft(ctx.ptr, bt.ptr)
     finally:
+        ctx.allocating = False
         ctx.writers -= 1
         _unhold(held)
     if b == NULL:

@@ -86,12 +86,17 @@ cdef class _CtxBase:
     cdef int _ensure_op(self, str op) except -1:
         if self.freed:
             raise ClosedError(f"{op}: the context has been freed")
+        if self.allocating:
+            # ggml walks the arena's object list while it allocates: appending to it now would race
+            raise GGMLValueError(f"{op}: the context's tensors are being allocated (alloc_ctx_tensors) in another "
+                                 f"thread; create tensors after it returns")
         return 0
 
     cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1:
         # ggml_new_object asserts when the arena is full; check first. Each
         # object needs its header + tensor struct + data, padded to the alignment.
         cdef size_t need = n_tensors * _TENSOR_OBJ_SIZE
+        self._ensure_op(op)
         if data_bytes < 0:
             raise GGMLValueError(f"{op}: the result would have more than 2**62 bytes or elements")
         if not self.no_alloc_:

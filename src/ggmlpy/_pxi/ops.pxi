@@ -111,6 +111,8 @@ cdef inline int _room_like(_CtxBase ctx, str op, Tensor a) except -1:
 cdef inline int _fast_room(_CtxBase ctx, str op, int64_t data_bytes) except -1:
     # The common case of _CtxBase._room for one tensor, without the method call.
     cdef size_t need = _TENSOR_OBJ_SIZE
+    if ctx.allocating:
+        return ctx._room(op, data_bytes, 1)      # which raises
     if data_bytes >= 0 and not ctx.no_alloc_:
         need += <size_t> data_bytes
     if data_bytes >= 0 and g.ggml_used_mem(ctx.ptr) + need <= ctx.mem_size:
