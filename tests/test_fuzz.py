@@ -308,6 +308,13 @@ REGRESSIONS = [
         a = ctx.from_numpy(np.ones(1, np.float32))
         ok_or_error("repeat_4d", lambda: run(ctx.repeat_4d(a, 16, 2, 3, 2**63 - 1)))
     """),
+    # NaN/inf into an i-quant: ggml's grid search aborts ("not on grid"). Expected: GGMLValueError.
+    ("iquant-non-finite", "set|quantize", """
+        x = np.resize(np.array([np.nan, np.inf, 1.0], np.float32), (2, 256))
+        t = ctx.new_tensor(Type.IQ3_XXS, (256, 2))
+        ok_or_error("set", lambda: t.set(x))
+        ok_or_error("quantize", lambda: G.quantize(x, Type.IQ3_XXS))
+    """),
 ]
 
 

@@ -12,6 +12,14 @@ cdef int _quantizable(int t, str op) except -1:
     return 0
 
 
+cdef int _finite_for(int t, object rows, str op) except -1:
+    # The i-quants search a grid for every block and abort ("not on grid") on NaN or infinity;
+    # the other quantizers pass non-finite values through.
+    if type_name(t).startswith("iq") and rows.size and not np.isfinite(rows).all():
+        raise GGMLValueError(f"{op}: {type_name(t)} cannot quantize NaN or infinite values")
+    return 0
+
+
 def quantize(array, type):
     """Quantize float rows to ``type``; returns the raw blocks as ``bytes``.
 
@@ -48,6 +56,7 @@ def quantize(array, type):
                              f"{g.ggml_blck_size(<g.ggml_type> t)}")
     rows = arr.reshape(-1, n_per_row) if arr.size else np.zeros((0, max(n_per_row, 1)), np.float32)
     n_rows = rows.shape[0] if arr.size else 0
+    _finite_for(t, rows, "quantize")
     nbytes = g.ggml_row_size(<g.ggml_type> t, n_per_row) * n_rows
     out = PyBytes_FromStringAndSize(NULL, nbytes)
     cdef char * dst = PyBytes_AS_STRING(out)

@@ -850,6 +850,8 @@ cdef int _from_float_rows(g.ggml_tensor * p, float[:, ::1] rows) except -1:
                              f"(got ne={_ne_str(p)}, nb[0]={p.nb[0]})")
     if not quant and tr.from_float_ref == NULL:
         raise GGMLTypeError(f"set: no conversion from float32 to {g.ggml_type_name(p.type).decode()}")
+    if quant:
+        _finite_for(p.type, np.asarray(rows), "set")
     with nogil:
         for i3 in range(p.ne[3]):
             for i2 in range(p.ne[2]):
