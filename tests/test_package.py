@@ -79,12 +79,15 @@ def _load_fetch():
     return mod
 
 
-def _fake_sdist(tmp_path: Path) -> Path:
+SDIST_FILES = {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
+               "pkg-1.0/ggml/include/ggml.h": b"/* */\n",
+               "pkg-1.0/other/file.txt": b"not extracted\n"}
+
+
+def _fake_sdist(tmp_path: Path, files=None) -> Path:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        for name, data in {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
-                           "pkg-1.0/ggml/include/ggml.h": b"/* */\n",
-                           "pkg-1.0/other/file.txt": b"not extracted\n"}.items():
+        for name, data in (files or SDIST_FILES).items():
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tf.addfile(info, io.BytesIO(data))
@@ -93,19 +96,19 @@ def _fake_sdist(tmp_path: Path) -> Path:
     return path
 
 
-def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypatch):
+def _pinned(tmp_path: Path, monkeypatch, files=None, subfolder="ggml"):
+    """fetch.py with HERE in tmp_path, pinned to a fake sdist of ``files`` that "download" copies."""
     fetch = _load_fetch()
-    archive = _fake_sdist(tmp_path)
+    archive = _fake_sdist(tmp_path, files)
     good = hashlib.sha256(archive.read_bytes()).hexdigest()
-    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\nsubfolder = ggml\n")
+    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\nsubfolder = {subfolder}\n")
     monkeypatch.setattr(fetch, "HERE", tmp_path)
+    monkeypatch.setattr(fetch, "download", lambda pin, into: Path(shutil.copy(archive, into)))
+    return fetch
 
-    def fake_download(pin, into):
-        target = Path(into) / archive.name
-        target.write_bytes(archive.read_bytes())
-        return target
 
-    monkeypatch.setattr(fetch, "download", fake_download)
+def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypatch):
+    fetch = _pinned(tmp_path, monkeypatch)
     dest = tmp_path / "src"
     fetch.fetch(dest)
     assert (dest / "CMakeLists.txt").read_bytes() == b"project(x)\n"
@@ -123,29 +126,11 @@ def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypat
 
 def test_fetch_extracts_a_nested_subfolder(tmp_path, monkeypatch):
     # The pin's subfolder may be a path (llama-cpp-python: vendor/llama.cpp/ggml).
-    fetch = _load_fetch()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        for name, data in {"pkg-1.0/vendor/llama.cpp/ggml/CMakeLists.txt": b"project(x)\n",
-                           "pkg-1.0/vendor/llama.cpp/ggml/src/a.c": b"/* */\n",
-                           "pkg-1.0/vendor/llama.cpp/src/llama.cpp": b"not extracted\n",
-                           "pkg-1.0/ggml/CMakeLists.txt": b"not extracted\n"}.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    archive = tmp_path / "pkg-1.0.tar.gz"
-    archive.write_bytes(buf.getvalue())
-    good = hashlib.sha256(archive.read_bytes()).hexdigest()
-    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\n"
-                                  f"subfolder = vendor/llama.cpp/ggml\n")
-    monkeypatch.setattr(fetch, "HERE", tmp_path)
-
-    def fake_download(pin, into):
-        target = Path(into) / archive.name
-        target.write_bytes(archive.read_bytes())
-        return target
-
-    monkeypatch.setattr(fetch, "download", fake_download)
+    fetch = _pinned(tmp_path, monkeypatch, {"pkg-1.0/vendor/llama.cpp/ggml/CMakeLists.txt": b"project(x)\n",
+                                            "pkg-1.0/vendor/llama.cpp/ggml/src/a.c": b"/* */\n",
+                                            "pkg-1.0/vendor/llama.cpp/src/llama.cpp": b"not extracted\n",
+                                            "pkg-1.0/ggml/CMakeLists.txt": b"not extracted\n"},
+                    subfolder="vendor/llama.cpp/ggml")
     dest = tmp_path / "src"
     fetch.fetch(dest)
     assert (dest / "CMakeLists.txt").read_bytes() == b"project(x)\n"
@@ -168,20 +153,8 @@ PATCH_OK = """Header: why and what upstream does.
 
 
 def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_path, monkeypatch):
-    fetch = _load_fetch()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
-        for name, data in {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
-                           "pkg-1.0/ggml/include/ggml.h": b"/* one */\n/* two */\n"}.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tf.addfile(info, io.BytesIO(data))
-    archive = tmp_path / "pkg-1.0.tar.gz"
-    archive.write_bytes(buf.getvalue())
-    good = hashlib.sha256(archive.read_bytes()).hexdigest()
-    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\nsubfolder = ggml\n")
-    monkeypatch.setattr(fetch, "HERE", tmp_path)
-    monkeypatch.setattr(fetch, "download", lambda pin, into: Path(shutil.copy(archive, into)))
+    fetch = _pinned(tmp_path, monkeypatch, {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
+                                            "pkg-1.0/ggml/include/ggml.h": b"/* one */\n/* two */\n"})
     (tmp_path / "patches").mkdir()
     (tmp_path / "patches/0001-first.patch").write_text(PATCH_OK)
     # the second patch applies only on top of the first: order matters
