@@ -158,6 +158,13 @@ cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) excep
     return _room_like(ctx, op, a)
 
 
+cdef int _glu_op(int o, object given, str op) except -1:
+    # SWIGLU_OAI and SWIGLU_CLAMP read parameters (alpha, limit) only their own ggml constructors set
+    if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI and o != g.GGML_GLU_OP_SWIGLU_CLAMP):
+        _fail(op, f"op must be a GluOp other than SWIGLU_OAI and SWIGLU_CLAMP (got {given!r})")
+    return 0
+
+
 cdef int _eps(float eps, str op) except -1:
     if not (eps >= 0.0):
         raise GGMLValueError(f"{op}: eps must be >= 0 (got {eps})")
@@ -601,9 +608,7 @@ cdef class _CtxOps(_CtxBase):
         """
         cdef int o = _index(op, "glu", "op", _K_INT)
         _unary(self, a, "glu", M_F32_F16, 1)
-        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI and o != g.GGML_GLU_OP_SWIGLU_CLAMP):
-            # these two read parameters (alpha, limit) only their own ggml constructors set
-            _fail("glu", f"op must be a GluOp other than SWIGLU_OAI and SWIGLU_CLAMP (got {op!r})")
+        _glu_op(o, op, "glu")
         if not (a.ptr.ne[0] % 2 == 0):
             _fail("glu", f"a.ne[0] must be even (got a: {_desc(a)})")
         return _res(self, g.ggml_glu(self.ptr, a.ptr, <g.ggml_glu_op> o, swapped), a)
@@ -616,9 +621,7 @@ cdef class _CtxOps(_CtxBase):
         _same_type(a, b, "glu_split", "a", "b")
         _same_shape(a, b, "glu_split", "a", "b")
         _contig1(b, "glu_split", "b")
-        if not (0 <= o < g.GGML_GLU_OP_COUNT and o != g.GGML_GLU_OP_SWIGLU_OAI and o != g.GGML_GLU_OP_SWIGLU_CLAMP):
-            # these two read parameters (alpha, limit) only their own ggml constructors set
-            _fail("glu_split", f"op must be a GluOp other than SWIGLU_OAI and SWIGLU_CLAMP (got {op!r})")
+        _glu_op(o, op, "glu_split")
         return _res(self, g.ggml_glu_split(self.ptr, a.ptr, b.ptr, <g.ggml_glu_op> o), a, b)
 
     def reglu(self, Tensor a):
