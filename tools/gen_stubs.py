@@ -40,6 +40,7 @@ RETURNS = {
     "reserve": "None", "reserve_size": "dict[str, int]", "alloc_graph": "None", "set_tensor_backend": "None",
     "tensor_backend": "Backend | None", "buffer_size": "int", "_live_objects": "dict[str, int]", "_ggml_version": "tuple[str, str]",
     "_cpu_features": "list[str]", "_backends": "list[str]", "_devices": "list[dict[str, Any]]",
+    "_cpu_variant": "tuple[str, str] | None", "_load_backends": "None",
 }
 PROPS = {
     "ne": "tuple[int, int, int, int]", "nb": "tuple[int, int, int, int]", "shape": "tuple[int, ...]",

@@ -64,12 +64,12 @@ from ggmlpy._core import (
     type_name,
     type_size,
 )
-from ggmlpy._system import ggml_commit, ggml_version, system_info
+from ggmlpy._system import cpu_variant, ggml_commit, ggml_version, system_info
 from ggmlpy._version import __version__
 
 __all__ = [
     "Backend", "Buffer", "BufferType", "BufferUsage", "Device", "Gallocr", "Scheduler", "alloc_ctx_tensors",
-    "backend_init", "device", "devices", "rpc_add_server", "rpc_start_server",
+    "backend_init", "cpu_variant", "device", "devices", "rpc_add_server", "rpc_start_server",
     "RPCError", "RPCTimeoutError", "rpc_get_timeout", "rpc_set_timeout",
     "BackendUnavailable", "ClosedError", "ComputeAborted", "ComputeFailed", "Context", "GGMLError",
     "GGMLMemoryError", "GGMLTypeError", "GGMLValueError", "GluOp", "Graph", "Op", "PoolOp", "Prec",

@@ -32,6 +32,7 @@ import weakref
 import numpy as np
 
 include "_pxi/errors.pxi"        # exceptions, status/alloc checks, abort and log hooks
+_install_hooks()                 # before any other module-level code calls ggml
 include "_pxi/types.pxi"         # Type/Op/... enums and type traits
 include "_pxi/debug.pxi"         # live-object counters
 include "_pxi/validate.pxi"      # precondition checks shared by every op
@@ -46,4 +47,3 @@ include "_pxi/quants.pxi"        # quantize / dequantize
 include "_pxi/system.pxi"        # versions, CPU features, devices
 include "_pxi/gguf.pxi"          # GGUF files through gguf.h (reader/writer in ggmlpy.gguf)
 
-_install_hooks()

@@ -480,8 +480,12 @@ cdef extern from "ggml-impl.h" nogil:
     bint ggml_hash_contains(const ggml_hash_set * hash_set, ggml_tensor * key)
 
 
-# ggml-cpu.h: graph compute on the host
-cdef extern from "ggml-cpu.h" nogil:
+# ggml-cpu.h: graph compute on the host. Reached through ggmlpy_cpu.h, which in a
+# portable build (GGMLPY_BACKEND_DL) sends these names to the CPU variant ggml chose.
+cdef extern from "ggmlpy_cpu.h" nogil:
+    bint GGMLPY_BACKEND_DL
+    int ggmlpy_cpu_load(const char * dir, char * err, size_t err_size)
+    const char * ggmlpy_cpu_path()
     struct ggml_threadpool
     ggml_threadpool * ggml_threadpool_new(ggml_threadpool_params * params)
     void ggml_threadpool_free(ggml_threadpool * threadpool)
@@ -591,6 +595,7 @@ cdef extern from "gguf.h" nogil:
 cdef extern from "ggmlpy_rpc.h" nogil:
     bint GGMLPY_HAVE_RPC
     bint GGMLPY_RPC_ERRORS
+    int ggmlpy_rpc_load(const char * dir, char * err, size_t err_size)
     int RPC_PROTO_MAJOR_VERSION
     int RPC_PROTO_MINOR_VERSION
     void ggml_backend_rpc_set_timeout_ms(uint32_t timeout_ms)

@@ -19,11 +19,37 @@ def ggml_commit() -> str:
     return _core._ggml_version()[1]
 
 
+def cpu_variant() -> tuple[str, str] | None:
+    """The CPU backend variant ggml chose at import, in a portable build.
+
+    A portable build (``GGML_NATIVE=OFF``, every wheel) carries one CPU backend
+    per CPU generation and ggml loads the best one this CPU supports.
+
+    Returns
+    -------
+    tuple of (str, str) or None
+        The variant's name and its library's path, e.g.
+        ``('zen4', '.../ggmlpy/libggml-cpu-zen4.so')``; ``None`` in a native
+        build (``pip install .`` from source), whose one CPU backend is tuned
+        for the machine that built it.
+
+    Examples
+    --------
+    >>> import ggmlpy
+    >>> v = ggmlpy.cpu_variant()
+    >>> v is None or "libggml-cpu-" in v[1]
+    True
+    """
+    return _core._cpu_variant()
+
+
 def system_info() -> dict:
     """What this build of ggmlpy can do on this machine.
 
     Returns a dict with ``ggmlpy`` and ``ggml`` versions, the Python and
-    platform, ``cpu_features`` (instruction sets ggml's CPU backend uses),
+    platform, ``cpu_variant`` (``None`` in a native build, else the variant's
+    name and library: see ``cpu_variant()``), ``cpu_features`` (instruction sets
+    ggml's CPU backend uses),
     ``backends`` (compiled in, e.g. ``['CPU', 'RPC']``) and ``devices`` (each a
     dict of name, description, type, backend, free and total memory).
 
@@ -40,6 +66,7 @@ def system_info() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "library_dir": os.path.dirname(_core.__file__),
+        "cpu_variant": cpu_variant(),
         "cpu_features": _core._cpu_features(),
         "backends": _core._backends(),
         "devices": _core._devices(),
@@ -53,6 +80,7 @@ def format_system_info(info: dict | None = None) -> str:
         f"ggmlpy {info['ggmlpy']} (ggml {info['ggml']}, commit {info['ggml_commit']})",
         f"python {info['python']} on {info['platform']}",
         f"libraries: {info['library_dir']}",
+        f"cpu variant: {_variant_text(info['cpu_variant'])}",
         f"CPU features: {' '.join(info['cpu_features']) or '(none)'}",
         f"backends: {', '.join(info['backends'])}",
         "devices:",
@@ -66,6 +94,12 @@ def format_system_info(info: dict | None = None) -> str:
         lines.append("  " + "  ".join(c.ljust(w) if i in (1, 2, 3, 6) else c.rjust(w)
                                       for i, (c, w) in enumerate(zip(r, widths))).rstrip())
     return "\n".join(lines)
+
+
+def _variant_text(v) -> str:
+    if v is None:
+        return "native build (ggml-cpu tuned for the machine that built it)"
+    return f"{v[0]} ({os.path.basename(v[1])})"
 
 
 def _gib(n: int) -> str:

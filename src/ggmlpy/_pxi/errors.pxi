@@ -195,9 +195,30 @@ def set_log_level(level):
                       g.GGML_LOG_LEVEL_ERROR)
 
 
+def _load_backends():
+    """Load the backend modules of a portable build from the package folder (at import).
+
+    A native build links its backends and does nothing here. A portable one lets
+    ggml's registry load every backend library beside _core (scoring the CPU
+    variants and keeping the best one), then looks up the CPU and RPC entry
+    points _core calls directly; anything missing raises ImportError, so no call
+    can go through an empty pointer.
+    """
+    cdef char err[1024]
+    if not g.GGMLPY_BACKEND_DL:
+        return
+    d = os.fsencode(os.path.dirname(os.path.abspath(__file__)))
+    if g.ggmlpy_cpu_load(d, err, sizeof(err)) != 0 or g.ggmlpy_rpc_load(d, err, sizeof(err)) != 0:
+        raise ImportError("ggmlpy: " + err.decode("utf-8", "replace"))
+
+
 def _install_hooks():
+    # Runs first at import: module-level code of the later .pxi files already calls ggml
+    # (the RPC timeout), which in a portable build needs the backend modules loaded, and
+    # loading logs, which needs the log hook.
     if os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0"):
         set_log_level(logging.DEBUG)
     g.ggml_log_set(_log_cb, NULL)
     g.ggml_set_abort_callback(_abort_cb)
     g.ggml_time_init()
+    _load_backends()

@@ -5,11 +5,16 @@
    vendor/ggml/patches/0001-rpc-client-errors-instead-of-abort.patch: its client
    then records a failed call (ggml_backend_rpc_take_error) instead of aborting,
    and bounds socket calls by a timeout. A ggml tree without it (built with
-   GGMLPY_GGML_DIR) still works, with the stubs below and upstream's aborts. */
+   GGMLPY_GGML_DIR) still works, with the stubs below and upstream's aborts.
+
+   In a portable build (GGMLPY_BACKEND_DL) libggml-rpc is a MODULE the registry
+   loads, like the CPU variants: its functions are reached through a table that
+   ggmlpy_rpc_load() fills at import (see ggmlpy_cpu.h). */
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
 #include "ggml-backend.h"
+#include "ggmlpy_cpu.h"
 #if GGMLPY_HAVE_RPC
 #include "ggml-rpc.h"
 #else
@@ -28,4 +33,48 @@ static void ggml_backend_rpc_start_server(const char * endpoint, const char * ca
 #define GGMLPY_RPC_ERRORS 0
 static void ggml_backend_rpc_set_timeout_ms(uint32_t timeout_ms) { (void) timeout_ms; }
 static int ggml_backend_rpc_take_error(char * endpoint, size_t n) { if (n) endpoint[0] = 0; return 0; }
+#endif
+
+#if GGMLPY_HAVE_RPC && GGMLPY_BACKEND_DL
+#if GGMLPY_RPC_ERRORS
+#define GGMLPY_RPC_FUNCS(X) X(ggml_backend_rpc_add_server) X(ggml_backend_rpc_start_server) \
+    X(ggml_backend_rpc_set_timeout_ms) X(ggml_backend_rpc_take_error)
+#else
+#define GGMLPY_RPC_FUNCS(X) X(ggml_backend_rpc_add_server) X(ggml_backend_rpc_start_server)
+#endif
+static struct { GGMLPY_RPC_FUNCS(GGMLPY_FIELD) } ggmlpy_rpc_fns;
+
+/* Fill the table from the RPC module ggmlpy_cpu_load() had the registry load.
+   0 on success, else -1 with a message in err. */
+static int ggmlpy_rpc_load(const char * dir, char * err, size_t err_size) {
+    char path[4096];
+    void * h = ggmlpy_dl_module_of(ggml_backend_reg_by_name("RPC"), path, sizeof path);
+    if (h == NULL) {
+        snprintf(err, err_size, "the RPC backend could not be loaded from %s (libggml-rpc.so)", dir);
+        return -1;
+    }
+#define GGMLPY_LOOKUP(name) \
+    *(void **) (&ggmlpy_rpc_fns.name) = dlsym(h, #name); \
+    if (ggmlpy_rpc_fns.name == NULL) { \
+        snprintf(err, err_size, "%s lacks %s: it is not the RPC backend of this ggml%s", path, #name, \
+                 GGMLPY_RPC_ERRORS ? " (or lacks vendor/ggml/patches)" : ""); \
+        return -1; \
+    }
+    GGMLPY_RPC_FUNCS(GGMLPY_LOOKUP)
+#undef GGMLPY_LOOKUP
+    return 0;
+}
+
+#define ggml_backend_rpc_add_server (ggmlpy_rpc_fns.ggml_backend_rpc_add_server)
+#define ggml_backend_rpc_start_server (ggmlpy_rpc_fns.ggml_backend_rpc_start_server)
+#if GGMLPY_RPC_ERRORS
+#define ggml_backend_rpc_set_timeout_ms (ggmlpy_rpc_fns.ggml_backend_rpc_set_timeout_ms)
+#define ggml_backend_rpc_take_error (ggmlpy_rpc_fns.ggml_backend_rpc_take_error)
+#endif
+
+#else  /* linked, or no RPC at all */
+static int ggmlpy_rpc_load(const char * dir, char * err, size_t err_size) {
+    (void) dir; (void) err; (void) err_size;
+    return 0;
+}
 #endif

@@ -1,6 +1,23 @@
 # system.pxi: what this build of ggml is and what it found on the machine.
 
 
+def _cpu_variant():
+    """(variant, library path) of the CPU backend ggml chose in a portable build; None in a native build.
+
+    The variant is the file's name between ``libggml-cpu-`` and the extension
+    (``'zen4'`` for ``libggml-cpu-zen4.so``).
+    """
+    if not g.GGMLPY_BACKEND_DL:
+        return None
+    path = os.fsdecode(<bytes> g.ggmlpy_cpu_path())
+    name = os.path.basename(path)
+    stem = name.split(".", 1)[0]
+    for prefix in ("libggml-cpu-", "ggml-cpu-"):
+        if stem.startswith(prefix):
+            return stem[len(prefix):], path
+    return stem, path
+
+
 def _ggml_version():
     return g.ggml_version().decode(), g.ggml_commit().decode()
 
