@@ -16,8 +16,9 @@ settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHES
 # Groups that need something this machine may not have run only when asked:
 # --run-<group> or GGMLPY_TEST_<GROUP>=1. fuzz, slow and hf run by default (hf
 # tests skip when torch/transformers are missing, except under CI=true, where
-# they must run: .ci/run installs them).
-OPT_IN = ("gpu",)
+# they must run: .ci/run installs them). wheel tests build ggml from scratch (the portable
+# wheel's CPU variants take most of an hour on two cores): also opt-in.
+OPT_IN = ("gpu", "wheel")
 
 
 def pytest_addoption(parser):

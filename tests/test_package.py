@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ggmlpy
@@ -44,7 +49,9 @@ def test_cli_info_runs():
 def test_extension_finds_ggml_in_its_own_folder():
     pkg = Path(_core.__file__).parent
     libs = {p.name for p in pkg.iterdir()}
-    for name in ("libggml.so", "libggml-base.so", "libggml-cpu.so"):
+    # a portable build carries its CPU backend as libggml-cpu-<variant>.so, loaded at import
+    cpu = "libggml-cpu-" if ggmlpy.cpu_variant() else "libggml-cpu.so"
+    for name in ("libggml.so", "libggml-base.so", cpu):
         assert any(n.startswith(name) for n in libs), f"{name} missing from {pkg}"
     dyn = subprocess.run(["readelf", "-d", _core.__file__], capture_output=True, text=True, check=True).stdout
     runpath = [line for line in dyn.splitlines() if "RUNPATH" in line or "RPATH" in line]
@@ -54,6 +61,48 @@ def test_extension_finds_ggml_in_its_own_folder():
     for line in ldd.splitlines():
         if "libggml" in line:
             assert str(pkg) in line, line
+
+
+def test_cpu_variant_is_the_best_scoring_one_in_the_package():
+    from ggmlpy._system import format_system_info
+
+    pkg = Path(_core.__file__).parent
+    v = ggmlpy.cpu_variant()
+    text = format_system_info()
+    if v is None:
+        assert "cpu variant: native build" in text
+        assert not list(pkg.glob("libggml-cpu-*"))
+        return
+    name, path = v
+    assert Path(path).parent == pkg and Path(path).name == f"libggml-cpu-{name}.so"
+    assert f"cpu variant: {name} (libggml-cpu-{name}.so)" in text
+    assert ggmlpy.system_info()["cpu_variant"] == (name, path)
+    # ggml's own score, asked of every variant in a child process: the chosen one scores highest
+    # (a variant this CPU cannot run scores 0).
+    code = ("import ctypes, glob, json, sys\n"
+            "print(json.dumps({p: ctypes.CDLL(p).ggml_backend_score() for p in sorted(glob.glob(sys.argv[1]))}))")
+    out = subprocess.run([sys.executable, "-c", code, str(pkg / "libggml-cpu-*.so")], capture_output=True,
+                         text=True, check=True).stdout
+    scores = json.loads(out)
+    assert len(scores) > 1 and scores[path] == max(scores.values()) > 0, scores
+    # The variants that lost were unloaded: this process maps one CPU backend.
+    if Path("/proc/self/maps").exists():
+        mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                  if "libggml-cpu-" in line}
+        assert mapped == {path}, mapped
+
+
+@pytest.mark.skipif(_core._cpu_variant() is None, reason="portable builds only")
+def test_portable_import_without_its_cpu_backends_raises(tmp_path):
+    # A copy of the package with its CPU variants (or the RPC module) removed: a clear ImportError, no crash.
+    pkg = Path(_core.__file__).parent
+    for missing, message in (("libggml-cpu-*.so", "no CPU backend could be loaded"),
+                             ("libggml-rpc.so", "the RPC backend could not be loaded")):
+        dest = tmp_path / missing.replace("*", "_") / "ggmlpy"
+        shutil.copytree(pkg, dest, ignore=shutil.ignore_patterns(missing, "__pycache__"))
+        r = subprocess.run([sys.executable, "-c", "import ggmlpy"], capture_output=True, text=True,
+                           cwd=dest.parent, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(dest.parent)})
+        assert r.returncode == 1 and "ImportError" in r.stderr and message in r.stderr, r.stderr
 
 
 def test_only_pin_fetch_script_and_our_patches_are_tracked():
@@ -192,3 +241,129 @@ def test_fetch_reports_an_unreachable_registry(tmp_path, monkeypatch):
     with pytest.raises(fetch.FetchError) as ei:
         fetch.fetch(tmp_path / "src")
     assert "could not download" in str(ei.value) and "GGMLPY_GGML_DIR" in str(ei.value)
+
+
+# --- wheels and the sdist (opt-in group `wheel`: they build ggml) ---------------------------
+
+# Run by the installed package in a fresh interpreter: import, a graph against numpy, a tiny model's
+# logits for a few tokens (printed as JSON for comparison with another build).
+SMOKE = r"""
+import json, sys
+import numpy as np
+import ggmlpy
+from ggmlpy.models import load_model
+from ggmlpy.runner import Runner
+
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((3, 5), dtype=np.float32), rng.standard_normal((4, 5), dtype=np.float32)
+ctx = ggmlpy.Context(1 << 20)
+out = ctx.soft_max(ctx.mul_mat(ctx.from_numpy(a), ctx.from_numpy(b)))
+gf = ctx.new_graph(16)
+gf.build_forward_expand(out)
+gf.compute(2)
+ref = np.exp(b @ a.T - (b @ a.T).max(-1, keepdims=True))
+np.testing.assert_allclose(out.numpy(), ref / ref.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+
+model = load_model(sys.argv[1])
+with Runner(model, n_ctx=64) as rt:
+    logits = rt.decode([1, 5, 9, 200, 3])
+model.close()
+print(json.dumps({"file": ggmlpy.__file__, "variant": ggmlpy.cpu_variant(), "logits": logits.tolist()}))
+"""
+
+
+def _clean_env(**extra) -> dict:
+    # nothing of this checkout or this interpreter's site may leak into the child
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(extra)
+    return env
+
+
+def _fresh_venv(path: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+    return path / "bin" / "python"
+
+
+def _tiny_model(tmp_path: Path) -> Path:
+    from ggmlpy.models.synthetic import write_synthetic
+
+    return Path(write_synthetic(tmp_path / "tiny-F16.gguf", size="tiny", type="F16"))
+
+
+@pytest.mark.slow
+@pytest.mark.wheel
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="auditwheel: Linux")
+def test_portable_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
+    # GGMLPY_TEST_WHEEL_FILE names a wheel tools/build_wheel.py already made; else build one
+    # (its build folder is kept under build/, so a second run recompiles little).
+    whl = os.environ.get("GGMLPY_TEST_WHEEL_FILE")
+    if not whl:
+        r = subprocess.run([sys.executable, str(ROOT / "tools/build_wheel.py"), "--out", str(tmp_path / "wh")],
+                           capture_output=True, text=True, env=_clean_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        whl = r.stdout.strip().splitlines()[-1]
+    whl = Path(whl)
+    assert "manylinux" in whl.name, whl.name
+    py = _fresh_venv(tmp_path / "venv")
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(whl)], check=True, env=_clean_env())
+
+    model = _tiny_model(tmp_path)
+    r = subprocess.run([str(py), "-c", SMOKE, str(model)], capture_output=True, text=True, cwd=tmp_path,
+                       env=_clean_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["file"].startswith(str(tmp_path / "venv"))
+    name, lib = got["variant"]
+    assert Path(lib).name == f"libggml-cpu-{name}.so"
+    info = subprocess.run([str(tmp_path / "venv/bin/ggmlpy"), "info"], capture_output=True, text=True,
+                          cwd=tmp_path, env=_clean_env(), check=True).stdout
+    assert f"cpu variant: {name} (libggml-cpu-{name}.so)" in info and "ggml 0.25.3" in info
+
+    # The same logits as this build's (native or portable: other kernels, so a tolerance).
+    r = subprocess.run([sys.executable, "-c", SMOKE, str(model)], capture_output=True, text=True, check=True,
+                       cwd=tmp_path)
+    ref = np.asarray(json.loads(r.stdout.strip().splitlines()[-1])["logits"])
+    out = np.asarray(got["logits"])
+    assert out.shape == ref.shape and np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, atol=0.02 * np.abs(ref).max())
+
+
+@pytest.mark.slow
+@pytest.mark.wheel
+def test_sdist_builds_a_wheel_offline(tmp_path):
+    if not (ROOT / "vendor/ggml/src/CMakeLists.txt").exists():
+        subprocess.run([sys.executable, str(ROOT / "vendor/ggml/fetch.py")], check=True)
+    # Online, beforehand: wheels of the build requirements (and cmake/ninja, which scikit-build-core
+    # asks for when the machine has none) in one folder.
+    text = (ROOT / "pyproject.toml").read_text()
+    reqs = re.findall(r'"([^"]+)"', re.search(r"^requires\s*=\s*\[(.*?)\]", text, re.S | re.M).group(1))
+    local = tmp_path / "local-wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(local), *reqs, "cmake>=3.21", "ninja"],
+                   check=True)
+
+    sdist_dir = tmp_path / "sdist"
+    subprocess.run([sys.executable, "-c", "import sys, scikit_build_core.build as b; b.build_sdist(sys.argv[1])",
+                    str(sdist_dir)], cwd=ROOT, check=True)
+    (sdist,) = sdist_dir.glob("ggmlpy-*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = tf.getnames()
+    top = names[0].split("/")[0]
+    assert f"{top}/vendor/ggml/src/CMakeLists.txt" in names
+    assert f"{top}/vendor/ggml/src/src/ggml-cpu/ggml-cpu.c" in names
+    assert not any(n.startswith(f"{top}/build/") for n in names)
+
+    # Offline: no index, and any connection attempt goes to a closed port.
+    dead = "http://127.0.0.1:9"
+    env = _clean_env(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(local), http_proxy=dead, https_proxy=dead,
+                     HTTP_PROXY=dead, HTTPS_PROXY=dead, GGML_NATIVE="ON")
+    env.pop("PIP_INDEX_URL", None)
+    env.pop("CMAKE_ARGS", None)
+    out = tmp_path / "wheel"
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-index", "--find-links", str(local),
+                        "-w", str(out), str(sdist)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (whl,) = out.glob("ggmlpy-*.whl")
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+    assert any(n.startswith("ggmlpy/_core.") for n in names)
+    assert {"ggmlpy/libggml.so", "ggmlpy/libggml-base.so", "ggmlpy/libggml-cpu.so"} <= set(names)
