@@ -449,6 +449,9 @@ cdef extern from "ggml-backend.h" nogil:
     ggml_backend_reg_t ggml_backend_reg_get(size_t index)
     const char * ggml_backend_reg_name(ggml_backend_reg_t reg)
     ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device)
+    void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name)
+    # what the CPU registry answers for "ggml_backend_dev_get_extra_bufts": a NULL-terminated array
+    ctypedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device)
 
 
 # ggml-alloc.h: graph and context allocators

@@ -123,6 +123,67 @@ cdef class Device:
         """Whether the device can use tensors in ``buft``."""
         return bool(g.ggml_backend_dev_supports_buft(self.ptr, buft.ptr))
 
+    def extra_buffer_types(self):
+        """Buffer types the device offers for weights besides its own memory, in ggml's order of preference.
+
+        On the CPU these hold weights rearranged for its fastest matrix kernels
+        (``AMX`` on Intel CPUs with AMX, ``CPU_REPACK`` for Q4_0/Q4_K/IQ4_NL/...
+        on AVX2 and ARM, ``KLEIDIAI`` on ARM); other devices usually offer none.
+        A tensor in one of them takes part only in the ops
+        :meth:`supports_weight` accepts, is written whole and cannot be read
+        back. Model loaders use them when asked to repack (llama.cpp's ``--repack``).
+        """
+        cdef g.ggml_backend_reg_t reg = g.ggml_backend_dev_backend_reg(self.ptr)
+        cdef g.ggml_backend_dev_get_extra_bufts_t fn
+        cdef g.ggml_backend_buffer_type_t * p
+        if reg == NULL:
+            return []
+        fn = <g.ggml_backend_dev_get_extra_bufts_t> g.ggml_backend_reg_get_proc_address(
+            reg, b"ggml_backend_dev_get_extra_bufts")
+        if fn == NULL:
+            return []
+        p = fn(self.ptr)
+        out = []
+        while p != NULL and p[0] != NULL:
+            out.append(BufferType._make(p[0], self.name, self.rpc_endpoint))
+            p += 1
+        return out
+
+    def supports_weight(self, BufferType buft not None, Tensor op not None):
+        """Whether the device computes ``op`` when its first source, a weight, lives in ``buft``.
+
+        How a loader decides where a weight may go (as llama.cpp's loader
+        does): build the op the model will run on it in a ``no_alloc`` context,
+        over a weight tensor of the real type and shape that has no memory yet.
+        For the question the weight is placed in an empty buffer of ``buft``.
+
+        Raises
+        ------
+        GGMLValueError
+            ``op`` has no first source, or that source already has memory.
+        """
+        cdef g.ggml_tensor * w
+        cdef g.ggml_backend_buffer_t dummy
+        cdef bint ok
+        _arg(op, "supports_weight", "op")
+        w = op.ptr.src[0]
+        if w == NULL:
+            _fail("supports_weight", f"op {g.ggml_op_desc(op.ptr).decode()} has no first source to place")
+        if w.buffer != NULL or w.data != NULL or w.view_src != NULL:
+            _fail("supports_weight", f"the weight {w.name.decode(errors='replace')!r} must be a tensor without memory "
+                                     f"(build the op in a no_alloc context)")
+        # size 0: ggml hands out a placeholder without asking the device (or an RPC server) for memory
+        dummy = g.ggml_backend_buft_alloc_buffer(buft.ptr, 0)
+        if dummy == NULL:
+            raise GGMLMemoryError(f"supports_weight: no placeholder buffer of {buft.name}")
+        w.buffer = dummy
+        try:
+            ok = g.ggml_backend_dev_supports_op(self.ptr, op.ptr)
+        finally:
+            w.buffer = NULL
+            g.ggml_backend_buffer_free(dummy)
+        return bool(ok)
+
     def offload_op(self, Tensor op not None):
         """Whether the device wants ``op`` even when its weights are in host memory."""
         _arg(op, "offload_op", "op")
