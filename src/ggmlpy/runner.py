@@ -42,7 +42,7 @@ import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
 from ggmlpy.backend import MemoryReport, Runtime
-from ggmlpy.kvcache import Causal, NotSupported
+from ggmlpy.kvcache import V_TRANS_TYPES, Causal, NotSupported
 from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
@@ -52,7 +52,10 @@ __all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", 
 
 log = logging.getLogger("ggmlpy")
 
-_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0}
+# llama-bench's cache types; each needs a ggml CPU row writer (set_rows) and, for flash attention, a K dot
+# product and a V to-float conversion, which all of these have
+_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
+                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
 
 class RequestTimeout(TimeoutError, GGMLError):
@@ -239,10 +242,14 @@ class Runner:
     n_threads : int
         CPU threads (0: all cores).
     flash_attn : bool, optional
-        Use ``flash_attn_ext`` (default; a quantized cache needs it), or
+        Use ``flash_attn_ext`` (default; a quantized V cache needs it), or
         ``mul_mat`` + ``soft_max_ext`` with V stored transposed.
     type_k, type_v : str
-        Cache types ``f32``, ``f16`` (default), ``q8_0``, ``q4_0`` (K and V must match).
+        Cache types of K and V, each one of ``f32``, ``f16`` (default),
+        ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl``
+        (llama-bench's list); they may differ. Without flash attention V must
+        be ``f32``, ``f16`` or ``bf16`` (see :meth:`check_cache_types`); a
+        quantized type needs a head size that is a multiple of its block (32).
     pipeline : bool, optional
         Build the next batch's graphs while the current one computes. Default:
         only when an accelerator or RPC device computes layers; on the CPU
@@ -281,17 +288,7 @@ class Runner:
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
             if int(v) < 1:
                 raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
-        tk, tv = str(type_k).lower(), str(type_v).lower()
-        if tk not in _CACHE_TYPES or tv not in _CACHE_TYPES:
-            raise GGMLValueError(f"runner: cache types must be one of {sorted(_CACHE_TYPES)} (got {type_k}, {type_v})")
-        if tk != tv:
-            raise GGMLValueError(f"runner: type_k and type_v must match (got {type_k}, {type_v})")
-        dtype = _CACHE_TYPES[tk]
-        quantized = dtype not in (Type.F32, Type.F16)
-        if flash_attn is None:
-            flash_attn = True
-        if quantized and not flash_attn:
-            raise GGMLValueError(f"runner: a {tk} cache needs flash attention (flash_attn=True)")
+        dtype_k, dtype_v, flash_attn = self.check_cache_types(type_k, type_v, flash_attn)
         self.model = model
         cfg = model.config
         self.n_ctx = int(n_ctx)
@@ -299,14 +296,14 @@ class Runner:
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
-        self.type_k = self.type_v = tk
+        self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
         if pipeline is None:
             pipeline = any(d.type != "CPU" for d in model.placement.devices())
         self.pipeline = bool(pipeline)
         window = cfg.sliding_window - 1 if cfg.sliding_window else None   # cache window excludes the token itself
-        self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype,
-                            window=window, padding=256 if self.flash_attn else 32, n_head_kv=cfg.n_head_kv,
-                            shift_fn=model.shift_fn,
+        self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype_k,
+                            dtype_v=dtype_v, window=window, padding=256 if self.flash_attn else 32,
+                            n_head_kv=cfg.n_head_kv, shift_fn=model.shift_fn,
                             v_trans=not self.flash_attn)
         self.report: MemoryReport = model.report
         # Every piece of state close() looks at exists before anything is allocated, so that a failed
@@ -355,6 +352,49 @@ class Runner:
 
     # ------------------------------------------------------------------ set-up
 
+    @staticmethod
+    def check_cache_types(type_k: str = "f16", type_v: str = "f16",
+                          flash_attn: Optional[bool] = None) -> tuple[Type, Type, bool]:
+        """Check a K/V cache type pair against the attention path, as the constructor does.
+
+        Parameters
+        ----------
+        type_k, type_v : str
+            Cache type names (see the class parameters).
+        flash_attn : bool, optional
+            None resolves to True (flash attention), as in the constructor.
+
+        Returns
+        -------
+        (Type, Type, bool)
+            The K type, the V type and whether flash attention is used.
+
+        Raises
+        ------
+        GGMLValueError
+            An unknown type, or a V type the ``mul_mat`` path cannot use
+            (quantized: it stores V transposed, one element per row, which a
+            quantized block cannot be; llama.cpp requires flash attention for a
+            quantized V cache too). A quantized K works on both paths.
+
+        Examples
+        --------
+        >>> Runner.check_cache_types("q8_0", "f16", flash_attn=False)
+        (<Type.Q8_0: 8>, <Type.F16: 1>, False)
+        """
+        tk, tv = str(type_k).lower(), str(type_v).lower()
+        for what, t in (("type_k", tk), ("type_v", tv)):
+            if t not in _CACHE_TYPES:
+                raise GGMLValueError(f"runner: {what} {t!r} is not a cache type; expected one of "
+                                     f"{', '.join(_CACHE_TYPES)}")
+        dtype_k, dtype_v = _CACHE_TYPES[tk], _CACHE_TYPES[tv]
+        fa = True if flash_attn is None else bool(flash_attn)
+        if not fa and dtype_v not in V_TRANS_TYPES:
+            raise GGMLValueError(f"runner: a {tv} V cache needs flash attention (flash_attn=True): without it V is "
+                                 "stored transposed, which a quantized type cannot be (type_v f32, f16 or bf16 "
+                                 "works without flash attention; a quantized type_k does)")
+        return dtype_k, dtype_v, fa
+
     def host_bytes(self) -> int:
         """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes).
 
@@ -371,7 +411,7 @@ class Runner:
         cells = 2 * n_cells * (4 + self.n_seq_max)
         placement = self.model.placement
         cpu_layers = sum(1 for i in range(c.n_layers) if placement.device_of(i).type == "CPU")
-        kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype.row_size(c.n_embd_v))
+        kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype_v.row_size(c.n_embd_v))
         return mask + cells + kv
 
     def _check_host_memory(self) -> None:
