@@ -936,6 +936,11 @@ class Causal:
             keys.append(k)
             values.append(v)
         failed = None
+        # this cache replaces what an earlier one on the same model recorded, on whatever device that was
+        # (a runner without KV offload keeps on the CPU the layers an earlier one kept on their devices)
+        for m in report.devices.values():
+            for i in range(self.n_layers):
+                m.cache.pop(i, None)
         for i in range(self.n_layers):
             dev = placement.device_of(i)
             m = report.device(dev)

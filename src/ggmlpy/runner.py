@@ -41,7 +41,7 @@ from typing import Optional
 import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
-from ggmlpy.backend import MemoryReport, Runtime
+from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import V_TRANS_TYPES, Causal, NotSupported
 from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
@@ -250,6 +250,11 @@ class Runner:
         (llama-bench's list); they may differ. Without flash attention V must
         be ``f32``, ``f16`` or ``bf16`` (see :meth:`check_cache_types`); a
         quantized type needs a head size that is a multiple of its block (32).
+    offload_kqv : bool
+        Keep each layer's K/V cache on that layer's device (default, as
+        llama.cpp's ``offload_kqv``), or, when False, every layer's cache in
+        host (CPU) memory whatever device computes the layer (llama-bench's
+        ``-nkvo 1``). On the CPU alone both are the same.
     pipeline : bool, optional
         Build the next batch's graphs while the current one computes. Default:
         only when an accelerator or RPC device computes layers; on the CPU
@@ -282,7 +287,8 @@ class Runner:
 
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
-                 pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True) -> None:
+                 pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
+                 offload_kqv: bool = True) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -297,6 +303,7 @@ class Runner:
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
         self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
+        self.offload_kqv = bool(offload_kqv)
         if pipeline is None:
             pipeline = any(d.type != "CPU" for d in model.placement.devices())
         self.pipeline = bool(pipeline)
@@ -332,7 +339,7 @@ class Runner:
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
         try:
             self._check_host_memory()
-            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=model.placement,
+            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report)
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
                               report=self.report)
@@ -395,6 +402,14 @@ class Runner:
                                  "works without flash attention; a quantized type_k does)")
         return dtype_k, dtype_v, fa
 
+    def _cache_placement(self) -> Placement:
+        """The model's placement for the cache, or every layer on the CPU without KV offload."""
+        placement = self.model.placement
+        if self.offload_kqv:
+            return placement
+        cpu = choose_devices("cpu")[-1]
+        return Placement(layers=[cpu] * placement.n_layers, output=cpu, input=cpu)
+
     def host_bytes(self) -> int:
         """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes).
 
@@ -409,7 +424,7 @@ class Runner:
         n_cells = c.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
         mask = self.n_ubatch * n_cells * 10
         cells = 2 * n_cells * (4 + self.n_seq_max)
-        placement = self.model.placement
+        placement = self._cache_placement()
         cpu_layers = sum(1 for i in range(c.n_layers) if placement.device_of(i).type == "CPU")
         kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype_v.row_size(c.n_embd_v))
         return mask + cells + kv
@@ -544,7 +559,8 @@ class Runner:
                     for old in self._graphs.pop(key):
                         old.free()
 
-    def decode(self, tokens, seq: int = 0, logits="last", positions=None) -> Optional[np.ndarray]:
+    def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
+               embeddings: bool = False) -> Optional[np.ndarray]:
         """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
 
         Positions continue from what the cache holds for ``seq`` unless
@@ -553,10 +569,15 @@ class Runner:
         Parameters
         ----------
         logits : ``"last"`` (default), ``"all"``, ``None``/False, or a list of indices into ``tokens``
+            The rows to output.
+        embeddings : bool
+            Output those rows' final-normed hidden states (the graph
+            :meth:`embed` uses, without the output head) instead of logits.
 
         Returns
         -------
-        numpy.ndarray ``float32[n_rows, n_vocab]`` of the requested rows, or None.
+        numpy.ndarray ``float32[n_rows, n_vocab]`` (``[n_rows, n_embd]`` with
+        ``embeddings``) of the requested rows, or None.
 
         Raises
         ------
@@ -597,7 +618,7 @@ class Runner:
             if pos.min() < 0 or pos.max() >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=False)
+            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=bool(embeddings))
 
     def _check_open(self, what: str) -> None:
         if self._closing:
