@@ -41,6 +41,7 @@ from ggmlpy.gguf import (
     meta_float,
     meta_int,
     meta_str,
+    open_data,
 )
 
 __all__ = ["ARCHITECTURES", "BuiltGraph", "LlamaConfig", "LlamaModel", "MissingTensor", "UnknownArchitecture",
@@ -362,7 +363,7 @@ class LlamaModel:
             yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
             yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
 
-    def _add(self, reader, name, ne, group, types) -> None:
+    def _add(self, reader, name, ne, group, types, op) -> None:
         if name not in reader:
             raise MissingTensor(f"{self.path}: tensor {name!r} is missing ({self.config.arch} needs it)")
         info = reader.tensor_info(name)
@@ -378,8 +379,12 @@ class LlamaModel:
                                 f"{'/'.join(t.name for t in types)}")
         self.weights.add(name, info.type, ne, group, op=op)
 
-    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False) -> None:
+    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
+             mmap: bool = False) -> None:
         """Read every tensor's data from the file into its buffer.
+
+        With ``mmap`` the data is copied out of a memory map of the file (see
+        :class:`ggmlpy.gguf.MappedFile`) instead of read with ``read(2)``.
 
         Host tensors are filled with ``readinto`` straight into their memory
         (no intermediate copy, so peak RSS stays near the model's size); device
@@ -406,7 +411,7 @@ class LlamaModel:
         total = self.size
         done = 0
         chunk = 16 << 20
-        with open(self.path, "rb", buffering=0) as f:
+        with open_data(self.path, mmap=mmap) as f:
             for name, (t, _grp) in self.weights.tensors.items():
                 info = self._reader.tensor_info(name)
                 if info.nbytes != t.nbytes:
@@ -697,7 +702,7 @@ def _config(reader, path: str) -> LlamaConfig:
 
 def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
-               load: bool = True, check_tensors: bool = False, repack: bool = True) -> LlamaModel:
+               load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True) -> LlamaModel:
     """Open a GGUF file, place and allocate its weights, and load them.
 
     Parameters
@@ -709,6 +714,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     rpc : RPC server endpoints to add
     load : False to stop after allocation (the memory report is then available; call ``model.load()``)
     check_tensors : check every weight for NaN/inf while loading (a few rows of each are always checked)
+    mmap : read the weights through a memory map of the file (llama.cpp's mmap load mode; they are still
+        copied into ggmlpy's weight buffers: no zero-copy use of the mapping) instead of with read(2)
     repack : put matrix weights in the CPU's extra buffer types where ggml has kernels for them (as
         llama.cpp's ``--repack 1``, its default: about twice the prompt speed for Q4_0/Q4_K on AVX2 CPUs);
         False keeps every weight in plain memory, where it can be read back
@@ -741,7 +748,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         raise
     if load:
         try:
-            model.load(progress, check_tensors)
+            model.load(progress, check_tensors, mmap=mmap)
         except BaseException:
             model.close()
             raise
