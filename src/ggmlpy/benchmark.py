@@ -97,6 +97,8 @@ EXTRA_FIELDS = ("engine", "engine_version", "ggmlpy_version", "load_time_ms", "t
 
 #: Cache types llama-bench accepts (ggml type names).
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+#: Load modes (-lm) ggmlpy's loader has: read(2) into the buffers, or copy out of a memory map.
+LOAD_MODES = ("none", "mmap")
 OUTPUTS = ("md", "csv", "json", "jsonl", "sql", "none")
 PEERS = ("llama.cpp",)
 _TRUTHY = ("on", "enabled", "true", "1")
@@ -194,6 +196,41 @@ def _parse_fa(text: str) -> list[int]:
     return out
 
 
+def _parse_bools(option: str) -> Callable[[str], list[bool]]:
+    """A parser of llama-bench's ``0|1`` lists (on/off, true/false also read)."""
+    def parse(text: str) -> list[bool]:
+        out = []
+        for v in _split(text):
+            lv = v.lower()
+            if lv in _TRUTHY:
+                out.append(True)
+            elif lv in _FALSEY:
+                out.append(False)
+            else:
+                raise BenchError(f"invalid {option} value {v!r}: expected 0 or 1")
+        return out
+    return parse
+
+
+def _parse_mmap(text: str) -> list[str]:
+    # llama-bench's -mmp is the deprecated spelling of -lm mmap / -lm none: one field, load_mode
+    return ["mmap" if b else "none" for b in _parse_bools("-mmp")(text)]
+
+
+def _parse_load_modes(text: str) -> list[str]:
+    out = []
+    for v in _split(text):
+        lv = v.lower()
+        if lv in LOAD_MODES:
+            out.append(lv)
+        elif lv in ("mlock", "mmap+mlock", "dio"):
+            raise BenchError(f"-lm {v}: not supported by ggmlpy's loader, which reads the weights (none) or "
+                             "copies them out of a memory map of the file (mmap); it has no mlock or direct I/O")
+        else:
+            raise BenchError(f"invalid -lm value {v!r}: expected {' or '.join(LOAD_MODES)}")
+    return out
+
+
 def _parse_cache_types(text: str) -> list[str]:
     out = []
     for v in _split(text):
@@ -274,6 +311,9 @@ class BenchParams:
     n_gpu_layers: list[int] = field(default_factory=lambda: [-1])
     devices: list[str] = field(default_factory=lambda: ["auto"])
     flash_attn: list[int] = field(default_factory=lambda: [-1])
+    load_mode: list[str] = field(default_factory=lambda: ["mmap"])
+    no_kv_offload: list[bool] = field(default_factory=lambda: [False])
+    embeddings: list[bool] = field(default_factory=lambda: [False])
     reps: int = 5
     delay: float = 0.0
     output: str = "md"
@@ -291,7 +331,8 @@ class BenchParams:
     list_devices: bool = False
 
 
-#: (option strings, BenchParams attribute, parser, help) for the swept test parameters.
+#: (option strings, BenchParams attribute, parser, help) for the swept test parameters. Several options may
+#: fill one attribute (-mmp and -lm both give load_mode).
 _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-m", "--model"), "models", lambda s: [s], "GGUF model file (repeat for more; default: "
      "the built-in synthetic model)"),
@@ -301,18 +342,35 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-d", "--n-depth"), "n_depth", parse_int_range, "tokens already in the cache (default 0)"),
     (("-b", "--batch-size"), "n_batch", parse_int_range, "logical batch size (default 2048)"),
     (("-ub", "--ubatch-size"), "n_ubatch", parse_int_range, "physical batch size (default 512)"),
-    (("-ctk", "--cache-type-k"), "type_k", _parse_cache_types, "K cache type (default f16)"),
-    (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types, "V cache type (default f16)"),
+    (("-ctk", "--cache-type-k"), "type_k", _parse_cache_types,
+     f"K cache type: {', '.join(CACHE_TYPES)} (default f16)"),
+    (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types,
+     "V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)"),
     (("-t", "--threads"), "n_threads", parse_int_range, "CPU threads (default: physical cores)"),
     (("-ngl", "--n-gpu-layers"), "n_gpu_layers", lambda s: parse_int_range(s, True),
      "layers on the GPU (default -1: all)"),
     (("-dev", "--device"), "devices", _parse_devices,
      "devices, '/'-separated (auto, none = CPU only; default auto)"),
     (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),
+    (("-nkvo", "--no-kv-offload"), "no_kv_offload", _parse_bools("-nkvo"),
+     "1: keep the KV cache in host memory when layers run on another device (default 0)"),
+    (("-lm", "--load-mode"), "load_mode", _parse_load_modes,
+     "none: read the weights; mmap: copy them out of a memory map of the file (default mmap)"),
+    (("-mmp", "--mmap"), "load_mode", _parse_mmap, "0|1: -lm none|mmap (llama-bench's older spelling)"),
+    # (--repack belongs here, before -embd, as in llama-bench's order of model parameters)
+    (("-embd", "--embeddings"), "embeddings", _parse_bools("-embd"),
+     "1: measure the embeddings path (hidden states of every token, no output head; default 0)"),
     (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
      "110M, 1B or a count (default 110M)"),
     (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0 (default F16)"),
 ]
+
+
+class _Swept(argparse.Action):
+    """Collects every list option in command-line order (two options may fill one list: -lm and -mmp)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.swept = [*namespace.swept, (self.dest, values)]
 
 
 class _ArgParser(argparse.ArgumentParser):
@@ -324,8 +382,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The argument parser of ``ggmlpy bench`` (llama-bench's options plus ours)."""
     ap = _ArgParser(prog=prog, description="Prompt processing (pp) and token generation (tg) "
                     "throughput, llama-bench compatible.", allow_abbrev=False)
-    for opts, dest, _, help_ in _LIST_OPTIONS:
-        ap.add_argument(*opts, dest=dest, action="append", metavar="V", help=help_)
+    for i, (opts, _attr, _, help_) in enumerate(_LIST_OPTIONS):
+        ap.add_argument(*opts, dest=str(i), action=_Swept, metavar="V", help=help_)
+    ap.set_defaults(swept=[])
     ap.add_argument("-r", "--repetitions", dest="reps", type=int, default=5,
                     help="timed repetitions per test (default 5)")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds of sleep before each test")
@@ -390,10 +449,12 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     """
     args = build_parser().parse_args(_normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     params = BenchParams()
-    for _opts, dest, conv, _ in _LIST_OPTIONS:
-        given = getattr(args, dest)
-        if given:
-            setattr(params, dest, [v for text in given for v in conv(text)])
+    swept: dict[str, list] = {}
+    for i, text in args.swept:
+        _opts, attr, conv, _ = _LIST_OPTIONS[int(i)]
+        swept.setdefault(attr, []).extend(conv(text))
+    for attr, values in swept.items():
+        setattr(params, attr, values)
     params.reps = args.reps
     params.delay = args.delay
     params.output, params.output_err = args.output, args.output_err
@@ -417,6 +478,7 @@ def _validate(p: BenchParams) -> None:
     for name in ("n_batch", "n_ubatch", "n_threads"):
         if any(v < 1 for v in getattr(p, name)):
             raise BenchError(f"{name}: values must be >= 1")
+    _validate_cache_types(p)
     for peer in p.vs:
         if peer.lower() not in ("llama.cpp", "llama_cpp", "llamacpp", "llama-cpp"):
             raise BenchError(f"--vs {peer!r}: the only peer engine is llama.cpp")
@@ -432,6 +494,22 @@ def _validate(p: BenchParams) -> None:
         for t in p.types:
             if t not in TYPES:
                 raise BenchError(f"--type {t}: expected one of {', '.join(TYPES)}")
+
+
+def _validate_cache_types(p: BenchParams) -> None:
+    """Refuse the -ctk/-ctv/-fa combinations the runner cannot run (its own rule, Runner.check_cache_types)."""
+    from ggmlpy.runner import Runner
+
+    bad = []
+    for tk, tv, fa in itertools.product(p.type_k, p.type_v, p.flash_attn):
+        try:
+            Runner.check_cache_types(tk, tv, None if fa < 0 else bool(fa))
+        except GGMLErrorBase:
+            bad.append(f"-ctk {tk} -ctv {tv} -fa off")
+    if bad:
+        raise BenchError(f"{', '.join(dict.fromkeys(bad))}: a quantized V cache needs flash attention (-fa on or "
+                         "auto), as in llama.cpp: without it V is stored transposed, which a quantized type cannot "
+                         "be (a quantized K runs either way)")
 
 
 # --------------------------------------------------------------------------- instances
@@ -452,6 +530,9 @@ class Instance:
     n_gpu_layers: int = -1
     devices: str = "auto"
     flash_attn: int = -1
+    load_mode: str = "mmap"
+    no_kv_offload: bool = False
+    embeddings: bool = False
 
     @property
     def n_ctx(self) -> int:
@@ -471,17 +552,20 @@ class Instance:
 
     def model_key(self) -> tuple:
         """What decides whether the model must be reloaded between two tests."""
-        return (self.model, self.n_gpu_layers, self.devices)
+        return (self.model, self.n_gpu_layers, self.load_mode, self.devices)
 
 
 def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Instance]:
     """All tests in llama-bench's order (a model is reloaded as rarely as possible)."""
     out = []
-    for m, ngl, dev, nb, nub, tk, tv, fa, nt, nd in itertools.product(
-            models if models is not None else p.models, p.n_gpu_layers, p.devices, p.n_batch,
-            p.n_ubatch, p.type_k, p.type_v, p.flash_attn, p.n_threads, p.n_depth):
+    # llama-bench's nesting: model parameters outermost (a repack sweep would go after devices)
+    for m, ngl, lm, dev, embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
+            models if models is not None else p.models, p.n_gpu_layers, p.load_mode, p.devices,
+            p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
+            p.n_threads, p.n_depth):
         common = dict(model=m, n_depth=nd, n_batch=nb, n_ubatch=nub, type_k=tk, type_v=tv,
-                      n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa)
+                      n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa, load_mode=lm,
+                      no_kv_offload=nkvo, embeddings=embd)
         out += [Instance(n_prompt=n, n_gen=0, **common) for n in p.n_prompt if n > 0]
         out += [Instance(n_prompt=0, n_gen=n, **common) for n in p.n_gen if n > 0]
         out += [Instance(n_prompt=a, n_gen=b, **common) for a, b in p.n_pg if a or b]
@@ -561,9 +645,9 @@ class Result:
             "n_batch": i.n_batch, "n_ubatch": i.n_ubatch, "n_threads": i.n_threads,
             "cpu_mask": "0x0", "cpu_strict": False, "poll": 50,
             "type_k": i.type_k, "type_v": i.type_v, "n_gpu_layers": i.n_gpu_layers,
-            "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False,
+            "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": i.no_kv_offload,
             "flash_attn": i.flash_attn, "devices": i.devices, "tensor_split": "0.00",
-            "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": False,
+            "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": i.embeddings,
             "no_op_offload": 0, "no_host": False, "fit_target": 0, "fit_min_ctx": 0,
             "n_prompt": i.n_prompt, "n_gen": i.n_gen, "n_depth": i.n_depth,
             "test_time": self.test_time, "avg_ns": self.avg_ns, "stddev_ns": self.stddev_ns,
@@ -624,15 +708,17 @@ def _value_str(name: str, value: Any) -> str:
 def _md_width(name: str) -> int:
     widths = {"model": -30, "t/s": 20, "size": 10, "params": 10, "n_gpu_layers": 3,
               "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": 6, "type_v": 6,
-              "flash_attn": 3, "devices": -12, "test": 15}
+              "flash_attn": 3, "devices": -12, "load_mode": 10, "test": 15}
     if name in widths:
         return widths[name]
     w = max(len(name), 10)
-    numeric = name in INT_FIELDS or name in FLOAT_FIELDS or name.startswith("ratio")
+    # llama-bench left-aligns only its string fields
+    numeric = name in INT_FIELDS or name in FLOAT_FIELDS or name in BOOL_FIELDS or name.startswith("ratio")
     return w if numeric else -w
 
 
-_MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev"}
+_MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev",
+               "no_kv_offload": "nkvo", "load_mode": "lm", "embeddings": "embd"}
 
 
 def _size_str(n: int) -> str:
@@ -675,7 +761,8 @@ class MarkdownPrinter(Printer):
             fields.append("n_gpu_layers")
         if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
             fields.append("n_threads")
-        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "devices"):
+        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "no_kv_offload", "flash_attn", "devices",
+                     "load_mode", "embeddings"):
             if len(getattr(p, name)) > 1 or getattr(p, name) != getattr(d, name):
                 fields.append(name)
         fields += ["test", "t/s"]
@@ -853,7 +940,6 @@ class Engine:
 
     name = "engine"
     version = ""
-    load_mode = "none"
 
     def __init__(self) -> None:
         self.model_key: tuple | None = None
@@ -865,14 +951,16 @@ class Engine:
         raise NotImplementedError
 
     def load(self, inst: Instance) -> None:
-        """Load ``inst.model`` (placed per ``inst``), setting :attr:`info` (desc, size, n_params, n_vocab, backends)."""
+        """Load ``inst.model`` (placed per ``inst``, read per ``inst.load_mode``), setting :attr:`info`
+        (desc, size, n_params, n_vocab, backends)."""
         raise NotImplementedError
 
     def unload(self) -> None:
         """Free the model."""
 
     def new_context(self, inst: Instance) -> None:
-        """Create the context (KV cache, compute buffers) of a test."""
+        """Create the context (KV cache, compute buffers) of a test; with ``inst.embeddings``, later
+        decodes output every token's embedding."""
         raise NotImplementedError
 
     def free_context(self) -> None:
@@ -914,7 +1002,6 @@ class GgmlpyEngine(Engine):
     """ggmlpy's llama model and runner."""
 
     name = "ggmlpy"
-    load_mode = "none"
 
     def __init__(self, rpc: list[str] | None = None) -> None:
         super().__init__()
@@ -924,6 +1011,7 @@ class GgmlpyEngine(Engine):
         self.version = ggmlpy.__version__
         self.model: Any = None
         self.rt: Any = None
+        self.embeddings = False
 
     def system(self) -> dict[str, Any]:
         import ggmlpy
@@ -939,7 +1027,8 @@ class GgmlpyEngine(Engine):
         from ggmlpy.models import load_model
 
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
-        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc)
+        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc,
+                                mmap=inst.load_mode == "mmap")
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}
@@ -957,7 +1046,8 @@ class GgmlpyEngine(Engine):
         fa = None if inst.flash_attn < 0 else bool(inst.flash_attn)
         self.rt = Runner(self.model, n_ctx=inst.n_ctx, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch,
                          n_seq_max=1, n_threads=inst.n_threads, flash_attn=fa,
-                         type_k=inst.type_k, type_v=inst.type_v)
+                         type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload)
+        self.embeddings = inst.embeddings
 
     def free_context(self) -> None:
         if self.rt is not None:
@@ -968,9 +1058,14 @@ class GgmlpyEngine(Engine):
         self.rt.clear()
 
     def decode(self, tokens: np.ndarray) -> None:
-        # llama.cpp's llama_batch_get_one outputs the logits of the last token of
-        # every decode; ask for the same work.
-        self.rt.decode(tokens, seq=0, logits="last")
+        if self.embeddings:
+            # llama.cpp's embeddings mode outputs every token; ggmlpy's embeddings path gives their
+            # hidden states (no output head), as Runner.embed uses them
+            self.rt.decode(tokens, seq=0, logits="all", embeddings=True)
+        else:
+            # llama.cpp's llama_batch_get_one outputs the logits of the last token of
+            # every decode; ask for the same work.
+            self.rt.decode(tokens, seq=0, logits="last")
 
     def memory_report(self) -> str | None:
         return str(self.rt.memory_report()) if self.rt is not None else None
@@ -980,7 +1075,6 @@ class LlamaCppEngine(Engine):
     """llama.cpp through llama-cpp-python's low-level API (run only in a worker process)."""
 
     name = "llama.cpp"
-    load_mode = "mmap"
     _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                    "iq4_nl": 20, "bf16": 30}
 
@@ -1017,6 +1111,11 @@ class LlamaCppEngine(Engine):
             raise BenchError("-dev with explicit devices is not supported for llama.cpp here")
         if inst.devices == "none":
             mp.n_gpu_layers = 0
+        if hasattr(mp, "load_mode"):        # llama.cpp's enum llama_load_mode (it replaced use_mmap)
+            mp.load_mode = {"none": getattr(ll, "LLAMA_LOAD_MODE_NONE", 0),
+                            "mmap": getattr(ll, "LLAMA_LOAD_MODE_MMAP", 1)}[inst.load_mode]
+        else:
+            mp.use_mmap = inst.load_mode == "mmap"
         load = self._fn("llama_model_load_from_file", "llama_load_model_from_file")
         self.model = load(inst.model.encode(), mp)
         if not self.model:
@@ -1059,6 +1158,8 @@ class LlamaCppEngine(Engine):
             cp.flash_attn = inst.flash_attn == 1
         if hasattr(cp, "swa_full"):
             cp.swa_full = False
+        cp.offload_kqv = not inst.no_kv_offload
+        cp.embeddings = inst.embeddings
         init = self._fn("llama_init_from_model", "llama_new_context_with_model")
         self.ctx = init(self.model, cp)
         if not self.ctx:
@@ -1181,7 +1282,7 @@ def run_instance(engine: Engine, inst: Instance, reps: int, seed: int, index: in
             build_commit=sysinfo["build_commit"], build_number=sysinfo["build_number"],
             cpu_info=sysinfo["cpu_info"], gpu_info=sysinfo["gpu_info"], backends=info["backends"],
             model_type=info["desc"], model_size=info["size"], model_n_params=info["n_params"],
-            load_mode=engine.load_mode, test_time=_utc_now(), samples_ns=samples, ttft_ns=ttfts,
+            load_mode=inst.load_mode, test_time=_utc_now(), samples_ns=samples, ttft_ns=ttfts,
             load_time_ms=engine.load_time_ms)
     finally:
         engine.free_context()
