@@ -596,10 +596,14 @@ class Runtime:
     n_threads : CPU threads (default: all cores)
     graph_size : scheduler capacity for nodes + leafs (twice the largest graph's)
     report : MemoryReport to record compute-graph bytes in
+    threadpool : give the CPU backend a persistent threadpool (:meth:`ggmlpy.Backend.set_threadpool`), as
+        llama.cpp's tools do, instead of ggml starting its threads for every graph
+    poll : how eagerly the pool's idle threads poll for the next graph (0-100, llama-bench's ``--poll``)
     """
 
     def __init__(self, devs: Sequence[Device], n_threads: int = 0, graph_size: int = 8192,
-                 report: MemoryReport | None = None, parallel: bool = False, op_offload: bool = True):
+                 report: MemoryReport | None = None, parallel: bool = False, op_offload: bool = True,
+                 threadpool: bool = True, poll: int = 50):
         self.devices = list(devs)
         if not self.devices or self.devices[-1].type != "CPU":
             self.devices = [d for d in self.devices if d.type != "CPU"] + [_core.device("CPU")]
@@ -609,7 +613,10 @@ class Runtime:
             for d in self.devices:
                 self.backends.append(d.init())
             cpu = self.backends[-1]
-            cpu.set_n_threads(n_threads if n_threads > 0 else _core.default_n_threads())
+            n = n_threads if n_threads > 0 else _core.default_n_threads()
+            if threadpool:
+                cpu.set_threadpool(n, poll=poll)
+            cpu.set_n_threads(n)
             self.sched = _core.Scheduler(self.backends, graph_size=graph_size, parallel=parallel,
                                          op_offload=op_offload)
         except BaseException:
