@@ -19,6 +19,30 @@ and times the prompt and/or generation. The rate of a test is the mean of the
 per-repetition rates ``(n_prompt + n_gen) / t`` and its ``±`` the sample
 standard deviation of those rates.
 
+What llama-bench's options mean here
+------------------------------------
+They drive ggmlpy's runner, so each means what it can mean for it, and a value
+that cannot run is refused when the command line is parsed:
+
+* ``-ctk``/``-ctv`` pair freely (ggml's flash attention reads K and V each in
+  its own type); without flash attention V is stored transposed, which a
+  quantized type cannot be, so a quantized ``-ctv`` with ``-fa off`` is refused
+  (:meth:`ggmlpy.runner.Runner.check_cache_types`). A quantized type also needs
+  a head size that is a multiple of its block; a model without one fails its
+  tests with that message.
+* ``-lm none|mmap`` (``-mmp 0|1``, its older spelling; default mmap): the
+  loader reads the weights with ``read(2)``, or copies them out of a memory map
+  of the file (:class:`ggmlpy.gguf.MappedFile`); either way they end up in
+  ggmlpy's own buffers. ``mlock``, ``mmap+mlock`` and ``dio`` are refused.
+  Written, as llama-bench writes it, in the ``load_mode`` field.
+* ``-nkvo 1``: the K/V cache of every layer stays in host memory whatever
+  device computes the layer (``Runner(offload_kqv=False)``); the same as 0 on
+  the CPU alone.
+* ``-embd 1``: every decode outputs the final-normed hidden state of every
+  token (``Runner.decode(embeddings=True)``, the embeddings path) instead of
+  the last token's logits. llama.cpp's embeddings mode also outputs every
+  token, but computes logits for them too.
+
 Beyond llama-bench
 ------------------
 * With no ``-m``, a built-in model: a llama GGUF with random weights of the
@@ -35,7 +59,8 @@ Beyond llama-bench
   llama-cpp-python in a separate process (the two packages each ship a
   ``libggml-base.so`` with the same soname, so they must never share a
   process), interleaved test by test with ggmlpy's, and adds the ratio
-  ggmlpy/llama.cpp with its spread to each ggmlpy row.
+  ggmlpy/llama.cpp with its spread to each ggmlpy row. The peer gets the same
+  options (cache types, flash attention, load mode, KV offload, embeddings).
 * ``--plot FILE.png`` draws t/s against the swept prompt size, depth or thread
   count, one line per model, engine and kind of test (needs matplotlib).
 * ``-v`` prints the memory report (weights, cache, graph per device) of each
