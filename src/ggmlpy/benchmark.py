@@ -529,7 +529,9 @@ def _validate_cache_types(p: BenchParams) -> None:
     for tk, tv, fa in itertools.product(p.type_k, p.type_v, p.flash_attn):
         try:
             Runner.check_cache_types(tk, tv, None if fa < 0 else bool(fa))
-        except GGMLErrorBase:
+        except GGMLErrorBase as e:
+            if fa != 0:                       # not the flash attention rule: say what the runner says
+                raise BenchError(f"-ctk {tk} -ctv {tv}: {e}") from None
             bad.append(f"-ctk {tk} -ctv {tv} -fa off")
     if bad:
         raise BenchError(f"{', '.join(dict.fromkeys(bad))}: a quantized V cache needs flash attention (-fa on or "
