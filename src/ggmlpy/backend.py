@@ -403,7 +403,7 @@ class Weights:
         if op not in (None, "mul_mat"):
             raise GGMLValueError(f"weights_add: op must be None or 'mul_mat' (got {op!r})")
         dev = self.placement.device_of(group)
-        bt = self._buffer_type(dev, Type[type] if isinstance(type, str) else Type(type), tuple(ne), op)
+        bt = self._buffer_type(dev, Type[type.upper()] if isinstance(type, str) else Type(type), tuple(ne), op)
         key = (dev.name, bt.name)
         ctx = self._ctx.get(key)
         if ctx is None:
