@@ -255,7 +255,7 @@ LLAMA_BENCH_FIELDS = [
     "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
     "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload",
     "flash_attn", "devices", "tensor_split", "tensor_buft_overrides", "load_mode", "embeddings",
-    "no_op_offload", "no_host", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
+    "no_op_offload", "no_host", "repack", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"]
 
 
@@ -740,3 +740,91 @@ def test_vs_llama_cpp_with_the_new_options(tmp_path, capsys):
     for r in recs:
         assert r["avg_ts"] > 0 and (r["load_mode"], r["no_kv_offload"], r["embeddings"]) == ("none", True, True)
         assert (r["type_k"], r["type_v"], r["flash_attn"]) == ("f32", "f16", 0)     # mixed types too
+
+
+# --------------------------------------------------------------------------- --repack and --rounds
+
+def test_repack_sweeps_reloads_and_is_written():
+    p = parse_args(["-m", "a.gguf", "-p", "8", "-n", "0", "--repack", "0,1"])
+    insts = bm.make_instances(p)
+    assert [i.repack for i in insts] == [False, True]
+    assert insts[0].model_key() != insts[1].model_key()          # the weights are placed at load
+    assert parse_args(["-m", "a.gguf"]).repack == [True]          # llama-bench's default
+    with pytest.raises(BenchError, match="--repack"):
+        parse_args(["-m", "a.gguf", "--repack", "2"])
+    out = io.StringIO()
+    code, results = bm.run(p, out, io.StringIO(), engine=FakeEngine())
+    assert code == 0 and [r.inst.repack for r in results] == [False, True]
+    header = _cells(out.getvalue().splitlines()[0])
+    assert header[header.index("test") - 1] == "repack"
+    assert [_cells(line)[header.index("repack")] for line in out.getvalue().splitlines()[2:4]] == ["0", "1"]
+    rec = json.loads(bm.format_results(results[:1], "json"))[0]
+    assert rec["repack"] is False and list(rec).index("repack") == list(rec).index("no_host") + 1
+    # the default adds no column
+    assert "repack" not in bm.format_results(results[1:], "md", parse_args(["-m", "a.gguf"]))
+
+
+def test_ggmlpy_engine_loads_with_and_without_repack(tmp_path):
+    from ggmlpy.models.synthetic import write_synthetic
+
+    path = str(write_synthetic(tmp_path / "q4.gguf", "tiny", "Q4_0"))
+    eng = bm.GgmlpyEngine()
+    try:
+        for repack in (False, True):
+            eng.ensure_model(Instance(path, 8, 0, repack=repack))
+            w = eng.model.weights["blk.0.ffn_up.weight"]
+            offered = any(b.name == "CPU_REPACK" for b in __import__("ggmlpy").device("cpu").extra_buffer_types())
+            assert w.is_repacked == (repack and offered)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("has_field", [True, False])
+def test_llama_cpp_peer_gets_repack(monkeypatch, has_field):
+    ll = _fake_llama_cpp(True)
+    if has_field:
+        made = ll.llama_model_default_params
+        ll.llama_model_default_params = lambda: _FakeParams(**vars(made()), use_extra_bufts=True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", ll)
+    eng = bm.LlamaCppEngine()
+    for repack in (False, True):
+        inst = Instance("m.gguf", 8, 0, repack=repack)
+        if has_field:
+            eng.load(inst)
+            assert ll.made["model"].use_extra_bufts is repack
+        elif not repack:
+            with pytest.raises(BenchError, match="--repack 0"):
+                eng.load(inst)
+        else:
+            eng.load(inst)                                        # nothing to set: repacking is its default
+
+
+def test_round_ratio_is_the_median_of_the_rounds():
+    assert bm.round_ratio([1.0, 5.0, 1.2]) == (1.2, pytest.approx(np.std([1.0, 5.0, 1.2], ddof=1)))
+    assert bm.round_ratio([1.0, 1.5])[0] == 1.25
+    assert bm.round_ratio([float("nan"), 2.0]) == (2.0, 0.0)
+    assert all(np.isnan(bm.round_ratio([])))
+
+
+def test_rounds_repeat_each_test_and_pool_the_repetitions():
+    eng = FakeEngine()
+    p = parse_args(["-m", "a.gguf", "-p", "8", "-n", "0", "-r", "2", "--rounds", "3", "--no-warmup"])
+    code, results = bm.run(p, io.StringIO(), io.StringIO(), engine=eng)
+    assert code == 0 and len(results) == 1
+    assert len(results[0].samples_ns) == 6                        # 2 repetitions x 3 rounds
+    assert sum(1 for c in eng.calls if c[0] == "ctx") == 3        # a fresh context each round
+    with pytest.raises(BenchError, match="--rounds"):
+        parse_args(["-m", "a.gguf", "--rounds", "0"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_vs_llama_cpp_in_rounds_with_repack(tmp_path, capsys):
+    code = bm.main(["--synthetic", "tiny", "--type", "Q4_0", "-p", "16", "-n", "0", "-r", "1", "-t", "1",
+                    "-o", "jsonl", "--repack", "0,1", "--rounds", "2", "--vs", "llama.cpp",
+                    "--cache-dir", str(tmp_path)])
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [r["engine"] for r in recs] == ["ggmlpy", "llama.cpp"] * 2
+    assert [r["repack"] for r in recs] == [False, False, True, True]
+    for r in recs:
+        assert len(r["samples_ns"]) == 2                          # one repetition in each of 2 rounds
+    assert all(r["ratio_vs_llama_cpp"] > 0 for r in recs if r["engine"] == "ggmlpy")

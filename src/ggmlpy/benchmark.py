@@ -42,6 +42,10 @@ that cannot run is refused when the command line is parsed:
   token (``Runner.decode(embeddings=True)``, the embeddings path) instead of
   the last token's logits. llama.cpp's embeddings mode also outputs every
   token, but computes logits for them too.
+* ``--repack 0|1`` (default 1): matrix weights go to the CPU's extra buffer
+  types where ggml has kernels for their type and shape (``CPU_REPACK``,
+  ``AMX``; ``load_model(repack=...)``), as llama.cpp's loader does; 0 keeps
+  every weight in plain memory. Written in the ``repack`` field.
 
 Beyond llama-bench
 ------------------
@@ -60,7 +64,12 @@ Beyond llama-bench
   ``libggml-base.so`` with the same soname, so they must never share a
   process), interleaved test by test with ggmlpy's, and adds the ratio
   ggmlpy/llama.cpp with its spread to each ggmlpy row. The peer gets the same
-  options (cache types, flash attention, load mode, KV offload, embeddings).
+  options (cache types, flash attention, load mode, KV offload, embeddings,
+  repack).
+* ``--rounds N`` runs every test N times, each time ggmlpy and then the peers
+  back to back; the repetitions of all rounds make the row's t/s, and the
+  ratio is the median of the N per-round ratios (``±``: their standard
+  deviation), which a burst of other work on a shared machine cannot sway.
 * ``--plot FILE.png`` draws t/s against the swept prompt size, depth or thread
   count, one line per model, engine and kind of test (needs matplotlib).
 * ``-v`` prints the memory report (weights, cache, graph per device) of each
@@ -97,7 +106,8 @@ __all__ = [
 
 PROG = "ggmlpy bench"
 
-#: llama-bench's CSV/JSON field list (source @ 0104b151), in order.
+#: llama-bench's CSV/JSON field list (source @ 0104b151, with the ``repack`` of the llama.cpp in
+#: llama-cpp-python 0.3.36, the peer of ``--vs``), in order.
 FIELDS = (
     "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
     "model_filename", "model_type", "model_size", "model_n_params", "n_batch",
@@ -105,7 +115,7 @@ FIELDS = (
     "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode",
     "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split",
     "tensor_buft_overrides", "load_mode", "embeddings",
-    "no_op_offload", "no_host", "fit_target", "fit_min_ctx",
+    "no_op_offload", "no_host", "repack", "fit_target", "fit_min_ctx",
     "n_prompt", "n_gen", "n_depth",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 )
@@ -114,7 +124,7 @@ INT_FIELDS = frozenset((
     "n_gpu_layers", "main_gpu", "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns",
     "no_op_offload", "n_cpu_moe", "fit_target", "fit_min_ctx", "flash_attn",
 ))
-BOOL_FIELDS = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host"))
+BOOL_FIELDS = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host", "repack"))
 FLOAT_FIELDS = frozenset(("avg_ts", "stddev_ts"))
 
 #: Our fields, written after llama-bench's (and after the samples in JSON).
@@ -339,7 +349,9 @@ class BenchParams:
     load_mode: list[str] = field(default_factory=lambda: ["mmap"])
     no_kv_offload: list[bool] = field(default_factory=lambda: [False])
     embeddings: list[bool] = field(default_factory=lambda: [False])
+    repack: list[bool] = field(default_factory=lambda: [True])
     reps: int = 5
+    rounds: int = 1
     delay: float = 0.0
     output: str = "md"
     output_err: str = "none"
@@ -382,12 +394,14 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-lm", "--load-mode"), "load_mode", _parse_load_modes,
      "none: read the weights; mmap: copy them out of a memory map of the file (default mmap)"),
     (("-mmp", "--mmap"), "load_mode", _parse_mmap, "0|1: -lm none|mmap (llama-bench's older spelling)"),
-    # (--repack belongs here, before -embd, as in llama-bench's order of model parameters)
+    (("--repack",), "repack", _parse_bools("--repack"),
+     "0: keep every weight in plain memory; 1: matrix weights in the CPU's extra buffer types where ggml has "
+     "kernels for them (CPU_REPACK, AMX; default 1)"),
     (("-embd", "--embeddings"), "embeddings", _parse_bools("-embd"),
      "1: measure the embeddings path (hidden states of every token, no output head; default 0)"),
     (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
      "110M, 1B or a count (default 110M)"),
-    (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0 (default F16)"),
+    (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
 ]
 
 
@@ -412,6 +426,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ap.set_defaults(swept=[])
     ap.add_argument("-r", "--repetitions", dest="reps", type=int, default=5,
                     help="timed repetitions per test (default 5)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each test this many times, alternating with --vs peers; the ratio is then the "
+                         "median of the per-round ratios (default 1)")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds of sleep before each test")
     ap.add_argument("-o", "--output", default="md", choices=OUTPUTS, help="stdout format (default md)")
     ap.add_argument("-oe", "--output-err", default="none", choices=OUTPUTS,
@@ -481,6 +498,7 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     for attr, values in swept.items():
         setattr(params, attr, values)
     params.reps = args.reps
+    params.rounds = args.rounds
     params.delay = args.delay
     params.output, params.output_err = args.output, args.output_err
     params.verbose, params.progress, params.no_warmup = args.verbose, args.progress, args.no_warmup
@@ -495,6 +513,8 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
 def _validate(p: BenchParams) -> None:
     if p.reps < 1:
         raise BenchError(f"-r {p.reps}: at least one repetition is needed")
+    if p.rounds < 1:
+        raise BenchError(f"--rounds {p.rounds}: at least one round is needed")
     if p.delay < 0:
         raise BenchError(f"--delay {p.delay}: must be >= 0")
     for name in ("n_prompt", "n_gen", "n_depth"):
@@ -560,6 +580,7 @@ class Instance:
     load_mode: str = "mmap"
     no_kv_offload: bool = False
     embeddings: bool = False
+    repack: bool = True
 
     @property
     def n_ctx(self) -> int:
@@ -579,20 +600,20 @@ class Instance:
 
     def model_key(self) -> tuple:
         """What decides whether the model must be reloaded between two tests."""
-        return (self.model, self.n_gpu_layers, self.load_mode, self.devices)
+        return (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack)
 
 
 def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Instance]:
     """All tests in llama-bench's order (a model is reloaded as rarely as possible)."""
     out = []
-    # llama-bench's nesting: model parameters outermost (a repack sweep would go after devices)
-    for m, ngl, lm, dev, embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
-            models if models is not None else p.models, p.n_gpu_layers, p.load_mode, p.devices,
+    # llama-bench's nesting: model parameters outermost
+    for m, ngl, lm, dev, rpk, embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
+            models if models is not None else p.models, p.n_gpu_layers, p.load_mode, p.devices, p.repack,
             p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
             p.n_threads, p.n_depth):
         common = dict(model=m, n_depth=nd, n_batch=nb, n_ubatch=nub, type_k=tk, type_v=tv,
                       n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa, load_mode=lm,
-                      no_kv_offload=nkvo, embeddings=embd)
+                      no_kv_offload=nkvo, embeddings=embd, repack=rpk)
         out += [Instance(n_prompt=n, n_gen=0, **common) for n in p.n_prompt if n > 0]
         out += [Instance(n_prompt=0, n_gen=n, **common) for n in p.n_gen if n > 0]
         out += [Instance(n_prompt=a, n_gen=b, **common) for a, b in p.n_pg if a or b]
@@ -675,7 +696,7 @@ class Result:
             "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": i.no_kv_offload,
             "flash_attn": i.flash_attn, "devices": i.devices, "tensor_split": "0.00",
             "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": i.embeddings,
-            "no_op_offload": 0, "no_host": False, "fit_target": 0, "fit_min_ctx": 0,
+            "no_op_offload": 0, "no_host": False, "repack": i.repack, "fit_target": 0, "fit_min_ctx": 0,
             "n_prompt": i.n_prompt, "n_gen": i.n_gen, "n_depth": i.n_depth,
             "test_time": self.test_time, "avg_ns": self.avg_ns, "stddev_ns": self.stddev_ns,
             "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,
@@ -709,6 +730,29 @@ class Result:
 
 def _ratio_key(peer: str) -> str:
     return "ratio_vs_" + re.sub(r"[^0-9a-zA-Z]+", "_", peer).strip("_").lower()
+
+
+def _merge(a: Result, b: Result) -> Result:
+    """``a`` with the repetitions of ``b`` (the same test in a later round) added."""
+    a.samples_ns = [*a.samples_ns, *b.samples_ns]
+    a.ttft_ns = [*a.ttft_ns, *b.ttft_ns]
+    return a
+
+
+def round_ratio(per_round: list[float]) -> tuple[float, float]:
+    """The median of per-round ratios, with their sample standard deviation as the spread.
+
+    Each round times ggmlpy and then the peer back to back, so a ratio within a round
+    compares the two under the same load; the median ignores a round a burst of other
+    work on the machine spoiled.
+    """
+    v = [x for x in per_round if math.isfinite(x)]
+    if not v:
+        return (float("nan"), float("nan"))
+    v.sort()
+    mid = len(v) // 2
+    med = v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+    return med, _stdev(v)
 
 
 def ratio(a: Result, b: Result) -> tuple[float, float]:
@@ -789,7 +833,7 @@ class MarkdownPrinter(Printer):
         if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
             fields.append("n_threads")
         for name in ("n_batch", "n_ubatch", "type_k", "type_v", "no_kv_offload", "flash_attn", "devices",
-                     "load_mode", "embeddings"):
+                     "load_mode", "embeddings", "repack"):
             if len(getattr(p, name)) > 1 or getattr(p, name) != getattr(d, name):
                 fields.append(name)
         fields += ["test", "t/s"]
@@ -1055,7 +1099,7 @@ class GgmlpyEngine(Engine):
 
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
         self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc,
-                                mmap=inst.load_mode == "mmap")
+                                mmap=inst.load_mode == "mmap", repack=inst.repack)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}
@@ -1143,6 +1187,10 @@ class LlamaCppEngine(Engine):
                             "mmap": getattr(ll, "LLAMA_LOAD_MODE_MMAP", 1)}[inst.load_mode]
         else:
             mp.use_mmap = inst.load_mode == "mmap"
+        if hasattr(mp, "use_extra_bufts"):
+            mp.use_extra_bufts = inst.repack
+        elif not inst.repack:
+            raise BenchError(f"--repack 0: llama_cpp {self.version} cannot keep weights out of the extra buffer types")
         load = self._fn("llama_model_load_from_file", "llama_load_model_from_file")
         self.model = load(inst.model.encode(), mp)
         if not self.model:
@@ -1520,32 +1568,49 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                       f"{_inst.n_ubatch}):\n{report}", file=err, flush=True)
 
             kw = dict(reps=p.reps, seed=p.seed, index=i, warmup=not p.no_warmup, delay=p.delay)
-            row: list[Result] = []
-            try:
-                row.append(run_instance(engine, inst, progress=prog if p.progress else None,
-                                        verbose=verbose if p.verbose else None, **kw))
-                row[0].ggmlpy_version = engine.version
-            except Exception as e:
-                # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
-                failed += 1
-                engine.close()
-                if p.verbose or _debug() or not isinstance(e, (GGMLErrorBase, OSError, MemoryError)):
-                    traceback.print_exc(file=err)     # always for what is not a user's error: a bug
-                print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
-                      f"{type(e).__name__}: {e}", file=err, flush=True)
-            for peer in peers:
+            ours: Result | None = None
+            theirs: dict[str, Result] = {}
+            per_round: dict[str, list[float]] = {peer.engine: [] for peer in peers}
+            for rnd in range(p.rounds):
+                # ggmlpy, then each peer: one round; the rounds alternate the engines over time, so a
+                # slow phase of a shared machine hits both
+                mine: Result | None = None
                 try:
-                    pk = dict(kw, progress_prefix=f"{PROG}: benchmark {i + 1}/{n}: {peer.engine}: "
-                              if p.progress else None)
-                    res = peer.run(inst, **pk)
-                    res.ggmlpy_version = engine.version
-                    if row and row[0].engine == engine.name:
-                        row[0].ratios[peer.engine] = ratio(row[0], res)
-                    row.append(res)
-                except BenchError as e:
+                    mine = run_instance(engine, inst, progress=prog if p.progress else None,
+                                        verbose=verbose if p.verbose and rnd == 0 else None, **kw)
+                    mine.ggmlpy_version = engine.version
+                    ours = mine if ours is None else _merge(ours, mine)
+                except Exception as e:
+                    # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
                     failed += 1
-                    print(f"{PROG}: error: {peer.engine} failed on {inst.name} with "
-                          f"{inst.model}: {e}", file=err, flush=True)
+                    engine.close()
+                    if p.verbose or _debug() or not isinstance(e, (GGMLErrorBase, OSError, MemoryError)):
+                        traceback.print_exc(file=err)     # always for what is not a user's error: a bug
+                    print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
+                          f"{type(e).__name__}: {e}", file=err, flush=True)
+                    break
+                for peer in peers:
+                    try:
+                        pk = dict(kw, progress_prefix=f"{PROG}: benchmark {i + 1}/{n}: {peer.engine}: "
+                                  if p.progress else None)
+                        res = peer.run(inst, **pk)
+                        res.ggmlpy_version = engine.version
+                        per_round[peer.engine].append(ratio(mine, res)[0])
+                        prev = theirs.get(peer.engine)
+                        theirs[peer.engine] = res if prev is None else _merge(prev, res)
+                    except BenchError as e:
+                        failed += 1
+                        print(f"{PROG}: error: {peer.engine} failed on {inst.name} with "
+                              f"{inst.model}: {e}", file=err, flush=True)
+            row: list[Result] = [ours] if ours is not None else []
+            for peer in peers:
+                res = theirs.get(peer.engine)
+                if res is None:
+                    continue
+                if ours is not None:
+                    ours.ratios[peer.engine] = (ratio(ours, res) if p.rounds == 1
+                                                else round_ratio(per_round[peer.engine]))
+                row.append(res)
             for pr in printers:
                 pr.rows(row)
             results += row
