@@ -150,7 +150,7 @@ def test_rpc_and_cpu_split_matches_cpu_alone(rpc_server):  # noqa: F811
     assert [d.type for d in placement.layers] == ["CPU", "GPU", "GPU"]
     w, data = _model(placement, rng)
     report = w.allocate()
-    assert report.devices[devs[0].name].weights_total == w.buffers[devs[0].name].size
+    assert report.devices[devs[0].name].weights_total == w.buffers[(devs[0].name, devs[0].buffer_type().name)].size
     w.load(lambda name: data[name])
     rt = bk.Runtime(placement.devices(), n_threads=1, graph_size=1024, report=report)
     rt.reserve(lambda n: _forward(w, n)[3], n_prompt=16)

@@ -55,18 +55,19 @@ def test_defaults_are_llama_bench_defaults():
     assert (p.n_batch, p.n_ubatch, p.type_k, p.type_v) == ([2048], [512], ["f16"], ["f16"])
     assert (p.n_gpu_layers, p.flash_attn, p.devices) == ([-1], [-1], ["auto"])
     assert (p.reps, p.output, p.delay, p.progress) == (5, "md", 0, False)
+    assert (p.load_mode, p.no_kv_offload, p.embeddings) == (["mmap"], [False], [False])
     assert p.n_threads == [bm.default_threads()] and p.n_threads[0] >= 1
 
 
 def test_lists_repeats_and_aliases():
     p = parse_args(["-m", "a.gguf", "-m", "b.gguf", "-p", "16", "-p", "32,64", "--n_gen", "4",
-                    "-pg", "8,2", "-pg", "16,4", "-fa", "on,off,auto", "-ctk", "q8_0", "-ctv", "Q4_0",
+                    "-pg", "8,2", "-pg", "16,4", "-fa", "on,off,auto", "-ctk", "q8_0", "-ctv", "BF16",
                     "-dev", "none,auto", "-t", "1-2", "-r", "3", "-o", "jsonl", "--delay", "0"])
     assert p.models == ["a.gguf", "b.gguf"]
     assert p.n_prompt == [16, 32, 64] and p.n_gen == [4]
     assert p.n_pg == [(8, 2), (16, 4)]
     assert p.flash_attn == [1, 0, -1]
-    assert p.type_k == ["q8_0"] and p.type_v == ["q4_0"]
+    assert p.type_k == ["q8_0"] and p.type_v == ["bf16"]
     assert p.devices == ["none", "auto"] and p.n_threads == [1, 2]
     assert p.reps == 3 and p.output == "jsonl"
 
@@ -91,6 +92,37 @@ def test_parse_errors(argv, words):
                    + argv)
 
 
+def test_mmap_load_mode_nkvo_and_embd_lists():
+    p = parse_args(["-m", "a.gguf", "-mmp", "0,1", "-lm", "none", "--no-kv-offload", "1,0", "-embd", "1",
+                    "--mmap", "1"])
+    # -lm and -mmp fill one list, in command-line order (llama-bench's load_mode; -mmp is its older spelling)
+    assert p.load_mode == ["none", "mmap", "none", "mmap"]
+    assert p.no_kv_offload == [True, False] and p.embeddings == [True]
+    assert parse_args(["-m", "a", "-lm", "mmap,none"]).load_mode == ["mmap", "none"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["-mmp", "2"], "invalid -mmp value '2'"),
+    (["-lm", "mlock"], "not supported by ggmlpy's loader"),
+    (["-lm", "dio"], "no mlock or direct I/O"),
+    (["-lm", "fast"], "expected none or mmap"),
+    (["-nkvo", "yes please"], "invalid -nkvo"),
+    (["-embd", "2"], "invalid -embd"),
+    (["-ctv", "q8_0", "-fa", "0"], "-ctk f16 -ctv q8_0 -fa off: a quantized V cache needs flash attention"),
+    (["-ctv", "f16,q4_0", "-ctk", "q8_0", "-fa", "1,0"], "^-ctk q8_0 -ctv q4_0 -fa off: a quantized V"),
+])
+def test_parse_refusals_of_the_new_options(argv, words):
+    with pytest.raises(BenchError, match=words):
+        parse_args(["-m", "x.gguf"] + argv)
+
+
+def test_cache_type_pairs_that_run_are_accepted():
+    # a quantized K runs without flash attention; a quantized V with it (on, or auto, which is on here)
+    p = parse_args(["-m", "x", "-ctk", "q8_0,q4_0,iq4_nl", "-ctv", "f16,bf16,f32", "-fa", "0,1,auto"])
+    assert len(bm.make_instances(p)) == 3 * 3 * 3 * 2
+    assert parse_args(["-m", "x", "-ctk", "f16", "-ctv", "q5_1,q4_1", "-fa", "on,auto"]).type_v == ["q5_1", "q4_1"]
+
+
 def test_synthetic_and_vs_options():
     p = parse_args(["--synthetic", "100m,tiny", "--type", "f16,q8_0", "--vs", "llama_cpp"])
     assert p.models == [] and p.synthetic == ["110M", "tiny"] and p.types == ["F16", "Q8_0"]
@@ -108,6 +140,16 @@ def test_cartesian_product_in_llama_bench_order():
     assert {i.n_ctx for i in insts if i.name == "pp8+tg2 @ d8"} == {18}
     # zero sizes are skipped
     assert [i.name for i in bm.make_instances(parse_args(["-m", "m", "-p", "0", "-n", "0,4"]))] == ["tg4"]
+
+
+def test_new_options_multiply_tests_in_llama_bench_order():
+    p = parse_args(["-m", "m", "-p", "8", "-n", "0", "-mmp", "0,1", "-embd", "0,1", "-nkvo", "0,1", "-t", "1"])
+    insts = bm.make_instances(p)
+    # load mode is a model parameter (outermost), then embeddings, then (after the cache types) nkvo
+    assert [(i.load_mode, i.embeddings, i.no_kv_offload) for i in insts] == [
+        (lm, e, k) for lm in ("none", "mmap") for e in (False, True) for k in (False, True)]
+    # only the load mode needs another model load
+    assert len({i.model_key() for i in insts}) == 2
 
 
 def test_synthetic_sizes():
@@ -213,8 +255,29 @@ LLAMA_BENCH_FIELDS = [
     "model_size", "model_n_params", "n_batch", "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
     "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode", "main_gpu", "no_kv_offload",
     "flash_attn", "devices", "tensor_split", "tensor_buft_overrides", "load_mode", "embeddings",
-    "no_op_offload", "no_host", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
+    "no_op_offload", "no_host", "repack", "fit_target", "fit_min_ctx", "n_prompt", "n_gen", "n_depth",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts"]
+
+
+def test_new_fields_in_every_format():
+    r = _result(load_mode="none", no_kv_offload=True, embeddings=True)
+    r.load_mode = "none"
+    rec = json.loads(bm.format_results([r], "json"))[0]
+    assert (rec["load_mode"], rec["no_kv_offload"], rec["embeddings"]) == ("none", True, True)
+    _check_types(rec)
+    row = next(csv.DictReader(io.StringIO(bm.format_results([r], "csv"))))
+    assert (row["load_mode"], row["no_kv_offload"], row["embeddings"]) == ("none", "1", "1")
+    p = BenchParams(n_threads=[2], load_mode=["none"], no_kv_offload=[False, True], embeddings=[True])
+    lines = bm.format_results([r], "md", p).splitlines()
+    assert _cells(lines[0]) == ["model", "size", "params", "backend", "threads", "nkvo", "lm", "embd",
+                                "test", "t/s"]
+    # llama-bench's widths; its bool and load_mode columns are right-aligned
+    assert "|          nkvo |         lm |       embd |" in lines[0]
+    assert "| ------------: | ---------: | ---------: |" in lines[1]
+    assert _cells(lines[2])[5:8] == ["1", "none", "1"] and len(lines[2]) == len(lines[0])
+    # defaults add no column
+    assert _cells(bm.format_results([_result()], "md", BenchParams(n_threads=[2])).splitlines()[0]) == [
+        "model", "size", "params", "backend", "threads", "test", "t/s"]
 
 
 def test_json_and_jsonl_fields_and_types():
@@ -529,3 +592,239 @@ def test_vs_llama_cpp_for_real(tmp_path, capsys):
         assert peer["model_filename"] == mine["model_filename"]
         assert mine["ratio_vs_llama_cpp"] == pytest.approx(mine["avg_ts"] / peer["avg_ts"])
         assert peer["ratio_vs_llama_cpp"] is None
+
+
+# --------------------------------------------------------------------------- what -mmp, -nkvo and -embd change
+
+
+def test_mmp_decides_how_ggmlpy_reads_the_weights(tmp_path, monkeypatch):
+    """-mmp 1 (-lm mmap) loads through a memory map of the file, -mmp 0 (-lm none) with read(2)."""
+    import ggmlpy.models.llama as llama_mod
+    from ggmlpy import gguf
+
+    opened = []
+    real = llama_mod.open_data
+
+    def spy(path, mmap=False):
+        f = real(path, mmap=mmap)
+        opened.append(type(f))
+        return f
+
+    monkeypatch.setattr(llama_mod, "open_data", spy)
+    out = io.StringIO()
+    code, results = bm.run(parse_args(["--synthetic", "tiny", "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+                                       "-mmp", "0,1", "-o", "json", "--cache-dir", str(tmp_path)]),
+                           out, io.StringIO())
+    assert code == 0
+    assert [o is gguf.MappedFile for o in opened] == [False, True]
+    assert [r["load_mode"] for r in json.loads(out.getvalue())] == ["none", "mmap"]
+
+
+@pytest.mark.rpc
+def test_nkvo_keeps_the_cache_in_host_memory(tmp_path, rpc_server):  # noqa: F811
+    """-nkvo 1 with the layers on a (loopback RPC) device: the K/V cache is in host buffers; -nkvo 0: on the
+    device."""
+    seen = []
+
+    class Spy(bm.GgmlpyEngine):
+        def new_context(self, inst):
+            super().new_context(inst)
+            cache = self.rt.cache
+            seen.append((inst.no_kv_offload, {t.is_host for t in cache.keys + cache.values}))
+
+    out = io.StringIO()
+    p = parse_args(["--synthetic", "tiny", "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-rpc", rpc_server,
+                    "-ngl", "99", "-nkvo", "0,1", "-o", "json", "--cache-dir", str(tmp_path)])
+    p.models = bm._synthetic_models(p, io.StringIO())
+    code, _ = bm.run(p, out, io.StringIO(), engine=Spy(rpc=p.rpc))
+    assert code == 0
+    assert seen == [(False, {False}), (True, {True})]
+    recs = json.loads(out.getvalue())
+    assert [(r["no_kv_offload"], r["backends"]) for r in recs] == [(False, "RPC"), (True, "RPC")]
+
+
+def test_embd_measures_the_embeddings_path(tmp_path):
+    """-embd 1: every decode outputs the hidden state of every token (n_embd wide), not the last token's
+    logits."""
+    outputs = []
+
+    class Spy(bm.GgmlpyEngine):
+        def new_context(self, inst):
+            super().new_context(inst)
+            real = self.rt.decode
+
+            def decode(tokens, **kw):
+                res = real(tokens, **kw)
+                outputs.append((inst.embeddings, len(tokens), res.shape))
+                return res
+
+            self.rt.decode = decode
+
+    path = str(bm._synthetic_models(parse_args(["--synthetic", "tiny", "--cache-dir", str(tmp_path)]),
+                                    io.StringIO())[0])
+    eng = Spy()
+    try:
+        for embd in (False, True):
+            res = bm.run_instance(eng, Instance(path, 6, 2, n_threads=1, embeddings=embd), reps=1, seed=0)
+            assert res.record()["embeddings"] is embd
+        n_embd, n_vocab = eng.model.config.n_embd, eng.model.n_vocab
+    finally:
+        eng.close()
+    assert {o for o in outputs if not o[0]} == {(False, 6, (1, n_vocab)), (False, 1, (1, n_vocab))}
+    assert {o for o in outputs if o[0]} == {(True, 6, (6, n_embd)), (True, 1, (1, n_embd))}
+
+
+class _FakeParams:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _fake_llama_cpp(new_api: bool):
+    """Just enough of llama-cpp-python's low-level API to see what LlamaCppEngine sets."""
+    import types
+
+    ll = types.SimpleNamespace(__version__="0.0-fake", made={})
+    ll.llama_log_callback = lambda fn: fn
+    ll.llama_log_set = lambda cb, data: None
+    ll.llama_backend_init = lambda: None
+    model_fields = dict(n_gpu_layers=0, load_mode=-1) if new_api else dict(n_gpu_layers=0, use_mmap=True)
+    ll.llama_model_default_params = lambda: _FakeParams(**model_fields)
+    ll.llama_context_default_params = lambda: _FakeParams(offload_kqv=True, embeddings=False)
+
+    def load(path, mp):
+        ll.made["model"] = mp
+        return object()
+
+    def init(model, cp):
+        ll.made["context"] = cp
+        return object()
+
+    ll.llama_model_load_from_file = load
+    ll.llama_init_from_model = init
+    ll.llama_model_desc = lambda m, buf, n: None
+    ll.llama_model_get_vocab = lambda m: None
+    ll.llama_vocab_n_tokens = lambda v: 100
+    ll.llama_model_size = lambda m: 1
+    ll.llama_model_n_params = lambda m: 1
+    ll.llama_free = lambda c: None
+    ll.llama_model_free = lambda m: None
+    return ll
+
+
+@pytest.mark.parametrize("new_api", [True, False])
+def test_llama_cpp_peer_gets_the_same_options(monkeypatch, new_api):
+    """--vs llama.cpp passes -mmp/-lm (load_mode, or use_mmap in older llama-cpp-python), -nkvo (offload_kqv)
+    and -embd (embeddings) to llama.cpp."""
+    ll = _fake_llama_cpp(new_api)
+    monkeypatch.setitem(sys.modules, "llama_cpp", ll)
+    eng = bm.LlamaCppEngine()
+    for lm, nkvo, embd in (("none", True, True), ("mmap", False, False)):
+        inst = Instance("m.gguf", 8, 0, load_mode=lm, no_kv_offload=nkvo, embeddings=embd)
+        eng.load(inst)
+        eng.new_context(inst)
+        mp, cp = ll.made["model"], ll.made["context"]
+        if new_api:
+            assert mp.load_mode == {"none": 0, "mmap": 1}[lm]      # LLAMA_LOAD_MODE_NONE / _MMAP
+        else:
+            assert mp.use_mmap is (lm == "mmap")
+        assert cp.offload_kqv is (not nkvo) and cp.embeddings is embd
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_vs_llama_cpp_with_the_new_options(tmp_path, capsys):
+    code = bm.main(["--synthetic", "tiny", "-p", "8", "-n", "2", "-r", "1", "-t", "1", "-o", "jsonl",
+                    "-mmp", "0", "-nkvo", "1", "-embd", "1", "-ctk", "f32", "-fa", "0",
+                    "--vs", "llama.cpp", "--cache-dir", str(tmp_path)])
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [r["engine"] for r in recs] == ["ggmlpy", "llama.cpp"] * 2
+    for r in recs:
+        assert r["avg_ts"] > 0 and (r["load_mode"], r["no_kv_offload"], r["embeddings"]) == ("none", True, True)
+        assert (r["type_k"], r["type_v"], r["flash_attn"]) == ("f32", "f16", 0)     # mixed types too
+
+
+# --------------------------------------------------------------------------- --repack and --rounds
+
+def test_repack_sweeps_reloads_and_is_written():
+    p = parse_args(["-m", "a.gguf", "-p", "8", "-n", "0", "--repack", "0,1"])
+    insts = bm.make_instances(p)
+    assert [i.repack for i in insts] == [False, True]
+    assert insts[0].model_key() != insts[1].model_key()          # the weights are placed at load
+    assert parse_args(["-m", "a.gguf"]).repack == [True]          # llama-bench's default
+    with pytest.raises(BenchError, match="--repack"):
+        parse_args(["-m", "a.gguf", "--repack", "2"])
+    out = io.StringIO()
+    code, results = bm.run(p, out, io.StringIO(), engine=FakeEngine())
+    assert code == 0 and [r.inst.repack for r in results] == [False, True]
+    header = _cells(out.getvalue().splitlines()[0])
+    assert header[header.index("test") - 1] == "repack"
+    assert [_cells(line)[header.index("repack")] for line in out.getvalue().splitlines()[2:4]] == ["0", "1"]
+    rec = json.loads(bm.format_results(results[:1], "json"))[0]
+    assert rec["repack"] is False and list(rec).index("repack") == list(rec).index("no_host") + 1
+    # the default adds no column
+    assert "repack" not in bm.format_results(results[1:], "md", parse_args(["-m", "a.gguf"]))
+
+
+def test_ggmlpy_engine_loads_with_and_without_repack(tmp_path):
+    from ggmlpy.models.synthetic import write_synthetic
+
+    path = str(write_synthetic(tmp_path / "q4.gguf", "tiny", "Q4_0"))
+    eng = bm.GgmlpyEngine()
+    try:
+        for repack in (False, True):
+            eng.ensure_model(Instance(path, 8, 0, repack=repack))
+            w = eng.model.weights["blk.0.ffn_up.weight"]
+            offered = any(b.name == "CPU_REPACK" for b in __import__("ggmlpy").device("cpu").extra_buffer_types())
+            assert w.is_repacked == (repack and offered)
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("has_field", [True, False])
+def test_llama_cpp_peer_gets_repack(monkeypatch, has_field):
+    ll = _fake_llama_cpp(True)
+    if has_field:
+        made = ll.llama_model_default_params
+        ll.llama_model_default_params = lambda: _FakeParams(**vars(made()), use_extra_bufts=True)
+    monkeypatch.setitem(sys.modules, "llama_cpp", ll)
+    eng = bm.LlamaCppEngine()
+    for repack in (False, True):
+        inst = Instance("m.gguf", 8, 0, repack=repack)
+        if has_field:
+            eng.load(inst)
+            assert ll.made["model"].use_extra_bufts is repack
+        elif not repack:
+            with pytest.raises(BenchError, match="--repack 0"):
+                eng.load(inst)
+        else:
+            eng.load(inst)                                        # nothing to set: repacking is its default
+
+
+def test_round_ratio_is_the_median_of_the_rounds():
+    assert bm.round_ratio([1.0, 5.0, 1.2]) == (1.2, pytest.approx(np.std([1.0, 5.0, 1.2], ddof=1)))
+    assert bm.round_ratio([1.0, 1.5])[0] == 1.25
+    assert bm.round_ratio([float("nan"), 2.0]) == (2.0, 0.0)
+    assert all(np.isnan(bm.round_ratio([])))
+
+
+def test_rounds_repeat_each_test_and_pool_the_repetitions():
+    eng = FakeEngine()
+    p = parse_args(["-m", "a.gguf", "-p", "8", "-n", "0", "-r", "2", "--rounds", "3", "--no-warmup"])
+    code, results = bm.run(p, io.StringIO(), io.StringIO(), engine=eng)
+    assert code == 0 and len(results) == 1
+    assert len(results[0].samples_ns) == 6                        # 2 repetitions x 3 rounds
+    assert sum(1 for c in eng.calls if c[0] == "ctx") == 3        # a fresh context each round
+    with pytest.raises(BenchError, match="--rounds"):
+        parse_args(["-m", "a.gguf", "--rounds", "0"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
+def test_vs_llama_cpp_in_rounds_with_repack(tmp_path, capsys):
+    code = bm.main(["--synthetic", "tiny", "--type", "Q4_0", "-p", "16", "-n", "0", "-r", "1", "-t", "1",
+                    "-o", "jsonl", "--repack", "0,1", "--rounds", "2", "--vs", "llama.cpp",
+                    "--cache-dir", str(tmp_path)])
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert code == 0 and [r["engine"] for r in recs] == ["ggmlpy", "llama.cpp"] * 2
+    assert [r["repack"] for r in recs] == [False, False, True, True]
+    for r in recs:
+        assert len(r["samples_ns"]) == 2                          # one repetition in each of 2 rounds
+    assert all(r["ratio_vs_llama_cpp"] > 0 for r in recs if r["engine"] == "ggmlpy")

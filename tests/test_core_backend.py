@@ -99,6 +99,57 @@ def test_gallocr_and_backend_compute():
     np.testing.assert_allclose(y.get(), X @ W.T)
 
 
+def _n_os_threads():
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def _openmp() -> bool:
+    # with OpenMP, ggml's pool starts no threads of its own (OpenMP's team does the work)
+    with open("/proc/self/maps") as f:
+        return "libgomp" in f.read()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/task"), reason="counts threads in /proc")
+def test_cpu_threadpool_computes_the_same_and_gives_its_threads_back():
+    rng = np.random.default_rng(5)
+    be = c.backend_init("CPU")
+    wctx = gp.Context.for_tensors(2, no_alloc=True)
+    w = wctx.new_tensor(gp.Type.F32, (64, 48))
+    c.alloc_ctx_tensors(wctx, be)
+    W = rng.standard_normal((48, 64)).astype(np.float32)
+    w.set(W)
+    ctx = gp.Context.for_tensors(8, graph_size=64, no_alloc=True)
+    x = ctx.new_tensor(gp.Type.F32, (64, 5)).set_input()
+    y = ctx.mul_mat(w, x).set_output()
+    gf = _graph(ctx, y)
+    ga = c.Gallocr(be.buffer_type)
+    ga.alloc_graph(gf)
+    X = rng.standard_normal((5, 64)).astype(np.float32)
+    x.set(X)
+    before = _n_os_threads()
+    assert be.threadpool_threads == 0
+    be.set_threadpool(3, poll=0)
+    assert be.threadpool_threads == 3
+    omp = _openmp()             # OpenMP's team computes instead of the pool's workers: no counts to check
+    assert omp or _n_os_threads() == before + 2          # the pool's workers (the caller is the third)
+    for _ in range(3):
+        be.graph_compute(gf)
+        np.testing.assert_allclose(y.get(), X @ W.T, rtol=1e-5, atol=1e-5)
+    be.set_n_threads(2)                            # a pool has a fixed size: it is remade
+    assert be.threadpool_threads == 2 and (omp or _n_os_threads() == before + 1)
+    be.graph_compute(gf)
+    np.testing.assert_allclose(y.get(), X @ W.T, rtol=1e-5, atol=1e-5)
+    with pytest.raises(gp.GGMLValueError, match="poll"):
+        be.set_threadpool(2, poll=101)
+    be.set_threadpool(0)
+    assert be.threadpool_threads == 0 and (omp or _n_os_threads() == before)
+    be.set_threadpool(2)
+    be.free()                                      # the pool goes with the backend
+    assert omp or _n_os_threads() == before
+
+
 def _sched_model(backends_for_weights, rng):
     """Two weight matrices, each in the buffer of the given backend, and a builder of the forward graph."""
     ws, mats = [], []

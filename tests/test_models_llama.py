@@ -195,7 +195,8 @@ def test_memory_report_has_weights_cache_and_graph(models):
     _hf, path = models["llama"]
     with load_model(path) as model, Runner(model, n_ctx=64, n_seq_max=2) as rt:
         d = rt.memory_report().devices["CPU"]
-        assert d.weights_total == model.weights.buffers["CPU"].size
+        assert d.weights_total == sum(b.size for (dev, _bt), b in model.weights.buffers.items() if dev == "CPU")
+        assert d.weights_total == sum(d.weight_buffers.values())
         # F16 K and V: 2 layers x 2 x (64 x 2 cells, padded to 256) x (2 heads x 16 dims) x 2 bytes
         assert rt.cache.n_cells == 256
         assert d.cache_total == 2 * rt.cache.bytes_per_layer() == 2 * 2 * 256 * 32 * 2

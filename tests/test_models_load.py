@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import run_child
 
 from ggmlpy import gguf
 from ggmlpy.models import MissingTensor, UnknownArchitecture, load_model
@@ -48,6 +49,31 @@ def test_weights_equal_the_file(synth):
         for name in ("token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"):
             np.testing.assert_array_equal(m.weights[name].numpy().view(np.uint8).ravel(),
                                           rd.tensor_data(name).view(np.uint8).ravel())
+
+
+def _mapped(path) -> bool:
+    """Whether this process has ``path`` memory-mapped now (Linux)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + real) for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps (Linux)")
+def test_mmap_load_reads_through_a_mapping_and_read_load_does_not(synth):
+    """load_model(mmap=True) (llama-bench -mmp 1) copies the weights out of a mapping of the file, released
+    when loading ends; mmap=False (-mmp 0) reads them with read(2): the file is never mapped. Same weights."""
+    from ggmlpy.runner import Runner
+
+    out = {}
+    for mmap in (False, True):
+        seen = []
+        with load_model(synth, mmap=mmap, progress=lambda d, t, seen=seen: seen.append(_mapped(synth))) as m:
+            assert len(seen) > 10 and not _mapped(synth)
+            assert any(seen) if mmap else not any(seen)
+            with Runner(m, n_ctx=16) as rt:
+                out[mmap] = (m.weights["token_embd.weight"].get(), rt.decode([1, 2, 3, 4], logits="all"))
+    np.testing.assert_array_equal(out[True][0], out[False][0])
+    np.testing.assert_array_equal(out[True][1], out[False][1])
 
 
 def test_truncated_file_and_wrong_shape(tmp_path, synth):
@@ -176,3 +202,51 @@ def test_synthetic_cache_check_does_not_hide_bugs(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf, "GGUFReader", broken)
     with pytest.raises(AttributeError, match="a bug"):
         synthetic.synthetic_path("tiny", "F16", cache_dir=tmp_path)
+
+
+def test_mapped_file_reads_like_a_plain_file(tmp_path):
+    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 17, dtype=np.uint8).tobytes()
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    with gguf.open_data(path, mmap=True) as mf, gguf.open_data(path) as pf:
+        assert isinstance(mf, gguf.MappedFile) and not isinstance(pf, gguf.MappedFile)
+        for f in (mf, pf):
+            assert f.read(5) == data[:5] and f.tell() == 5
+            assert f.seek(4090) == 4090
+            buf = bytearray(100)
+            assert f.readinto(buf) == 100 and bytes(buf) == data[4090:4190]
+            f.seek(-10, os.SEEK_END)
+            assert f.readinto(memoryview(buf)[:50]) == 10 and bytes(buf[:10]) == data[-10:]
+            assert f.read(4) == b"" and f.readinto(buf) == 0            # at the end
+            f.seek(3, os.SEEK_SET)
+            f.seek(4, os.SEEK_CUR)
+            assert f.read() == data[7:]
+    with pytest.raises(ValueError):
+        mf.read(1)                                   # closed
+    (tmp_path / "empty").write_bytes(b"")
+    with gguf.MappedFile(tmp_path / "empty") as f:
+        assert f.read(10) == b""
+    with pytest.raises(FileNotFoundError):
+        gguf.MappedFile(tmp_path / "missing")
+
+
+def test_mapped_file_refuses_to_touch_pages_of_a_file_that_shrank(tmp_path):
+    """Reading a page past the new end of a mapped file would kill the process (SIGBUS): an error instead.
+    In a child process, so that a missing check shows as a dead child, not a dead test run."""
+    path = tmp_path / "blob"
+    path.write_bytes(b"x" * (1 << 20))
+    r = run_child("""
+        import os, sys
+        from ggmlpy import gguf
+        f = gguf.MappedFile(sys.argv[1])
+        os.truncate(sys.argv[1], 1000)
+        assert f.read(500) == b"x" * 500                 # still inside the file
+        f.seek(8192)
+        try:
+            f.read(100)
+        except gguf.GGUFError as e:
+            print("REFUSED", e)
+        f.close()
+    """, path)
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED" in r.stdout and "shrank" in r.stdout

@@ -295,3 +295,20 @@ def test_direct_decode_between_requests(model):
             rt.decode(PROMPT[:3], seq=0)
         r = rt.generate(PROMPT, max_tokens=4)
         assert r.n_cached == 0 and r.tokens == ref
+
+
+def test_decode_embeddings_are_the_hidden_states_embed_pools(model):
+    """decode(embeddings=True) outputs the rows embed() pools: the final-normed hidden states, not logits,
+    continuing the sequence like a logits decode does."""
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        rows = rt.decode(PROMPT, logits="all", embeddings=True)
+        step = rt.decode([7], embeddings=True)
+        rt.clear()
+        full = rt.decode(PROMPT + [7], logits=[0, -1], embeddings=True)
+        rt.clear()
+        mean = rt.embed(PROMPT, pooling="mean", normalize=False)
+        last = rt.embed(PROMPT, pooling="last", normalize=False)
+    assert rows.shape == (len(PROMPT), model.config.n_embd) and step.shape == (1, model.config.n_embd)
+    np.testing.assert_allclose(rows.mean(0), mean, rtol=0, atol=1e-5 * np.abs(mean).max())
+    np.testing.assert_allclose(rows[-1], last, rtol=0, atol=1e-5 * np.abs(last).max())
+    np.testing.assert_allclose(full, np.concatenate([rows[:1], step]), rtol=0, atol=1e-5 * np.abs(full).max())

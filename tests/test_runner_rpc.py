@@ -58,6 +58,29 @@ def test_rpc_split_equals_cpu(tmp_path, rpc_server):  # noqa: F811
     assert r.tokens[n_before:] == fresh
 
 
+def test_no_kv_offload_keeps_the_cache_in_host_memory(tmp_path, rpc_server):  # noqa: F811
+    """offload_kqv=False (llama-bench's -nkvo 1): the layers compute on the server, their K/V stay in CPU
+    buffers, the memory report counts them there, and the logits are those of the offloaded cache."""
+    path = export_gguf(hf_model("llama", layers=2, seed=22), tmp_path / "m.gguf", "llama")
+    with load_model(path, devices="auto", rpc=[rpc_server]) as model:
+        remote = model.placement.layers[0].name
+        assert [d.type for d in model.placement.layers] == ["GPU", "GPU"]
+        with Runner(model, n_ctx=32, type_k="f32", type_v="f32") as rt:
+            assert not any(t.is_host for t in rt.cache.keys + rt.cache.values)
+            assert rt.memory_report().devices[remote].cache_total == 2 * rt.cache.bytes_per_layer()
+            offloaded = rt.decode(PROMPT, logits="all")
+        with Runner(model, n_ctx=32, type_k="f32", type_v="f32", offload_kqv=False) as rt:
+            assert all(t.is_host for t in rt.cache.keys + rt.cache.values)
+            report = rt.memory_report()
+            assert report.devices[remote].cache_total == 0
+            assert report.devices["CPU"].cache_total == 2 * rt.cache.bytes_per_layer()
+            assert not model.weights["blk.0.attn_q.weight"].is_host          # the layers still compute remotely
+            host = rt.decode(PROMPT, logits="all")
+            rt.cache.remove(0, 2, 4)             # a host cache can shift positions; a remote one cannot
+            assert rt.cache.seq_pos_max(0) == len(PROMPT) - 3
+    np.testing.assert_allclose(host, offloaded, rtol=0, atol=1e-5 * np.abs(offloaded).max())
+
+
 def cpu_model_weights(path, name):
     from ggmlpy import gguf
 

@@ -321,6 +321,9 @@ cdef extern from "ggml.h" nogil:
 
     struct ggml_threadpool_params:
         int n_threads
+        unsigned int poll
+        bint strict_cpu
+        bint paused
     ggml_threadpool_params ggml_threadpool_params_default(int n_threads)
 
     ctypedef void (*ggml_to_float_t)(const void * x, float * y, int64_t k)
@@ -449,6 +452,15 @@ cdef extern from "ggml-backend.h" nogil:
     ggml_backend_reg_t ggml_backend_reg_get(size_t index)
     const char * ggml_backend_reg_name(ggml_backend_reg_t reg)
     ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device)
+    void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name)
+    # what the CPU registry answers for "ggml_backend_dev_get_extra_bufts": a NULL-terminated array
+    ctypedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device)
+
+# The CPU registry's threadpool functions, reached by name (ggml_backend_reg_get_proc_address) so that
+# they work whether ggml-cpu is linked in or loaded at run time; the pool is opaque here.
+ctypedef void * (*ggmlpy_threadpool_new_t)(ggml_threadpool_params * params) noexcept nogil
+ctypedef void (*ggmlpy_threadpool_free_t)(void * threadpool) noexcept nogil
+ctypedef void (*ggmlpy_cpu_set_threadpool_t)(ggml_backend_t backend_cpu, void * threadpool) noexcept nogil
 
 
 # ggml-alloc.h: graph and context allocators

@@ -190,6 +190,8 @@ class DeviceMemory:
     n_layers: int
     weights: dict[Group, int] = field(default_factory=dict)
     cache: dict[Group, int] = field(default_factory=dict)
+    #: weight bytes per buffer type (``"CPU"``, ``"CPU_REPACK"``...)
+    weight_buffers: dict[str, int] = field(default_factory=dict)
     graph: int = 0
     weights_ok: bool | None = None       # None: not attempted
     cache_ok: bool | None = None
@@ -229,6 +231,7 @@ class DeviceMemory:
             "name": self.name, "description": self.description,
             "weights": {str(k): v for k, v in self.weights.items()},
             "cache": {str(k): v for k, v in self.cache.items()},
+            "weight_buffers": dict(self.weight_buffers),
             "graph": self.graph, "weights_total": self.weights_total, "cache_total": self.cache_total,
             "self": self.self_total, "free": self.free, "total": self.total, "unaccounted": self.unaccounted,
             "allocated": {"weights": self.weights_ok, "cache": self.cache_ok, "graph": self.graph_ok},
@@ -332,12 +335,32 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+#: (buffer type, weight type) pairs never used for weights although ggml offers them: on Intel Sapphire
+#: Rapids, ggml 0.25.3's AMX matrix product segfaults for Q8_0 weights with any batch of two or more tokens
+#: (upstream llama.cpp issue #20824). A weight is placed once for all batch sizes, so Q8_0 stays off AMX.
+KNOWN_BAD_WEIGHT_BUFFERS: frozenset[tuple[str, str]] = frozenset({("AMX", "Q8_0")})
+
+#: Rows of the activation matrix in the op a weight is tested with (llama.cpp's loader uses 512 too):
+#: large enough that every kernel a buffer type has for a batch is in play.
+_PROBE_BATCH = 512
+
+
 class Weights:
     """A model's weight tensors, created on their devices, allocated, then loaded.
 
     Creating (:meth:`add`) and allocating (:meth:`allocate`) are separate from
     loading (:meth:`load`), as in Ollama: the memory report exists before any
     data is read, and an allocation failure costs no I/O.
+
+    With ``repack`` (the default, as llama.cpp's ``--repack 1``), a weight that
+    a matrix product reads (``add(..., op="mul_mat")``) goes to the first of its
+    device's extra buffer types (:meth:`ggmlpy.Device.extra_buffer_types`:
+    ``AMX``, ``CPU_REPACK``...) that supports that product for its type and
+    shape: ggml rearranges it there for its fastest kernels, about twice the
+    prompt speed for Q4_0/Q4_K on AVX2 CPUs. Such weights cannot be read back
+    (:attr:`ggmlpy.Tensor.is_repacked`). Pairs in
+    :data:`KNOWN_BAD_WEIGHT_BUFFERS` are never used. Every other weight, and
+    every weight with ``repack=False``, goes to its device's own memory.
 
     Parameters
     ----------
@@ -346,32 +369,76 @@ class Weights:
         Upper bound on the number of tensors (sizes the metadata contexts).
     report : MemoryReport, optional
         Where weight bytes are recorded (a new one by default).
+    repack : bool
+        Use the devices' extra buffer types for the weights they support.
     """
 
-    def __init__(self, placement: Placement, max_tensors: int, report: MemoryReport | None = None):
+    def __init__(self, placement: Placement, max_tensors: int, report: MemoryReport | None = None,
+                 repack: bool = True):
         self.placement = placement
         self.report = report if report is not None else MemoryReport(placement.n_layers)
-        self._ctx: dict[str, Context] = {}
-        self._dev: dict[str, Device] = {}
+        self.repack = bool(repack)
+        # one context and one buffer per (device, buffer type)
+        self._ctx: dict[tuple[str, str], Context] = {}
+        self._bt: dict[tuple[str, str], tuple[Device, _core.BufferType]] = {}
         self._max = max_tensors
+        self._extra: dict[str, list[_core.BufferType]] = {}
+        self._choice: dict[tuple, _core.BufferType] = {}
         self.tensors: dict[str, tuple[Tensor, Group]] = {}
-        self.buffers: dict[str, _core.Buffer] = {}
+        self._key: dict[str, tuple[str, str]] = {}          # tensor name -> (device, buffer type)
+        self.buffers: dict[tuple[str, str], _core.Buffer] = {}
         self.allocated = False
 
-    def add(self, name: str, type: Type | str, ne: Sequence[int], group: Group) -> Tensor:
-        """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``."""
+    def add(self, name: str, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None) -> Tensor:
+        """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``.
+
+        ``op`` says how the model reads it: ``"mul_mat"`` (as the first operand
+        of a matrix product, and nothing else) lets it go to an extra buffer
+        type; anything else keeps it in the device's own memory.
+        """
         if self.allocated:
             raise GGMLValueError("weights_add: the weights are allocated already; add every tensor first")
         if name in self.tensors:
             raise GGMLValueError(f"weights_add: tensor {name!r} exists already")
+        if op not in (None, "mul_mat"):
+            raise GGMLValueError(f"weights_add: op must be None or 'mul_mat' (got {op!r})")
         dev = self.placement.device_of(group)
-        ctx = self._ctx.get(dev.name)
+        bt = self._buffer_type(dev, Type[type.upper()] if isinstance(type, str) else Type(type), tuple(ne), op)
+        key = (dev.name, bt.name)
+        ctx = self._ctx.get(key)
         if ctx is None:
-            ctx = self._ctx[dev.name] = Context.for_tensors(self._max, no_alloc=True)
-            self._dev[dev.name] = dev
+            ctx = self._ctx[key] = Context.for_tensors(self._max, no_alloc=True)
+            self._bt[key] = (dev, bt)
         t = ctx.new_tensor(type, ne, name=name)
         self.tensors[name] = (t, group)
+        self._key[name] = key
         return t
+
+    def _buffer_type(self, dev: Device, type: Type, ne: tuple, op: str | None) -> _core.BufferType:
+        if not self.repack or op != "mul_mat" or len(ne) != 2:
+            return dev.buffer_type()
+        key = (dev.name, type, ne)
+        bt = self._choice.get(key)
+        if bt is None:
+            bt = self._choice[key] = self._first_supporting(dev, type, ne)
+        return bt
+
+    def _first_supporting(self, dev: Device, type: Type, ne: tuple) -> _core.BufferType:
+        extra = self._extra.get(dev.name)
+        if extra is None:
+            extra = self._extra[dev.name] = dev.extra_buffer_types()
+        for bt in extra:
+            if (bt.name, type.name) in KNOWN_BAD_WEIGHT_BUFFERS:
+                continue
+            probe = Context.for_tensors(4, no_alloc=True)
+            try:
+                w = probe.new_tensor(type, ne)
+                x = probe.new_tensor(Type.F32, (ne[0], _PROBE_BATCH))
+                if dev.supports_weight(bt, probe.mul_mat(w, x)):
+                    return bt
+            finally:
+                probe.free()
+        return dev.buffer_type()
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name][0]
@@ -379,8 +446,23 @@ class Weights:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def buffer_sizes(self) -> dict[str, dict[str, int]]:
+        """Bytes of weights per device and buffer type, e.g. ``{"CPU": {"CPU": 1024, "CPU_REPACK": 4096}}``
+        (what llama.cpp logs as ``CPU_REPACK model buffer size``); allocated or not."""
+        out: dict[str, dict[str, int]] = {}
+        for (dname, bname), ctx in self._ctx.items():
+            _dev, bt = self._bt[(dname, bname)]
+            out.setdefault(dname, {})[bname] = sum(self._reserved(bt, t) for t in ctx.tensors())
+        return out
+
+    @staticmethod
+    def _reserved(bt: _core.BufferType, t: Tensor) -> int:
+        # what ggml_backend_alloc_ctx_tensors_from_buft reserves for each tensor
+        align = bt.alignment
+        return -(-bt.alloc_size(t) // align) * align
+
     def allocate(self) -> MemoryReport:
-        """Allocate one WEIGHTS buffer per device.
+        """Allocate one WEIGHTS buffer per device and buffer type.
 
         Raises
         ------
@@ -388,35 +470,35 @@ class Weights:
             A device had no room. ``.report`` says what every device needed;
             nothing stays allocated.
         """
-        by_dev: dict[str, list[tuple[Tensor, Group]]] = {}
-        for t, grp in self.tensors.values():
-            by_dev.setdefault(self.placement.device_of(grp).name, []).append((t, grp))
-        for name, items in by_dev.items():
-            dev = self._dev[name]
-            bt = dev.buffer_type()
-            align = bt.alignment
+        for dev in {d.name: d for d, _bt in self._bt.values()}.values():
+            self.report.device(dev).weights.clear()
+            self.report.device(dev).weight_buffers.clear()
+        for name, (t, grp) in self.tensors.items():
+            dev, bt = self._bt[self._key[name]]
+            size = self._reserved(bt, t)
+            self.report.add_weights(dev, grp, size)
             m = self.report.device(dev)
-            m.weights.clear()
-            for t, grp in items:
-                # what ggml_backend_alloc_ctx_tensors_from_buft reserves for each tensor
-                size = -(-bt.alloc_size(t) // align) * align
-                self.report.add_weights(dev, grp, size)
+            m.weight_buffers[bt.name] = m.weight_buffers.get(bt.name, 0) + size
         failed = None
-        for name, ctx in self._ctx.items():
-            dev = self._dev[name]
+        for key, ctx in self._ctx.items():
+            dev, bt = self._bt[key]
             try:
-                buf = _core.alloc_ctx_tensors(ctx, dev.buffer_type())
+                buf = _core.alloc_ctx_tensors(ctx, bt)
             except MemoryError as e:
                 self.report.device(dev).weights_ok = False
                 failed = failed or e
                 continue
             buf.usage = BufferUsage.WEIGHTS
-            self.buffers[name] = buf
-            self.report.device(dev).weights_ok = True
+            self.buffers[key] = buf
+            if self.report.device(dev).weights_ok is not False:
+                self.report.device(dev).weights_ok = True
         if failed is not None:
             self.close()
             raise GGMLMemoryError(f"weights: allocation failed ({failed})\n{self.report}", self.report)
         self.allocated = True
+        for dname, sizes in self.buffer_sizes().items():
+            for bname, n in sizes.items():
+                log.info("%s: %s weight buffer %.2f MiB", dname, bname, n / 2**20)
         return self.report
 
     def load(self, source: Callable[[str], np.ndarray], progress: Callable[[int, int], None] | None = None) -> None:
@@ -514,10 +596,14 @@ class Runtime:
     n_threads : CPU threads (default: all cores)
     graph_size : scheduler capacity for nodes + leafs (twice the largest graph's)
     report : MemoryReport to record compute-graph bytes in
+    threadpool : give the CPU backend a persistent threadpool (:meth:`ggmlpy.Backend.set_threadpool`), as
+        llama.cpp's tools do, instead of ggml starting its threads for every graph
+    poll : how eagerly the pool's idle threads poll for the next graph (0-100, llama-bench's ``--poll``)
     """
 
     def __init__(self, devs: Sequence[Device], n_threads: int = 0, graph_size: int = 8192,
-                 report: MemoryReport | None = None, parallel: bool = False, op_offload: bool = True):
+                 report: MemoryReport | None = None, parallel: bool = False, op_offload: bool = True,
+                 threadpool: bool = True, poll: int = 50):
         self.devices = list(devs)
         if not self.devices or self.devices[-1].type != "CPU":
             self.devices = [d for d in self.devices if d.type != "CPU"] + [_core.device("CPU")]
@@ -527,7 +613,10 @@ class Runtime:
             for d in self.devices:
                 self.backends.append(d.init())
             cpu = self.backends[-1]
-            cpu.set_n_threads(n_threads if n_threads > 0 else _core.default_n_threads())
+            n = n_threads if n_threads > 0 else _core.default_n_threads()
+            if threadpool:
+                cpu.set_threadpool(n, poll=poll)
+            cpu.set_n_threads(n)
             self.sched = _core.Scheduler(self.backends, graph_size=graph_size, parallel=parallel,
                                          op_offload=op_offload)
         except BaseException:

@@ -19,6 +19,34 @@ and times the prompt and/or generation. The rate of a test is the mean of the
 per-repetition rates ``(n_prompt + n_gen) / t`` and its ``±`` the sample
 standard deviation of those rates.
 
+What llama-bench's options mean here
+------------------------------------
+They drive ggmlpy's runner, so each means what it can mean for it, and a value
+that cannot run is refused when the command line is parsed:
+
+* ``-ctk``/``-ctv`` pair freely (ggml's flash attention reads K and V each in
+  its own type); without flash attention V is stored transposed, which a
+  quantized type cannot be, so a quantized ``-ctv`` with ``-fa off`` is refused
+  (:meth:`ggmlpy.runner.Runner.check_cache_types`). A quantized type also needs
+  a head size that is a multiple of its block; a model without one fails its
+  tests with that message.
+* ``-lm none|mmap`` (``-mmp 0|1``, its older spelling; default mmap): the
+  loader reads the weights with ``read(2)``, or copies them out of a memory map
+  of the file (:class:`ggmlpy.gguf.MappedFile`); either way they end up in
+  ggmlpy's own buffers. ``mlock``, ``mmap+mlock`` and ``dio`` are refused.
+  Written, as llama-bench writes it, in the ``load_mode`` field.
+* ``-nkvo 1``: the K/V cache of every layer stays in host memory whatever
+  device computes the layer (``Runner(offload_kqv=False)``); the same as 0 on
+  the CPU alone.
+* ``-embd 1``: every decode outputs the final-normed hidden state of every
+  token (``Runner.decode(embeddings=True)``, the embeddings path) instead of
+  the last token's logits. llama.cpp's embeddings mode also outputs every
+  token, but computes logits for them too.
+* ``--repack 0|1`` (default 1): matrix weights go to the CPU's extra buffer
+  types where ggml has kernels for their type and shape (``CPU_REPACK``,
+  ``AMX``; ``load_model(repack=...)``), as llama.cpp's loader does; 0 keeps
+  every weight in plain memory. Written in the ``repack`` field.
+
 Beyond llama-bench
 ------------------
 * With no ``-m``, a built-in model: a llama GGUF with random weights of the
@@ -35,7 +63,13 @@ Beyond llama-bench
   llama-cpp-python in a separate process (the two packages each ship a
   ``libggml-base.so`` with the same soname, so they must never share a
   process), interleaved test by test with ggmlpy's, and adds the ratio
-  ggmlpy/llama.cpp with its spread to each ggmlpy row.
+  ggmlpy/llama.cpp with its spread to each ggmlpy row. The peer gets the same
+  options (cache types, flash attention, load mode, KV offload, embeddings,
+  repack).
+* ``--rounds N`` runs every test N times, each time ggmlpy and then the peers
+  back to back; the repetitions of all rounds make the row's t/s, and the
+  ratio is the median of the N per-round ratios (``±``: their standard
+  deviation), which a burst of other work on a shared machine cannot sway.
 * ``--plot FILE.png`` draws t/s against the swept prompt size, depth or thread
   count, one line per model, engine and kind of test (needs matplotlib).
 * ``-v`` prints the memory report (weights, cache, graph per device) of each
@@ -72,7 +106,8 @@ __all__ = [
 
 PROG = "ggmlpy bench"
 
-#: llama-bench's CSV/JSON field list (source @ 0104b151), in order.
+#: llama-bench's CSV/JSON field list (source @ 0104b151, with the ``repack`` of the llama.cpp in
+#: llama-cpp-python 0.3.36, the peer of ``--vs``), in order.
 FIELDS = (
     "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
     "model_filename", "model_type", "model_size", "model_n_params", "n_batch",
@@ -80,7 +115,7 @@ FIELDS = (
     "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode",
     "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split",
     "tensor_buft_overrides", "load_mode", "embeddings",
-    "no_op_offload", "no_host", "fit_target", "fit_min_ctx",
+    "no_op_offload", "no_host", "repack", "fit_target", "fit_min_ctx",
     "n_prompt", "n_gen", "n_depth",
     "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
 )
@@ -89,7 +124,7 @@ INT_FIELDS = frozenset((
     "n_gpu_layers", "main_gpu", "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns",
     "no_op_offload", "n_cpu_moe", "fit_target", "fit_min_ctx", "flash_attn",
 ))
-BOOL_FIELDS = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host"))
+BOOL_FIELDS = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host", "repack"))
 FLOAT_FIELDS = frozenset(("avg_ts", "stddev_ts"))
 
 #: Our fields, written after llama-bench's (and after the samples in JSON).
@@ -97,6 +132,8 @@ EXTRA_FIELDS = ("engine", "engine_version", "ggmlpy_version", "load_time_ms", "t
 
 #: Cache types llama-bench accepts (ggml type names).
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+#: Load modes (-lm) ggmlpy's loader has: read(2) into the buffers, or copy out of a memory map.
+LOAD_MODES = ("none", "mmap")
 OUTPUTS = ("md", "csv", "json", "jsonl", "sql", "none")
 PEERS = ("llama.cpp",)
 _TRUTHY = ("on", "enabled", "true", "1")
@@ -194,6 +231,41 @@ def _parse_fa(text: str) -> list[int]:
     return out
 
 
+def _parse_bools(option: str) -> Callable[[str], list[bool]]:
+    """A parser of llama-bench's ``0|1`` lists (on/off, true/false also read)."""
+    def parse(text: str) -> list[bool]:
+        out = []
+        for v in _split(text):
+            lv = v.lower()
+            if lv in _TRUTHY:
+                out.append(True)
+            elif lv in _FALSEY:
+                out.append(False)
+            else:
+                raise BenchError(f"invalid {option} value {v!r}: expected 0 or 1")
+        return out
+    return parse
+
+
+def _parse_mmap(text: str) -> list[str]:
+    # llama-bench's -mmp is the deprecated spelling of -lm mmap / -lm none: one field, load_mode
+    return ["mmap" if b else "none" for b in _parse_bools("-mmp")(text)]
+
+
+def _parse_load_modes(text: str) -> list[str]:
+    out = []
+    for v in _split(text):
+        lv = v.lower()
+        if lv in LOAD_MODES:
+            out.append(lv)
+        elif lv in ("mlock", "mmap+mlock", "dio"):
+            raise BenchError(f"-lm {v}: not supported by ggmlpy's loader, which reads the weights (none) or "
+                             "copies them out of a memory map of the file (mmap); it has no mlock or direct I/O")
+        else:
+            raise BenchError(f"invalid -lm value {v!r}: expected {' or '.join(LOAD_MODES)}")
+    return out
+
+
 def _parse_cache_types(text: str) -> list[str]:
     out = []
     for v in _split(text):
@@ -274,7 +346,12 @@ class BenchParams:
     n_gpu_layers: list[int] = field(default_factory=lambda: [-1])
     devices: list[str] = field(default_factory=lambda: ["auto"])
     flash_attn: list[int] = field(default_factory=lambda: [-1])
+    load_mode: list[str] = field(default_factory=lambda: ["mmap"])
+    no_kv_offload: list[bool] = field(default_factory=lambda: [False])
+    embeddings: list[bool] = field(default_factory=lambda: [False])
+    repack: list[bool] = field(default_factory=lambda: [True])
     reps: int = 5
+    rounds: int = 1
     delay: float = 0.0
     output: str = "md"
     output_err: str = "none"
@@ -291,7 +368,8 @@ class BenchParams:
     list_devices: bool = False
 
 
-#: (option strings, BenchParams attribute, parser, help) for the swept test parameters.
+#: (option strings, BenchParams attribute, parser, help) for the swept test parameters. Several options may
+#: fill one attribute (-mmp and -lm both give load_mode).
 _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-m", "--model"), "models", lambda s: [s], "GGUF model file (repeat for more; default: "
      "the built-in synthetic model)"),
@@ -301,18 +379,37 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-d", "--n-depth"), "n_depth", parse_int_range, "tokens already in the cache (default 0)"),
     (("-b", "--batch-size"), "n_batch", parse_int_range, "logical batch size (default 2048)"),
     (("-ub", "--ubatch-size"), "n_ubatch", parse_int_range, "physical batch size (default 512)"),
-    (("-ctk", "--cache-type-k"), "type_k", _parse_cache_types, "K cache type (default f16)"),
-    (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types, "V cache type (default f16)"),
+    (("-ctk", "--cache-type-k"), "type_k", _parse_cache_types,
+     f"K cache type: {', '.join(CACHE_TYPES)} (default f16)"),
+    (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types,
+     "V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)"),
     (("-t", "--threads"), "n_threads", parse_int_range, "CPU threads (default: physical cores)"),
     (("-ngl", "--n-gpu-layers"), "n_gpu_layers", lambda s: parse_int_range(s, True),
      "layers on the GPU (default -1: all)"),
     (("-dev", "--device"), "devices", _parse_devices,
      "devices, '/'-separated (auto, none = CPU only; default auto)"),
     (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),
+    (("-nkvo", "--no-kv-offload"), "no_kv_offload", _parse_bools("-nkvo"),
+     "1: keep the KV cache in host memory when layers run on another device (default 0)"),
+    (("-lm", "--load-mode"), "load_mode", _parse_load_modes,
+     "none: read the weights; mmap: copy them out of a memory map of the file (default mmap)"),
+    (("-mmp", "--mmap"), "load_mode", _parse_mmap, "0|1: -lm none|mmap (llama-bench's older spelling)"),
+    (("--repack",), "repack", _parse_bools("--repack"),
+     "0: keep every weight in plain memory; 1: matrix weights in the CPU's extra buffer types where ggml has "
+     "kernels for them (CPU_REPACK, AMX; default 1)"),
+    (("-embd", "--embeddings"), "embeddings", _parse_bools("-embd"),
+     "1: measure the embeddings path (hidden states of every token, no output head; default 0)"),
     (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
      "110M, 1B or a count (default 110M)"),
-    (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0 (default F16)"),
+    (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
 ]
+
+
+class _Swept(argparse.Action):
+    """Collects every list option in command-line order (two options may fill one list: -lm and -mmp)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.swept = [*namespace.swept, (self.dest, values)]
 
 
 class _ArgParser(argparse.ArgumentParser):
@@ -324,10 +421,14 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The argument parser of ``ggmlpy bench`` (llama-bench's options plus ours)."""
     ap = _ArgParser(prog=prog, description="Prompt processing (pp) and token generation (tg) "
                     "throughput, llama-bench compatible.", allow_abbrev=False)
-    for opts, dest, _, help_ in _LIST_OPTIONS:
-        ap.add_argument(*opts, dest=dest, action="append", metavar="V", help=help_)
+    for i, (opts, _attr, _, help_) in enumerate(_LIST_OPTIONS):
+        ap.add_argument(*opts, dest=str(i), action=_Swept, metavar="V", help=help_)
+    ap.set_defaults(swept=[])
     ap.add_argument("-r", "--repetitions", dest="reps", type=int, default=5,
                     help="timed repetitions per test (default 5)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each test this many times, alternating with --vs peers; the ratio is then the "
+                         "median of the per-round ratios (default 1)")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds of sleep before each test")
     ap.add_argument("-o", "--output", default="md", choices=OUTPUTS, help="stdout format (default md)")
     ap.add_argument("-oe", "--output-err", default="none", choices=OUTPUTS,
@@ -390,11 +491,14 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     """
     args = build_parser().parse_args(_normalize_argv(list(sys.argv[1:] if argv is None else argv)))
     params = BenchParams()
-    for _opts, dest, conv, _ in _LIST_OPTIONS:
-        given = getattr(args, dest)
-        if given:
-            setattr(params, dest, [v for text in given for v in conv(text)])
+    swept: dict[str, list] = {}
+    for i, text in args.swept:
+        _opts, attr, conv, _ = _LIST_OPTIONS[int(i)]
+        swept.setdefault(attr, []).extend(conv(text))
+    for attr, values in swept.items():
+        setattr(params, attr, values)
     params.reps = args.reps
+    params.rounds = args.rounds
     params.delay = args.delay
     params.output, params.output_err = args.output, args.output_err
     params.verbose, params.progress, params.no_warmup = args.verbose, args.progress, args.no_warmup
@@ -409,6 +513,8 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
 def _validate(p: BenchParams) -> None:
     if p.reps < 1:
         raise BenchError(f"-r {p.reps}: at least one repetition is needed")
+    if p.rounds < 1:
+        raise BenchError(f"--rounds {p.rounds}: at least one round is needed")
     if p.delay < 0:
         raise BenchError(f"--delay {p.delay}: must be >= 0")
     for name in ("n_prompt", "n_gen", "n_depth"):
@@ -417,6 +523,7 @@ def _validate(p: BenchParams) -> None:
     for name in ("n_batch", "n_ubatch", "n_threads"):
         if any(v < 1 for v in getattr(p, name)):
             raise BenchError(f"{name}: values must be >= 1")
+    _validate_cache_types(p)
     for peer in p.vs:
         if peer.lower() not in ("llama.cpp", "llama_cpp", "llamacpp", "llama-cpp"):
             raise BenchError(f"--vs {peer!r}: the only peer engine is llama.cpp")
@@ -432,6 +539,24 @@ def _validate(p: BenchParams) -> None:
         for t in p.types:
             if t not in TYPES:
                 raise BenchError(f"--type {t}: expected one of {', '.join(TYPES)}")
+
+
+def _validate_cache_types(p: BenchParams) -> None:
+    """Refuse the -ctk/-ctv/-fa combinations the runner cannot run (its own rule, Runner.check_cache_types)."""
+    from ggmlpy.runner import Runner
+
+    bad = []
+    for tk, tv, fa in itertools.product(p.type_k, p.type_v, p.flash_attn):
+        try:
+            Runner.check_cache_types(tk, tv, None if fa < 0 else bool(fa))
+        except GGMLErrorBase as e:
+            if fa != 0:                       # not the flash attention rule: say what the runner says
+                raise BenchError(f"-ctk {tk} -ctv {tv}: {e}") from None
+            bad.append(f"-ctk {tk} -ctv {tv} -fa off")
+    if bad:
+        raise BenchError(f"{', '.join(dict.fromkeys(bad))}: a quantized V cache needs flash attention (-fa on or "
+                         "auto), as in llama.cpp: without it V is stored transposed, which a quantized type cannot "
+                         "be (a quantized K runs either way)")
 
 
 # --------------------------------------------------------------------------- instances
@@ -452,6 +577,10 @@ class Instance:
     n_gpu_layers: int = -1
     devices: str = "auto"
     flash_attn: int = -1
+    load_mode: str = "mmap"
+    no_kv_offload: bool = False
+    embeddings: bool = False
+    repack: bool = True
 
     @property
     def n_ctx(self) -> int:
@@ -471,17 +600,20 @@ class Instance:
 
     def model_key(self) -> tuple:
         """What decides whether the model must be reloaded between two tests."""
-        return (self.model, self.n_gpu_layers, self.devices)
+        return (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack)
 
 
 def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Instance]:
     """All tests in llama-bench's order (a model is reloaded as rarely as possible)."""
     out = []
-    for m, ngl, dev, nb, nub, tk, tv, fa, nt, nd in itertools.product(
-            models if models is not None else p.models, p.n_gpu_layers, p.devices, p.n_batch,
-            p.n_ubatch, p.type_k, p.type_v, p.flash_attn, p.n_threads, p.n_depth):
+    # llama-bench's nesting: model parameters outermost
+    for m, ngl, lm, dev, rpk, embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
+            models if models is not None else p.models, p.n_gpu_layers, p.load_mode, p.devices, p.repack,
+            p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
+            p.n_threads, p.n_depth):
         common = dict(model=m, n_depth=nd, n_batch=nb, n_ubatch=nub, type_k=tk, type_v=tv,
-                      n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa)
+                      n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa, load_mode=lm,
+                      no_kv_offload=nkvo, embeddings=embd, repack=rpk)
         out += [Instance(n_prompt=n, n_gen=0, **common) for n in p.n_prompt if n > 0]
         out += [Instance(n_prompt=0, n_gen=n, **common) for n in p.n_gen if n > 0]
         out += [Instance(n_prompt=a, n_gen=b, **common) for a, b in p.n_pg if a or b]
@@ -561,10 +693,10 @@ class Result:
             "n_batch": i.n_batch, "n_ubatch": i.n_ubatch, "n_threads": i.n_threads,
             "cpu_mask": "0x0", "cpu_strict": False, "poll": 50,
             "type_k": i.type_k, "type_v": i.type_v, "n_gpu_layers": i.n_gpu_layers,
-            "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": False,
+            "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": i.no_kv_offload,
             "flash_attn": i.flash_attn, "devices": i.devices, "tensor_split": "0.00",
-            "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": False,
-            "no_op_offload": 0, "no_host": False, "fit_target": 0, "fit_min_ctx": 0,
+            "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": i.embeddings,
+            "no_op_offload": 0, "no_host": False, "repack": i.repack, "fit_target": 0, "fit_min_ctx": 0,
             "n_prompt": i.n_prompt, "n_gen": i.n_gen, "n_depth": i.n_depth,
             "test_time": self.test_time, "avg_ns": self.avg_ns, "stddev_ns": self.stddev_ns,
             "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,
@@ -600,6 +732,29 @@ def _ratio_key(peer: str) -> str:
     return "ratio_vs_" + re.sub(r"[^0-9a-zA-Z]+", "_", peer).strip("_").lower()
 
 
+def _merge(a: Result, b: Result) -> Result:
+    """``a`` with the repetitions of ``b`` (the same test in a later round) added."""
+    a.samples_ns = [*a.samples_ns, *b.samples_ns]
+    a.ttft_ns = [*a.ttft_ns, *b.ttft_ns]
+    return a
+
+
+def round_ratio(per_round: list[float]) -> tuple[float, float]:
+    """The median of per-round ratios, with their sample standard deviation as the spread.
+
+    Each round times ggmlpy and then the peer back to back, so a ratio within a round
+    compares the two under the same load; the median ignores a round a burst of other
+    work on the machine spoiled.
+    """
+    v = [x for x in per_round if math.isfinite(x)]
+    if not v:
+        return (float("nan"), float("nan"))
+    v.sort()
+    mid = len(v) // 2
+    med = v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
+    return med, _stdev(v)
+
+
 def ratio(a: Result, b: Result) -> tuple[float, float]:
     """``a.avg_ts / b.avg_ts`` and its spread (relative stddevs added in quadrature)."""
     if b.avg_ts <= 0 or a.avg_ts <= 0:
@@ -624,15 +779,17 @@ def _value_str(name: str, value: Any) -> str:
 def _md_width(name: str) -> int:
     widths = {"model": -30, "t/s": 20, "size": 10, "params": 10, "n_gpu_layers": 3,
               "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": 6, "type_v": 6,
-              "flash_attn": 3, "devices": -12, "test": 15}
+              "flash_attn": 3, "devices": -12, "load_mode": 10, "test": 15}
     if name in widths:
         return widths[name]
     w = max(len(name), 10)
-    numeric = name in INT_FIELDS or name in FLOAT_FIELDS or name.startswith("ratio")
+    # llama-bench left-aligns only its string fields
+    numeric = name in INT_FIELDS or name in FLOAT_FIELDS or name in BOOL_FIELDS or name.startswith("ratio")
     return w if numeric else -w
 
 
-_MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev"}
+_MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev",
+               "no_kv_offload": "nkvo", "load_mode": "lm", "embeddings": "embd"}
 
 
 def _size_str(n: int) -> str:
@@ -675,7 +832,8 @@ class MarkdownPrinter(Printer):
             fields.append("n_gpu_layers")
         if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
             fields.append("n_threads")
-        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "flash_attn", "devices"):
+        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "no_kv_offload", "flash_attn", "devices",
+                     "load_mode", "embeddings", "repack"):
             if len(getattr(p, name)) > 1 or getattr(p, name) != getattr(d, name):
                 fields.append(name)
         fields += ["test", "t/s"]
@@ -853,7 +1011,6 @@ class Engine:
 
     name = "engine"
     version = ""
-    load_mode = "none"
 
     def __init__(self) -> None:
         self.model_key: tuple | None = None
@@ -865,14 +1022,16 @@ class Engine:
         raise NotImplementedError
 
     def load(self, inst: Instance) -> None:
-        """Load ``inst.model`` (placed per ``inst``), setting :attr:`info` (desc, size, n_params, n_vocab, backends)."""
+        """Load ``inst.model`` (placed per ``inst``, read per ``inst.load_mode``), setting :attr:`info`
+        (desc, size, n_params, n_vocab, backends)."""
         raise NotImplementedError
 
     def unload(self) -> None:
         """Free the model."""
 
     def new_context(self, inst: Instance) -> None:
-        """Create the context (KV cache, compute buffers) of a test."""
+        """Create the context (KV cache, compute buffers) of a test; with ``inst.embeddings``, later
+        decodes output every token's embedding."""
         raise NotImplementedError
 
     def free_context(self) -> None:
@@ -914,7 +1073,6 @@ class GgmlpyEngine(Engine):
     """ggmlpy's llama model and runner."""
 
     name = "ggmlpy"
-    load_mode = "none"
 
     def __init__(self, rpc: list[str] | None = None) -> None:
         super().__init__()
@@ -924,6 +1082,7 @@ class GgmlpyEngine(Engine):
         self.version = ggmlpy.__version__
         self.model: Any = None
         self.rt: Any = None
+        self.embeddings = False
 
     def system(self) -> dict[str, Any]:
         import ggmlpy
@@ -939,7 +1098,8 @@ class GgmlpyEngine(Engine):
         from ggmlpy.models import load_model
 
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
-        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc)
+        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc,
+                                mmap=inst.load_mode == "mmap", repack=inst.repack)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}
@@ -957,7 +1117,8 @@ class GgmlpyEngine(Engine):
         fa = None if inst.flash_attn < 0 else bool(inst.flash_attn)
         self.rt = Runner(self.model, n_ctx=inst.n_ctx, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch,
                          n_seq_max=1, n_threads=inst.n_threads, flash_attn=fa,
-                         type_k=inst.type_k, type_v=inst.type_v)
+                         type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload)
+        self.embeddings = inst.embeddings
 
     def free_context(self) -> None:
         if self.rt is not None:
@@ -968,9 +1129,14 @@ class GgmlpyEngine(Engine):
         self.rt.clear()
 
     def decode(self, tokens: np.ndarray) -> None:
-        # llama.cpp's llama_batch_get_one outputs the logits of the last token of
-        # every decode; ask for the same work.
-        self.rt.decode(tokens, seq=0, logits="last")
+        if self.embeddings:
+            # llama.cpp's embeddings mode outputs every token; ggmlpy's embeddings path gives their
+            # hidden states (no output head), as Runner.embed uses them
+            self.rt.decode(tokens, seq=0, logits="all", embeddings=True)
+        else:
+            # llama.cpp's llama_batch_get_one outputs the logits of the last token of
+            # every decode; ask for the same work.
+            self.rt.decode(tokens, seq=0, logits="last")
 
     def memory_report(self) -> str | None:
         return str(self.rt.memory_report()) if self.rt is not None else None
@@ -980,7 +1146,6 @@ class LlamaCppEngine(Engine):
     """llama.cpp through llama-cpp-python's low-level API (run only in a worker process)."""
 
     name = "llama.cpp"
-    load_mode = "mmap"
     _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                    "iq4_nl": 20, "bf16": 30}
 
@@ -1017,6 +1182,15 @@ class LlamaCppEngine(Engine):
             raise BenchError("-dev with explicit devices is not supported for llama.cpp here")
         if inst.devices == "none":
             mp.n_gpu_layers = 0
+        if hasattr(mp, "load_mode"):        # llama.cpp's enum llama_load_mode (it replaced use_mmap)
+            mp.load_mode = {"none": getattr(ll, "LLAMA_LOAD_MODE_NONE", 0),
+                            "mmap": getattr(ll, "LLAMA_LOAD_MODE_MMAP", 1)}[inst.load_mode]
+        else:
+            mp.use_mmap = inst.load_mode == "mmap"
+        if hasattr(mp, "use_extra_bufts"):
+            mp.use_extra_bufts = inst.repack
+        elif not inst.repack:
+            raise BenchError(f"--repack 0: llama_cpp {self.version} cannot keep weights out of the extra buffer types")
         load = self._fn("llama_model_load_from_file", "llama_load_model_from_file")
         self.model = load(inst.model.encode(), mp)
         if not self.model:
@@ -1059,6 +1233,8 @@ class LlamaCppEngine(Engine):
             cp.flash_attn = inst.flash_attn == 1
         if hasattr(cp, "swa_full"):
             cp.swa_full = False
+        cp.offload_kqv = not inst.no_kv_offload
+        cp.embeddings = inst.embeddings
         init = self._fn("llama_init_from_model", "llama_new_context_with_model")
         self.ctx = init(self.model, cp)
         if not self.ctx:
@@ -1181,7 +1357,7 @@ def run_instance(engine: Engine, inst: Instance, reps: int, seed: int, index: in
             build_commit=sysinfo["build_commit"], build_number=sysinfo["build_number"],
             cpu_info=sysinfo["cpu_info"], gpu_info=sysinfo["gpu_info"], backends=info["backends"],
             model_type=info["desc"], model_size=info["size"], model_n_params=info["n_params"],
-            load_mode=engine.load_mode, test_time=_utc_now(), samples_ns=samples, ttft_ns=ttfts,
+            load_mode=inst.load_mode, test_time=_utc_now(), samples_ns=samples, ttft_ns=ttfts,
             load_time_ms=engine.load_time_ms)
     finally:
         engine.free_context()
@@ -1392,32 +1568,49 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                       f"{_inst.n_ubatch}):\n{report}", file=err, flush=True)
 
             kw = dict(reps=p.reps, seed=p.seed, index=i, warmup=not p.no_warmup, delay=p.delay)
-            row: list[Result] = []
-            try:
-                row.append(run_instance(engine, inst, progress=prog if p.progress else None,
-                                        verbose=verbose if p.verbose else None, **kw))
-                row[0].ggmlpy_version = engine.version
-            except Exception as e:
-                # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
-                failed += 1
-                engine.close()
-                if p.verbose or _debug() or not isinstance(e, (GGMLErrorBase, OSError, MemoryError)):
-                    traceback.print_exc(file=err)     # always for what is not a user's error: a bug
-                print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
-                      f"{type(e).__name__}: {e}", file=err, flush=True)
-            for peer in peers:
+            ours: Result | None = None
+            theirs: dict[str, Result] = {}
+            per_round: dict[str, list[float]] = {peer.engine: [] for peer in peers}
+            for rnd in range(p.rounds):
+                # ggmlpy, then each peer: one round; the rounds alternate the engines over time, so a
+                # slow phase of a shared machine hits both
+                mine: Result | None = None
                 try:
-                    pk = dict(kw, progress_prefix=f"{PROG}: benchmark {i + 1}/{n}: {peer.engine}: "
-                              if p.progress else None)
-                    res = peer.run(inst, **pk)
-                    res.ggmlpy_version = engine.version
-                    if row and row[0].engine == engine.name:
-                        row[0].ratios[peer.engine] = ratio(row[0], res)
-                    row.append(res)
-                except BenchError as e:
+                    mine = run_instance(engine, inst, progress=prog if p.progress else None,
+                                        verbose=verbose if p.verbose and rnd == 0 else None, **kw)
+                    mine.ggmlpy_version = engine.version
+                    ours = mine if ours is None else _merge(ours, mine)
+                except Exception as e:
+                    # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
                     failed += 1
-                    print(f"{PROG}: error: {peer.engine} failed on {inst.name} with "
-                          f"{inst.model}: {e}", file=err, flush=True)
+                    engine.close()
+                    if p.verbose or _debug() or not isinstance(e, (GGMLErrorBase, OSError, MemoryError)):
+                        traceback.print_exc(file=err)     # always for what is not a user's error: a bug
+                    print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
+                          f"{type(e).__name__}: {e}", file=err, flush=True)
+                    break
+                for peer in peers:
+                    try:
+                        pk = dict(kw, progress_prefix=f"{PROG}: benchmark {i + 1}/{n}: {peer.engine}: "
+                                  if p.progress else None)
+                        res = peer.run(inst, **pk)
+                        res.ggmlpy_version = engine.version
+                        per_round[peer.engine].append(ratio(mine, res)[0])
+                        prev = theirs.get(peer.engine)
+                        theirs[peer.engine] = res if prev is None else _merge(prev, res)
+                    except BenchError as e:
+                        failed += 1
+                        print(f"{PROG}: error: {peer.engine} failed on {inst.name} with "
+                              f"{inst.model}: {e}", file=err, flush=True)
+            row: list[Result] = [ours] if ours is not None else []
+            for peer in peers:
+                res = theirs.get(peer.engine)
+                if res is None:
+                    continue
+                if ours is not None:
+                    ours.ratios[peer.engine] = (ratio(ours, res) if p.rounds == 1
+                                                else round_ratio(per_round[peer.engine]))
+                row.append(res)
             for pr in printers:
                 pr.rows(row)
             results += row

@@ -605,6 +605,9 @@ class Cells:
 
 _INT32_MAX = 2**31 - 1
 
+#: V types the ``mul_mat`` path can store transposed (one element per row: no quantized blocks).
+V_TRANS_TYPES = (Type.F32, Type.F16, Type.BF16)
+
 
 class KVCacheFull(RuntimeError, GGMLError):
     """No free cache slots for a batch. Nothing has been changed."""
@@ -713,16 +716,19 @@ class Causal:
             ... attention ...
         gf.compute(); cache.apply(plan)                # commit the metadata
 
-    Storage: layer ``i`` has K ``ne = (n_embd_k, cells)`` and V
-    ``ne = (n_embd_v, cells)`` in ``dtype``, zero-filled, in host memory or,
+    Storage: layer ``i`` has K ``ne = (n_embd_k, cells)`` in ``dtype`` and V
+    ``ne = (n_embd_v, cells)`` in ``dtype_v``, zero-filled, in host memory or,
     with ``init(..., placement=...)``, in a buffer on the layer's device. A
     row is one cell, laid out as ``(head_dim, n_head_kv)``.
 
-    Attention paths and cache types: ``flash_attn_ext`` takes K/V of any of
-    F32, F16, Q8_0, Q4_0 with an F16 mask (``mask_tensor`` default) and V in
-    the plain layout; the ``mul_mat`` + ``soft_max_ext`` path takes F32/F16
-    K/V (V transposed is best there: ``v_trans=True``) and an F16 or F32
-    mask. Quantized caches therefore need flash attention, as in Ollama.
+    Attention paths and cache types: ``flash_attn_ext`` takes K and V each of
+    its own type (F32, F16, BF16 or a quantized type with a CPU dot product:
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) with an F16 mask (``mask_tensor``
+    default) and V in the plain layout; the ``mul_mat`` + ``soft_max_ext``
+    path takes K of any of those types but V only as F32/F16/BF16 (V
+    transposed is best there: ``v_trans=True``, and a quantized row cannot
+    be transposed), with an F16 or F32 mask. A quantized V therefore needs
+    flash attention, as in llama.cpp.
 
     Parameters
     ----------
@@ -731,7 +737,10 @@ class Causal:
     n_embd_k, n_embd_v : int
         ``head_dim_k * n_head_kv`` and ``head_dim_v * n_head_kv``.
     dtype : Type
-        Storage type: F32, F16, or a quantized type (Q8_0, Q4_0).
+        Storage type of K (and of V unless ``dtype_v`` is given): F32, F16,
+        BF16 or a quantized type (Q8_0, Q4_0, ...).
+    dtype_v : Type, optional
+        Storage type of V (default ``dtype``).
     window : int, optional
         Sliding window: a token sees ``window + 1`` positions including
         itself. Old cells are evicted as in Ollama's SWA cache (memory equals
@@ -745,7 +754,7 @@ class Causal:
         Store V transposed, ``ne = (cells, n_embd_v)`` (one row per channel,
         Ollama's ``PermutedV``), so :meth:`get` returns a V view
         ``ne = (hi - lo, head_dim_v, n_head_kv)`` that ``mul_mat(v, kq)``
-        uses without a copy. F32/F16 only. Not usable with ``flash_attn_ext``.
+        uses without a copy. V of F32/F16/BF16 only. Not usable with ``flash_attn_ext``.
     chunk : int, optional
         Chunked attention (Ollama's ``NewChunkedAttentionCache``): a token
         sees only positions of its own chunk, ``[p - p % chunk, p]``. Mask
@@ -767,11 +776,12 @@ class Causal:
                  window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
                  shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None,
                  v_trans: bool = False, chunk: Optional[int] = None,
-                 memory: Optional[int] = None) -> None:
+                 memory: Optional[int] = None, dtype_v=None) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
         self.dtype = Type(dtype)
+        self.dtype_v = self.dtype if dtype_v is None else Type(dtype_v)
         self.n_head_kv = int(n_head_kv)
         if self.n_layers < 1 or self.n_embd_k < 1 or self.n_embd_v < 1:
             raise GGMLValueError("n_layers, n_embd_k and n_embd_v must be >= 1")
@@ -782,15 +792,19 @@ class Causal:
         # Ollama: window 0 means unlimited.
         self.window = None if not window else int(window)
         self.padding = max(1, int(padding))
-        blk = self.dtype.block_size
-        if (self.n_embd_k // self.n_head_kv) % blk or (self.n_embd_v // self.n_head_kv) % blk:
-            raise GGMLValueError(f"head dims must be multiples of the {self.dtype.name} block size {blk}")
+        # a cache row is split into heads by views: a head must hold whole blocks
+        for what, t, hd in (("K", self.dtype, self.n_embd_k // self.n_head_kv),
+                            ("V", self.dtype_v, self.n_embd_v // self.n_head_kv)):
+            if hd % t.block_size:
+                raise GGMLValueError(f"the {what} head dim {hd} must be a multiple of the {t.name} block size "
+                                     f"{t.block_size}")
         if shift_fn is not None and not callable(shift_fn):
             raise GGMLTypeError(f"shift_fn must be callable, got {type(shift_fn).__name__}")
         self.shift_fn = shift_fn
         self.v_trans = bool(v_trans)
-        if self.v_trans and self.dtype not in (Type.F32, Type.F16):
-            raise GGMLValueError(f"v_trans needs an F32 or F16 cache, got {self.dtype.name}")
+        if self.v_trans and self.dtype_v not in V_TRANS_TYPES:
+            raise GGMLValueError(f"v_trans needs an F32, F16 or BF16 V cache, got {self.dtype_v.name} (a quantized "
+                                 "row cannot be stored transposed)")
         if chunk is not None and int(chunk) < 1:
             raise GGMLValueError(f"chunk must be >= 1, got {chunk}")
         self.chunk = None if chunk is None else int(chunk)
@@ -812,6 +826,11 @@ class Causal:
         self.values: list[Tensor] = []
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def dtype_k(self) -> Type:
+        """Storage type of K (the same as :attr:`dtype`)."""
+        return self.dtype
 
     @property
     def head_dim_k(self) -> int:
@@ -859,7 +878,7 @@ class Causal:
         n, self.memory = self._size(capacity, n_seq_max, max_batch)
         self.max_batch = max_batch
         k_row = self.dtype.row_size(self.n_embd_k)
-        v_row = self.dtype.row_size(self.n_embd_v)
+        v_row = self.dtype_v.row_size(self.n_embd_v)
         size = self.n_layers * ((k_row + v_row) * n + 2 * (tensor_overhead() + 64))
         v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
         if placement is not None:
@@ -872,7 +891,7 @@ class Causal:
         zeros_v = np.zeros(v_ne[::-1], dtype=np.float32)
         for i in range(self.n_layers):
             k = ctx.new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
-            v = ctx.new_tensor(self.dtype, v_ne, name=f"cache_v_l{i}")
+            v = ctx.new_tensor(self.dtype_v, v_ne, name=f"cache_v_l{i}")
             k.set(zeros_k)
             v.set(zeros_v)
             keys.append(k)
@@ -913,10 +932,15 @@ class Causal:
             if ctx is None:
                 ctx = ctxs[dev.name] = (dev, Context.for_tensors(2 * self.n_layers, no_alloc=True))
             k = ctx[1].new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
-            v = ctx[1].new_tensor(self.dtype, v_ne, name=f"cache_v_l{i}")
+            v = ctx[1].new_tensor(self.dtype_v, v_ne, name=f"cache_v_l{i}")
             keys.append(k)
             values.append(v)
         failed = None
+        # this cache replaces what an earlier one on the same model recorded, on whatever device that was
+        # (a runner without KV offload keeps on the CPU the layers an earlier one kept on their devices)
+        for m in report.devices.values():
+            for i in range(self.n_layers):
+                m.cache.pop(i, None)
         for i in range(self.n_layers):
             dev = placement.device_of(i)
             m = report.device(dev)
@@ -968,7 +992,8 @@ class Causal:
     def __repr__(self) -> str:
         n = None if self._cells is None else self._cells.n_cells
         return (f"Causal(n_layers={self.n_layers}, n_embd_k={self.n_embd_k}, n_embd_v={self.n_embd_v}, "
-                f"dtype={self.dtype.name}, window={self.window}, cells={n})")
+                f"dtype={self.dtype.name}{'' if self.dtype_v == self.dtype else '/' + self.dtype_v.name}, "
+                f"window={self.window}, cells={n})")
 
     # ------------------------------------------------------------------ forward
 
@@ -1157,7 +1182,7 @@ class Causal:
                                       (row, hd * row), plan.lo * es))
                 continue
             views.append(ctx.view(cache, (hd, plan.n_kv, self.n_head_kv),
-                                  (row, self.dtype.row_size(hd)), plan.lo * row))
+                                  (row, cache.type.row_size(hd)), plan.lo * row))
         if mask is None:
             mask = self.mask_tensor(ctx, plan, mask_type)
         return views[0], views[1], mask

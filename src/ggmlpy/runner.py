@@ -41,8 +41,8 @@ from typing import Optional
 import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
-from ggmlpy.backend import MemoryReport, Runtime
-from ggmlpy.kvcache import Causal, NotSupported
+from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
+from ggmlpy.kvcache import V_TRANS_TYPES, Causal, NotSupported
 from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
@@ -52,7 +52,10 @@ __all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", 
 
 log = logging.getLogger("ggmlpy")
 
-_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0}
+# llama-bench's cache types; each needs a ggml CPU row writer (set_rows) and, for flash attention, a K dot
+# product and a V to-float conversion, which all of these have
+_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
+                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
 
 class RequestTimeout(TimeoutError, GGMLError):
@@ -239,10 +242,19 @@ class Runner:
     n_threads : int
         CPU threads (0: all cores).
     flash_attn : bool, optional
-        Use ``flash_attn_ext`` (default; a quantized cache needs it), or
+        Use ``flash_attn_ext`` (default; a quantized V cache needs it), or
         ``mul_mat`` + ``soft_max_ext`` with V stored transposed.
     type_k, type_v : str
-        Cache types ``f32``, ``f16`` (default), ``q8_0``, ``q4_0`` (K and V must match).
+        Cache types of K and V, each one of ``f32``, ``f16`` (default),
+        ``bf16``, ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``iq4_nl``
+        (llama-bench's list); they may differ. Without flash attention V must
+        be ``f32``, ``f16`` or ``bf16`` (see :meth:`check_cache_types`); a
+        quantized type needs a head size that is a multiple of its block (32).
+    offload_kqv : bool
+        Keep each layer's K/V cache on that layer's device (default, as
+        llama.cpp's ``offload_kqv``), or, when False, every layer's cache in
+        host (CPU) memory whatever device computes the layer (llama-bench's
+        ``-nkvo 1``). On the CPU alone both are the same.
     pipeline : bool, optional
         Build the next batch's graphs while the current one computes. Default:
         only when an accelerator or RPC device computes layers; on the CPU
@@ -275,23 +287,14 @@ class Runner:
 
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
-                 pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True) -> None:
+                 pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
+                 offload_kqv: bool = True) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
             if int(v) < 1:
                 raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
-        tk, tv = str(type_k).lower(), str(type_v).lower()
-        if tk not in _CACHE_TYPES or tv not in _CACHE_TYPES:
-            raise GGMLValueError(f"runner: cache types must be one of {sorted(_CACHE_TYPES)} (got {type_k}, {type_v})")
-        if tk != tv:
-            raise GGMLValueError(f"runner: type_k and type_v must match (got {type_k}, {type_v})")
-        dtype = _CACHE_TYPES[tk]
-        quantized = dtype not in (Type.F32, Type.F16)
-        if flash_attn is None:
-            flash_attn = True
-        if quantized and not flash_attn:
-            raise GGMLValueError(f"runner: a {tk} cache needs flash attention (flash_attn=True)")
+        dtype_k, dtype_v, flash_attn = self.check_cache_types(type_k, type_v, flash_attn)
         self.model = model
         cfg = model.config
         self.n_ctx = int(n_ctx)
@@ -299,14 +302,15 @@ class Runner:
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
-        self.type_k = self.type_v = tk
+        self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
+        self.offload_kqv = bool(offload_kqv)
         if pipeline is None:
             pipeline = any(d.type != "CPU" for d in model.placement.devices())
         self.pipeline = bool(pipeline)
         window = cfg.sliding_window - 1 if cfg.sliding_window else None   # cache window excludes the token itself
-        self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype,
-                            window=window, padding=256 if self.flash_attn else 32, n_head_kv=cfg.n_head_kv,
-                            shift_fn=model.shift_fn,
+        self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype_k,
+                            dtype_v=dtype_v, window=window, padding=256 if self.flash_attn else 32,
+                            n_head_kv=cfg.n_head_kv, shift_fn=model.shift_fn,
                             v_trans=not self.flash_attn)
         self.report: MemoryReport = model.report
         # Every piece of state close() looks at exists before anything is allocated, so that a failed
@@ -335,7 +339,7 @@ class Runner:
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
         try:
             self._check_host_memory()
-            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=model.placement,
+            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report)
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
                               report=self.report)
@@ -355,6 +359,57 @@ class Runner:
 
     # ------------------------------------------------------------------ set-up
 
+    @staticmethod
+    def check_cache_types(type_k: str = "f16", type_v: str = "f16",
+                          flash_attn: Optional[bool] = None) -> tuple[Type, Type, bool]:
+        """Check a K/V cache type pair against the attention path, as the constructor does.
+
+        Parameters
+        ----------
+        type_k, type_v : str
+            Cache type names (see the class parameters).
+        flash_attn : bool, optional
+            None resolves to True (flash attention), as in the constructor.
+
+        Returns
+        -------
+        (Type, Type, bool)
+            The K type, the V type and whether flash attention is used.
+
+        Raises
+        ------
+        GGMLValueError
+            An unknown type, or a V type the ``mul_mat`` path cannot use
+            (quantized: it stores V transposed, one element per row, which a
+            quantized block cannot be; llama.cpp requires flash attention for a
+            quantized V cache too). A quantized K works on both paths.
+
+        Examples
+        --------
+        >>> Runner.check_cache_types("q8_0", "f16", flash_attn=False)
+        (<Type.Q8_0: 8>, <Type.F16: 1>, False)
+        """
+        tk, tv = str(type_k).lower(), str(type_v).lower()
+        for what, t in (("type_k", tk), ("type_v", tv)):
+            if t not in _CACHE_TYPES:
+                raise GGMLValueError(f"runner: {what} {t!r} is not a cache type; expected one of "
+                                     f"{', '.join(_CACHE_TYPES)}")
+        dtype_k, dtype_v = _CACHE_TYPES[tk], _CACHE_TYPES[tv]
+        fa = True if flash_attn is None else bool(flash_attn)
+        if not fa and dtype_v not in V_TRANS_TYPES:
+            raise GGMLValueError(f"runner: a {tv} V cache needs flash attention (flash_attn=True): without it V is "
+                                 "stored transposed, which a quantized type cannot be (type_v f32, f16 or bf16 "
+                                 "works without flash attention; a quantized type_k does)")
+        return dtype_k, dtype_v, fa
+
+    def _cache_placement(self) -> Placement:
+        """The model's placement for the cache, or every layer on the CPU without KV offload."""
+        placement = self.model.placement
+        if self.offload_kqv:
+            return placement
+        cpu = choose_devices("cpu")[-1]
+        return Placement(layers=[cpu] * placement.n_layers, output=cpu, input=cpu)
+
     def host_bytes(self) -> int:
         """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes).
 
@@ -369,9 +424,9 @@ class Runner:
         n_cells = c.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
         mask = self.n_ubatch * n_cells * 10
         cells = 2 * n_cells * (4 + self.n_seq_max)
-        placement = self.model.placement
+        placement = self._cache_placement()
         cpu_layers = sum(1 for i in range(c.n_layers) if placement.device_of(i).type == "CPU")
-        kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype.row_size(c.n_embd_v))
+        kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype_v.row_size(c.n_embd_v))
         return mask + cells + kv
 
     def _check_host_memory(self) -> None:
@@ -504,7 +559,8 @@ class Runner:
                     for old in self._graphs.pop(key):
                         old.free()
 
-    def decode(self, tokens, seq: int = 0, logits="last", positions=None) -> Optional[np.ndarray]:
+    def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
+               embeddings: bool = False) -> Optional[np.ndarray]:
         """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
 
         Positions continue from what the cache holds for ``seq`` unless
@@ -513,10 +569,15 @@ class Runner:
         Parameters
         ----------
         logits : ``"last"`` (default), ``"all"``, ``None``/False, or a list of indices into ``tokens``
+            The rows to output.
+        embeddings : bool
+            Output those rows' final-normed hidden states (the graph
+            :meth:`embed` uses, without the output head) instead of logits.
 
         Returns
         -------
-        numpy.ndarray ``float32[n_rows, n_vocab]`` of the requested rows, or None.
+        numpy.ndarray ``float32[n_rows, n_vocab]`` (``[n_rows, n_embd]`` with
+        ``embeddings``) of the requested rows, or None.
 
         Raises
         ------
@@ -557,7 +618,7 @@ class Runner:
             if pos.min() < 0 or pos.max() >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=False)
+            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=bool(embeddings))
 
     def _check_open(self, what: str) -> None:
         if self._closing:

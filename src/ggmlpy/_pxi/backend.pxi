@@ -123,6 +123,67 @@ cdef class Device:
         """Whether the device can use tensors in ``buft``."""
         return bool(g.ggml_backend_dev_supports_buft(self.ptr, buft.ptr))
 
+    def extra_buffer_types(self):
+        """Buffer types the device offers for weights besides its own memory, in ggml's order of preference.
+
+        On the CPU these hold weights rearranged for its fastest matrix kernels
+        (``AMX`` on Intel CPUs with AMX, ``CPU_REPACK`` for Q4_0/Q4_K/IQ4_NL/...
+        on AVX2 and ARM, ``KLEIDIAI`` on ARM); other devices usually offer none.
+        A tensor in one of them takes part only in the ops
+        :meth:`supports_weight` accepts, is written whole and cannot be read
+        back. Model loaders use them when asked to repack (llama.cpp's ``--repack``).
+        """
+        cdef g.ggml_backend_reg_t reg = g.ggml_backend_dev_backend_reg(self.ptr)
+        cdef g.ggml_backend_dev_get_extra_bufts_t fn
+        cdef g.ggml_backend_buffer_type_t * p
+        if reg == NULL:
+            return []
+        fn = <g.ggml_backend_dev_get_extra_bufts_t> g.ggml_backend_reg_get_proc_address(
+            reg, b"ggml_backend_dev_get_extra_bufts")
+        if fn == NULL:
+            return []
+        p = fn(self.ptr)
+        out = []
+        while p != NULL and p[0] != NULL:
+            out.append(BufferType._make(p[0], self.name, self.rpc_endpoint))
+            p += 1
+        return out
+
+    def supports_weight(self, BufferType buft not None, Tensor op not None):
+        """Whether the device computes ``op`` when its first source, a weight, lives in ``buft``.
+
+        How a loader decides where a weight may go (as llama.cpp's loader
+        does): build the op the model will run on it in a ``no_alloc`` context,
+        over a weight tensor of the real type and shape that has no memory yet.
+        For the question the weight is placed in an empty buffer of ``buft``.
+
+        Raises
+        ------
+        GGMLValueError
+            ``op`` has no first source, or that source already has memory.
+        """
+        cdef g.ggml_tensor * w
+        cdef g.ggml_backend_buffer_t dummy
+        cdef bint ok
+        _arg(op, "supports_weight", "op")
+        w = op.ptr.src[0]
+        if w == NULL:
+            _fail("supports_weight", f"op {g.ggml_op_desc(op.ptr).decode()} has no first source to place")
+        if w.buffer != NULL or w.data != NULL or w.view_src != NULL:
+            _fail("supports_weight", f"the weight {w.name.decode(errors='replace')!r} must be a tensor without memory "
+                                     f"(build the op in a no_alloc context)")
+        # size 0: ggml hands out a placeholder without asking the device (or an RPC server) for memory
+        dummy = g.ggml_backend_buft_alloc_buffer(buft.ptr, 0)
+        if dummy == NULL:
+            raise GGMLMemoryError(f"supports_weight: no placeholder buffer of {buft.name}")
+        w.buffer = dummy
+        try:
+            ok = g.ggml_backend_dev_supports_op(self.ptr, op.ptr)
+        finally:
+            w.buffer = NULL
+            g.ggml_backend_buffer_free(dummy)
+        return bool(ok)
+
     def offload_op(self, Tensor op not None):
         """Whether the device wants ``op`` even when its weights are in host memory."""
         _arg(op, "offload_op", "op")
@@ -491,6 +552,8 @@ cdef class Backend:
     cdef Device dev
     cdef int busy             # computes running on it with the GIL released
     cdef object users         # WeakSet of the Schedulers built over it
+    cdef void * tp            # a CPU backend's own threadpool (set_threadpool), or NULL
+    cdef int tp_threads
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Backends come from Device.init() or ggmlpy.backend_init(name)")
@@ -509,6 +572,17 @@ cdef class Backend:
             g.ggml_backend_free(self.ptr)
             self.ptr = NULL
             _debug_count_nogil(3)
+        self._free_tp()
+
+    cdef void _free_tp(self) noexcept:
+        # after the backend itself is gone, or detached from it first
+        cdef g.ggmlpy_threadpool_free_t fn
+        if self.tp != NULL:
+            fn = <g.ggmlpy_threadpool_free_t> _cpu_proc(b"ggml_threadpool_free")
+            if fn != NULL:
+                fn(self.tp)
+            self.tp = NULL
+            self.tp_threads = 0
 
     cdef int _ensure(self) except -1:
         if self.ptr == NULL:
@@ -558,7 +632,63 @@ cdef class Backend:
             raise GGMLValueError(f"set_n_threads: {self.name} is not a CPU backend")
         if not (1 <= n_threads <= 512):
             _fail("set_n_threads", f"n_threads must be in [1, 512] (got {n_threads})")
+        if self.tp != NULL and n_threads != self.tp_threads:
+            self.set_threadpool(n_threads)          # a pool has a fixed size: make one of the new size
         g.ggml_backend_cpu_set_n_threads(self.ptr, n_threads)
+
+    def set_threadpool(self, n_threads=None, *, int poll=50, bint strict_cpu=False):
+        """Give this CPU backend a threadpool of its own that lives as long as the backend.
+
+        Without one, ggml starts and joins its compute threads for every graph;
+        a persistent pool (as llama.cpp's tools attach) saves that per graph,
+        which shows in token generation, where a graph takes milliseconds.
+        ``poll`` (0-100) is how long idle threads spin before sleeping, as
+        llama-bench's ``--poll``. ``n_threads=None`` keeps the current count
+        (``default_n_threads()`` for a new backend); ``n_threads=0`` drops the pool.
+
+        Raises
+        ------
+        GGMLValueError
+            Not a CPU backend, a compute runs on it, or a parameter out of range.
+        """
+        cdef g.ggmlpy_threadpool_new_t new_fn
+        cdef g.ggmlpy_cpu_set_threadpool_t set_fn
+        cdef g.ggml_threadpool_params params
+        cdef void * tp
+        cdef int n
+        self._ensure()
+        if not g.ggml_backend_is_cpu(self.ptr):
+            raise GGMLValueError(f"set_threadpool: {self.name} is not a CPU backend")
+        if self.busy > 0:
+            raise GGMLValueError(f"set_threadpool: {self.name} is computing in another thread")
+        if not 0 <= poll <= 100:
+            _fail("set_threadpool", f"poll must be in [0, 100] (got {poll})")
+        n = (self.tp_threads or _default_threads()) if n_threads is None else int(n_threads)
+        if not 0 <= n <= 512:
+            _fail("set_threadpool", f"n_threads must be in [0, 512] (got {n})")
+        new_fn = <g.ggmlpy_threadpool_new_t> _cpu_proc(b"ggml_threadpool_new")
+        set_fn = <g.ggmlpy_cpu_set_threadpool_t> _cpu_proc(b"ggml_backend_cpu_set_threadpool")
+        if new_fn == NULL or set_fn == NULL:
+            raise BackendUnavailable("set_threadpool: this ggml's CPU backend has no threadpool functions")
+        set_fn(self.ptr, NULL)
+        self._free_tp()
+        if n == 0:
+            return
+        params = g.ggml_threadpool_params_default(n)
+        params.poll = poll
+        params.strict_cpu = strict_cpu
+        tp = new_fn(&params)
+        if tp == NULL:
+            raise GGMLMemoryError(f"set_threadpool: ggml could not start {n} threads")
+        self.tp = tp
+        self.tp_threads = n
+        set_fn(self.ptr, tp)
+        g.ggml_backend_cpu_set_n_threads(self.ptr, n)
+
+    @property
+    def threadpool_threads(self):
+        """Threads of the backend's own threadpool (``set_threadpool``), 0 without one."""
+        return self.tp_threads
 
     def supports_op(self, Tensor op not None):
         self._ensure()
@@ -621,9 +751,20 @@ cdef class Backend:
             g.ggml_backend_free(self.ptr)
             self.ptr = NULL
             _debug_count_nogil(3)
+            self._free_tp()
 
     def __repr__(self):
         return "<ggmlpy.Backend (freed)>" if self.ptr == NULL else f"<ggmlpy.Backend {self.name} on {self.dev.name}>"
+
+
+cdef void * _cpu_proc(const char * name) noexcept:
+    # A function the CPU backend's registry exports by name, or NULL.
+    cdef g.ggml_backend_dev_t dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
+    cdef g.ggml_backend_reg_t reg
+    if dev == NULL:
+        return NULL
+    reg = g.ggml_backend_dev_backend_reg(dev)
+    return NULL if reg == NULL else g.ggml_backend_reg_get_proc_address(reg, name)
 
 
 cdef int _check_graph_on(g.ggml_cgraph * cg, g.ggml_backend_t be, str bname) except -1:

@@ -55,6 +55,55 @@ cdef inline bint _device_tensor(g.ggml_tensor * p) noexcept:
     return buf != NULL and p.data != NULL and not g.ggml_backend_buffer_is_host(buf)
 
 
+cdef g.ggml_backend_buffer * _repacked_buffer(g.ggml_tensor * p) noexcept:
+    # The buffer of p (or of its view source) when it is one of the CPU's extra
+    # buffer types (CPU_REPACK, AMX, ...), else NULL. Those are the only CPU
+    # memory that is not host memory: ggml rearranges what is written there for
+    # its matrix kernels, has no way to read it back (get_tensor is NULL: a call
+    # would jump to address 0) and asserts that each write covers the whole tensor.
+    cdef g.ggml_backend_buffer * buf = p.buffer
+    cdef g.ggml_backend_buffer_type_t bt
+    cdef g.ggml_backend_dev_t dev
+    if buf == NULL and p.view_src != NULL:
+        buf = p.view_src.buffer
+    if buf == NULL:
+        return NULL
+    bt = g.ggml_backend_buffer_get_type(buf)
+    if g.ggml_backend_buft_is_host(bt):
+        return NULL
+    dev = g.ggml_backend_buft_get_device(bt)
+    if dev == NULL or g.ggml_backend_dev_type_of(dev) != g.GGML_BACKEND_DEVICE_TYPE_CPU:
+        return NULL
+    return buf
+
+
+cdef int _check_repacked_write(g.ggml_tensor * p, size_t off, size_t n, str op) except -1:
+    cdef g.ggml_backend_buffer * buf = _repacked_buffer(p)
+    if buf == NULL:
+        return 0
+    what = f"{op}: tensor {p.name.decode(errors='replace')!r} is in {g.ggml_backend_buffer_name(buf).decode()} memory"
+    if p.view_src != NULL:
+        raise GGMLValueError(f"{what}; write the weight it views, whole")
+    if off != 0 or n != g.ggml_nbytes(p):
+        raise GGMLValueError(f"{what}, which is repacked as a whole: write all {g.ggml_nbytes(p)} bytes at offset 0 "
+                             f"in one call (got {n} bytes at offset {off})")
+    if p.extra == NULL and g.ggml_backend_buffer_name(buf) == b"CPU_REPACK":
+        # ggml's repack buffer only knows how to rearrange the types and shapes its kernels take
+        raise GGMLValueError(f"{what}, but CPU_REPACK has no kernels for {g.ggml_type_name(p.type).decode()} "
+                             f"ne={_ne_str(p)}; place it in the CPU's own memory (Device.supports_weight tells "
+                             f"which weights a buffer type takes)")
+    return 0
+
+
+cdef int _check_repacked_read(g.ggml_tensor * p, str op) except -1:
+    cdef g.ggml_backend_buffer * buf = _repacked_buffer(p)
+    if buf != NULL:
+        raise GGMLValueError(f"{op}: tensor {p.name.decode(errors='replace')!r} is in "
+                             f"{g.ggml_backend_buffer_name(buf).decode()} memory, rearranged for the CPU's matrix "
+                             f"kernels: it cannot be read back (load weights with repack=False to read them)")
+    return 0
+
+
 cdef inline Tensor _wrap(_CtxBase ctx, g.ggml_tensor * p):
     cdef Tensor t = Tensor.__new__(Tensor)
     t.ptr = p
@@ -250,6 +299,28 @@ cdef class Tensor:
         """True if the data is host memory (its context's arena or a host buffer), readable without a copy."""
         self._data("is_host")
         return self.ptr.data != NULL and not _device_tensor(self.ptr)
+
+    @property
+    def is_repacked(self):
+        """True if the tensor lives in one of the CPU's extra buffer types (``CPU_REPACK``, ``AMX``...).
+
+        Such a weight is written whole (``set``, or ``set_bytes`` of all its
+        bytes at offset 0), feeds only the ops its buffer type supports
+        (matrix products) and cannot be read back.
+        """
+        self._ensure()
+        return _repacked_buffer(self.ptr) != NULL
+
+    @property
+    def buffer_type(self):
+        """Name of the buffer type holding the tensor (``'CPU'``, ``'CPU_REPACK'``, ``'RPC[host:port]'``...),
+        or None for a context's own memory or no memory."""
+        cdef g.ggml_backend_buffer * buf
+        self._ensure()
+        buf = self.ptr.buffer if self.ptr.buffer != NULL or self.ptr.view_src == NULL else self.ptr.view_src.buffer
+        if buf == NULL:
+            return None
+        return g.ggml_backend_buft_name(g.ggml_backend_buffer_get_type(buf)).decode()
 
     @property
     def has_data(self):
@@ -458,6 +529,7 @@ cdef class Tensor:
         cdef g.ggml_tensor * p = self.ptr
         cdef Py_buffer dst
         cdef size_t n = g.ggml_nbytes(p)
+        _check_repacked_read(p, "get")
         if not g.ggml_is_contiguous(p):
             raise GGMLValueError("get: a device tensor must be contiguous to read (use ctx.cont on the device first)")
         dt = _NP_DTYPES.get(p.type)
@@ -497,6 +569,7 @@ cdef class Tensor:
         else:
             _quantizable(p.type, "set")
             data = np.frombuffer(quantize(np.asarray(arr, np.float32).reshape(-1, p.ne[0]), Type(p.type)), np.uint8)
+        _check_repacked_write(p, 0, n, "set")
         if n:
             PyObject_GetBuffer(data, &src, PyBUF_SIMPLE)
             try:
@@ -605,6 +678,7 @@ cdef class Tensor:
                 if n == 0:
                     return
                 if _device_tensor(p):
+                    _check_repacked_write(p, off, n, "set_bytes")
                     with nogil:
                         g.ggml_backend_tensor_set(p, src.buf, off, n)
                     _rpc_check("set_bytes")

@@ -41,6 +41,7 @@ from ggmlpy.gguf import (
     meta_float,
     meta_int,
     meta_str,
+    open_data,
 )
 
 __all__ = ["ARCHITECTURES", "BuiltGraph", "LlamaConfig", "LlamaModel", "MissingTensor", "UnknownArchitecture",
@@ -277,6 +278,9 @@ class LlamaModel:
         The open file (metadata and tensor infos; data is read by :meth:`load`).
     placement : ggmlpy.backend.Placement, optional
         Which device holds each layer; default: everything on the CPU.
+    repack : bool
+        Put the matrix weights in the devices' extra buffer types where ggml supports them (CPU_REPACK,
+        AMX...: faster prompts; the weights can then not be read back). See :class:`ggmlpy.backend.Weights`.
 
     Attributes
     ----------
@@ -290,7 +294,7 @@ class LlamaModel:
         Bytes and number of weight values; vocabulary size.
     """
 
-    def __init__(self, reader, placement: Optional[Placement] = None) -> None:
+    def __init__(self, reader, placement: Optional[Placement] = None, repack: bool = True) -> None:
         self.path = str(reader.path)
         self.config = cfg = _config(reader, self.path)
         if placement is None:
@@ -302,11 +306,11 @@ class LlamaModel:
         self.tied_output = "output.weight" not in reader
         self.has_rope_freqs = "rope_freqs.weight" in reader
         self.qkv_bias = "blk.0.attn_q.bias" in reader
-        self.weights = Weights(placement, max_tensors=16 * cfg.n_layer + 8)
+        self.weights = Weights(placement, max_tensors=16 * cfg.n_layer + 8, repack=repack)
         self.report: MemoryReport = self.weights.report
         try:
-            for name, ne, group, types in self._expected():
-                self._add(reader, name, ne, group, types)
+            for name, ne, group, types, op in self._expected():
+                self._add(reader, name, ne, group, types, op)
             # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
             # a missing bias ...) do not describe the file, and the model would run without that weight
             unused = [t.name for t in reader.tensors if t.name not in self.weights]
@@ -331,32 +335,35 @@ class LlamaModel:
     # ------------------------------------------------------------------ weights
 
     def _expected(self):
-        """(name, ne, group, allowed types or None) of every tensor this model reads."""
+        """(name, ne, group, allowed types or None, op) of every tensor this model reads.
+
+        ``op`` is ``"mul_mat"`` for weights only a matrix product reads (they may be repacked), else None.
+        """
         c = self.config
         n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        yield "token_embd.weight", (c.n_embd, c.n_vocab), "input", None
-        yield "output_norm.weight", (c.n_embd,), "output", (Type.F32,)
+        yield "token_embd.weight", (c.n_embd, c.n_vocab), "input", None, None
+        yield "output_norm.weight", (c.n_embd,), "output", (Type.F32,), None
         if not self.tied_output:
-            yield "output.weight", (c.n_embd, c.n_vocab), "output", None
+            yield "output.weight", (c.n_embd, c.n_vocab), "output", None, "mul_mat"
         if self.has_rope_freqs:
-            yield "rope_freqs.weight", (c.rope_dim // 2,), "input", (Type.F32,)
+            yield "rope_freqs.weight", (c.rope_dim // 2,), "input", (Type.F32,), None
         for i in range(c.n_layer):
             p = f"blk.{i}."
-            yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,)
-            yield p + "attn_q.weight", (c.n_embd, n_q), i, None
-            yield p + "attn_k.weight", (c.n_embd, n_kv), i, None
-            yield p + "attn_v.weight", (c.n_embd, n_kv), i, None
+            yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,), None
+            yield p + "attn_q.weight", (c.n_embd, n_q), i, None, "mul_mat"
+            yield p + "attn_k.weight", (c.n_embd, n_kv), i, None, "mul_mat"
+            yield p + "attn_v.weight", (c.n_embd, n_kv), i, None, "mul_mat"
             if self.qkv_bias:
-                yield p + "attn_q.bias", (n_q,), i, (Type.F32,)
-                yield p + "attn_k.bias", (n_kv,), i, (Type.F32,)
-                yield p + "attn_v.bias", (n_kv,), i, (Type.F32,)
-            yield p + "attn_output.weight", (n_q, c.n_embd), i, None
-            yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,)
-            yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None
-            yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None
-            yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None
+                yield p + "attn_q.bias", (n_q,), i, (Type.F32,), None
+                yield p + "attn_k.bias", (n_kv,), i, (Type.F32,), None
+                yield p + "attn_v.bias", (n_kv,), i, (Type.F32,), None
+            yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
+            yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,), None
+            yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
+            yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
+            yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
 
-    def _add(self, reader, name, ne, group, types) -> None:
+    def _add(self, reader, name, ne, group, types, op) -> None:
         if name not in reader:
             raise MissingTensor(f"{self.path}: tensor {name!r} is missing ({self.config.arch} needs it)")
         info = reader.tensor_info(name)
@@ -370,10 +377,14 @@ class LlamaModel:
         if types is not None and info.type not in types:
             raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected "
                                 f"{'/'.join(t.name for t in types)}")
-        self.weights.add(name, info.type, ne, group)
+        self.weights.add(name, info.type, ne, group, op=op)
 
-    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False) -> None:
+    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
+             mmap: bool = False) -> None:
         """Read every tensor's data from the file into its buffer.
+
+        With ``mmap`` the data is copied out of a memory map of the file (see
+        :class:`ggmlpy.gguf.MappedFile`) instead of read with ``read(2)``.
 
         Host tensors are filled with ``readinto`` straight into their memory
         (no intermediate copy, so peak RSS stays near the model's size); device
@@ -400,7 +411,7 @@ class LlamaModel:
         total = self.size
         done = 0
         chunk = 16 << 20
-        with open(self.path, "rb", buffering=0) as f:
+        with open_data(self.path, mmap=mmap) as f:
             for name, (t, _grp) in self.weights.tensors.items():
                 info = self._reader.tensor_info(name)
                 if info.nbytes != t.nbytes:
@@ -424,7 +435,8 @@ class LlamaModel:
                             _check_finite(dst[at:at + step], info, at // rs, self.path)
                     del dst
                 else:
-                    step = max(rs, chunk // rs * rs)        # whole rows, so each piece can be checked
+                    # whole rows, so each piece can be checked; a repacked weight is written in one piece
+                    step = t.nbytes if t.is_repacked else max(rs, chunk // rs * rs)
                     buf = bytearray(min(step, t.nbytes))
                     pos = 0
                     while pos < t.nbytes:
@@ -690,7 +702,7 @@ def _config(reader, path: str) -> LlamaConfig:
 
 def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
-               load: bool = True, check_tensors: bool = False) -> LlamaModel:
+               load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True) -> LlamaModel:
     """Open a GGUF file, place and allocate its weights, and load them.
 
     Parameters
@@ -702,6 +714,11 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     rpc : RPC server endpoints to add
     load : False to stop after allocation (the memory report is then available; call ``model.load()``)
     check_tensors : check every weight for NaN/inf while loading (a few rows of each are always checked)
+    mmap : read the weights through a memory map of the file (llama.cpp's mmap load mode; they are still
+        copied into ggmlpy's weight buffers: no zero-copy use of the mapping) instead of with read(2)
+    repack : put matrix weights in the CPU's extra buffer types where ggml has kernels for them (as
+        llama.cpp's ``--repack 1``, its default: about twice the prompt speed for Q4_0/Q4_K on AVX2 CPUs);
+        False keeps every weight in plain memory, where it can be read back
 
     Raises
     ------
@@ -725,13 +742,13 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         n_layer = _config(reader, str(path)).n_layer      # the placement needs the layer count first
         devs = choose_devices(devices, rpc=rpc)
         placement = split_layers(n_layer, devs, n_gpu_layers)
-        model = LlamaModel(reader, placement)
+        model = LlamaModel(reader, placement, repack=repack)
     except BaseException:
         reader.close()
         raise
     if load:
         try:
-            model.load(progress, check_tensors)
+            model.load(progress, check_tensors, mmap=mmap)
         except BaseException:
             model.close()
             raise

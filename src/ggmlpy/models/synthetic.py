@@ -34,7 +34,7 @@ import numpy as np
 from ggmlpy._core import GGMLValueError
 
 __all__ = [
-    "SIZES", "TYPES", "SyntheticConfig", "cache_dir", "parse_size", "synthetic_path",
+    "SIZES", "TYPES", "SyntheticConfig", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
     "tensor_specs", "write_synthetic",
 ]
 
@@ -42,10 +42,12 @@ __all__ = [
 FORMAT_VERSION = 1
 
 #: llama.cpp's ``LLAMA_FTYPE`` numbers for ``general.file_type``.
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7}
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}
 
-#: Weight types the generator writes for the 2-D matrices.
-TYPES = ("F16", "Q8_0", "Q4_0")
+#: Weight types the generator writes for the 2-D matrices. ``Q4_K_M`` is llama.cpp's mix of that name:
+#: Q4_K, with Q6_K for ``output`` and for ``attn_v``/``ffn_down`` in the layers that get more bits; its
+#: K-quant blocks need every matrix's row length to be a multiple of 256 (sizes 110M and 1B).
+TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M")
 
 #: Standard deviation of the random matrix entries (norm weights are 1).
 WEIGHT_STD = 0.02
@@ -183,6 +185,30 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
     return specs
 
 
+def _more_bits(layer: int, n_layer: int) -> bool:
+    # the layers llama.cpp's Q4_K_M gives Q6_K for attn_v and ffn_down: the first and last eighth, and
+    # every third layer in between
+    return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
+
+
+def matrix_type(type: str, name: str, n_layer: int) -> str:
+    """The ggml type a matrix called ``name`` is written in, for the model type ``type``."""
+    if type != "Q4_K_M":
+        return type
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), n_layer):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def _check_type_fits(cfg: SyntheticConfig, type: str) -> None:
+    if type == "Q4_K_M" and (cfg.n_embd % 256 or cfg.n_ff % 256 or (cfg.n_head * cfg.head_dim) % 256):
+        fits = ", ".join(n for n, c in SIZES.items() if not (c.n_embd % 256 or c.n_ff % 256))
+        raise GGMLValueError(f"synthetic model {cfg.name} Q4_K_M: K-quants need rows that are multiples of 256 "
+                             f"(n_embd {cfg.n_embd}, n_ff {cfg.n_ff}); sizes that fit: {fits}")
+
+
 def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, object, str]]:
     """(key, value, value type name) in the order they are written."""
     md: list[tuple[str, object, str]] = [
@@ -220,7 +246,7 @@ def _random_matrix(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
     return out
 
 
-def write_synthetic(path: str | os.PathLike, size: str = "110M", type: str = "F16", seed: int = 0,
+def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M", type: str = "F16", seed: int = 0,
                     progress: Callable[[int, int], None] | None = None) -> Path:
     """Write a llama GGUF file with deterministic random weights.
 
@@ -228,11 +254,11 @@ def write_synthetic(path: str | os.PathLike, size: str = "110M", type: str = "F1
     ----------
     path : str or PathLike
         Where to write (overwritten).
-    size : str
-        A size name or parameter count, see :func:`parse_size`.
-    type : {"F16", "Q8_0", "Q4_0"}
-        Type of the 2-D matrices (``token_embd`` and ``output`` included); the
-        norm weights are F32.
+    size : str or SyntheticConfig
+        A size name or parameter count, see :func:`parse_size`, or a shape of one's own.
+    type : {"F16", "Q8_0", "Q4_0", "Q4_K_M"}
+        Type of the 2-D matrices (``token_embd`` and ``output`` included; for
+        ``Q4_K_M`` see :data:`TYPES`); the norm weights are F32.
     seed : int
         Seed of the weights: the same seed gives the same file.
     progress : callable, optional
@@ -254,8 +280,9 @@ def write_synthetic(path: str | os.PathLike, size: str = "110M", type: str = "F1
     """
     from ggmlpy import gguf
 
-    cfg = SIZES[parse_size(size)]
+    cfg = size if isinstance(size, SyntheticConfig) else SIZES[parse_size(size)]
     type = _normalize_type(type)
+    _check_type_fits(cfg, type)
     path = Path(path)
     specs = tensor_specs(cfg)
     total = sum(math.prod(s) for _, s, _ in specs)
@@ -271,7 +298,7 @@ def write_synthetic(path: str | os.PathLike, size: str = "110M", type: str = "F1
         elif type == "F16":
             w.add_tensor(name, _random_matrix(shape, seed, index).astype(np.float16), type="F16")
         else:
-            w.add_tensor(name, _random_matrix(shape, seed, index), type=type)
+            w.add_tensor(name, _random_matrix(shape, seed, index), type=matrix_type(type, name, cfg.n_layer))
         done += math.prod(shape)
         if progress is not None:
             progress(done, total)
