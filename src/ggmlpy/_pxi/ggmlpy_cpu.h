@@ -13,7 +13,6 @@
 #pragma once
 #include <stddef.h>
 #include <stdio.h>
-#include <string.h>
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
