@@ -43,6 +43,9 @@ def test_system_info_lists_cpu():
 def test_cli_info_runs():
     out = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "info"], capture_output=True, text=True, check=True)
     assert "ggml 0.25.3" in out.stdout and "CPU" in out.stdout
+    bufs = [b.name for b in ggmlpy.device("CPU").extra_buffer_types()]
+    assert ggmlpy.system_info()["cpu_weight_buffers"] == bufs
+    assert f"CPU weight repacking: {', '.join(bufs) or '(none)'}" in out.stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF check")

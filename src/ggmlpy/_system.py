@@ -49,7 +49,8 @@ def system_info() -> dict:
     Returns a dict with ``ggmlpy`` and ``ggml`` versions, the Python and
     platform, ``cpu_variant`` (``None`` in a native build, else the variant's
     name and library: see ``cpu_variant()``), ``cpu_features`` (instruction sets
-    ggml's CPU backend uses),
+    ggml's CPU backend uses), ``cpu_weight_buffers`` (the CPU's extra buffer
+    types that repacked weights go to, e.g. ``['CPU_REPACK']``),
     ``backends`` (compiled in, e.g. ``['CPU', 'RPC']``) and ``devices`` (each a
     dict of name, description, type, backend, free and total memory).
 
@@ -68,6 +69,7 @@ def system_info() -> dict:
         "library_dir": os.path.dirname(_core.__file__),
         "cpu_variant": cpu_variant(),
         "cpu_features": _core._cpu_features(),
+        "cpu_weight_buffers": [b.name for b in _core.device("CPU").extra_buffer_types()],
         "backends": _core._backends(),
         "devices": _core._devices(),
     }
@@ -82,6 +84,7 @@ def format_system_info(info: dict | None = None) -> str:
         f"libraries: {info['library_dir']}",
         f"cpu variant: {_variant_text(info['cpu_variant'])}",
         f"CPU features: {' '.join(info['cpu_features']) or '(none)'}",
+        f"CPU weight repacking: {', '.join(info['cpu_weight_buffers']) or '(none)'}",
         f"backends: {', '.join(info['backends'])}",
         "devices:",
     ]
