@@ -55,6 +55,17 @@ def test_info_reports_what_was_compiled():
     assert all(d["type"] == "GPU" and d["name"].startswith("CUDA") for d in cuda_devs)
 
 
+def test_info_text_says_when_a_compiled_in_backend_found_no_device():
+    from ggmlpy._system import format_system_info
+    info = gp.system_info()
+    info["backends"] = ["CUDA", "RPC", "CPU"]
+    info["devices"] = [d for d in info["devices"] if d["backend"] == "CPU"]
+    text = format_system_info(info)
+    assert "backends: CUDA, RPC, CPU" in text and "(CUDA: compiled in, no device found)" in text
+    info["devices"].insert(0, dict(info["devices"][0], name="CUDA0", type="GPU", backend="CUDA"))
+    assert "no device found" not in format_system_info(info)
+
+
 @no_device
 @pytest.mark.parametrize("how", ["device", "backend_init", "choose_devices", "choose_devices_str"])
 def test_asking_for_cuda_is_a_clear_error(how):
