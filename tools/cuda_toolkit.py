@@ -2,7 +2,7 @@
 
     python tools/cuda_toolkit.py /opt/cuda-pip              # install, then print the env to export
     eval "$(python tools/cuda_toolkit.py /opt/cuda-pip --env)"
-    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" pip install .
+    CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90" pip install ".[cuda]"
 
 Why CUDA 13: the ``*-cu12`` nvcc wheels hold only ptxas and libnvvm (no nvcc
 driver, cicc, cudafe++, fatbinary or nvlink), so nothing can compile with them.
@@ -18,9 +18,10 @@ and this script adds them as symlinks inside its own folder:
 
 The toolkit goes into a folder of its own (``pip install --target``) rather
 than into the environment, so those symlinks never land in a pip-managed tree.
-At run time ggmlpy needs only libcudart and libcublas, which come from the
-``cuda`` extra (``pip install ggmlpy[cuda]``) or a system CUDA; see README.md,
-"CUDA build".
+The wheels have no libcuda stub either; CMakeLists.txt then builds without
+CUDA VMM (GGML_CUDA_NO_VMM). At run time ggmlpy needs only libcudart and
+libcublas, which come from the ``cuda`` extra (``pip install ggmlpy[cuda]``)
+or a system CUDA; see README.md, "CUDA build".
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{root}: no bin/nvcc (run without --env to install)")
     complete(root)
     if not args.env:
-        print(f"# {check(root)} in {root}", file=sys.stderr)
+        print(f"# {check(root)} in {root}; export the lines below, then build, e.g.\n"
+              f"# CMAKE_ARGS=\"-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90\" pip install \".[cuda]\"",
+              file=sys.stderr)
     print("\n".join(env_lines(root)))
     return 0
 
