@@ -31,8 +31,10 @@ def test_devices_and_cpu_backend():
     be.set_n_threads(2)
     with pytest.raises(gp.GGMLValueError, match="n_threads"):
         be.set_n_threads(0)
-    with pytest.raises(gp.BackendUnavailable, match="GGML_CUDA"):
-        c.device("CUDA0")
+    if not any(d.name == "CUDA0" for d in devs):
+        # the message differs between a CPU-only and a CUDA build: tests/test_cuda.py checks both
+        with pytest.raises(gp.BackendUnavailable, match="CUDA0: "):
+            c.device("CUDA0")
 
 
 def test_buffers_and_ctx_allocation():

@@ -13,6 +13,8 @@ bridge speaks numpy order: ``Tensor.shape``, ``Tensor.numpy()`` and
 ``Context.from_numpy()``.
 """
 
+# First: a CUDA build finds its CUDA libraries before _core loads (see _libs).
+import ggmlpy._libs  # noqa: F401
 from ggmlpy._core import (
     Backend,
     BackendUnavailable,

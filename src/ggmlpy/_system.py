@@ -96,6 +96,11 @@ def format_system_info(info: dict | None = None) -> str:
     for r in rows:
         lines.append("  " + "  ".join(c.ljust(w) if i in (1, 2, 3, 6) else c.rjust(w)
                                       for i, (c, w) in enumerate(zip(r, widths))).rstrip())
+    # A GPU backend without devices (a CUDA build on a machine without a GPU or driver) would
+    # otherwise only show as a missing row.
+    for b in info["backends"]:
+        if b not in ("CPU", "RPC") and not any(d["backend"] == b for d in info["devices"]):
+            lines.append(f"  ({b}: compiled in, no device found)")
     return "\n".join(lines)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Callable, Union
@@ -155,6 +156,11 @@ def split_layers(n_layers: int, devs: Sequence[Device], n_gpu_layers: int = -1,
     accel = [d for d in devs if d != cpu]
     n_off = n_layers if n_gpu_layers < 0 else min(n_gpu_layers, n_layers + 1)
     if not accel:
+        if n_gpu_layers > 0:
+            # llama.cpp ignores -ngl without a GPU too, but says so: the user expected offloading
+            warnings.warn(f"split_layers: n_gpu_layers={n_gpu_layers} ignored: no accelerator among the devices "
+                          f"({', '.join(d.name for d in devs)}); devices='auto' or ['CUDA0'] picks a GPU, and "
+                          f"ggmlpy.system_info()['backends'] says which backends this build has", stacklevel=2)
         n_off = 0
     n_rep = min(n_off, n_layers)
     if isinstance(split, str):

@@ -28,12 +28,33 @@ class BufferUsage(enum.IntEnum):
 
 
 def _unavailable(str what):
+    # Two different fixes, so two messages: a backend missing from the build
+    # needs a rebuild; a compiled-in backend without devices needs a driver/GPU.
     key = what.upper().rstrip("0123456789")
     flag = _BUILD_FLAG.get(key)
-    hint = (f"; rebuild with it: CMAKE_ARGS=\"-D{flag}=on\" pip install --force-reinstall --no-binary ggmlpy ggmlpy"
-            if flag else "")
     have = ", ".join(d.name for d in devices())
-    return BackendUnavailable(f"{what}: not available in this build or on this machine (devices: {have}){hint}")
+    regs = [g.ggml_backend_reg_name(g.ggml_backend_reg_get(i)).decode() for i in range(g.ggml_backend_reg_count())]
+    reg = next((r for r in regs if r.upper() == key or _BUILD_FLAG.get(r.upper(), 0) == flag), None)
+    if flag is not None and reg is not None:
+        hint = {"CUDA": " (is its driver installed and the GPU visible: nvidia-smi, CUDA_VISIBLE_DEVICES?)",
+                "RPC": " (rpc_add_server('host:port') adds a server's devices)"}.get(key, "")
+        return BackendUnavailable(f"{what}: no such device: the {reg} backend is compiled in but found "
+                                  f"{_n_devices(reg)} device(s){hint}; devices: {have}")
+    if flag is not None:
+        doc = " (README.md: \"CUDA build\" for the toolkit)" if key == "CUDA" else ""
+        return BackendUnavailable(
+            f"{what}: this build of ggmlpy has no {key} backend (compiled in: {', '.join(regs)}; devices: {have}); "
+            f"rebuild with it: CMAKE_ARGS=\"-D{flag}=on\" pip install --force-reinstall --no-binary ggmlpy ggmlpy{doc}")
+    return BackendUnavailable(f"{what}: no such device (devices: {have})")
+
+
+cdef size_t _n_devices(str reg_name):
+    cdef g.ggml_backend_reg * reg
+    for i in range(g.ggml_backend_reg_count()):
+        reg = g.ggml_backend_reg_get(i)
+        if g.ggml_backend_reg_name(reg).decode() == reg_name:
+            return g.ggml_backend_reg_dev_count(reg)
+    return 0
 
 
 @cython.final
