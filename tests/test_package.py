@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -162,10 +163,13 @@ def _pinned(tmp_path: Path, monkeypatch, files=None, subfolder="ggml"):
 def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypatch):
     fetch = _pinned(tmp_path, monkeypatch)
     dest = tmp_path / "src"
+    before = time.time() - 1
     fetch.fetch(dest)
     assert (dest / "CMakeLists.txt").read_bytes() == b"project(x)\n"
     assert (dest / "include/ggml.h").exists()
     assert not (dest / "other").exists()
+    # The archive says 1970; kept, a build folder of an older pin would not rebuild these sources.
+    assert all(f.stat().st_mtime >= before for f in dest.rglob("*"))
 
     # A wrong hash is refused, names the way out, and leaves no tree behind.
     (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {'0' * 64}\nsubfolder = ggml\n")

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -206,6 +207,12 @@ def extract(archive: Path, subfolder: str, dest: Path, patches: list[Path] = ())
         if len(roots) != 1 or not (roots[0] / subfolder / "CMakeLists.txt").is_file():
             raise FetchError(f"{archive.name} has no {subfolder}/CMakeLists.txt")
         apply_patches(roots[0] / subfolder, list(patches))
+        # The archive's file times are old (the sdist's, often years back): kept, a build folder
+        # made from the previous pin would find every object newer than its source and relink
+        # stale objects. Extraction time makes a new pin (or re-fetch) rebuild what it replaces.
+        now = time.time()
+        for f in (roots[0] / subfolder).rglob("*"):
+            os.utime(f, (now, now), follow_symlinks=False)
         if dest.exists():
             shutil.rmtree(dest)
         # Rename is atomic: a build that dies half-way never leaves a partial tree.
