@@ -362,8 +362,10 @@ class Weights:
     a matrix product reads (``add(..., op="mul_mat")``) goes to the first of its
     device's extra buffer types (:meth:`ggmlpy.Device.extra_buffer_types`:
     ``AMX``, ``CPU_REPACK``...) that supports that product for its type and
-    shape: ggml rearranges it there for its fastest kernels, about twice the
-    prompt speed for Q4_0/Q4_K on AVX2 CPUs. Such weights cannot be read back
+    shape: ggml rearranges it there for its interleaved kernels (Q4_0 on an
+    AVX-512 CPU: 1.8x the prompt and 1.6x the generation speed; Q4_K: faster
+    generation, but slower prompts than ggml's tiled kernel for plain weights,
+    bench/README.md). Such weights cannot be read back
     (:attr:`ggmlpy.Tensor.is_repacked`). Pairs in
     :data:`KNOWN_BAD_WEIGHT_BUFFERS` are never used. Every other weight, and
     every weight with ``repack=False``, goes to its device's own memory.

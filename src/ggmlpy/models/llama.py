@@ -717,7 +717,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     mmap : read the weights through a memory map of the file (llama.cpp's mmap load mode; they are still
         copied into ggmlpy's weight buffers: no zero-copy use of the mapping) instead of with read(2)
     repack : put matrix weights in the CPU's extra buffer types where ggml has kernels for them (as
-        llama.cpp's ``--repack 1``, its default: about twice the prompt speed for Q4_0/Q4_K on AVX2 CPUs);
+        llama.cpp's ``--repack 1``, its default: Q4_0 1.8x the prompt speed on an AVX-512 CPU);
         False keeps every weight in plain memory, where it can be read back
 
     Raises
