@@ -456,11 +456,6 @@ cdef extern from "ggml-backend.h" nogil:
     # what the CPU registry answers for "ggml_backend_dev_get_extra_bufts": a NULL-terminated array
     ctypedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device)
 
-# The CPU registry's threadpool functions, reached by name (ggml_backend_reg_get_proc_address) so that
-# they work whether ggml-cpu is linked in or loaded at run time; the pool is opaque here.
-ctypedef void * (*ggmlpy_threadpool_new_t)(ggml_threadpool_params * params) noexcept nogil
-ctypedef void (*ggmlpy_threadpool_free_t)(void * threadpool) noexcept nogil
-ctypedef void (*ggmlpy_cpu_set_threadpool_t)(ggml_backend_t backend_cpu, void * threadpool) noexcept nogil
 
 
 # ggml-alloc.h: graph and context allocators
@@ -514,6 +509,7 @@ cdef extern from "ggmlpy_cpu.h" nogil:
     ggml_backend_t ggml_backend_cpu_init()
     bint ggml_backend_is_cpu(ggml_backend_t backend)
     void ggml_backend_cpu_set_n_threads(ggml_backend_t backend_cpu, int n_threads)
+    void ggml_backend_cpu_set_threadpool(ggml_backend_t backend_cpu, ggml_threadpool * threadpool)
     void ggml_backend_cpu_set_abort_callback(ggml_backend_t backend_cpu, ggml_abort_callback abort_callback, void * abort_callback_data)
     int ggml_cpu_has_sse3()
     int ggml_cpu_has_avx()

@@ -573,7 +573,7 @@ cdef class Backend:
     cdef Device dev
     cdef int busy             # computes running on it with the GIL released
     cdef object users         # WeakSet of the Schedulers built over it
-    cdef void * tp            # a CPU backend's own threadpool (set_threadpool), or NULL
+    cdef g.ggml_threadpool * tp   # a CPU backend's own threadpool (set_threadpool), or NULL
     cdef int tp_threads
 
     def __init__(self, *args, **kwargs):
@@ -597,11 +597,8 @@ cdef class Backend:
 
     cdef void _free_tp(self) noexcept:
         # after the backend itself is gone, or detached from it first
-        cdef g.ggmlpy_threadpool_free_t fn
         if self.tp != NULL:
-            fn = <g.ggmlpy_threadpool_free_t> _cpu_proc(b"ggml_threadpool_free")
-            if fn != NULL:
-                fn(self.tp)
+            g.ggml_threadpool_free(self.tp)
             self.tp = NULL
             self.tp_threads = 0
 
@@ -672,10 +669,8 @@ cdef class Backend:
         GGMLValueError
             Not a CPU backend, a compute runs on it, or a parameter out of range.
         """
-        cdef g.ggmlpy_threadpool_new_t new_fn
-        cdef g.ggmlpy_cpu_set_threadpool_t set_fn
         cdef g.ggml_threadpool_params params
-        cdef void * tp
+        cdef g.ggml_threadpool * tp
         cdef int n
         self._ensure()
         if not g.ggml_backend_is_cpu(self.ptr):
@@ -687,23 +682,19 @@ cdef class Backend:
         n = (self.tp_threads or _default_threads()) if n_threads is None else int(n_threads)
         if not 0 <= n <= 512:
             _fail("set_threadpool", f"n_threads must be in [0, 512] (got {n})")
-        new_fn = <g.ggmlpy_threadpool_new_t> _cpu_proc(b"ggml_threadpool_new")
-        set_fn = <g.ggmlpy_cpu_set_threadpool_t> _cpu_proc(b"ggml_backend_cpu_set_threadpool")
-        if new_fn == NULL or set_fn == NULL:
-            raise BackendUnavailable("set_threadpool: this ggml's CPU backend has no threadpool functions")
-        set_fn(self.ptr, NULL)
+        g.ggml_backend_cpu_set_threadpool(self.ptr, NULL)
         self._free_tp()
         if n == 0:
             return
         params = g.ggml_threadpool_params_default(n)
         params.poll = poll
         params.strict_cpu = strict_cpu
-        tp = new_fn(&params)
+        tp = g.ggml_threadpool_new(&params)
         if tp == NULL:
             raise GGMLMemoryError(f"set_threadpool: ggml could not start {n} threads")
         self.tp = tp
         self.tp_threads = n
-        set_fn(self.ptr, tp)
+        g.ggml_backend_cpu_set_threadpool(self.ptr, tp)
         g.ggml_backend_cpu_set_n_threads(self.ptr, n)
 
     @property
@@ -776,16 +767,6 @@ cdef class Backend:
 
     def __repr__(self):
         return "<ggmlpy.Backend (freed)>" if self.ptr == NULL else f"<ggmlpy.Backend {self.name} on {self.dev.name}>"
-
-
-cdef void * _cpu_proc(const char * name) noexcept:
-    # A function the CPU backend's registry exports by name, or NULL.
-    cdef g.ggml_backend_dev_t dev = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
-    cdef g.ggml_backend_reg_t reg
-    if dev == NULL:
-        return NULL
-    reg = g.ggml_backend_dev_backend_reg(dev)
-    return NULL if reg == NULL else g.ggml_backend_reg_get_proc_address(reg, name)
 
 
 cdef int _check_graph_on(g.ggml_cgraph * cg, g.ggml_backend_t be, str bname) except -1:

@@ -22,7 +22,7 @@
 /* Every ggml-cpu.h function _ggml.pxd declares (ggml_threadpool_params_default lives in ggml-base). */
 #define GGMLPY_CPU_FUNCS(X) \
     X(ggml_threadpool_new) X(ggml_threadpool_free) X(ggml_graph_plan) X(ggml_graph_compute) \
-    X(ggml_backend_cpu_init) X(ggml_backend_is_cpu) X(ggml_backend_cpu_set_n_threads) \
+    X(ggml_backend_cpu_init) X(ggml_backend_is_cpu) X(ggml_backend_cpu_set_n_threads) X(ggml_backend_cpu_set_threadpool) \
     X(ggml_backend_cpu_set_abort_callback) \
     X(ggml_cpu_has_sse3) X(ggml_cpu_has_avx) X(ggml_cpu_has_avx2) X(ggml_cpu_has_avx_vnni) \
     X(ggml_cpu_has_f16c) X(ggml_cpu_has_fma) X(ggml_cpu_has_avx512) X(ggml_cpu_has_avx512_vbmi) \
@@ -80,6 +80,7 @@ static const char * ggmlpy_cpu_path(void) { return ggmlpy_cpu_path_buf; }
 #define ggml_backend_cpu_init (ggmlpy_cpu_fns.ggml_backend_cpu_init)
 #define ggml_backend_is_cpu (ggmlpy_cpu_fns.ggml_backend_is_cpu)
 #define ggml_backend_cpu_set_n_threads (ggmlpy_cpu_fns.ggml_backend_cpu_set_n_threads)
+#define ggml_backend_cpu_set_threadpool (ggmlpy_cpu_fns.ggml_backend_cpu_set_threadpool)
 #define ggml_backend_cpu_set_abort_callback (ggmlpy_cpu_fns.ggml_backend_cpu_set_abort_callback)
 #define ggml_cpu_has_sse3 (ggmlpy_cpu_fns.ggml_cpu_has_sse3)
 #define ggml_cpu_has_avx (ggmlpy_cpu_fns.ggml_cpu_has_avx)
