@@ -504,8 +504,8 @@ class Weights:
             self.close()
             raise GGMLMemoryError(f"weights: allocation failed ({failed})\n{self.report}", self.report)
         self.allocated = True
-        for dname, sizes in self.buffer_sizes().items():
-            for bname, n in sizes.items():
+        for dname in {d.name for d, _bt in self._bt.values()}:
+            for bname, n in self.report.devices[dname].weight_buffers.items():
                 log.info("%s: %s weight buffer %.2f MiB", dname, bname, n / 2**20)
         return self.report
 
