@@ -164,8 +164,12 @@ def rel_err(actual, expected) -> float:
 # Leak tests measure RSS, never ggmlpy's own object counters alone: a leak of every backend buffer
 # once hid behind counters that said 0.
 
-def rss_mib() -> float:
-    """Resident set size of this process now, in MiB (``/proc/self/status`` VmRSS)."""
+def rss_mib(field: str = "VmRSS") -> float:
+    """Resident set size of this process now, in MiB (``/proc/self/status`` VmRSS).
+
+    ``field="VmSize"`` gives the virtual size instead: memory allocated but never written (ggml's CPU
+    buffers are not touched until a compute writes them) counts there, not in RSS.
+    """
     import ctypes
     import gc
 
@@ -176,23 +180,23 @@ def rss_mib() -> float:
         pass
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024.0
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def rss_growth(fn, loops: int = 5, warmup: int = 1) -> float:
+def rss_growth(fn, loops: int = 5, warmup: int = 1, field: str = "VmRSS") -> float:
     """MiB of RSS gained over ``loops`` calls of ``fn()``, after ``warmup`` calls (caches, lazy init).
 
     A loop that gives back what it takes stays within a few MiB whatever ``loops`` is; a leak of
-    ``n`` MiB per call grows by ``loops * n``.
+    ``n`` MiB per call grows by ``loops * n``. ``field="VmSize"``: see :func:`rss_mib`.
     """
     for _ in range(warmup):
         fn()
-    before = rss_mib()
+    before = rss_mib(field)
     for _ in range(loops):
         fn()
-    return rss_mib() - before
+    return rss_mib(field) - before
 
 
 def run_child(code: str, *args, timeout: float = 120):
