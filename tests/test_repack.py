@@ -323,3 +323,20 @@ def test_a_repacked_q4_k_m_model_computes_the_plain_models_logits(q4_k_m_2layer_
     # on random weights (and is itself about 1% off here): repacking must not add to that error.
     fa_plain, fa_repack = err(out[False, True], ref), err(out[True, True], ref)
     assert fa_plain < 0.05 and fa_repack < 1.5 * fa_plain + 1e-4
+
+
+@needs_repack
+def test_check_tensors_finds_a_nan_in_a_repacked_weight(tmp_path):
+    # a repacked weight is read whole and checked in row-aligned pieces: the row named must be the file's
+    from ggmlpy import gguf
+
+    path = write_synthetic(tmp_path / "nan.gguf", "tiny", "Q4_0", seed=5)
+    info = gguf.GGUFReader(path).tensor_info("blk.1.ffn_up.weight")
+    row = gp.Type.Q4_0.row_size(info.ne[0])
+    with open(path, "r+b") as f:
+        f.seek(info.offset + 150 * row)            # the first block's F16 scale of row 150
+        f.write(b"\x00\x7e")
+    with load_model(path, repack=True) as m:       # a sample of rows is all that is checked by default
+        assert m.weights["blk.1.ffn_up.weight"].is_repacked == AVX2
+    with pytest.raises(gp.GGMLError, match=r"'blk.1.ffn_up.weight' \(Q4_0\) holds non-finite values .* row 150"):
+        load_model(path, repack=True, check_tensors=True)

@@ -479,8 +479,10 @@ class Weights:
             nothing stays allocated.
         """
         for dev in {d.name: d for d, _bt in self._bt.values()}.values():
-            self.report.device(dev).weights.clear()
-            self.report.device(dev).weight_buffers.clear()
+            m = self.report.device(dev)
+            m.weights.clear()
+            m.weight_buffers.clear()
+            m.weights_ok = None             # a retry after a failed allocation starts afresh
         for name, (t, grp) in self.tensors.items():
             dev, bt = self._bt[self._key[name]]
             size = self._reserved(bt, t)
@@ -623,8 +625,9 @@ class Runtime:
             cpu = self.backends[-1]
             n = n_threads if n_threads > 0 else _core.default_n_threads()
             if threadpool:
-                cpu.set_threadpool(n, poll=poll)
-            cpu.set_n_threads(n)
+                cpu.set_threadpool(n, poll=poll)        # also sets the backend's thread count
+            else:
+                cpu.set_n_threads(n)
             self.sched = _core.Scheduler(self.backends, graph_size=graph_size, parallel=parallel,
                                          op_offload=op_offload)
         except BaseException:

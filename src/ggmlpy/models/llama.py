@@ -430,9 +430,7 @@ class LlamaModel:
                         if progress is not None:
                             progress(done + pos, total)
                     if check_tensors:
-                        step = max(rs, chunk // rs * rs)
-                        for at in range(0, t.nbytes, step):
-                            _check_finite(dst[at:at + step], info, at // rs, self.path)
+                        _check_finite_rows(dst, info, 0, rs, chunk, self.path)
                     del dst
                 else:
                     # whole rows, so each piece can be checked; a repacked weight is written in one piece
@@ -445,7 +443,8 @@ class LlamaModel:
                         if n != len(view):
                             raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
                         if check_tensors:
-                            _check_finite(view, info, pos // rs, self.path)
+                            # a repacked weight arrives whole: decoded in pieces, as the host path does
+                            _check_finite_rows(view, info, pos // rs, rs, chunk, self.path)
                         t.set_bytes(view, pos)
                         pos += n
                         if progress is not None:
@@ -596,6 +595,14 @@ def _decode(raw, t: Type, ne0: int) -> np.ndarray:
     from ggmlpy import dequantize
 
     return dequantize(raw, t, ne0).reshape(-1)
+
+
+def _check_finite_rows(data, info, first_row: int, row_size: int, chunk: int, path: str) -> None:
+    """:func:`_check_finite` over ``data`` (whole rows from ``first_row``) in pieces of about ``chunk`` bytes,
+    so the float32 copy a check makes stays that small whatever the tensor's size."""
+    step = max(row_size, chunk // row_size * row_size)
+    for at in range(0, len(data), step):
+        _check_finite(data[at:at + step], info, first_row + at // row_size, path)
 
 
 def _check_finite(raw, info, first_row: int, path: str) -> None:
