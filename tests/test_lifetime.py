@@ -383,6 +383,7 @@ elif case == "sched-free-waits":
         return time.perf_counter() - t0
     waited, running = run_while_computing(lambda: s.compute(gf), attempt)
     assert running is False                  # free() returned only after the compute ended
+    assert waited > 0.05, waited             # and it did wait: the compute (about 1 s) was still running
     try:
         x.get()
     except ClosedError:
