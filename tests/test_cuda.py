@@ -152,6 +152,39 @@ def test_import_core_says_how_to_get_missing_cuda_libraries(tmp_path, monkeypatc
         _libs.import_core()
 
 
+def test_portable_build_loads_its_cuda_module_through_the_search(tmp_path, monkeypatch):
+    # GGML_BACKEND_DL: ggml would dlopen libggml-cuda.so itself and drop it quietly without libcudart
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "libggml-cpu-haswell.so").write_bytes(b"")
+    (pkg / "libggml-cuda.so").write_bytes(b"")
+    lib = tmp_path / "site" / "nvidia" / "cu13" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudart.so.13").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "site")])
+    monkeypatch.setattr(_libs, "_loaded", [])
+    opened = []
+
+    def fake_cdll(path, mode=0):
+        opened.append(os.path.basename(path))
+        if path.endswith("libggml-cuda.so") and "libcudart.so.13" not in opened:
+            raise OSError("libcudart.so.13: cannot open shared object file: No such file or directory")
+        return path
+    monkeypatch.setattr(_libs.ctypes, "CDLL", fake_cdll)
+    monkeypatch.setattr(_libs.importlib, "import_module", lambda name: c)
+    assert _libs.import_core(str(pkg)) is c
+    assert opened == ["libggml-cuda.so", "libcudart.so.13", "libggml-cuda.so"]
+    # a native build (no CPU variants beside _core) links the module: nothing is opened before the import
+    (pkg / "libggml-cpu-haswell.so").unlink()
+    opened.clear()
+    assert _libs.import_core(str(pkg)) is c and opened == []
+    # and a module whose CUDA libraries are nowhere fails the import with the way out
+    (pkg / "libggml-cpu-haswell.so").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "empty")])
+    with pytest.raises(ImportError, match=r"libggml-cuda.so needs libcudart.so.13.*ggmlpy\[cuda\]"):
+        _libs.import_core(str(pkg))
+
+
 def test_import_core_leaves_other_import_errors_alone(monkeypatch):
     _fail_then(monkeypatch, ["libfoo.so.1"])
     with pytest.raises(ImportError, match=r"^libfoo.so.1: cannot open"):

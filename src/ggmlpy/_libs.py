@@ -37,13 +37,13 @@ def _find_in_nvidia_packages(soname: str) -> str | None:
     return None
 
 
-def import_core() -> ModuleType:
-    """``import ggmlpy._core``, loading missing CUDA libraries from NVIDIA's wheels first."""
+def _with_nvidia_libraries(load, what: str):
+    """``load()``, retried after loading each missing NVIDIA library it names from NVIDIA's wheels."""
     tried: set[str] = set()
     while True:
         try:
-            return importlib.import_module("ggmlpy._core")
-        except ImportError as e:
+            return load()
+        except (ImportError, OSError) as e:      # the import system says ImportError, ctypes OSError
             m = _MISSING.search(str(e))
             if m is None or not _NVIDIA.match(m.group(1)) or m.group(1) in tried:
                 raise
@@ -52,12 +52,26 @@ def import_core() -> ModuleType:
             path = _find_in_nvidia_packages(soname)
             if path is None:
                 raise ImportError(
-                    f"ggmlpy was built with CUDA and needs {soname}, which neither the system's "
+                    f"ggmlpy was built with CUDA and {what} needs {soname}, which neither the system's "
                     f"library path nor NVIDIA's pip packages on sys.path have: "
                     f"pip install 'ggmlpy[cuda]' (nvidia-cuda-runtime, nvidia-cublas of the CUDA "
                     f"version it was built with), or add a CUDA toolkit's lib folder to "
                     f"LD_LIBRARY_PATH ({e})") from e
             _loaded.append(ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+
+
+def import_core(here: str | None = None) -> ModuleType:
+    """``import ggmlpy._core``, loading missing CUDA libraries from NVIDIA's wheels first.
+
+    A portable build (``GGML_BACKEND_DL``: CPU variants ``libggml-cpu-*.so`` beside ``_core``) does not
+    link ``libggml-cuda.so`` into ``_core``: ggml loads it at import and silently drops it when its CUDA
+    libraries are missing. So in such a build that module is loaded here first, through the same search.
+    """
+    here = here or os.path.dirname(os.path.abspath(__file__))
+    if glob.glob(os.path.join(here, "libggml-cpu-*.so")):
+        for module in sorted(glob.glob(os.path.join(here, "libggml-cuda*.so"))):
+            _loaded.append(_with_nvidia_libraries(lambda m=module: ctypes.CDLL(m), os.path.basename(module)))
+    return _with_nvidia_libraries(lambda: importlib.import_module("ggmlpy._core"), "ggmlpy._core")
 
 
 import_core()
