@@ -754,3 +754,13 @@ def test_set_input_refuses_a_computed_tensor():
         b.set_input()
     with pytest.raises(gp.GGMLValueError, match="leaf"):
         ctx.reshape(a, (2, 2)).set_input()
+
+
+def test_huge_shapes_over_an_empty_tensor_are_refused_not_aborted():
+    # ggml asserts that the dimensions' product fits int64 even when one of them is 0
+    ctx = G.Context(1 << 20)
+    a = ctx.new_tensor(G.Type.F32, (0,))
+    for make in (lambda: ctx.view(a, (2**40, 2**40, 0)), lambda: ctx.view_3d(a, 2**40, 2**40, 0, 0, 0),
+                 lambda: ctx.reshape(a, (2**40, 2**40, 0)), lambda: ctx.cont(a, (2**40, 2**40, 0))):
+        with pytest.raises(G.GGMLMemoryError, match="multiply past int64"):
+            make()

@@ -279,6 +279,7 @@ cdef int _ne_list(object ne, int64_t out[4], str op) except -1:
             raise GGMLTypeError(f"{op}: ne must be integers (got {seq!r})") from None
         if out[i] < 0:
             raise GGMLValueError(f"{op}: ne must be non-negative (got {seq!r})")
+    _check_nelements(out, op)       # every shape from Python enters here: views and reshapes included
     return n
 
 
