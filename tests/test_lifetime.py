@@ -405,12 +405,31 @@ elif case == "backend-in-use":
         raise SystemExit("backend freed under a live scheduler")
     s.free()
     be.free()
+elif case == "threadpool-while-scheduled":
+    be = ggmlpy.device("CPU").init()
+    be.set_threadpool(2)
+    wctx = ggmlpy.Context(1 << 20, no_alloc=True)
+    w = wctx.new_tensor_2d(ggmlpy.Type.F32, N, N)
+    buf = ggmlpy.alloc_ctx_tensors(wctx, be)
+    w.set(w_np)
+    ctx = ggmlpy.Context(1 << 20, no_alloc=True)
+    gf, x = long_graph(ctx, w)
+    s = ggmlpy.Scheduler([be])
+    s.alloc_graph(gf)
+    # the pool the scheduler's compute runs on must not be replaced or freed under it
+    errs, running = run_while_computing(lambda: s.compute(gf),
+                                        lambda: refusals(lambda: be.set_threadpool(1), lambda: be.set_n_threads(1)))
+    assert running, "the compute ended before the attempt: the test proves nothing"
+    assert len(errs) == 2 and all("computing" in e for e in errs), errs
+    be.set_threadpool(1)                     # and once it is done, it may
+    assert be.threadpool_threads == 1
+    s.free()
 print("OK")
 """
 
 
 @pytest.mark.parametrize("case", ["free-graph-context", "reset-input-context", "expand-while-computing",
-                                  "sched-free-waits", "backend-in-use"])
+                                  "sched-free-waits", "backend-in-use", "threadpool-while-scheduled"])
 def test_nothing_a_running_compute_reads_is_freed_or_changed(case):
     out = run_child(THREADS_CHILD, case, timeout=300)
     assert out.returncode == 0 and out.stdout.rstrip().endswith("OK"), out.stdout + out.stderr

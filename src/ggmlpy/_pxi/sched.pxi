@@ -391,6 +391,9 @@ cdef class Scheduler(_Allocator):
             self.epoch += 1
         if not ok:
             self.poisoned = True
+            # ggml split the graph before its allocation failed: its nodes read the scheduler's copies
+            # now; put the graph's own sources back while the graph is still known
+            self._restore()
             self.allocated = None
             _rpc_check("sched_alloc_graph")
             raise GGMLMemoryError("sched_alloc_graph: could not allocate the graph's compute buffers")
@@ -431,17 +434,22 @@ cdef class Scheduler(_Allocator):
                 if (alloc is None or alloc[0] is not graph or alloc[1] != graph.ptr.n_nodes
                         or alloc[2] != graph.ptr.n_leafs):
                     self._alloc(graph, False)
-                else:
-                    graph._ensure()
-                    graph._check_ctxs()
                 for entry in graph.index_checks:
                     _scan_indices(entry)
                 cg = graph.ptr
-                with nogil:
-                    if is_async:
-                        st = g.ggml_backend_sched_graph_compute_async(self.ptr, cg)
-                    else:
-                        st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
+                # the backends are busy too: set_threadpool (or free) on one must wait, not pull the
+                # thread pool from under this compute
+                for b in self.backends:
+                    (<Backend> b).busy += 1
+                try:
+                    with nogil:
+                        if is_async:
+                            st = g.ggml_backend_sched_graph_compute_async(self.ptr, cg)
+                        else:
+                            st = g.ggml_backend_sched_graph_compute(self.ptr, cg)
+                finally:
+                    for b in self.backends:
+                        (<Backend> b).busy -= 1
             finally:
                 graph._end()
             _rpc_check("sched_graph_compute")
