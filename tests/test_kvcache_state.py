@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -296,3 +296,87 @@ class CausalMachine(RuleBasedStateMachine):
 
 CausalMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
 TestCausalMachine = CausalMachine.TestCase
+
+
+# ------------------------------------------------------------ the one-token plan
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), window=st.sampled_from([None, 3, 40]), chunk=st.sampled_from([None, 3]),
+       padding=st.sampled_from([1, 4]), n_seq=st.integers(1, 3))
+def test_one_token_plan_equals_general_plan(seed, window, chunk, padding, n_seq):
+    """start_forward of one token (planned in C, committed in place) gives the same slot, range and
+    mask as the general path, and apply leaves the same cells: across random fills, removes and clears,
+    with windows (one wider than the capacity, so nothing is evicted), chunks and padding. An evicting cache
+    keeps the general path."""
+    rng = np.random.default_rng(seed)
+    cache = Causal(1, 8, 8, Type.F32, window=window, chunk=chunk, padding=padding)
+    cache.init(10, n_seq, 3)
+    try:
+        nxt = [0] * n_seq
+        for _ in range(30):
+            cells = cache.cells
+            op = rng.integers(0, 8)
+            if op == 0 and cells.used:
+                s = int(rng.integers(0, n_seq))
+                cache.remove(s, int(rng.integers(0, nxt[s] + 1)))
+                nxt[s] = cache.seq_pos_max(s) + 1
+                continue
+            if op == 1:
+                s = int(rng.integers(0, n_seq))
+                cache.clear(s)
+                nxt[s] = 0
+                continue
+            if op == 2 and cells.n_cells - cells.used >= 2:     # a two-token batch: the general path
+                s = int(rng.integers(0, n_seq))
+                cache.apply(cache.start_forward([nxt[s], nxt[s] + 1], [s, s]))
+                nxt[s] += 2
+                continue
+            s = int(rng.integers(0, n_seq))
+            p = nxt[s] + int(rng.integers(0, 2))                # sometimes a gap in the positions
+            if cells.used == cells.n_cells:
+                with pytest.raises(KVCacheFull):
+                    cache.start_forward([p], [s])
+                cache.clear(s)
+                nxt[s] = 0
+                continue
+            fast = cache.start_forward(np.array([p]), np.array([s]))
+            slow = cache.start_forward([p], [s], except_rows=())  # the general path: a trial copy of the cells
+            # a cache that evicts (window 3 of capacity 10) plans every batch the general way
+            assert (fast._one is not None) == (cache.memory is None) and slow._one is None
+            assert fast.slots.tolist() == slow.slots.tolist()
+            assert (fast.lo, fast.hi) == (slow.lo, slow.hi)
+            assert fast.mask.dtype == np.float32 and np.array_equal(fast.mask, slow.mask)
+            after = slow._after
+            cache.apply(fast)
+            got = cache.cells
+            assert (got is cells) == (cache.memory is None)      # committed in place
+            assert np.array_equal(got.pos, after.pos) and np.array_equal(got.seqs, after.seqs)
+            assert got.used == after.used
+            for q in range(n_seq):
+                assert (got.seq_pos_min(q), got.seq_pos_max(q)) == (after.seq_pos_min(q), after.seq_pos_max(q))
+            assert got.find_slots(got.n_cells - got.used) is not None
+            nxt[s] = p + 1
+    finally:
+        cache.close()
+
+
+def test_one_token_plan_is_stale_after_a_change():
+    """A one-token plan commits in place only onto the cells it was made from; after another change it is
+    re-applied through a copy, and a plan applies once."""
+    cache = Causal(1, 8, 8, Type.F32)
+    cache.init(8, 2, 2)
+    try:
+        a = cache.start_forward([0], [0])
+        b = cache.start_forward([0], [1])               # the same free cell, planned from the same state
+        cache.apply(a)
+        with pytest.raises(ggmlpy.GGMLValueError, match="not free"):
+            cache.apply(b)                               # stale: checked against the cells as they are now
+        assert cache.cells.used == 1 and cache.seq_pos_max(1) == -1
+        with pytest.raises(ggmlpy.GGMLValueError, match="not free"):
+            cache.apply(a)                               # once
+        c = cache.start_forward([1], [0])
+        cache.clear(1)                                   # a change that leaves seq 0 alone
+        cache.apply(c)
+        assert cache.seq_pos_max(0) == 1 and cache.cells.used == 2
+    finally:
+        cache.close()

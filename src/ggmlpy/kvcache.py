@@ -51,6 +51,7 @@ from ._core import (
     GGMLValueError,
     Tensor,
     Type,
+    _kv_plan_one,
     graph_overhead,
     tensor_overhead,
 )
@@ -114,6 +115,7 @@ class Cells:
         self._seq = np.zeros((n_cells, n_seq_max), dtype=bool)
         self._pos_min = np.full(n_seq_max, -1, dtype=np.int32)
         self._pos_max = np.full(n_seq_max, -1, dtype=np.int32)
+        self._occ = np.zeros(n_cells, dtype=bool)      # cell referenced by any sequence
         self._used = 0
         self._version = 0           # bumped by every change, so a plan can tell it is still current
 
@@ -123,6 +125,7 @@ class Cells:
         c._n_cells, c._n_seq_max, c._used, c._version = self._n_cells, self._n_seq_max, self._used, self._version
         c._pos, c._seq = self._pos.copy(), self._seq.copy()
         c._pos_min, c._pos_max = self._pos_min.copy(), self._pos_max.copy()
+        c._occ = self._occ.copy()
         return c
 
     def __deepcopy__(self, memo) -> Cells:
@@ -161,7 +164,7 @@ class Cells:
     def _refresh(self) -> None:
         """Free empty cells and recompute ``used`` and per-sequence min/max."""
         self._version += 1
-        occupied = self._seq.any(axis=1)
+        self._occ = occupied = self._seq.any(axis=1)
         self._pos[~occupied] = -1
         self._used = int(occupied.sum())
         big = _INT32_MAX
@@ -238,7 +241,7 @@ class Cells:
         n_tokens = int(n_tokens)
         if n_tokens < 0:
             raise GGMLValueError(f"n_tokens must be >= 0, got {n_tokens}")
-        free = np.flatnonzero(~self._seq.any(axis=1))
+        free = np.flatnonzero(~self._occ)
         if free.size < n_tokens:
             return None
         return free[:n_tokens].astype(np.int64)
@@ -446,6 +449,20 @@ class Cells:
         self._seq[slots, seq_ids] = True
         self._refresh()
 
+    def _append_one(self, slot: int, pos: int, seq: int) -> None:
+        # apply() of one token into a free cell (checked by the caller), updating the
+        # summaries in place instead of recomputing them: the one-token step of generation
+        self._version += 1
+        self._pos[slot] = pos
+        self._seq[slot, seq] = True
+        self._occ[slot] = True
+        self._used += 1
+        lo = int(self._pos_min[seq])
+        if lo < 0 or pos < lo:
+            self._pos_min[seq] = pos
+        if pos > int(self._pos_max[seq]):
+            self._pos_max[seq] = pos
+
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> np.ndarray:
         """Drop ``seq`` from cells with ``begin <= pos < end``, shifting later ones.
 
@@ -648,6 +665,7 @@ class ForwardPlan:
     n_cells: int
     _base: Optional[tuple] = field(default=None, repr=False, compare=False)
     _after: Optional[Cells] = field(default=None, repr=False, compare=False)
+    _one: Optional[tuple] = field(default=None, repr=False, compare=False)    # (slot, pos, seq) of a one-token plan
 
     @property
     def n_batch(self) -> int:
@@ -1038,6 +1056,8 @@ class Causal:
         n = positions.size
         if n == 0:
             raise GGMLValueError("empty batch")
+        if n == 1 and not reserve and except_rows is None and self.memory is None:
+            return self._plan_one(cells, positions, seq_ids)
         cells._check_seq_array(seq_ids)
         if (positions < 0).any():
             raise GGMLValueError("positions must be >= 0")
@@ -1062,8 +1082,30 @@ class Causal:
         return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells,
                            _base=(cells, cells._version), _after=trial)
 
+    def _plan_one(self, cells: Cells, positions: np.ndarray, seq_ids: np.ndarray) -> ForwardPlan:
+        # start_forward for one token without eviction, from scalars and the current cells (no trial copy):
+        # the same slot, range and mask as the general path, planned in C (_core._kv_plan_one)
+        s, p = int(seq_ids[0]), int(positions[0])
+        if not 0 <= s < cells._n_seq_max:
+            raise GGMLValueError(f"sequence id {s} out of range [0, {cells._n_seq_max})")
+        if not 0 <= p <= _INT32_MAX:
+            raise GGMLValueError("positions must be >= 0" if p < 0 else "positions must be in [0, 2**31)")
+        slot, lo, hi, mask = _kv_plan_one(cells._occ.view(np.uint8), cells._seq.view(np.uint8), cells._pos, s, p,
+                                          self.padding, -1 if self.window is None else self.window,
+                                          -1 if self.chunk is None else self.chunk)
+        if slot < 0:
+            raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: 1)")
+        return ForwardPlan(positions, seq_ids, np.array([slot], dtype=np.int64), lo, hi, mask, False, {},
+                           cells.n_cells, _base=(cells, cells._version), _one=(slot, p, s))
+
     def apply(self, plan: ForwardPlan) -> None:
         """Commit a plan's metadata (eviction, then the new cells); all or nothing."""
+        self._check_plan(plan)
+        base, cells = plan._base, self._cells
+        if plan._one is not None and base is not None and base[0] is cells and base[1] == cells._version:
+            object.__setattr__(plan, "_base", None)         # a plan commits once
+            cells._append_one(*plan._one)
+            return
         trial = self._planned_cells(plan)
         if trial is not None:
             self._cells = trial
@@ -1074,7 +1116,8 @@ class Causal:
         if plan.reserve:
             return None
         base = plan._base
-        if base is not None and base[0] is self._cells and base[1] == self._cells._version:
+        if (plan._after is not None and base is not None and base[0] is self._cells
+                and base[1] == self._cells._version):
             # nothing changed since the plan was made: its planned state is the answer
             object.__setattr__(plan, "_base", None)
             return plan._after
@@ -1138,13 +1181,18 @@ class Causal:
         out = []
         for t, cache, embd in ((k, self.keys[layer], self.n_embd_k),
                                (v, self.values[layer], self.n_embd_v)):
-            if not t.is_contiguous:
-                t = ctx.cont(t)
-            rows = ctx.reshape(t, (embd, n))
+            if t.is_contiguous:
+                rows = ctx.reshape(t, (embd, n))
+            elif t.nb[1] == t.ne[0] * t.nb[0] == t.type.row_size(t.ne[0]) and t.ne[3] == 1:
+                # each token's heads are one contiguous row, the rows strided (views of a fused
+                # projection's output): set_rows reads them where they are, no copy
+                rows = ctx.view(t, (embd, n), (t.nb[2],), 0)
+            else:
+                rows = ctx.reshape(ctx.cont(t), (embd, n))
             if cache is self.values[layer] and self.v_trans:
                 # one-element rows: row i of channel j is token i's value j
                 et = rows.nb[0]
-                src = ctx.view(rows, (1, n, embd), (embd * et, et))
+                src = ctx.view(rows, (1, n, embd), (rows.nb[1], et))
                 es = cache.nb[0]
                 n_cells = cache.ne[0]
                 dst = ctx.view(cache, (1, n_cells, embd), (es, n_cells * es))

@@ -179,6 +179,11 @@ class _Seq:
         self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
 
 
+_ROW0 = np.zeros(1, np.int32)             # out_rows of a one-token micro-batch: its only row
+_NO_ROWS = np.zeros(0, np.int32)
+_ROW0.flags.writeable = _NO_ROWS.flags.writeable = False
+
+
 @dataclass
 class _UBatch:
     tokens: np.ndarray
@@ -537,7 +542,7 @@ class Runner:
         b = ub.built
         if not self.rt.sched.is_allocated(b.graph):      # a reused graph keeps its allocation
             self.rt.sched.alloc_graph(b.graph)
-        out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1])
+        out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
         b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows)
         ub.plan = None          # its mask is uploaded: the micro-batches of a batch must not all hold one
         self.rt.compute(b.graph)
@@ -590,6 +595,11 @@ class Runner:
         """
         self._check_open("decode")
         seq = self._check_seq_id(seq, "decode")
+        one_row = type(logits) is str and logits in ("last", "all")
+        if positions is None and (one_row or logits is None or logits is False):
+            tok = self._one_token(tokens)
+            if tok is not None:             # one generation step: scalars instead of arrays
+                return self._decode_one(tok, seq, logits is not None and logits is not False, bool(embeddings))
         toks = self._check_tokens(tokens, "decode")
         n = len(toks)
         if n == 0:
@@ -618,7 +628,31 @@ class Runner:
             if pos.min() < 0 or pos.max() >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(toks, pos, np.full(n, seq, np.int64), want, embedding=bool(embeddings))
+            return self._run_direct(self._split(toks, pos, np.full(n, seq, np.int64), want), [seq],
+                                    embedding=bool(embeddings))
+
+    def _one_token(self, tokens) -> Optional[int]:
+        """The id of a batch of one valid token id (a list, tuple or 1-D array), else None."""
+        if isinstance(tokens, np.ndarray):
+            if tokens.shape != (1,):
+                return None
+        elif type(tokens) not in (list, tuple) or len(tokens) != 1:
+            return None
+        t = tokens[0]
+        if type(t) is not int and not isinstance(t, np.integer):
+            return None                     # bools, floats...: the general path says what is wrong
+        t = int(t)
+        return t if 0 <= t < self.model.n_vocab else None
+
+    def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
+        with self._direct("decode"):
+            p = self.cache.seq_pos_max(seq) + 1
+            if p >= self.n_ctx:
+                raise GGMLValueError(f"decode: positions {p}..{p} are outside the context [0, {self.n_ctx}) of "
+                                     f"sequence {seq}")
+            ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
+                         _ROW0 if want else _NO_ROWS)
+            return self._run_direct([ub], [seq], embedding)
 
     def _check_open(self, what: str) -> None:
         if self._closing:
@@ -651,9 +685,10 @@ class Runner:
                 self._direct_busy -= 1
                 self._lock.notify_all()       # close() waits for the last direct call
 
-    def _run_direct(self, toks, pos, seqs, want, embedding) -> Optional[np.ndarray]:
+    def _run_direct(self, ubatches, seqs, embedding) -> Optional[np.ndarray]:
+        """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated."""
         rows = []
-        for ub in self._split(toks, pos, seqs, want):
+        for ub in ubatches:
             try:
                 self._build(ub, embedding)
                 r = self._compute(ub)
@@ -662,15 +697,15 @@ class Runner:
                 if ub.built is not None:
                     ub.built.free()
                     ub.built = None
-                for s in np.unique(seqs):
-                    self.cache.clear(int(s))
+                for s in seqs:
+                    self.cache.clear(s)
                 raise
             if r is not None:
                 rows.append(r)
-        for s in np.unique(seqs):
-            self.slots.set_tokens(int(s), [])     # unknown to the slot table: a request re-processes
+        for s in seqs:
+            self.slots.set_tokens(s, [])     # unknown to the slot table: a request re-processes
         self.n_batches += 1
-        return np.concatenate(rows) if rows else None
+        return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
 
     def decode_batch(self, tokens, positions, seq_ids, logits) -> np.ndarray:
         """Compute one batch of several sequences: ``tokens``, ``positions``, ``seq_ids`` per row.
@@ -691,7 +726,8 @@ class Runner:
         want = np.zeros(toks.size, dtype=bool)
         want[np.asarray(logits)] = True
         with self._direct("decode_batch"):
-            return self._run_direct(toks, pos, seqs, want, embedding=False)
+            return self._run_direct(self._split(toks, pos, seqs, want), [int(s) for s in np.unique(seqs)],
+                                    embedding=False)
 
     def clear(self, seq: Optional[int] = None) -> None:
         """Forget one sequence's cache contents, or everything's (not while requests are served)."""
