@@ -772,7 +772,7 @@ def test_ggmlpy_engine_loads_with_and_without_repack(tmp_path):
     try:
         for repack in (False, True):
             eng.ensure_model(Instance(path, 8, 0, repack=repack))
-            w = eng.model.weights["blk.0.ffn_up.weight"]
+            w = eng.model.weights["blk.0.ffn_gate_up.weight"]
             offered = any(b.name == "CPU_REPACK" for b in __import__("ggmlpy").device("cpu").extra_buffer_types())
             assert w.is_repacked == (repack and offered)
     finally:

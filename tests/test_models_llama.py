@@ -69,6 +69,24 @@ def test_mistral_window_is_used(models):
     assert rel_err(full_attention, ref) > 1e-2      # the window matters for this prompt
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("flash", [False, True])
+def test_fused_weights_compute_the_unfused_logits(models, arch, flash):
+    """Q/K/V (and qwen2's Q/K/V biases) and gate/up fused into one product each give the logits of the
+    file's separate weights, for a prompt and for one-token steps: the views of the fused rows feed RoPE
+    and the cache (V straight from the strided rows, or transposed without flash attention)."""
+    _, path = models[arch]
+    out = {}
+    for fuse in (False, True):
+        with load_model(path, fuse=fuse) as model, \
+                Runner(model, n_ctx=64, type_k="f32", type_v="f32", flash_attn=flash) as rt:
+            assert len(model.fused) == (2 * model.config.n_layer + (arch == "qwen2") * model.config.n_layer) * fuse
+            a = rt.decode(PROMPT, logits="all")
+            steps = [rt.decode([t]) for t in PROMPT[:4]]
+            out[fuse] = np.concatenate([a, *steps])
+    assert rel_err(out[True], out[False]) < 1e-6, rel_err(out[True], out[False])
+
+
 @pytest.mark.parametrize("wtype,tol", [("F16", 3e-3), ("BF16", 1.5e-2), ("Q8_0", 3e-2)])
 def test_half_and_q8_same_top1(tmp_path, wtype, tol):
     hf = hf_model("llama", seed=2)
@@ -86,7 +104,7 @@ def test_low_bit_types_load_and_track(tmp_path, wtype, tol):
     path = export_gguf(hf, tmp_path / "m.gguf", "llama", wtype=wtype)
     ref = hf_logits(hf, PROMPT[:8])
     with load_model(path) as model:
-        assert model.weights["blk.0.attn_q.weight"].type == gp.Type[wtype]
+        assert model.weights["blk.0.attn_qkv.weight"].type == gp.Type[wtype]      # fused: Q, K, V of one type
         with Runner(model, n_ctx=32) as rt:
             got = rt.decode(PROMPT[:8], logits="all")
     assert rel_err(got, ref) < tol, rel_err(got, ref)

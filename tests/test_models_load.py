@@ -44,11 +44,28 @@ def test_peak_rss_is_model_size_plus_a_small_margin(synth):
     assert grew <= r["size"] * 1.05 + (8 << 20), (grew / 2**20, r["size"] / 2**20)
 
 
-def test_weights_equal_the_file(synth):
-    with load_model(synth) as m, gguf.GGUFReader(synth) as rd:
-        for name in ("token_embd.weight", "blk.0.attn_q.weight", "output_norm.weight"):
-            np.testing.assert_array_equal(m.weights[name].numpy().view(np.uint8).ravel(),
-                                          rd.tensor_data(name).view(np.uint8).ravel())
+@pytest.mark.parametrize("mmap", [False, True])
+def test_weights_equal_the_file(synth, mmap):
+    """Plain weights hold the file's bytes; a fused weight holds its parts' bytes in order (Q, K, V rows;
+    gate, up rows), on every layer; unfused, each part is its own tensor."""
+    def raw(name):
+        return rd.tensor_data(name).view(np.uint8).ravel()
+
+    with load_model(synth, repack=False, mmap=mmap) as m, gguf.GGUFReader(synth) as rd:
+        for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight"):
+            np.testing.assert_array_equal(m.weights[name].numpy().view(np.uint8).ravel(), raw(name))
+        n_layer = m.config.n_layer
+        assert len(m.fused) == 2 * n_layer
+        for i in range(n_layer):
+            for fused, parts in (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up"))):
+                names = tuple(f"blk.{i}.{q}.weight" for q in parts)
+                assert m.fused[f"blk.{i}.{fused}.weight"] == names and not any(n in m.weights for n in names)
+                np.testing.assert_array_equal(m.weights[f"blk.{i}.{fused}.weight"].numpy().view(np.uint8).ravel(),
+                                              np.concatenate([raw(n) for n in names]))
+    with load_model(synth, repack=False, fuse=False) as m, gguf.GGUFReader(synth) as rd:
+        assert m.fused == {} and "blk.0.attn_qkv.weight" not in m.weights
+        np.testing.assert_array_equal(m.weights["blk.0.attn_k.weight"].numpy().view(np.uint8).ravel(),
+                                      raw("blk.0.attn_k.weight"))
 
 
 def _mapped(path) -> bool:

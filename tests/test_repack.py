@@ -259,7 +259,7 @@ def test_a_repacked_model_computes_the_plain_models_logits(q4_model_path):
             kinds = model.weights.buffer_sizes()["CPU"]
             assert ("CPU_REPACK" in kinds) == (repack and AVX2)
             if repack and AVX2:
-                assert model.weights["blk.0.ffn_up.weight"].is_repacked
+                assert model.weights["blk.0.ffn_gate_up.weight"].is_repacked
                 assert not model.weights["token_embd.weight"].is_repacked
             logits = rt.decode(prompt, logits="all")          # two micro-batches of 8 and 5
             step = rt.decode([9], logits="last")              # one-token decode: the gemv path
@@ -311,8 +311,13 @@ def test_a_repacked_q4_k_m_model_computes_the_plain_models_logits(q4_k_m_2layer_
             with load_model(q4_k_m_2layer_path, repack=repack) as model, \
                     Runner(model, n_ctx=64, flash_attn=fa) as rt:
                 assert model.desc.endswith("Q4_K - Medium")
+                # layer 1's attn_v is Q6_K: its Q, K and V stay apart, gate and up (Q4_K) still fuse
+                assert set(model.fused) == {"blk.0.attn_qkv.weight", "blk.0.ffn_gate_up.weight",
+                                            "blk.1.ffn_gate_up.weight"}
+                assert "blk.1.attn_q.weight" in model.weights and "blk.1.attn_qkv.weight" not in model.weights
                 if repack and AVX2:
                     assert model.weights["blk.0.ffn_down.weight"].is_repacked          # Q4_K
+                    assert model.weights["blk.0.attn_qkv.weight"].is_repacked          # fused Q4_K
                     assert not model.weights["blk.1.ffn_down.weight"].is_repacked      # Q6_K: no x86 kernel
                 out[repack, fa] = np.concatenate([rt.decode(prompt, logits="all"), rt.decode([9])])
 
@@ -340,6 +345,6 @@ def test_check_tensors_finds_a_nan_in_a_repacked_weight(tmp_path):
         f.seek(info.offset + 150 * row)            # the first block's F16 scale of row 150
         f.write(b"\x00\x7e")
     with load_model(path, repack=True) as m:       # a sample of rows is all that is checked by default
-        assert m.weights["blk.1.ffn_up.weight"].is_repacked == AVX2
+        assert m.weights["blk.1.ffn_gate_up.weight"].is_repacked == AVX2     # ffn_up is fused with ffn_gate
     with pytest.raises(gp.GGMLError, match=r"'blk.1.ffn_up.weight' \(Q4_0\) holds non-finite values .* row 150"):
         load_model(path, repack=True, check_tensors=True)

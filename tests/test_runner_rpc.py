@@ -28,9 +28,10 @@ def test_rpc_split_equals_cpu(tmp_path, rpc_server):  # noqa: F811
         kinds = [d.type for d in model.placement.layers]
         assert kinds == ["CPU", "GPU", "GPU"] and model.backend_names == "RPC"
         remote = model.placement.layers[1].name
-        assert not model.weights["blk.1.attn_q.weight"].is_host
-        np.testing.assert_array_equal(model.weights["blk.1.attn_q.weight"].get(),
-                                      cpu_model_weights(path, "blk.1.attn_q.weight"))
+        # the fused Q/K/V weight on the server holds the file's three weights, rows in order
+        assert not model.weights["blk.1.attn_qkv.weight"].is_host
+        np.testing.assert_array_equal(model.weights["blk.1.attn_qkv.weight"].get(), np.concatenate(
+            [cpu_model_weights(path, f"blk.1.attn_{q}.weight") for q in "qkv"]))
         assert seen[-1] == model.size
         with Runner(model, n_ctx=32, type_k="f32", type_v="f32") as rt:
             report = rt.memory_report()
@@ -74,7 +75,7 @@ def test_no_kv_offload_keeps_the_cache_in_host_memory(tmp_path, rpc_server):  # 
             report = rt.memory_report()
             assert report.devices[remote].cache_total == 0
             assert report.devices["CPU"].cache_total == 2 * rt.cache.bytes_per_layer()
-            assert not model.weights["blk.0.attn_q.weight"].is_host          # the layers still compute remotely
+            assert not model.weights["blk.0.attn_qkv.weight"].is_host        # the layers still compute remotely
             host = rt.decode(PROMPT, logits="all")
             rt.cache.remove(0, 2, 4)             # a host cache can shift positions; a remote one cannot
             assert rt.cache.seq_pos_max(0) == len(PROMPT) - 3

@@ -253,7 +253,7 @@ class BuiltGraph:
         self.tokens.set(np.asarray(tokens, dtype=np.int32))
         self.positions.set(np.asarray(positions, dtype=np.int32))
         self.kv_idx.set(np.asarray(plan.slots, dtype=np.int64))
-        self.kv_mask.set(plan.mask)
+        self.kv_mask.set(np.asarray(plan.mask, dtype=np.float16))     # 0 and -inf are exact: one memcpy
         self.out_ids.set(np.asarray(out_ids, dtype=np.int32))
 
     def free(self) -> None:
@@ -281,6 +281,12 @@ class LlamaModel:
     repack : bool
         Put the matrix weights in the devices' extra buffer types where ggml supports them (CPU_REPACK,
         AMX...: faster prompts; the weights can then not be read back). See :class:`ggmlpy.backend.Weights`.
+    fuse : bool
+        Concatenate each layer's Q, K and V weights into one ``attn_qkv`` matrix and its gate and up
+        weights into one ``ffn_gate_up`` matrix (biases likewise) when the parts share a type, so a
+        layer runs four matrix products instead of seven: fewer ops, one quantization of the
+        activations instead of three, larger products for the threads to share. The results are the
+        same (every output row is the same dot product); :attr:`fused` names what was fused.
 
     Attributes
     ----------
@@ -292,9 +298,12 @@ class LlamaModel:
         llama-bench's model description, e.g. ``"llama 110M F16"``.
     size, n_params, n_vocab : int
         Bytes and number of weight values; vocabulary size.
+    fused : dict of str to tuple of str
+        Each fused weight and the file tensors it holds, in row order.
     """
 
-    def __init__(self, reader, placement: Optional[Placement] = None, repack: bool = True) -> None:
+    def __init__(self, reader, placement: Optional[Placement] = None, repack: bool = True,
+                 fuse: bool = True) -> None:
         self.path = str(reader.path)
         self.config = cfg = _config(reader, self.path)
         if placement is None:
@@ -308,12 +317,17 @@ class LlamaModel:
         self.qkv_bias = "blk.0.attn_q.bias" in reader
         self.weights = Weights(placement, max_tensors=16 * cfg.n_layer + 8, repack=repack)
         self.report: MemoryReport = self.weights.report
+        self.fused: dict[str, tuple[str, ...]] = {}
         try:
-            for name, ne, group, types, op in self._expected():
-                self._add(reader, name, ne, group, types, op)
+            expected = list(self._expected())
+            for name, ne, _group, types, _op in expected:
+                self._check(reader, name, ne, types)
+            used = {e[0] for e in expected}
+            for name, ne, group, _types, op in self._fuse(reader, expected) if fuse else expected:
+                self.weights.add(name, reader.tensor_info(self.fused.get(name, (name,))[0]).type, ne, group, op=op)
             # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
             # a missing bias ...) do not describe the file, and the model would run without that weight
-            unused = [t.name for t in reader.tensors if t.name not in self.weights]
+            unused = [t.name for t in reader.tensors if t.name not in used]
             if unused:
                 raise GGUFError(f"{self.path}: {len(unused)} tensor(s) of the file are not used by {cfg.arch} with "
                                 f"these hyperparameters (block_count {cfg.n_layer}): "
@@ -327,7 +341,7 @@ class LlamaModel:
         self.n_vocab = cfg.n_vocab
         ft = _FTYPE_NAMES.get(cfg.file_type) if cfg.file_type is not None else None
         if ft is None:
-            ft = self.weights["blk.0.attn_q.weight"].type.name
+            ft = reader.tensor_info("blk.0.attn_q.weight").type.name
         self.desc = f"{cfg.arch} {_size_label(self.n_params)} {ft}"
         self.loaded = False
         self._closed = False
@@ -363,7 +377,38 @@ class LlamaModel:
             yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
             yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
 
-    def _add(self, reader, name, ne, group, types, op) -> None:
+    #: what :meth:`_fuse` concatenates in each layer: the fused name and its parts, in row order
+    FUSIONS = (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up")))
+
+    def _fuse(self, reader, expected: list) -> list:
+        """``expected`` with each layer's fusable weights (and biases) replaced by their concatenation.
+
+        Parts fuse when each is present, all have one type, and (for weights) they share ``ne[0]``; the
+        fused tensor takes the first part's place and is recorded in :attr:`fused`.
+        """
+        by_name = {e[0]: e for e in expected}
+        out, skip = [], set()
+        for entry in expected:
+            name, ne, group, types, op = entry
+            if name in skip:
+                continue
+            for fused, parts in self.FUSIONS:
+                pre, dot, kind = name.partition(f".{parts[0]}.")
+                if not (dot and pre.startswith("blk.")):
+                    continue
+                names = [f"{pre}.{q}.{kind}" for q in parts]
+                if (all(n in by_name for n in names)
+                        and len({reader.tensor_info(n).type for n in names}) == 1):   # not Q4_K_M's Q6_K attn_v
+                    rows = [by_name[n][1][-1] for n in names]
+                    fname = f"{pre}.{fused}.{kind}"
+                    self.fused[fname] = tuple(names)
+                    skip.update(names)
+                    entry = (fname, (*ne[:-1], sum(rows)), group, types, op)
+                break
+            out.append(entry)
+        return out
+
+    def _check(self, reader, name, ne, types) -> None:
         if name not in reader:
             raise MissingTensor(f"{self.path}: tensor {name!r} is missing ({self.config.arch} needs it)")
         info = reader.tensor_info(name)
@@ -377,7 +422,6 @@ class LlamaModel:
         if types is not None and info.type not in types:
             raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected "
                                 f"{'/'.join(t.name for t in types)}")
-        self.weights.add(name, info.type, ne, group, op=op)
 
     def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
              mmap: bool = False) -> None:
@@ -413,29 +457,39 @@ class LlamaModel:
         chunk = 16 << 20
         with open_data(self.path, mmap=mmap) as f:
             for name, (t, _grp) in self.weights.tensors.items():
-                info = self._reader.tensor_info(name)
-                if info.nbytes != t.nbytes:
-                    raise MissingTensor(f"{self.path}: tensor {name!r} holds {info.nbytes} bytes, expected {t.nbytes}")
-                _check_sample(f, info, self.path)
-                f.seek(info.offset)
-                rs = info.type.row_size(info.ne[0]) or 1
+                # a fused weight is its parts' bytes one after the other (rows of the same width)
+                infos = [self._reader.tensor_info(n) for n in self.fused.get(name, (name,))]
+                if sum(i.nbytes for i in infos) != t.nbytes:
+                    raise MissingTensor(f"{self.path}: tensor {name!r} holds {sum(i.nbytes for i in infos)} bytes, "
+                                        f"expected {t.nbytes}")
+                for info in infos:
+                    _check_sample(f, info, self.path)
                 if t.is_host:
                     dst = memoryview(t.numpy()).cast("B")
-                    pos = 0
-                    while pos < t.nbytes:
-                        n = f.readinto(dst[pos:pos + chunk])
-                        if not n:
-                            raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
-                        pos += n
-                        if progress is not None:
-                            progress(done + pos, total)
-                    if check_tensors:
-                        _check_finite_rows(dst, info, 0, rs, chunk, self.path)
+                    off = 0
+                    for info in infos:
+                        self._read_into(f, info, dst[off:off + info.nbytes], check_tensors, chunk,
+                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
+                        off += info.nbytes
                     del dst
+                elif t.is_repacked or len(infos) > 1:
+                    # a repacked weight is written in one piece (ggml converts it whole); a fused one is put
+                    # together first
+                    buf = bytearray(t.nbytes)
+                    off = 0
+                    for info in infos:
+                        self._read_into(f, info, memoryview(buf)[off:off + info.nbytes], check_tensors, chunk,
+                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
+                        off += info.nbytes
+                    t.set_bytes(buf, 0)
+                    del buf
                 else:
-                    # whole rows, so each piece can be checked; a repacked weight is written in one piece
-                    step = t.nbytes if t.is_repacked else max(rs, chunk // rs * rs)
+                    # whole rows, so each piece can be checked
+                    info = infos[0]
+                    rs = info.type.row_size(info.ne[0]) or 1
+                    step = max(rs, chunk // rs * rs)
                     buf = bytearray(min(step, t.nbytes))
+                    f.seek(info.offset)
                     pos = 0
                     while pos < t.nbytes:
                         view = memoryview(buf)[:min(step, t.nbytes - pos)]
@@ -443,7 +497,6 @@ class LlamaModel:
                         if n != len(view):
                             raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
                         if check_tensors:
-                            # a repacked weight arrives whole: decoded in pieces, as the host path does
                             _check_finite_rows(view, info, pos // rs, rs, chunk, self.path)
                         t.set_bytes(view, pos)
                         pos += n
@@ -453,6 +506,21 @@ class LlamaModel:
                 if progress is not None:
                     progress(done, total)
         self.loaded = True
+
+    def _read_into(self, f, info, dst: memoryview, check_tensors: bool, chunk: int,
+                   progress: Optional[Callable[[int], None]]) -> None:
+        """Read tensor ``info``'s bytes from ``f`` straight into ``dst`` (``progress(bytes so far)``)."""
+        f.seek(info.offset)
+        pos = 0
+        while pos < info.nbytes:
+            n = f.readinto(dst[pos:pos + chunk])
+            if not n:
+                raise GGMLValueError(f"{self.path}: file ends inside tensor {info.name!r}")
+            pos += n
+            if progress is not None:
+                progress(pos)
+        if check_tensors:
+            _check_finite_rows(dst, info, 0, info.type.row_size(info.ne[0]) or 1, chunk, self.path)
 
     # ------------------------------------------------------------------ graph
 
@@ -496,21 +564,34 @@ class LlamaModel:
         out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input()
         ff = w["rope_freqs.weight"] if self.has_rope_freqs else None
         scale = 1.0 / math.sqrt(c.head_dim)
+        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         pending = []
         x = ctx.get_rows(w["token_embd.weight"], tokens)
         for il in range(c.n_layer):
             p = f"blk.{il}."
             cur = ctx.mul(ctx.rms_norm(x, c.rms_eps), w[p + "attn_norm.weight"])
-            q = ctx.mul_mat(w[p + "attn_q.weight"], cur)
-            k = ctx.mul_mat(w[p + "attn_k.weight"], cur)
-            v = ctx.mul_mat(w[p + "attn_v.weight"], cur)
-            if self.qkv_bias:
-                q = ctx.add(q, w[p + "attn_q.bias"])
-                k = ctx.add(k, w[p + "attn_k.bias"])
-                v = ctx.add(v, w[p + "attn_v.bias"])
-            q = self.rope(ctx, ctx.reshape(q, (c.head_dim, c.n_head, n)), pos, ff)
-            k = self.rope(ctx, ctx.reshape(k, (c.head_dim, c.n_head_kv, n)), pos, ff)
-            v = ctx.reshape(v, (c.head_dim, c.n_head_kv, n))
+            if p + "attn_qkv.weight" in w:
+                qkv = ctx.mul_mat(w[p + "attn_qkv.weight"], cur)             # (n_q + 2 n_kv, n): q, k, v rows
+                if p + "attn_qkv.bias" in w:
+                    qkv = ctx.add(qkv, w[p + "attn_qkv.bias"])
+                # per-token rows of the heads: views with the fused row as the token stride
+                es, row = qkv.nb[0], qkv.nb[1]
+                q = ctx.view(qkv, (c.head_dim, c.n_head, n), (c.head_dim * es, row), 0)
+                k = ctx.view(qkv, (c.head_dim, c.n_head_kv, n), (c.head_dim * es, row), n_q * es)
+                v = ctx.view(qkv, (c.head_dim, c.n_head_kv, n), (c.head_dim * es, row), (n_q + n_kv) * es)
+            else:
+                q = ctx.mul_mat(w[p + "attn_q.weight"], cur)
+                k = ctx.mul_mat(w[p + "attn_k.weight"], cur)
+                v = ctx.mul_mat(w[p + "attn_v.weight"], cur)
+                if self.qkv_bias:
+                    q = ctx.add(q, w[p + "attn_q.bias"])
+                    k = ctx.add(k, w[p + "attn_k.bias"])
+                    v = ctx.add(v, w[p + "attn_v.bias"])
+                q = ctx.reshape(q, (c.head_dim, c.n_head, n))
+                k = ctx.reshape(k, (c.head_dim, c.n_head_kv, n))
+                v = ctx.reshape(v, (c.head_dim, c.n_head_kv, n))
+            q = self.rope(ctx, q, pos, ff)
+            k = self.rope(ctx, k, pos, ff)
             pending.extend(cache.put(ctx, il, plan, k, v, idx=kv_idx))
             kv_k, kv_v, mask = cache.get(ctx, il, plan, mask=kv_mask)
             qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
@@ -531,9 +612,12 @@ class LlamaModel:
                 x = ctx.get_rows(x, out_ids)
             x = ctx.add(x, o)
             cur = ctx.mul(ctx.rms_norm(x, c.rms_eps), w[p + "ffn_norm.weight"])
-            gate = ctx.mul_mat(w[p + "ffn_gate.weight"], cur)
-            up = ctx.mul_mat(w[p + "ffn_up.weight"], cur)
-            x = ctx.add(x, ctx.mul_mat(w[p + "ffn_down.weight"], ctx.swiglu_split(gate, up)))
+            if p + "ffn_gate_up.weight" in w:
+                act = ctx.swiglu(ctx.mul_mat(w[p + "ffn_gate_up.weight"], cur))   # silu(gate rows) * up rows
+            else:
+                act = ctx.swiglu_split(ctx.mul_mat(w[p + "ffn_gate.weight"], cur),
+                                       ctx.mul_mat(w[p + "ffn_up.weight"], cur))
+            x = ctx.add(x, ctx.mul_mat(w[p + "ffn_down.weight"], act))
         x = ctx.mul(ctx.rms_norm(x, c.rms_eps), w["output_norm.weight"])
         if embeddings:
             out = x
@@ -709,7 +793,8 @@ def _config(reader, path: str) -> LlamaConfig:
 
 def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
-               load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True) -> LlamaModel:
+               load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True,
+               fuse: bool = True) -> LlamaModel:
     """Open a GGUF file, place and allocate its weights, and load them.
 
     Parameters
@@ -726,6 +811,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     repack : put matrix weights in the CPU's extra buffer types where ggml has kernels for them (as
         llama.cpp's ``--repack 1``, its default: Q4_0 1.8x the prompt speed on an AVX-512 CPU);
         False keeps every weight in plain memory, where it can be read back
+    fuse : concatenate each layer's Q/K/V and gate/up weights into one matrix each where their types
+        agree (fewer, larger matrix products; the same results); see :class:`LlamaModel`
 
     Raises
     ------
@@ -749,7 +836,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         n_layer = _config(reader, str(path)).n_layer      # the placement needs the layer count first
         devs = choose_devices(devices, rpc=rpc)
         placement = split_layers(n_layer, devs, n_gpu_layers)
-        model = LlamaModel(reader, placement, repack=repack)
+        model = LlamaModel(reader, placement, repack=repack, fuse=fuse)
     except BaseException:
         reader.close()
         raise
