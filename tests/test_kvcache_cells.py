@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -580,3 +580,41 @@ class CellsMachine(RuleBasedStateMachine):
 
 CellsMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestCellsMachine = CellsMachine.TestCase
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_seq=st.integers(1, 3), window=st.sampled_from([None, 0, 2, 5]),
+       chunk=st.sampled_from([None, 1, 3]), causal=st.booleans(), half=st.booleans())
+def test_mask_equals_its_definition(seed, n_seq, window, chunk, causal, half):
+    """Cells.mask (C loops) against its docstring's rule written as plain loops: random cells shared by
+    random sequences, a random batch with exempt rows, a random cell range, both dtypes."""
+    rng = np.random.default_rng(seed)
+    n_cells = int(rng.integers(1, 24))
+    cells = Cells(n_cells, n_seq)
+    used = rng.random(n_cells) < 0.7
+    slots = np.flatnonzero(used)
+    if slots.size:
+        cells.apply(slots, rng.integers(0, 30, slots.size), rng.integers(0, n_seq, slots.size))
+        if n_seq > 1:                                 # some cells shared by a second sequence
+            cells.copy_prefix(0, int(rng.integers(1, n_seq)), int(rng.integers(0, 30)))
+    n = int(rng.integers(1, 6))
+    positions, seq_ids = rng.integers(0, 35, n), rng.integers(0, n_seq, n)
+    exempt = sorted(set(rng.integers(0, n, int(rng.integers(0, n + 1))).tolist()))
+    lo = int(rng.integers(0, n_cells + 1))
+    hi = int(rng.integers(lo, n_cells + 1))
+    got = cells.mask(positions, seq_ids, window=window, chunk=chunk, causal=causal, except_rows=exempt,
+                     lo=lo, hi=hi, dtype=np.float16 if half else np.float32)
+    assert got.dtype == (np.float16 if half else np.float32) and got.shape == (n, hi - lo)
+    pos, seqs = cells.pos, cells.seqs
+    for i in range(n):
+        p = int(positions[i])
+        for j in range(hi - lo):
+            c = lo + j
+            ok = bool(seqs[c, seq_ids[i]])
+            if causal and i not in exempt:
+                ok = ok and pos[c] <= p
+            if window is not None:                   # 0: the token's own position only
+                ok = ok and pos[c] >= p - window
+            if chunk is not None:
+                ok = ok and pos[c] >= p - p % chunk
+            assert got[i, j] == (0.0 if ok else -np.inf), (i, j, c, int(pos[c]), p)

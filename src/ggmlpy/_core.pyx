@@ -14,7 +14,7 @@ from cpython.buffer cimport PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_ND, PyBUF_STRIDE
 from cpython.bytes cimport PyBytes_FromStringAndSize, PyBytes_AS_STRING
 from cpython.pycapsule cimport PyCapsule_New, PyCapsule_IsValid, PyCapsule_GetPointer
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, INT64_MAX, INT64_MIN
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t, INT64_MAX, INT64_MIN
 from libc.stdlib cimport malloc, free
 from cpython.pythread cimport PyThread_type_lock, PyThread_allocate_lock, PyThread_acquire_lock, PyThread_release_lock, WAIT_LOCK
 
@@ -46,5 +46,5 @@ include "_pxi/sched.pxi"         # scheduler, RPC
 include "_pxi/quants.pxi"        # quantize / dequantize
 include "_pxi/system.pxi"        # versions, CPU features, devices
 include "_pxi/gguf.pxi"          # GGUF files through gguf.h (reader/writer in ggmlpy.gguf)
-include "_pxi/kvplan.pxi"        # the KV cache's one-token plan (ggmlpy.kvcache)
+include "_pxi/kvplan.pxi"        # the KV cache's masks and one-token plan (ggmlpy.kvcache)
 

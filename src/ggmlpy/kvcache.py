@@ -51,6 +51,7 @@ from ._core import (
     GGMLValueError,
     Tensor,
     Type,
+    _kv_mask,
     _kv_plan_one,
     graph_overhead,
     tensor_overhead,
@@ -257,6 +258,7 @@ class Cells:
         except_rows: Optional[Iterable[int]] = None,
         lo: int = 0,
         hi: Optional[int] = None,
+        dtype=np.float32,
     ) -> np.ndarray:
         """Build the attention mask of a batch over cells ``lo .. hi-1``.
 
@@ -281,11 +283,13 @@ class Cells:
             Batch rows exempt from the causal rule (bidirectional spans).
         lo, hi : int
             Cell range; ``hi`` None means ``n_cells``.
+        dtype : numpy.float32 or numpy.float16
+            Of the result (0 and -inf are exact in both; float16 is what the graph reads).
 
         Returns
         -------
         numpy.ndarray
-            ``float32[n_batch, hi - lo]``.
+            ``dtype[n_batch, hi - lo]``.
         """
         positions = _int_array(positions, "positions")
         seq_ids = _int_array(seq_ids, "seq_ids")
@@ -303,23 +307,18 @@ class Cells:
         if chunk is not None and chunk < 1:
             raise GGMLValueError(f"chunk must be >= 1, got {chunk}")
 
-        cell_pos = self._pos[lo:hi].astype(np.int64)[None, :]
-        row_pos = positions[:, None]
-        ok = self._seq[lo:hi][:, seq_ids].T
-        if causal:
-            visible = cell_pos <= row_pos
-            if except_rows is not None:
-                rows = _int_array(list(except_rows), "except_rows")
-                if rows.size and ((rows < 0) | (rows >= positions.size)).any():
-                    raise GGMLValueError("except_rows index out of range")
-                visible[rows] = True
-            ok = ok & visible
-        if window is not None:
-            ok = ok & (cell_pos >= row_pos - int(window))
-        if chunk is not None:
-            ok = ok & (cell_pos >= row_pos - row_pos % int(chunk))
-        # np.where of two float32 scalars is float32 already: no second full-size copy
-        return np.where(ok, np.float32(0.0), np.float32(-np.inf)).astype(np.float32, copy=False)
+        exempt = None
+        if except_rows is not None:
+            rows = _int_array(list(except_rows), "except_rows")
+            if rows.size and ((rows < 0) | (rows >= positions.size)).any():
+                raise GGMLValueError("except_rows index out of range")
+            exempt = np.zeros(positions.size, dtype=np.uint8)
+            exempt[rows] = 1
+        if np.dtype(dtype) not in (np.float32, np.float16):
+            raise GGMLValueError(f"mask dtype must be float32 or float16, got {np.dtype(dtype)}")
+        return _kv_mask(self._seq.view(np.uint8), self._pos, positions, seq_ids, lo, hi,
+                        -1 if window is None else int(window), -1 if chunk is None else int(chunk), bool(causal),
+                        exempt, np.dtype(dtype) == np.float16)
 
     def visible_range(self, seq_ids, pad: int = 1) -> tuple[int, int]:
         """Smallest cell range covering every cell of some sequences.
@@ -643,8 +642,9 @@ class ForwardPlan:
     lo, hi : int
         The cell range ``[lo, hi)`` the batch attends over (padded).
     mask : numpy.ndarray
-        ``float32[n_batch, hi - lo]`` (numpy order), 0 visible, ``-inf``
-        masked; the ggml tensor is ``ne = (hi - lo, n_batch)``.
+        ``float16[n_batch, hi - lo]`` (numpy order), 0 visible, ``-inf``
+        masked (exact in float16, the type the graph reads); the ggml tensor
+        is ``ne = (hi - lo, n_batch)``.
     reserve : bool
         A worst-case sizing plan: commits nothing.
     trim : dict of int to int
@@ -1065,7 +1065,7 @@ class Causal:
             if n > cells.n_cells:
                 raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
             slots = np.arange(n, dtype=np.int64)
-            mask = np.zeros((n, cells.n_cells), dtype=np.float32)
+            mask = np.zeros((n, cells.n_cells), dtype=np.float16)
             return ForwardPlan(positions, seq_ids, slots, 0, cells.n_cells, mask, True, {},
                                cells.n_cells)
         trial = cells.copy()
@@ -1078,7 +1078,7 @@ class Causal:
         trial.apply(slots, positions, seq_ids)
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
         mask = trial.mask(positions, seq_ids, window=self.window, chunk=self.chunk,
-                          except_rows=except_rows, lo=lo, hi=hi)
+                          except_rows=except_rows, lo=lo, hi=hi, dtype=np.float16)
         return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells,
                            _base=(cells, cells._version), _after=trial)
 

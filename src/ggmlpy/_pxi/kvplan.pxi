@@ -1,8 +1,69 @@
-# kvplan.pxi: the KV cache's plan for one more token of one sequence, in C loops. ggmlpy.kvcache makes
-# this plan for every generated token, where the dozen numpy calls of the general plan (each slow on
-# the caches a forward pass has just cooled) cost more than the rest of the step's Python work.
+# kvplan.pxi: the KV cache's per-batch planning in C loops (ggmlpy.kvcache). A one-token plan is made
+# for every generated token, where the dozen numpy calls of the general plan (each slow on the caches
+# a forward pass has just cooled) cost more than the rest of the step's Python work; a prompt's mask
+# is n_tokens x n_kv, where numpy's broadcasts make several full-size temporaries.
 
 from libc.math cimport INFINITY
+
+cdef uint16_t _F16_ZERO = 0x0000, _F16_NEG_INF = 0xFC00
+
+
+cdef object _mask_array(Py_ssize_t n, Py_ssize_t width, bint half):
+    return np.empty((n, width), dtype=np.float16 if half else np.float32)
+
+
+def _kv_mask(seq_arr, pos_arr, positions_arr, seq_ids_arr, Py_ssize_t lo, Py_ssize_t hi, int64_t window,
+             int64_t chunk, bint causal, except_arr, bint half):
+    """The attention mask of a batch over cells ``[lo, hi)``: ``(n, hi - lo)``, 0 visible, -inf hidden.
+
+    ``seq_arr``: uint8 ``[n_cells, n_seq]`` membership; ``pos_arr``: int32 ``[n_cells]``;
+    ``positions_arr``/``seq_ids_arr``: int64 ``[n]``; ``except_arr``: uint8 ``[n]`` rows exempt from the
+    causal rule, or None; ``window``/``chunk`` < 0: none. Entry ``[i, j]`` is visible when cell ``lo + j``
+    holds ``seq_ids[i]``, its position is ``<= positions[i]`` (unless not ``causal`` or row ``i`` is
+    exempt), ``>= positions[i] - window`` and ``>= positions[i] - positions[i] % chunk``. float16 when
+    ``half`` (what the graph reads; 0 and -inf are exact), else float32.
+    """
+    cdef const uint8_t[:, :] seq = seq_arr
+    cdef const int32_t[:] pos = pos_arr
+    cdef const int64_t[:] positions = positions_arr
+    cdef const int64_t[:] seq_ids = seq_ids_arr
+    cdef const uint8_t[:] exempt
+    cdef Py_ssize_t n = positions.shape[0], n_cells = pos.shape[0], n_seq = seq.shape[1], i, c
+    cdef int64_t p, cp, floor, s
+    cdef bint free_rows = except_arr is not None, vis
+    cdef float[:, ::1] m32
+    cdef uint16_t[:, ::1] m16
+    if seq.shape[0] != n_cells or seq_ids.shape[0] != n or not 0 <= lo <= hi <= n_cells:
+        raise GGMLValueError(f"_kv_mask: cells {n_cells}, seq rows {seq.shape[0]}, {n} positions, "
+                             f"{seq_ids.shape[0]} sequence ids, range [{lo}, {hi})")
+    if free_rows:
+        exempt = except_arr
+        if exempt.shape[0] != n:
+            raise GGMLValueError(f"_kv_mask: {exempt.shape[0]} exemption flags for {n} rows")
+    for i in range(n):
+        if not 0 <= seq_ids[i] < n_seq:
+            raise GGMLValueError(f"_kv_mask: sequence id {seq_ids[i]} out of range [0, {n_seq})")
+    out = _mask_array(n, hi - lo, half)
+    if half:
+        m16 = out.view(np.uint16)
+    else:
+        m32 = out
+    for i in range(n):
+        p = positions[i]
+        s = seq_ids[i]
+        floor = INT64_MIN
+        if window >= 0:
+            floor = p - window
+        if chunk > 0 and p - p % chunk > floor:
+            floor = p - p % chunk
+        for c in range(lo, hi):
+            cp = pos[c]
+            vis = seq[c, s] and cp >= floor and (cp <= p or not causal or (free_rows and exempt[i]))
+            if half:
+                m16[i, c - lo] = _F16_ZERO if vis else _F16_NEG_INF
+            else:
+                m32[i, c - lo] = 0.0 if vis else -INFINITY
+    return out
 
 
 def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t pad, int64_t window,
@@ -13,7 +74,7 @@ def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t 
     ``slot``: the first free cell (``occ[c] == 0``), -1 when there is none
     (then ``mask`` is None). ``[lo, hi)``: the range covering the sequence's
     cells and ``slot``, ``lo`` rounded down and ``hi`` up to ``pad`` (``hi``
-    at most the cell count). ``mask``: float32 ``(1, hi - lo)``, 0 where the
+    at most the cell count). ``mask``: float16 ``(1, hi - lo)``, 0 where the
     token sees the cell (``slot`` itself, or a cell of ``s`` with a position
     ``<= p``, ``>= p - window`` and in ``p``'s chunk), else -inf; ``window``
     or ``chunk`` < 0 means none. The same plan as ``Cells`` gives after
@@ -23,8 +84,8 @@ def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t 
     cdef const uint8_t[:, :] seq = seq_arr
     cdef const int32_t[:] pos = pos_arr
     cdef Py_ssize_t n = occ.shape[0], c, slot = -1, first = -1, last = -1, lo, hi
-    cdef int64_t cp, floor_w, floor_c
-    cdef float[:, ::1] mv
+    cdef int64_t cp, floor = INT64_MIN
+    cdef uint16_t[:, ::1] mv
     if seq.shape[0] != n or pos.shape[0] != n or not 0 <= s < seq.shape[1]:
         raise GGMLValueError(f"_kv_plan_one: cells {n}, seq ({seq.shape[0]}, {seq.shape[1]}), pos {pos.shape[0]}, "
                              f"sequence {s}: expected one row per cell and a sequence column")
@@ -50,14 +111,13 @@ def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t 
         last = slot
     lo = first // pad * pad
     hi = min((last + pad) // pad * pad, n)
-    floor_w = p - window if window >= 0 else INT64_MIN
-    floor_c = p - p % chunk if chunk > 0 else INT64_MIN
-    mask = np.empty((1, hi - lo), dtype=np.float32)
-    mv = mask
+    if window >= 0:
+        floor = p - window
+    if chunk > 0 and p - p % chunk > floor:
+        floor = p - p % chunk
+    mask = _mask_array(1, hi - lo, True)
+    mv = mask.view(np.uint16)
     for c in range(lo, hi):
         cp = pos[c]
-        if c == slot or (seq[c, s] and cp <= p and cp >= floor_w and cp >= floor_c):
-            mv[0, c - lo] = 0.0
-        else:
-            mv[0, c - lo] = -INFINITY
+        mv[0, c - lo] = _F16_ZERO if c == slot or (seq[c, s] and floor <= cp <= p) else _F16_NEG_INF
     return slot, lo, hi, mask

@@ -253,7 +253,7 @@ class BuiltGraph:
         self.tokens.set(np.asarray(tokens, dtype=np.int32))
         self.positions.set(np.asarray(positions, dtype=np.int32))
         self.kv_idx.set(np.asarray(plan.slots, dtype=np.int64))
-        self.kv_mask.set(np.asarray(plan.mask, dtype=np.float16))     # 0 and -inf are exact: one memcpy
+        self.kv_mask.set(plan.mask)             # float16, as the tensor: one copy
         self.out_ids.set(np.asarray(out_ids, dtype=np.int32))
 
     def free(self) -> None:
