@@ -817,6 +817,41 @@ def test_rounds_repeat_each_test_and_pool_the_repetitions():
         parse_args(["-m", "a.gguf", "--rounds", "0"])
 
 
+def test_rounds_alternate_which_engine_runs_first(monkeypatch):
+    """A B B A: the peers run first in odd rounds, so neither engine always follows the other; each
+    round's ratio pairs that round's two runs."""
+    order: list[str] = []
+
+    class Mine(FakeEngine):
+        def new_context(self, inst):
+            order.append("ggmlpy")
+
+    class Peer:
+        def __init__(self, engine, verbose=False):
+            self.engine, self.version, self.n = engine, "1", 0
+
+        def run(self, inst, progress_prefix=None, **kw):
+            order.append("peer")
+            self.n += 1
+            eng = FakeEngine()
+            eng.name = "llama.cpp"
+            r = bm.run_instance(eng, inst, **kw)
+            r.samples_ns = [s * self.n for s in r.samples_ns]        # round k: the peer k times slower
+            return r
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bm, "WorkerClient", Peer)
+    p = parse_args(["-m", "a.gguf", "-p", "256", "-n", "0", "-r", "1", "--rounds", "4", "--no-warmup",
+                    "--vs", "llama.cpp"])
+    code, results = bm.run(p, io.StringIO(), io.StringIO(), engine=Mine())
+    assert code == 0
+    assert order == ["ggmlpy", "peer", "peer", "ggmlpy", "ggmlpy", "peer", "peer", "ggmlpy"]
+    # per-round ratios about 1, 2, 3, 4 (the fake's sleep varies a little): the median is about 2.5
+    assert results[0].ratios["llama.cpp"][0] == pytest.approx(2.5, rel=0.2)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
 def test_vs_llama_cpp_in_rounds_with_repack(tmp_path, capsys):
     code = bm.main(["--synthetic", "tiny", "--type", "Q4_0", "-p", "16", "-n", "0", "-r", "1", "-t", "1",

@@ -66,9 +66,9 @@ Beyond llama-bench
   ggmlpy/llama.cpp with its spread to each ggmlpy row. The peer gets the same
   options (cache types, flash attention, load mode, KV offload, embeddings,
   repack).
-* ``--rounds N`` runs every test N times, each time ggmlpy and then the peers
-  back to back; the repetitions of all rounds make the row's t/s, and the
-  ratio is the median of the N per-round ratios (``±``: their standard
+* ``--rounds N`` runs every test N times, each time ggmlpy and the peers back
+  to back (the peers first in every other round); the repetitions of all
+  rounds make the row's t/s, and the ratio is the median of the N per-round ratios (``±``: their standard
   deviation), which a burst of other work on a shared machine cannot sway.
 * ``--plot FILE.png`` draws t/s against the swept prompt size, depth or thread
   count, one line per model, engine and kind of test (needs matplotlib).
@@ -1571,9 +1571,26 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             ours: Result | None = None
             theirs: dict[str, Result] = {}
             per_round: dict[str, list[float]] = {peer.engine: [] for peer in peers}
+            def run_peers(_i=i, _inst=inst, _kw=kw) -> dict[str, Result]:
+                nonlocal failed
+                got: dict[str, Result] = {}
+                for peer in peers:
+                    try:
+                        pk = dict(_kw, progress_prefix=f"{PROG}: benchmark {_i + 1}/{n}: {peer.engine}: "
+                                  if p.progress else None)
+                        got[peer.engine] = res = peer.run(_inst, **pk)
+                        res.ggmlpy_version = engine.version
+                    except BenchError as e:
+                        failed += 1
+                        print(f"{PROG}: error: {peer.engine} failed on {_inst.name} with "
+                              f"{_inst.model}: {e}", file=err, flush=True)
+                return got
+
             for rnd in range(p.rounds):
-                # ggmlpy, then each peer: one round; the rounds alternate the engines over time, so a
-                # slow phase of a shared machine hits both
+                # one round: ggmlpy and each peer back to back, so a slow phase of a shared machine hits
+                # both; odd rounds run the peers first (A B B A ...), so neither engine always runs
+                # right after the other
+                early = run_peers() if rnd % 2 else None
                 mine: Result | None = None
                 try:
                     mine = run_instance(engine, inst, progress=prog if p.progress else None,
@@ -1589,19 +1606,10 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                     print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
                           f"{type(e).__name__}: {e}", file=err, flush=True)
                     break
-                for peer in peers:
-                    try:
-                        pk = dict(kw, progress_prefix=f"{PROG}: benchmark {i + 1}/{n}: {peer.engine}: "
-                                  if p.progress else None)
-                        res = peer.run(inst, **pk)
-                        res.ggmlpy_version = engine.version
-                        per_round[peer.engine].append(ratio(mine, res)[0])
-                        prev = theirs.get(peer.engine)
-                        theirs[peer.engine] = res if prev is None else _merge(prev, res)
-                    except BenchError as e:
-                        failed += 1
-                        print(f"{PROG}: error: {peer.engine} failed on {inst.name} with "
-                              f"{inst.model}: {e}", file=err, flush=True)
+                for name, res in (early if early is not None else run_peers()).items():
+                    per_round[name].append(ratio(mine, res)[0])
+                    prev = theirs.get(name)
+                    theirs[name] = res if prev is None else _merge(prev, res)
             row: list[Result] = [ours] if ours is not None else []
             for peer in peers:
                 res = theirs.get(peer.engine)
