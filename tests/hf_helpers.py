@@ -79,8 +79,9 @@ def _rope(cfg) -> dict:
     return rp
 
 
-def export_gguf(model, path, arch: str, wtype="F32", embd_type=None) -> str:
-    """Write ``model`` as a GGUF file with ggmlpy's writer; 2-D weights in ``wtype``."""
+def export_gguf(model, path, arch: str, wtype="F32", embd_type=None, types=None) -> str:
+    """Write ``model`` as a GGUF file with ggmlpy's writer; 2-D weights in ``wtype`` (``types``: per
+    tensor name exceptions)."""
     cfg = model.config
     gguf_arch = ARCHS[arch][3]
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
@@ -121,7 +122,7 @@ def export_gguf(model, path, arch: str, wtype="F32", embd_type=None) -> str:
     w.add("tokenizer.ggml.eos_token_id", VOCAB - 1, U)
 
     def mat(name, a):
-        w.add_tensor(name, a.astype(np.float32), type=wtype)
+        w.add_tensor(name, a.astype(np.float32), type=(types or {}).get(name, wtype))
 
     mat("token_embd.weight", sd["model.embed_tokens.weight"]) if embd_type is None else \
         w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"], type=embd_type)

@@ -87,6 +87,22 @@ def test_fused_weights_compute_the_unfused_logits(models, arch, flash):
     assert rel_err(out[True], out[False]) < 1e-6, rel_err(out[True], out[False])
 
 
+def test_weights_of_mixed_types_stay_apart(tmp_path):
+    """A layer whose V weight has another type than Q and K keeps the three apart, and its biases too
+    (the graph adds a fused bias only to a fused product); the other layer fuses; same logits."""
+    hf = hf_model("qwen2", seed=4)
+    path = export_gguf(hf, tmp_path / "mixed.gguf", "qwen2", types={"blk.0.attn_v.weight": "F16"})
+    out = {}
+    for fuse in (False, True):
+        with load_model(path, fuse=fuse) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+            if fuse:
+                assert "blk.0.attn_qkv.weight" not in model.weights and "blk.0.attn_q.bias" in model.weights
+                assert {"blk.1.attn_qkv.weight", "blk.1.attn_qkv.bias", "blk.0.ffn_gate_up.weight"} <= set(model.fused)
+            out[fuse] = rt.decode(PROMPT, logits="all")
+    assert rel_err(out[True], out[False]) < 1e-6
+    assert rel_err(out[True], hf_logits(hf, PROMPT)) < 1e-3          # F16 V weights in layer 0
+
+
 @pytest.mark.parametrize("wtype,tol", [("F16", 3e-3), ("BF16", 1.5e-2), ("Q8_0", 3e-2)])
 def test_half_and_q8_same_top1(tmp_path, wtype, tol):
     hf = hf_model("llama", seed=2)

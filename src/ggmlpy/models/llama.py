@@ -383,8 +383,10 @@ class LlamaModel:
     def _fuse(self, reader, expected: list) -> list:
         """``expected`` with each layer's fusable weights (and biases) replaced by their concatenation.
 
-        Parts fuse when each is present, all have one type, and (for weights) they share ``ne[0]``; the
-        fused tensor takes the first part's place and is recorded in :attr:`fused`.
+        Parts fuse when each is present and all have one type (their rows are as wide, checked against
+        the hyperparameters already); biases only where their weights fused, as the graph adds the fused
+        bias to the fused product. The fused tensor takes the first part's place and is recorded in
+        :attr:`fused`.
         """
         by_name = {e[0]: e for e in expected}
         out, skip = [], set()
@@ -398,7 +400,8 @@ class LlamaModel:
                     continue
                 names = [f"{pre}.{q}.{kind}" for q in parts]
                 if (all(n in by_name for n in names)
-                        and len({reader.tensor_info(n).type for n in names}) == 1):   # not Q4_K_M's Q6_K attn_v
+                        and len({reader.tensor_info(n).type for n in names}) == 1     # not Q4_K_M's Q6_K attn_v
+                        and (kind == "weight" or f"{pre}.{fused}.weight" in self.fused)):
                     rows = [by_name[n][1][-1] for n in names]
                     fname = f"{pre}.{fused}.{kind}"
                     self.fused[fname] = tuple(names)
