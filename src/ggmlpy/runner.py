@@ -419,15 +419,15 @@ class Runner:
         """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes).
 
         The attention mask of a micro-batch is ``n_ubatch x n_cells`` and is
-        built on the host (float32 plus boolean temporaries and the F16
-        upload copy: at most 10 bytes a cell per row at the peak); every
+        built on the host (float16, written by C loops into the array that
+        is uploaded: 2 bytes a cell per row); every
         batch plans on a copy of the cells' metadata (position and sequence
         flags per cell); and the K/V of layers placed on the CPU are host
         memory too.
         """
         c = self.cache
         n_cells = c.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
-        mask = self.n_ubatch * n_cells * 10
+        mask = self.n_ubatch * n_cells * 2
         cells = 2 * n_cells * (4 + self.n_seq_max)
         placement = self._cache_placement()
         cpu_layers = sum(1 for i in range(c.n_layers) if placement.device_of(i).type == "CPU")
