@@ -211,3 +211,39 @@ def run_child(code: str, *args, timeout: float = 120):
 
     return subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code), *map(str, args)],
                           capture_output=True, text=True, timeout=timeout)
+
+
+def sched_model(backends_for_weights, rng, dim: int = 16, scale: float = 4.0):
+    """Two ``dim x dim`` weight matrices, each in a weights buffer of the given backend, for scheduler tests.
+
+    Returns ``(ws, build, ref)``: ``ws`` the ``(tensor, context, buffer, numpy values)`` of each weight
+    (keep it alive),
+    ``build(n_tokens)`` -> ``(ctx, x, y, graph)`` of ``y = w1 @ relu(w0 @ x)`` with ``x`` an input, and
+    ``ref(X)`` the numpy result for ``X`` of shape ``(n_tokens, dim)``.
+    """
+    from ggmlpy import _core as c
+
+    ws, mats = [], []
+    for be in backends_for_weights:
+        wctx = ggmlpy.Context.for_tensors(2, no_alloc=True)
+        w = wctx.new_tensor(ggmlpy.Type.F32, (dim, dim))
+        buf = c.alloc_ctx_tensors(wctx, be)
+        buf.usage = c.BufferUsage.WEIGHTS
+        m = rng.standard_normal((dim, dim)).astype(np.float32) / scale
+        w.set(m)
+        ws.append((w, wctx, buf, m))
+        mats.append(m)
+
+    def build(n_tokens):
+        ctx = ggmlpy.Context.for_tensors(32, graph_size=128, no_alloc=True)
+        x = ctx.new_tensor(ggmlpy.Type.F32, (dim, n_tokens)).set_input()
+        h = ctx.relu(ctx.mul_mat(ws[0][0], x))
+        y = ctx.mul_mat(ws[1][0], h).set_output()
+        gf = ctx.new_graph(128)
+        gf.build_forward_expand(y)
+        return ctx, x, y, gf
+
+    def ref(X):
+        return np.maximum(X @ mats[0].T, 0) @ mats[1].T
+
+    return ws, build, ref

@@ -29,6 +29,16 @@ def _vnp(vv, v_trans: bool) -> np.ndarray:
     return a.transpose(0, 2, 1) if v_trans else a
 
 
+def _expand_put(ctx, gf, cache, layer, plan, k, v) -> None:
+    """Expand into ``gf`` the cache write of ``k``/``v`` (numpy ``(n, n_head_kv, head_dim)``, F32)."""
+    kt = ctx.new_tensor(Type.F32, k.shape[::-1])
+    kt.set(k)
+    vt = ctx.new_tensor(Type.F32, v.shape[::-1])
+    vt.set(v)
+    for t in cache.put(ctx, layer, plan, kt, vt):
+        gf.build_forward_expand(t)
+
+
 def _step(cache, positions, seqs, k=None, v=None, layer=0, **kw):
     """One forward: put, get, compute, apply. Views as numpy (n_head_kv, n_kv, head_dim)."""
     plan = cache.start_forward(positions, seqs, **kw)
@@ -38,13 +48,8 @@ def _step(cache, positions, seqs, k=None, v=None, layer=0, **kw):
     if v is None:
         v = k
     with ggmlpy.Context(1 << 20) as ctx:
-        kt = ctx.new_tensor(Type.F32, k.shape[::-1])
-        kt.set(k)
-        vt = ctx.new_tensor(Type.F32, v.shape[::-1])
-        vt.set(v)
         gf = ctx.new_graph(64)
-        for t in cache.put(ctx, layer, plan, kt, vt):
-            gf.build_forward_expand(t)
+        _expand_put(ctx, gf, cache, layer, plan, k, v)
         kv, vv, mask = cache.get(ctx, layer, plan)
         kc, vc = ctx.cont(kv), ctx.cont(vv)
         gf.build_forward_expand(kc)

@@ -85,6 +85,14 @@ def test_lists_repeats_and_aliases():
     (["-o", "xml"], "invalid choice"),
     (["--type", "Q5_K"], "--type"),
     (["--synthetic", "huge"], "synthetic"),
+    (["-mmp", "2"], "invalid -mmp value '2'"),
+    (["-lm", "mlock"], "not supported by ggmlpy's loader"),
+    (["-lm", "dio"], "no mlock or direct I/O"),
+    (["-lm", "fast"], "expected none or mmap"),
+    (["-nkvo", "yes please"], "invalid -nkvo"),
+    (["-embd", "2"], "invalid -embd"),
+    (["-ctv", "q8_0", "-fa", "0"], "-ctk f16 -ctv q8_0 -fa off: a quantized V cache needs flash attention"),
+    (["-ctv", "f16,q4_0", "-ctk", "q8_0", "-fa", "1,0"], "^-ctk q8_0 -ctv q4_0 -fa off: a quantized V"),
 ])
 def test_parse_errors(argv, words):
     with pytest.raises(BenchError, match=words):
@@ -99,21 +107,6 @@ def test_mmap_load_mode_nkvo_and_embd_lists():
     assert p.load_mode == ["none", "mmap", "none", "mmap"]
     assert p.no_kv_offload == [True, False] and p.embeddings == [True]
     assert parse_args(["-m", "a", "-lm", "mmap,none"]).load_mode == ["mmap", "none"]
-
-
-@pytest.mark.parametrize("argv, words", [
-    (["-mmp", "2"], "invalid -mmp value '2'"),
-    (["-lm", "mlock"], "not supported by ggmlpy's loader"),
-    (["-lm", "dio"], "no mlock or direct I/O"),
-    (["-lm", "fast"], "expected none or mmap"),
-    (["-nkvo", "yes please"], "invalid -nkvo"),
-    (["-embd", "2"], "invalid -embd"),
-    (["-ctv", "q8_0", "-fa", "0"], "-ctk f16 -ctv q8_0 -fa off: a quantized V cache needs flash attention"),
-    (["-ctv", "f16,q4_0", "-ctk", "q8_0", "-fa", "1,0"], "^-ctk q8_0 -ctv q4_0 -fa off: a quantized V"),
-])
-def test_parse_refusals_of_the_new_options(argv, words):
-    with pytest.raises(BenchError, match=words):
-        parse_args(["-m", "x.gguf"] + argv)
 
 
 def test_cache_type_pairs_that_run_are_accepted():

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hf_helpers import export_gguf, hf_model
+from kv_helpers import _expand_put
 
 import ggmlpy as gp
 from ggmlpy import GGMLValueError, Type
@@ -168,13 +169,8 @@ def test_mixed_storage_and_defrag(v_trans):
     v = rng.standard_normal((4, n_head_kv, head_dim)).astype(np.float32)
     plan = c.start_forward([0, 0, 1, 1], [0, 1, 0, 1])
     with gp.Context(1 << 20) as ctx:
-        kt = ctx.new_tensor(Type.F32, k.shape[::-1])
-        kt.set(k)
-        vt = ctx.new_tensor(Type.F32, v.shape[::-1])
-        vt.set(v)
         gf = ctx.new_graph(64)
-        for t in c.put(ctx, 0, plan, kt, vt):
-            gf.build_forward_expand(t)
+        _expand_put(ctx, gf, c, 0, plan, k, v)
         gf.compute(1)
     c.apply(plan)
 

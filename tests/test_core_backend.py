@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers import sched_model
 
 import ggmlpy as gp
 from ggmlpy import _core as c
@@ -152,36 +153,10 @@ def test_cpu_threadpool_computes_the_same_and_gives_its_threads_back():
     assert omp or _n_os_threads() == before
 
 
-def _sched_model(backends_for_weights, rng):
-    """Two weight matrices, each in the buffer of the given backend, and a builder of the forward graph."""
-    ws, mats = [], []
-    for be in backends_for_weights:
-        wctx = gp.Context.for_tensors(2, no_alloc=True)
-        w = wctx.new_tensor(gp.Type.F32, (16, 16))
-        buf = c.alloc_ctx_tensors(wctx, be)
-        buf.usage = c.BufferUsage.WEIGHTS
-        m = rng.standard_normal((16, 16)).astype(np.float32) / 4
-        w.set(m)
-        ws.append((w, wctx, buf))
-        mats.append(m)
-
-    def build(n_tokens):
-        ctx = gp.Context.for_tensors(32, graph_size=128, no_alloc=True)
-        x = ctx.new_tensor(gp.Type.F32, (16, n_tokens)).set_input()
-        h = ctx.relu(ctx.mul_mat(ws[0][0], x))
-        y = ctx.mul_mat(ws[1][0], h).set_output()
-        return ctx, x, y, _graph(ctx, y, 128)
-
-    def ref(X):
-        return np.maximum(X @ mats[0].T, 0) @ mats[1].T
-
-    return ws, build, ref
-
-
 def test_scheduler_cpu_reserve_then_never_allocates():
     rng = np.random.default_rng(3)
     cpu = c.backend_init("CPU")
-    keep, build, ref = _sched_model([cpu, cpu], rng)
+    keep, build, ref = sched_model([cpu, cpu], rng)
     s = c.Scheduler([cpu], graph_size=256)
     worst = build(64)
     s.reserve(worst[3])
@@ -258,7 +233,7 @@ def test_rpc_split_matches_cpu(rpc_server):
     rpc = devs[0].init()
     cpu = c.backend_init("CPU")
     rng = np.random.default_rng(5)
-    keep, build, ref = _sched_model([rpc, cpu], rng)     # first layer's weights on the server
+    keep, build, ref = sched_model([rpc, cpu], rng)     # first layer's weights on the server
     s = c.Scheduler([rpc, cpu], graph_size=256)
     s.reserve(build(8)[3])
     for n in (8, 1, 5):

@@ -18,6 +18,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import sched_model
 
 import ggmlpy as gp
 from ggmlpy import _core as c
@@ -280,31 +281,17 @@ def test_cuda_device_is_reported(cuda):
 def test_scheduler_splits_a_graph_over_cuda_and_cpu(cuda):
     cpu = c.backend_init("CPU")
     rng = np.random.default_rng(2)
-    mats, keep = [], []
-    for be in (cuda, cpu):                   # first weight in GPU memory, second in host memory
-        wctx = gp.Context.for_tensors(2, no_alloc=True)
-        w = wctx.new_tensor(gp.Type.F32, (32, 32))
-        buf = c.alloc_ctx_tensors(wctx, be)
-        buf.usage = c.BufferUsage.WEIGHTS
-        m = rng.standard_normal((32, 32)).astype(np.float32) / 6
-        w.set(m)
-        np.testing.assert_array_equal(w.get(), m)
-        mats.append(m)
-        keep.append((w, wctx, buf))
+    ws, build, ref = sched_model([cuda, cpu], rng, dim=32, scale=6.0)   # first weight in GPU memory, second host
+    for w, _, _, m in ws:
+        np.testing.assert_array_equal(w.get(), m)           # read back from GPU memory too
     s = c.Scheduler([cuda, cpu], graph_size=256)
     for n in (16, 1, 5):
-        ctx = gp.Context.for_tensors(32, graph_size=128, no_alloc=True)
-        x = ctx.new_tensor(gp.Type.F32, (32, n)).set_input()
-        h = ctx.relu(ctx.mul_mat(keep[0][0], x))
-        y = ctx.mul_mat(keep[1][0], h).set_output()
-        gf = ctx.new_graph(128)
-        gf.build_forward_expand(y)
+        ctx, x, y, gf = build(n)
         s.alloc_graph(gf)
         X = rng.standard_normal((n, 32)).astype(np.float32)
         x.set(X)
         s.compute(gf)
-        ref = np.maximum(X @ mats[0].T, 0) @ mats[1].T
-        np.testing.assert_allclose(y.get().reshape(n, 32), ref, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(y.get().reshape(n, 32), ref(X), rtol=1e-4, atol=1e-4)
         assert s.n_splits >= 1
     assert s.buffer_size(cuda) > 0
 

@@ -302,6 +302,18 @@ def long_graph(ctx, w):
     gf.build_forward_expand(x)
     return gf, x
 
+def scheduled_long_graph(be):
+    # The long graph over weights in a buffer of backend ``be``, allocated by a scheduler of ``be``
+    wctx = ggmlpy.Context(1 << 20, no_alloc=True)
+    w = wctx.new_tensor_2d(ggmlpy.Type.F32, N, N)
+    buf = ggmlpy.alloc_ctx_tensors(wctx, be)
+    w.set(w_np)
+    ctx = ggmlpy.Context(1 << 20, no_alloc=True)
+    gf, x = long_graph(ctx, w)
+    s = ggmlpy.Scheduler([be])
+    s.alloc_graph(gf)
+    return s, gf, x, buf
+
 def run_while_computing(compute, attempt):
     # Start compute in a thread, then call attempt() while it is surely running.
     errors = []
@@ -369,14 +381,7 @@ elif case == "expand-while-computing":
 elif case == "sched-free-waits":
     be = ggmlpy.device("CPU").init()
     be.set_n_threads(1)
-    wctx = ggmlpy.Context(1 << 20, no_alloc=True)
-    w = wctx.new_tensor_2d(ggmlpy.Type.F32, N, N)
-    buf = ggmlpy.alloc_ctx_tensors(wctx, be)
-    w.set(w_np)
-    ctx = ggmlpy.Context(1 << 20, no_alloc=True)
-    gf, x = long_graph(ctx, w)
-    s = ggmlpy.Scheduler([be])
-    s.alloc_graph(gf)
+    s, gf, x, buf = scheduled_long_graph(be)
     def attempt():
         t0 = time.perf_counter()
         s.free()                             # blocks until the compute is done, then frees
@@ -408,14 +413,7 @@ elif case == "backend-in-use":
 elif case == "threadpool-while-scheduled":
     be = ggmlpy.device("CPU").init()
     be.set_threadpool(2)
-    wctx = ggmlpy.Context(1 << 20, no_alloc=True)
-    w = wctx.new_tensor_2d(ggmlpy.Type.F32, N, N)
-    buf = ggmlpy.alloc_ctx_tensors(wctx, be)
-    w.set(w_np)
-    ctx = ggmlpy.Context(1 << 20, no_alloc=True)
-    gf, x = long_graph(ctx, w)
-    s = ggmlpy.Scheduler([be])
-    s.alloc_graph(gf)
+    s, gf, x, buf = scheduled_long_graph(be)
     # the pool the scheduler's compute runs on must not be replaced or freed under it
     errs, running = run_while_computing(lambda: s.compute(gf),
                                         lambda: refusals(lambda: be.set_threadpool(1), lambda: be.set_n_threads(1)))
