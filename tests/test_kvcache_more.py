@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kv_helpers import _cache, _flat, _m, _step, _vnp  # noqa: F401
+from kv_helpers import _cache, _expand_put, _flat, _m, _step, _vnp  # noqa: F401
 
 import ggmlpy
 from ggmlpy import Type
@@ -394,12 +394,7 @@ def _enc_put(enc, plan, ks, vs):
     with ggmlpy.Context(1 << 20) as ctx:
         gf = ctx.new_graph(64)
         for layer, (k, v) in enumerate(zip(ks, vs)):
-            kt = ctx.new_tensor(Type.F32, k.shape[::-1])
-            kt.set(k)
-            vt = ctx.new_tensor(Type.F32, v.shape[::-1])
-            vt.set(v)
-            for r in enc.put(ctx, layer, plan, kt, vt):
-                gf.build_forward_expand(r)
+            _expand_put(ctx, gf, enc, layer, plan, k, v)
         gf.compute(1)
 
 
