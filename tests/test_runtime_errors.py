@@ -84,11 +84,19 @@ def test_no_bare_builtin_raise_left_in_the_runtime_modules():
     ``except ggmlpy.GGMLError``)."""
     import re
 
-    root = os.path.dirname(ggmlpy.__file__)
-    for name in ("runner", "sequences", "sampling", "kvcache", "backend"):
-        src = open(os.path.join(root, name + ".py")).read()
+    root = os.path.realpath(os.path.dirname(ggmlpy.__file__))
+    files = []
+    for name in ("runner", "sequences", "sampling", "kvcache", "backend", "models"):
+        path = os.path.join(root, name)
+        if os.path.isdir(path):           # a package: every module of it
+            files += [os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".py")]
+        else:
+            files.append(path + ".py")
+    assert len(files) >= 8
+    for path in files:
+        src = open(path).read()
         hits = re.findall(r"raise (ValueError|TypeError|RuntimeError|IndexError|KeyError|Exception)\(", src)
-        assert not hits, f"{name}.py raises {hits}"
+        assert not hits, f"{path} raises {hits}"
 
 
 # --------------------------------------------------------------------------- command line

@@ -1,0 +1,23 @@
+"""KV caches: cell bookkeeping, the causal cache, and caches made of caches.
+
+* :mod:`~ggmlpy.kvcache.cells`: :class:`Cells`, which position of which
+  sequences each cache row (cell) holds: numpy bookkeeping, no tensors;
+* :mod:`~ggmlpy.kvcache.causal`: :class:`Causal`, per-layer K/V storage on
+  the layers' devices, batch plans (:class:`ForwardPlan`), masks, shift and
+  defragmentation;
+* :mod:`~ggmlpy.kvcache.composite`: :class:`Wrapper` (layers routed to
+  several caches, for interleaved sliding-window models) and
+  :class:`Encoder` (K/V stored once per input).
+
+A model makes the cache it needs (``model.new_cache(...)``); the runner never
+names a cache class.
+"""
+
+from __future__ import annotations
+
+from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
+from .cells import CacheStateError, Cells, NotSupported
+from .composite import Encoder, EncoderPlan, Wrapper, WrapperPlan
+
+__all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Encoder", "EncoderPlan", "Forward", "ForwardPlan",
+           "KVCacheFull", "NotSupported", "Wrapper", "WrapperPlan"]
