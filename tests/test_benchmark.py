@@ -442,11 +442,14 @@ def test_vs_llama_cpp_missing_gives_clear_message(tmp_path, monkeypatch, capsys)
 
 
 def test_worker_never_imports_ggmlpy(tmp_path):
-    # The worker runs benchmark.py as a script; it must not load ggmlpy's ggml next to llama.cpp's.
+    # The worker runs benchmark/worker.py as a script; it must not load ggmlpy's ggml next to llama.cpp's: it
+    # imports its folder under another name, and ggmlpy is blocked there (None in sys.modules).
     code = ("import runpy, sys; sys.argv = [sys.argv[0], '--engine-worker', 'nothing'];\n"
-            f"try:\n    runpy.run_path({bm.__file__!r}, run_name='__main__')\n"
+            f"try:\n    runpy.run_path({bm.worker.__file__!r}, run_name='__main__')\n"
             "except SystemExit:\n    pass\n"
-            "assert 'ggmlpy' not in sys.modules and 'ggmlpy._core' not in sys.modules\n"
+            "assert sys.modules.get('ggmlpy') is None and 'ggmlpy._core' not in sys.modules\n"
+            "assert not [m for m in sys.modules if m.startswith('ggmlpy.')]\n"
+            f"assert '{bm.worker.WORKER_PACKAGE}.llamacpp' in sys.modules     # the engine's module did load\n"
             "print('CLEAN', file=sys.stderr)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "CLEAN" in r.stderr, r.stderr
@@ -835,7 +838,7 @@ def test_rounds_alternate_which_engine_runs_first(monkeypatch):
         def close(self):
             pass
 
-    monkeypatch.setattr(bm, "WorkerClient", Peer)
+    monkeypatch.setattr(bm.driver, "WorkerClient", Peer)         # where run() looks it up
     p = parse_args(["-m", "a.gguf", "-p", "256", "-n", "0", "-r", "1", "--rounds", "4", "--no-warmup",
                     "--vs", "llama.cpp"])
     code, results = bm.run(p, io.StringIO(), io.StringIO(), engine=Mine())

@@ -1,0 +1,220 @@
+"""The driver: :func:`run` runs every test of a :class:`~.options.BenchParams` on ggmlpy and the ``--vs`` peers,
+printing the results as they come; :func:`main` is ``ggmlpy bench``.
+
+Each test runs ``--rounds`` times, each round ggmlpy and the peers back to back
+(the peers first in odd rounds); a failed test is reported, counted in the exit
+code, and the next one runs, as llama-bench does.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import TextIO
+
+from ggmlpy._core import GGMLError, devices, rpc_add_server
+from ggmlpy._system import ggml_commit, ggml_version
+from ggmlpy._version import __version__
+from ggmlpy.backend import ProgressBar
+from ggmlpy.models.synthetic import synthetic_path
+
+from .engines import Engine, run_instance
+from .errors import BenchError
+from .ggmlpy_engine import GgmlpyEngine, has_gpu
+from .options import PROG, BenchParams, build_parser, make_instances, parse_args
+from .output import make_printer, plot
+from .results import Result, _merge, ratio, round_ratio
+from .worker import PeerUnavailable, WorkerClient
+
+__all__ = ["main", "run"]
+
+
+def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
+    """The built-in models of ``--synthetic`` and ``--type``, written to the cache folder where missing."""
+    paths = []
+    for size in p.synthetic:
+        for t in p.types:
+            path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, create=False)
+            if not path.exists():
+                print(f"{PROG}: writing the built-in {size} {t} model to {path}", file=err, flush=True)
+            t0 = time.perf_counter()
+            path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir,
+                                  progress=ProgressBar(f"writing {size} {t}", stream=err, unit="params"))
+            if time.perf_counter() - t0 > 1:
+                print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
+            paths.append(str(path))
+    return paths
+
+
+def _build_string() -> str:
+    return f"{ggml_commit()} (ggmlpy {__version__}, ggml {ggml_version()})"
+
+
+def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
+        engine: Engine | None = None) -> tuple[int, list[Result]]:
+    """Run every test of ``p``, printing results as they come.
+
+    Parameters
+    ----------
+    p : BenchParams
+    out, err : text streams, optional
+        Where the results (``-o``) and the progress, messages and ``-oe`` copy go
+        (default ``sys.stdout`` / ``sys.stderr``).
+    engine : Engine, optional
+        The engine under test (default a :class:`GgmlpyEngine`; tests pass a fake).
+
+    Returns
+    -------
+    (int, list of Result)
+        The exit code (1 if any test failed) and every result, peers' included.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    for m in p.models if engine is None else ():      # (a test's fake engine has no files)
+        if not Path(m).is_file():
+            raise BenchError(f"-m {m}: no such model file")
+    for ep in p.rpc:
+        rpc_add_server(ep)
+    if p.list_devices:
+        for d in devices():
+            print(f"{d.name}: {d.description}", file=out)
+        return 0, []
+    models = p.models or _synthetic_models(p, err)
+    instances = make_instances(p, models)
+    peers: list[WorkerClient] = []
+    try:
+        for name in p.vs:
+            try:
+                peers.append(WorkerClient(name, verbose=p.verbose))
+            except PeerUnavailable as e:
+                print(f"{PROG}: error: {e}", file=err, flush=True)
+                return 1, []
+        gpu = has_gpu()
+        build = _build_string()
+        printers = [pr for pr in (make_printer(p.output, out, p, gpu, build),
+                                  make_printer(p.output_err, err, p, gpu, build)) if pr]
+        for pr in printers:
+            pr.header()
+        engine = engine or GgmlpyEngine(rpc=p.rpc)
+        failed = 0
+        results: list[Result] = []
+        n = len(instances)
+        for i, inst in enumerate(instances):
+            if p.progress:
+                print(f"{PROG}: benchmark {i + 1}/{n}: starting", file=err, flush=True)
+
+            def prog(msg: str, _i=i, _e=engine.name) -> None:
+                print(f"{PROG}: benchmark {_i + 1}/{n}: {_e}: {msg}", file=err, flush=True)
+
+            def verbose(report: str, _inst=inst) -> None:
+                print(f"{PROG}: memory of {_inst.name} on {Path(_inst.model).name} "
+                      f"(threads {_inst.n_threads}, n_batch {_inst.n_batch}, n_ubatch "
+                      f"{_inst.n_ubatch}):\n{report}", file=err, flush=True)
+
+            kw = dict(reps=p.reps, seed=p.seed, index=i, warmup=not p.no_warmup, delay=p.delay)
+            ours: Result | None = None
+            theirs: dict[str, Result] = {}
+            per_round: dict[str, list[float]] = {peer.engine: [] for peer in peers}
+            def run_peers(_i=i, _inst=inst, _kw=kw) -> dict[str, Result]:
+                nonlocal failed
+                got: dict[str, Result] = {}
+                for peer in peers:
+                    try:
+                        pk = dict(_kw, progress_prefix=f"{PROG}: benchmark {_i + 1}/{n}: {peer.engine}: "
+                                  if p.progress else None)
+                        got[peer.engine] = res = peer.run(_inst, **pk)
+                        res.ggmlpy_version = engine.version
+                    except BenchError as e:
+                        failed += 1
+                        print(f"{PROG}: error: {peer.engine} failed on {_inst.name} with "
+                              f"{_inst.model}: {e}", file=err, flush=True)
+                return got
+
+            for rnd in range(p.rounds):
+                # one round: ggmlpy and each peer back to back, so a slow phase of a shared machine hits
+                # both; odd rounds run the peers first (A B B A ...), so neither engine always runs
+                # right after the other
+                early = run_peers() if rnd % 2 else None
+                mine: Result | None = None
+                try:
+                    mine = run_instance(engine, inst, progress=prog if p.progress else None,
+                                        verbose=verbose if p.verbose and rnd == 0 else None, **kw)
+                    mine.ggmlpy_version = engine.version
+                    ours = mine if ours is None else _merge(ours, mine)
+                except Exception as e:
+                    # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
+                    failed += 1
+                    engine.close()
+                    if p.verbose or _debug() or not isinstance(e, (GGMLError, OSError, MemoryError)):
+                        traceback.print_exc(file=err)     # always for what is not a user's error: a bug
+                    print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
+                          f"{type(e).__name__}: {e}", file=err, flush=True)
+                    break
+                for name, res in (early if early is not None else run_peers()).items():
+                    per_round[name].append(ratio(mine, res)[0])
+                    prev = theirs.get(name)
+                    theirs[name] = res if prev is None else _merge(prev, res)
+            row: list[Result] = [ours] if ours is not None else []
+            for peer in peers:
+                res = theirs.get(peer.engine)
+                if res is None:
+                    continue
+                if ours is not None:
+                    ours.ratios[peer.engine] = (ratio(ours, res) if p.rounds == 1
+                                                else round_ratio(per_round[peer.engine]))
+                row.append(res)
+            for pr in printers:
+                pr.rows(row)
+            results += row
+        engine.close()
+        for pr in printers:
+            pr.footer()
+    finally:
+        for peer in peers:
+            peer.close()
+    if p.plot and results:
+        plot(results, p.plot)
+        print(f"{PROG}: wrote {p.plot}", file=err, flush=True)
+    return (1 if failed else 0), results
+
+
+# --------------------------------------------------------------------------- entry
+
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """``ggmlpy bench``: parse ``argv``, run, print; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        build_parser(prog).print_help()
+        return 0
+    debug = _debug() or "-v" in argv or "--verbose" in argv
+    try:
+        params = parse_args(argv)
+    except BenchError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        code, _ = run(params)
+    except (GGMLError, OSError, MemoryError) as e:
+        # expected failures (a dead RPC server, a missing file, memory): one line, the traceback with -v or
+        # GGMLPY_DEBUG=1; anything else is a bug and keeps its traceback
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    return code
+
+
+def _debug() -> bool:
+    return os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0")
+
+
+def _one_line(e: BaseException) -> str:
+    """An exception as one line: its type when the message does not say much, the first line of the message
+    (memory errors carry a whole report after it)."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, BenchError) and msg:
+        return msg
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__

@@ -1,0 +1,93 @@
+"""The engine under test: ggmlpy's model loader and :class:`~ggmlpy.runner.Runner` (:class:`GgmlpyEngine`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ggmlpy._core import devices as _devices
+from ggmlpy._system import ggml_commit
+from ggmlpy._version import __version__
+from ggmlpy.models import load_model
+from ggmlpy.runner import Runner
+
+from .engines import Engine
+from .results import Instance
+
+__all__ = ["GgmlpyEngine", "has_gpu"]
+
+
+def _kind(d: Any) -> str:
+    """A device's type name in upper case (``CPU``, ``GPU``, ``IGPU``, ``ACCEL``)."""
+    return getattr(d.type, "name", str(d.type)).upper()
+
+
+def has_gpu() -> bool:
+    """Whether ggml has a GPU device (the table then shows llama-bench's ``ngl`` column)."""
+    return any("GPU" in _kind(d) for d in _devices())
+
+
+class GgmlpyEngine(Engine):
+    """ggmlpy's llama model and runner."""
+
+    name = "ggmlpy"
+
+    def __init__(self, rpc: list[str] | None = None) -> None:
+        super().__init__()
+        self.rpc = list(rpc or [])           # -rpc servers: "auto" device choice takes only those named
+        self.version = __version__
+        self.model: Any = None
+        self.rt: Any = None
+        self.embeddings = False
+
+    def system(self) -> dict[str, Any]:
+        cpu, gpu = [], []
+        for d in _devices():
+            kind = _kind(d)
+            (gpu if "GPU" in kind else cpu if kind in ("CPU", "ACCEL") else []).append(d.description)
+        return {"build_commit": ggml_commit(), "build_number": 0,
+                "cpu_info": ", ".join(cpu), "gpu_info": ", ".join(gpu)}
+
+    def load(self, inst: Instance) -> None:
+        devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
+        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc,
+                                mmap=inst.load_mode == "mmap", repack=inst.repack)
+        m = self.model
+        self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
+                     "n_vocab": int(m.n_vocab), "backends": m.backend_names}
+
+    def unload(self) -> None:
+        self.free_context()
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+
+    def new_context(self, inst: Instance) -> None:
+        self.free_context()
+        fa = None if inst.flash_attn < 0 else bool(inst.flash_attn)
+        self.rt = Runner(self.model, n_ctx=inst.n_ctx, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch,
+                         n_seq_max=1, n_threads=inst.n_threads, flash_attn=fa,
+                         type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload)
+        self.embeddings = inst.embeddings
+
+    def free_context(self) -> None:
+        if self.rt is not None:
+            self.rt.close()
+            self.rt = None
+
+    def clear(self) -> None:
+        self.rt.clear()
+
+    def decode(self, tokens: np.ndarray) -> None:
+        if self.embeddings:
+            # llama.cpp's embeddings mode outputs every token; ggmlpy's embeddings path gives their
+            # hidden states (no output head), as Runner.embed uses them
+            self.rt.decode(tokens, seq=0, logits="all", embeddings=True)
+        else:
+            # llama.cpp's llama_batch_get_one outputs the logits of the last token of
+            # every decode; ask for the same work.
+            self.rt.decode(tokens, seq=0, logits="last")
+
+    def memory_report(self) -> str | None:
+        return str(self.rt.memory_report()) if self.rt is not None else None

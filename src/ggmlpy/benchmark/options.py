@@ -1,0 +1,459 @@
+"""``ggmlpy bench``'s command line: llama-bench's options and ours (:func:`parse_args` into :class:`BenchParams`),
+their checks, and the tests they ask for (:func:`make_instances`).
+
+Every test parameter takes comma lists, repeats and integer ranges
+(:func:`parse_int_range`); a value that cannot run is refused here, with a
+:class:`~.errors.BenchError` naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ggmlpy._core import GGMLError
+from ggmlpy.models.synthetic import TYPES, parse_size
+from ggmlpy.runner import Runner
+
+from .errors import BenchError
+from .results import Instance
+
+__all__ = ["CACHE_TYPES", "LOAD_MODES", "OUTPUTS", "PEERS", "PROG", "BenchParams", "build_parser",
+           "default_threads", "make_instances", "parse_args", "parse_int_range"]
+
+PROG = "ggmlpy bench"
+
+
+#: Cache types llama-bench accepts (ggml type names).
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+#: Load modes (-lm) ggmlpy's loader has: read(2) into the buffers, or copy out of a memory map.
+LOAD_MODES = ("none", "mmap")
+OUTPUTS = ("md", "csv", "json", "jsonl", "sql", "none")
+PEERS = ("llama.cpp",)
+_TRUTHY = ("on", "enabled", "true", "1")
+_FALSEY = ("off", "disabled", "false", "0")
+_AUTOY = ("auto", "-1")
+
+
+# --------------------------------------------------------------------------- parsing
+
+_RANGE = re.compile(r"(-?\d+)(?:-(\d+)(?:([+*])(\d+))?)?")
+
+
+def parse_int_range(text: str, allow_negative: bool = False) -> list[int]:
+    """Parse llama-bench's integer lists: ``a``, ``a-b``, ``a-b+step``, ``a-b*mult``, comma-separated.
+
+    Parameters
+    ----------
+    text : str
+        E.g. ``"16,32"``, ``"1-4"``, ``"64-512*2"``, ``"0-1024+256"``.
+    allow_negative : bool
+        Accept a negative first value (``-ngl -1``).
+
+    Returns
+    -------
+    list of int
+
+    Raises
+    ------
+    BenchError
+        Malformed text, a negative value where none is allowed, or a range whose
+        step does not increase (``4-8*1``, ``0-8*2``).
+
+    Examples
+    --------
+    >>> parse_int_range("1-4,8")
+    [1, 2, 3, 4, 8]
+    >>> parse_int_range("64-512*2")
+    [64, 128, 256, 512]
+    """
+    out: list[int] = []
+    parts = text.split(",")
+    if not text or any(p == "" for p in parts):
+        raise BenchError(f"invalid range {text!r}: empty item")
+    for part in parts:
+        m = _RANGE.fullmatch(part.strip())
+        if not m or (m.group(1).startswith("-") and not allow_negative):
+            raise BenchError(f"invalid range {text!r}: expected N, A-B, A-B+STEP or A-B*MULT")
+        first = int(m.group(1))
+        last = int(m.group(2)) if m.group(2) is not None else first
+        op = m.group(3) or "+"
+        step = int(m.group(4)) if m.group(4) is not None else 1
+        i = first
+        while i <= last:
+            out.append(i)
+            nxt = i + step if op == "+" else i * step
+            if nxt <= i:
+                raise BenchError(f"invalid range {text!r}: the step does not increase")
+            i = nxt
+    return out
+
+
+def _split(text: str) -> list[str]:
+    items = [s.strip() for s in text.split(",")]
+    if any(not s for s in items):
+        raise BenchError(f"invalid list {text!r}: empty item")
+    return items
+
+
+def _parse_fa(text: str) -> list[int]:
+    out = []
+    for v in _split(text):
+        lv = v.lower()
+        if lv in _TRUTHY:
+            out.append(1)
+        elif lv in _FALSEY:
+            out.append(0)
+        elif lv in _AUTOY:
+            out.append(-1)
+        else:
+            raise BenchError(f"invalid -fa value {v!r}: expected on, off or auto")
+    return out
+
+
+def _parse_bools(option: str) -> Callable[[str], list[bool]]:
+    """A parser of llama-bench's ``0|1`` lists (on/off, true/false also read)."""
+    def parse(text: str) -> list[bool]:
+        out = []
+        for v in _split(text):
+            lv = v.lower()
+            if lv in _TRUTHY:
+                out.append(True)
+            elif lv in _FALSEY:
+                out.append(False)
+            else:
+                raise BenchError(f"invalid {option} value {v!r}: expected 0 or 1")
+        return out
+    return parse
+
+
+def _parse_mmap(text: str) -> list[str]:
+    # llama-bench's -mmp is the deprecated spelling of -lm mmap / -lm none: one field, load_mode
+    return ["mmap" if b else "none" for b in _parse_bools("-mmp")(text)]
+
+
+def _parse_load_modes(text: str) -> list[str]:
+    out = []
+    for v in _split(text):
+        lv = v.lower()
+        if lv in LOAD_MODES:
+            out.append(lv)
+        elif lv in ("mlock", "mmap+mlock", "dio"):
+            raise BenchError(f"-lm {v}: not supported by ggmlpy's loader, which reads the weights (none) or "
+                             "copies them out of a memory map of the file (mmap); it has no mlock or direct I/O")
+        else:
+            raise BenchError(f"invalid -lm value {v!r}: expected {' or '.join(LOAD_MODES)}")
+    return out
+
+
+def _parse_cache_types(text: str) -> list[str]:
+    out = []
+    for v in _split(text):
+        if v.lower() not in CACHE_TYPES:
+            raise BenchError(f"invalid cache type {v!r}: expected one of {', '.join(CACHE_TYPES)}")
+        out.append(v.lower())
+    return out
+
+
+def _parse_devices(text: str) -> list[str]:
+    out = []
+    for combo in _split(text):
+        names = [s.strip() for s in combo.split("/")]
+        if any(not n for n in names):
+            raise BenchError(f"invalid device list {combo!r}")
+        out.append("/".join(names))
+    return out
+
+
+def _parse_pg(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise BenchError(f"invalid -pg {text!r}: expected PROMPT,GEN such as 512,128")
+    try:
+        pp, tg = int(parts[0]), int(parts[1])
+    except ValueError:
+        raise BenchError(f"invalid -pg {text!r}: expected two integers") from None
+    if pp < 0 or tg < 0:
+        raise BenchError(f"invalid -pg {text!r}: negative size")
+    return pp, tg
+
+
+def default_threads() -> int:
+    """Physical CPU cores usable by this process (llama-bench's default for ``-t``)."""
+    try:
+        allowed = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        allowed = set(range(os.cpu_count() or 1))
+    try:
+        cores = set()
+        proc = phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in itertools.chain(f, [""]):
+                if not line.strip():
+                    if proc is not None and proc in allowed:
+                        cores.add((phys, core if core is not None else proc))
+                    proc = phys = core = None
+                    continue
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "processor":
+                    proc = int(val)
+                elif key == "physical id":
+                    phys = val.strip()
+                elif key == "core id":
+                    core = val.strip()
+        if cores:
+            return len(cores)
+    except (OSError, ValueError):
+        pass
+    return max(1, len(allowed))
+
+
+@dataclass
+class BenchParams:
+    """The parsed command line: every test parameter as the list it sweeps."""
+
+    models: list[str] = field(default_factory=list)
+    n_prompt: list[int] = field(default_factory=lambda: [512])
+    n_gen: list[int] = field(default_factory=lambda: [128])
+    n_pg: list[tuple[int, int]] = field(default_factory=list)
+    n_depth: list[int] = field(default_factory=lambda: [0])
+    n_batch: list[int] = field(default_factory=lambda: [2048])
+    n_ubatch: list[int] = field(default_factory=lambda: [512])
+    type_k: list[str] = field(default_factory=lambda: ["f16"])
+    type_v: list[str] = field(default_factory=lambda: ["f16"])
+    n_threads: list[int] = field(default_factory=lambda: [default_threads()])
+    n_gpu_layers: list[int] = field(default_factory=lambda: [-1])
+    devices: list[str] = field(default_factory=lambda: ["auto"])
+    flash_attn: list[int] = field(default_factory=lambda: [-1])
+    load_mode: list[str] = field(default_factory=lambda: ["mmap"])
+    no_kv_offload: list[bool] = field(default_factory=lambda: [False])
+    embeddings: list[bool] = field(default_factory=lambda: [False])
+    repack: list[bool] = field(default_factory=lambda: [True])
+    reps: int = 5
+    rounds: int = 1
+    delay: float = 0.0
+    output: str = "md"
+    output_err: str = "none"
+    progress: bool = False
+    verbose: bool = False
+    no_warmup: bool = False
+    synthetic: list[str] = field(default_factory=lambda: ["110M"])
+    types: list[str] = field(default_factory=lambda: ["F16"])
+    cache_dir: str | None = None
+    plot: str | None = None
+    vs: list[str] = field(default_factory=list)
+    seed: int = 0
+    rpc: list[str] = field(default_factory=list)
+    list_devices: bool = False
+
+
+#: (option strings, BenchParams attribute, parser, help) for the swept test parameters. Several options may
+#: fill one attribute (-mmp and -lm both give load_mode).
+_LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
+    (("-m", "--model"), "models", lambda s: [s], "GGUF model file (repeat for more; default: "
+     "the built-in synthetic model)"),
+    (("-p", "--n-prompt"), "n_prompt", parse_int_range, "prompt sizes (default 512)"),
+    (("-n", "--n-gen"), "n_gen", parse_int_range, "generation sizes (default 128)"),
+    (("-pg",), "n_pg", lambda s: [_parse_pg(s)], "PROMPT,GEN: prompt then generation in one test"),
+    (("-d", "--n-depth"), "n_depth", parse_int_range, "tokens already in the cache (default 0)"),
+    (("-b", "--batch-size"), "n_batch", parse_int_range, "logical batch size (default 2048)"),
+    (("-ub", "--ubatch-size"), "n_ubatch", parse_int_range, "physical batch size (default 512)"),
+    (("-ctk", "--cache-type-k"), "type_k", _parse_cache_types,
+     f"K cache type: {', '.join(CACHE_TYPES)} (default f16)"),
+    (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types,
+     "V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)"),
+    (("-t", "--threads"), "n_threads", parse_int_range, "CPU threads (default: physical cores)"),
+    (("-ngl", "--n-gpu-layers"), "n_gpu_layers", lambda s: parse_int_range(s, True),
+     "layers on the GPU (default -1: all)"),
+    (("-dev", "--device"), "devices", _parse_devices,
+     "devices, '/'-separated (auto, none = CPU only; default auto)"),
+    (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),
+    (("-nkvo", "--no-kv-offload"), "no_kv_offload", _parse_bools("-nkvo"),
+     "1: keep the KV cache in host memory when layers run on another device (default 0)"),
+    (("-lm", "--load-mode"), "load_mode", _parse_load_modes,
+     "none: read the weights; mmap: copy them out of a memory map of the file (default mmap)"),
+    (("-mmp", "--mmap"), "load_mode", _parse_mmap, "0|1: -lm none|mmap (llama-bench's older spelling)"),
+    (("--repack",), "repack", _parse_bools("--repack"),
+     "0: keep every weight in plain memory; 1: matrix weights in the CPU's extra buffer types where ggml has "
+     "kernels for them (CPU_REPACK, AMX; default 1)"),
+    (("-embd", "--embeddings"), "embeddings", _parse_bools("-embd"),
+     "1: measure the embeddings path (hidden states of every token, no output head; default 0)"),
+    (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
+     "110M, 1B or a count (default 110M)"),
+    (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
+]
+
+
+class _Swept(argparse.Action):
+    """Collects every list option in command-line order (two options may fill one list: -lm and -mmp)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.swept = [*namespace.swept, (self.dest, values)]
+
+
+class _ArgParser(argparse.ArgumentParser):
+    def error(self, message: str):  # raise instead of exiting, main() reports
+        raise BenchError(message)
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The argument parser of ``ggmlpy bench`` (llama-bench's options plus ours)."""
+    ap = _ArgParser(prog=prog, description="Prompt processing (pp) and token generation (tg) "
+                    "throughput, llama-bench compatible.", allow_abbrev=False)
+    for i, (opts, _attr, _, help_) in enumerate(_LIST_OPTIONS):
+        ap.add_argument(*opts, dest=str(i), action=_Swept, metavar="V", help=help_)
+    ap.set_defaults(swept=[])
+    ap.add_argument("-r", "--repetitions", dest="reps", type=int, default=5,
+                    help="timed repetitions per test (default 5)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each test this many times, alternating with --vs peers; the ratio is then the "
+                         "median of the per-round ratios (default 1)")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds of sleep before each test")
+    ap.add_argument("-o", "--output", default="md", choices=OUTPUTS, help="stdout format (default md)")
+    ap.add_argument("-oe", "--output-err", default="none", choices=OUTPUTS,
+                    help="second copy of the results on stderr (default none)")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="print the memory report of each configuration (and llama.cpp's logs)")
+    ap.add_argument("--progress", action="store_true", help="print test progress on stderr")
+    ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
+    ap.add_argument("--list-devices", action="store_true", help="list ggml devices and exit")
+    ap.add_argument("-rpc", "--rpc", dest="rpc", action="append", metavar="HOST:PORT,...",
+                    help="add ggml RPC servers")
+    ap.add_argument("--cache-dir", default=None,
+                    help="folder of the built-in models (default $GGMLPY_CACHE or ~/.cache/ggmlpy)")
+    ap.add_argument("--plot", default=None, metavar="FILE.png",
+                    help="plot t/s against the swept prompt size, depth or threads (matplotlib)")
+    ap.add_argument("--vs", action="append", default=None, metavar="ENGINE",
+                    help="also run the tests through ENGINE (llama.cpp: the llama_cpp package) "
+                    "and print the ratio")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random token ids and of the built-in model (default 0)")
+    return ap
+
+
+def _normalize_argv(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for a in argv:
+        if a.startswith("--") and "_" in a:
+            name, eq, rest = a.partition("=")
+            a = name.replace("_", "-") + eq + rest
+        if re.match(r"-\d", a) and out and out[-1].startswith("-") and "=" not in out[-1]:
+            out[-1] += "=" + a  # a negative value such as "-ngl -1,99"
+            continue
+        out.append(a)
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> BenchParams:
+    """Parse ``ggmlpy bench``'s command line.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The arguments (default ``sys.argv[1:]``). ``--foo_bar`` is read as
+        ``--foo-bar``.
+
+    Returns
+    -------
+    BenchParams
+
+    Raises
+    ------
+    BenchError
+        An unknown option or a bad value (the message names it).
+
+    Examples
+    --------
+    >>> p = parse_args(["-p", "64-256*2", "-n", "16", "-t", "1,2"])
+    >>> p.n_prompt, p.n_gen, p.n_threads
+    ([64, 128, 256], [16], [1, 2])
+    """
+    args = build_parser().parse_args(_normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    params = BenchParams()
+    swept: dict[str, list] = {}
+    for i, text in args.swept:
+        _opts, attr, conv, _ = _LIST_OPTIONS[int(i)]
+        swept.setdefault(attr, []).extend(conv(text))
+    for attr, values in swept.items():
+        setattr(params, attr, values)
+    params.reps = args.reps
+    params.rounds = args.rounds
+    params.delay = args.delay
+    params.output, params.output_err = args.output, args.output_err
+    params.verbose, params.progress, params.no_warmup = args.verbose, args.progress, args.no_warmup
+    params.cache_dir, params.plot, params.seed = args.cache_dir, args.plot, args.seed
+    params.rpc = [s for text in (args.rpc or []) for s in _split(text)]
+    params.vs = [v for text in (args.vs or []) for v in _split(text)]
+    params.list_devices = args.list_devices
+    _validate(params)
+    return params
+
+
+def _validate(p: BenchParams) -> None:
+    if p.reps < 1:
+        raise BenchError(f"-r {p.reps}: at least one repetition is needed")
+    if p.rounds < 1:
+        raise BenchError(f"--rounds {p.rounds}: at least one round is needed")
+    if p.delay < 0:
+        raise BenchError(f"--delay {p.delay}: must be >= 0")
+    for name in ("n_prompt", "n_gen", "n_depth"):
+        if any(v < 0 for v in getattr(p, name)):
+            raise BenchError(f"{name}: sizes must be >= 0")
+    for name in ("n_batch", "n_ubatch", "n_threads"):
+        if any(v < 1 for v in getattr(p, name)):
+            raise BenchError(f"{name}: values must be >= 1")
+    _validate_cache_types(p)
+    for peer in p.vs:
+        if peer.lower() not in ("llama.cpp", "llama_cpp", "llamacpp", "llama-cpp"):
+            raise BenchError(f"--vs {peer!r}: the only peer engine is llama.cpp")
+    p.vs = ["llama.cpp"] if p.vs else []
+    if not p.models:
+        try:
+            p.synthetic = [parse_size(s) for s in p.synthetic]
+        except ValueError as e:
+            raise BenchError(f"--synthetic: {e}") from None
+        p.types = [t.upper() for t in p.types]
+        for t in p.types:
+            if t not in TYPES:
+                raise BenchError(f"--type {t}: expected one of {', '.join(TYPES)}")
+
+
+def _validate_cache_types(p: BenchParams) -> None:
+    """Refuse the -ctk/-ctv/-fa combinations the runner cannot run (its own rule, Runner.check_cache_types)."""
+    bad = []
+    for tk, tv, fa in itertools.product(p.type_k, p.type_v, p.flash_attn):
+        try:
+            Runner.check_cache_types(tk, tv, None if fa < 0 else bool(fa))
+        except GGMLError as e:
+            if fa != 0:                       # not the flash attention rule: say what the runner says
+                raise BenchError(f"-ctk {tk} -ctv {tv}: {e}") from None
+            bad.append(f"-ctk {tk} -ctv {tv} -fa off")
+    if bad:
+        raise BenchError(f"{', '.join(dict.fromkeys(bad))}: a quantized V cache needs flash attention (-fa on or "
+                         "auto), as in llama.cpp: without it V is stored transposed, which a quantized type cannot "
+                         "be (a quantized K runs either way)")
+
+
+# --------------------------------------------------------------------------- instances
+
+def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Instance]:
+    """All tests in llama-bench's order (a model is reloaded as rarely as possible)."""
+    out = []
+    # llama-bench's nesting: model parameters outermost
+    for m, ngl, lm, dev, rpk, embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
+            models if models is not None else p.models, p.n_gpu_layers, p.load_mode, p.devices, p.repack,
+            p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
+            p.n_threads, p.n_depth):
+        common = dict(model=m, n_depth=nd, n_batch=nb, n_ubatch=nub, type_k=tk, type_v=tv,
+                      n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa, load_mode=lm,
+                      no_kv_offload=nkvo, embeddings=embd, repack=rpk)
+        out += [Instance(n_prompt=n, n_gen=0, **common) for n in p.n_prompt if n > 0]
+        out += [Instance(n_prompt=0, n_gen=n, **common) for n in p.n_gen if n > 0]
+        out += [Instance(n_prompt=a, n_gen=b, **common) for a, b in p.n_pg if a or b]
+    return out

@@ -1,0 +1,331 @@
+"""What ``ggmlpy bench`` prints: llama-bench's md table, CSV, JSON, JSONL and SQL (:func:`make_printer`,
+:func:`format_results`), and the ``--plot`` PNG (:func:`plot`).
+
+Every format has llama-bench's fields (:data:`FIELDS`) with its types and
+spellings, so its tools read ours; CSV, JSON and JSONL add ours
+(:data:`EXTRA_FIELDS`, and a ``ratio_vs_<peer>`` per ``--vs`` peer) after them.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, TextIO
+
+from .errors import BenchError
+from .options import PROG, BenchParams
+from .results import Instance, Result, _ratio_key
+
+__all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "INT_FIELDS", "CsvPrinter", "JsonPrinter",
+           "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "format_results", "make_printer", "plot",
+           "swept_variable"]
+
+#: llama-bench's CSV/JSON field list (source @ 0104b151, with the ``repack`` of the llama.cpp in
+#: llama-cpp-python 0.3.36, the peer of ``--vs``), in order.
+FIELDS = (
+    "build_commit", "build_number", "cpu_info", "gpu_info", "backends",
+    "model_filename", "model_type", "model_size", "model_n_params", "n_batch",
+    "n_ubatch", "n_threads", "cpu_mask", "cpu_strict", "poll",
+    "type_k", "type_v", "n_gpu_layers", "n_cpu_moe", "split_mode",
+    "main_gpu", "no_kv_offload", "flash_attn", "devices", "tensor_split",
+    "tensor_buft_overrides", "load_mode", "embeddings",
+    "no_op_offload", "no_host", "repack", "fit_target", "fit_min_ctx",
+    "n_prompt", "n_gen", "n_depth",
+    "test_time", "avg_ns", "stddev_ns", "avg_ts", "stddev_ts",
+)
+INT_FIELDS = frozenset((
+    "build_number", "n_batch", "n_ubatch", "n_threads", "poll", "model_size", "model_n_params",
+    "n_gpu_layers", "main_gpu", "n_prompt", "n_gen", "n_depth", "avg_ns", "stddev_ns",
+    "no_op_offload", "n_cpu_moe", "fit_target", "fit_min_ctx", "flash_attn",
+))
+BOOL_FIELDS = frozenset(("no_kv_offload", "cpu_strict", "embeddings", "no_host", "repack"))
+FLOAT_FIELDS = frozenset(("avg_ts", "stddev_ts"))
+
+#: Our fields, written after llama-bench's (and after the samples in JSON).
+EXTRA_FIELDS = ("engine", "engine_version", "ggmlpy_version", "load_time_ms", "ttft_ms")
+
+
+# --------------------------------------------------------------------------- printers
+
+def _value_str(name: str, value: Any) -> str:
+    """A field as llama-bench's C++ ``std::to_string`` writes it (CSV/SQL)."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value is None:
+        return ""
+    if name in FLOAT_FIELDS or isinstance(value, float):
+        return f"{value:f}"
+    return str(value)
+
+
+def _md_width(name: str) -> int:
+    widths = {"model": -30, "t/s": 20, "size": 10, "params": 10, "n_gpu_layers": 3,
+              "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": 6, "type_v": 6,
+              "flash_attn": 3, "devices": -12, "load_mode": 10, "test": 15}
+    if name in widths:
+        return widths[name]
+    w = max(len(name), 10)
+    # llama-bench left-aligns only its string fields
+    numeric = name in INT_FIELDS or name in FLOAT_FIELDS or name in BOOL_FIELDS or name.startswith("ratio")
+    return w if numeric else -w
+
+
+_MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev",
+               "no_kv_offload": "nkvo", "load_mode": "lm", "embeddings": "embd"}
+
+
+def _size_str(n: int) -> str:
+    return f"{n / 1024 / 1024:.2f} MiB" if n < 1024 ** 3 else f"{n / 1024 ** 3:.2f} GiB"
+
+
+def _params_str(n: int) -> str:
+    return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
+
+
+class Printer:
+    """Writes results as they come: a header, one row per test, a footer."""
+
+    def __init__(self, out: TextIO, params: BenchParams, gpu: bool, build: str):
+        self.out, self.params, self.gpu, self.build = out, params, gpu, build
+
+    def header(self) -> None:
+        pass
+
+    def rows(self, results: list[Result]) -> None:
+        raise NotImplementedError
+
+    def footer(self) -> None:
+        pass
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+
+class MarkdownPrinter(Printer):
+    """llama-bench's table: fixed columns, then the parameters that were given, then test and t/s."""
+
+    def header(self) -> None:
+        p, d = self.params, BenchParams()
+        fields = ["model", "size", "params", "backend"]
+        if self.p_vs:
+            fields.append("engine")
+        if self.gpu:
+            fields.append("n_gpu_layers")
+        if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
+            fields.append("n_threads")
+        for name in ("n_batch", "n_ubatch", "type_k", "type_v", "no_kv_offload", "flash_attn", "devices",
+                     "load_mode", "embeddings", "repack"):
+            if len(getattr(p, name)) > 1 or getattr(p, name) != getattr(d, name):
+                fields.append(name)
+        fields += ["test", "t/s"]
+        fields += [_ratio_key(peer) for peer in p.vs]
+        self.fields = fields
+        names = [self._display(f) for f in fields]
+        self._write("|" + "".join(f" {self._pad(n, _md_width(f))} |" for f, n in zip(fields, names))
+                    + "\n")
+        self._write("|" + "".join(
+            f" {'-' * (abs(_md_width(f)) - 1)}{':' if _md_width(f) > 0 else '-'} |" for f in fields)
+            + "\n")
+
+    @property
+    def p_vs(self) -> bool:
+        return bool(self.params.vs)
+
+    def _display(self, f: str) -> str:
+        if f.startswith("ratio_vs_"):
+            peer = next(pe for pe in self.params.vs if _ratio_key(pe) == f)
+            return f"ggmlpy/{peer}"
+        return _MD_DISPLAY.get(f, f)
+
+    @staticmethod
+    def _pad(text: str, width: int) -> str:
+        return text.ljust(-width) if width < 0 else text.rjust(width)
+
+    def rows(self, results: list[Result]) -> None:
+        for r in results:
+            rec = r.record()
+            cells = []
+            for f in self.fields:
+                if f == "model":
+                    v = r.model_type
+                elif f == "size":
+                    v = _size_str(r.model_size)
+                elif f == "params":
+                    v = _params_str(r.model_n_params)
+                elif f == "backend":
+                    v = r.backends
+                elif f == "engine":
+                    v = r.engine
+                elif f == "test":
+                    v = r.inst.name
+                elif f == "t/s":
+                    v = f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}"
+                elif f.startswith("ratio_vs_"):
+                    peer = next(pe for pe in self.params.vs if _ratio_key(pe) == f)
+                    rr = r.ratios.get(peer)
+                    v = f"{rr[0]:.2f} ± {rr[1]:.2f}" if rr else ""
+                else:
+                    v = _value_str(f, rec[f])
+                cells.append(f" {self._pad(v, _md_width(f))} |")
+            self._write("|" + "".join(cells) + "\n")
+
+    def footer(self) -> None:
+        self._write(f"\nbuild: {self.build}\n")
+
+
+class CsvPrinter(Printer):
+    """llama-bench's CSV (every value quoted), our extra fields at the end."""
+
+    def header(self) -> None:
+        self.names = list(FIELDS) + list(EXTRA_FIELDS) + [
+            k for peer in self.params.vs for k in (_ratio_key(peer), _ratio_key(peer) + "_stddev")]
+        self._write(",".join(self.names) + "\n")
+
+    def rows(self, results: list[Result]) -> None:
+        for r in results:
+            rec = {**r.record(), **r.extras(self.params.vs)}
+            buf = io.StringIO()
+            csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n").writerow(
+                [_value_str(n, rec[n]) for n in self.names])
+            self._write(buf.getvalue())
+
+
+def _json_record(r: Result, peers: list[str]) -> dict[str, Any]:
+    rec = r.record()
+    rec["samples_ns"] = list(r.samples_ns)
+    rec["samples_ts"] = r.samples_ts
+    rec.update(r.extras(peers))
+    return rec
+
+
+class JsonPrinter(Printer):
+    """A JSON array of test objects (llama-bench's fields, samples, then ours)."""
+
+    def header(self) -> None:
+        self.first = True
+        self._write("[\n")
+
+    def rows(self, results: list[Result]) -> None:
+        for r in results:
+            text = json.dumps(_json_record(r, self.params.vs), indent=2)
+            text = "\n".join("  " + line for line in text.splitlines())
+            self._write(("" if self.first else ",\n") + text)
+            self.first = False
+
+    def footer(self) -> None:
+        self._write("\n]\n")
+
+
+class JsonlPrinter(Printer):
+    """One JSON object per line."""
+
+    def rows(self, results: list[Result]) -> None:
+        for r in results:
+            self._write(json.dumps(_json_record(r, self.params.vs)) + "\n")
+
+
+class SqlPrinter(Printer):
+    """llama-bench's SQL: ``CREATE TABLE IF NOT EXISTS llama_bench`` and one INSERT per test."""
+
+    def header(self) -> None:
+        def sql_type(f: str) -> str:
+            return "REAL" if f in FLOAT_FIELDS else "INTEGER" if (
+                f in INT_FIELDS or f in BOOL_FIELDS) else "TEXT"
+        cols = ",\n".join(f"  {f} {sql_type(f)}" for f in FIELDS)
+        self._write(f"CREATE TABLE IF NOT EXISTS llama_bench (\n{cols}\n);\n\n")
+
+    def rows(self, results: list[Result]) -> None:
+        for r in results:
+            rec = r.record()
+            vals = ", ".join("'" + _value_str(f, rec[f]).replace("'", "''") + "'" for f in FIELDS)
+            self._write(f"INSERT INTO llama_bench ({', '.join(FIELDS)}) VALUES ({vals});\n")
+
+
+_PRINTERS = {"md": MarkdownPrinter, "csv": CsvPrinter, "json": JsonPrinter, "jsonl": JsonlPrinter,
+             "sql": SqlPrinter}
+
+
+def make_printer(fmt: str, out: TextIO, params: BenchParams, gpu: bool = False,
+                 build: str = "") -> Printer | None:
+    """The printer of format ``fmt`` (None for ``"none"``)."""
+    cls = _PRINTERS.get(fmt)
+    return cls(out, params, gpu, build) if cls else None
+
+
+def format_results(results: list[Result], fmt: str = "md", params: BenchParams | None = None,
+                   gpu: bool = False, build: str = "") -> str:
+    """Results as the text ``ggmlpy bench -o fmt`` prints."""
+    buf = io.StringIO()
+    pr = make_printer(fmt, buf, params or BenchParams(n_threads=[1]), gpu, build)
+    if pr is not None:
+        pr.header()
+        pr.rows(results)
+        pr.footer()
+    return buf.getvalue()
+
+
+# --------------------------------------------------------------------------- plot
+
+def swept_variable(results: list[Result]) -> str:
+    """The x axis of the plot: ``n_prompt``, ``n_depth`` or ``n_threads``, whichever varies (in that order)."""
+    for name in ("n_prompt", "n_depth", "n_threads"):
+        if len({getattr(r.inst, name) for r in results if r.inst.n_prompt or name != "n_prompt"}) > 1:
+            return name
+    return "n_prompt" if any(r.inst.n_prompt for r in results) else "n_threads"
+
+
+def plot(results: list[Result], path: str | os.PathLike) -> None:
+    """Plot t/s (with the ± as error bars) against the swept variable and save a PNG.
+
+    One line per model file, engine and kind of test (pp, tg, pp+tg). When the prompt
+    size is the swept variable, tg tests (which have no prompt) are left out.
+
+    Raises
+    ------
+    BenchError
+        matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install matplotlib "
+                         "(or pip install 'ggmlpy[bench]')") from None
+    x_name = swept_variable(results)
+    labels = {"n_prompt": "prompt tokens", "n_depth": "depth (tokens in the cache)",
+              "n_threads": "threads"}
+    lines: dict[tuple, list[tuple[int, float, float]]] = {}
+    for r in results:
+        i = r.inst
+        if x_name == "n_prompt" and i.n_prompt == 0:
+            continue
+        if x_name == "n_prompt":
+            kind = "pp" if i.n_gen == 0 else f"pp+tg{i.n_gen}"
+            kind += f" @ d{i.n_depth}" if i.n_depth else ""
+        elif x_name == "n_depth":
+            kind = Instance(i.model, i.n_prompt, i.n_gen).name
+        else:
+            kind = i.name
+        key = (Path(i.model).stem, r.engine, kind)  # engines name one model differently
+        lines.setdefault(key, []).append((getattr(i, x_name), r.avg_ts, r.stddev_ts))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for (model, engine, kind), pts in sorted(lines.items()):
+        pts.sort()
+        xs, ys, es = zip(*pts)
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=f"{model} · {engine} · {kind}")
+    ax.set_xlabel(labels[x_name])
+    ax.set_ylabel("tokens / s")
+    if x_name == "n_prompt" and len({x for pts in lines.values() for x, _, _ in pts}) > 2:
+        ax.set_xscale("log", base=2)
+    ax.set_title(f"{PROG}: throughput vs {labels[x_name]}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+    plt.close(fig)
