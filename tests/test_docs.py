@@ -21,7 +21,8 @@ def _collect():
         for t in finder.find(obj, getattr(obj, "__qualname__", obj.__name__), module=False, globs=dict(globs)):
             if t.examples:
                 tests.append(t)
-    for cls in (_core._CtxBase, _core._CtxOps):
+    # Context's methods live in its private bases (context.pxi says why): search each.
+    for cls in _core.Context.__mro__[1:-1]:
         for name, member in vars(cls).items():
             for t in finder.find(member, f"Context.{name}", module=False, globs=dict(globs)):
                 if t.examples:

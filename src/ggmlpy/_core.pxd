@@ -4,7 +4,9 @@ cimport ggmlpy._ggml as g
 from libc.stdint cimport int64_t, uint64_t
 
 
-cdef class _CtxBase:
+# Context is one class made of a chain of cdef classes, one file each (context.pxi
+# says why); the fields and the C-level methods are those of the first.
+cdef class _ContextBase:                # context.pxi
     cdef g.ggml_context * ptr
     cdef void * mem           # the arena we allocated; ggml does not own it
     cdef readonly size_t mem_size
@@ -30,18 +32,22 @@ cdef class _CtxBase:
     cdef int _room(self, str op, int64_t data_bytes, int n_tensors) except -1
 
 
-cdef class _CtxOps(_CtxBase):
+cdef class _ContextOps(_ContextBase):   # ops.pxi
     pass
 
 
-cdef class Context(_CtxOps):
+cdef class _ContextNN(_ContextOps):     # nn.pxi
+    pass
+
+
+cdef class Context(_ContextNN):         # context.pxi: the public class
     pass
 
 
 @cython.final
 cdef class Tensor:
     cdef g.ggml_tensor * ptr
-    cdef _CtxBase ctx
+    cdef _ContextBase ctx
     cdef unsigned int gen
     cdef object base          # owner of foreign memory behind ptr.data, if any
     cdef bint readonly
@@ -60,7 +66,7 @@ cdef class Tensor:
 @cython.final
 cdef class Graph:
     cdef g.ggml_cgraph * ptr
-    cdef _CtxBase ctx
+    cdef _ContextBase ctx
     cdef unsigned int gen
     cdef list ctxs            # [(Context, gen, n deps)] every context whose tensors the graph holds
     cdef Py_ssize_t own_ndeps # len(ctx.deps) when ctxs was last brought up to date for ctx
@@ -77,11 +83,11 @@ cdef class Graph:
     cdef int tp_n
     cdef int _ensure(self) except -1
     cdef int _ensure_op(self, str op) except -1
-    cdef int _note_ctx(self, _CtxBase c) except -1
+    cdef int _note_ctx(self, _ContextBase c) except -1
     cdef int _check_ctxs(self) except -1
     cdef int _readable(self) except -1
     cdef bint _ctxs_valid(self) noexcept
-    cdef _CtxBase _owner(self, g.ggml_tensor * p)
+    cdef _ContextBase _owner(self, g.ggml_tensor * p)
     cdef int _begin(self, str op) except -1
     cdef void _end(self) noexcept
     cdef uint64_t _unallocated_mask(self) noexcept

@@ -36,10 +36,10 @@ _install_hooks()                 # before any other module-level code calls ggml
 include "_pxi/types.pxi"         # Type/Op/... enums and type traits
 include "_pxi/debug.pxi"         # live-object counters
 include "_pxi/validate.pxi"      # precondition checks shared by every op
-include "_pxi/context.pxi"       # Context: the arena tensors live in
+include "_pxi/context.pxi"       # Context: the arena tensors live in; fields, lifetime, tensor creation
 include "_pxi/tensor.pxi"        # Tensor: metadata, numpy bridge, buffer protocol, DLPack
-include "_pxi/ops.pxi"           # op methods of Context, in ggml.h order
-include "_pxi/nn.pxi"            # op methods, part 2: conv, pool, pad, generators; graph creation
+include "_pxi/ops.pxi"           # Context's op methods (base _ContextOps), in ggml.h order
+include "_pxi/nn.pxi"            # Context's op methods, part 2 (base _ContextNN): conv, pool, pad, generators; new_graph
 include "_pxi/graph.pxi"         # Graph build and CPU compute
 include "_pxi/backend.pxi"       # devices, backends, buffer types, buffers, graph allocator
 include "_pxi/sched.pxi"         # scheduler, RPC

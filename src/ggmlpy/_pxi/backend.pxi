@@ -396,7 +396,7 @@ cdef class Buffer:
         GGMLValueError
             A live context still has tensors in this buffer (free the context first).
         """
-        cdef _CtxBase c
+        cdef _ContextBase c
         if self.ptr == NULL:
             return
         if self.busy:
@@ -487,7 +487,7 @@ cdef bint _rpc_gone(object owner):
         return True
 
 
-cdef int _check_views_placeable(_CtxBase ctx) except -1:
+cdef int _check_views_placeable(_ContextBase ctx) except -1:
     # ggml gives every view without a buffer the buffer of its source: a view of a tensor that has no
     # backend buffer (host memory of an allocating context, or a no_alloc context not allocated yet)
     # would abort in ggml_backend_view_init, unless the source is allocated in this same call.
@@ -820,7 +820,7 @@ cdef class _Allocator:
     cdef int _stamp(self, Graph graph, uint64_t mask) except -1:
         # The contexts of graph whose tensors this allocator just gave memory (bits of mask, in
         # the order of graph.ctxs) depend on it from now on.
-        cdef _CtxBase c
+        cdef _ContextBase c
         cdef int i = 0
         for entry in graph.ctxs:
             if mask & ((<uint64_t> 1) << (i if i < 63 else 63)):
@@ -836,7 +836,7 @@ cdef class _Allocator:
         # About to let ggml (re)place tensors and maybe replace the buffers: from now on computes
         # over tensors it placed refuse to start (_allocs_live), and none may be running except
         # the caller's own graph (counted once per context by its _begin).
-        cdef _CtxBase c
+        cdef _ContextBase c
         self.moving = True
         mine = graph.busy_ctxs or ()
         for c in list(self.stamped):
@@ -847,7 +847,7 @@ cdef class _Allocator:
         return 0
 
     cdef int _refuse_busy(self, str op) except -1:
-        cdef _CtxBase c
+        cdef _ContextBase c
         for c in list(self.stamped):
             if c.busy > 0:
                 raise GGMLValueError(f"{op}: tensors in this allocator's buffers are being computed or copied in "

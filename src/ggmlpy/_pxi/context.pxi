@@ -1,5 +1,20 @@
 # context.pxi: Context, the arena that holds tensor metadata (and, unless
 # no_alloc, tensor data).
+#
+# Context is one Python class built from a chain of cdef classes, one file each:
+# its ~130 methods and properties are too many for one file (test_source.py caps
+# a .pxi at 1500 lines), and Cython has neither partial classes nor an `include`
+# inside a class body (only at module level; a compile error elsewhere).
+#
+#   _ContextBase  context.pxi  fields, lifetime, tensor creation; the type the
+#                              rest of _core holds a context by (Tensor.ctx, ...)
+#   _ContextOps   ops.pxi      op methods, in ggml.h order
+#   _ContextNN    nn.pxi       convolution, pooling, padding, generators; new_graph
+#   Context       context.pxi  the public class: its docstring, nothing more
+#
+# Context comes first below though its bases are defined after it (here and in
+# later files): Cython sets up extension types base first, whatever their order
+# in the source. _core.pxd declares the chain.
 
 DEFAULT_MEM_SIZE = 16 * 1024 * 1024
 cdef size_t _MAX_ARENA = (<size_t> 1) << 62
@@ -9,7 +24,44 @@ cdef size_t _TENSOR_OBJ_SIZE = g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN
 
 
 @cython.no_gc_clear
-cdef class _CtxBase:
+cdef class Context(_ContextNN):
+    """A ggml context: a fixed-size arena for tensors and graphs.
+
+    Every op method (``ctx.add(a, b)``, ``ctx.mul_mat(a, b)``...) creates its
+    result in this context. Tensors keep their context alive; ``free()`` (or
+    leaving a ``with`` block) releases the arena early, after which its tensors
+    and graphs raise ``ClosedError`` instead of touching freed memory.
+
+    Parameters
+    ----------
+    mem_size : int
+        Arena size in bytes. It holds each tensor's metadata
+        (``tensor_overhead()`` bytes) and, unless ``no_alloc``, its data.
+    no_alloc : bool
+        Create tensors without data (for backend buffers, or graphs whose
+        memory a graph allocator assigns later).
+
+    Raises
+    ------
+    GGMLMemoryError
+        The arena could not be allocated.
+
+    Examples
+    --------
+    >>> import numpy as np, ggmlpy
+    >>> with ggmlpy.Context(1 << 20) as ctx:
+    ...     a = ctx.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
+    ...     b = ctx.scale(a, 2.0)
+    ...     gf = ctx.new_graph()
+    ...     gf.build_forward_expand(b)
+    ...     gf.compute()
+    ...     b.numpy().tolist()
+    [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+    """
+
+
+@cython.no_gc_clear
+cdef class _ContextBase:
     """Fields, lifetime and tensor creation of Context (see ``Context``)."""
 
 
@@ -59,7 +111,7 @@ cdef class _CtxBase:
     cdef int _invalidate_dependents(self) except -1:
         # Tensors of other contexts that read this one's now point at freed or
         # reused memory: make them stale too (and whatever reads them).
-        cdef _CtxBase d
+        cdef _ContextBase d
         for d in list(self.dependents):
             if d.deps.pop(self, None) is not None:
                 d.gen += 1

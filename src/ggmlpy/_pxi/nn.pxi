@@ -1,5 +1,6 @@
-# nn.pxi: the rest of Context's ops (convolution, pooling, resizing, padding,
-# generators) and graph creation. Context is complete after this file.
+# nn.pxi: _ContextNN, the rest of Context's op methods (convolution, pooling,
+# resizing, padding, generators) and graph creation: the last base of Context,
+# which context.pxi defines (see there why it is made of several classes).
 
 
 cdef int64_t _conv_out(int64_t ins, int64_t ks, int64_t s, int64_t p, int64_t d) noexcept:
@@ -18,40 +19,8 @@ cdef int _conv_params(str op, int s0, int s1, int p0, int p1, int d0, int d1) ex
 
 
 @cython.no_gc_clear
-cdef class Context(_CtxOps):
-    """A ggml context: a fixed-size arena for tensors and graphs.
-
-    Every op method (``ctx.add(a, b)``, ``ctx.mul_mat(a, b)``...) creates its
-    result in this context. Tensors keep their context alive; ``free()`` (or
-    leaving a ``with`` block) releases the arena early, after which its tensors
-    and graphs raise ``ClosedError`` instead of touching freed memory.
-
-    Parameters
-    ----------
-    mem_size : int
-        Arena size in bytes. It holds each tensor's metadata
-        (``tensor_overhead()`` bytes) and, unless ``no_alloc``, its data.
-    no_alloc : bool
-        Create tensors without data (for backend buffers, or graphs whose
-        memory a graph allocator assigns later).
-
-    Raises
-    ------
-    GGMLMemoryError
-        The arena could not be allocated.
-
-    Examples
-    --------
-    >>> import numpy as np, ggmlpy
-    >>> with ggmlpy.Context(1 << 20) as ctx:
-    ...     a = ctx.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))
-    ...     b = ctx.scale(a, 2.0)
-    ...     gf = ctx.new_graph()
-    ...     gf.build_forward_expand(b)
-    ...     gf.compute()
-    ...     b.numpy().tolist()
-    [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
-    """
+cdef class _ContextNN(_ContextOps):
+    """Op methods of Context, part 2 (convolution, pooling, resizing, padding, generators) and graph creation."""
 
     # -- convolution ------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-# ops.pxi: the op methods of Context, in the order of ggml.h.
+# ops.pxi: _ContextOps, the op methods of Context, in the order of ggml.h: a
+# base of Context, which context.pxi defines (see there why it is made of
+# several classes).
 #
 # Each method validates (validate.pxi), checks the context has room, calls
 # ggml, and wraps the result. The type and layout rules are those of the CPU
@@ -73,7 +75,7 @@ cdef inline int64_t _out_bytes(int t, int64_t ne0, int64_t ne1, int64_t ne2, int
     return <int64_t> _row_bytes(t, ne0) * ne1 * ne2 * ne3
 
 
-cdef inline Tensor _res(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None, Tensor c=None, Tensor d=None):
+cdef inline Tensor _res(_ContextBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None, Tensor c=None, Tensor d=None):
     # Wrap an op's result; record cross-context reads so the inputs' contexts
     # outlive this one (and graphs can check they are still alive).
     if a.ctx is not ctx:
@@ -91,7 +93,7 @@ cdef inline Tensor _res(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b=None
     return t
 
 
-cdef inline Tensor _res2(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b):
+cdef inline Tensor _res2(_ContextBase ctx, g.ggml_tensor * p, Tensor a, Tensor b):
     # _res for two inputs, the binary ops' hot path
     if a.ctx is not ctx:
         _add_dep(ctx, a)
@@ -104,12 +106,12 @@ cdef inline Tensor _res2(_CtxBase ctx, g.ggml_tensor * p, Tensor a, Tensor b):
     return t
 
 
-cdef inline int _room_like(_CtxBase ctx, str op, Tensor a) except -1:
+cdef inline int _room_like(_ContextBase ctx, str op, Tensor a) except -1:
     return _fast_room(ctx, op, _out_bytes(a.ptr.type, a.ptr.ne[0], a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]))
 
 
-cdef inline int _fast_room(_CtxBase ctx, str op, int64_t data_bytes) except -1:
-    # The common case of _CtxBase._room for one tensor, without the method call.
+cdef inline int _fast_room(_ContextBase ctx, str op, int64_t data_bytes) except -1:
+    # The common case of _ContextBase._room for one tensor, without the method call.
     cdef size_t need = _TENSOR_OBJ_SIZE
     if ctx.allocating:
         return ctx._room(op, data_bytes, 1)      # which raises
@@ -120,7 +122,7 @@ cdef inline int _fast_room(_CtxBase ctx, str op, int64_t data_bytes) except -1:
     return ctx._room(op, data_bytes, 1)
 
 
-cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
+cdef int _binary(_ContextBase ctx, Tensor a, Tensor b, str op) except -1:
     # add/sub/mul/div on the CPU: (F32,F32), (F16,F16|F32), (BF16,BF16|F32);
     # a's rows contiguous; b tiles a. The common case is checked inline.
     cdef g.ggml_tensor * pa
@@ -144,7 +146,7 @@ cdef int _binary(_CtxBase ctx, Tensor a, Tensor b, str op) except -1:
     return _fast_room(ctx, op, _out_bytes(pa.type, pa.ne[0], pa.ne[1], pa.ne[2], pa.ne[3]))
 
 
-cdef int _unary(_CtxBase ctx, Tensor a, str op, uint64_t mask, int layout) except -1:
+cdef int _unary(_ContextBase ctx, Tensor a, str op, uint64_t mask, int layout) except -1:
     # layout -1: any strides; 0: rows contiguous; 1: contiguous in dims >= 1; 2: fully contiguous
     ctx._ensure_op(op)
     _arg(a, op, "a")
@@ -180,16 +182,8 @@ cdef int _nonzero_dims(Tensor a, str op, str name, int first) except -1:
     return 0
 
 
-cdef extern from *:
-    """
-    static int ggmlpy_permute_ok(const struct ggml_tensor * a) {
-        int i;
-        for (i = 0; i < 4; i++) {
-            if (a->ne[i] > 2147483647LL || a->nb[i] > 2147483647ULL) return 0;
-        }
-        return 1;
-    }
-    """
+# C helpers of the op methods (ggmlpy_ops.h says why each exists).
+cdef extern from "ggmlpy_ops.h":
     bint ggmlpy_permute_ok(const g.ggml_tensor * a) noexcept nogil
 
 
@@ -267,7 +261,7 @@ cdef int _cpy_ok(Tensor a, g.ggml_tensor * dst, int dst_type, str op) except -1:
 
 
 @cython.no_gc_clear
-cdef class _CtxOps(_CtxBase):
+cdef class _ContextOps(_ContextBase):
     """Op methods of Context, part 1 (arithmetic, reductions, layout, attention)."""
 
     # -- element-wise arithmetic ---------------------------------------------

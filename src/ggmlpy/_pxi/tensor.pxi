@@ -6,20 +6,8 @@
 # ``strides``, ``numpy()``, ``from_numpy``) speaks numpy order, and there the
 # trailing size-1 ggml dimensions beyond ``n_dims`` are dropped.
 
-cdef extern from *:
-    """
-    /* DLPack 0.8 ABI (dlpack.h), declared here for the exporter only. */
-    typedef struct { int device_type; int device_id; } ggmlpy_DLDevice;
-    typedef struct { unsigned char code; unsigned char bits; unsigned short lanes; } ggmlpy_DLDataType;
-    typedef struct {
-        void * data; ggmlpy_DLDevice device; int ndim; ggmlpy_DLDataType dtype;
-        long long * shape; long long * strides; unsigned long long byte_offset;
-    } ggmlpy_DLTensor;
-    typedef struct ggmlpy_DLManagedTensor {
-        ggmlpy_DLTensor dl_tensor; void * manager_ctx;
-        void (*deleter)(struct ggmlpy_DLManagedTensor * self);
-    } ggmlpy_DLManagedTensor;
-    """
+# The DLPack ABI the exporter fills (__dlpack__).
+cdef extern from "ggmlpy_dlpack.h":
     ctypedef struct ggmlpy_DLDevice:
         int device_type
         int device_id
@@ -104,7 +92,7 @@ cdef int _check_repacked_read(g.ggml_tensor * p, str op) except -1:
     return 0
 
 
-cdef inline Tensor _wrap(_CtxBase ctx, g.ggml_tensor * p):
+cdef inline Tensor _wrap(_ContextBase ctx, g.ggml_tensor * p):
     cdef Tensor t = Tensor.__new__(Tensor)
     t.ptr = p
     t.ctx = ctx
@@ -112,9 +100,9 @@ cdef inline Tensor _wrap(_CtxBase ctx, g.ggml_tensor * p):
     return t
 
 
-cdef _CtxBase _owner_of(_CtxBase hint, g.ggml_tensor * p):
+cdef _ContextBase _owner_of(_ContextBase hint, g.ggml_tensor * p):
     """The Context whose arena holds the struct at p (hint, or one it depends on)."""
-    cdef _CtxBase c
+    cdef _ContextBase c
     seen = set()
     todo = [hint]
     while todo:
@@ -781,10 +769,10 @@ cdef int _int_range(object arr, object dt, g.ggml_tensor * p) except -1:
     return 0
 
 
-cdef object _hold(_CtxBase ctx):
+cdef object _hold(_ContextBase ctx):
     # Mark ctx and every context it reads as busy while data is copied (copies may release the GIL):
     # another thread's free() or reset() then raises instead of pulling the memory away.
-    cdef _CtxBase c
+    cdef _ContextBase c
     if not ctx.deps:
         ctx.busy += 1
         return ctx
@@ -800,9 +788,9 @@ cdef object _hold(_CtxBase ctx):
 
 
 cdef void _unhold(object held) noexcept:
-    cdef _CtxBase c
-    if isinstance(held, _CtxBase):
-        (<_CtxBase> held).busy -= 1
+    cdef _ContextBase c
+    if isinstance(held, _ContextBase):
+        (<_ContextBase> held).busy -= 1
         return
     for c in held:
         c.busy -= 1
@@ -896,7 +884,7 @@ cdef void _dl_deleter(ggmlpy_DLManagedTensor * m) noexcept with gil:
     free(m)
 
 
-cdef inline void _export_done(_CtxBase ctx) noexcept:
+cdef inline void _export_done(_ContextBase ctx) noexcept:
     # An export of tensor memory ended; a context freed meanwhile goes now.
     ctx.n_exports -= 1
     if ctx.n_exports == 0 and ctx.freed:

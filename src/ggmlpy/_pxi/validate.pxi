@@ -91,9 +91,9 @@ cdef inline int _arg(Tensor t, str op, str name) except -1:
     return 0
 
 
-cdef int _deps_alive(_CtxBase ctx, str op) except -1:
+cdef int _deps_alive(_ContextBase ctx, str op) except -1:
     """Every context ctx's tensors read from (transitively) is alive and was not reset since."""
-    cdef _CtxBase d
+    cdef _ContextBase d
     seen = set()
     todo = [ctx]
     while todo:
@@ -101,7 +101,7 @@ cdef int _deps_alive(_CtxBase ctx, str op) except -1:
         if id(c) in seen:
             continue
         seen.add(id(c))
-        for d, gen in (<_CtxBase> c).deps.items():
+        for d, gen in (<_ContextBase> c).deps.items():
             if d.freed or d.gen != gen:
                 raise ClosedError(f"{op}: tensors of this context read a context that was freed or reset since")
             if d.deps:
@@ -109,7 +109,7 @@ cdef int _deps_alive(_CtxBase ctx, str op) except -1:
     return 0
 
 
-cdef int _allocs_live(_CtxBase c, str op) except -1:
+cdef int _allocs_live(_ContextBase c, str op) except -1:
     """The graph allocators that gave c's tensors memory still hold it (not freed, buffers not replaced)."""
     cdef _Allocator a
     for a, epoch in c.allocs.items():
@@ -125,9 +125,9 @@ cdef int _allocs_live(_CtxBase c, str op) except -1:
     return 0
 
 
-cdef int _data_alive(_CtxBase ctx, str op) except -1:
+cdef int _data_alive(_ContextBase ctx, str op) except -1:
     """Before touching data: ctx's and its dependencies' allocator-given memory still exists."""
-    cdef _CtxBase c
+    cdef _ContextBase c
     if ctx.allocs:
         _allocs_live(ctx, op)
     if ctx.deps:
@@ -144,10 +144,10 @@ cdef int _data_alive(_CtxBase ctx, str op) except -1:
     return 0
 
 
-cdef int _add_dep(_CtxBase ctx, Tensor t) except -1:
+cdef int _add_dep(_ContextBase ctx, Tensor t) except -1:
     # ctx's new tensor reads t, which lives in another context: remember that
     # context and its generation (a reset there would invalidate what ctx holds).
-    cdef _CtxBase o = t.ctx
+    cdef _ContextBase o = t.ctx
     if o is ctx or o in ctx.deps:
         return 0
     ctx.deps[o] = o.gen

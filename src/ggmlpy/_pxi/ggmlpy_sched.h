@@ -1,0 +1,61 @@
+/* C helpers of Scheduler (sched.pxi): loops over a graph's nodes (a struct
+   only ggml's internal ggml-impl.h shows), around what ggml's scheduler does
+   to the caller's graph. */
+#ifndef GGMLPY_SCHED_H
+#define GGMLPY_SCHED_H
+
+#include <stdlib.h>
+#include <string.h>
+#include "ggml.h"
+#include "ggml-impl.h"
+
+/* ggml's scheduler points graph nodes' inputs at its own copies of them
+   (for inputs that cross backends), and frees those copies at the next
+   reset. Saving the inputs first and putting them back afterwards keeps
+   the caller's graph intact and reusable. */
+typedef struct { int n; struct ggml_tensor ** nodes; struct ggml_tensor ** srcs; } ggmlpy_saved_srcs;
+
+/* The sources of every node of g, or NULL out of memory; free with ggmlpy_srcs_restore. */
+static inline ggmlpy_saved_srcs * ggmlpy_srcs_save(const struct ggml_cgraph * g) {
+    ggmlpy_saved_srcs * s = (ggmlpy_saved_srcs *) calloc(1, sizeof(*s));
+    int i;
+    if (!s) return NULL;
+    s->n = g->n_nodes;
+    s->nodes = (struct ggml_tensor **) malloc(sizeof(*s->nodes) * (size_t) (g->n_nodes + 1));
+    s->srcs = (struct ggml_tensor **) malloc(sizeof(*s->srcs) * (size_t) (g->n_nodes + 1) * GGML_MAX_SRC);
+    if (!s->nodes || !s->srcs) { free(s->nodes); free(s->srcs); free(s); return NULL; }
+    for (i = 0; i < g->n_nodes; i++) {
+        s->nodes[i] = g->nodes[i];
+        memcpy(s->srcs + (size_t) i * GGML_MAX_SRC, g->nodes[i]->src, sizeof(g->nodes[i]->src));
+    }
+    return s;
+}
+/* Put the saved sources back (when restore) and free s; s may be NULL. */
+static inline void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) {
+    int i;
+    if (!s) return;
+    if (restore) {
+        for (i = 0; i < s->n; i++) {
+            memcpy(s->nodes[i]->src, s->srcs + (size_t) i * GGML_MAX_SRC, sizeof(s->nodes[i]->src));
+        }
+    }
+    free(s->nodes); free(s->srcs); free(s);
+}
+
+/* Whether some node of g that computes reads t directly: the scheduler places a data-less
+   leaf by such a consumer only (not through a view of it, nor by a view). */
+static inline int ggmlpy_is_read(const struct ggml_cgraph * g, const struct ggml_tensor * t) {
+    int i, j;
+    for (i = 0; i < g->n_nodes; i++) {
+        const struct ggml_tensor * n = g->nodes[i];
+        if (n->op == GGML_OP_VIEW || n->op == GGML_OP_RESHAPE || n->op == GGML_OP_PERMUTE ||
+            n->op == GGML_OP_TRANSPOSE || n->op == GGML_OP_NONE) continue;
+        for (j = 0; j < GGML_MAX_SRC; j++) {
+            const struct ggml_tensor * s = n->src[j];
+            if (s == t) return 1;
+        }
+    }
+    return 0;
+}
+
+#endif /* GGMLPY_SCHED_H */
