@@ -83,7 +83,7 @@ def test_asking_for_cuda_is_a_clear_error(how):
 
 @no_device
 def test_load_model_on_cuda_is_a_clear_error_and_closes_the_file(tiny_model_path):
-    from ggmlpy.models.llama import load_model
+    from ggmlpy.models import load_model
     with pytest.raises(gp.BackendUnavailable, match=_expect_unavailable()):
         load_model(tiny_model_path, devices=["CUDA0"])
     # nothing is left open or half-built: the same file loads on the CPU afterwards
@@ -300,7 +300,7 @@ def test_scheduler_splits_a_graph_over_cuda_and_cpu(cuda):
 @pytest.mark.parametrize("n_gpu_layers", [-1, 1])
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_tiny_model_decode_on_cuda_matches_cpu(cuda, tiny_model_path, n_gpu_layers, flash_attn):
-    from ggmlpy.models.llama import load_model
+    from ggmlpy.models import load_model
     from ggmlpy.runner import Runner
 
     prompt = [1, 15, 27, 3, 99, 4, 8]

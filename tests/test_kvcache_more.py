@@ -303,12 +303,12 @@ def _wstep(w, positions, seqs, vals=None, **kw):
     return res, plan
 
 
-def _wrapper(v_trans=False, shift=False):
+def _wrapper(v_trans=False, shift=False, **init):
     shift_fn = (lambda ctx, layer, k, off: ctx.scale(k, 1.0)) if shift else None
     swa = Causal(2, 1, 1, Type.F32, window=1, v_trans=v_trans, shift_fn=shift_fn)
     full = Causal(1, 1, 1, Type.F32, v_trans=v_trans)
     w = Wrapper([swa, full], [0, 1, 0])  # layers 0 and 2 local (window 1), layer 1 global
-    w.init(16, 1, 4)
+    w.init(16, 1, 4, **init)
     return w, swa, full
 
 
@@ -331,6 +331,71 @@ def test_wrapper_routes_layers(v_trans):
     # AND of can_resume: the full cache could resume at 2, the window cache not
     assert full.can_resume(0, 3) and not swa.can_resume(0, 3) and not w.can_resume(0, 3)
     assert w.can_resume(0, 6) and w.can_resume(0, 0)
+
+
+def _wforward(w, rt, positions, seqs):
+    """_wstep through ``w.forward`` in a graph the runtime allocates: the caches' inputs (slots, masks) are
+    created unallocated and filled by ``fw.fill(plan)`` once the scheduler allocated them."""
+    plan = w.start_forward(positions, seqs)
+    n = len(positions)
+    base = np.asarray(positions, dtype=np.float32) + 1
+    with ggmlpy.Context.for_tensors(256, graph_size=256, no_alloc=True) as ctx:
+        gf = ctx.new_graph(256)
+        fw = w.forward(ctx, plan)
+        xs, outs = [], []
+        for layer in range(w.n_layers):
+            x = ctx.new_tensor(Type.F32, (1, 1, n)).set_input()
+            xs.append(x)
+            fw.set_layer(layer).put(x, x)
+            kv, vv, mask = fw.get()
+            outs.append((ctx.cont(kv), ctx.cont(vv), ctx.cont(mask)))     # copies that read the mask input too
+        for t in fw.pending:
+            gf.build_forward_expand(t)
+        for out in outs:
+            for t in out:
+                gf.build_forward_expand(t)
+
+        def fill():
+            for layer, x in enumerate(xs):
+                x.set((base * (layer + 1)).reshape(n, 1, 1))
+            fw.fill(plan)
+
+        rt.run(gf, fill)
+        res = [(_flat(k.get()), _flat(v.get()), m.get().astype(np.float32).reshape(n, -1)) for k, v, m in outs]
+    w.apply(plan)
+    return res, plan
+
+
+@VT
+def test_wrapper_forward_through_the_runtime_equals_direct_use(v_trans):
+    """The Wrapper's per-graph view (each layer routed to its cache's own inputs, filled after the
+    scheduler allocated them) writes and reads exactly what direct put/get do, step after step."""
+    from ggmlpy.backend import Runtime, choose_devices, split_layers
+
+    a, _, _ = _wrapper(v_trans)
+    rt = Runtime([ggmlpy.device("CPU")], n_threads=1)
+    # the scheduler runs tensors of backend buffers: the caches placed on the CPU device
+    b, _, _ = _wrapper(v_trans, placement=split_layers(3, choose_devices("cpu")), runtime=rt)
+    try:
+        for positions in ([0, 1, 2, 3], [4, 5], [6], [7, 8, 9]):
+            want, plan_a = _wstep(a, positions, [0] * len(positions))
+            got, plan_b = _wforward(b, rt, positions, [0] * len(positions))
+            assert plan_a.key == plan_b.key
+            for (k1, v1, m1), (k2, v2, m2) in zip(want, got):
+                assert k1 == k2 and v1 == v2 and np.array_equal(m1, m2)
+    finally:
+        b.close()
+        rt.close()
+
+
+def test_forward_fill_refuses_a_plan_of_another_shape():
+    c = Causal(1, 1, 1, Type.F32)
+    c.init(16, 1, 4)
+    with ggmlpy.Context.for_tensors(16, no_alloc=True) as ctx:
+        fw = c.forward(ctx, c.start_forward([0, 1], [0, 0]))
+        fw.set_layer(0).get()
+        with pytest.raises(ValueError, match="fill"):
+            fw.fill(c.start_forward([0], [0]))        # one row for a graph of two
 
 
 def test_wrapper_validation():

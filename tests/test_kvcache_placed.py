@@ -77,6 +77,49 @@ def test_rpc_placement_holds_data_and_refuses_host_only_work(rpc_server):  # noq
     cache.close()
 
 
+@pytest.mark.rpc
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_rpc_placed_cache_shifts_and_defrags_through_the_runtime(rpc_server, v_trans):  # noqa: F811
+    """Given the runtime of its devices, a cache on an RPC server re-rotates keys and compacts its cells
+    there (the graphs compute through the scheduler): every row equals a host cache's after the same
+    removes and defragmentation, and the cells agree."""
+    hd, n_head = 8, 2
+    shift = lambda ctx, layer, k, off: ctx.rope_ext(k, off, n_dims=hd, mode=gp.RopeType.NEOX)  # noqa: E731
+    devs = bk.choose_devices("auto", rpc=[rpc_server])
+    placement = bk.split_layers(2, devs, n_gpu_layers=1)          # layer 1 on the server
+    rng = np.random.default_rng(3)
+    data = [rng.standard_normal((32, hd * n_head)).astype(np.float32) for _ in range(4)]
+
+    def run(**init):
+        cache = Causal(2, hd * n_head, hd * n_head, gp.Type.F32, n_head_kv=n_head, shift_fn=shift, v_trans=v_trans)
+        cache.init(capacity=16, n_seq_max=2, max_batch=4, **init)
+        for i, t in enumerate(cache.keys + cache.values):
+            t.set(data[i] if t.ne[1] == 32 else np.ascontiguousarray(data[i].T))
+        for a in range(0, 12, 4):                 # interleaved: each sequence's cells scattered
+            for s in (0, 1):
+                cache.apply(cache.start_forward(np.arange(a, a + 4), np.full(4, s)))
+        cache.remove(0, 2, 5)                     # shifts seq 0's positions 5..11 down by 3
+        cache.remove(1, 0, 4)                     # shifts all of seq 1
+        cache.clear(0)
+        cache.apply(cache.start_forward(np.arange(0, 3), np.zeros(3, int)))
+        moves = cache.defrag()
+        out = [t.get().copy() for t in cache.keys + cache.values], cache.cells.pos.copy(), moves
+        cache.close()
+        return out
+
+    rt = bk.Runtime(placement.devices(), n_threads=1)
+    try:
+        remote, pos, moves = run(placement=placement, report=bk.MemoryReport(2), runtime=rt)
+    finally:
+        rt.close()
+    host, host_pos, host_moves = run()
+    assert moves and moves == host_moves
+    np.testing.assert_array_equal(pos, host_pos)
+    assert not np.array_equal(remote[1], data[1])     # layer 1's keys (on the server) were rotated
+    for got, want in zip(remote, host):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
 def test_forward_protocol_set_layer_put_get():
     cache = Causal(2, 8, 8, gp.Type.F32)
     cache.init(capacity=8, n_seq_max=2, max_batch=4)

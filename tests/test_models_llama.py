@@ -69,6 +69,46 @@ def test_mistral_window_is_used(models):
     assert rel_err(full_attention, ref) > 1e-2      # the window matters for this prompt
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_the_model_makes_its_cache_and_the_runner_uses_it(models, flash):
+    """The model owns its cache recipe: mistral's window (the HF window minus the token itself), K/V
+    sizes from the heads, the layout and padding of the attention path, the model's RoPE as key shift;
+    the runner allocates that cache and never names a class."""
+    from ggmlpy.kvcache import Causal
+    from ggmlpy.models import Model
+
+    hf, path = models["mistral"]
+    with load_model(path) as model:
+        assert isinstance(model, Model)
+        cache = model.new_cache(gp.Type.BF16, gp.Type.F16, flash_attn=flash)
+        c = model.config
+        assert isinstance(cache, Causal)
+        assert (cache.n_layers, cache.n_embd_k, cache.n_embd_v, cache.n_head_kv) == \
+            (c.n_layer, c.head_dim * c.n_head_kv, c.head_dim * c.n_head_kv, c.n_head_kv)
+        assert (cache.dtype, cache.dtype_v, cache.window) == (gp.Type.BF16, gp.Type.F16,
+                                                               hf.config.sliding_window - 1)
+        assert (cache.v_trans, cache.padding) == ((False, 256) if flash else (True, 32))
+        assert cache.shift_fn == model.shift_fn and cache.runtime is None
+        with Runner(model, n_ctx=64, flash_attn=flash, type_k="bf16", type_v="f16") as rt:
+            assert (type(rt.cache), rt.cache.window, rt.cache.v_trans) == (Causal, cache.window, not flash)
+            assert rt.cache.runtime is rt.rt          # shift and defrag compute through the runner's runtime
+
+
+def test_the_registry_picks_the_class_by_architecture():
+    from ggmlpy.models import ARCHITECTURES, LlamaModel, model_class, register
+
+    assert {a: ARCHITECTURES[a] for a in ("llama", "mistral", "qwen2")} == dict.fromkeys(
+        ("llama", "mistral", "qwen2"), LlamaModel)
+    assert model_class("qwen2") is LlamaModel
+    with pytest.raises(UnknownArchitecture, match="'gpt2' is not supported .*llama.*qwen2"):
+        model_class("gpt2", "m.gguf")
+    with pytest.raises(UnknownArchitecture, match="no general.architecture"):
+        model_class(None, "m.gguf")
+    with pytest.raises(gp.GGMLValueError, match="registered twice"):
+        register("llama")(type("Other", (), {}))
+    assert ARCHITECTURES["llama"] is LlamaModel
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("flash", [False, True])
 def test_fused_weights_compute_the_unfused_logits(models, arch, flash):

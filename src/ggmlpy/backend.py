@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import numpy as np
 
@@ -597,8 +598,71 @@ class ProgressBar:
         self.stream.flush()
 
 
+class GraphPool:
+    """Built graphs kept for reuse by shape, as llama.cpp reuses its graph when only the inputs change.
+
+    A graph is keyed by what its topology depends on (batch size, output rows, the cache plan's
+    :attr:`key`, the kind of output). :meth:`take` hands out a pooled graph of that key or builds one;
+    :meth:`give` returns it after compute: ``keep`` per key (two: one computing while the next is
+    built), the ``shapes`` most recent keys. Thread-safe: the loop thread takes while the compute
+    thread gives.
+
+    Items need ``free()``; the pool sets their ``key``.
+    """
+
+    def __init__(self, enabled: bool = True, keep: int = 2, shapes: int = 16) -> None:
+        self.enabled = bool(enabled)
+        self.keep, self.shapes = int(keep), int(shapes)
+        self.built = 0                          # graphs built (not taken from the pool)
+        self._pools: dict = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple, build: Callable[[], Any]):
+        """A pooled graph of ``key``, or ``build()``'s."""
+        with self._lock:
+            pool = self._pools.get(key)
+            item = pool.pop() if pool else None
+        if item is None:
+            item = build()
+            item.key = key
+            self.built += 1
+        return item
+
+    def give(self, item) -> None:
+        """Keep a computed graph for reuse (or free it when the pool is full or disabled)."""
+        with self._lock:
+            pool = self._pools.setdefault(item.key, [])
+            if len(pool) < self.keep and self.enabled:
+                pool.append(item)
+                item = None
+            old = []
+            if len(self._pools) > self.shapes:  # shapes seen long ago
+                for key in list(self._pools)[:-self.shapes]:
+                    old += self._pools.pop(key)
+        for b in ([item] if item is not None else []) + old:
+            b.free()
+
+    def clear(self) -> None:
+        """Free every pooled graph (each one tried; the first error raised after)."""
+        with self._lock:
+            pools, self._pools = self._pools, {}
+        errors = []
+        for pool in pools.values():
+            for b in pool:
+                try:
+                    b.free()
+                except Exception as e:
+                    errors.append(e)
+        if errors:
+            raise errors[0]
+
+
 class Runtime:
     """One backend per device plus a scheduler over them, with worst-case reservation.
+
+    Every graph computes through :meth:`run` (allocation through the scheduler, inputs, compute),
+    the forward graphs and the cache's maintenance (shift, defragmentation) alike, so both work for
+    any device; :attr:`graphs` is the pool of forward graphs kept for reuse.
 
     Parameters
     ----------
@@ -609,11 +673,14 @@ class Runtime:
     threadpool : give the CPU backend a persistent threadpool (:meth:`ggmlpy.Backend.set_threadpool`), as
         llama.cpp's tools do, instead of ggml starting its threads for every graph
     poll : how eagerly the pool's idle threads poll for the next graph (0-100, llama-bench's ``--poll``)
+    reuse_graphs : keep built forward graphs for reuse (:class:`GraphPool`)
     """
 
     def __init__(self, devs: Sequence[Device], n_threads: int = 0, graph_size: int = 8192,
                  report: MemoryReport | None = None, parallel: bool = False, op_offload: bool = True,
-                 threadpool: bool = True, poll: int = 50):
+                 threadpool: bool = True, poll: int = 50, reuse_graphs: bool = True):
+        self.graphs = GraphPool(enabled=reuse_graphs)
+        self.graph_size = int(graph_size)
         self.devices = list(devs)
         if not self.devices or self.devices[-1].type != "CPU":
             self.devices = [d for d in self.devices if d.type != "CPU"] + [_core.device("CPU")]
@@ -675,6 +742,15 @@ class Runtime:
             log.info("%s compute buffer size = %.2f MiB", d.name, self.reserved[d.name] / 2**20)
         return dict(self.reserved)
 
+    def run(self, graph: Graph, fill: Callable[[], None] | None = None) -> None:
+        """Allocate ``graph`` through the scheduler (unless it keeps an allocation), ``fill()`` its
+        inputs, compute it."""
+        if not self.sched.is_allocated(graph):      # a reused graph keeps its allocation
+            self.sched.alloc_graph(graph)
+        if fill is not None:
+            fill()
+        self.compute(graph)
+
     def compute(self, graph: Graph) -> None:
         """Allocate and compute ``graph``; counts any growth of the compute buffers past the reservation."""
         self.sched.compute(graph)
@@ -684,7 +760,13 @@ class Runtime:
             log.warning("compute buffers grew past the reservation: %s", self.reserved)
 
     def close(self) -> None:
-        """Free the scheduler (its compute buffers) and the backends; safe to call twice."""
+        """Free the pooled graphs, the scheduler (its compute buffers) and the backends; safe to call twice."""
+        try:
+            self.graphs.clear()
+        finally:
+            self._close_sched()
+
+    def _close_sched(self) -> None:
         if self.sched is not None:
             self.sched.free()
             self.sched = None

@@ -42,7 +42,7 @@ import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
-from ggmlpy.kvcache import V_TRANS_TYPES, Causal, NotSupported
+from ggmlpy.kvcache import V_TRANS_TYPES, NotSupported
 from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
@@ -301,7 +301,6 @@ class Runner:
                 raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
         dtype_k, dtype_v, flash_attn = self.check_cache_types(type_k, type_v, flash_attn)
         self.model = model
-        cfg = model.config
         self.n_ctx = int(n_ctx)
         self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
@@ -312,11 +311,7 @@ class Runner:
         if pipeline is None:
             pipeline = any(d.type != "CPU" for d in model.placement.devices())
         self.pipeline = bool(pipeline)
-        window = cfg.sliding_window - 1 if cfg.sliding_window else None   # cache window excludes the token itself
-        self.cache = Causal(cfg.n_layer, cfg.head_dim * cfg.n_head_kv, cfg.head_dim * cfg.n_head_kv, dtype_k,
-                            dtype_v=dtype_v, window=window, padding=256 if self.flash_attn else 32,
-                            n_head_kv=cfg.n_head_kv, shift_fn=model.shift_fn,
-                            v_trans=not self.flash_attn)
+        self.cache = model.new_cache(dtype_k, dtype_v, flash_attn=self.flash_attn)    # the model's recipe
         self.report: MemoryReport = model.report
         # Every piece of state close() looks at exists before anything is allocated, so that a failed
         # start frees through the same path as close().
@@ -333,10 +328,7 @@ class Runner:
         self._closed_event = threading.Event()
         self._inflight = 0                     # batches launched and not yet completed
         self._direct_busy = 0
-        self._graphs: dict = {}
-        self._graphs_lock = threading.Lock()
         self.reuse_graphs = bool(reuse_graphs)
-        self.graphs_built = 0
         self.n_batches = 0
         self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
@@ -344,10 +336,10 @@ class Runner:
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
         try:
             self._check_host_memory()
-            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
-                            report=self.report)
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
-                              report=self.report)
+                              report=self.report, reuse_graphs=self.reuse_graphs)
+            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
+                            report=self.report, runtime=self.rt)
             self._reserve()
         except BaseException as e:
             self._closing = True
@@ -513,21 +505,20 @@ class Runner:
             a = b
         return out
 
+    @property
+    def graphs_built(self) -> int:
+        """Forward graphs built so far (not taken from the runtime's pool)."""
+        return self.rt.graphs.built if self.rt is not None else 0
+
     def _build(self, ub: _UBatch, embedding: bool) -> None:
         """Plan the cache for a micro-batch, commit its metadata and build its graph."""
         n = len(ub.tokens)
         n_out = max(1, len(ub.out_rows))
         plan = self.cache.start_forward(ub.positions, ub.seqs)
-        # A graph of the same shape (tokens, outputs, visible cell range) is reused with new inputs:
-        # with the visible range padded, consecutive one-token steps share one graph.
-        key = (n, n_out, plan.lo, plan.hi, embedding)
-        with self._graphs_lock:                 # the compute thread returns graphs to the pools
-            pool = self._graphs.get(key)
-            built = pool.pop() if pool else None
-        if built is None:
-            built = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding)
-            built.key = key
-            self.graphs_built += 1
+        # A graph of the same shape (tokens, outputs, the cache plan's visible ranges) is reused with new
+        # inputs: with the visible range padded, consecutive one-token steps share one graph.
+        built = self.rt.graphs.take((n, n_out, plan.key, embedding), lambda: self.model.build(
+            self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding))
         # Metadata is committed when the graph exists; the cells are written when it computes. A failed
         # compute clears the sequences involved (see _fail).
         try:
@@ -540,29 +531,13 @@ class Runner:
     def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
         """Allocate, fill the inputs, compute; the wanted output rows as numpy (rows, n_out_dim)."""
         b = ub.built
-        if not self.rt.sched.is_allocated(b.graph):      # a reused graph keeps its allocation
-            self.rt.sched.alloc_graph(b.graph)
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
-        b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows)
+        self.rt.run(b.graph, lambda: b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows))
         ub.plan = None          # its mask is uploaded: the micro-batches of a batch must not all hold one
-        self.rt.compute(b.graph)
         res = b.output.get() if len(ub.out_rows) else None
         ub.built = None
-        self._release_graph(b)
+        self.rt.graphs.give(b)
         return None if res is None else res.reshape(len(out_rows), -1)
-
-    def _release_graph(self, b) -> None:
-        """Keep a computed graph for reuse (two per shape: one computing, one being built)."""
-        with self._graphs_lock:                 # the loop thread takes graphs from the pools meanwhile
-            pool = self._graphs.setdefault(b.key, [])
-            if len(pool) < 2 and self.reuse_graphs:
-                pool.append(b)
-            else:
-                b.free()
-            if len(self._graphs) > 16:          # shapes seen long ago
-                for key in list(self._graphs)[:-16]:
-                    for old in self._graphs.pop(key):
-                        old.free()
 
     def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
                embeddings: bool = False) -> Optional[np.ndarray]:
@@ -968,7 +943,7 @@ class Runner:
             self.cache.remove(seq.slot, keep, keep + discard)
             seq.cached, seq.sb_cached = kept, kept_sb
         except NotSupported:
-            # the cache cannot shift (device memory, shared cells): re-process what is kept
+            # the cache cannot shift (no shift_fn, shared cells): re-process what is kept
             self.cache.clear(seq.slot)
             seq.cached, seq.sb_cached = [], []
             seq.pending = deque(kept + list(seq.pending))
@@ -1306,11 +1281,9 @@ class Runner:
         try:
             with self._lock:
                 self.closed = True
-                with self._graphs_lock:
-                    pools, self._graphs = self._graphs, {}
-                steps = [b.free for pool in pools.values() for b in pool]
+                steps = []
                 if self.rt is not None:
-                    steps.append(self.rt.close)
+                    steps.append(self.rt.close)      # with the graphs it pooled
                 steps.append(self.cache.close)
                 for step in steps:
                     try:

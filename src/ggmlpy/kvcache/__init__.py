@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
 from .cells import CacheStateError, Cells, NotSupported
-from .composite import Encoder, EncoderPlan, Wrapper, WrapperPlan
+from .composite import Encoder, EncoderForward, EncoderPlan, Wrapper, WrapperForward, WrapperPlan
 
-__all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Encoder", "EncoderPlan", "Forward", "ForwardPlan",
-           "KVCacheFull", "NotSupported", "Wrapper", "WrapperPlan"]
+__all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Encoder", "EncoderForward", "EncoderPlan", "Forward",
+           "ForwardPlan", "KVCacheFull", "NotSupported", "Wrapper", "WrapperForward", "WrapperPlan"]

@@ -88,14 +88,26 @@ class ForwardPlan:
         """Length of the visible cell range, ``hi - lo``."""
         return self.hi - self.lo
 
+    @property
+    def key(self) -> tuple:
+        """What a graph built for this plan depends on besides the batch size: the visible range."""
+        return (self.lo, self.hi)
+
 
 class Forward:
-    """The per-forward view of a cache, in the shape of Ollama's Cache protocol.
+    """One graph's view of a cache, in the shape of Ollama's Cache protocol: the cache's inputs plus put/get.
 
     Made by ``cache.forward(ctx, plan)``: ``set_layer(i)``, then ``put(k, v)``
-    and ``get()`` for that layer. The index and mask tensors are created once
-    and shared by every layer; ``pending`` collects the writes to expand into
-    the graph before anything that reads the cache.
+    and ``get()`` for that layer. The cache owns the graph's inputs it needs
+    (llama.cpp's ``build_input_k_idxs``/``set_input_kq_mask``): the I64
+    destination rows and the F16 mask, created once per graph and shared by
+    every layer. In a ``no_alloc`` context (a graph the scheduler allocates)
+    they are marked as inputs and filled by :meth:`fill` once allocated; in
+    an allocating context they are filled at once. ``pending`` collects the
+    writes to expand into the graph before anything that reads the cache.
+
+    A graph built for one plan is reused for another of the same
+    :attr:`ForwardPlan.key`: :meth:`fill` takes the new plan.
     """
 
     def __init__(self, cache, ctx: Context, plan) -> None:
@@ -104,6 +116,11 @@ class Forward:
         self.pending: list = []
         self._idx = None
         self._mask = None
+
+    @property
+    def v_trans(self) -> bool:
+        """Whether the current layer's V is stored transposed (see :class:`Causal`)."""
+        return self.cache.v_trans
 
     def set_layer(self, layer: int) -> Forward:
         self.layer = self.cache._check_layer(layer)
@@ -114,11 +131,19 @@ class Forward:
             raise GGMLValueError("call set_layer(i) first")
         return self.layer
 
+    def _input(self, type: Type, ne: tuple, name: str, data: np.ndarray) -> Tensor:
+        t = self.ctx.new_tensor(type, ne, name=name)
+        if self.ctx.no_alloc:
+            t.set_input()              # allocated by the scheduler, filled by fill()
+        else:
+            t.set(data)
+        return t
+
     def put(self, k: Tensor, v: Tensor) -> tuple:
         """Write this batch's K and V for the current layer (a batch-size mismatch raises ValueError)."""
         layer = self._need_layer()
         if self._idx is None:
-            self._idx = self.cache.index_tensor(self.ctx, self.plan)
+            self._idx = self._input(Type.I64, (self.plan.n_batch,), "kv_slots", self.plan.slots)
         out = self.cache.put(self.ctx, layer, self.plan, k, v, idx=self._idx)
         self.pending.extend(out)
         return out
@@ -127,8 +152,21 @@ class Forward:
         """``(k_view, v_view, mask)`` of the current layer."""
         layer = self._need_layer()
         if self._mask is None:
-            self._mask = self.cache.mask_tensor(self.ctx, self.plan)
+            self._mask = self._input(Type.F16, (self.plan.n_kv, self.plan.n_batch), "kv_mask", self.plan.mask)
         return self.cache.get(self.ctx, layer, self.plan, mask=self._mask)
+
+    def fill(self, plan=None) -> None:
+        """Upload the inputs of ``plan`` (default: the plan built with), e.g. after the scheduler allocated
+        the graph; ``plan`` must have this graph's :attr:`ForwardPlan.key` and batch size."""
+        if plan is not None:
+            if plan.key != self.plan.key or plan.n_batch != self.plan.n_batch:
+                raise GGMLValueError(f"fill: a plan of range {plan.key} and {plan.n_batch} rows for a graph built "
+                                     f"for {self.plan.key} and {self.plan.n_batch}")
+            self.plan = plan
+        if self._idx is not None:
+            self._idx.set(self.plan.slots)
+        if self._mask is not None:
+            self._mask.set(self.plan.mask)            # float16, as the tensor: one copy
 
 
 class Causal:
@@ -253,6 +291,7 @@ class Causal:
         self.report = None
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
+        self.runtime = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -280,7 +319,8 @@ class Causal:
     def n_cells(self) -> int:
         return self.cells.n_cells
 
-    def init(self, capacity: int, n_seq_max: int, max_batch: int, *, placement=None, report=None) -> None:
+    def init(self, capacity: int, n_seq_max: int, max_batch: int, *, placement=None, report=None,
+             runtime=None) -> None:
         """Size the cache and allocate zero-filled K/V for every layer.
 
         ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
@@ -292,9 +332,11 @@ class Causal:
         With ``placement`` (a :class:`ggmlpy.backend.Placement`), each layer's
         K/V live in a buffer on that layer's device and their bytes are
         recorded in ``report`` (a :class:`ggmlpy.backend.MemoryReport`) as
-        cache; otherwise they are host memory. Shift and defragmentation run on
-        the host, so on other devices they raise :class:`NotSupported` (the
-        caller clears and re-processes instead).
+        cache; otherwise they are host memory. Shift and defragmentation
+        compute through ``runtime`` (a :class:`ggmlpy.backend.Runtime` over the
+        cache's devices), so they run wherever the cache lives; without one
+        they run on the host, and a cache in device memory raises
+        :class:`NotSupported` for them (the caller clears and re-processes).
 
         Raises
         ------
@@ -305,6 +347,7 @@ class Causal:
             raise CacheStateError("kv cache: already initialised (close() it first)")
         capacity, n_seq_max, max_batch = int(capacity), int(n_seq_max), int(max_batch)
         n, self.memory = self._size(capacity, n_seq_max, max_batch)
+        self.runtime = runtime
         self.max_batch = max_batch
         k_row = self.dtype.row_size(self.n_embd_k)
         v_row = self.dtype_v.row_size(self.n_embd_v)
@@ -397,8 +440,31 @@ class Causal:
         self._ctx = self._placed[0]
 
     def _require_host(self, what: str) -> None:
-        if not all(t.is_host for t in (*self.keys, *self.values)):
-            raise NotSupported(f"{what} runs on the host; this cache lives in device memory")
+        if self.runtime is None and not all(t.is_host for t in (*self.keys, *self.values)):
+            raise NotSupported(f"{what} of a cache in device memory needs the runtime of its devices "
+                               "(init(..., runtime=...))")
+
+    def _maintain(self, nodes: int, host_bytes: int, build: Callable[[Context, object], list]) -> None:
+        """Build and compute one maintenance graph (shift, defragmentation) over the stored K/V.
+
+        ``build(ctx, gf)`` expands the graph and returns its inputs as ``(tensor, data)`` pairs. With a
+        runtime the graph is allocated and computed by its scheduler, on the devices holding the cache;
+        without one it computes on the host in a context of ``host_bytes``.
+        """
+        rt = self.runtime
+        if rt is None:
+            with Context(graph_overhead(nodes) + host_bytes) as ctx:
+                gf = ctx.new_graph(nodes)
+                for t, data in build(ctx, gf):
+                    t.set(data)
+                gf.compute(1)
+            return
+        with Context.for_tensors(nodes, graph_size=nodes, no_alloc=True) as ctx:
+            gf = ctx.new_graph(nodes)
+            inputs = build(ctx, gf)
+            for t, _ in inputs:
+                t.set_input()
+            rt.run(gf, lambda: [t.set(data) for t, data in inputs])
 
     def forward(self, ctx: Context, plan: ForwardPlan) -> Forward:
         """A :class:`Forward` for building this batch's graph layer by layer."""
@@ -417,6 +483,7 @@ class Causal:
         self._placed = None
         self._ctx = None
         self._cells = None
+        self.runtime = None
 
     def __repr__(self) -> str:
         n = None if self._cells is None else self._cells.n_cells
@@ -706,24 +773,23 @@ class Causal:
         hd = self.head_dim_k
         quantized = self.dtype not in (Type.F32, Type.F16)
         nodes = max(2048, 16 * self.n_layers + 64)
-        # Room for the offsets, the graph and, per layer, a few f32 copies of
-        # the chunk plus whatever tensors shift_fn creates.
+        # Room (on the host path) for the offsets and, per layer, a few f32 copies of the chunk plus
+        # whatever tensors shift_fn creates.
         per_layer = 3 * 4 * n * self.n_embd_k + 16 * (tensor_overhead() + 64)
-        size = graph_overhead(nodes) + self.n_layers * per_layer + 4 * n + 4096
-        with Context(size) as ctx:
+
+        def build(ctx, gf):
             pos = ctx.new_tensor(Type.I32, (n,), name="kv_shift_offsets")
-            pos.set(offsets)
-            gf = ctx.new_graph(nodes)
             for layer, cache in enumerate(self.keys):
                 row = cache.nb[1]
-                view = ctx.view(cache, (hd, self.n_head_kv, n), (self.dtype.row_size(hd), row),
-                                start * row)
+                view = ctx.view(cache, (hd, self.n_head_kv, n), (self.dtype.row_size(hd), row), start * row)
                 src = ctx.cast(view, Type.F32) if quantized else view
                 out = self.shift_fn(ctx, layer, src, pos)
                 if not isinstance(out, Tensor):
                     raise GGMLTypeError(f"shift_fn must return a Tensor, got {type(out).__name__}")
                 gf.build_forward_expand(ctx.cpy(out, view))
-            gf.compute(1)
+            return [(pos, offsets)]
+
+        self._maintain(nodes, self.n_layers * per_layer + 4 * n + 4096, build)
 
     def fragmentation(self) -> float:
         """``1 - used / (last live cell + 1)``; 0 when empty or compact."""
@@ -747,14 +813,15 @@ class Causal:
         if not moves:
             return moves
         self._require_host("defragmentation")
+        if self.runtime is not None:           # a graph must fit the scheduler
+            max_nodes = min(int(max_nodes), self.runtime.graph_size // 2)
         per_move = 6 * self.n_layers
         batch = max(1, (int(max_nodes) - 2 * self.n_layers) // per_move)
         for i in range(0, len(moves), batch):
             group = moves[i:i + batch]
             nodes = len(group) * per_move + 2 * self.n_layers + 16
-            size = graph_overhead(nodes) + (nodes + 16) * (tensor_overhead() + 64) + 4096
-            with Context(size) as ctx:
-                gf = ctx.new_graph(nodes)
+
+            def build(ctx, gf, group=group):
                 for src, dst, n in group:
                     for t in (*self.keys, *self.values):
                         row = t.nb[1]
@@ -767,7 +834,9 @@ class Causal:
                             a = ctx.view(t, (t.ne[0], n), (row,), src * row)
                             b = ctx.view(t, (t.ne[0], n), (row,), dst * row)
                         gf.build_forward_expand(ctx.cpy(a, b))
-                gf.compute(1)
+                return []
+
+            self._maintain(nodes, (nodes + 16) * (tensor_overhead() + 64) + 4096, build)
         cells.apply_defrag(moves)
         return moves
 

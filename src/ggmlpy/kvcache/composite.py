@@ -16,7 +16,7 @@ from ggmlpy._core import Context, GGMLTypeError, GGMLValueError, Tensor, Type, t
 from .causal import Causal
 from .cells import _INT32_MAX, CacheStateError, NotSupported, _int_array
 
-__all__ = ["Encoder", "EncoderPlan", "Wrapper", "WrapperPlan"]
+__all__ = ["Encoder", "EncoderForward", "EncoderPlan", "Wrapper", "WrapperForward", "WrapperPlan"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,49 @@ class WrapperPlan:
 
     def __len__(self) -> int:
         return len(self.plans)
+
+    @property
+    def key(self) -> tuple:
+        """The wrapped plans' keys (what a graph built for this plan depends on)."""
+        return tuple(p.key for p in self.plans)
+
+
+class WrapperForward:
+    """One graph's view of a :class:`Wrapper`: one forward per wrapped cache, each layer routed to its own."""
+
+    def __init__(self, wrapper: Wrapper, ctx: Context, plan: WrapperPlan) -> None:
+        wrapper._check_plan(plan)
+        self.wrapper = wrapper
+        self.parts = [c.forward(ctx, p) for c, p in zip(wrapper.caches, plan.plans)]
+        self._part = None
+
+    @property
+    def pending(self) -> list:
+        return [t for f in self.parts for t in f.pending]
+
+    @property
+    def v_trans(self) -> bool:
+        return self._current().v_trans
+
+    def _current(self):
+        if self._part is None:
+            raise GGMLValueError("call set_layer(i) first")
+        return self._part
+
+    def set_layer(self, layer: int) -> WrapperForward:
+        _cache, local = self.wrapper.route(layer)
+        self._part = self.parts[self.wrapper.layer_to_cache[int(layer)]].set_layer(local)
+        return self
+
+    def put(self, k: Tensor, v: Tensor) -> tuple:
+        return self._current().put(k, v)
+
+    def get(self) -> tuple:
+        return self._current().get()
+
+    def fill(self, plan: Optional[WrapperPlan] = None) -> None:
+        for i, f in enumerate(self.parts):
+            f.fill(None if plan is None else plan.plans[i])
 
 
 class Wrapper:
@@ -101,6 +144,14 @@ class Wrapper:
         if not isinstance(plan, WrapperPlan) or len(plan) != len(self.caches):
             raise GGMLTypeError("plan must be a WrapperPlan from this Wrapper")
 
+    def forward(self, ctx: Context, plan: WrapperPlan) -> WrapperForward:
+        """A :class:`WrapperForward` for building this batch's graph layer by layer."""
+        return WrapperForward(self, ctx, plan)
+
+    @property
+    def v_trans(self) -> bool:
+        return any(getattr(c, "v_trans", False) for c in self.caches)
+
     def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> WrapperPlan:
         """Plan the batch on every cache; changes nothing (an error leaves nothing to unwind)."""
         return WrapperPlan(tuple(c.start_forward(positions, seq_ids, reserve, **kw)
@@ -144,6 +195,8 @@ class Wrapper:
         for c in self.caches:
             c.copy_prefix(src, dst, length)
 
+    # one file, each wrapped cache's section in order (an Encoder among them raises NotSupported)
+
     def clear(self, seq: Optional[int] = None) -> None:
         for c in self.caches:
             c.clear(seq)
@@ -159,6 +212,37 @@ class EncoderPlan:
     pos: int
     reserve: bool
     wrote: bool = False
+
+    @property
+    def key(self) -> tuple:
+        return ()
+
+
+class EncoderForward:
+    """One graph's view of an :class:`Encoder`: no inputs of its own (no slots, no mask)."""
+
+    v_trans = False
+
+    def __init__(self, cache: Encoder, ctx: Context, plan: EncoderPlan) -> None:
+        self.cache, self.ctx, self.plan = cache, ctx, plan
+        self.layer: Optional[int] = None
+        self.pending: list = []
+
+    def set_layer(self, layer: int) -> EncoderForward:
+        self.layer = self.cache._check_layer(layer)
+        return self
+
+    def put(self, k: Tensor, v: Tensor) -> tuple:
+        out = self.cache.put(self.ctx, self.layer, self.plan, k, v)
+        self.pending.extend(out)
+        return out
+
+    def get(self) -> tuple:
+        return self.cache.get(self.ctx, self.layer, self.plan)
+
+    def fill(self, plan=None) -> None:
+        if plan is not None:
+            self.plan = plan
 
 
 class Encoder:
@@ -210,6 +294,9 @@ class Encoder:
         if not 0 <= layer < self.n_layers:
             raise GGMLValueError(f"layer {layer} out of range [0, {self.n_layers})")
         return layer
+
+    def forward(self, ctx: Context, plan: EncoderPlan) -> EncoderForward:
+        return EncoderForward(self, ctx, plan)
 
     def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> EncoderPlan:
         """Plan a batch; the encoder position is the batch's last position (or ``encoder_pos``)."""

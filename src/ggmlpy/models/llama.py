@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 
-from ggmlpy._core import Context, GGMLValueError, Graph, RopeType, Tensor, Type
+from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
 from ggmlpy.backend import MemoryReport, Placement, Weights, choose_devices, split_layers
 from ggmlpy.gguf import (
     _REQUIRED,
@@ -43,23 +41,21 @@ from ggmlpy.gguf import (
     meta_str,
     open_data,
 )
+from ggmlpy.kvcache import Causal
 
-__all__ = ["ARCHITECTURES", "BuiltGraph", "LlamaConfig", "LlamaModel", "MissingTensor", "UnknownArchitecture",
-           "load_model"]
+from .base import BuiltGraph, UnknownArchitecture, register
 
-#: Supported ``general.architecture`` values and their RoPE layout.
+__all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
+
 _log = logging.getLogger("ggmlpy")
 
-ARCHITECTURES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
+#: The ``general.architecture`` values this module builds, and their RoPE layout.
+_ROPE_TYPES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
 
 # llama.cpp's LLAMA_FTYPE numbers (general.file_type) and the names llama-bench prints.
 _FTYPE_NAMES = {0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K - Medium",
                 11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large", 14: "Q4_K - Small",
                 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K", 32: "BF16"}
-
-
-class UnknownArchitecture(GGMLValueError):
-    """The GGUF file's ``general.architecture`` is not one this module builds."""
 
 
 class MissingTensor(GGMLValueError):
@@ -123,9 +119,9 @@ class LlamaConfig:
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
             raise UnknownArchitecture(f"{path}: no general.architecture in the file")
-        if arch not in ARCHITECTURES:
-            raise UnknownArchitecture(f"{path}: architecture {arch!r} is not supported "
-                                      f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+        if arch not in _ROPE_TYPES:
+            raise UnknownArchitecture(f"{path}: architecture {arch!r} is not a llama-family architecture "
+                                      f"({', '.join(sorted(_ROPE_TYPES))})")
 
         # llama.cpp allows an array (one value per layer) for these; we build uniform layers only
         per_layer = {"attention.head_count", "attention.head_count_kv", "feed_forward_length"}
@@ -196,7 +192,7 @@ class LlamaConfig:
         return cls(
             arch=arch, n_vocab=vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
             n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, rms_eps=rms_eps, rope_base=rope_base,
-            rope_dim=rope_dim, rope_mode=int(ARCHITECTURES[arch]), rope_scaling=scaling, rope_freq_scale=freq_scale,
+            rope_dim=rope_dim, rope_mode=int(_ROPE_TYPES[arch]), rope_scaling=scaling, rope_freq_scale=freq_scale,
             rope_ext_factor=ext_factor, rope_attn_factor=attn_factor, n_ctx_orig=n_ctx_orig, sliding_window=window,
             eos_token_ids=eos_ids, bos_token_id=tok["bos"], file_type=ft)
 
@@ -232,34 +228,6 @@ class LlamaConfig:
             raise GGMLValueError(f"{path}: bad hyperparameters: " + "; ".join(bad))
 
 
-@dataclass
-class BuiltGraph:
-    """One forward graph and its input tensors (set them after the scheduler allocated the graph)."""
-
-    ctx: Context
-    graph: Graph
-    tokens: Tensor
-    positions: Tensor
-    kv_idx: Tensor
-    kv_mask: Tensor
-    out_ids: Tensor
-    output: Tensor           # logits (n_vocab, n_out) or hidden states (n_embd, n_out) for embeddings
-    n_tokens: int
-    n_out: int
-    key: tuple = ()
-
-    def set_inputs(self, tokens, positions, plan, out_ids) -> None:
-        """Fill the inputs: token ids, positions, the cache plan's slots and mask, the output rows."""
-        self.tokens.set(np.asarray(tokens, dtype=np.int32))
-        self.positions.set(np.asarray(positions, dtype=np.int32))
-        self.kv_idx.set(np.asarray(plan.slots, dtype=np.int64))
-        self.kv_mask.set(plan.mask)             # float16, as the tensor: one copy
-        self.out_ids.set(np.asarray(out_ids, dtype=np.int32))
-
-    def free(self) -> None:
-        self.ctx.free()
-
-
 def _size_label(n: int) -> str:
     """``110M``, ``1.1B``, ``7B``; one decimal below 10 of the unit."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -269,6 +237,7 @@ def _size_label(n: int) -> str:
     return str(n)
 
 
+@register(*_ROPE_TYPES)
 class LlamaModel:
     """A llama-family model: weights on their devices plus the graph builder.
 
@@ -542,6 +511,25 @@ class LlamaModel:
         """Nodes plus leafs a forward graph may use (with headroom)."""
         return 64 * self.config.n_layer + 256
 
+    def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True) -> Causal:
+        """This model's cache, not yet allocated (the caller sizes it with ``cache.init(...)``).
+
+        One :class:`~ggmlpy.kvcache.Causal` for every layer, with the model's sliding window (mistral)
+        and its RoPE as the key shift. ``flash_attn`` picks the layout the attention path reads: V in
+        rows (flash attention; the visible range padded to 256 cells) or V transposed for ``mul_mat``
+        (padded to 32).
+        """
+        c = self.config
+        window = c.sliding_window - 1 if c.sliding_window else None   # the cache's window excludes the token
+        return Causal(c.n_layer, c.head_dim * c.n_head_kv, c.head_dim * c.n_head_kv, type_k, dtype_v=type_v,
+                      window=window, padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
+                      shift_fn=self.shift_fn, v_trans=not flash_attn)
+
+    @classmethod
+    def read_config(cls, reader, path: str = "") -> LlamaConfig:
+        """The hyperparameters of an open file, checked against its tensors (before anything is sized)."""
+        return _config(reader, path)
+
     def build(self, cache, plan, n_tokens: int, n_out: int, *, flash_attn: bool = False,
               embeddings: bool = False) -> BuiltGraph:
         """Build the forward graph for a batch of ``n_tokens`` through ``cache`` with ``plan``.
@@ -560,15 +548,13 @@ class LlamaModel:
         ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
         tokens = ctx.new_tensor(Type.I32, (n,), name="inp_tokens").set_input()
         pos = ctx.new_tensor(Type.I32, (n,), name="inp_pos").set_input()
-        kv_idx = ctx.new_tensor(Type.I64, (n,), name="kv_slots").set_input()
-        kv_mask = ctx.new_tensor(Type.F16, (plan.n_kv, n), name="kv_mask").set_input()
+        memory = cache.forward(ctx, plan)           # the cache's own inputs: destination rows, mask
         # always present (even when every row is output) so that every graph has the topology the
         # worst-case reservation measured
         out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input()
         ff = w["rope_freqs.weight"] if self.has_rope_freqs else None
         scale = 1.0 / math.sqrt(c.head_dim)
         n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        pending = []
         x = ctx.get_rows(w["token_embd.weight"], tokens)
         for il in range(c.n_layer):
             p = f"blk.{il}."
@@ -595,15 +581,15 @@ class LlamaModel:
                 v = ctx.reshape(v, (c.head_dim, c.n_head_kv, n))
             q = self.rope(ctx, q, pos, ff)
             k = self.rope(ctx, k, pos, ff)
-            pending.extend(cache.put(ctx, il, plan, k, v, idx=kv_idx))
-            kv_k, kv_v, mask = cache.get(ctx, il, plan, mask=kv_mask)
+            memory.set_layer(il).put(k, v)
+            kv_k, kv_v, mask = memory.get()
             qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
             if flash_attn:
                 o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale)     # (head_dim, n_head, n)
                 o = ctx.reshape(o, (c.head_dim * c.n_head, n))
             else:
                 kq = ctx.soft_max_ext(ctx.mul_mat(kv_k, qp), mask, scale=scale)   # (n_kv, n, n_head)
-                if cache.v_trans:
+                if memory.v_trans:
                     o = ctx.mul_mat(kv_v, kq)                                   # (head_dim, n, n_head)
                 else:
                     o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
@@ -628,10 +614,10 @@ class LlamaModel:
             out = ctx.mul_mat(w["token_embd.weight" if self.tied_output else "output.weight"], x)
         out.set_output()
         gf = ctx.new_graph(size)
-        for t in pending:                 # cache writes before anything reads the cache
+        for t in memory.pending:          # cache writes before anything reads the cache
             gf.build_forward_expand(t)
         gf.build_forward_expand(out)
-        return BuiltGraph(ctx, gf, tokens, pos, kv_idx, kv_mask, out_ids, out, n, n_out)
+        return BuiltGraph(ctx, gf, tokens, pos, memory, out_ids, out, n, n_out)
 
     # ------------------------------------------------------------------ misc
 
@@ -792,64 +778,3 @@ def _config(reader, path: str) -> LlamaConfig:
             raise MetadataError(path, key, f"the metadata gives {want} {what}, but {tname} has "
                                            f"ne={reader.tensor_info(tname).ne}")
     return cfg
-
-
-def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
-               progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
-               load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True,
-               fuse: bool = True) -> LlamaModel:
-    """Open a GGUF file, place and allocate its weights, and load them.
-
-    Parameters
-    ----------
-    path : the GGUF file
-    devices : ``"cpu"``, ``"auto"`` or device names (see :func:`ggmlpy.backend.choose_devices`)
-    n_gpu_layers : how many of the last layers go to accelerators (-1: all)
-    progress : ``progress(done_bytes, total_bytes)`` while loading (e.g. ``backend.ProgressBar()``)
-    rpc : RPC server endpoints to add
-    load : False to stop after allocation (the memory report is then available; call ``model.load()``)
-    check_tensors : check every weight for NaN/inf while loading (a few rows of each are always checked)
-    mmap : read the weights through a memory map of the file (llama.cpp's mmap load mode; they are still
-        copied into ggmlpy's weight buffers: no zero-copy use of the mapping) instead of with read(2)
-    repack : put matrix weights in the CPU's extra buffer types where ggml has kernels for them (as
-        llama.cpp's ``--repack 1``, its default: Q4_0 1.8x the prompt speed on an AVX-512 CPU);
-        False keeps every weight in plain memory, where it can be read back
-    fuse : concatenate each layer's Q/K/V and gate/up weights into one matrix each where their types
-        agree (fewer, larger matrix products; the same results); see :class:`LlamaModel`
-
-    Raises
-    ------
-    FileNotFoundError, ggmlpy.gguf.GGUFError
-        No file, or not a valid GGUF file: a corrupt header, a tensor table that does not tile the
-        file, a tensor the hyperparameters leave unused, weights that are not finite or do not look
-        like their type.
-    ggmlpy.gguf.MetadataError, ggmlpy.gguf.MetadataTypeError
-        A hyperparameter missing, out of range, not finite, of the wrong type, or contradicting the
-        file's tensors (``block_count`` vs. the ``blk.N`` layers present, sizes vs. shapes); the
-        message names the key and the file. Checked before anything is sized from it.
-    UnknownArchitecture, MissingTensor, GGMLValueError
-        The file is not a llama-family model this module can build.
-    GGMLMemoryError
-        A device has no room for its weights (``.report`` says what was needed).
-    """
-    from ggmlpy import gguf
-
-    reader = gguf.GGUFReader(path)
-    try:
-        n_layer = _config(reader, str(path)).n_layer      # the placement needs the layer count first
-        devs = choose_devices(devices, rpc=rpc)
-        placement = split_layers(n_layer, devs, n_gpu_layers)
-        model = LlamaModel(reader, placement, repack=repack, fuse=fuse)
-    except BaseException:
-        reader.close()
-        raise
-    if load:
-        try:
-            model.load(progress, check_tensors, mmap=mmap)
-        except BaseException:
-            model.close()
-            raise
-    return model
-
-
-

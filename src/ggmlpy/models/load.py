@@ -1,0 +1,72 @@
+"""Opening a model file: the architecture's class from the registry, placement, allocation, loading."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Callable, Optional
+
+from ggmlpy.backend import choose_devices, split_layers
+from ggmlpy.gguf import GGUFReader
+
+from . import llama  # noqa: F401  (registers the llama family)
+from .base import Model, model_class
+
+__all__ = ["load_model"]
+
+
+def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
+               progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
+               load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True,
+               fuse: bool = True) -> Model:
+    """Open a GGUF file, pick its architecture's model class, place and allocate its weights, and load them.
+
+    Parameters
+    ----------
+    path : the GGUF file
+    devices : ``"cpu"``, ``"auto"`` or device names (see :func:`ggmlpy.backend.choose_devices`)
+    n_gpu_layers : how many of the last layers go to accelerators (-1: all)
+    progress : ``progress(done_bytes, total_bytes)`` while loading (e.g. ``backend.ProgressBar()``)
+    rpc : RPC server endpoints to add
+    load : False to stop after allocation (the memory report is then available; call ``model.load()``)
+    check_tensors : check every weight for NaN/inf while loading (a few rows of each are always checked)
+    mmap : read the weights through a memory map of the file (llama.cpp's mmap load mode; they are still
+        copied into ggmlpy's weight buffers: no zero-copy use of the mapping) instead of with read(2)
+    repack : put matrix weights in the CPU's extra buffer types where ggml has kernels for them (as
+        llama.cpp's ``--repack 1``, its default: Q4_0 1.8x the prompt speed on an AVX-512 CPU);
+        False keeps every weight in plain memory, where it can be read back
+    fuse : concatenate each layer's Q/K/V and gate/up weights into one matrix each where their types
+        agree (fewer, larger matrix products; the same results); see :class:`LlamaModel`
+
+    Raises
+    ------
+    FileNotFoundError, ggmlpy.gguf.GGUFError
+        No file, or not a valid GGUF file: a corrupt header, a tensor table that does not tile the
+        file, a tensor the hyperparameters leave unused, weights that are not finite or do not look
+        like their type.
+    ggmlpy.gguf.MetadataError, ggmlpy.gguf.MetadataTypeError
+        A hyperparameter missing, out of range, not finite, of the wrong type, or contradicting the
+        file's tensors (``block_count`` vs. the ``blk.N`` layers present, sizes vs. shapes); the
+        message names the key and the file. Checked before anything is sized from it.
+    UnknownArchitecture, MissingTensor, GGMLValueError
+        The file's architecture has no model class, or uses a variant it cannot build.
+    GGMLMemoryError
+        A device has no room for its weights (``.report`` says what was needed).
+    """
+    reader = GGUFReader(path)
+    try:
+        cls = model_class(reader.metadata.get("general.architecture"), str(path))
+        n_layer = cls.read_config(reader, str(path)).n_layer      # the placement needs the layer count first
+        devs = choose_devices(devices, rpc=rpc)
+        placement = split_layers(n_layer, devs, n_gpu_layers)
+        model = cls(reader, placement, repack=repack, fuse=fuse)
+    except BaseException:
+        reader.close()
+        raise
+    if load:
+        try:
+            model.load(progress, check_tensors, mmap=mmap)
+        except BaseException:
+            model.close()
+            raise
+    return model
