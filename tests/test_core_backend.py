@@ -308,3 +308,27 @@ def test_dropping_memory_of_a_dead_rpc_server_does_not_abort():
     # the scheduler's buffers (checked by disabling it).
     out = subprocess.run([sys.executable, "-c", DEAD_SERVER_SCRIPT], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "survived" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+@pytest.mark.rpc
+@pytest.mark.parametrize("type_", [gp.Type.Q8_0, gp.Type.BF16, gp.Type.F32])
+def test_get_bytes_reads_what_set_bytes_wrote_host_and_remote(rpc_server, type_):
+    """get_bytes is set_bytes' counterpart: the stored bytes of any type (no conversion), from any offset, on
+    the host and on an RPC device; a range past the end is refused."""
+    row = type_.row_size(64)
+    raw = np.random.default_rng(5).integers(0, 256, 4 * row, dtype=np.uint8)     # any bytes: stored as given
+    host = gp.Context(1 << 20).new_tensor(type_, (64, 4))
+    dev = c.rpc_add_server(rpc_server)[0]
+    ctx = gp.Context.for_tensors(1, no_alloc=True)
+    remote = ctx.new_tensor(type_, (64, 4))
+    buf = c.alloc_ctx_tensors(ctx, dev.buffer_type())
+    for t in (host, remote):
+        t.set_bytes(raw)
+        assert t.get_bytes().tobytes() == raw.tobytes()
+        assert t.get_bytes(row, 2 * row).tobytes() == raw[row:3 * row].tobytes()
+        assert t.get_bytes(4 * row).size == 0
+        with pytest.raises(gp.GGMLValueError, match="do not fit"):
+            t.get_bytes(row, 4 * row)
+        with pytest.raises(gp.GGMLValueError, match="past"):
+            t.get_bytes(4 * row + 1)
+    del buf

@@ -632,6 +632,61 @@ cdef class Tensor:
         finally:
             _unhold(held)
 
+    def get_bytes(self, offset=0, size=None):
+        """Read raw bytes (the tensor's type and layout, as stored) from byte ``offset``: ``uint8[size]``.
+
+        The counterpart of :meth:`set_bytes`: quantized and BF16 data come out
+        as stored (no conversion), host or device memory alike (device reads
+        release the GIL). ``size`` None reads to the end. The tensor must be
+        contiguous.
+
+        Raises
+        ------
+        GGMLValueError
+            Out of range, not contiguous, no memory, or repacked weights (their
+            layout is the backend's own).
+
+        Examples
+        --------
+        >>> ctx = Context(1 << 20)
+        >>> ctx.from_numpy(np.arange(3, dtype=np.int16)).get_bytes(2).tolist()
+        [1, 0, 2, 0]
+        """
+        cdef g.ggml_tensor * p = self.ptr
+        cdef Py_buffer dst
+        cdef size_t off, n, total
+        self._data("get_bytes")
+        held = _hold(self.ctx)
+        try:
+            if not g.ggml_is_contiguous(p):
+                raise GGMLValueError("get_bytes: the tensor must be contiguous")
+            if p.data == NULL:
+                raise GGMLValueError(f"get_bytes: tensor {p.name.decode(errors='replace')!r} has no memory")
+            total = g.ggml_nbytes(p)
+            off = _index(offset, "get_bytes", "offset", _K_SIZE)
+            if off > total:
+                raise GGMLValueError(f"get_bytes: offset {off} is past the tensor's {total} bytes")
+            n = total - off if size is None else _index(size, "get_bytes", "size", _K_SIZE)
+            if n > total - off:
+                raise GGMLValueError(f"get_bytes: {n} bytes at offset {off} do not fit a tensor of {total} bytes")
+            out = _np_empty(n, np.uint8)
+            if n == 0:
+                return out
+            PyObject_GetBuffer(out, &dst, PyBUF_WRITABLE)
+            try:
+                if _device_tensor(p):
+                    _check_repacked_read(p, "get_bytes")
+                    with nogil:
+                        g.ggml_backend_tensor_get(p, dst.buf, off, n)
+                    _rpc_check("get_bytes")
+                else:
+                    _copy_bytes(dst.buf, <char *> p.data + off, n)
+            finally:
+                PyBuffer_Release(&dst)
+            return out
+        finally:
+            _unhold(held)
+
     def set_bytes(self, data, offset=0):
         """Write raw bytes (already in the tensor's type and layout) at byte ``offset``.
 

@@ -7,7 +7,9 @@
   defragmentation;
 * :mod:`~ggmlpy.kvcache.composite`: :class:`Wrapper` (layers routed to
   several caches, for interleaved sliding-window models) and
-  :class:`Encoder` (K/V stored once per input).
+  :class:`Encoder` (K/V stored once per input);
+* :mod:`~ggmlpy.kvcache.state`: save and load one sequence's K/V
+  (``cache.save_seq`` / ``cache.load_seq``, :class:`StateError`).
 
 A model makes the cache it needs (``model.new_cache(...)``); the runner never
 names a cache class.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
 from .cells import CacheStateError, Cells, NotSupported
 from .composite import Encoder, EncoderForward, EncoderPlan, Wrapper, WrapperForward, WrapperPlan
+from .state import StateError
 
 __all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Encoder", "EncoderForward", "EncoderPlan", "Forward",
-           "ForwardPlan", "KVCacheFull", "NotSupported", "Wrapper", "WrapperForward", "WrapperPlan"]
+           "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]

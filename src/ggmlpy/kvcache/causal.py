@@ -844,6 +844,18 @@ class Causal:
         """Make ``dst`` share the first ``length`` positions of ``src`` (metadata only)."""
         self.cells.copy_prefix(src, dst, length)
 
+    def save_seq(self, seq: int, file, meta: Optional[dict] = None) -> int:
+        """Write what ``seq`` holds (every wrapped cache's, for a Wrapper) and ``meta`` to ``file`` (a path
+        or binary file object); returns the bytes written. See :mod:`ggmlpy.kvcache.state`."""
+        from .state import save_seq
+        return save_seq(self, seq, file, meta)
+
+    def load_seq(self, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
+        """Replace what ``seq`` holds with a state from :meth:`save_seq`, validated first (``StateError`` or
+        ``KVCacheFull``, nothing changed); returns its meta. See :mod:`ggmlpy.kvcache.state`."""
+        from .state import load_seq
+        return load_seq(self, seq, file, expect_meta)
+
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether ``seq`` can continue at ``pos`` from the stored cells.
 

@@ -196,6 +196,10 @@ class Wrapper:
             c.copy_prefix(src, dst, length)
 
     # one file, each wrapped cache's section in order (an Encoder among them raises NotSupported)
+    save_seq = Causal.save_seq
+    load_seq = Causal.load_seq
+
+    # one file, each wrapped cache's section in order (an Encoder among them raises NotSupported)
 
     def clear(self, seq: Optional[int] = None) -> None:
         for c in self.caches:

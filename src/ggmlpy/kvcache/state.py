@@ -1,0 +1,492 @@
+"""Save and load the K/V of one sequence: :func:`save_seq`, :func:`load_seq` (``Causal.save_seq`` and friends).
+
+The file holds what one sequence has stored in a cache (a :class:`~ggmlpy.kvcache.Causal`, or every cache
+of a :class:`~ggmlpy.kvcache.Wrapper`), with the cache configuration it is only meaningful in and a
+caller's ``meta`` dict (a runner puts its token ids and a model fingerprint there). It is loaded into the
+same or another cache of the same configuration, under the same or another sequence id.
+
+File format (version 1)
+-----------------------
+All integers little-endian; K/V data as the cache stores it (ggml's in-memory layout).
+
+=============  ====================================================================================
+bytes          content
+=============  ====================================================================================
+8              magic ``b"GGMLKVSQ"``
+4              ``uint32`` format version (:data:`VERSION`)
+4              ``uint32`` length ``H`` of the header
+``H``          header: a UTF-8 JSON object (below)
+per cache      a section for each entry of ``header["caches"]``, in order (below)
+32             SHA-256 of every byte before it
+=============  ====================================================================================
+
+The header::
+
+    {"format": "ggmlpy.kvcache.seq", "kind": "Causal" | "Wrapper", "seq": <saved sequence id>,
+     "layer_to_cache": [...] (Wrapper only), "meta": {... the caller's dict ...},
+     "caches": [{"n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v" (ggml type names),
+                 "v_trans", "window", "chunk", "memory", "k_row_bytes", "v_row_bytes", "count"}, ...]}
+
+``count`` is the number of cells the sequence holds in that cache. A section is then, with ``n =
+count`` and the sequence's cells in increasing position order:
+
+* ``int32[n]``: their positions, strictly increasing;
+* for every layer ``0 .. n_layers - 1``: K, ``n`` rows of ``k_row_bytes`` (each a cell's ``n_embd_k``
+  values in ``type_k``), then V: ``n`` rows of ``v_row_bytes`` or, with ``v_trans``, the
+  sequence's columns of the transposed V, ``n_embd_v`` rows (one per channel) of ``n`` elements.
+
+Cells shared with other sequences (a forked prefix) are saved as the sequence's own.
+
+Loading
+-------
+:func:`load_seq` validates the whole file first: magic, version, header, the configuration (every key
+but ``memory`` and ``count`` must equal the cache's; for a Wrapper also the layer routing), the exact
+size, the checksum, the positions, ``expect_meta``, and that the cells fit (the sequence's current
+cells, unless shared, count as free). Any problem raises :class:`StateError` (:class:`KVCacheFull`
+when the cells do not fit) and nothing has changed. Then the sequence is cleared, its cells are found
+anywhere with :meth:`Cells.find_slots`, the rows written there and the metadata committed last.
+
+A cache whose sliding window evicts (``memory`` set after ``init``) gets only what it could hold itself
+after a batch ending at the sequence's last position: ``pos >= max(pos) + 1 - memory - max_batch``
+(older positions are dropped, so a state saved from a cache of more memory fits; the same configuration
+loads everything). The window, the chunk and the head layout must match; the memory need not (it follows
+``init``'s sizing).
+
+Host caches (and caches placed on the CPU) are read and written in place. A cache in device memory is
+read with ``Tensor.get_bytes`` and written with ``Tensor.set_bytes``, bytes as stored (any type), one
+transfer per run of consecutive cells (a transposed V: the whole tensor).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import struct
+from contextlib import contextmanager
+from typing import Optional
+
+import numpy as np
+
+from ggmlpy._core import GGMLTypeError, GGMLValueError, Tensor
+
+from .causal import Causal, KVCacheFull
+from .cells import _INT32_MAX, NotSupported
+
+__all__ = ["MAGIC", "VERSION", "StateError", "load_seq", "save_seq"]
+
+#: First bytes of a sequence state file.
+MAGIC = b"GGMLKVSQ"
+#: Format version written; a loader refuses a newer one.
+VERSION = 1
+
+_PRE = struct.Struct("<8sII")       # magic, version, header length
+_DIGEST = hashlib.sha256().digest_size
+_CHUNK = 1 << 24
+_FORMAT = "ggmlpy.kvcache.seq"
+# configuration keys that must equal the loading cache's (memory follows init's sizing, count is data)
+_COMPARED = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v", "v_trans", "window", "chunk",
+             "k_row_bytes", "v_row_bytes")
+
+
+class StateError(GGMLValueError):
+    """A sequence state file is damaged, of another format version, or made for another configuration.
+
+    Raised by :func:`load_seq` before anything changed (and by :func:`save_seq` for a sequence that holds
+    a position twice); the message names what is wrong.
+    """
+
+
+# ---------------------------------------------------------------------------------------------- caches
+
+
+def _caches(cache) -> tuple[str, list, Optional[list]]:
+    """``(kind, the Causal caches, layer routing or None)`` of a Causal or a Wrapper."""
+    if isinstance(cache, Causal):
+        return "Causal", [cache], None
+    from .composite import Wrapper
+
+    if isinstance(cache, Wrapper):
+        bad = [type(c).__name__ for c in cache.caches if not isinstance(c, Causal)]
+        if bad:
+            raise NotSupported(f"sequence state: a Wrapper of {', '.join(bad)} has no per-sequence state to save")
+        return "Wrapper", list(cache.caches), list(cache.layer_to_cache)
+    raise GGMLTypeError(f"sequence state: a Causal or Wrapper cache, not {type(cache).__name__}")
+
+
+def _config(c: Causal) -> dict:
+    return {"n_layers": c.n_layers, "n_embd_k": c.n_embd_k, "n_embd_v": c.n_embd_v, "n_head_kv": c.n_head_kv,
+            "type_k": c.dtype.name, "type_v": c.dtype_v.name, "v_trans": c.v_trans, "window": c.window,
+            "chunk": c.chunk, "memory": c.memory, "k_row_bytes": c.dtype.row_size(c.n_embd_k),
+            "v_row_bytes": c.dtype_v.row_size(c.n_embd_v)}
+
+
+def _section_bytes(cfg: dict) -> int:
+    return cfg["count"] * (4 + cfg["n_layers"] * (cfg["k_row_bytes"] + cfg["v_row_bytes"]))
+
+
+def _runs(slots: np.ndarray):
+    """``(index, first slot, length)`` of each run of consecutive cells in ascending ``slots``."""
+    brk = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate(([0], brk))
+    ends = np.concatenate((brk, [slots.size]))
+    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
+
+
+# ------------------------------------------------------------------------------------- tensor rows
+
+
+def _host_raw(t: Tensor) -> np.ndarray:
+    """The host tensor's memory as a writable ``uint8[ne1, row bytes]`` view."""
+    a = t.numpy()
+    return a.view(np.uint8).reshape(a.shape[0], -1)
+
+
+def _device_raw(t: Tensor, rows=None) -> np.ndarray:
+    """Bytes ``uint8[len(rows), row bytes]`` of rows of a device tensor (all rows when ``rows`` is None),
+    as stored: one read per run of consecutive rows."""
+    row = t.nb[1]
+    if rows is None:
+        return t.get_bytes().reshape(-1, row)
+    rows = np.asarray(rows, np.int64)
+    out = np.empty((rows.size, row), np.uint8)
+    for i, first, n in _runs(rows):
+        out[i:i + n] = t.get_bytes(first * row, n * row).reshape(n, row)
+    return out
+
+
+def _read(t: Tensor, cells: np.ndarray, trans: bool, es: int) -> np.ndarray:
+    """The stored bytes of ``cells``: ``uint8[n, row]``, or for a transposed V ``uint8[channels, n * es]``."""
+    if trans:
+        raw = _host_raw(t) if t.is_host else _device_raw(t)
+        return raw.reshape(raw.shape[0], -1, es)[:, cells, :].reshape(raw.shape[0], cells.size * es)
+    if t.is_host:
+        return _host_raw(t)[cells]
+    return _device_raw(t, cells)
+
+
+def _write(t: Tensor, slots: np.ndarray, data: np.ndarray, trans: bool, es: int) -> None:
+    """Store ``data`` (as :func:`_read` returns it) at cells ``slots``."""
+    if t.is_host:
+        raw = _host_raw(t)
+        if trans:
+            raw.reshape(raw.shape[0], -1, es)[:, slots, :] = data.reshape(raw.shape[0], -1, es)
+        else:
+            raw[slots] = data
+        return
+    if trans:                       # cells are columns: rewrite the whole tensor
+        raw = _device_raw(t)
+        raw.reshape(raw.shape[0], -1, es)[:, slots, :] = data.reshape(raw.shape[0], -1, es)
+        t.set_bytes(raw, 0)
+        return
+    row = data.shape[1]
+    for i, first, n in _runs(slots):
+        t.set_bytes(np.ascontiguousarray(data[i:i + n]), first * row)
+
+
+def _layers(c: Causal):
+    """``(tensor, transposed, element bytes)`` of K then V of every layer, in file order."""
+    es = c.dtype_v.type_size
+    for k, v in zip(c.keys, c.values):
+        yield k, False, 0
+        yield v, c.v_trans, es
+
+
+# ------------------------------------------------------------------------------------------ saving
+
+
+def _check_file(file, method: str) -> None:
+    if not hasattr(file, method) or isinstance(file, io.TextIOBase):
+        raise GGMLTypeError(f"file must be a path or a binary file object, got {type(file).__name__}")
+
+
+class _Out:
+    """A file being written: counts the bytes and hashes them."""
+
+    def __init__(self, f) -> None:
+        self.f, self.n, self.hash = f, 0, hashlib.sha256()
+
+    def write(self, data) -> None:
+        if isinstance(data, np.ndarray):
+            data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        mv = memoryview(data)
+        self.hash.update(mv)
+        self.f.write(mv)
+        self.n += mv.nbytes
+
+
+def _meta_json(meta) -> dict:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise GGMLTypeError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.loads(json.dumps(meta, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise GGMLTypeError(f"meta must be JSON-serializable: {e}") from None
+
+
+def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
+    """Write what sequence ``seq`` holds in ``cache`` (a :class:`Causal` or :class:`Wrapper`) to ``file``.
+
+    Parameters
+    ----------
+    cache : Causal or Wrapper
+        An initialised cache.
+    seq : int
+        The sequence.
+    file : str, os.PathLike or binary file object
+        A path is written to a temporary file beside it and renamed over it at the end (an error leaves
+        no partial file); a file object is written at its position (an error may leave part of a state).
+    meta : dict, optional
+        JSON-serializable data stored with the state and returned by :func:`load_seq`.
+
+    Returns
+    -------
+    int
+        Bytes written.
+    """
+    kind, caches, routing = _caches(cache)
+    picked = []
+    for c in caches:
+        cells = c.cells
+        s = cells._check_seq(seq)
+        held = np.flatnonzero(cells.seqs[:, s])
+        pos = cells.pos[held]
+        order = np.argsort(pos, kind="stable")
+        held, pos = held[order], pos[order]
+        if pos.size > 1 and (np.diff(pos) == 0).any():
+            raise StateError(f"sequence {s} holds position {int(pos[np.flatnonzero(np.diff(pos) == 0)[0]])} "
+                             "in two cells; such a state cannot be saved")
+        picked.append((held, pos))
+    header = {"format": _FORMAT, "kind": kind, "seq": int(seq), "meta": _meta_json(meta),
+              "caches": [dict(_config(c), count=int(h.size)) for c, (h, _p) in zip(caches, picked)]}
+    if routing is not None:
+        header["layer_to_cache"] = routing
+    head = json.dumps(header, separators=(",", ":")).encode()
+
+    def dump(f) -> int:
+        out = _Out(f)
+        out.write(_PRE.pack(MAGIC, VERSION, len(head)))
+        out.write(head)
+        for c, (held, pos) in zip(caches, picked):
+            out.write(pos.astype("<i4"))
+            for t, trans, es in _layers(c):
+                out.write(_read(t, held, trans, es))
+        f.write(out.hash.digest())
+        return out.n + _DIGEST
+
+    if not isinstance(file, (str, os.PathLike)):
+        _check_file(file, "write")
+        return dump(file)
+    path = os.fspath(file)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            n = dump(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return n
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+@contextmanager
+def _source(file):
+    """``(binary file, bytes available from its position, whether they must all be ours)``."""
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as f:
+            yield f, os.fstat(f.fileno()).st_size, True
+        return
+    _check_file(file, "read")
+    if getattr(file, "seekable", lambda: False)():
+        start = file.tell()
+        end = file.seek(0, io.SEEK_END)
+        file.seek(start)
+        yield file, end - start, False
+        return
+    data = file.read()
+    yield io.BytesIO(data), len(data), True
+
+
+def _read_exact(f, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise StateError(f"sequence state truncated in {what}: {len(data)} of {n} bytes")
+    return data
+
+
+def _header(f, avail: int) -> tuple[dict, bytes]:
+    """Read and check magic, version and the header's structure; returns ``(header, bytes read)``."""
+    pre = f.read(_PRE.size)
+    if not pre:
+        raise StateError("sequence state is empty")
+    if not MAGIC.startswith(pre[:len(MAGIC)]):
+        raise StateError("not a ggmlpy sequence state (bad magic)")
+    if len(pre) < _PRE.size:
+        raise StateError(f"sequence state truncated in the preamble: {len(pre)} of {_PRE.size} bytes")
+    _magic, version, size = _PRE.unpack(pre)
+    if version > VERSION:
+        raise StateError(f"sequence state format version {version} is newer than this ggmlpy reads ({VERSION})")
+    if version < 1:
+        raise StateError(f"sequence state format version {version} is not a valid version")
+    if size > avail - _PRE.size:
+        raise StateError(f"sequence state truncated: the header needs {size} bytes, "
+                         f"{max(0, avail - _PRE.size)} follow")
+    raw = _read_exact(f, size, "the header")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise StateError(f"sequence state header is not valid JSON: {e}") from None
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        raise StateError("sequence state header is not a ggmlpy.kvcache.seq header")
+    caches = header.get("caches")
+    if not isinstance(caches, list) or not caches or not all(isinstance(c, dict) for c in caches):
+        raise StateError("sequence state header: 'caches' must be a non-empty list of objects")
+    if not isinstance(header.get("meta"), dict):
+        raise StateError("sequence state header: 'meta' must be an object")
+    ints = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "k_row_bytes", "v_row_bytes", "count")
+    for i, cfg in enumerate(caches):
+        for key in ints:
+            v = cfg.get(key)
+            if type(v) is not int or v < 0 or v > _INT32_MAX:
+                raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {v!r}")
+    return header, pre + raw
+
+
+def _check_config(header: dict, kind: str, caches: list, routing) -> None:
+    if header.get("kind") != kind:
+        raise StateError(f"sequence state of a {header.get('kind')!r} cache, loading into a {kind}")
+    saved = header["caches"]
+    if len(saved) != len(caches):
+        raise StateError(f"sequence state of {len(saved)} caches, this {kind} has {len(caches)}")
+    if routing is not None and header.get("layer_to_cache") != routing:
+        raise StateError(f"sequence state layer routing {header.get('layer_to_cache')} differs from this "
+                         f"Wrapper's {routing}")
+    for i, (cfg, c) in enumerate(zip(saved, caches)):
+        mine = _config(c)
+        diff = [f"{k} {cfg.get(k)!r} in the file, {mine[k]!r} here" for k in _COMPARED if cfg.get(k) != mine[k]]
+        if diff:
+            where = "" if len(caches) == 1 else f" of cache {i}"
+            raise StateError(f"sequence state configuration{where} differs: {'; '.join(diff)}")
+
+
+def _check_meta(meta: dict, expect_meta) -> None:
+    want = _meta_json(expect_meta)
+    for key, value in want.items():
+        if key not in meta:
+            raise StateError(f"sequence state meta has no {key!r}")
+        if meta[key] != value:
+            got = repr(meta[key])
+            raise StateError(f"sequence state meta {key!r} is {got[:80]}{'...' if len(got) > 80 else ''}, "
+                             f"expected {repr(value)[:80]}")
+
+
+def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
+    """Replace what sequence ``seq`` holds in ``cache`` with a state written by :func:`save_seq`.
+
+    Parameters
+    ----------
+    cache : Causal or Wrapper
+        An initialised cache of the configuration the state was saved from.
+    seq : int
+        The sequence to load into (any id; it need not be the saved one).
+    file : str, os.PathLike or binary file object
+        A path must hold exactly one state. A seekable file object is read from its position and left just
+        after the state (more data may follow); a non-seekable one is read to its end.
+    expect_meta : dict, optional
+        Entries the file's meta must hold with equal values (e.g. a model fingerprint), checked before
+        anything changes.
+
+    Returns
+    -------
+    dict
+        The ``meta`` given to :func:`save_seq`.
+
+    Raises
+    ------
+    StateError
+        The file is damaged or truncated, of a newer format, of another configuration, has bad
+        positions, or ``expect_meta`` does not match. Nothing has changed.
+    KVCacheFull
+        The sequence's cells do not fit. Nothing has changed.
+    """
+    kind, caches, routing = _caches(cache)
+    cells = [c.cells for c in caches]
+    seq = cells[0]._check_seq(seq)
+    with _source(file) as (f, avail, exact):
+        header, head = _header(f, avail)
+        _check_config(header, kind, caches, routing)
+        saved = header["caches"]
+        body = sum(_section_bytes(cfg) for cfg in saved)
+        total = len(head) + body + _DIGEST
+        if avail < total or (exact and avail != total):
+            raise StateError(f"sequence state {'truncated' if avail < total else 'has extra bytes'}: the header "
+                             f"describes {total} bytes, {avail} are there")
+        start = f.tell()
+        # pass 1: the checksum over everything, keeping the positions
+        digest = hashlib.sha256(head)
+        positions = []
+        for cfg in saved:
+            raw = _read_exact(f, 4 * cfg["count"], "the positions")
+            digest.update(raw)
+            positions.append(np.frombuffer(raw, "<i4").astype(np.int64))
+            left = _section_bytes(cfg) - len(raw)
+            while left:
+                chunk = _read_exact(f, min(left, _CHUNK), "the K/V data")
+                digest.update(chunk)
+                left -= len(chunk)
+        if _read_exact(f, _DIGEST, "the checksum") != digest.digest():
+            raise StateError("sequence state checksum mismatch: the file is damaged")
+        end = f.tell()
+        for i, pos in enumerate(positions):
+            where = "" if len(caches) == 1 else f" of cache {i}"
+            if pos.size and pos.min() < 0:
+                raise StateError(f"sequence state positions{where} must be >= 0, found {int(pos.min())}")
+            if pos.size > 1 and (np.diff(pos) <= 0).any():
+                j = int(np.flatnonzero(np.diff(pos) <= 0)[0])
+                raise StateError(f"sequence state positions{where} must increase: {int(pos[j])} then "
+                                 f"{int(pos[j + 1])}")
+        meta = header["meta"]
+        _check_meta(meta, expect_meta)
+        # plan every cache before touching any: the cells kept (a sliding window's memory) and their slots
+        plans = []
+        for c, cl, pos in zip(caches, cells, positions):
+            first = 0
+            if c.memory is not None and pos.size:
+                first = int(np.searchsorted(pos, int(pos[-1]) + 1 - c.memory - c.max_batch))
+            trial = cl.copy()
+            trial.clear(seq)
+            slots = trial.find_slots(pos.size - first)
+            if slots is None:
+                raise KVCacheFull(f"sequence state needs {pos.size - first} cells, {cl.n_cells - trial.used} are "
+                                  f"free for sequence {seq} (cache: {cl.n_cells})")
+            plans.append((first, slots))
+        # pass 2: the rows, into cells that are free once the sequence is cleared; metadata last
+        f.seek(start)
+        try:
+            for c, cfg, (first, slots) in zip(caches, saved, plans):
+                n = cfg["count"]
+                f.seek(4 * n, io.SEEK_CUR)
+                for t, trans, es in _layers(c):
+                    row = t.type.row_size(t.ne[1] if trans else t.ne[0])
+                    data = np.frombuffer(_read_exact(f, n * row, "the K/V data"), np.uint8)
+                    if trans:
+                        data = data.reshape(t.ne[1], n, es)[:, first:, :].reshape(t.ne[1], (n - first) * es)
+                    else:
+                        data = data.reshape(n, row)[first:]
+                    if slots.size:
+                        _write(t, slots, data, trans, es)
+        except BaseException:
+            for cl in cells:        # the sequence's own cells may be half overwritten: drop it
+                cl.clear(seq)
+            raise
+        f.seek(end)
+    for cl, pos, (first, slots) in zip(cells, positions, plans):
+        cl.clear(seq)
+        cl.apply(slots, pos[first:], np.full(slots.size, seq))
+    return meta
