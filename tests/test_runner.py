@@ -284,8 +284,8 @@ def test_graph_reuse_gives_the_same_logits(model):
 
 
 def test_direct_decode_between_requests(model):
-    """decode() right after a request waits for the loop's last pipelined batch; the slot is then
-    re-processed by the next request (the slot table no longer knows what it holds)."""
+    """decode() right after a request waits for the loop's last pipelined batch; the tokens it appended
+    to the cleared slot are recorded, so the next request reuses them as its prefix."""
     with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
         ref = rt.generate(PROMPT, max_tokens=4).tokens
         for _ in range(10):
@@ -294,7 +294,9 @@ def test_direct_decode_between_requests(model):
             rt.clear()
             rt.decode(PROMPT[:3], seq=0)
         r = rt.generate(PROMPT, max_tokens=4)
-        assert r.n_cached == 0 and r.tokens == ref
+        assert r.n_cached == 3 and r.tokens == ref
+        rt.decode_batch(PROMPT[:2], [0, 1], [0, 0], [1])       # positions of its own: the record is dropped
+        assert rt.generate(PROMPT, max_tokens=4).n_cached == 0
 
 
 def test_decode_embeddings_are_the_hidden_states_embed_pools(model):
@@ -312,3 +314,56 @@ def test_decode_embeddings_are_the_hidden_states_embed_pools(model):
     np.testing.assert_allclose(rows.mean(0), mean, rtol=0, atol=1e-5 * np.abs(mean).max())
     np.testing.assert_allclose(rows[-1], last, rtol=0, atol=1e-5 * np.abs(last).max())
     np.testing.assert_allclose(full, np.concatenate([rows[:1], step]), rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_saved_state_continues_exactly_in_another_runner(model, tmp_path, flash):
+    """save_state / load_state: a sequence reloaded into another runner (other sequence id, cells elsewhere,
+    another sequence already in the cache) gives the logits of the run that never stopped, and a request
+    over the saved tokens reuses them as its prefix."""
+    path = tmp_path / "seq.state"
+    kw = dict(n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32", flash_attn=flash)
+    with Runner(model, **kw) as a:
+        a.decode(PROMPT[:8], seq=0)
+        assert a.save_state(0, path) == path.stat().st_size
+        ref = a.decode(PROMPT[8:], seq=0, logits="all")
+        ref_gen = a.generate(PROMPT, max_tokens=4).tokens
+    with Runner(model, **kw) as b:
+        b.decode([9, 8, 7], seq=0)
+        assert b.load_state(1, path) == PROMPT[:8] and b.seq_len(1) == 8
+        got = b.decode(PROMPT[8:], seq=1, logits="all")
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(ref).max())
+        after = model_logits_after(model, [9, 8, 7, 6], kw)     # sequence 0 undisturbed by the load
+        np.testing.assert_allclose(b.decode([6], seq=0), after, rtol=0, atol=1e-6 * np.abs(after).max())
+    with Runner(model, **kw) as c:
+        c.load_state(0, path)
+        r = c.generate(PROMPT, max_tokens=4)
+        assert r.n_cached == 8 and r.tokens == ref_gen
+
+
+def model_logits_after(model, tokens, kw):
+    with Runner(model, **kw) as rt:
+        rt.decode(tokens[:-1], seq=0)
+        return rt.decode(tokens[-1:], seq=0)
+
+
+def test_a_state_of_another_configuration_is_refused_and_changes_nothing(model, tmp_path):
+    from ggmlpy.kvcache import StateError
+
+    path = tmp_path / "seq.state"
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as a:
+        a.decode(PROMPT, seq=0)
+        a.save_state(0, path)
+    with Runner(model, n_ctx=64, type_k="f16", type_v="f32") as b:
+        b.decode(PROMPT[:3], seq=0)
+        with pytest.raises(StateError, match="type_k"):
+            b.load_state(0, path)
+        assert b.seq_len(0) == 3
+        r = b.generate(PROMPT[:3] + [1], max_tokens=1)
+        assert r.n_cached == 3                      # the slot's record survived the refusal too
+    damaged = tmp_path / "bad.state"
+    damaged.write_bytes(path.read_bytes()[:-5])
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as c:
+        with pytest.raises(StateError):
+            c.load_state(0, damaged)
+        assert c.seq_len(0) == 0

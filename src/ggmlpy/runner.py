@@ -604,7 +604,8 @@ class Runner:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
             return self._run_direct(self._split(toks, pos, np.full(n, seq, np.int64), want), [seq],
-                                    embedding=bool(embeddings))
+                                    embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
+                                    if positions is None else None)
 
     def _one_token(self, tokens) -> Optional[int]:
         """The id of a batch of one valid token id (a list, tuple or 1-D array), else None."""
@@ -627,7 +628,7 @@ class Runner:
                                      f"sequence {seq}")
             ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
                          _ROW0 if want else _NO_ROWS)
-            return self._run_direct([ub], [seq], embedding)
+            return self._run_direct([ub], [seq], embedding, appended=(p, [tok]))
 
     def _check_open(self, what: str) -> None:
         if self._closing:
@@ -660,8 +661,13 @@ class Runner:
                 self._direct_busy -= 1
                 self._lock.notify_all()       # close() waits for the last direct call
 
-    def _run_direct(self, ubatches, seqs, embedding) -> Optional[np.ndarray]:
-        """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated."""
+    def _run_direct(self, ubatches, seqs, embedding, appended=None) -> Optional[np.ndarray]:
+        """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated.
+
+        ``appended`` is ``(first position, tokens)`` when one sequence's tokens continued it: its slot's
+        token record grows with them (so a request can reuse them as a prefix); otherwise the slots'
+        records are dropped (a request re-processes them).
+        """
         rows = []
         for ub in ubatches:
             try:
@@ -677,8 +683,12 @@ class Runner:
                 raise
             if r is not None:
                 rows.append(r)
-        for s in seqs:
-            self.slots.set_tokens(s, [])     # unknown to the slot table: a request re-processes
+        held = self.slots[seqs[0]].tokens
+        if appended is not None and len(held) == appended[0]:
+            held.extend(appended[1])
+        else:
+            for s in seqs:
+                self.slots.set_tokens(s, [])     # unknown to the slot table: a request re-processes
         self.n_batches += 1
         return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
 
@@ -713,6 +723,50 @@ class Runner:
             self.cache.clear(seq)
             for s in range(self.n_seq_max) if seq is None else [seq]:
                 self.slots.set_tokens(s, [])
+
+    def _fingerprint(self) -> dict:
+        """What a saved state must match to be loaded into this runner: the model's shape and weights' size."""
+        m, c = self.model, self.model.config
+        return {"arch": c.arch, "desc": m.desc, "n_params": int(m.n_params), "size": int(m.size),
+                "n_vocab": int(m.n_vocab), "n_layer": int(c.n_layer), "n_embd": int(c.n_embd)}
+
+    def save_state(self, seq: int, path) -> int:
+        """Save sequence ``seq``: its cache cells (positions, K/V of every layer) and the tokens they hold.
+
+        A later :meth:`load_state` (this runner or another over the same model and cache types)
+        continues it exactly: the next :meth:`decode` gives the logits it would have given here, and a
+        request whose prompt starts with the saved tokens reuses them as its prefix. The format is
+        :mod:`ggmlpy.kvcache.state`'s (checksummed); a path is written atomically. Direct use only
+        (not while requests are served), as :meth:`decode`. Returns the bytes written.
+        """
+        self._check_open("save_state")
+        seq = self._check_seq_id(seq, "save_state")
+        with self._direct("save_state"):
+            meta = {"model": self._fingerprint(), "tokens": list(self.slots[seq].tokens)}
+            return self.cache.save_seq(seq, path, meta=meta)
+
+    def load_state(self, seq: int, path) -> list:
+        """Replace what sequence ``seq`` holds with a state from :meth:`save_state` (possibly of another
+        sequence id); returns the tokens it holds (empty when the saver did not know them).
+
+        Raises
+        ------
+        ggmlpy.kvcache.StateError
+            Not a state file, damaged, or saved for another model or cache configuration (types,
+            layout, window); the message says which. Nothing is changed.
+        ggmlpy.kvcache.KVCacheFull
+            The cache has too few free cells for it; nothing is changed.
+        """
+        self._check_open("load_state")
+        seq = self._check_seq_id(seq, "load_state")
+        with self._direct("load_state"):
+            meta = self.cache.load_seq(seq, path, expect_meta={"model": self._fingerprint()})
+            tokens = meta.get("tokens")
+            tokens = [int(t) for t in tokens] if isinstance(tokens, list) else []
+            if len(tokens) != self.cache.seq_pos_max(seq) + 1:
+                tokens = []                    # not one token per position from 0: unknown to the slot table
+            self.slots.set_tokens(seq, tokens)
+            return tokens
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until no request is queued, served or computing; False on timeout."""
