@@ -112,6 +112,7 @@ class Forward:
 
     def __init__(self, cache, ctx: Context, plan) -> None:
         self.cache, self.ctx, self.plan = cache, ctx, plan
+        self._key, self._n = plan.key, plan.n_batch
         self.layer: Optional[int] = None
         self.pending: list = []
         self._idx = None
@@ -157,16 +158,20 @@ class Forward:
 
     def fill(self, plan=None) -> None:
         """Upload the inputs of ``plan`` (default: the plan built with), e.g. after the scheduler allocated
-        the graph; ``plan`` must have this graph's :attr:`ForwardPlan.key` and batch size."""
-        if plan is not None:
-            if plan.key != self.plan.key or plan.n_batch != self.plan.n_batch:
-                raise GGMLValueError(f"fill: a plan of range {plan.key} and {plan.n_batch} rows for a graph built "
-                                     f"for {self.plan.key} and {self.plan.n_batch}")
-            self.plan = plan
+        the graph; ``plan`` must have this graph's :attr:`ForwardPlan.key` and batch size. The plan is not
+        kept (its mask can be large; a pooled graph must not hold one)."""
+        if plan is None:
+            plan = self.plan
+            if plan is None:
+                raise GGMLValueError("fill: the plan this graph was built with was uploaded already; pass the next")
+        elif plan.key != self._key or plan.n_batch != self._n:
+            raise GGMLValueError(f"fill: a plan of range {plan.key} and {plan.n_batch} rows for a graph built "
+                                 f"for {self._key} and {self._n}")
         if self._idx is not None:
-            self._idx.set(self.plan.slots)
+            self._idx.set(plan.slots)
         if self._mask is not None:
-            self._mask.set(self.plan.mask)            # float16, as the tensor: one copy
+            self._mask.set(plan.mask)            # float16, as the tensor: one copy
+        self.plan = None
 
 
 class Causal:

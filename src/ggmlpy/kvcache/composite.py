@@ -246,7 +246,7 @@ class EncoderForward:
 
     def fill(self, plan=None) -> None:
         if plan is not None:
-            self.plan = plan
+            self.plan = plan          # an EncoderPlan is small: no mask
 
 
 class Encoder:

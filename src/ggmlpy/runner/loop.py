@@ -1,41 +1,19 @@
-"""The model runner: sequences, batching, forward, sampling, logprobs, embeddings.
+"""The :class:`Runner`: a model with its cache and runtime, the direct calls, and the request loop.
 
-A :class:`Runner` owns a model's KV cache, a scheduler over the model's
-devices (with the worst-case graphs reserved at start) and a request loop
-after Ollama's ``ollamarunner``:
-
-* :meth:`Runner.decode` is the low-level step: append tokens to a sequence
-  and get logits back (the benchmark and the tests use it);
-* :meth:`Runner.submit` queues a request from any thread and returns a
-  :class:`Handle` that streams tokens and can be cancelled;
-  :meth:`Runner.generate` and :meth:`Runner.embed` wait for the result.
-
-The loop fills each batch round-robin across the active sequences up to
-``n_batch`` tokens (computed in micro-batches of ``n_ubatch``), requests
-logits only for each sequence's last input, samples, and feeds the sampled
-token back as the sequence's next input. With ``pipeline=True`` the next
-batch's graphs are built while the current batch computes (ggml releases the
-GIL), and the sampled tokens are written into the next batch just before it
-computes, as Ollama does; the output is identical to the sequential loop.
-
-A sequence that reaches ``n_ctx`` is shifted (keep ``n_keep`` tokens, drop
-half of the rest, re-rotating the kept keys) or, when the cache cannot shift,
-cleared and re-processed. A new request takes the free slot with the longest
-common prefix, or forks another slot's prefix, re-evaluating at least its
-last prompt token so that it has logits.
+The loop (after Ollama's ``ollamarunner``) admits requests into slots (prefix reuse through the
+:class:`~ggmlpy.sequences.SlotTable`), forms a batch round-robin (:mod:`.batching`), builds its graphs
+(the model's, through the runtime's graph pool), computes, samples and streams (:mod:`.requests`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -43,12 +21,25 @@ import numpy as np
 from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import V_TRANS_TYPES, NotSupported
-from ggmlpy.sampling import Logprobs, Sampler, SamplingParams
+from ggmlpy.sampling import SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
 
-__all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", "RequestTimeout", "Runner",
-           "RunnerError", "TokenEvent"]
+from .batching import (
+    _NO_ROWS,
+    _ROW0,
+    _Batch,
+    _drop_graphs,
+    _group_extent,
+    _max_group,
+    _Member,
+    _Placeholder,
+    _UBatch,
+    split_ubatches,
+)
+from .requests import Completion, DoneReason, Handle, TokenEvent, _Seq
+
+__all__ = ["Runner"]
 
 log = logging.getLogger("ggmlpy")
 
@@ -56,179 +47,6 @@ log = logging.getLogger("ggmlpy")
 # product and a V to-float conversion, which all of these have
 _CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
                 "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
-
-
-class RequestTimeout(TimeoutError, GGMLError):
-    """:meth:`Handle.result` waited ``timeout`` seconds and the request is still running."""
-
-
-class RunnerError(RuntimeError, GGMLError):
-    """A request failed inside the runner (the runner itself goes on serving).
-
-    ``__cause__`` is the original error (a failed compute, a sampling error...).
-    """
-
-
-class DoneReason:
-    """Why a sequence ended (``Completion.done_reason``)."""
-
-    STOP = "stop"            # a stop token was sampled
-    LENGTH = "length"        # max_tokens reached, or the context is full (shifting off, or max_tokens=-2)
-    CANCEL = "cancel"        # Handle.cancel(), or Runner.close() before the request ended
-    ERROR = "error"          # see Completion.error (Handle.result() raises RunnerError from it)
-
-
-@dataclass
-class TokenEvent:
-    """One generated token, as streamed by :class:`Handle`."""
-
-    token: int
-    logprobs: Optional[Logprobs] = None
-
-
-@dataclass
-class Completion:
-    """The result of a request.
-
-    ``tokens`` are the generated ids (the stop token included when one ended
-    it); ``embedding`` is set for embedding requests. Timings follow Ollama:
-    prompt evaluation runs from the first batch to the first token, generation
-    from the first token to the last.
-    """
-
-    tokens: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    done_reason: Optional[str] = None
-    error: Optional[BaseException] = None
-    embedding: Optional[np.ndarray] = None
-    prompt_eval_count: int = 0
-    prompt_eval_duration: float = 0.0
-    eval_count: int = 0
-    eval_duration: float = 0.0
-    n_cached: int = 0
-    n_shifts: int = 0
-
-    @property
-    def ttft(self) -> float:
-        """Seconds from the request's first batch to its first token."""
-        return self.prompt_eval_duration
-
-
-class Handle:
-    """A submitted request: iterate it for :class:`TokenEvent` s, or wait with :meth:`result`."""
-
-    def __init__(self, runner: Runner, seq: _Seq) -> None:
-        self._runner, self._seq = runner, seq
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        while True:
-            ev = self._seq.events.get()
-            if ev is None:
-                break
-            yield ev
-        if self._seq.result.done_reason == DoneReason.ERROR:
-            raise RunnerError(f"request failed: {self._seq.result.error}") from self._seq.result.error
-
-    def cancel(self) -> None:
-        """Stop the request; its slot is freed at the next batch boundary."""
-        self._seq.cancelled = True
-        self._runner._wake()
-
-    @property
-    def done(self) -> bool:
-        return self._seq.finished.is_set()
-
-    def result(self, timeout: Optional[float] = None) -> Completion:
-        """Wait for the request to end and return its :class:`Completion` (errors re-raised)."""
-        if not self._seq.finished.wait(timeout):
-            raise RequestTimeout(f"result: the request is still running after {timeout} s")
-        r = self._seq.result
-        if r.done_reason == DoneReason.ERROR:
-            raise RunnerError(f"request failed: {r.error}") from r.error
-        return r
-
-
-class _Seq:
-    """A request being served (the loop's private state)."""
-
-    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
-                 same_batch):
-        self.prompt = list(prompt)
-        self.same_batch = list(same_batch)   # per prompt input: how many following inputs share its batch
-        self.sb_pending: deque = deque()     # same_batch markers of `pending` (0 for sampled tokens)
-        self.sb_cached: list = []            # ... and of `cached`
-        self.params = params
-        self.sampler = None if embedding else Sampler(params)
-        self.max_tokens = max_tokens
-        self.stop = frozenset(int(t) for t in stop)
-        self.n_keep = n_keep
-        self.shift = shift
-        self.embedding = embedding
-        self.pooling = pooling
-        self.normalize = normalize
-        self.slot: Optional[int] = None
-        self.pending: deque = deque()    # inputs not yet in the cache
-        self.cached: list = []           # tokens the cache holds for this slot (what the slot table sees)
-        self.n_prompt_left = 0           # inputs of `pending` that are prompt (no sampling while > 0)
-        self.events: queue.Queue = queue.Queue()
-        self.finished = threading.Event()
-        self.cancelled = False
-        self.result = Completion()
-        self.t_start: Optional[float] = None
-        self.t_first: Optional[float] = None
-        self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
-
-
-_ROW0 = np.zeros(1, np.int32)             # out_rows of a one-token micro-batch: its only row
-_NO_ROWS = np.zeros(0, np.int32)
-_ROW0.flags.writeable = _NO_ROWS.flags.writeable = False
-
-
-@dataclass
-class _UBatch:
-    tokens: np.ndarray
-    positions: np.ndarray
-    seqs: np.ndarray
-    out_rows: np.ndarray         # indices into this micro-batch whose output is wanted
-    built: object = None         # BuiltGraph
-    plan: object = None
-
-
-@dataclass
-class _Member:
-    seq: _Seq
-    n_in: int                    # inputs of this sequence in the batch
-    has_out: bool                # whether the batch produces its output (a sample, or the embedding rows)
-
-
-@dataclass
-class _Batch:
-    ubatches: list
-    embedding: bool
-    members: list
-    outputs: list = field(default_factory=list)
-    done: Optional[threading.Event] = None    # set by the compute thread (pipelining)
-    error: Optional[BaseException] = None
-
-
-class _Placeholder:
-    """A sequence's next input whose token is sampled from the batch still computing (pipelining)."""
-
-    __slots__ = ("value", "ubatch", "row")
-
-    def __init__(self) -> None:
-        self.value, self.ubatch, self.row = None, None, None
-
-    def fill(self, tok: int) -> None:
-        self.value = int(tok)
-        if self.ubatch is not None:
-            self.ubatch.tokens[self.row] = self.value
-
-    def __int__(self) -> int:
-        return 0 if self.value is None else self.value
-
-    def __repr__(self) -> str:
-        return f"<sampled token {self.value}>"
 
 
 class Runner:
@@ -485,26 +303,6 @@ class Runner:
 
     # ------------------------------------------------------------------ the compute core
 
-    def _split(self, tokens, positions, seqs, want, tied=None) -> list:
-        """Cut one logical batch into micro-batches of at most n_ubatch.
-
-        ``tied[i]`` marks a row that must stay with the row before it (a
-        same-batch group): a cut moves back to the group's start.
-        """
-        out = []
-        a, n = 0, len(tokens)
-        while a < n:
-            b = min(a + self.n_ubatch, n)
-            if tied is not None and b < n:
-                c = b
-                while c > a and tied[c]:
-                    c -= 1
-                if c > a:
-                    b = c
-            out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(want[a:b])))
-            a = b
-        return out
-
     @property
     def graphs_built(self) -> int:
         """Forward graphs built so far (not taken from the runtime's pool)."""
@@ -603,7 +401,7 @@ class Runner:
             if pos.min() < 0 or pos.max() >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(self._split(toks, pos, np.full(n, seq, np.int64), want), [seq],
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want), [seq],
                                     embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
                                     if positions is None else None)
 
@@ -711,7 +509,7 @@ class Runner:
         want = np.zeros(toks.size, dtype=bool)
         want[np.asarray(logits)] = True
         with self._direct("decode_batch"):
-            return self._run_direct(self._split(toks, pos, seqs, want), [int(s) for s in np.unique(seqs)],
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want), [int(s) for s in np.unique(seqs)],
                                     embedding=False)
 
     def clear(self, seq: Optional[int] = None) -> None:
@@ -1088,7 +886,7 @@ class Runner:
         self._next_seq = resume if resume is not None else rows_seq[-1] + 1
         tok_a = np.array([0 if isinstance(t, _Placeholder) and t.value is None else int(t) for t in toks],
                          dtype=np.int64)
-        ubs = self._split(tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want),
+        ubs = split_ubatches(self.n_ubatch, tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want),
                           np.asarray(tied, bool))
         starts = np.cumsum([0] + [len(ub.tokens) for ub in ubs])
         for t in toks:
@@ -1359,14 +1157,6 @@ class Runner:
         self.close()
 
 
-def _drop_graphs(batch: _Batch) -> None:
-    """Free the graphs of a batch's micro-batches that were built and not computed (nothing computes them)."""
-    for ub in batch.ubatches:
-        if ub.built is not None:
-            ub.built.free()
-            ub.built = None
-
-
 def _available_host_memory() -> Optional[int]:
     """Bytes of host memory the machine has available now (Linux ``MemAvailable``; cgroup limits are not read),
     or None if unknown."""
@@ -1383,30 +1173,6 @@ def _available_host_memory() -> Optional[int]:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
-
-
-def _group_extent(sb) -> int:
-    """How many leading inputs form one same-batch group (overlapping groups merge); 1 without one."""
-    if not sb or not sb[0]:
-        return 1
-    end, k = 1 + sb[0], 1
-    for x in itertools.islice(sb, 1, None):
-        if k >= end:
-            break
-        end = max(end, k + 1 + x)
-        k += 1
-    return min(end, len(sb))
-
-
-def _max_group(sb: list) -> int:
-    """The longest same-batch group (overlapping groups merged)."""
-    best = start = end = 0
-    for i, x in enumerate(sb):
-        if i >= end:
-            start = end = i
-        end = max(end, i + 1 + x)
-        best = max(best, end - start)
-    return best
 
 
 def _pool(hidden: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:

@@ -1,0 +1,125 @@
+"""Batches and micro-batches: what the loop computes in one step, and the same-batch groups rules.
+
+A logical batch of up to ``n_batch`` rows (several sequences, round-robin) is cut into micro-batches
+(:class:`_UBatch`) of at most ``n_ubatch`` rows; a same-batch group (Ollama's ``SameBatch``: e.g. an
+image's embeddings) is never cut. A :class:`_Placeholder` stands for a token still being sampled from
+the batch computing (pipelining).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from .requests import _Seq
+
+__all__ = ["split_ubatches"]
+
+
+_ROW0 = np.zeros(1, np.int32)             # out_rows of a one-token micro-batch: its only row
+_NO_ROWS = np.zeros(0, np.int32)
+_ROW0.flags.writeable = _NO_ROWS.flags.writeable = False
+
+
+@dataclass
+class _UBatch:
+    tokens: np.ndarray
+    positions: np.ndarray
+    seqs: np.ndarray
+    out_rows: np.ndarray         # indices into this micro-batch whose output is wanted
+    built: object = None         # BuiltGraph
+    plan: object = None
+
+
+@dataclass
+class _Member:
+    seq: _Seq
+    n_in: int                    # inputs of this sequence in the batch
+    has_out: bool                # whether the batch produces its output (a sample, or the embedding rows)
+
+
+@dataclass
+class _Batch:
+    ubatches: list
+    embedding: bool
+    members: list
+    outputs: list = field(default_factory=list)
+    done: Optional[threading.Event] = None    # set by the compute thread (pipelining)
+    error: Optional[BaseException] = None
+
+
+class _Placeholder:
+    """A sequence's next input whose token is sampled from the batch still computing (pipelining)."""
+
+    __slots__ = ("value", "ubatch", "row")
+
+    def __init__(self) -> None:
+        self.value, self.ubatch, self.row = None, None, None
+
+    def fill(self, tok: int) -> None:
+        self.value = int(tok)
+        if self.ubatch is not None:
+            self.ubatch.tokens[self.row] = self.value
+
+    def __int__(self) -> int:
+        return 0 if self.value is None else self.value
+
+    def __repr__(self) -> str:
+        return f"<sampled token {self.value}>"
+
+
+def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None) -> list:
+    """Cut one logical batch into :class:`_UBatch` es of at most ``n_ubatch`` rows.
+
+    ``tied[i]`` marks a row that must stay with the row before it (a
+    same-batch group): a cut moves back to the group's start.
+    """
+    out = []
+    a, n = 0, len(tokens)
+    while a < n:
+        b = min(a + n_ubatch, n)
+        if tied is not None and b < n:
+            c = b
+            while c > a and tied[c]:
+                c -= 1
+            if c > a:
+                b = c
+        out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(want[a:b])))
+        a = b
+    return out
+
+
+def _drop_graphs(batch: _Batch) -> None:
+    """Free the graphs of a batch's micro-batches that were built and not computed (nothing computes them)."""
+    for ub in batch.ubatches:
+        if ub.built is not None:
+            ub.built.free()
+            ub.built = None
+
+
+def _group_extent(sb) -> int:
+    """How many leading inputs form one same-batch group (overlapping groups merge); 1 without one."""
+    if not sb or not sb[0]:
+        return 1
+    end, k = 1 + sb[0], 1
+    for x in itertools.islice(sb, 1, None):
+        if k >= end:
+            break
+        end = max(end, k + 1 + x)
+        k += 1
+    return min(end, len(sb))
+
+
+def _max_group(sb: list) -> int:
+    """The longest same-batch group (overlapping groups merged)."""
+    best = start = end = 0
+    for i, x in enumerate(sb):
+        if i >= end:
+            start = end = i
+        end = max(end, i + 1 + x)
+        best = max(best, end - start)
+    return best

@@ -1,0 +1,142 @@
+"""What a caller holds of a request: its :class:`Handle`, the streamed :class:`TokenEvent` s, the final
+:class:`Completion`; and the loop's private record of it (``_Seq``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from ggmlpy._core import GGMLError
+from ggmlpy.sampling import Logprobs, Sampler
+
+if TYPE_CHECKING:
+    from .loop import Runner
+
+__all__ = ["Completion", "DoneReason", "Handle", "RequestTimeout", "RunnerError", "TokenEvent"]
+
+
+class RequestTimeout(TimeoutError, GGMLError):
+    """:meth:`Handle.result` waited ``timeout`` seconds and the request is still running."""
+
+
+class RunnerError(RuntimeError, GGMLError):
+    """A request failed inside the runner (the runner itself goes on serving).
+
+    ``__cause__`` is the original error (a failed compute, a sampling error...).
+    """
+
+
+class DoneReason:
+    """Why a sequence ended (``Completion.done_reason``)."""
+
+    STOP = "stop"            # a stop token was sampled
+    LENGTH = "length"        # max_tokens reached, or the context is full (shifting off, or max_tokens=-2)
+    CANCEL = "cancel"        # Handle.cancel(), or Runner.close() before the request ended
+    ERROR = "error"          # see Completion.error (Handle.result() raises RunnerError from it)
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, as streamed by :class:`Handle`."""
+
+    token: int
+    logprobs: Optional[Logprobs] = None
+
+
+@dataclass
+class Completion:
+    """The result of a request.
+
+    ``tokens`` are the generated ids (the stop token included when one ended
+    it); ``embedding`` is set for embedding requests. Timings follow Ollama:
+    prompt evaluation runs from the first batch to the first token, generation
+    from the first token to the last.
+    """
+
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    done_reason: Optional[str] = None
+    error: Optional[BaseException] = None
+    embedding: Optional[np.ndarray] = None
+    prompt_eval_count: int = 0
+    prompt_eval_duration: float = 0.0
+    eval_count: int = 0
+    eval_duration: float = 0.0
+    n_cached: int = 0
+    n_shifts: int = 0
+
+    @property
+    def ttft(self) -> float:
+        """Seconds from the request's first batch to its first token."""
+        return self.prompt_eval_duration
+
+
+class Handle:
+    """A submitted request: iterate it for :class:`TokenEvent` s, or wait with :meth:`result`."""
+
+    def __init__(self, runner: Runner, seq: _Seq) -> None:
+        self._runner, self._seq = runner, seq
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            ev = self._seq.events.get()
+            if ev is None:
+                break
+            yield ev
+        if self._seq.result.done_reason == DoneReason.ERROR:
+            raise RunnerError(f"request failed: {self._seq.result.error}") from self._seq.result.error
+
+    def cancel(self) -> None:
+        """Stop the request; its slot is freed at the next batch boundary."""
+        self._seq.cancelled = True
+        self._runner._wake()
+
+    @property
+    def done(self) -> bool:
+        return self._seq.finished.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        """Wait for the request to end and return its :class:`Completion` (errors re-raised)."""
+        if not self._seq.finished.wait(timeout):
+            raise RequestTimeout(f"result: the request is still running after {timeout} s")
+        r = self._seq.result
+        if r.done_reason == DoneReason.ERROR:
+            raise RunnerError(f"request failed: {r.error}") from r.error
+        return r
+
+
+class _Seq:
+    """A request being served (the loop's private state)."""
+
+    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
+                 same_batch):
+        self.prompt = list(prompt)
+        self.same_batch = list(same_batch)   # per prompt input: how many following inputs share its batch
+        self.sb_pending: deque = deque()     # same_batch markers of `pending` (0 for sampled tokens)
+        self.sb_cached: list = []            # ... and of `cached`
+        self.params = params
+        self.sampler = None if embedding else Sampler(params)
+        self.max_tokens = max_tokens
+        self.stop = frozenset(int(t) for t in stop)
+        self.n_keep = n_keep
+        self.shift = shift
+        self.embedding = embedding
+        self.pooling = pooling
+        self.normalize = normalize
+        self.slot: Optional[int] = None
+        self.pending: deque = deque()    # inputs not yet in the cache
+        self.cached: list = []           # tokens the cache holds for this slot (what the slot table sees)
+        self.n_prompt_left = 0           # inputs of `pending` that are prompt (no sampling while > 0)
+        self.events: queue.Queue = queue.Queue()
+        self.finished = threading.Event()
+        self.cancelled = False
+        self.result = Completion()
+        self.t_start: Optional[float] = None
+        self.t_first: Optional[float] = None
+        self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
