@@ -269,6 +269,9 @@ class Runner:
         finally:
             for b in keep:             # on failure too: each holds a graph context
                 b.free()
+            # and a plan with a worst-case mask (n_ubatch x cells), which a failure's traceback would keep
+            # alive through this frame
+            keep.clear()
 
     def memory_report(self) -> MemoryReport:
         """Weights, cache and compute graph per device (a :class:`ggmlpy.backend.MemoryReport`)."""
