@@ -523,6 +523,20 @@ def test_encoder_reserve_remove_and_limits():
         enc.start_forward([0], [1])
 
 
+def test_views_refuse_put_and_get_before_set_layer():
+    enc, causal = Encoder(1), Causal(1, 4, 4, Type.F32)
+    enc.init(8, 1, 4)
+    causal.init(8, 1, 4)
+    with ggmlpy.Context(1 << 20) as ctx:
+        t = ctx.new_tensor(Type.F32, (4, 1, 1))
+        for c in (enc, causal):
+            fw = c.forward(ctx, c.start_forward([0], [0]))
+            with pytest.raises(ggmlpy.GGMLValueError, match="set_layer"):
+                fw.put(t, t)
+            with pytest.raises(ggmlpy.GGMLValueError, match="set_layer"):
+                fw.get()
+
+
 def test_encoder_in_wrapper():
     enc = Encoder(1)
     self_attn = Causal(1, 4, 4, Type.F32)

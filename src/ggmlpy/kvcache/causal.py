@@ -94,7 +94,23 @@ class ForwardPlan:
         return (self.lo, self.hi)
 
 
-class Forward:
+class _LayerView:
+    """The current-layer cursor of a graph's view of a cache (``cache`` must have ``_check_layer``)."""
+
+    cache: object
+    layer: Optional[int] = None
+
+    def set_layer(self, layer: int):
+        self.layer = self.cache._check_layer(layer)
+        return self
+
+    def _need_layer(self) -> int:
+        if self.layer is None:
+            raise GGMLValueError("call set_layer(i) first")
+        return self.layer
+
+
+class Forward(_LayerView):
     """One graph's view of a cache, in the shape of Ollama's Cache protocol: the cache's inputs plus put/get.
 
     Made by ``cache.forward(ctx, plan)``: ``set_layer(i)``, then ``put(k, v)``
@@ -123,28 +139,11 @@ class Forward:
         """Whether the current layer's V is stored transposed (see :class:`Causal`)."""
         return self.cache.v_trans
 
-    def set_layer(self, layer: int) -> Forward:
-        self.layer = self.cache._check_layer(layer)
-        return self
-
-    def _need_layer(self) -> int:
-        if self.layer is None:
-            raise GGMLValueError("call set_layer(i) first")
-        return self.layer
-
-    def _input(self, type: Type, ne: tuple, name: str, data: np.ndarray) -> Tensor:
-        t = self.ctx.new_tensor(type, ne, name=name)
-        if self.ctx.no_alloc:
-            t.set_input()              # allocated by the scheduler, filled by fill()
-        else:
-            t.set(data)
-        return t
-
     def put(self, k: Tensor, v: Tensor) -> tuple:
         """Write this batch's K and V for the current layer (a batch-size mismatch raises ValueError)."""
         layer = self._need_layer()
         if self._idx is None:
-            self._idx = self._input(Type.I64, (self.plan.n_batch,), "kv_slots", self.plan.slots)
+            self._idx = self.cache.index_tensor(self.ctx, self.plan)
         out = self.cache.put(self.ctx, layer, self.plan, k, v, idx=self._idx)
         self.pending.extend(out)
         return out
@@ -153,7 +152,7 @@ class Forward:
         """``(k_view, v_view, mask)`` of the current layer."""
         layer = self._need_layer()
         if self._mask is None:
-            self._mask = self._input(Type.F16, (self.plan.n_kv, self.plan.n_batch), "kv_mask", self.plan.mask)
+            self._mask = self.cache.mask_tensor(self.ctx, self.plan)
         return self.cache.get(self.ctx, layer, self.plan, mask=self._mask)
 
     def fill(self, plan=None) -> None:
@@ -444,7 +443,7 @@ class Causal:
         self.keys, self.values = keys, values
         self._ctx = self._placed[0]
 
-    def _require_host(self, what: str) -> None:
+    def _require_maintainable(self, what: str) -> None:
         if self.runtime is None and not all(t.is_host for t in (*self.keys, *self.values)):
             raise NotSupported(f"{what} of a cache in device memory needs the runtime of its devices "
                                "(init(..., runtime=...))")
@@ -625,21 +624,24 @@ class Causal:
     # ------------------------------------------------------------------ graph building
 
     @staticmethod
-    def index_tensor(ctx: Context, plan: ForwardPlan) -> Tensor:
-        """The I64 destination-row tensor ``ne = (n_batch,)``, created in ``ctx`` and filled.
+    def _input(ctx: Context, type: Type, ne: tuple, name: str, data: np.ndarray) -> Tensor:
+        t = ctx.new_tensor(type, ne, name=name)
+        if ctx.no_alloc:
+            t.set_input()              # allocated by the scheduler, filled by Forward.fill()
+        else:
+            t.set(data)
+        return t
 
-        ``ctx`` must be an allocating context (the data is set immediately).
-        """
-        idx = ctx.new_tensor(Type.I64, (plan.n_batch,), name="kv_slots")
-        idx.set(plan.slots)
-        return idx
+    @staticmethod
+    def index_tensor(ctx: Context, plan: ForwardPlan) -> Tensor:
+        """The I64 destination-row tensor ``ne = (n_batch,)``, created in ``ctx``: filled at once in an
+        allocating context, marked as an input (to fill once allocated) in a ``no_alloc`` one."""
+        return Causal._input(ctx, Type.I64, (plan.n_batch,), "kv_slots", plan.slots)
 
     @staticmethod
     def mask_tensor(ctx: Context, plan: ForwardPlan, dtype=Type.F16) -> Tensor:
-        """The mask tensor ``ne = (hi - lo, n_batch)``, created in ``ctx`` and filled."""
-        m = ctx.new_tensor(dtype, (plan.n_kv, plan.n_batch), name="kv_mask")
-        m.set(plan.mask)
-        return m
+        """The mask tensor ``ne = (hi - lo, n_batch)``, created in ``ctx`` (filled as :meth:`index_tensor`)."""
+        return Causal._input(ctx, dtype, (plan.n_kv, plan.n_batch), "kv_mask", plan.mask)
 
     def put(self, ctx: Context, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
             *, idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -740,7 +742,7 @@ class Causal:
         """
         trial, shifted, begin, end = self._plan_remove(seq, begin, end)
         if shifted.size:
-            self._require_host("shifting positions")
+            self._require_maintainable("shifting positions")
             self._shift(shifted, int(begin) - int(end))
         self._cells = trial
 
@@ -817,7 +819,7 @@ class Causal:
         moves = cells.defrag_plan()
         if not moves:
             return moves
-        self._require_host("defragmentation")
+        self._require_maintainable("defragmentation")
         if self.runtime is not None:           # a graph must fit the scheduler
             max_nodes = min(int(max_nodes), self.runtime.graph_size // 2)
         per_move = 6 * self.n_layers

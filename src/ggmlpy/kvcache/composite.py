@@ -13,7 +13,7 @@ from typing import Optional
 
 from ggmlpy._core import Context, GGMLTypeError, GGMLValueError, Tensor, Type, tensor_overhead
 
-from .causal import Causal
+from .causal import Causal, _LayerView
 from .cells import _INT32_MAX, CacheStateError, NotSupported, _int_array
 
 __all__ = ["Encoder", "EncoderForward", "EncoderPlan", "Wrapper", "WrapperForward", "WrapperPlan"]
@@ -148,10 +148,6 @@ class Wrapper:
         """A :class:`WrapperForward` for building this batch's graph layer by layer."""
         return WrapperForward(self, ctx, plan)
 
-    @property
-    def v_trans(self) -> bool:
-        return any(getattr(c, "v_trans", False) for c in self.caches)
-
     def start_forward(self, positions, seq_ids, reserve: bool = False, **kw) -> WrapperPlan:
         """Plan the batch on every cache; changes nothing (an error leaves nothing to unwind)."""
         return WrapperPlan(tuple(c.start_forward(positions, seq_ids, reserve, **kw)
@@ -222,7 +218,7 @@ class EncoderPlan:
         return ()
 
 
-class EncoderForward:
+class EncoderForward(_LayerView):
     """One graph's view of an :class:`Encoder`: no inputs of its own (no slots, no mask)."""
 
     v_trans = False
@@ -232,17 +228,13 @@ class EncoderForward:
         self.layer: Optional[int] = None
         self.pending: list = []
 
-    def set_layer(self, layer: int) -> EncoderForward:
-        self.layer = self.cache._check_layer(layer)
-        return self
-
     def put(self, k: Tensor, v: Tensor) -> tuple:
-        out = self.cache.put(self.ctx, self.layer, self.plan, k, v)
+        out = self.cache.put(self.ctx, self._need_layer(), self.plan, k, v)
         self.pending.extend(out)
         return out
 
     def get(self) -> tuple:
-        return self.cache.get(self.ctx, self.layer, self.plan)
+        return self.cache.get(self.ctx, self._need_layer(), self.plan)
 
     def fill(self, plan=None) -> None:
         if plan is not None:
