@@ -328,6 +328,24 @@ def test_max_tokens_minus_two_stops_when_the_context_is_full(model, shift):
 
 # --------------------------------------------------------------------------- memory: early failure, leaks
 
+def test_a_failed_direct_decode_drops_the_slots_record_with_its_cells(model, monkeypatch):
+    """A direct decode whose compute fails clears the sequence's cells, and its token record with them:
+    the next request over the same prompt re-processes it (nothing claims a prefix the cache lost)."""
+    with Runner(model, n_ctx=64) as rt:
+        rt.generate([1, 2, 3, 4], max_tokens=2)
+        assert rt.slots[0].tokens[:4] == [1, 2, 3, 4]
+
+        def failing(self, ub):
+            raise ggmlpy.ComputeFailed("injected compute failure")
+
+        monkeypatch.setattr(Runner, "_compute", failing)
+        with pytest.raises(ggmlpy.ComputeFailed):
+            rt.decode([9], seq=0)
+        monkeypatch.undo()
+        assert rt.seq_len(0) == 0 and rt.slots[0].tokens == []
+        assert rt.generate([1, 2, 3, 4], max_tokens=2).n_cached == 0
+
+
 def test_huge_context_fails_early_with_a_memory_report(model, monkeypatch):
     """n_ctx=2**24: the worst-case mask alone is 512 x 2**24 cells; the start fails before allocating the
     cache, with GGMLMemoryError and the report (the old code ran for seconds, then numpy's bare

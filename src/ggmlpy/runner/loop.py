@@ -481,6 +481,7 @@ class Runner:
                     ub.built = None
                 for s in seqs:
                     self.cache.clear(s)
+                    self.slots.set_tokens(s, [])   # the record follows the cache it describes
                 raise
             if r is not None:
                 rows.append(r)
