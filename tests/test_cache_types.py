@@ -183,9 +183,9 @@ def test_mixed_storage_and_defrag(v_trans):
     rows_k, rows_v = k.reshape(4, 64), v.reshape(4, 64)
     # q8_0: at most one step (amax/127 of the 32-block) off; f16: exactly the rounded values
     step = np.abs(rows_k).reshape(4, 2, 32).max(-1, keepdims=True) / 127
-    assert (np.abs(keys[plan.slots] - rows_k).reshape(4, 2, 32) <= step).all()
-    np.testing.assert_array_equal(vals[plan.slots], rows_v.astype(np.float16).astype(np.float32))
-    seq1 = plan.slots[[1, 3]]                       # sequence 1's cells, positions 0 and 1
+    assert (np.abs(keys[plan.cell_ids] - rows_k).reshape(4, 2, 32) <= step).all()
+    np.testing.assert_array_equal(vals[plan.cell_ids], rows_v.astype(np.float16).astype(np.float32))
+    seq1 = plan.cell_ids[[1, 3]]                       # sequence 1's cells, positions 0 and 1
     before_k, before_v = keys[seq1], vals[seq1]
     c.clear(0)                                      # holes where sequence 0 was
     moves = c.defrag()

@@ -94,12 +94,12 @@ def test_store(dtype):
 def test_sequences_in_one_batch():
     c = _cache(8, 2, 8)
     k, _, mask, plan = _step(c, [0, 0, 1, 1, 2], [0, 1, 0, 1, 0])
-    assert plan.slots.tolist() == [0, 1, 2, 3, 4] and plan.slots.dtype == np.int64
+    assert plan.cell_ids.tolist() == [0, 1, 2, 3, 4] and plan.cell_ids.dtype == np.int64
     assert _flat(k) == [1, 1, 2, 2, 3]
     assert np.array_equal(mask, _m("oxxxx", "xoxxx", "oxoxx", "xoxox", "oxoxo"))
 
     k, _, mask, plan = _step(c, [3, 2], [0, 1])
-    assert plan.slots.tolist() == [5, 6] and (plan.lo, plan.hi) == (0, 7)
+    assert plan.cell_ids.tolist() == [5, 6] and (plan.lo, plan.hi) == (0, 7)
     assert _flat(k) == [1, 1, 2, 2, 3, 4, 3]
     assert np.array_equal(mask, _m("oxoxoox", "xoxoxxo"))
     assert (c.seq_pos_min(0), c.seq_pos_max(0), c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 3, 0, 2)
@@ -119,7 +119,7 @@ def test_remove_to_end_and_reuse():
     c.remove(0, 1)  # to the end: never shifts
     assert (c.seq_pos_max(0), c.cells.used) == (0, 1)
     k, _, mask, plan = _step(c, [1, 2], [0, 0], np.array([[[5]], [[6]]], dtype=np.float32))
-    assert plan.slots.tolist() == [1, 2] and (plan.lo, plan.hi) == (0, 3)
+    assert plan.cell_ids.tolist() == [1, 2] and (plan.lo, plan.hi) == (0, 3)
     assert _flat(k) == [1, 5, 6]
     assert np.array_equal(mask, _m("oox", "ooo"))
 
@@ -147,7 +147,7 @@ def test_copy_prefix_shares_cells():
     assert (c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 1)
     assert c.cells.used == 4  # metadata only, no new cells
     k, _, mask, plan = _step(c, [2, 3], [1, 1], np.array([[[10]], [[11]]], dtype=np.float32))
-    assert plan.slots.tolist() == [4, 5] and (plan.lo, plan.hi) == (0, 6)
+    assert plan.cell_ids.tolist() == [4, 5] and (plan.lo, plan.hi) == (0, 6)
     assert _flat(k) == [1, 2, 3, 4, 10, 11]
     assert np.array_equal(mask, _m("ooxxox", "ooxxoo"))
     # seq 0 still sees only its own cells
@@ -181,7 +181,7 @@ def test_swa_evicts_and_reuses_cells():
     assert _flat(k) == [1, 2, 3, 4]
     assert np.array_equal(mask, _m("oxxx", "ooxx", "xoox", "xxoo"))
     k, _, mask, plan = _step(c, [4, 5], [0, 0])
-    assert plan.slots.tolist() == [0, 1]
+    assert plan.cell_ids.tolist() == [0, 1]
     assert _flat(k) == [5, 6, 3, 4]
     assert np.array_equal(mask, _m("oxxo", "ooxx"))
 
@@ -193,7 +193,7 @@ def test_cache_full_raises_and_changes_nothing():
     with pytest.raises(KVCacheFull, match=r"cache: 4 batch: 2"):
         c.start_forward([3, 4], [0, 0])
     assert _same(before, _snapshot(c))
-    _step(c, [3], [0])  # one slot still fits
+    _step(c, [3], [0])  # one cell still fits
     assert c.cells.used == 4
 
 
@@ -203,7 +203,7 @@ def test_reserve_plan():
     before = _snapshot(c)
     plan = c.start_forward([0, 1, 2], [0, 0, 0], reserve=True)
     assert isinstance(plan, ForwardPlan) and plan.reserve
-    assert plan.slots.tolist() == [0, 1, 2] and (plan.lo, plan.hi) == (0, 8)
+    assert plan.cell_ids.tolist() == [0, 1, 2] and (plan.lo, plan.hi) == (0, 8)
     assert plan.mask.shape == (3, 8) and not plan.mask.any()
     c.apply(plan)
     assert _same(before, _snapshot(c))
@@ -217,7 +217,7 @@ def test_plan_then_commit():
     c.apply(plan)
     assert c.cells.used == 2
     with pytest.raises(ValueError):
-        c.apply(plan)  # the slots are taken now
+        c.apply(plan)  # the cell_ids are taken now
     assert c.cells.used == 2
 
 
@@ -247,7 +247,7 @@ def test_put_writes_exactly_the_slots(dtype):
         kx = rng.standard_normal((3, 2, 4)).astype(np.float32)
         vx = rng.standard_normal((3, 2, 4)).astype(np.float32)
         plan = c.start_forward([2, 1, 2], [1, 0, 0])
-        assert plan.slots.tolist() == [1, 2, 5]
+        assert plan.cell_ids.tolist() == [1, 2, 5]
         with ggmlpy.Context(1 << 20) as ctx:
             kt = ctx.new_tensor(Type.F32, (4, 2, 3))
             kt.set(kx)
@@ -257,8 +257,8 @@ def test_put_writes_exactly_the_slots(dtype):
             for t in c.put(ctx, layer, plan, kt, vt):
                 gf.build_forward_expand(t)
             gf.compute(2)
-        expect_k[layer][plan.slots] = kx.reshape(3, 8).astype(npdt)
-        expect_v[layer][plan.slots] = vx.reshape(3, 8).astype(npdt)
+        expect_k[layer][plan.cell_ids] = kx.reshape(3, 8).astype(npdt)
+        expect_v[layer][plan.cell_ids] = vx.reshape(3, 8).astype(npdt)
         for i in (0, 1):
             assert c.keys[i].get().dtype == npdt
             assert np.array_equal(c.keys[i].get().astype(np.float32), expect_k[i])

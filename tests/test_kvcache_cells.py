@@ -67,14 +67,14 @@ def test_init_and_properties():
         c.seq_pos_max(1.0)
 
 
-# ---------------------------------------------------------------- find_slots / apply
+# ---------------------------------------------------------------- find_free / apply
 
 
-def test_find_slots_and_apply():
+def test_find_free_and_apply():
     c = Cells(6, 2)
-    assert np.array_equal(c.find_slots(4), [0, 1, 2, 3])
-    assert c.find_slots(0).size == 0
-    assert c.find_slots(7) is None
+    assert np.array_equal(c.find_free(4), [0, 1, 2, 3])
+    assert c.find_free(0).size == 0
+    assert c.find_free(7) is None
     assert c.used == 0  # planning never mutates
     c.apply([0, 2, 3], [0, 1, 2], [0, 0, 1])
     assert np.array_equal(c.pos, [0, -1, 1, 2, -1, -1])
@@ -82,10 +82,10 @@ def test_find_slots_and_apply():
     assert np.array_equal(c.seqs[:, 1], [0, 0, 0, 1, 0, 0])
     assert c.used == 3
     assert (c.seq_pos_min(0), c.seq_pos_max(0), c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 1, 2, 2)
-    assert np.array_equal(c.find_slots(3), [1, 4, 5])  # holes need not be contiguous
-    assert c.find_slots(4) is None
+    assert np.array_equal(c.find_free(3), [1, 4, 5])  # holes need not be contiguous
+    assert c.find_free(4) is None
     with pytest.raises(ValueError):
-        c.find_slots(-1)
+        c.find_free(-1)
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,7 @@ def test_find_slots_and_apply():
         ([1, 4], [0], [0, 0]),  # lengths differ
         ([0], [5], [0]),  # cell not free
         ([1, 1], [5, 6], [0, 0]),  # repeated cell
-        ([6], [5], [0]),  # slot out of range
+        ([6], [5], [0]),  # cell out of range
         ([1], [-1], [0]),  # negative position
     ],
 )
@@ -192,7 +192,7 @@ def test_remove_to_end():
     assert shifted.size == 0
     assert np.array_equal(c.pos, [0, 1, 2, -1, -1, -1])
     assert c.used == 3 and c.seq_pos_max(0) == 2
-    assert np.array_equal(c.find_slots(1), [3])
+    assert np.array_equal(c.find_free(1), [3])
 
 
 def test_remove_middle_shifts():
@@ -254,8 +254,8 @@ def test_copy_prefix():
     assert c.used == 4  # cells 4, 5 were freed
     assert np.array_equal(c.pos[4:6], [-1, -1])
     # seq 1 continues at pos 2, 3 and does not see seq 0's pos 2, 3
-    slots = c.find_slots(2)
-    c.apply(slots, [2, 3], [1, 1])
+    cell_ids = c.find_free(2)
+    c.apply(cell_ids, [2, 3], [1, 1])
     assert np.array_equal(c.mask([2, 3], [1, 1], hi=6), _m("ooxxox", "ooxxoo"))
     c.copy_prefix(0, 2, 0)
     assert not c.seqs[:, 2].any()
@@ -431,17 +431,17 @@ class CellsMachine(RuleBasedStateMachine):
             batch.append((s, nxt[s]))
             nxt[s] += 1
         n = len(batch)
-        slots = self.cells.find_slots(n)
+        cell_ids = self.cells.find_free(n)
         n_free = self.cells.n_cells - len(self.tokens)
-        if slots is None:
+        if cell_ids is None:
             assert n_free < n
             return
-        assert n <= n_free and len(slots) == n
-        assert not self.cells.seqs[slots].any()
+        assert n <= n_free and len(cell_ids) == n
+        assert not self.cells.seqs[cell_ids].any()
         ids = np.arange(self.next_id, self.next_id + n)
         self.next_id += n
-        self.cells.apply(slots, [p for _, p in batch], [s for s, _ in batch])
-        self.payload[slots] = ids
+        self.cells.apply(cell_ids, [p for _, p in batch], [s for s, _ in batch])
+        self.payload[cell_ids] = ids
         for t, (s, p) in zip(ids, batch):
             self.tokens[int(t)] = [p, {s}]
 
@@ -592,9 +592,9 @@ def test_mask_equals_its_definition(seed, n_seq, window, chunk, causal, half):
     n_cells = int(rng.integers(1, 24))
     cells = Cells(n_cells, n_seq)
     used = rng.random(n_cells) < 0.7
-    slots = np.flatnonzero(used)
-    if slots.size:
-        cells.apply(slots, rng.integers(0, 30, slots.size), rng.integers(0, n_seq, slots.size))
+    cell_ids = np.flatnonzero(used)
+    if cell_ids.size:
+        cells.apply(cell_ids, rng.integers(0, 30, cell_ids.size), rng.integers(0, n_seq, cell_ids.size))
         if n_seq > 1:                                 # some cells shared by a second sequence
             cells.copy_prefix(0, int(rng.integers(1, n_seq)), int(rng.integers(0, 30)))
     n = int(rng.integers(1, 6))

@@ -45,7 +45,7 @@ def test_sequences_v_trans(v_trans):
     _, v, mask, _ = _step(c, [0, 0, 1, 1, 2], [0, 1, 0, 1, 0])
     assert _flat(v) == [1, 1, 2, 2, 3]
     _, v, mask, plan = _step(c, [3, 2], [0, 1])
-    assert plan.slots.tolist() == [5, 6]
+    assert plan.cell_ids.tolist() == [5, 6]
     assert _flat(v) == [1, 1, 2, 2, 3, 4, 3]
     assert np.array_equal(mask, _m("oxoxoox", "xoxoxxo"))
     # a sub-range starting past cell 0: seq 1 only
@@ -183,7 +183,7 @@ def test_non_causal_span(v_trans):
     _step(c, [0, 1], [0, 0])
     # seq 0 continues with a bidirectional span at batch rows 1..2 (pos 3, 4); seq 1 interleaved
     _, _, mask, plan = _step(c, [2, 3, 4, 5, 0], [0, 0, 0, 0, 1], except_rows=[1, 2])
-    assert plan.slots.tolist() == [2, 3, 4, 5, 6]
+    assert plan.cell_ids.tolist() == [2, 3, 4, 5, 6]
     assert np.array_equal(mask, _m(
         "oooxxxx",    # pos 2: causal
         "oooooox",    # pos 3: sees 4 and 5 too (own sequence, this batch)
@@ -226,7 +226,7 @@ def test_swa_mem(v_trans):
     k, v, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4)
     assert np.array_equal(mask, _m("oxxx", "ooxx", "xoox", "xxoo"))
     k, v, mask, plan = _step(c, [4, 5], [0, 0])
-    assert plan.trim == {0: 4} and plan.slots.tolist() == [0, 4]
+    assert plan.trim == {0: 4} and plan.cell_ids.tolist() == [0, 4]
     assert _flat(k) == _flat(v) == [5, 2, 3, 4, 6]  # pos 0 evicted, 1..3 kept but masked
     assert np.array_equal(mask, _m("oxxox", "oxxxo"))
     assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (1, 5)
@@ -270,7 +270,7 @@ def test_swa_mem_evicts_idle_sequence_and_fills():
     _step(c, [2, 3], [0, 0])  # lowest 2: seq 0 keeps pos >= 0; seq 1 idle at 2 keeps >= 0
     assert c.cells.used == 6
     _, _, _, plan = _step(c, [4, 5], [0, 0])  # seq 0 drops pos < 2, frees two cells
-    assert plan.slots.tolist() == [0, 1]
+    assert plan.cell_ids.tolist() == [0, 1]
     with pytest.raises(KVCacheFull):
         c.start_forward([2, 3, 4], [1, 1, 1])
 
@@ -323,7 +323,7 @@ def test_wrapper_routes_layers(v_trans):
     assert np.array_equal(res[0][2], _m("oxxx", "ooxx", "xoox", "xxoo"))
     assert np.array_equal(res[1][2], _m("oxxx", "ooxx", "ooox", "oooo"))
     res, plan = _wstep(w, [4, 5], [0, 0])
-    assert plan[0].slots.tolist() == [0, 1] and plan[1].slots.tolist() == [4, 5]
+    assert plan[0].cell_ids.tolist() == [0, 1] and plan[1].cell_ids.tolist() == [4, 5]
     assert res[0][0] == [5, 6, 3, 4] and res[2][1] == [15, 18, 9, 12]
     assert res[1][0] == [2, 4, 6, 8, 10, 12]
     assert np.array_equal(res[0][2], _m("oxxo", "ooxx"))
@@ -334,7 +334,7 @@ def test_wrapper_routes_layers(v_trans):
 
 
 def _wforward(w, rt, positions, seqs):
-    """_wstep through ``w.forward`` in a graph the runtime allocates: the caches' inputs (slots, masks) are
+    """_wstep through ``w.forward`` in a graph the runtime allocates: the caches' inputs (cell_ids, masks) are
     created unallocated and filled by ``fw.fill(plan)`` once the scheduler allocated them."""
     plan = w.start_forward(positions, seqs)
     n = len(positions)

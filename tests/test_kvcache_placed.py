@@ -40,8 +40,8 @@ def test_cpu_placement_reports_cache_per_layer():
     assert all(t.is_host for t in cache.keys)        # CPU buffers are host memory
     plan = _store(cache, 4)
     k0 = cache.keys[0].get()
-    assert k0[plan.slots].tolist() == [[float(p)] * 16 for p in range(4)]
-    assert not k0[np.setdiff1d(np.arange(cache.n_cells), plan.slots)].any()   # zero-filled elsewhere
+    assert k0[plan.cell_ids].tolist() == [[float(p)] * 16 for p in range(4)]
+    assert not k0[np.setdiff1d(np.arange(cache.n_cells), plan.cell_ids)].any()   # zero-filled elsewhere
     assert "cache" in str(report)
     cache.close()
 
@@ -147,6 +147,39 @@ def test_forward_protocol_set_layer_put_get():
     gf.compute(1)
     cache.apply(plan)
     for layer in range(2):
-        np.testing.assert_array_equal(cache.keys[layer].get()[plan.slots], kv[layer][0].reshape(3, 8))
-        np.testing.assert_array_equal(cache.values[layer].get()[plan.slots], kv[layer][1].reshape(3, 8))
-    np.testing.assert_array_equal(plan.mask[2][plan.slots[:2] - plan.lo], [-np.inf, -np.inf])  # seq 1 sees no seq 0
+        np.testing.assert_array_equal(cache.keys[layer].get()[plan.cell_ids], kv[layer][0].reshape(3, 8))
+        np.testing.assert_array_equal(cache.values[layer].get()[plan.cell_ids], kv[layer][1].reshape(3, 8))
+    np.testing.assert_array_equal(plan.mask[2][plan.cell_ids[:2] - plan.lo], [-np.inf, -np.inf])  # seq 1 sees no seq 0
+
+
+@pytest.mark.rpc
+def test_wrapper_places_each_cache_on_its_model_layers_devices(rpc_server):  # noqa: F811
+    """A Wrapper of a window and a full cache over layers [0, 1, 0, 1] with layers 2 and 3 on an RPC server:
+    each wrapped layer sits on its *model* layer's device and is reported under that layer, host_bytes
+    counts only the CPU layers, and a failed init leaves nothing allocated."""
+    from ggmlpy.kvcache import Wrapper
+    from ggmlpy.models import Cache
+
+    devs = bk.choose_devices("auto", rpc=[rpc_server])
+    placement = bk.split_layers(4, devs, n_gpu_layers=2)          # layers 2, 3 on the server
+    report = bk.MemoryReport(4)
+    swa = Causal(2, 8, 8, gp.Type.F16, window=4)
+    full = Causal(2, 8, 8, gp.Type.F16)
+    w = Wrapper([swa, full], [0, 1, 0, 1])
+    assert isinstance(w, Cache) and isinstance(swa, Cache)
+    need = w.host_bytes(32, 1, 8, placement)
+    w.init(32, 1, 8, placement=placement, report=report)
+    server, cpu = report.devices[devs[0].name], report.devices["CPU"]
+    assert sorted(cpu.cache) == [0, 1] and sorted(server.cache) == [2, 3]
+    assert cpu.cache[0] == swa.bytes_per_layer() and server.cache[3] == full.bytes_per_layer()
+    assert swa.keys[0].is_host and not swa.keys[1].is_host and full.keys[0].is_host and not full.keys[1].is_host
+    assert swa.n_cells < full.n_cells                                # the window cache is smaller
+    # mask + cell metadata of each cache, plus the K/V of its one CPU layer
+    expect = sum(8 * c.n_cells * 2 + 2 * c.n_cells * 5 + c.bytes_per_layer() for c in (swa, full))
+    assert need == expect
+    assert w.host_bytes(32, 1, 8) == expect + swa.bytes_per_layer() + full.bytes_per_layer()   # all on the host
+    w.close()
+    too_big = Wrapper([Causal(1, 8, 8, gp.Type.F16), Causal(1, 1 << 16, 1 << 16, gp.Type.F32)], [0, 1])
+    with pytest.raises(MemoryError):
+        too_big.init(1 << 22, 4, 1, placement=bk.split_layers(2, bk.choose_devices("cpu")))
+    assert all(not c.keys for c in too_big.caches)                  # the first cache was freed again

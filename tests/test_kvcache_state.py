@@ -274,12 +274,12 @@ class CausalMachine(RuleBasedStateMachine):
         plan = self.cache.start_forward(positions, sids)
         self._assert_unchanged(before)  # planning changes nothing
         cpos, cseqs = before[0], before[1]
-        slots = plan.slots.tolist()
-        assert len(set(slots)) == n and not cseqs[slots].any(), "slots must be free cells"
+        cell_ids = plan.cell_ids.tolist()
+        assert len(set(cell_ids)) == n and not cseqs[cell_ids].any(), "cell_ids must be free cells"
         # the history after the batch is committed: cell -> (pos, set of seqs)
         hist = {int(c): (int(cpos[c]), set(np.flatnonzero(cseqs[c]).tolist()))
                 for c in np.flatnonzero(cseqs.any(axis=1))}
-        for c, p, s in zip(slots, positions.tolist(), sids.tolist()):
+        for c, p, s in zip(cell_ids, positions.tolist(), sids.tolist()):
             hist[c] = (p, {s})
         for c, (_, ss) in hist.items():
             if ss & set(sids.tolist()):
@@ -304,7 +304,7 @@ TestCausalMachine = CausalMachine.TestCase
 @given(seed=st.integers(0, 2**32 - 1), window=st.sampled_from([None, 3, 40]), chunk=st.sampled_from([None, 3]),
        padding=st.sampled_from([1, 4]), n_seq=st.integers(1, 3))
 def test_one_token_plan_equals_general_plan(seed, window, chunk, padding, n_seq):
-    """start_forward of one token (planned in C, committed in place) gives the same slot, range and
+    """start_forward of one token (planned in C, committed in place) gives the same cell, range and
     mask as the general path, and apply leaves the same cells: across random fills, removes and clears,
     with windows (one wider than the capacity, so nothing is evicted), chunks and padding. An evicting cache
     keeps the general path."""
@@ -343,7 +343,7 @@ def test_one_token_plan_equals_general_plan(seed, window, chunk, padding, n_seq)
             slow = cache.start_forward([p], [s], except_rows=())  # the general path: a trial copy of the cells
             # a cache that evicts (window 3 of capacity 10) plans every batch the general way
             assert (fast._one is not None) == (cache.memory is None) and slow._one is None
-            assert fast.slots.tolist() == slow.slots.tolist()
+            assert fast.cell_ids.tolist() == slow.cell_ids.tolist()
             assert (fast.lo, fast.hi) == (slow.lo, slow.hi)
             assert fast.mask.dtype == slow.mask.dtype == np.float16 and np.array_equal(fast.mask, slow.mask)
             after = slow._after
@@ -354,7 +354,7 @@ def test_one_token_plan_equals_general_plan(seed, window, chunk, padding, n_seq)
             assert got.used == after.used
             for q in range(n_seq):
                 assert (got.seq_pos_min(q), got.seq_pos_max(q)) == (after.seq_pos_min(q), after.seq_pos_max(q))
-            assert got.find_slots(got.n_cells - got.used) is not None
+            assert got.find_free(got.n_cells - got.used) is not None
             nxt[s] = p + 1
     finally:
         cache.close()

@@ -249,6 +249,40 @@ def test_same_batch_groups_are_never_split(model):
         assert list(rt.batch_sizes)[0] == [1, 3, 3, 1]
 
 
+def test_reused_prefix_ends_before_a_group(model):
+    """A cached prefix that would end inside the new prompt's same-batch group is reused up to the group."""
+    prompt = PROMPT[:10]
+    with Runner(model, n_ctx=32, n_batch=4, n_ubatch=4, pipeline=False) as rt:
+        rt.generate(prompt, max_tokens=1)
+        sb = [0] * 12
+        sb[8] = 3                                      # inputs 8..11 in one batch: the cache holds 0..9
+        r = rt.generate(prompt + [5, 6], max_tokens=3, same_batch=sb)
+        assert r.n_cached == 8
+    with Runner(model, n_ctx=32, n_batch=4, n_ubatch=4, pipeline=False) as rt:
+        assert rt.generate(prompt + [5, 6], max_tokens=3, same_batch=sb).tokens == r.tokens
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_slot_record_is_what_the_cache_holds(model, pipeline):
+    """The slot table's record (the runner keeps no copy) after streaming, pipelined placeholders and a
+    context shift: one token per cached position, none unknown, and a prompt extending it reuses all of it
+    and gives what a fresh runner gives."""
+    with Runner(model, n_ctx=32, n_seq_max=2, n_batch=8, pipeline=pipeline) as rt:
+        hs = [rt.submit(PROMPT, max_tokens=12), rt.submit(PROMPT[:5], max_tokens=40, n_keep=2)]
+        rs = [h.result() for h in hs]
+        assert rs[1].n_shifts >= 1
+        for slot in range(2):
+            rec = rt.slots[slot].tokens
+            assert len(rec) == rt.seq_len(slot) and -1 not in rec
+        full = PROMPT + rs[0].tokens
+        rec = rt.slots[0].tokens if rt.slots[0].tokens[:len(PROMPT)] == PROMPT else rt.slots[1].tokens
+        assert rec == full[:len(rec)] and len(rec) >= len(full) - 1
+        again = rt.generate(rec + [7], max_tokens=4)
+        assert again.n_cached == len(rec)
+    with Runner(model, n_ctx=32) as fresh:
+        assert fresh.generate(rec + [7], max_tokens=4).tokens == again.tokens
+
+
 def test_prefix_reuse_with_a_sliding_window(tmp_path):
     """mistral with a window of 6: the cache keeps only the last positions, so a prompt may resume
     where the window's history is still stored, and is re-processed fully where it was evicted;

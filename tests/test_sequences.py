@@ -21,6 +21,8 @@ from ggmlpy.sequences import (
     SlotTable,
     common_prefix,
     effective_keep,
+    group_boundary,
+    group_sizes,
     shift_discard,
     truncate_indices,
     truncate_prompt,
@@ -590,3 +592,71 @@ def test_slot_table_matches_brute_force(n_slots, multi, program):
         for i in range(n_slots):
             assert t[i].tokens == ref.tokens[i]
             assert t[i].in_use == ref.busy[i]
+
+
+# --------------------------------------------------------------------------- groups as batch units
+
+
+def union_units(sb: list[int]) -> list[int]:
+    """Reference: walk the inputs, a unit ends where no marker seen in it reaches further."""
+    sizes, start, reach = [], 0, -1
+    for i, k in enumerate(sb):
+        reach = max(reach, i + k)
+        if reach == i:
+            sizes.append(i + 1 - start)
+            start, reach = i + 1, -1
+    return sizes
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_group_sizes_match_the_union_walk(data):
+    n = data.draw(st.integers(0, 40))
+    sb = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 5]), min_size=n, max_size=n))
+    if any(i + k >= n for i, k in enumerate(sb)):
+        with pytest.raises(ValueError, match="runs past the last input"):
+            group_sizes(sb, n)
+        return
+    sizes = group_sizes(sb, n)
+    assert sizes == union_units(sb) and sum(sizes) == n
+    # a boundary never cuts a unit; anywhere else moves back to the unit's start
+    starts = np.cumsum([0] + sizes)
+    for m in range(n + 1):
+        assert group_boundary(sb, m) == starts[starts <= m].max()
+
+
+def test_group_sizes_without_groups_and_bad_markers():
+    assert group_sizes(None, 3) == [1, 1, 1] and group_sizes([0, 0], 2) == [1, 1]
+    assert group_sizes(markers(6, {1: 2}), 6) == [1, 3, 1, 1]
+    assert group_boundary(markers(6, {1: 2}), 3) == 1 and group_boundary(None, 3) == 3
+    with pytest.raises(ValueError, match=">= 0"):
+        group_sizes([0, -1], 2)
+    with pytest.raises(ValueError, match="one entry per input"):
+        group_sizes([0], 2)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_reused_prefix_stops_at_a_group_start(multi):
+    """A cached prefix that ends inside a same-batch group is reused up to the group's start."""
+    t = SlotTable(1, multi_user=multi, clock=FakeClock())
+    t.committed(0, [1, 2, 3, 4, 5, 6], markers(6, {2: 2}))
+    sb = markers(6, {2: 3})                       # the new prompt's group 2..5 extends past the cached 2..4
+    plan = t.load([1, 2, 3, 4, 5, 9], same_batch=sb)
+    assert plan.n_past == 2 and plan.remaining == [3, 4, 5, 9]
+    assert t[0].tokens == [1, 2] and t[0].same_batch == [0, 0]
+
+
+def test_record_keeps_markers_with_tokens():
+    t = SlotTable(1, multi_user=False, clock=FakeClock())
+    t.committed(0, [1, 2, 3, 4, 5], markers(5, {1: 2}))
+    t.remove(0, 0, 1)
+    assert t[0].tokens == [2, 3, 4, 5] and t[0].same_batch == [2, 0, 0, 0]
+    plan = t.load([2, 3, 4, 5, 6], same_batch=[2, 0, 0, 0, 0])
+    assert plan.n_past == 4 and t[0].same_batch == [2, 0, 0, 0]
+    t.rewind(plan, 1)
+    assert t[0].tokens == [2] and t[0].same_batch == [2]
+    with pytest.raises(ValueError, match="markers"):
+        t.committed(0, [1, 2], [0])
+    assert t[0].tokens == [2]                     # nothing half-recorded
+    with pytest.raises(ValueError, match="markers"):
+        t.set_tokens(0, [1, 2], [0])

@@ -41,6 +41,8 @@ __all__ = [
     "SlotTable",
     "common_prefix",
     "effective_keep",
+    "group_boundary",
+    "group_sizes",
     "shift_discard",
     "truncate_indices",
     "truncate_prompt",
@@ -101,7 +103,8 @@ def _int(name: str, value: object) -> int:
 def _reach(same_batch: Sequence[int] | None, n_inputs: int) -> Optional[np.ndarray]:
     """``reach[i]``: the last input that must share input ``i``'s batch.
 
-    ``None`` when there are no groups.
+    ``None`` when there are no groups. Every rule about groups below is computed from this and
+    :func:`_close_groups`.
     """
     if same_batch is None:
         return None
@@ -137,6 +140,43 @@ def _close_groups(reach: Optional[np.ndarray], start: int, end: int, n: int) -> 
     if not ok.any():
         return n
     return end + int(np.argmax(ok))
+
+
+def group_sizes(same_batch: Sequence[int] | None, n_inputs: int) -> list[int]:
+    """The inputs as consecutive batch units: 1 for an input without a group, the group's length for a group.
+
+    Overlapping or nested groups form one unit. ``sum(result) == n_inputs``.
+
+    Raises
+    ------
+    ValueError
+        If ``same_batch`` does not hold one non-negative integer per input, or a group runs past the last
+        input.
+    """
+    reach = _reach(same_batch, n_inputs)
+    if reach is None:
+        return [1] * n_inputs
+    if int(reach.max()) >= n_inputs:
+        i = int(np.argmax(reach >= n_inputs))
+        raise GGMLValueError(f"same_batch[{i}] = {int(reach[i]) - i} runs past the last input ({n_inputs} inputs)")
+    sizes, a = [], 0
+    while a < n_inputs:
+        b = _close_groups(reach, a, a + 1, n_inputs) if reach[a] > a else a + 1
+        sizes.append(b - a)
+        a = b
+    return sizes
+
+
+def group_boundary(same_batch: Sequence[int] | None, n: int) -> int:
+    """The largest ``m <= n`` where the inputs can be cut without splitting a group (``0 <= m``)."""
+    if not same_batch or n <= 0:
+        return max(n, 0)
+    a = 0
+    for size in group_sizes(same_batch, len(same_batch)):
+        if a + size > n:
+            return a
+        a += size
+    return a
 
 
 # --------------------------------------------------------------------------- shift & truncation
@@ -339,7 +379,11 @@ class Slot:
     id : int
         Cache sequence id (slot ``i`` is sequence ``i``).
     tokens : list of int
-        The tokens the KV cache holds for this sequence, in position order.
+        The tokens the KV cache holds for this sequence, in position order: the one record of them (the
+        runner appends to it as it forms batches). ``-1`` stands for a token still being sampled.
+    same_batch : list of int
+        The same-batch markers of ``tokens`` (see the module docstring), one per token, so a context
+        shift never keeps half a group.
     in_use : bool
         Whether a running request owns the slot.
     last_used : float
@@ -348,6 +392,7 @@ class Slot:
 
     id: int
     tokens: list[int] = field(default_factory=list)
+    same_batch: list[int] = field(default_factory=list)
     in_use: bool = False
     last_used: float = -math.inf
 
@@ -406,10 +451,10 @@ class SlotTable:
 
     Notes
     -----
-    Slot ``tokens`` must mirror the cache: the runner calls :meth:`committed`
-    after each forward pass, :meth:`remove` after a shift, :meth:`set_tokens`
-    or :meth:`reset` when it rewrites or clears a sequence, and
-    :meth:`release` when a request ends (the tokens stay for later reuse).
+    The table is the one record of what each cache sequence holds (the runner keeps no copy): it calls
+    :meth:`committed` as inputs enter the cache, :meth:`remove` with every ``cache.remove``,
+    :meth:`set_tokens` or :meth:`reset` when it rewrites or clears a sequence, and :meth:`release` when a
+    request ends (the tokens stay for later reuse).
     """
 
     def __init__(self, n_slots: int, multi_user: bool = True,
@@ -494,7 +539,8 @@ class SlotTable:
             (slot, n), fork = self._find_longest(prompt), None
         return slot.id, n, fork
 
-    def load(self, prompt: Sequence[int], cache_prompt: bool = True) -> LoadPlan:
+    def load(self, prompt: Sequence[int], cache_prompt: bool = True,
+             same_batch: Sequence[int] | None = None) -> LoadPlan:
         """Choose a slot for ``prompt``, mark it in use and say what to evaluate.
 
         Parameters
@@ -503,6 +549,9 @@ class SlotTable:
             The (already truncated) prompt, at least one token.
         cache_prompt : bool
             ``False`` (embeddings) reuses nothing: ``n_past = 0``, no fork.
+        same_batch : sequence of int, optional
+            The prompt's same-batch markers: the reused prefix never ends inside a group (it stops at
+            the group's start, and the group is evaluated whole).
 
         Returns
         -------
@@ -530,11 +579,13 @@ class SlotTable:
             n_past, fork = 0, None
         if n_past == len(prompt):
             n_past -= 1  # leave one token to evaluate so there are logits to sample
+        sb = [0] * len(prompt) if same_batch is None else [int(x) for x in same_batch]
+        n_past = group_boundary(sb, n_past)
         if n_past == 0:
             fork = None
         slot.in_use = True
         slot.last_used = float(self._clock())
-        slot.tokens = prompt[:n_past]
+        slot.tokens, slot.same_batch = prompt[:n_past], sb[:n_past]
         return LoadPlan(slot.id, n_past, fork, prompt[n_past:])
 
     def rewind(self, plan: LoadPlan, n_past: int) -> LoadPlan:
@@ -549,18 +600,29 @@ class SlotTable:
             raise GGMLValueError(f"n_past must be in [0, {plan.n_past}], got {n_past}")
         s = self._slot(plan.slot)
         restored = s.tokens[n_past:plan.n_past]
-        del s.tokens[n_past:]
+        del s.tokens[n_past:], s.same_batch[n_past:]
         return replace(plan, n_past=n_past, remaining=restored + list(plan.remaining))
 
     # ----------------------------------------------------------------- upkeep
 
-    def committed(self, slot: int, tokens: Sequence[int]) -> None:
-        """Record that ``tokens`` were evaluated and now sit in the cache after the rest."""
-        self._slot(slot).tokens.extend(int(t) for t in tokens)
+    def committed(self, slot: int, tokens: Sequence[int], same_batch: Sequence[int] | None = None) -> None:
+        """Record that ``tokens`` (with their same-batch markers) now sit in the cache after the rest."""
+        s = self._slot(slot)
+        n = len(s.tokens)
+        s.tokens.extend(int(t) for t in tokens)
+        s.same_batch.extend([0] * (len(s.tokens) - n) if same_batch is None else (int(x) for x in same_batch))
+        if len(s.same_batch) != len(s.tokens):
+            del s.tokens[n:], s.same_batch[n:]
+            raise GGMLValueError(f"committed: {len(tokens)} tokens but {len(same_batch)} same_batch markers")
 
-    def set_tokens(self, slot: int, tokens: Sequence[int]) -> None:
+    def set_tokens(self, slot: int, tokens: Sequence[int], same_batch: Sequence[int] | None = None) -> None:
         """Replace what the slot is recorded to hold."""
-        self._slot(slot).tokens = [int(t) for t in tokens]
+        s = self._slot(slot)
+        tokens = [int(t) for t in tokens]
+        sb = [0] * len(tokens) if same_batch is None else [int(x) for x in same_batch]
+        if len(sb) != len(tokens):
+            raise GGMLValueError(f"set_tokens: {len(tokens)} tokens but {len(sb)} same_batch markers")
+        s.tokens, s.same_batch = tokens, sb
 
     def remove(self, slot: int, begin: int, end: Optional[int] = None) -> None:
         """Drop tokens ``[begin, end)`` (``end=None``: to the end), as ``cache.remove`` does.
@@ -572,11 +634,12 @@ class SlotTable:
         stop = len(s.tokens) if end is None else _int("end", end)
         if not 0 <= begin <= stop:
             raise GGMLValueError(f"invalid range [{begin}, {stop})")
-        del s.tokens[begin:stop]
+        del s.tokens[begin:stop], s.same_batch[begin:stop]
 
     def reset(self, slot: int) -> None:
         """Forget the slot's contents (the cache sequence was cleared)."""
-        self._slot(slot).tokens = []
+        s = self._slot(slot)
+        s.tokens, s.same_batch = [], []
 
     def release(self, slot: int) -> None:
         """The request owning the slot ended; its tokens stay for prefix reuse."""

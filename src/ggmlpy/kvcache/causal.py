@@ -1,6 +1,6 @@
 """The causal K/V cache (Ollama's ``Causal``): per-layer K/V storage over :class:`~ggmlpy.kvcache.cells.Cells`.
 
-A :class:`Causal` plans a batch (:meth:`Causal.start_forward`: slots, the
+A :class:`Causal` plans a batch (:meth:`Causal.start_forward`: the cells written, the
 visible cell range, the mask), builds the graph pieces that write and read
 its tensors, and commits the metadata with :meth:`Causal.apply` once the
 graph exists. Removing a middle range shifts the later keys through the
@@ -37,7 +37,7 @@ V_TRANS_TYPES = (Type.F32, Type.F16, Type.BF16)
 
 
 class KVCacheFull(RuntimeError, GGMLError):
-    """No free cache slots for a batch. Nothing has been changed."""
+    """No free cache cells for a batch. Nothing has been changed."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ForwardPlan:
     ----------
     positions, seq_ids : numpy.ndarray
         ``int64[n_batch]``, the batch's tokens.
-    slots : numpy.ndarray
+    cell_ids : numpy.ndarray
         ``int64[n_batch]``, the cache row written for each token.
     lo, hi : int
         The cell range ``[lo, hi)`` the batch attends over (padded).
@@ -67,7 +67,7 @@ class ForwardPlan:
 
     positions: np.ndarray
     seq_ids: np.ndarray
-    slots: np.ndarray
+    cell_ids: np.ndarray
     lo: int
     hi: int
     mask: np.ndarray
@@ -76,12 +76,12 @@ class ForwardPlan:
     n_cells: int
     _base: Optional[tuple] = field(default=None, repr=False, compare=False)
     _after: Optional[Cells] = field(default=None, repr=False, compare=False)
-    _one: Optional[tuple] = field(default=None, repr=False, compare=False)    # (slot, pos, seq) of a one-token plan
+    _one: Optional[tuple] = field(default=None, repr=False, compare=False)    # (cell, pos, seq) of a one-token plan
 
     @property
     def n_batch(self) -> int:
         """Number of tokens in the batch."""
-        return int(self.slots.size)
+        return int(self.cell_ids.size)
 
     @property
     def n_kv(self) -> int:
@@ -167,7 +167,7 @@ class Forward(_LayerView):
             raise GGMLValueError(f"fill: a plan of range {plan.key} and {plan.n_batch} rows for a graph built "
                                  f"for {self._key} and {self._n}")
         if self._idx is not None:
-            self._idx.set(plan.slots)
+            self._idx.set(plan.cell_ids)
         if self._mask is not None:
             self._mask.set(plan.mask)            # float16, as the tensor: one copy
         self.plan = None
@@ -324,7 +324,7 @@ class Causal:
         return self.cells.n_cells
 
     def init(self, capacity: int, n_seq_max: int, max_batch: int, *, placement=None, report=None,
-             runtime=None) -> None:
+             runtime=None, layers=None) -> None:
         """Size the cache and allocate zero-filled K/V for every layer.
 
         ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
@@ -341,6 +341,9 @@ class Causal:
         cache's devices), so they run wherever the cache lives; without one
         they run on the host, and a cache in device memory raises
         :class:`NotSupported` for them (the caller clears and re-processes).
+        ``layers`` are the model layers this cache's layers are (default ``0 .. n_layers - 1``; a
+        :class:`Wrapper` gives each cache the layers routed to it): they pick the devices and the
+        report's rows.
 
         Raises
         ------
@@ -358,7 +361,7 @@ class Causal:
         size = self.n_layers * ((k_row + v_row) * n + 2 * (tensor_overhead() + 64))
         v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
         if placement is not None:
-            self._init_placed(n, v_ne, placement, report)
+            self._init_placed(n, v_ne, placement, report, self._model_layers(layers))
             self._cells = Cells(n, n_seq_max)
             return
         ctx = Context(size + 1024, no_alloc=False)
@@ -393,7 +396,28 @@ class Causal:
         """Cells :meth:`init` would allocate for these arguments (nothing is allocated)."""
         return self._size(int(capacity), int(n_seq_max), int(max_batch))[0]
 
-    def _init_placed(self, n: int, v_ne, placement, report) -> None:
+    def _model_layers(self, layers) -> list:
+        layers = list(range(self.n_layers)) if layers is None else [int(i) for i in layers]
+        if len(layers) != self.n_layers:
+            raise GGMLValueError(f"kv cache: {len(layers)} model layers given for a cache of {self.n_layers}")
+        return layers
+
+    def host_bytes(self, capacity: int, n_seq_max: int, max_batch: int, placement=None, layers=None) -> int:
+        """Host memory this cache needs at these sizes (an upper estimate, in bytes; nothing is allocated).
+
+        The attention mask of a batch of ``max_batch`` is ``max_batch x cells`` float16, built on the host
+        (C loops write the array that is uploaded); every batch plans on a copy of the cells' metadata
+        (position and sequence flags per cell); and the K/V of layers on the CPU (all of them without
+        ``placement``) are host memory too. ``layers`` as for :meth:`init`.
+        """
+        n = self.cells_needed(capacity, n_seq_max, max_batch)
+        mask = int(max_batch) * n * 2
+        meta = 2 * n * (4 + int(n_seq_max))
+        layers = self._model_layers(layers)
+        on_cpu = len(layers) if placement is None else sum(placement.device_of(i).type == "CPU" for i in layers)
+        return mask + meta + on_cpu * n * (self.dtype.row_size(self.n_embd_k) + self.dtype_v.row_size(self.n_embd_v))
+
+    def _init_placed(self, n: int, v_ne, placement, report, layers: list) -> None:
         # One no_alloc context and one buffer per device, as the weights do.
         from ggmlpy import _core
         from ggmlpy.backend import MemoryReport
@@ -402,8 +426,8 @@ class Causal:
             report = MemoryReport(placement.n_layers)
         ctxs: dict = {}
         keys, values = [], []
-        for i in range(self.n_layers):
-            dev = placement.device_of(i)
+        devs = [placement.device_of(i) for i in layers]
+        for i, dev in enumerate(devs):
             ctx = ctxs.get(dev.name)
             if ctx is None:
                 ctx = ctxs[dev.name] = (dev, Context.for_tensors(2 * self.n_layers, no_alloc=True))
@@ -415,16 +439,14 @@ class Causal:
         # this cache replaces what an earlier one on the same model recorded, on whatever device that was
         # (a runner without KV offload keeps on the CPU the layers an earlier one kept on their devices)
         for m in report.devices.values():
-            for i in range(self.n_layers):
+            for i in layers:
                 m.cache.pop(i, None)
-        for i in range(self.n_layers):
-            dev = placement.device_of(i)
-            m = report.device(dev)
-            m.cache[i] = 0
+        for i, dev in zip(layers, devs):
+            report.device(dev).cache[i] = 0
         for dev, ctx in ctxs.values():
             bt = dev.buffer_type()
-            for i, (k, v) in enumerate(zip(keys, values)):
-                if placement.device_of(i) == dev:
+            for i, d, k, v in zip(layers, devs, keys, values):
+                if d == dev:
                     report.add_cache(dev, i, sum(-(-bt.alloc_size(t) // bt.alignment) * bt.alignment for t in (k, v)))
             try:
                 buf = _core.alloc_ctx_tensors(ctx, bt)
@@ -511,7 +533,7 @@ class Causal:
 
     def start_forward(self, positions, seq_ids, reserve: bool = False, *,
                       except_rows: Optional[Iterable[int]] = None) -> ForwardPlan:
-        """Plan a batch: slots, visible range and mask. Changes nothing.
+        """Plan a batch: the cells written, visible range and mask. Changes nothing.
 
         ``except_rows`` are batch rows exempt from the causal rule (Ollama's
         ``SetCausal`` with ``Except``): they also see later positions of
@@ -546,39 +568,39 @@ class Causal:
         if reserve:
             if n > cells.n_cells:
                 raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
-            slots = np.arange(n, dtype=np.int64)
+            cell_ids = np.arange(n, dtype=np.int64)
             mask = np.zeros((n, cells.n_cells), dtype=np.float16)
-            return ForwardPlan(positions, seq_ids, slots, 0, cells.n_cells, mask, True, {},
+            return ForwardPlan(positions, seq_ids, cell_ids, 0, cells.n_cells, mask, True, {},
                                cells.n_cells)
         trial = cells.copy()
         trim = self._trim_positions(trial, positions, seq_ids)
         if trim:
             trial.trim_window(trim, self.memory)
-        slots = trial.find_slots(n)
-        if slots is None:
+        cell_ids = trial.find_free(n)
+        if cell_ids is None:
             raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
-        trial.apply(slots, positions, seq_ids)
+        trial.apply(cell_ids, positions, seq_ids)
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
         mask = trial.mask(positions, seq_ids, window=self.window, chunk=self.chunk,
                           except_rows=except_rows, lo=lo, hi=hi, dtype=np.float16)
-        return ForwardPlan(positions, seq_ids, slots, lo, hi, mask, False, trim, cells.n_cells,
+        return ForwardPlan(positions, seq_ids, cell_ids, lo, hi, mask, False, trim, cells.n_cells,
                            _base=(cells, cells._version), _after=trial)
 
     def _plan_one(self, cells: Cells, positions: np.ndarray, seq_ids: np.ndarray) -> ForwardPlan:
         # start_forward for one token without eviction, from scalars and the current cells (no trial copy):
-        # the same slot, range and mask as the general path, planned in C (_core._kv_plan_one)
+        # the same cell, range and mask as the general path, planned in C (_core._kv_plan_one)
         s, p = int(seq_ids[0]), int(positions[0])
         if not 0 <= s < cells._n_seq_max:
             raise GGMLValueError(f"sequence id {s} out of range [0, {cells._n_seq_max})")
         if not 0 <= p <= _INT32_MAX:
             raise GGMLValueError("positions must be >= 0" if p < 0 else "positions must be in [0, 2**31)")
-        slot, lo, hi, mask = _kv_plan_one(cells._occ.view(np.uint8), cells._seq.view(np.uint8), cells._pos, s, p,
+        cell, lo, hi, mask = _kv_plan_one(cells._occ.view(np.uint8), cells._seq.view(np.uint8), cells._pos, s, p,
                                           self.padding, -1 if self.window is None else self.window,
                                           -1 if self.chunk is None else self.chunk)
-        if slot < 0:
+        if cell < 0:
             raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: 1)")
-        return ForwardPlan(positions, seq_ids, np.array([slot], dtype=np.int64), lo, hi, mask, False, {},
-                           cells.n_cells, _base=(cells, cells._version), _one=(slot, p, s))
+        return ForwardPlan(positions, seq_ids, np.array([cell], dtype=np.int64), lo, hi, mask, False, {},
+                           cells.n_cells, _base=(cells, cells._version), _one=(cell, p, s))
 
     def apply(self, plan: ForwardPlan) -> None:
         """Commit a plan's metadata (eviction, then the new cells); all or nothing."""
@@ -606,7 +628,7 @@ class Causal:
         trial = self.cells.copy()
         if plan.trim:
             trial.trim_window(plan.trim, self.memory)
-        trial.apply(plan.slots, plan.positions, plan.seq_ids)
+        trial.apply(plan.cell_ids, plan.positions, plan.seq_ids)
         return trial
 
     def _check_plan(self, plan: ForwardPlan) -> None:
@@ -636,7 +658,7 @@ class Causal:
     def index_tensor(ctx: Context, plan: ForwardPlan) -> Tensor:
         """The I64 destination-row tensor ``ne = (n_batch,)``, created in ``ctx``: filled at once in an
         allocating context, marked as an input (to fill once allocated) in a ``no_alloc`` one."""
-        return Causal._input(ctx, Type.I64, (plan.n_batch,), "kv_slots", plan.slots)
+        return Causal._input(ctx, Type.I64, (plan.n_batch,), "kv_idxs", plan.cell_ids)
 
     @staticmethod
     def mask_tensor(ctx: Context, plan: ForwardPlan, dtype=Type.F16) -> Tensor:
@@ -645,7 +667,7 @@ class Causal:
 
     def put(self, ctx: Context, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
             *, idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """Write a batch's K and V (``ne = (head_dim, n_head_kv, n_batch)``) at ``plan.slots``.
+        """Write a batch's K and V (``ne = (head_dim, n_head_kv, n_batch)``) at ``plan.cell_ids``.
 
         ``k`` and ``v`` must be f32 or f16. With ``v_trans`` V is scattered
         along the cell axis of a ``(1, cells, n_embd_v)`` view of the

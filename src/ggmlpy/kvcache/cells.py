@@ -24,7 +24,7 @@ first axis, history on the last; the matching ggml tensor has
 
 Plan, then commit
 -----------------
-Methods that *compute* something (:meth:`Cells.find_slots`,
+Methods that *compute* something (:meth:`Cells.find_free`,
 :meth:`Cells.mask`, :meth:`Cells.visible_range`, :meth:`Cells.can_resume`,
 :meth:`Cells.defrag_plan`) never change the state, so a caller can build the
 tensors for a forward pass and commit the metadata only once that succeeded.
@@ -209,7 +209,7 @@ class Cells:
         """
         return int(self._pos_max[self._check_seq(seq)])
 
-    def find_slots(self, n_tokens: int) -> Optional[np.ndarray]:
+    def find_free(self, n_tokens: int) -> Optional[np.ndarray]:
         """Plan where a batch goes: the first ``n_tokens`` free cells.
 
         The cells need not be contiguous (writes are a scatter). Nothing is
@@ -398,50 +398,50 @@ class Cells:
 
     # ------------------------------------------------------------------ mutations
 
-    def apply(self, slots, positions, seq_ids) -> None:
-        """Commit a batch: cell ``slots[k]`` becomes ``(positions[k], {seq_ids[k]})``.
+    def apply(self, cell_ids, positions, seq_ids) -> None:
+        """Commit a batch: cell ``cell_ids[k]`` becomes ``(positions[k], {seq_ids[k]})``.
 
         Parameters
         ----------
-        slots, positions, seq_ids : array_like of int
-            Equal-length arrays, usually ``slots`` from :meth:`find_slots`.
+        cell_ids, positions, seq_ids : array_like of int
+            Equal-length arrays, usually ``cell_ids`` from :meth:`find_free`.
 
         Raises
         ------
         ValueError
-            If lengths differ, a slot is out of range, repeated or not free,
+            If lengths differ, a cell is out of range, repeated or not free,
             a position is negative, or a sequence id is out of range. Nothing
             is changed.
         """
-        slots = _int_array(slots, "slots")
+        cell_ids = _int_array(cell_ids, "cell_ids")
         positions = _int_array(positions, "positions")
         seq_ids = _int_array(seq_ids, "seq_ids")
-        if not slots.size == positions.size == seq_ids.size:
+        if not cell_ids.size == positions.size == seq_ids.size:
             raise GGMLValueError(
-                "slots, positions and seq_ids differ in length: "
-                f"{slots.size}, {positions.size}, {seq_ids.size}"
+                "cell_ids, positions and seq_ids differ in length: "
+                f"{cell_ids.size}, {positions.size}, {seq_ids.size}"
             )
-        if ((slots < 0) | (slots >= self._n_cells)).any():
-            raise GGMLValueError(f"slot out of range [0, {self._n_cells})")
-        if slots.size > 1 and np.unique(slots).size != slots.size:
-            raise GGMLValueError("slots contain a repeated cell")
+        if ((cell_ids < 0) | (cell_ids >= self._n_cells)).any():
+            raise GGMLValueError(f"cell out of range [0, {self._n_cells})")
+        if cell_ids.size > 1 and np.unique(cell_ids).size != cell_ids.size:
+            raise GGMLValueError("cell_ids contain a repeated cell")
         if positions.size and (positions.min() < 0 or positions.max() > _INT32_MAX):
             raise GGMLValueError("positions must be in [0, 2**31)")
         self._check_seq_array(seq_ids)
-        taken = self._seq[slots].any(axis=1)
+        taken = self._seq[cell_ids].any(axis=1)
         if taken.any():
-            raise GGMLValueError(f"cell {int(slots[taken][0])} is not free")
-        self._pos[slots] = positions
-        self._seq[slots, seq_ids] = True
+            raise GGMLValueError(f"cell {int(cell_ids[taken][0])} is not free")
+        self._pos[cell_ids] = positions
+        self._seq[cell_ids, seq_ids] = True
         self._refresh()
 
-    def _append_one(self, slot: int, pos: int, seq: int) -> None:
+    def _append_one(self, cell: int, pos: int, seq: int) -> None:
         # apply() of one token into a free cell (checked by the caller), updating the
         # summaries in place instead of recomputing them: the one-token step of generation
         self._version += 1
-        self._pos[slot] = pos
-        self._seq[slot, seq] = True
-        self._occ[slot] = True
+        self._pos[cell] = pos
+        self._seq[cell, seq] = True
+        self._occ[cell] = True
         self._used += 1
         lo = int(self._pos_min[seq])
         if lo < 0 or pos < lo:

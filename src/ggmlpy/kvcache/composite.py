@@ -128,13 +128,32 @@ class Wrapper:
         """The cache a model layer uses."""
         return self.route(layer)[0]
 
+    def _layers(self, k: int) -> list:
+        """The model layers routed to cache ``k``, in order."""
+        return [i for i, c in enumerate(self.layer_to_cache) if c == k]
+
     def init(self, capacity: int, n_seq_max: int, max_batch: int, **kw) -> None:
-        """Initialise every cache (see :meth:`Causal.init`)."""
-        for cache in self.caches:
-            if isinstance(cache, Causal):
-                cache.init(capacity, n_seq_max, max_batch, **kw)
-            else:
-                cache.init(capacity, n_seq_max, max_batch)
+        """Initialise every cache (see :meth:`Causal.init`): each on the devices of the model layers routed
+        to it, recorded in the report under those layers. All or nothing."""
+        try:
+            for k, cache in enumerate(self.caches):
+                if isinstance(cache, Causal):
+                    cache.init(capacity, n_seq_max, max_batch, layers=self._layers(k), **kw)
+                else:
+                    cache.init(capacity, n_seq_max, max_batch)
+        except BaseException:
+            self.close()
+            raise
+
+    def host_bytes(self, capacity: int, n_seq_max: int, max_batch: int, placement=None) -> int:
+        """The sum of the wrapped caches' :meth:`Causal.host_bytes` (each over its own layers)."""
+        return sum(c.host_bytes(capacity, n_seq_max, max_batch, placement, self._layers(k))
+                   if isinstance(c, Causal) else c.host_bytes(capacity, n_seq_max, max_batch)
+                   for k, c in enumerate(self.caches))
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The highest position any wrapped cache holds for ``seq`` (-1: none)."""
+        return max(c.seq_pos_max(seq) for c in self.caches)
 
     def close(self) -> None:
         for cache in self.caches:
@@ -195,8 +214,6 @@ class Wrapper:
     save_seq = Causal.save_seq
     load_seq = Causal.load_seq
 
-    # one file, each wrapped cache's section in order (an Encoder among them raises NotSupported)
-
     def clear(self, seq: Optional[int] = None) -> None:
         for c in self.caches:
             c.clear(seq)
@@ -219,7 +236,7 @@ class EncoderPlan:
 
 
 class EncoderForward(_LayerView):
-    """One graph's view of an :class:`Encoder`: no inputs of its own (no slots, no mask)."""
+    """One graph's view of an :class:`Encoder`: no inputs of its own (no cell_ids, no mask)."""
 
     v_trans = False
 
@@ -274,6 +291,14 @@ class Encoder:
         if int(n_seq_max) != 1:
             raise GGMLValueError(f"the encoder cache supports one sequence, got n_seq_max={n_seq_max}")
         self._ready = True
+
+    def host_bytes(self, capacity: int = 1, n_seq_max: int = 1, max_batch: int = 1) -> int:
+        """0: the storage is sized by the first :meth:`put` (the encoder's output), not by the context."""
+        return 0
+
+    def seq_pos_max(self, seq: int) -> int:
+        """-1: the stored K/V belong to no position."""
+        return -1
 
     def close(self) -> None:
         for ctx in self._ctxs:

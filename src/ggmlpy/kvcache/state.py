@@ -44,7 +44,7 @@ but ``memory`` and ``count`` must equal the cache's; for a Wrapper also the laye
 size, the checksum, the positions, ``expect_meta``, and that the cells fit (the sequence's current
 cells, unless shared, count as free). Any problem raises :class:`StateError` (:class:`KVCacheFull`
 when the cells do not fit) and nothing has changed. Then the sequence is cleared, its cells are found
-anywhere with :meth:`Cells.find_slots`, the rows written there and the metadata committed last.
+anywhere with :meth:`Cells.find_free`, the rows written there and the metadata committed last.
 
 A cache whose sliding window evicts (``memory`` set after ``init``) gets only what it could hold itself
 after a batch ending at the sequence's last position: ``pos >= max(pos) + 1 - memory - max_batch``
@@ -126,12 +126,12 @@ def _section_bytes(cfg: dict) -> int:
     return cfg["count"] * (4 + cfg["n_layers"] * (cfg["k_row_bytes"] + cfg["v_row_bytes"]))
 
 
-def _runs(slots: np.ndarray):
-    """``(index, first slot, length)`` of each run of consecutive cells in ascending ``slots``."""
-    brk = np.flatnonzero(np.diff(slots) != 1) + 1
+def _runs(cell_ids: np.ndarray):
+    """``(index, first cell, length)`` of each run of consecutive cells in ascending ``cell_ids``."""
+    brk = np.flatnonzero(np.diff(cell_ids) != 1) + 1
     starts = np.concatenate(([0], brk))
-    ends = np.concatenate((brk, [slots.size]))
-    return [(int(a), int(slots[a]), int(b - a)) for a, b in zip(starts, ends)]
+    ends = np.concatenate((brk, [cell_ids.size]))
+    return [(int(a), int(cell_ids[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 # ------------------------------------------------------------------------------------- tensor rows
@@ -166,22 +166,22 @@ def _read(t: Tensor, cells: np.ndarray, trans: bool, es: int) -> np.ndarray:
     return _device_raw(t, cells)
 
 
-def _write(t: Tensor, slots: np.ndarray, data: np.ndarray, trans: bool, es: int) -> None:
-    """Store ``data`` (as :func:`_read` returns it) at cells ``slots``."""
+def _write(t: Tensor, cell_ids: np.ndarray, data: np.ndarray, trans: bool, es: int) -> None:
+    """Store ``data`` (as :func:`_read` returns it) at cells ``cell_ids``."""
     if t.is_host:
         raw = _host_raw(t)
         if trans:
-            raw.reshape(raw.shape[0], -1, es)[:, slots, :] = data.reshape(raw.shape[0], -1, es)
+            raw.reshape(raw.shape[0], -1, es)[:, cell_ids, :] = data.reshape(raw.shape[0], -1, es)
         else:
-            raw[slots] = data
+            raw[cell_ids] = data
         return
     if trans:                       # cells are columns: rewrite the whole tensor
         raw = _device_raw(t)
-        raw.reshape(raw.shape[0], -1, es)[:, slots, :] = data.reshape(raw.shape[0], -1, es)
+        raw.reshape(raw.shape[0], -1, es)[:, cell_ids, :] = data.reshape(raw.shape[0], -1, es)
         t.set_bytes(raw, 0)
         return
     row = data.shape[1]
-    for i, first, n in _runs(slots):
+    for i, first, n in _runs(cell_ids):
         t.set_bytes(np.ascontiguousarray(data[i:i + n]), first * row)
 
 
@@ -453,7 +453,7 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
                                  f"{int(pos[j + 1])}")
         meta = header["meta"]
         _check_meta(meta, expect_meta)
-        # plan every cache before touching any: the cells kept (a sliding window's memory) and their slots
+        # plan every cache before touching any: the cells kept (a sliding window's memory) and their cell_ids
         plans = []
         for c, cl, pos in zip(caches, cells, positions):
             first = 0
@@ -461,15 +461,15 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
                 first = int(np.searchsorted(pos, int(pos[-1]) + 1 - c.memory - c.max_batch))
             trial = cl.copy()
             trial.clear(seq)
-            slots = trial.find_slots(pos.size - first)
-            if slots is None:
+            cell_ids = trial.find_free(pos.size - first)
+            if cell_ids is None:
                 raise KVCacheFull(f"sequence state needs {pos.size - first} cells, {cl.n_cells - trial.used} are "
                                   f"free for sequence {seq} (cache: {cl.n_cells})")
-            plans.append((first, slots))
+            plans.append((first, cell_ids))
         # pass 2: the rows, into cells that are free once the sequence is cleared; metadata last
         f.seek(start)
         try:
-            for c, cfg, (first, slots) in zip(caches, saved, plans):
+            for c, cfg, (first, cell_ids) in zip(caches, saved, plans):
                 n = cfg["count"]
                 f.seek(4 * n, io.SEEK_CUR)
                 for t, trans, es in _layers(c):
@@ -479,14 +479,14 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
                         data = data.reshape(t.ne[1], n, es)[:, first:, :].reshape(t.ne[1], (n - first) * es)
                     else:
                         data = data.reshape(n, row)[first:]
-                    if slots.size:
-                        _write(t, slots, data, trans, es)
+                    if cell_ids.size:
+                        _write(t, cell_ids, data, trans, es)
         except BaseException:
             for cl in cells:        # the sequence's own cells may be half overwritten: drop it
                 cl.clear(seq)
             raise
         f.seek(end)
-    for cl, pos, (first, slots) in zip(cells, positions, plans):
+    for cl, pos, (first, cell_ids) in zip(cells, positions, plans):
         cl.clear(seq)
-        cl.apply(slots, pos[first:], np.full(slots.size, seq))
+        cl.apply(cell_ids, pos[first:], np.full(cell_ids.size, seq))
     return meta

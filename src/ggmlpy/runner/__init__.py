@@ -23,6 +23,13 @@ half of the rest, re-rotating the kept keys) or, when the cache cannot shift,
 cleared and re-processed. A new request takes the free slot with the longest
 common prefix, or forks another slot's prefix, re-evaluating at least its
 last prompt token so that it has logits.
+
+One container per stage, for a token's walk from :meth:`Runner.submit` to compute:
+the request's ``prompt`` (:class:`requests._Request`), its ``pending`` queue
+(inputs not in the cache yet; a same-batch group is one tuple), the slot's
+token record (:class:`~ggmlpy.sequences.Slot`, owned by the ``SlotTable``;
+the runner keeps no copy), the micro-batch rows (:class:`batching._UBatch`),
+the cache's plan (cells, mask) and the graph's inputs it fills.
 """
 
 from __future__ import annotations

@@ -8,14 +8,15 @@ the batch computing (pipelining).
 
 from __future__ import annotations
 
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 
-from .requests import _Seq
+from ggmlpy.sequences import group_sizes
+
+from .requests import _Request
 
 __all__ = ["split_ubatches"]
 
@@ -37,7 +38,7 @@ class _UBatch:
 
 @dataclass
 class _Member:
-    seq: _Seq
+    req: _Request
     n_in: int                    # inputs of this sequence in the batch
     has_out: bool                # whether the batch produces its output (a sample, or the embedding rows)
 
@@ -53,23 +54,39 @@ class _Batch:
 
 
 class _Placeholder:
-    """A sequence's next input whose token is sampled from the batch still computing (pipelining)."""
+    """A sequence's next input whose token is sampled from the batch still computing (pipelining).
 
-    __slots__ = ("value", "ubatch", "row")
+    Once in a batch it knows its micro-batch row and its place in the slot's token record (which holds
+    ``-1`` there): :meth:`fill` writes the sampled token into both.
+    """
+
+    __slots__ = ("value", "ubatch", "row", "record", "pos")
 
     def __init__(self) -> None:
-        self.value, self.ubatch, self.row = None, None, None
+        self.value = self.ubatch = self.row = self.record = self.pos = None
 
     def fill(self, tok: int) -> None:
         self.value = int(tok)
         if self.ubatch is not None:
             self.ubatch.tokens[self.row] = self.value
+        rec = self.record
+        if rec is not None and self.pos < len(rec.tokens) and rec.tokens[self.pos] == -1:
+            rec.tokens[self.pos] = self.value
 
     def __int__(self) -> int:
         return 0 if self.value is None else self.value
 
     def __repr__(self) -> str:
         return f"<sampled token {self.value}>"
+
+
+def as_units(tokens: list, same_batch: list) -> list:
+    """Inputs as the loop queues them: a token, or a same-batch group as one tuple (never split)."""
+    units, a = [], 0
+    for k in group_sizes(same_batch, len(tokens)):
+        units.append(tokens[a] if k == 1 else tuple(tokens[a:a + k]))
+        a += k
+    return units
 
 
 def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None) -> list:
@@ -99,27 +116,3 @@ def _drop_graphs(batch: _Batch) -> None:
         if ub.built is not None:
             ub.built.free()
             ub.built = None
-
-
-def _group_extent(sb) -> int:
-    """How many leading inputs form one same-batch group (overlapping groups merge); 1 without one."""
-    if not sb or not sb[0]:
-        return 1
-    end, k = 1 + sb[0], 1
-    for x in itertools.islice(sb, 1, None):
-        if k >= end:
-            break
-        end = max(end, k + 1 + x)
-        k += 1
-    return min(end, len(sb))
-
-
-def _max_group(sb: list) -> int:
-    """The longest same-batch group (overlapping groups merged)."""
-    best = start = end = 0
-    for i, x in enumerate(sb):
-        if i >= end:
-            start = end = i
-        end = max(end, i + 1 + x)
-        best = max(best, end - start)
-    return best

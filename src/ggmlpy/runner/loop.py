@@ -23,21 +23,20 @@ from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import V_TRANS_TYPES, NotSupported
 from ggmlpy.sampling import SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
-from ggmlpy.sequences import InputTooLong, SlotTable, shift_discard, truncate_indices
+from ggmlpy.sequences import InputTooLong, SlotTable, group_sizes, shift_discard, truncate_indices
 
 from .batching import (
     _NO_ROWS,
     _ROW0,
     _Batch,
     _drop_graphs,
-    _group_extent,
-    _max_group,
     _Member,
     _Placeholder,
     _UBatch,
+    as_units,
     split_ubatches,
 )
-from .requests import Completion, DoneReason, Handle, TokenEvent, _Seq
+from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
 
 __all__ = ["Runner"]
 
@@ -137,7 +136,7 @@ class Runner:
         self._lock = threading.Condition()
         self._engine = threading.Lock()       # direct decode()/clear() calls one at a time
         self._waiting: deque = deque()
-        self._active: dict[int, _Seq] = {}
+        self._active: dict[int, _Request] = {}
         self._next_seq = 0
         self._thread: Optional[threading.Thread] = None
         self._worker: Optional[threading.Thread] = None
@@ -226,23 +225,10 @@ class Runner:
         return Placement(layers=[cpu] * placement.n_layers, output=cpu, input=cpu)
 
     def host_bytes(self) -> int:
-        """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes).
-
-        The attention mask of a micro-batch is ``n_ubatch x n_cells`` and is
-        built on the host (float16, written by C loops into the array that
-        is uploaded: 2 bytes a cell per row); every
-        batch plans on a copy of the cells' metadata (position and sequence
-        flags per cell); and the K/V of layers placed on the CPU are host
-        memory too.
-        """
-        c = self.cache
-        n_cells = c.cells_needed(self.n_ctx, self.n_seq_max, self.n_ubatch)
-        mask = self.n_ubatch * n_cells * 2
-        cells = 2 * n_cells * (4 + self.n_seq_max)
-        placement = self._cache_placement()
-        cpu_layers = sum(1 for i in range(c.n_layers) if placement.device_of(i).type == "CPU")
-        kv = cpu_layers * n_cells * (c.dtype.row_size(c.n_embd_k) + c.dtype_v.row_size(c.n_embd_v))
-        return mask + cells + kv
+        """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes):
+        the cache's :meth:`~ggmlpy.kvcache.Causal.host_bytes` at ``n_ctx``, ``n_seq_max`` and ``n_ubatch``
+        (the worst-case batch's mask and cell metadata, and the K/V of layers on the CPU)."""
+        return self.cache.host_bytes(self.n_ctx, self.n_seq_max, self.n_ubatch, self._cache_placement())
 
     def _check_host_memory(self) -> None:
         """Fail before allocating anything when the host arrays cannot fit (GGMLMemoryError with the report)."""
@@ -481,16 +467,15 @@ class Runner:
                     ub.built = None
                 for s in seqs:
                     self.cache.clear(s)
-                    self.slots.set_tokens(s, [])   # the record follows the cache it describes
+                    self.slots.reset(s)        # the record follows the cache it describes
                 raise
             if r is not None:
                 rows.append(r)
-        held = self.slots[seqs[0]].tokens
-        if appended is not None and len(held) == appended[0]:
-            held.extend(appended[1])
+        if appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]:
+            self.slots.committed(seqs[0], appended[1])
         else:
             for s in seqs:
-                self.slots.set_tokens(s, [])     # unknown to the slot table: a request re-processes
+                self.slots.reset(s)          # unknown to the slot table: a request re-processes
         self.n_batches += 1
         return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
 
@@ -524,7 +509,7 @@ class Runner:
         with self._direct("clear"):
             self.cache.clear(seq)
             for s in range(self.n_seq_max) if seq is None else [seq]:
-                self.slots.set_tokens(s, [])
+                self.slots.reset(s)
 
     def _fingerprint(self) -> dict:
         """What a saved state must match to be loaded into this runner: the model's shape and weights' size."""
@@ -640,12 +625,12 @@ class Runner:
             sb = [0] * len(toks_l)
         else:
             sb = [int(x) for x in same_batch]
-            if len(sb) != len(toks_l) or any(x < 0 for x in sb):
-                raise GGMLValueError(f"submit: same_batch needs one non-negative count per prompt token "
-                                     f"(got {len(sb)} for {len(toks_l)} tokens)")
-            if max((i + x + 1 for i, x in enumerate(sb)), default=0) > len(toks_l) or \
-                    _max_group(sb) > self.n_ubatch:
-                raise GGMLValueError(f"submit: a same_batch group runs past the prompt or exceeds n_ubatch "
+            try:
+                longest = max(group_sizes(sb, len(toks_l)))
+            except GGMLError as e:
+                raise GGMLValueError(f"submit: {e}") from None
+            if longest > self.n_ubatch:
+                raise GGMLValueError(f"submit: a same_batch group of {longest} inputs exceeds n_ubatch "
                                      f"{self.n_ubatch}")
         n_keep = len(toks_l) if n_keep < 0 else int(n_keep)
         n_keep = min(n_keep, self.n_ctx - 1)
@@ -657,7 +642,7 @@ class Runner:
             keep_idx = truncate_indices(len(toks_l), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
             toks_l = [toks_l[i] for i in keep_idx]
             sb = [sb[i] for i in keep_idx]
-        seq = _Seq(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
+        req = _Request(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
                    n_keep, shift, embedding, pooling, normalize, sb)
         with self._lock:
             # checked again under the lock: close() sets _closing under it, so a request is either
@@ -665,10 +650,10 @@ class Runner:
             self._check_open("submit")
             if self._direct_busy:
                 raise GGMLValueError("submit: a direct decode()/clear() is running on this runner")
-            self._waiting.append(seq)
+            self._waiting.append(req)
             self._ensure_loop()
             self._lock.notify_all()
-        return Handle(self, seq)
+        return Handle(self, req)
 
     def generate(self, prompt: Sequence[int], **kw) -> Completion:
         """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`)."""
@@ -694,24 +679,22 @@ class Runner:
     def _admit(self) -> None:
         """Move waiting requests into free slots (lock held)."""
         while self._waiting and len(self._active) < self.n_seq_max:
-            seq = self._waiting.popleft()
-            if seq.cancelled:
-                self._finish(seq, DoneReason.CANCEL)
+            req = self._waiting.popleft()
+            if req.cancelled:
+                self._finish(req, DoneReason.CANCEL)
                 continue
             try:
-                self._load_slot(seq)
+                self._load_slot(req)
             except Exception as e:               # the request ends with it (its handle raises it)
-                self._finish(seq, DoneReason.ERROR, e)
+                self._finish(req, DoneReason.ERROR, e)
                 continue
-            self._active[seq.slot] = seq
+            self._active[req.slot] = req
 
-    def _load_slot(self, seq: _Seq) -> None:
+    def _load_slot(self, req: _Request) -> None:
         """Pick a slot (prefix reuse), trim the cache to the reusable prefix, queue the rest."""
-        for other in self._active.values():       # busy slots can be forked from: show what they hold now
-            self.slots.set_tokens(other.slot, self._slot_tokens(other))
-        lp = self.slots.load(seq.prompt, cache_prompt=not seq.embedding)
+        lp = self.slots.load(req.prompt, cache_prompt=not req.embedding, same_batch=req.same_batch)
         slot, n_past = lp.slot, lp.n_past
-        seq.slot = slot
+        req.slot = slot
         try:
             fork = lp.fork_from is not None and n_past > 0
             if fork:
@@ -729,83 +712,73 @@ class Runner:
                     n_past = 0
         except BaseException:
             self.cache.clear(slot)
-            self.slots.set_tokens(slot, [])
+            self.slots.reset(slot)
             self.slots.release(slot)
-            seq.slot = None
+            req.slot = None
             raise
-        if n_past and any(i + x >= n_past for i, x in enumerate(seq.same_batch[:n_past]) if x):
-            n_past = 0                           # a reused prefix must not end inside a group: re-process
-            self.cache.clear(slot)
-        seq.cached = list(seq.prompt[:n_past])
-        seq.sb_cached = list(seq.same_batch[:n_past])
-        self.slots.set_tokens(slot, seq.cached)
-        seq.pending = deque(seq.prompt[n_past:])
-        seq.sb_pending = deque(seq.same_batch[n_past:])
-        seq.n_prompt_left = len(seq.pending)
-        seq.result.n_cached = n_past
-        seq.result.prompt_eval_count = len(seq.prompt)
-        seq.t_start = time.perf_counter()
+        if n_past < lp.n_past:
+            self.slots.rewind(lp, n_past)
+        req.record = self.slots[slot]
+        req.pending = deque(as_units(req.prompt[n_past:], req.same_batch[n_past:]))
+        req.n_prompt_left = len(req.prompt) - n_past
+        req.result.n_cached = n_past
+        req.result.prompt_eval_count = len(req.prompt)
+        req.t_start = time.perf_counter()
 
-    def _slot_tokens(self, seq: _Seq) -> list:
-        return [(-1 if t.value is None else t.value) if isinstance(t, _Placeholder) else t for t in seq.cached]
-
-    def _finish(self, seq: _Seq, reason: str, error: Optional[BaseException] = None) -> None:
+    def _finish(self, req: _Request, reason: str, error: Optional[BaseException] = None) -> None:
         """End a request on any path: result, stream end, slot freed (lock held).
 
         The request ends even when freeing its slot fails (that error is
         logged and, for a request that was not failing already, becomes its
         error): a waiting :meth:`Handle.result` must always return.
         """
-        if seq.finished.is_set():
+        if req.finished.is_set():
             return
-        r = seq.result
+        r = req.result
         r.done_reason = reason
         r.error = error
         try:
-            if seq.t_first is not None:
-                r.eval_duration = time.perf_counter() - seq.t_first
-            for t in seq.cached:
-                if isinstance(t, _Placeholder) and t.value is None:
-                    t.fill(0)           # the row computes token 0: the cache then really holds 0 there
-            seq.pending, seq.sb_pending = deque(), deque()
-            if seq.slot is not None:
-                if self._active.get(seq.slot) is seq:
-                    del self._active[seq.slot]
+            if req.t_first is not None:
+                r.eval_duration = time.perf_counter() - req.t_first
+            ph = req.placeholder
+            if ph is not None and ph.value is None:
+                ph.fill(0)              # a row already built computes token 0: the cache then really holds 0
+            req.pending = deque()
+            if req.slot is not None:
+                if self._active.get(req.slot) is req:
+                    del self._active[req.slot]
                 if error is not None and not self.closed:
-                    self.cache.clear(seq.slot)
-                    seq.cached = []
-                self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
-                self.slots.release(seq.slot)
+                    self.cache.clear(req.slot)
+                    self.slots.reset(req.slot)
+                self.slots.release(req.slot)
         except Exception as e:
             log.exception("runner: freeing the slot of a finished request failed")
             if r.error is None:
                 r.done_reason, r.error = DoneReason.ERROR, e
         finally:
-            seq.finished.set()
-            seq.events.put(None)
+            req.finished.set()
+            req.events.put(None)
             self._lock.notify_all()              # wait_idle(), close() and direct calls watch _active
 
-    def _shift(self, seq: _Seq) -> None:
+    def _shift(self, req: _Request) -> None:
         """Make room in a full context: drop tokens after n_keep (or clear and re-process)."""
-        n = len(seq.cached)
-        keep = min(seq.n_keep, self.n_ctx - 1)
-        discard = shift_discard(n, keep, self.n_ctx, seq.sb_cached)
-        seq.result.n_shifts += 1
+        rec = req.record
+        keep = min(req.n_keep, self.n_ctx - 1)
+        discard = shift_discard(len(rec.tokens), keep, self.n_ctx, rec.same_batch)
+        req.result.n_shifts += 1
         if discard <= 0:
             return
-        kept = seq.cached[:keep] + seq.cached[keep + discard:]
-        kept_sb = seq.sb_cached[:keep] + seq.sb_cached[keep + discard:]
         try:
-            self.cache.remove(seq.slot, keep, keep + discard)
-            seq.cached, seq.sb_cached = kept, kept_sb
+            self.cache.remove(req.slot, keep, keep + discard)
+            self.slots.remove(req.slot, keep, keep + discard)
         except NotSupported:
             # the cache cannot shift (no shift_fn, shared cells): re-process what is kept
-            self.cache.clear(seq.slot)
-            seq.cached, seq.sb_cached = [], []
-            seq.pending = deque(kept + list(seq.pending))
-            seq.sb_pending = deque(kept_sb + list(seq.sb_pending))
-            seq.n_prompt_left += len(kept)
-        self.slots.set_tokens(seq.slot, self._slot_tokens(seq))
+            kept = rec.tokens[:keep] + rec.tokens[keep + discard:]
+            kept_sb = rec.same_batch[:keep] + rec.same_batch[keep + discard:]
+            self.cache.clear(req.slot)
+            self.slots.reset(req.slot)
+            req.pending.extendleft(reversed(as_units(kept, kept_sb)))
+            req.n_prompt_left += len(kept)
 
     def _form_batch(self, wait_prev) -> Optional[_Batch]:
         """Fill a batch round-robin from ``_next_seq`` (lock held); None when nothing is pending.
@@ -814,10 +787,10 @@ class Runner:
         anything that must not overlap its compute (a shift rewrites keys).
         """
         self._admit()
-        for seq in list(self._active.values()):
-            if seq.cancelled:
+        for req in list(self._active.values()):
+            if req.cancelled:
                 wait_prev()
-                self._finish(seq, DoneReason.CANCEL)
+                self._finish(req, DoneReason.CANCEL)
         ready = [s for s in sorted(self._active) if self._active[s].pending]
         if not ready:
             return None
@@ -829,59 +802,66 @@ class Runner:
         limit = self.n_batch
         resume = None
         for slot in order:
-            seq = self._active.get(slot)
-            if seq is None or seq.embedding != embedding or not seq.pending:
+            req = self._active.get(slot)
+            if req is None or req.embedding != embedding or not req.pending:
                 continue
             if embedding:
                 if toks:
                     break
-                limit = max(limit, len(seq.pending))       # the whole input in one batch
+                limit = max(limit, len(req.pending))       # the whole input in one batch
             n_in = 0
-            while seq.pending and len(toks) < limit:
-                need = _group_extent(seq.sb_pending)
+            rec = req.record
+            new_toks, new_sb = [], []                # what this batch adds to the slot's record
+            while req.pending and len(toks) < limit:
+                unit = req.pending[0]
+                need = len(unit) if type(unit) is tuple else 1
                 if need > limit:
                     if toks:
                         break                 # a group bigger than the batch goes first in the next one
                     limit = need
                 if len(toks) + need > limit:
                     break
-                if len(seq.cached) + need > self.n_ctx:
+                if len(rec.tokens) + n_in + need > self.n_ctx:
                     if n_in:
                         break                 # never shift in the middle of a batch
                     wait_prev()
-                    if seq.finished.is_set():
+                    if req.finished.is_set():
                         break
-                    if not seq.shift or embedding or seq.max_tokens == -2:     # -2: until the context is full
-                        self._finish(seq, DoneReason.LENGTH)
+                    if not req.shift or embedding or req.max_tokens == -2:     # -2: until the context is full
+                        self._finish(req, DoneReason.LENGTH)
                         break
-                    self._shift(seq)
-                    if len(seq.cached) + need > self.n_ctx:
-                        self._finish(seq, DoneReason.LENGTH)
+                    self._shift(req)
+                    if len(rec.tokens) + need > self.n_ctx:
+                        self._finish(req, DoneReason.LENGTH)
                         break
                     continue
-                for j in range(need):         # a same-batch group goes in whole
-                    tok = seq.pending.popleft()
-                    seq.sb_cached.append(seq.sb_pending.popleft())
-                    if isinstance(tok, _Placeholder):
-                        tok.row = len(toks)
+                req.pending.popleft()
+                p0 = len(rec.tokens) + n_in
+                for j, tok in enumerate(unit if need > 1 else (unit,)):    # a same-batch group goes in whole
+                    if type(tok) is _Placeholder:
+                        tok.row, tok.record, tok.pos = len(toks), rec, p0 + j
+                        new_toks.append(-1 if tok.value is None else tok.value)
+                    else:
+                        new_toks.append(tok)
+                    new_sb.append(need - 1 if j == 0 else 0)
                     tied.append(j > 0)
-                    pos.append(len(seq.cached))
-                    seq.cached.append(tok)
+                    pos.append(p0 + j)
                     toks.append(tok)
                     rows_seq.append(slot)
                     want.append(embedding)
-                    n_in += 1
-                    if seq.n_prompt_left:
-                        seq.n_prompt_left -= 1
-            if seq.finished.is_set():
+                n_in += need
+                req.n_prompt_left = max(req.n_prompt_left - need, 0)
+            if n_in:
+                self.slots.committed(slot, new_toks, new_sb)
+            if req.finished.is_set():
                 continue
             if n_in:
                 # generation: one output row, the last input, once the prompt is all in
-                has_out = embedding or seq.n_prompt_left == 0
+                has_out = embedding or req.n_prompt_left == 0
                 if not embedding and has_out:
                     want[-1] = True
-                members.append(_Member(seq, n_in, has_out))
-            if seq.pending and resume is None:
+                members.append(_Member(req, n_in, has_out))
+            if req.pending and resume is None:
                 resume = slot
             if len(toks) >= limit:
                 break
@@ -948,55 +928,54 @@ class Runner:
         if batch.error is not None:
             _drop_graphs(batch)          # graphs of micro-batches not computed (or whose compute failed)
             for m in batch.members:
-                self._finish(m.seq, DoneReason.ERROR, batch.error)
+                self._finish(m.req, DoneReason.ERROR, batch.error)
             return
         out = np.concatenate(batch.outputs) if batch.outputs else None
         now = time.perf_counter()
         base = 0
         for m in batch.members:
-            seq = m.seq
+            req = m.req
             if not m.has_out:
                 continue
             n_rows = m.n_in if batch.embedding else 1
             rows = out[base:base + n_rows]
             base += n_rows
-            if seq.finished.is_set():
+            if req.finished.is_set():
                 continue
             if batch.embedding:
-                seq.result.embedding = _pool(rows, seq.pooling, seq.normalize)
-                seq.result.prompt_eval_duration = now - seq.t_start
-                self._finish(seq, DoneReason.STOP)
+                req.result.embedding = _pool(rows, req.pooling, req.normalize)
+                req.result.prompt_eval_duration = now - req.t_start
+                self._finish(req, DoneReason.STOP)
                 continue
-            if seq.cancelled:
-                self._finish(seq, DoneReason.CANCEL)
+            if req.cancelled:
+                self._finish(req, DoneReason.CANCEL)
                 continue
             row = rows[0]
             try:
-                tok = seq.sampler.sample(row)
-                lp = _logprobs(row, tok, seq.params.top_logprobs) if seq.params.logprobs else None
+                tok = req.sampler.sample(row)
+                lp = _logprobs(row, tok, req.params.top_logprobs) if req.params.logprobs else None
             except Exception as e:           # a sampling failure ends that request only (its handle raises it)
-                self._finish(seq, DoneReason.ERROR, e)
+                self._finish(req, DoneReason.ERROR, e)
                 continue
-            r = seq.result
-            if seq.t_first is None:
-                seq.t_first = now
-                r.prompt_eval_duration = now - seq.t_start
+            r = req.result
+            if req.t_first is None:
+                req.t_first = now
+                r.prompt_eval_duration = now - req.t_start
             r.tokens.append(tok)
             r.eval_count += 1
             if lp is not None:
                 r.logprobs.append(lp)
-            seq.events.put(TokenEvent(tok, lp))
-            ph = seq.placeholder
-            seq.placeholder = None
+            req.events.put(TokenEvent(tok, lp))
+            ph = req.placeholder
+            req.placeholder = None
             if ph is not None:
                 ph.fill(tok)          # already in the next batch (or still pending): the real token now
-            if tok in seq.stop:
-                self._finish(seq, DoneReason.STOP)
-            elif seq.max_tokens > 0 and r.eval_count >= seq.max_tokens:
-                self._finish(seq, DoneReason.LENGTH)
+            if tok in req.stop:
+                self._finish(req, DoneReason.STOP)
+            elif req.max_tokens > 0 and r.eval_count >= req.max_tokens:
+                self._finish(req, DoneReason.LENGTH)
             elif ph is None:
-                seq.pending.append(tok)
-                seq.sb_pending.append(0)
+                req.pending.append(tok)
 
     def _wait_prev(self) -> None:
         """Complete the batch in flight, if any (lock held)."""
@@ -1037,8 +1016,8 @@ class Runner:
             if b is not None:
                 _drop_graphs(b)
         self._building = None
-        for seq in list(self._active.values()) + list(self._waiting):
-            self._finish(seq, DoneReason.ERROR, error)
+        for req in list(self._active.values()) + list(self._waiting):
+            self._finish(req, DoneReason.ERROR, error)
         self._waiting.clear()
 
     def _round(self) -> bool:
@@ -1046,8 +1025,8 @@ class Runner:
         with self._lock:
             if self._closing:
                 self._wait_prev()
-                for seq in list(self._active.values()) + list(self._waiting):
-                    self._finish(seq, DoneReason.CANCEL)
+                for req in list(self._active.values()) + list(self._waiting):
+                    self._finish(req, DoneReason.CANCEL)
                 self._waiting.clear()
                 return True
             prev = self._prev
@@ -1055,11 +1034,10 @@ class Runner:
                 # a sequence waiting for prev's sample gets a placeholder as its next input,
                 # so the next batch can be built while prev computes
                 for m in prev.members:
-                    seq = m.seq
-                    if m.has_out and not prev.embedding and not seq.pending and not seq.finished.is_set():
-                        seq.placeholder = _Placeholder()
-                        seq.pending.append(seq.placeholder)
-                        seq.sb_pending.append(0)
+                    req = m.req
+                    if m.has_out and not prev.embedding and not req.pending and not req.finished.is_set():
+                        req.placeholder = _Placeholder()
+                        req.pending.append(req.placeholder)
             # an error forming the batch goes to _loop, which ends every request (queued ones too:
             # an error that repeats would otherwise keep them waiting forever)
             batch = self._form_batch(self._wait_prev)
@@ -1120,8 +1098,8 @@ class Runner:
                 while self._direct_busy:      # a direct decode() computing in another thread
                     self._lock.wait()
                 # requests the loop never saw (it died, or never started) end here
-                for seq in list(self._active.values()) + list(self._waiting):
-                    self._finish(seq, DoneReason.CANCEL)
+                for req in list(self._active.values()) + list(self._waiting):
+                    self._finish(req, DoneReason.CANCEL)
                 self._waiting.clear()
         finally:
             self._free()

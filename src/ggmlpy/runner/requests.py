@@ -1,5 +1,5 @@
 """What a caller holds of a request: its :class:`Handle`, the streamed :class:`TokenEvent` s, the final
-:class:`Completion`; and the loop's private record of it (``_Seq``)."""
+:class:`Completion`; and the loop's private record of it (``_Request``)."""
 
 from __future__ import annotations
 
@@ -80,46 +80,44 @@ class Completion:
 class Handle:
     """A submitted request: iterate it for :class:`TokenEvent` s, or wait with :meth:`result`."""
 
-    def __init__(self, runner: Runner, seq: _Seq) -> None:
-        self._runner, self._seq = runner, seq
+    def __init__(self, runner: Runner, req: _Request) -> None:
+        self._runner, self._req = runner, req
 
     def __iter__(self) -> Iterator[TokenEvent]:
         while True:
-            ev = self._seq.events.get()
+            ev = self._req.events.get()
             if ev is None:
                 break
             yield ev
-        if self._seq.result.done_reason == DoneReason.ERROR:
-            raise RunnerError(f"request failed: {self._seq.result.error}") from self._seq.result.error
+        if self._req.result.done_reason == DoneReason.ERROR:
+            raise RunnerError(f"request failed: {self._req.result.error}") from self._req.result.error
 
     def cancel(self) -> None:
         """Stop the request; its slot is freed at the next batch boundary."""
-        self._seq.cancelled = True
+        self._req.cancelled = True
         self._runner._wake()
 
     @property
     def done(self) -> bool:
-        return self._seq.finished.is_set()
+        return self._req.finished.is_set()
 
     def result(self, timeout: Optional[float] = None) -> Completion:
         """Wait for the request to end and return its :class:`Completion` (errors re-raised)."""
-        if not self._seq.finished.wait(timeout):
+        if not self._req.finished.wait(timeout):
             raise RequestTimeout(f"result: the request is still running after {timeout} s")
-        r = self._seq.result
+        r = self._req.result
         if r.done_reason == DoneReason.ERROR:
             raise RunnerError(f"request failed: {r.error}") from r.error
         return r
 
 
-class _Seq:
+class _Request:
     """A request being served (the loop's private state)."""
 
     def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
                  same_batch):
         self.prompt = list(prompt)
         self.same_batch = list(same_batch)   # per prompt input: how many following inputs share its batch
-        self.sb_pending: deque = deque()     # same_batch markers of `pending` (0 for sampled tokens)
-        self.sb_cached: list = []            # ... and of `cached`
         self.params = params
         self.sampler = None if embedding else Sampler(params)
         self.max_tokens = max_tokens
@@ -130,9 +128,9 @@ class _Seq:
         self.pooling = pooling
         self.normalize = normalize
         self.slot: Optional[int] = None
-        self.pending: deque = deque()    # inputs not yet in the cache
-        self.cached: list = []           # tokens the cache holds for this slot (what the slot table sees)
-        self.n_prompt_left = 0           # inputs of `pending` that are prompt (no sampling while > 0)
+        self.record = None               # the SlotTable's Slot: the one record of what the cache holds
+        self.pending: deque = deque()    # inputs not yet in the cache: tokens, a same-batch group as a tuple
+        self.n_prompt_left = 0           # prompt tokens in `pending` (no sampling while > 0)
         self.events: queue.Queue = queue.Queue()
         self.finished = threading.Event()
         self.cancelled = False
