@@ -128,12 +128,6 @@ def test_mask_window():
     assert np.array_equal(m0, _m("oxxxxx", "xxoxxx", "xxxxox", "xoxxxx", "xxxoxx", "xxxxxo"))
 
 
-def test_mask_chunk():
-    m = _interleaved().mask(*BATCH, chunk=2)
-    expected = _m("oxxxxx", "oxoxxx", "xxxxox", "xoxxxx", "xoxoxx", "xxxxxo")
-    assert np.array_equal(m, expected)
-
-
 def test_mask_except_rows_and_non_causal():
     c = _interleaved()
     m = c.mask(*BATCH, except_rows=[0, 4])
@@ -154,7 +148,7 @@ def test_mask_range_and_errors():
     # free cells are masked for everyone
     c.remove(0, 1, None)
     assert np.array_equal(c.mask([5], [0]), _m("oxxxxx"))
-    for kw in [dict(lo=4, hi=2), dict(hi=7), dict(lo=-1), dict(window=-1), dict(chunk=0),
+    for kw in [dict(lo=4, hi=2), dict(hi=7), dict(lo=-1), dict(window=-1),
                dict(except_rows=[6])]:
         with pytest.raises(ValueError):
             c.mask(*BATCH, **kw)
@@ -384,7 +378,7 @@ def test_defrag_nothing_to_do_and_apply_errors():
 # ---------------------------------------------------------------- state machine
 
 
-def _loop_mask(cells, payload, tokens, positions, seq_ids, window, chunk, causal, except_rows,
+def _loop_mask(cells, payload, tokens, positions, seq_ids, window, causal, except_rows,
                lo, hi):
     occupied = cells.seqs.any(axis=1)
     out = np.full((len(positions), hi - lo), -np.inf, dtype=np.float32)
@@ -398,8 +392,6 @@ def _loop_mask(cells, payload, tokens, positions, seq_ids, window, chunk, causal
             if causal and cpos > p and i not in except_rows:
                 continue
             if window is not None and cpos < p - window:
-                continue
-            if chunk is not None and cpos < p - p % chunk:
                 continue
             out[i, j] = 0.0
     return out
@@ -530,14 +522,13 @@ class CellsMachine(RuleBasedStateMachine):
         positions = data.draw(st.lists(st.integers(0, 16), min_size=n_b, max_size=n_b))
         seq_ids = data.draw(st.lists(st.integers(0, n_seq - 1), min_size=n_b, max_size=n_b))
         window = data.draw(st.none() | st.integers(0, 5))
-        chunk = data.draw(st.none() | st.integers(1, 4))
         causal = data.draw(st.booleans())
         except_rows = data.draw(st.sets(st.integers(0, n_b - 1))) if n_b else set()
         lo = data.draw(st.integers(0, cells.n_cells))
         hi = data.draw(st.integers(lo, cells.n_cells))
-        got = cells.mask(positions, seq_ids, window=window, chunk=chunk, causal=causal,
+        got = cells.mask(positions, seq_ids, window=window, causal=causal,
                          except_rows=sorted(except_rows), lo=lo, hi=hi)
-        want = _loop_mask(cells, self.payload, self.tokens, positions, seq_ids, window, chunk,
+        want = _loop_mask(cells, self.payload, self.tokens, positions, seq_ids, window,
                           causal, except_rows, lo, hi)
         assert got.dtype == np.float32 and np.array_equal(got, want)
         # visible_range against the reference
@@ -584,8 +575,8 @@ TestCellsMachine = CellsMachine.TestCase
 
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), n_seq=st.integers(1, 3), window=st.sampled_from([None, 0, 2, 5]),
-       chunk=st.sampled_from([None, 1, 3]), causal=st.booleans(), half=st.booleans())
-def test_mask_equals_its_definition(seed, n_seq, window, chunk, causal, half):
+       causal=st.booleans(), half=st.booleans())
+def test_mask_equals_its_definition(seed, n_seq, window, causal, half):
     """Cells.mask (C loops) against its docstring's rule written as plain loops: random cells shared by
     random sequences, a random batch with exempt rows, a random cell range, both dtypes."""
     rng = np.random.default_rng(seed)
@@ -602,7 +593,7 @@ def test_mask_equals_its_definition(seed, n_seq, window, chunk, causal, half):
     exempt = sorted(set(rng.integers(0, n, int(rng.integers(0, n + 1))).tolist()))
     lo = int(rng.integers(0, n_cells + 1))
     hi = int(rng.integers(lo, n_cells + 1))
-    got = cells.mask(positions, seq_ids, window=window, chunk=chunk, causal=causal, except_rows=exempt,
+    got = cells.mask(positions, seq_ids, window=window, causal=causal, except_rows=exempt,
                      lo=lo, hi=hi, dtype=np.float16 if half else np.float32)
     assert got.dtype == (np.float16 if half else np.float32) and got.shape == (n, hi - lo)
     pos, seqs = cells.pos, cells.seqs
@@ -615,6 +606,4 @@ def test_mask_equals_its_definition(seed, n_seq, window, chunk, causal, half):
                 ok = ok and pos[c] <= p
             if window is not None:                   # 0: the token's own position only
                 ok = ok and pos[c] >= p - window
-            if chunk is not None:
-                ok = ok and pos[c] >= p - p % chunk
             assert got[i, j] == (0.0 if ok else -np.inf), (i, j, c, int(pos[c]), p)

@@ -1,6 +1,6 @@
 """Tests for the extended KV caches in ggmlpy.kvcache.
 
-Transposed V storage (Ollama's ``PermutedV``), chunked attention, non-causal
+Transposed V storage (Ollama's ``PermutedV``), non-causal
 spans, the memory-saving sliding window, the Wrapper and the Encoder cache.
 Scenarios follow Ollama's ``kvcache/causal_test.go`` (padding 1, K = V).
 """
@@ -82,14 +82,13 @@ def test_v_trans_rejects_quantized():
         Causal(1, 64, 64, Type.Q8_0, v_trans=True)
 
 
-def _reference(q, hist, positions, seqs, scale, group, window=None, chunk=None, except_rows=()):
+def _reference(q, hist, positions, seqs, scale, group, window=None, except_rows=()):
     n, n_head, d = q.shape
     out = np.zeros_like(q)
     for i, (p, s) in enumerate(zip(positions, seqs)):
         items = [(pp, kk, vv) for pp, kk, vv in hist[s]
                  if (pp <= p or i in except_rows)
-                 and (window is None or pp >= p - window)
-                 and (chunk is None or pp >= p - p % chunk)]
+                 and (window is None or pp >= p - window)]
         ks = np.stack([it[1] for it in items])
         vs = np.stack([it[2] for it in items])
         for h in range(n_head):
@@ -152,29 +151,7 @@ def test_mul_mat_attention_over_two_sequences(v_trans, dtype):
     _attention_run(c, steps, 8, 4, 2)
 
 
-# ---------------------------------------------------------------- 2. chunked attention, non-causal spans
-
-
-@VT
-def test_chunked_attention(v_trans):
-    # Ollama TestChunkedAttention: chunk 2, all history kept
-    c = _cache(16, 1, 8, chunk=2, v_trans=v_trans)
-    assert c.memory is None
-    k, v, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4)
-    assert _flat(k) == _flat(v) == [1, 2, 3, 4]
-    assert np.array_equal(mask, _m("oxxx", "ooxx", "xxox", "xxoo"))
-    k, _, mask, _ = _step(c, [4, 5, 6], [0] * 3)
-    assert _flat(k) == [1, 2, 3, 4, 5, 6, 7]
-    assert np.array_equal(mask, _m("xxxxoxx", "xxxxoox", "xxxxxxo"))
-    k, _, mask, _ = _step(c, [7, 8], [0] * 2)
-    assert _flat(k) == list(range(1, 10))
-    assert np.array_equal(mask, _m("xxxxxxoox", "xxxxxxxxo"))
-    assert c.cells.used == 9
-
-
-def test_chunk_validation():
-    with pytest.raises(ValueError):
-        Causal(1, 4, 4, Type.F32, chunk=0)
+# ---------------------------------------------------------------- 2. non-causal spans
 
 
 @VT
@@ -198,21 +175,17 @@ def test_non_causal_span(v_trans):
         c.start_forward([7], [0], except_rows=[3])
 
 
-def test_non_causal_span_keeps_window_and_chunk():
-    c = _cache(16, 1, 8, chunk=2)
-    _, _, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4, except_rows=[0, 2])
-    # the chunk rule is only a lower bound (Ollama): exempt row 0 sees the next chunk too
-    assert np.array_equal(mask, _m("oooo", "ooxx", "xxoo", "xxoo"))
+def test_non_causal_span_keeps_window():
     w = _cache(16, 1, 8, window=1)
     _, _, mask, _ = _step(w, [0, 1, 2, 3], [0] * 4, except_rows=[1])
     assert np.array_equal(mask, _m("oxxx", "oooo", "xoox", "xxoo"))
 
 
 @VT
-def test_attention_chunked_and_non_causal(v_trans):
-    c = _cache(16, 2, 8, Type.F16, head_dim=8, n_head_kv=2, v_trans=v_trans, chunk=3)
+def test_attention_windowed_and_non_causal(v_trans):
+    c = _cache(16, 2, 8, Type.F16, head_dim=8, n_head_kv=2, v_trans=v_trans, window=3)
     steps = [([0, 0, 1, 1, 2], [0, 1, 0, 1, 0]), ([3, 2, 3, 4], [0, 1, 1, 1]), ([4, 5, 5], [0, 0, 1])]
-    _attention_run(c, steps, 8, 4, 2, ref_kw={"chunk": 3}, fwd_kw={1: {"except_rows": [1, 2]}})
+    _attention_run(c, steps, 8, 4, 2, ref_kw={"window": 3}, fwd_kw={1: {"except_rows": [1, 2]}})
 
 
 # ---------------------------------------------------------------- 3. windowed memory

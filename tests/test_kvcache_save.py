@@ -383,7 +383,6 @@ MISMATCH = [
     ("v_trans", dict(v_trans=False)),
     ("n_head_kv", dict(n_head_kv=1)),          # the same row size, split otherwise
     ("window", dict(window=4)),
-    ("chunk", dict(chunk=4)),
 ]
 
 

@@ -401,3 +401,29 @@ def test_a_state_of_another_configuration_is_refused_and_changes_nothing(model, 
         with pytest.raises(StateError):
             c.load_state(0, damaged)
         assert c.seq_len(0) == 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_admission_compacts_a_fragmented_cache(model, pipeline):
+    """Two requests interleave their cells; a third takes one slot and frees its cells, leaving holes between
+    the other's: admission compacts the cache (rows move), and a prompt reusing the moved prefix gives what a
+    fresh runner gives, as does every request compared to a runner that never compacts."""
+    a, b, c = PROMPT, [5, 9, 13, 17, 21, 25, 29, 33], [300, 200, 100, 50]
+    outs = {}
+    for thold in (None, 0.1):
+        with Runner(model, n_ctx=64, n_seq_max=2, n_batch=4, type_k="f32", type_v="f32", pipeline=pipeline,
+                    defrag_thold=thold) as rt:
+            ha, hb = rt.submit(a, max_tokens=6), rt.submit(b, max_tokens=6)
+            ra, rb = ha.result(), hb.result()
+            rc = rt.generate(c, max_tokens=4)
+            assert rt.n_defrags == (0 if thold is None else 1)
+            if thold is not None:
+                assert rt.cache.fragmentation() <= 0.1
+            kept = rt.slots[0].tokens if rt.slots[0].tokens[:len(b)] == b else rt.slots[1].tokens
+            assert kept[:len(b)] == b                     # b's slot survived; a's was taken by c
+            rd = rt.generate(kept + [7], max_tokens=5)
+            assert rd.n_cached == len(kept)
+            outs[thold] = [ra.tokens, rb.tokens, rc.tokens, rd.tokens]
+    assert outs[None] == outs[0.1]
+    with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as fresh:
+        assert fresh.generate(kept + [7], max_tokens=5).tokens == outs[0.1][3]

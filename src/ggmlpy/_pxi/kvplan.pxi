@@ -13,15 +13,15 @@ cdef object _mask_array(Py_ssize_t n, Py_ssize_t width, bint half):
 
 
 def _kv_mask(seq_arr, pos_arr, positions_arr, seq_ids_arr, Py_ssize_t lo, Py_ssize_t hi, int64_t window,
-             int64_t chunk, bint causal, except_arr, bint half):
+             bint causal, except_arr, bint half):
     """The attention mask of a batch over cells ``[lo, hi)``: ``(n, hi - lo)``, 0 visible, -inf hidden.
 
     ``seq_arr``: uint8 ``[n_cells, n_seq]`` membership; ``pos_arr``: int32 ``[n_cells]``;
     ``positions_arr``/``seq_ids_arr``: int64 ``[n]``; ``except_arr``: uint8 ``[n]`` rows exempt from the
-    causal rule, or None; ``window``/``chunk`` < 0: none. Entry ``[i, j]`` is visible when cell ``lo + j``
-    holds ``seq_ids[i]``, its position is ``<= positions[i]`` (unless not ``causal`` or row ``i`` is
-    exempt), ``>= positions[i] - window`` and ``>= positions[i] - positions[i] % chunk``. float16 when
-    ``half`` (what the graph reads; 0 and -inf are exact), else float32.
+    causal rule, or None; ``window`` < 0: none. Entry ``[i, j]`` is visible when cell ``lo + j`` holds
+    ``seq_ids[i]``, its position is ``<= positions[i]`` (unless not ``causal`` or row ``i`` is exempt) and
+    ``>= positions[i] - window``. float16 when ``half`` (what the graph reads; 0 and -inf are exact), else
+    float32.
     """
     cdef const uint8_t[:, :] seq = seq_arr
     cdef const int32_t[:] pos = pos_arr
@@ -51,11 +51,7 @@ def _kv_mask(seq_arr, pos_arr, positions_arr, seq_ids_arr, Py_ssize_t lo, Py_ssi
     for i in range(n):
         p = positions[i]
         s = seq_ids[i]
-        floor = INT64_MIN
-        if window >= 0:
-            floor = p - window
-        if chunk > 0 and p - p % chunk > floor:
-            floor = p - p % chunk
+        floor = p - window if window >= 0 else INT64_MIN
         for c in range(lo, hi):
             cp = pos[c]
             vis = seq[c, s] and cp >= floor and (cp <= p or not causal or (free_rows and exempt[i]))
@@ -66,24 +62,23 @@ def _kv_mask(seq_arr, pos_arr, positions_arr, seq_ids_arr, Py_ssize_t lo, Py_ssi
     return out
 
 
-def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t pad, int64_t window,
-                 int64_t chunk):
-    """``(slot, lo, hi, mask)`` for one token of sequence ``s`` at position ``p`` given the cells' uint8
+def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t pad, int64_t window):
+    """``(cell, lo, hi, mask)`` for one token of sequence ``s`` at position ``p`` given the cells' uint8
     ``occ[n_cells]`` (referenced by any sequence), uint8 ``seq[n_cells, n_seq]`` and int32 ``pos[n_cells]``.
 
-    ``slot``: the first free cell (``occ[c] == 0``), -1 when there is none
+    ``cell``: the first free cell (``occ[c] == 0``), -1 when there is none
     (then ``mask`` is None). ``[lo, hi)``: the range covering the sequence's
-    cells and ``slot``, ``lo`` rounded down and ``hi`` up to ``pad`` (``hi``
+    cells and ``cell``, ``lo`` rounded down and ``hi`` up to ``pad`` (``hi``
     at most the cell count). ``mask``: float16 ``(1, hi - lo)``, 0 where the
-    token sees the cell (``slot`` itself, or a cell of ``s`` with a position
-    ``<= p``, ``>= p - window`` and in ``p``'s chunk), else -inf; ``window``
-    or ``chunk`` < 0 means none. The same plan as ``Cells`` gives after
-    ``apply``, ``visible_range`` and ``mask``.
+    token sees the cell (``cell`` itself, or a cell of ``s`` with a position
+    ``<= p`` and ``>= p - window``), else -inf; ``window`` < 0 means none.
+    The same plan as ``Cells`` gives after ``apply``, ``visible_range`` and
+    ``mask``.
     """
     cdef const uint8_t[:] occ = occ_arr
     cdef const uint8_t[:, :] seq = seq_arr
     cdef const int32_t[:] pos = pos_arr
-    cdef Py_ssize_t n = occ.shape[0], c, slot = -1, first = -1, last = -1, lo, hi
+    cdef Py_ssize_t n = occ.shape[0], c, cell = -1, first = -1, last = -1, lo, hi
     cdef int64_t cp, floor = INT64_MIN
     cdef uint16_t[:, ::1] mv
     if seq.shape[0] != n or pos.shape[0] != n or not 0 <= s < seq.shape[1]:
@@ -93,9 +88,9 @@ def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t 
         raise GGMLValueError(f"_kv_plan_one: pad {pad} must be >= 1 and position {p} >= 0")
     for c in range(n):
         if not occ[c]:
-            slot = c
+            cell = c
             break
-    if slot < 0:
+    if cell < 0:
         return -1, 0, 0, None
     for c in range(n):
         if seq[c, s]:
@@ -105,19 +100,17 @@ def _kv_plan_one(occ_arr, seq_arr, pos_arr, Py_ssize_t s, int64_t p, Py_ssize_t 
         if seq[c, s]:
             last = c
             break
-    if first < 0 or slot < first:
-        first = slot
-    if last < slot:
-        last = slot
+    if first < 0 or cell < first:
+        first = cell
+    if last < cell:
+        last = cell
     lo = first // pad * pad
     hi = min((last + pad) // pad * pad, n)
     if window >= 0:
         floor = p - window
-    if chunk > 0 and p - p % chunk > floor:
-        floor = p - p % chunk
     mask = _mask_array(1, hi - lo, True)
     mv = mask.view(np.uint16)
     for c in range(lo, hi):
         cp = pos[c]
-        mv[0, c - lo] = _F16_ZERO if c == slot or (seq[c, s] and floor <= cp <= p) else _F16_NEG_INF
-    return slot, lo, hi, mask
+        mv[0, c - lo] = _F16_ZERO if c == cell or (seq[c, s] and floor <= cp <= p) else _F16_NEG_INF
+    return cell, lo, hi, mask

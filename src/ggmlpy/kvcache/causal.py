@@ -226,14 +226,10 @@ class Causal:
         Ollama's ``PermutedV``), so :meth:`get` returns a V view
         ``ne = (hi - lo, head_dim_v, n_head_kv)`` that ``mul_mat(v, kq)``
         uses without a copy. V of F32/F16/BF16 only. Not usable with ``flash_attn_ext``.
-    chunk : int, optional
-        Chunked attention (Ollama's ``NewChunkedAttentionCache``): a token
-        sees only positions of its own chunk, ``[p - p % chunk, p]``. Mask
-        only, nothing is evicted.
     memory : int, optional
         With ``window``: keep ``memory`` positions (``>= window``) per
         sequence for prefix reuse while the mask still uses ``window``
-        (Ollama's ``NewSWAMemCache``). None or 0 means ``window``.
+        (Ollama's ``NewSWAMemCache``, which its gpt-oss uses). None or 0 means ``window``.
     shift_fn : callable, optional
         The model's key shift, ``shift_fn(ctx, layer, k, offsets) -> Tensor``:
         ``k`` is ``ne = (head_dim_k, n_head_kv, n)`` (F32/F16; F32 for a
@@ -246,8 +242,7 @@ class Causal:
     def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
                  window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
                  shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None,
-                 v_trans: bool = False, chunk: Optional[int] = None,
-                 memory: Optional[int] = None, dtype_v=None) -> None:
+                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
@@ -276,9 +271,6 @@ class Causal:
         if self.v_trans and self.dtype_v not in V_TRANS_TYPES:
             raise GGMLValueError(f"v_trans needs an F32, F16 or BF16 V cache, got {self.dtype_v.name} (a quantized "
                                  "row cannot be stored transposed)")
-        if chunk is not None and int(chunk) < 1:
-            raise GGMLValueError(f"chunk must be >= 1, got {chunk}")
-        self.chunk = None if chunk is None else int(chunk)
         if memory is not None and int(memory) < 0:
             raise GGMLValueError(f"memory must be >= 0, got {memory}")
         memory = None if not memory else int(memory)
@@ -538,7 +530,7 @@ class Causal:
         ``except_rows`` are batch rows exempt from the causal rule (Ollama's
         ``SetCausal`` with ``Except``): they also see later positions of
         their own sequence, i.e. the rest of the batch (bidirectional spans
-        such as image tokens). Sequence, window and chunk rules still apply.
+        such as image tokens). Sequence and window rules still apply.
 
         With a sliding window, eviction (Ollama's ``updateSlidingWindow``) is
         planned first and committed by :meth:`apply`; the visible range then
@@ -581,8 +573,8 @@ class Causal:
             raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: {n})")
         trial.apply(cell_ids, positions, seq_ids)
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
-        mask = trial.mask(positions, seq_ids, window=self.window, chunk=self.chunk,
-                          except_rows=except_rows, lo=lo, hi=hi, dtype=np.float16)
+        mask = trial.mask(positions, seq_ids, window=self.window, except_rows=except_rows, lo=lo, hi=hi,
+                          dtype=np.float16)
         return ForwardPlan(positions, seq_ids, cell_ids, lo, hi, mask, False, trim, cells.n_cells,
                            _base=(cells, cells._version), _after=trial)
 
@@ -595,8 +587,7 @@ class Causal:
         if not 0 <= p <= _INT32_MAX:
             raise GGMLValueError("positions must be >= 0" if p < 0 else "positions must be in [0, 2**31)")
         cell, lo, hi, mask = _kv_plan_one(cells._occ.view(np.uint8), cells._seq.view(np.uint8), cells._pos, s, p,
-                                          self.padding, -1 if self.window is None else self.window,
-                                          -1 if self.chunk is None else self.chunk)
+                                          self.padding, -1 if self.window is None else self.window)
         if cell < 0:
             raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: 1)")
         return ForwardPlan(positions, seq_ids, np.array([cell], dtype=np.int64), lo, hi, mask, False, {},

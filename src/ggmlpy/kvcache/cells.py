@@ -240,7 +240,6 @@ class Cells:
         seq_ids,
         *,
         window: Optional[int] = None,
-        chunk: Optional[int] = None,
         causal: bool = True,
         except_rows: Optional[Iterable[int]] = None,
         lo: int = 0,
@@ -251,9 +250,8 @@ class Cells:
 
         Entry ``[i, j]`` (cell ``c = lo + j``) is 0 when all of these hold,
         else ``-inf``: cell ``c`` holds ``seq_ids[i]``; ``causal`` is off,
-        ``pos[c] <= positions[i]`` or ``i`` is in ``except_rows``;
-        ``pos[c] >= positions[i] - window`` (window given); and
-        ``pos[c] >= positions[i] - positions[i] % chunk`` (chunk given).
+        ``pos[c] <= positions[i]`` or ``i`` is in ``except_rows``; and
+        ``pos[c] >= positions[i] - window`` (window given).
         Call it after :meth:`apply` so the batch sees its own tokens.
 
         Parameters
@@ -262,8 +260,6 @@ class Cells:
             Position and sequence id of each batch token, equal length.
         window : int, optional
             Sliding window; a token sees ``window + 1`` positions with itself.
-        chunk : int, optional
-            Chunked attention: a token sees only its own chunk.
         causal : bool
             Mask future positions.
         except_rows : iterable of int, optional
@@ -291,8 +287,6 @@ class Cells:
             raise GGMLValueError(f"bad cell range [{lo}, {hi}) for {self._n_cells} cells")
         if window is not None and window < 0:
             raise GGMLValueError(f"window must be >= 0, got {window}")
-        if chunk is not None and chunk < 1:
-            raise GGMLValueError(f"chunk must be >= 1, got {chunk}")
 
         exempt = None
         if except_rows is not None:
@@ -304,8 +298,7 @@ class Cells:
         if np.dtype(dtype) not in (np.float32, np.float16):
             raise GGMLValueError(f"mask dtype must be float32 or float16, got {np.dtype(dtype)}")
         return _kv_mask(self._seq.view(np.uint8), self._pos, positions, seq_ids, lo, hi,
-                        -1 if window is None else int(window), -1 if chunk is None else int(chunk), bool(causal),
-                        exempt, np.dtype(dtype) == np.float16)
+                        -1 if window is None else int(window), bool(causal), exempt, np.dtype(dtype) == np.float16)
 
     def visible_range(self, seq_ids, pad: int = 1) -> tuple[int, int]:
         """Smallest cell range covering every cell of some sequences.

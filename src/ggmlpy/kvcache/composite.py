@@ -155,6 +155,14 @@ class Wrapper:
         """The highest position any wrapped cache holds for ``seq`` (-1: none)."""
         return max(c.seq_pos_max(seq) for c in self.caches)
 
+    def fragmentation(self) -> float:
+        """The most fragmented wrapped cache's :meth:`Causal.fragmentation`."""
+        return max(c.fragmentation() for c in self.caches)
+
+    def defrag(self) -> list:
+        """Compact every wrapped cache; the moves of each, in order."""
+        return [c.defrag() for c in self.caches]
+
     def close(self) -> None:
         for cache in self.caches:
             cache.close()
@@ -299,6 +307,13 @@ class Encoder:
     def seq_pos_max(self, seq: int) -> int:
         """-1: the stored K/V belong to no position."""
         return -1
+
+    def fragmentation(self) -> float:
+        """0: there are no cells."""
+        return 0.0
+
+    def defrag(self) -> list:
+        return []
 
     def close(self) -> None:
         for ctx in self._ctxs:

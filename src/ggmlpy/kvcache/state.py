@@ -25,7 +25,7 @@ The header::
     {"format": "ggmlpy.kvcache.seq", "kind": "Causal" | "Wrapper", "seq": <saved sequence id>,
      "layer_to_cache": [...] (Wrapper only), "meta": {... the caller's dict ...},
      "caches": [{"n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v" (ggml type names),
-                 "v_trans", "window", "chunk", "memory", "k_row_bytes", "v_row_bytes", "count"}, ...]}
+                 "v_trans", "window", "memory", "k_row_bytes", "v_row_bytes", "count"}, ...]}
 
 ``count`` is the number of cells the sequence holds in that cache. A section is then, with ``n =
 count`` and the sequence's cells in increasing position order:
@@ -49,7 +49,7 @@ anywhere with :meth:`Cells.find_free`, the rows written there and the metadata c
 A cache whose sliding window evicts (``memory`` set after ``init``) gets only what it could hold itself
 after a batch ending at the sequence's last position: ``pos >= max(pos) + 1 - memory - max_batch``
 (older positions are dropped, so a state saved from a cache of more memory fits; the same configuration
-loads everything). The window, the chunk and the head layout must match; the memory need not (it follows
+loads everything). The window and the head layout must match; the memory need not (it follows
 ``init``'s sizing).
 
 Host caches (and caches placed on the CPU) are read and written in place. A cache in device memory is
@@ -86,7 +86,7 @@ _DIGEST = hashlib.sha256().digest_size
 _CHUNK = 1 << 24
 _FORMAT = "ggmlpy.kvcache.seq"
 # configuration keys that must equal the loading cache's (memory follows init's sizing, count is data)
-_COMPARED = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v", "v_trans", "window", "chunk",
+_COMPARED = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v", "v_trans", "window",
              "k_row_bytes", "v_row_bytes")
 
 
@@ -118,7 +118,7 @@ def _caches(cache) -> tuple[str, list, Optional[list]]:
 def _config(c: Causal) -> dict:
     return {"n_layers": c.n_layers, "n_embd_k": c.n_embd_k, "n_embd_v": c.n_embd_v, "n_head_kv": c.n_head_kv,
             "type_k": c.dtype.name, "type_v": c.dtype_v.name, "v_trans": c.v_trans, "window": c.window,
-            "chunk": c.chunk, "memory": c.memory, "k_row_bytes": c.dtype.row_size(c.n_embd_k),
+            "memory": c.memory, "k_row_bytes": c.dtype.row_size(c.n_embd_k),
             "v_row_bytes": c.dtype_v.row_size(c.n_embd_v)}
 
 

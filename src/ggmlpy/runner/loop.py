@@ -89,6 +89,11 @@ class Runner:
         Reuse a built graph for the next batch of the same shape (the visible
         cache range is padded to 256 cells with flash attention, 32 without,
         so most one-token steps share a graph), as llama.cpp does.
+    defrag_thold : float or None
+        When a request is admitted and more than this fraction of the cells below the last live one are
+        holes (:meth:`~ggmlpy.kvcache.Causal.fragmentation`), the cache is compacted first (the batch in
+        flight completes, then K/V rows move on the cache's devices), so later batches attend over a
+        shorter cell range. llama.cpp's ``defrag_thold``; None never compacts.
 
     Raises
     ------
@@ -110,7 +115,7 @@ class Runner:
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
-                 offload_kqv: bool = True) -> None:
+                 offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -146,6 +151,8 @@ class Runner:
         self._inflight = 0                     # batches launched and not yet completed
         self._direct_busy = 0
         self.reuse_graphs = bool(reuse_graphs)
+        self.defrag_thold = None if defrag_thold is None or defrag_thold < 0 else float(defrag_thold)
+        self.n_defrags = 0
         self.n_batches = 0
         self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
@@ -676,8 +683,9 @@ class Runner:
 
     # ------------------------------------------------------------------ the loop
 
-    def _admit(self) -> None:
-        """Move waiting requests into free slots (lock held)."""
+    def _admit(self, wait_prev) -> None:
+        """Move waiting requests into free slots (lock held); compact the cache if they left it fragmented."""
+        admitted = False
         while self._waiting and len(self._active) < self.n_seq_max:
             req = self._waiting.popleft()
             if req.cancelled:
@@ -689,6 +697,11 @@ class Runner:
                 self._finish(req, DoneReason.ERROR, e)
                 continue
             self._active[req.slot] = req
+            admitted = True
+        if admitted and self.defrag_thold is not None and self.cache.fragmentation() > self.defrag_thold:
+            wait_prev()                      # rows move under the batch in flight otherwise
+            self.cache.defrag()
+            self.n_defrags += 1
 
     def _load_slot(self, req: _Request) -> None:
         """Pick a slot (prefix reuse), trim the cache to the reusable prefix, queue the rest."""
@@ -786,7 +799,7 @@ class Runner:
         ``wait_prev()`` completes the batch in flight; it is called before
         anything that must not overlap its compute (a shift rewrites keys).
         """
-        self._admit()
+        self._admit(wait_prev)
         for req in list(self._active.values()):
             if req.cancelled:
                 wait_prev()
