@@ -6,7 +6,13 @@ report exists before any data is read) and then loads the data with progress.
 
 * :mod:`~ggmlpy.models.base`: the :class:`Model` and :class:`Cache` protocols,
   :class:`BuiltGraph`, the registry (:data:`ARCHITECTURES`, :func:`register`);
-* :mod:`~ggmlpy.models.llama`: llama, mistral, qwen2;
+* :mod:`~ggmlpy.models.decoder`: what every GGUF decoder shares: :class:`DecoderConfig` (hyperparameters
+  read through a checking :class:`MetaReader`) and :class:`DecoderModel` (weights checked, fused,
+  placed and loaded; the graph's inputs);
+* :mod:`~ggmlpy.models.blocks`: the graph functions architectures compose (norms, RoPE, Q/K/V,
+  attention through the cache, gated and mixture-of-experts feed-forward, output head);
+* :mod:`~ggmlpy.models.llama`: llama, mistral, qwen2 (one module per architecture family, each a
+  :class:`DecoderModel` registered with :func:`register`);
 * :mod:`~ggmlpy.models.load`: :func:`load_model`;
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
@@ -22,8 +28,9 @@ from .base import (
            model_class,
            register,
 )
-from .llama import LlamaConfig, LlamaModel, MissingTensor
+from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
+from .llama import LlamaConfig, LlamaModel
 from .load import load_model
 
-__all__ = ["ARCHITECTURES", "BuiltGraph", "Cache", "LlamaConfig", "LlamaModel", "MissingTensor", "Model",
-           "UnknownArchitecture", "load_model", "model_class", "register"]
+__all__ = ["ARCHITECTURES", "BuiltGraph", "Cache", "DecoderConfig", "DecoderModel", "LlamaConfig", "LlamaModel",
+           "MetaReader", "MissingTensor", "Model", "UnknownArchitecture", "load_model", "model_class", "register"]

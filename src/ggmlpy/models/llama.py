@@ -1,335 +1,68 @@
 """The llama family from GGUF: llama (Llama 2/3, TinyLlama), mistral (sliding window), qwen2 (QKV bias).
 
-A :class:`LlamaModel` is made in two steps, as in Ollama: the constructor
-creates every weight tensor on its device and allocates the buffers (so
-:attr:`LlamaModel.report` says what each device holds before any data is
-read), then :meth:`LlamaModel.load` streams the data from the file straight
-into the tensors' memory, reporting progress. :func:`load_model` does both.
+:class:`LlamaModel` is a :class:`~ggmlpy.models.decoder.DecoderModel` (which creates, places and
+loads the weights; :func:`~ggmlpy.models.load_model` does both steps). Its graph is the usual pre-norm
+decoder, built of :mod:`~ggmlpy.models.blocks`: token embedding, per layer RMSNorm → attention (RoPE
+on Q and K, grouped-query attention through the cache, with ``flash_attn_ext`` or ``mul_mat`` +
+``soft_max_ext``) → residual → RMSNorm → SwiGLU feed-forward → residual; then the output norm and
+the output head (``token_embd`` again when the file has no ``output.weight``). Rows that need no
+output are dropped after the last layer's attention.
 
-The graph (:meth:`LlamaModel.build`) is the usual pre-norm decoder: token
-embedding, per layer RMSNorm → attention (RoPE on Q and K, grouped-query
-attention through a :class:`ggmlpy.kvcache.Causal` cache, with
-``flash_attn_ext`` or ``mul_mat`` + ``soft_max_ext``) → residual → RMSNorm →
-SwiGLU feed-forward → residual; then the output norm and the output head
-(``token_embd`` again when the file has no ``output.weight``). Rows that need
-no output are dropped after the last layer's attention.
-
-Weights follow llama.cpp's converter: for ``llama``/``mistral`` the Q and K
-rows are permuted so that ggml's "normal" RoPE (adjacent pairs) applies; for
-``qwen2`` they are not and RoPE is NEOX-style (halves).
+Weights follow llama.cpp's converter: for ``llama``/``mistral`` the Q and K rows are permuted so
+that ggml's "normal" RoPE (adjacent pairs) applies; for ``qwen2`` they are not and RoPE is
+NEOX-style (halves).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Optional
 
-import numpy as np
+from ggmlpy._core import Context, RopeType, Tensor, Type
 
-from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
-from ggmlpy.backend import MemoryReport, Placement, Weights, choose_devices, split_layers
-from ggmlpy.gguf import (
-    _REQUIRED,
-    GGUFError,
-    MetadataError,
-    MetadataTypeError,
-    meta_float,
-    meta_int,
-    meta_str,
-    open_data,
-)
-from ggmlpy.kvcache import Causal
-
-from .base import BuiltGraph, UnknownArchitecture, register
+from . import blocks
+from .base import UnknownArchitecture, register
+from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
 
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 
-_log = logging.getLogger("ggmlpy")
-
-#: The ``general.architecture`` values this module builds, and their RoPE layout.
-_ROPE_TYPES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
-
-# llama.cpp's LLAMA_FTYPE numbers (general.file_type) and the names llama-bench prints.
-_FTYPE_NAMES = {0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K - Medium",
-                11: "Q3_K - Small", 12: "Q3_K - Medium", 13: "Q3_K - Large", 14: "Q4_K - Small",
-                15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K", 32: "BF16"}
-
-
-class MissingTensor(GGMLValueError):
-    """A tensor the architecture needs is not in the file, or has the wrong shape or type."""
-
-
-# Sane bounds on hyperparameters, checked before anything is sized from them (a hostile file must not
-# make the loader allocate or loop by its numbers). Generous: ten times what large public models use.
-_MAX_LAYERS = 4096
-_MAX_EMBD = 1 << 20
-_MAX_HEADS = 1 << 14
-_MAX_VOCAB = 1 << 24
-_MAX_CTX = 1 << 27          # token positions are I32; the longest trained contexts are ~1e7
-
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Hyperparameters read from GGUF metadata (``{arch}.*`` keys)."""
+class LlamaConfig(DecoderConfig):
+    """Hyperparameters read from GGUF metadata (``{arch}.*`` keys); see :class:`DecoderConfig`."""
 
-    arch: str
-    n_vocab: int
-    n_ctx_train: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    rms_eps: float
-    rope_base: float = 10000.0
-    rope_dim: int = 0
-    rope_mode: int = RopeType.NORMAL
-    rope_scaling: str = "none"
-    rope_freq_scale: float = 1.0
-    rope_ext_factor: float = 0.0
-    rope_attn_factor: float = 1.0
-    n_ctx_orig: int = 0
-    sliding_window: Optional[int] = None
-    eos_token_ids: tuple = ()
-    bos_token_id: Optional[int] = None
-    file_type: Optional[int] = None
+    ROPE_TYPES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
 
     @classmethod
-    def from_metadata(cls, md: dict, path: str = "", n_vocab: Optional[int] = None) -> LlamaConfig:
-        """Read the configuration.
-
-        Every value is type-checked and range-checked as it is read (see :meth:`validate` for the
-        relations between them).
-
-        Raises
-        ------
-        UnknownArchitecture
-            No or another ``general.architecture``; a mixture-of-experts model.
-        ggmlpy.gguf.MetadataError
-            A missing key, a value out of range or not finite (names the key and the file).
-        ggmlpy.gguf.MetadataTypeError
-            A value of the wrong type (a string for a count, a float for an integer...).
-        GGMLValueError
-            A combination this module does not support (key and value head sizes differ...).
-        """
-        arch = md.get("general.architecture")
-        if not isinstance(arch, str):
-            raise UnknownArchitecture(f"{path}: no general.architecture in the file")
-        if arch not in _ROPE_TYPES:
-            raise UnknownArchitecture(f"{path}: architecture {arch!r} is not a llama-family architecture "
-                                      f"({', '.join(sorted(_ROPE_TYPES))})")
-
-        # llama.cpp allows an array (one value per layer) for these; we build uniform layers only
-        per_layer = {"attention.head_count", "attention.head_count_kv", "feed_forward_length"}
-
-        def geti(key, default=_REQUIRED, lo=None, hi=None, full=None):
-            return meta_int(md, full or f"{arch}.{key}", default, lo=lo, hi=hi, path=path,
-                            per_layer=key in per_layer)
-
-        def getf(key, default=_REQUIRED, lo=None, hi=None, lo_open=False):
-            return meta_float(md, f"{arch}.{key}", default, lo=lo, hi=hi, lo_open=lo_open, path=path)
-
-        if geti("expert_count", 0, lo=0) > 0:
-            raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported")
-        n_embd = geti("embedding_length", lo=1, hi=_MAX_EMBD)
-        n_layer = geti("block_count", lo=1, hi=_MAX_LAYERS)
-        n_head = geti("attention.head_count", lo=1, hi=_MAX_HEADS)
-        n_head_kv = geti("attention.head_count_kv", n_head, lo=1, hi=_MAX_HEADS)
-        head_dim = geti("attention.key_length", n_embd // n_head, lo=1, hi=_MAX_EMBD)
-        v_dim = geti("attention.value_length", head_dim, lo=1, hi=_MAX_EMBD)
-        if v_dim != head_dim:
-            raise GGMLValueError(f"{path}: key and value head sizes differ ({head_dim} != {v_dim}); not supported")
-        n_ff = geti("feed_forward_length", lo=1, hi=_MAX_EMBD * 8)
-        if f"{arch}.vocab_size" in md:
-            vocab = geti("vocab_size", lo=1, hi=_MAX_VOCAB)
-        elif "tokenizer.ggml.tokens" in md:
-            tokens = md["tokenizer.ggml.tokens"]
-            if not isinstance(tokens, list):
-                raise MetadataTypeError(path, "tokenizer.ggml.tokens", "expected an array of strings")
-            vocab = len(tokens)
-        elif n_vocab is not None:
-            vocab = int(n_vocab)
-        else:
-            raise GGMLValueError(f"{path}: no vocabulary size ({arch}.vocab_size or tokenizer.ggml.tokens)")
-        if not 1 <= vocab <= _MAX_VOCAB:
-            raise MetadataError(path, "tokenizer.ggml.tokens", f"vocabulary size {vocab} is out of range "
-                                                               f"[1, {_MAX_VOCAB}]")
-        n_ctx_train = geti("context_length", lo=1, hi=_MAX_CTX)
-        rms_eps = getf("attention.layer_norm_rms_epsilon", lo=0.0, lo_open=True, hi=1.0)
-        rope_base = getf("rope.freq_base", 10000.0, lo=0.0, lo_open=True)
-        rope_dim = geti("rope.dimension_count", head_dim, lo=1, hi=_MAX_EMBD)
-        scaling = meta_str(md, f"{arch}.rope.scaling.type", "none", path=path)
-        factor = getf("rope.scaling.factor", 0.0, lo=0.0)
-        freq_scale, ext_factor, attn_factor = 1.0, 0.0, 1.0
-        if scaling == "linear" and factor > 0:
-            freq_scale = 1.0 / factor
-        elif scaling == "yarn" and factor > 0:
-            freq_scale, ext_factor = 1.0 / factor, 1.0
-            attn_factor = getf("rope.scaling.attn_factor", 1.0, lo=0.0, lo_open=True)
-        elif scaling not in ("none", "linear", "yarn"):
-            raise GGMLValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn)")
-        n_ctx_orig = geti("rope.scaling.original_context_length", n_ctx_train, lo=1, hi=_MAX_CTX)
-        window = geti("attention.sliding_window", 0, lo=0, hi=_MAX_CTX) or None
-        # A special token id outside the vocabulary is dropped with a warning, as llama.cpp does
-        # ("bad special token"): it could never be sampled, and as input it would index past the
-        # embedding rows.
-        tok = {}
-        for k in ("eos", "eot", "bos"):
-            v = geti("", None, lo=0, full=f"tokenizer.ggml.{k}_token_id")
-            if v is not None and v >= vocab:
-                _log.warning("%s: tokenizer.ggml.%s_token_id = %d is outside the vocabulary of %d; ignored",
-                             path, k, v, vocab)
-                v = None
-            tok[k] = v
-        eos_ids = () if tok["eos"] is None else (tok["eos"],)
-        if tok["eot"] is not None and tok["eot"] not in eos_ids:
-            eos_ids += (tok["eot"],)
-        ft = geti("", None, lo=0, full="general.file_type")
-        return cls(
-            arch=arch, n_vocab=vocab, n_ctx_train=n_ctx_train, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
-            n_head_kv=n_head_kv, head_dim=head_dim, n_ff=n_ff, rms_eps=rms_eps, rope_base=rope_base,
-            rope_dim=rope_dim, rope_mode=int(_ROPE_TYPES[arch]), rope_scaling=scaling, rope_freq_scale=freq_scale,
-            rope_ext_factor=ext_factor, rope_attn_factor=attn_factor, n_ctx_orig=n_ctx_orig, sliding_window=window,
-            eos_token_ids=eos_ids, bos_token_id=tok["bos"], file_type=ft)
-
-    def validate(self, path: str = "") -> None:
-        """Check the relations between the hyperparameters (and their ranges, for a config made by hand).
-
-        Raises
-        ------
-        GGMLValueError
-            Listing every bad value with its key.
-        """
-        a = self.arch
-        bad = []
-        if not 1 <= self.n_layer <= _MAX_LAYERS:
-            bad.append(f"{a}.block_count {self.n_layer} is out of range [1, {_MAX_LAYERS}]")
-        if self.n_head_kv < 1 or self.n_head % self.n_head_kv:
-            bad.append(f"{a}.attention.head_count_kv {self.n_head_kv} must divide head_count {self.n_head}")
-        if self.head_dim < 1 or self.head_dim % 2:
-            bad.append(f"head dimension {self.head_dim} ({a}.attention.key_length, or embedding_length / "
-                       "head_count) must be even and >= 1")
-        if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
-            bad.append(f"{a}.rope.dimension_count {self.rope_dim} must be even and in (0, {self.head_dim}]")
-        if self.n_vocab < 1 or self.n_ff < 1:
-            bad.append(f"{a}.vocab_size and {a}.feed_forward_length must be >= 1")
-        # not (x > 0) is also true for NaN
-        if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
-            bad.append(f"{a}.attention.layer_norm_rms_epsilon {self.rms_eps} must be finite and in (0, 1)")
-        for key, v in (("rope.freq_base", self.rope_base), ("rope.scaling.factor", self.rope_freq_scale),
-                       ("rope.scaling.attn_factor", self.rope_attn_factor)):
-            if not (math.isfinite(v) and v > 0):
-                bad.append(f"{a}.{key} gives {v}, which must be finite and > 0")
-        if bad:
-            raise GGMLValueError(f"{path}: bad hyperparameters: " + "; ".join(bad))
+    def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
+        # mixtral files say "llama" too; their experts need another feed-forward
+        if m.geti("expert_count", 0, lo=0) > 0:
+            raise UnknownArchitecture(f"{m.path}: mixture-of-experts {m.arch} models are not supported")
+        return super()._read(m, n_vocab)
 
 
-def _size_label(n: int) -> str:
-    """``110M``, ``1.1B``, ``7B``; one decimal below 10 of the unit."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale or unit == "K":
-            v = n / scale
-            return (f"{v:.1f}" if v < 10 else f"{v:.0f}").replace(".0", "") + unit
-    return str(n)
-
-
-@register(*_ROPE_TYPES)
-class LlamaModel:
-    """A llama-family model: weights on their devices plus the graph builder.
-
-    Parameters
-    ----------
-    reader : ggmlpy.gguf.GGUFReader
-        The open file (metadata and tensor infos; data is read by :meth:`load`).
-    placement : ggmlpy.backend.Placement, optional
-        Which device holds each layer; default: everything on the CPU.
-    repack : bool
-        Put the matrix weights in the devices' extra buffer types where ggml supports them (CPU_REPACK,
-        AMX...: faster prompts; the weights can then not be read back). See :class:`ggmlpy.backend.Weights`.
-    fuse : bool
-        Concatenate each layer's Q, K and V weights into one ``attn_qkv`` matrix and its gate and up
-        weights into one ``ffn_gate_up`` matrix (biases likewise) when the parts share a type, so a
-        layer runs four matrix products instead of seven: fewer ops, one quantization of the
-        activations instead of three, larger products for the threads to share. The results are the
-        same (every output row is the same dot product); :attr:`fused` names what was fused.
+@register(*LlamaConfig.ROPE_TYPES)
+class LlamaModel(DecoderModel):
+    """A llama-family model: weights on their devices plus the graph builder (see :class:`DecoderModel`).
 
     Attributes
     ----------
-    config : LlamaConfig
-    weights : ggmlpy.backend.Weights
-    report : ggmlpy.backend.MemoryReport
-        Weight bytes per device and layer (cache and graph are added by the runner).
-    desc : str
-        llama-bench's model description, e.g. ``"llama 110M F16"``.
-    size, n_params, n_vocab : int
-        Bytes and number of weight values; vocabulary size.
-    fused : dict of str to tuple of str
-        Each fused weight and the file tensors it holds, in row order.
+    qkv_bias : bool
+        The file has Q/K/V biases (qwen2).
     """
 
-    def __init__(self, reader, placement: Optional[Placement] = None, repack: bool = True,
-                 fuse: bool = True) -> None:
-        self.path = str(reader.path)
-        self.config = cfg = _config(reader, self.path)
-        if placement is None:
-            placement = split_layers(cfg.n_layer, choose_devices("cpu"))
-        if placement.n_layers != cfg.n_layer:
-            raise GGMLValueError(f"{self.path}: placement has {placement.n_layers} layers, the model {cfg.n_layer}")
-        self.placement = placement
-        self._reader = reader
-        self.tied_output = "output.weight" not in reader
-        self.has_rope_freqs = "rope_freqs.weight" in reader
-        self.qkv_bias = "blk.0.attn_q.bias" in reader
-        self.weights = Weights(placement, max_tensors=16 * cfg.n_layer + 8, repack=repack)
-        self.report: MemoryReport = self.weights.report
-        self.fused: dict[str, tuple[str, ...]] = {}
-        try:
-            expected = list(self._expected())
-            for name, ne, _group, types, _op in expected:
-                self._check(reader, name, ne, types)
-            used = {e[0] for e in expected}
-            for name, ne, group, _types, op in self._fuse(reader, expected) if fuse else expected:
-                self.weights.add(name, reader.tensor_info(self.fused.get(name, (name,))[0]).type, ne, group, op=op)
-            # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
-            # a missing bias ...) do not describe the file, and the model would run without that weight
-            unused = [t.name for t in reader.tensors if t.name not in used]
-            if unused:
-                raise GGUFError(f"{self.path}: {len(unused)} tensor(s) of the file are not used by {cfg.arch} with "
-                                f"these hyperparameters (block_count {cfg.n_layer}): "
-                                f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
-            self.weights.allocate()
-        except BaseException:
-            self.weights.close()
-            raise
-        self.n_params = sum(int(np.prod(t.ne)) for t, _ in self.weights.tensors.values())
-        self.size = sum(t.nbytes for t, _ in self.weights.tensors.values())
-        self.n_vocab = cfg.n_vocab
-        ft = _FTYPE_NAMES.get(cfg.file_type) if cfg.file_type is not None else None
-        if ft is None:
-            ft = reader.tensor_info("blk.0.attn_q.weight").type.name
-        self.desc = f"{cfg.arch} {_size_label(self.n_params)} {ft}"
-        self.loaded = False
-        self._closed = False
+    config_class = LlamaConfig
+    config: LlamaConfig
 
-    # ------------------------------------------------------------------ weights
+    def _inspect(self, reader) -> None:
+        super()._inspect(reader)
+        self.qkv_bias = "blk.0.attn_q.bias" in reader
 
     def _expected(self):
-        """(name, ne, group, allowed types or None, op) of every tensor this model reads.
-
-        ``op`` is ``"mul_mat"`` for weights only a matrix product reads (they may be repacked), else None.
-        """
         c = self.config
         n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-        yield "token_embd.weight", (c.n_embd, c.n_vocab), "input", None, None
-        yield "output_norm.weight", (c.n_embd,), "output", (Type.F32,), None
-        if not self.tied_output:
-            yield "output.weight", (c.n_embd, c.n_vocab), "output", None, "mul_mat"
-        if self.has_rope_freqs:
-            yield "rope_freqs.weight", (c.rope_dim // 2,), "input", (Type.F32,), None
+        yield from self._expected_io()
         for i in range(c.n_layer):
             p = f"blk.{i}."
             yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,), None
@@ -346,435 +79,22 @@ class LlamaModel:
             yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
             yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
 
-    #: what :meth:`_fuse` concatenates in each layer: the fused name and its parts, in row order
-    FUSIONS = (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up")))
-
-    def _fuse(self, reader, expected: list) -> list:
-        """``expected`` with each layer's fusable weights (and biases) replaced by their concatenation.
-
-        Parts fuse when each is present and all have one type (their rows are as wide, checked against
-        the hyperparameters already); biases only where their weights fused, as the graph adds the fused
-        bias to the fused product. The fused tensor takes the first part's place and is recorded in
-        :attr:`fused`.
-        """
-        by_name = {e[0]: e for e in expected}
-        out, skip = [], set()
-        for entry in expected:
-            name, ne, group, types, op = entry
-            if name in skip:
-                continue
-            for fused, parts in self.FUSIONS:
-                pre, dot, kind = name.partition(f".{parts[0]}.")
-                if not (dot and pre.startswith("blk.")):
-                    continue
-                names = [f"{pre}.{q}.{kind}" for q in parts]
-                if (all(n in by_name for n in names)
-                        and len({reader.tensor_info(n).type for n in names}) == 1     # not Q4_K_M's Q6_K attn_v
-                        and (kind == "weight" or f"{pre}.{fused}.weight" in self.fused)):
-                    rows = [by_name[n][1][-1] for n in names]
-                    fname = f"{pre}.{fused}.{kind}"
-                    self.fused[fname] = tuple(names)
-                    skip.update(names)
-                    entry = (fname, (*ne[:-1], sum(rows)), group, types, op)
-                break
-            out.append(entry)
-        return out
-
-    def _check(self, reader, name, ne, types) -> None:
-        if name not in reader:
-            raise MissingTensor(f"{self.path}: tensor {name!r} is missing ({self.config.arch} needs it)")
-        info = reader.tensor_info(name)
-        got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
-        if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
-            raise MissingTensor(f"{self.path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
-        if info.type in (Type.I8, Type.I16, Type.I32, Type.I64):
-            # no matrix op takes integer weights; ggml would refuse the graph much later
-            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}: weights must be float or "
-                                f"quantized")
-        if types is not None and info.type not in types:
-            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected "
-                                f"{'/'.join(t.name for t in types)}")
-
-    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
-             mmap: bool = False) -> None:
-        """Read every tensor's data from the file into its buffer.
-
-        With ``mmap`` the data is copied out of a memory map of the file (see
-        :class:`ggmlpy.gguf.MappedFile`) instead of read with ``read(2)``.
-
-        Host tensors are filled with ``readinto`` straight into their memory
-        (no intermediate copy, so peak RSS stays near the model's size); device
-        tensors are written in chunks. ``progress(done_bytes, total_bytes)``
-        is called as data arrives.
-
-        A few rows of every tensor are decoded first and must be finite, with
-        magnitudes some model could have (see :func:`_check_sample`): NaN/inf
-        weights, and F16 data re-labelled as BF16 at typical weight scales
-        (median |w| below about 0.2; the two types have the same size, so the
-        file's layout cannot show it), are an error, not garbage output. The
-        other direction (BF16 read as F16) and re-labelled quantized types of
-        the same block size are not detected. ``check_tensors=True`` checks every row for non-finite values
-        too (as llama.cpp's ``--check-tensors``; it decodes the whole model, so
-        it costs about one more pass over the data).
-
-        Raises
-        ------
-        GGUFError
-            Implausible or non-finite data (names the tensor, and the row with ``check_tensors``).
-        GGMLValueError, MissingTensor
-            The file ends inside a tensor, or a tensor's size disagrees with its type and shape.
-        """
-        total = self.size
-        done = 0
-        chunk = 16 << 20
-        with open_data(self.path, mmap=mmap) as f:
-            for name, (t, _grp) in self.weights.tensors.items():
-                # a fused weight is its parts' bytes one after the other (rows of the same width)
-                infos = [self._reader.tensor_info(n) for n in self.fused.get(name, (name,))]
-                if sum(i.nbytes for i in infos) != t.nbytes:
-                    raise MissingTensor(f"{self.path}: tensor {name!r} holds {sum(i.nbytes for i in infos)} bytes, "
-                                        f"expected {t.nbytes}")
-                for info in infos:
-                    _check_sample(f, info, self.path)
-                if t.is_host:
-                    dst = memoryview(t.numpy()).cast("B")
-                    off = 0
-                    for info in infos:
-                        self._read_into(f, info, dst[off:off + info.nbytes], check_tensors, chunk,
-                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
-                        off += info.nbytes
-                    del dst
-                elif t.is_repacked or len(infos) > 1:
-                    # a repacked weight is written in one piece (ggml converts it whole); a fused one is put
-                    # together first
-                    buf = bytearray(t.nbytes)
-                    off = 0
-                    for info in infos:
-                        self._read_into(f, info, memoryview(buf)[off:off + info.nbytes], check_tensors, chunk,
-                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
-                        off += info.nbytes
-                    t.set_bytes(buf, 0)
-                    del buf
-                else:
-                    # whole rows, so each piece can be checked
-                    info = infos[0]
-                    rs = info.type.row_size(info.ne[0]) or 1
-                    step = max(rs, chunk // rs * rs)
-                    buf = bytearray(min(step, t.nbytes))
-                    f.seek(info.offset)
-                    pos = 0
-                    while pos < t.nbytes:
-                        view = memoryview(buf)[:min(step, t.nbytes - pos)]
-                        n = f.readinto(view)
-                        if n != len(view):
-                            raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
-                        if check_tensors:
-                            _check_finite_rows(view, info, pos // rs, rs, chunk, self.path)
-                        t.set_bytes(view, pos)
-                        pos += n
-                        if progress is not None:
-                            progress(done + pos, total)
-                done += t.nbytes
-                if progress is not None:
-                    progress(done, total)
-        self.loaded = True
-
-    def _read_into(self, f, info, dst: memoryview, check_tensors: bool, chunk: int,
-                   progress: Optional[Callable[[int], None]]) -> None:
-        """Read tensor ``info``'s bytes from ``f`` straight into ``dst`` (``progress(bytes so far)``)."""
-        f.seek(info.offset)
-        pos = 0
-        while pos < info.nbytes:
-            n = f.readinto(dst[pos:pos + chunk])
-            if not n:
-                raise GGMLValueError(f"{self.path}: file ends inside tensor {info.name!r}")
-            pos += n
-            if progress is not None:
-                progress(pos)
-        if check_tensors:
-            _check_finite_rows(dst, info, 0, info.type.row_size(info.ne[0]) or 1, chunk, self.path)
-
-    # ------------------------------------------------------------------ graph
-
-    def rope(self, ctx: Context, x: Tensor, pos: Tensor, freq_factors: Optional[Tensor]) -> Tensor:
-        c = self.config
-        return ctx.rope_ext(x, pos, freq_factors, n_dims=c.rope_dim, mode=c.rope_mode, n_ctx_orig=c.n_ctx_orig,
-                            freq_base=c.rope_base, freq_scale=c.rope_freq_scale, ext_factor=c.rope_ext_factor,
-                            attn_factor=c.rope_attn_factor)
-
-    def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
-        """The cache's key shift: RoPE by the position delta (same settings as the forward pass)."""
-        ff = self.weights["rope_freqs.weight"] if self.has_rope_freqs else None
-        return self.rope(ctx, k, offsets, ff)
-
-    def graph_size(self) -> int:
-        """Nodes plus leafs a forward graph may use (with headroom)."""
-        return 64 * self.config.n_layer + 256
-
-    def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True) -> Causal:
-        """This model's cache, not yet allocated (the caller sizes it with ``cache.init(...)``).
-
-        One :class:`~ggmlpy.kvcache.Causal` for every layer, with the model's sliding window (mistral)
-        and its RoPE as the key shift. ``flash_attn`` picks the layout the attention path reads: V in
-        rows (flash attention; the visible range padded to 256 cells) or V transposed for ``mul_mat``
-        (padded to 32).
-        """
-        c = self.config
-        window = c.sliding_window - 1 if c.sliding_window else None   # the cache's window excludes the token
-        return Causal(c.n_layer, c.head_dim * c.n_head_kv, c.head_dim * c.n_head_kv, type_k, dtype_v=type_v,
-                      window=window, padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
-                      shift_fn=self.shift_fn, v_trans=not flash_attn)
-
-    @classmethod
-    def read_config(cls, reader, path: str = "") -> LlamaConfig:
-        """The hyperparameters of an open file, checked against its tensors (before anything is sized)."""
-        return _config(reader, path)
-
-    def build(self, cache, plan, n_tokens: int, n_out: int, *, flash_attn: bool = False,
-              embeddings: bool = False) -> BuiltGraph:
-        """Build the forward graph for a batch of ``n_tokens`` through ``cache`` with ``plan``.
-
-        ``n_out`` rows produce output (selected by the ``out_ids`` input). The result is the logits ``ne = (n_vocab,
-        n_out)``, or with ``embeddings`` the final-normed hidden states
-        ``ne = (n_embd, n_out)``. Inputs are created unallocated: allocate
-        the graph with the scheduler, then :meth:`BuiltGraph.set_inputs`.
-        """
-        c = self.config
-        w = self.weights
-        n = int(n_tokens)
-        if not 1 <= n_out <= n:
-            raise GGMLValueError(f"build: n_out {n_out} must be in [1, n_tokens={n}]")
-        size = self.graph_size()
-        ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
-        tokens = ctx.new_tensor(Type.I32, (n,), name="inp_tokens").set_input()
-        pos = ctx.new_tensor(Type.I32, (n,), name="inp_pos").set_input()
-        memory = cache.forward(ctx, plan)           # the cache's own inputs: destination rows, mask
-        # always present (even when every row is output) so that every graph has the topology the
-        # worst-case reservation measured
-        out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input()
-        ff = w["rope_freqs.weight"] if self.has_rope_freqs else None
+    def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
+                 embeddings: bool) -> Tensor:
+        c, w = self.config, self.weights
         scale = 1.0 / math.sqrt(c.head_dim)
-        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         x = ctx.get_rows(w["token_embd.weight"], tokens)
         for il in range(c.n_layer):
             p = f"blk.{il}."
-            cur = ctx.mul(ctx.rms_norm(x, c.rms_eps), w[p + "attn_norm.weight"])
-            if p + "attn_qkv.weight" in w:
-                qkv = ctx.mul_mat(w[p + "attn_qkv.weight"], cur)             # (n_q + 2 n_kv, n): q, k, v rows
-                if p + "attn_qkv.bias" in w:
-                    qkv = ctx.add(qkv, w[p + "attn_qkv.bias"])
-                # per-token rows of the heads: views with the fused row as the token stride
-                es, row = qkv.nb[0], qkv.nb[1]
-                q = ctx.view(qkv, (c.head_dim, c.n_head, n), (c.head_dim * es, row), 0)
-                k = ctx.view(qkv, (c.head_dim, c.n_head_kv, n), (c.head_dim * es, row), n_q * es)
-                v = ctx.view(qkv, (c.head_dim, c.n_head_kv, n), (c.head_dim * es, row), (n_q + n_kv) * es)
-            else:
-                q = ctx.mul_mat(w[p + "attn_q.weight"], cur)
-                k = ctx.mul_mat(w[p + "attn_k.weight"], cur)
-                v = ctx.mul_mat(w[p + "attn_v.weight"], cur)
-                if self.qkv_bias:
-                    q = ctx.add(q, w[p + "attn_q.bias"])
-                    k = ctx.add(k, w[p + "attn_k.bias"])
-                    v = ctx.add(v, w[p + "attn_v.bias"])
-                q = ctx.reshape(q, (c.head_dim, c.n_head, n))
-                k = ctx.reshape(k, (c.head_dim, c.n_head_kv, n))
-                v = ctx.reshape(v, (c.head_dim, c.n_head_kv, n))
-            q = self.rope(ctx, q, pos, ff)
-            k = self.rope(ctx, k, pos, ff)
-            memory.set_layer(il).put(k, v)
-            kv_k, kv_v, mask = memory.get()
-            qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
-            if flash_attn:
-                o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale)     # (head_dim, n_head, n)
-                o = ctx.reshape(o, (c.head_dim * c.n_head, n))
-            else:
-                kq = ctx.soft_max_ext(ctx.mul_mat(kv_k, qp), mask, scale=scale)   # (n_kv, n, n_head)
-                if memory.v_trans:
-                    o = ctx.mul_mat(kv_v, kq)                                   # (head_dim, n, n_head)
-                else:
-                    o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
-                o = ctx.cont(ctx.permute(o, 0, 2, 1, 3), (c.head_dim * c.n_head, n))
+            cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
+            q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
+            q, k = self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 # only the rows that produce output go further
-                o = ctx.get_rows(o, out_ids)
-                x = ctx.get_rows(x, out_ids)
+                o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
             x = ctx.add(x, o)
-            cur = ctx.mul(ctx.rms_norm(x, c.rms_eps), w[p + "ffn_norm.weight"])
-            if p + "ffn_gate_up.weight" in w:
-                act = ctx.swiglu(ctx.mul_mat(w[p + "ffn_gate_up.weight"], cur))   # silu(gate rows) * up rows
-            else:
-                act = ctx.swiglu_split(ctx.mul_mat(w[p + "ffn_gate.weight"], cur),
-                                       ctx.mul_mat(w[p + "ffn_up.weight"], cur))
-            x = ctx.add(x, ctx.mul_mat(w[p + "ffn_down.weight"], act))
-        x = ctx.mul(ctx.rms_norm(x, c.rms_eps), w["output_norm.weight"])
-        if embeddings:
-            out = x
-        else:
-            out = ctx.mul_mat(w["token_embd.weight" if self.tied_output else "output.weight"], x)
-        out.set_output()
-        gf = ctx.new_graph(size)
-        for t in memory.pending:          # cache writes before anything reads the cache
-            gf.build_forward_expand(t)
-        gf.build_forward_expand(out)
-        return BuiltGraph(ctx, gf, tokens, pos, memory, out_ids, out, n, n_out)
-
-    # ------------------------------------------------------------------ misc
-
-    @property
-    def backend_names(self) -> str:
-        """llama-bench's backend column: the non-CPU device kinds used, or ``CPU``."""
-        names = []
-        for d in self.placement.devices():
-            kind = "RPC" if d.name.upper().startswith("RPC") else d.name.rstrip("0123456789")
-            if d.type != "CPU" and kind not in names:
-                names.append(kind)
-        return ",".join(names) if names else "CPU"
-
-    def close(self) -> None:
-        """Free the weights (and close the file reader)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.weights.close()
-        close = getattr(self._reader, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> LlamaModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        c = self.config
-        return (f"LlamaModel({getattr(self, 'desc', self.path)!r}, n_layer={c.n_layer}, n_embd={c.n_embd}, n_head={c.n_head}/"
-                f"{c.n_head_kv}, n_vocab={c.n_vocab}, {self.placement.summary()})")
-
-
-# Weights of any trained or freshly initialised model have a typical magnitude within these bounds;
-# data of another type read as F16/BF16/F32 lands far outside (F16 weights of ~0.02 read as BF16 are ~1e-16).
-_PLAUSIBLE_MAGNITUDE = (1e-8, 1e8)
-_SAMPLE_ROWS = 4
-
-
-def _decode(raw, t: Type, ne0: int) -> np.ndarray:
-    """Whole rows of type ``t`` as a flat float array."""
-    if t.numpy_dtype is not None:                 # F32, F16, F64
-        return np.frombuffer(raw, t.numpy_dtype)
-    if t == Type.BF16:
-        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-    from ggmlpy import dequantize
-
-    return dequantize(raw, t, ne0).reshape(-1)
-
-
-def _check_finite_rows(data, info, first_row: int, row_size: int, chunk: int, path: str) -> None:
-    """:func:`_check_finite` over ``data`` (whole rows from ``first_row``) in pieces of about ``chunk`` bytes,
-    so the float32 copy a check makes stays that small whatever the tensor's size."""
-    step = max(row_size, chunk // row_size * row_size)
-    for at in range(0, len(data), step):
-        _check_finite(data[at:at + step], info, first_row + at // row_size, path)
-
-
-def _check_finite(raw, info, first_row: int, path: str) -> None:
-    """Every value of the whole rows in ``raw`` (starting at row ``first_row`` of ``info``) is finite."""
-    t = info.type
-    if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
-        return
-    ne0 = info.ne[0]
-    v = _decode(raw, t, ne0)
-    bad = np.flatnonzero(~np.isfinite(v))
-    if bad.size:
-        raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({bad.size} in rows "
-                        f"from {first_row}; the first at row {first_row + bad[0] // ne0}, column {bad[0] % ne0}: "
-                        f"{v[bad[0]]}): the data is corrupt")
-
-
-def _check_sample(f, info, path: str) -> None:
-    """Decode a few rows of tensor ``info`` from the open file ``f`` and check they are plausible weights.
-
-    Checked: every value is finite (NaN/inf weights, or quantized blocks with NaN/inf scales, turn every
-    output into garbage), and the median magnitude of the non-zero values lies in ``_PLAUSIBLE_MAGNITUDE``.
-    Integer tensors are not checked. Rows: the first, the last and some between (cheap: a few KiB each).
-    """
-    t = info.type
-    if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
-        return
-    ne0 = info.ne[0]
-    rs = t.row_size(ne0)
-    n_rows = info.nbytes // rs if rs else 0
-    if not n_rows:
-        return
-    picks = sorted({(n_rows - 1) * k // (_SAMPLE_ROWS - 1) for k in range(_SAMPLE_ROWS)})
-    vals = []
-    for r in picks:
-        f.seek(info.offset + r * rs)
-        raw = f.read(rs)
-        if len(raw) != rs:
-            raise GGMLValueError(f"{path}: file ends inside tensor {info.name!r}")
-        vals.append(_decode(raw, t, ne0))
-    v = np.concatenate(vals).astype(np.float64)
-    bad = ~np.isfinite(v)
-    if bad.any():
-        raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({int(bad.sum())} of "
-                        f"{v.size} sampled, e.g. {v[bad][0]}): the data is corrupt")
-    nz = np.abs(v[v != 0])
-    if nz.size:
-        med = float(np.median(nz))
-        lo, hi = _PLAUSIBLE_MAGNITUDE
-        if not lo <= med <= hi:
-            raise GGUFError(f"{path}: tensor {info.name!r} does not look like {t.name} data: the median magnitude "
-                            f"of its sampled values is {med:.3g}, outside [{lo:g}, {hi:g}] (data of another type "
-                            "labelled as this one?)")
-
-
-_LAYER_RE = re.compile(r"blk\.(\d+)\.")
-
-
-def _config(reader, path: str) -> LlamaConfig:
-    """The configuration of an open GGUF file, checked against the file's own tensors.
-
-    Before anything is sized from the hyperparameters, they must agree with the tensors the file holds:
-    ``block_count`` with the ``blk.N`` layers present, the embedding length and vocabulary size with
-    ``token_embd.weight``, head counts, head size and feed-forward length with layer 0's matrices. Each
-    error names the key, the value and the tensor it contradicts.
-    """
-    emb = reader.tensor_info("token_embd.weight") if "token_embd.weight" in reader else None
-    if emb is None:
-        raise MissingTensor(f"{path}: tensor 'token_embd.weight' is missing")
-    if len(emb.ne) != 2:
-        raise MissingTensor(f"{path}: tensor 'token_embd.weight' has ne={emb.ne}, expected 2 dimensions")
-    cfg = LlamaConfig.from_metadata(reader.metadata, path, n_vocab=emb.ne[1])
-    cfg.validate(path)
-    a = cfg.arch
-    layers = {int(m.group(1)) for t in reader.tensors if (m := _LAYER_RE.match(t.name))}
-    n_file = max(layers) + 1 if layers else 0
-    if cfg.n_layer != n_file:
-        raise MetadataError(path, f"{a}.block_count", f"{cfg.n_layer}, but the file has tensors for {n_file} layers "
-                                                     f"(blk.0 .. blk.{n_file - 1})" if n_file else
-                            f"{cfg.n_layer}, but the file has no blk.N tensors")
-    if len(layers) != n_file:
-        missing = sorted(set(range(n_file)) - layers)[:5]
-        raise MissingTensor(f"{path}: no tensors for layers {missing} of {n_file}")
-
-    def rows(name):
-        info = reader.tensor_info(name) if name in reader else None
-        return info.ne[1] if info is not None and len(info.ne) == 2 else None
-
-    vocab_key = f"{a}.vocab_size" if f"{a}.vocab_size" in reader.metadata else "tokenizer.ggml.tokens"
-    checks = [
-        (f"{a}.embedding_length", cfg.n_embd, "token_embd.weight", emb.ne[0], "ne[0]"),
-        (vocab_key, cfg.n_vocab, "token_embd.weight", emb.ne[1], "ne[1]"),
-        (f"{a}.attention.head_count", cfg.n_head * cfg.head_dim, "blk.0.attn_q.weight", rows("blk.0.attn_q.weight"),
-         "rows (head_count x head size)"),
-        (f"{a}.attention.head_count_kv", cfg.n_head_kv * cfg.head_dim, "blk.0.attn_k.weight",
-         rows("blk.0.attn_k.weight"), "rows (head_count_kv x head size)"),
-        (f"{a}.feed_forward_length", cfg.n_ff, "blk.0.ffn_gate.weight", rows("blk.0.ffn_gate.weight"), "rows"),
-    ]
-    for key, want, tname, got, what in checks:
-        if got is not None and got != want:
-            raise MetadataError(path, key, f"the metadata gives {want} {what}, but {tname} has "
-                                           f"ne={reader.tensor_info(tname).ne}")
-    return cfg
+            cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], c.rms_eps)
+            x = ctx.add(x, blocks.ffn_glu(ctx, w, p, cur))
+        return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)

@@ -1,0 +1,207 @@
+"""Graph building blocks the architectures compose: norms, RoPE, Q/K/V, attention through the cache,
+feed-forward (gated, mixture of experts) and the output head.
+
+Each block is a plain function of a :class:`~ggmlpy.Context` and tensors that adds ops to the graph
+and returns the result; nothing here holds state. Tensors are in ggml's ``ne`` order: activations
+are ``ne = (n_embd, n)`` for ``n`` tokens, heads ``ne = (head_dim, n_head, n)``. Blocks that read
+weights by name take ``w``, any mapping from GGUF tensor names to tensors that supports ``in``
+(:class:`ggmlpy.backend.Weights`, or a dict in tests), and ``prefix``, the layer's ``"blk.{i}."``;
+they accept the file's separate weights and the fused ones
+:class:`~ggmlpy.models.decoder.DecoderModel` makes (``attn_qkv``, ``ffn_gate_up``).
+
+Examples
+--------
+>>> import numpy as np, ggmlpy
+>>> from ggmlpy.models import blocks
+>>> with ggmlpy.Context(1 << 20) as ctx:
+...     x = ctx.from_numpy(np.array([3.0, 4.0], np.float32))         # one token of n_embd = 2
+...     y = blocks.rms_norm(ctx, x, ctx.from_numpy(np.array([1.0, 2.0], np.float32)), 1e-6)
+...     gf = ctx.new_graph(); gf.build_forward_expand(y); gf.compute(1)
+...     np.round(y.numpy(), 3)
+array([0.849, 2.263], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ggmlpy._core import Context, GGMLValueError, Tensor
+
+__all__ = ["GLU", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope"]
+
+#: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
+#: gate and up). Both apply the activation to the gate and multiply by up; "gelu" is the tanh
+#: approximation (gemma's ``gelu_pytorch_tanh``).
+GLU = {"silu": (Context.swiglu, Context.swiglu_split), "gelu": (Context.geglu, Context.geglu_split)}
+
+
+def rms_norm(ctx: Context, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of each row of ``x`` times ``weight``: ``x / sqrt(mean(x**2) + eps) * weight``."""
+    return ctx.mul(ctx.rms_norm(x, eps), weight)
+
+
+def norm(ctx: Context, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, eps: float = 1e-5) -> Tensor:
+    """LayerNorm of each row of ``x``: ``(x - mean) / sqrt(var + eps) * weight (+ bias)``."""
+    y = ctx.mul(ctx.norm(x, eps), weight)
+    return y if bias is None else ctx.add(y, bias)
+
+
+def rope(ctx: Context, x: Tensor, pos: Tensor, cfg: Any, freq_factors: Optional[Tensor] = None) -> Tensor:
+    """Rotary embedding of ``x`` (``ne = (head_dim, n_head, n)``) at the I32 positions ``pos`` (``ne = (n,)``).
+
+    ``cfg`` holds the settings, as :class:`~ggmlpy.models.decoder.DecoderConfig` names them
+    (``rope_dim``, ``rope_mode``, ``n_ctx_orig``, ``rope_base``, ``rope_freq_scale``,
+    ``rope_ext_factor``, ``rope_attn_factor``); ``freq_factors`` divides each frequency
+    (``rope_freqs.weight``, ``ne = (rope_dim / 2,)``).
+    """
+    return ctx.rope_ext(x, pos, freq_factors, n_dims=cfg.rope_dim, mode=cfg.rope_mode, n_ctx_orig=cfg.n_ctx_orig,
+                        freq_base=cfg.rope_base, freq_scale=cfg.rope_freq_scale, ext_factor=cfg.rope_ext_factor,
+                        attn_factor=cfg.rope_attn_factor)
+
+
+def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
+        head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The query, key and value heads of the normed activations ``cur`` (``ne = (n_embd, n)``).
+
+    Reads ``{prefix}attn_qkv.weight`` (the Q, K and V rows in one matrix, fused or as the file has
+    it) or ``attn_q``/``attn_k``/``attn_v``, and adds the matching ``.bias`` tensors where ``w`` has
+    them.
+
+    Returns
+    -------
+    q, k, v : Tensor
+        ``ne = (head_dim, n_head, n)`` and ``(head_dim, n_head_kv, n)`` twice. From a fused matrix they
+        are strided views of its product (the token stride is the fused row), which RoPE and the cache
+        take as they are.
+    """
+    n = cur.ne[1]
+    if prefix + "attn_qkv.weight" in w:
+        fused = ctx.mul_mat(w[prefix + "attn_qkv.weight"], cur)          # (n_q + 2 n_kv, n): q, k, v rows
+        if prefix + "attn_qkv.bias" in w:
+            fused = ctx.add(fused, w[prefix + "attn_qkv.bias"])
+        es, row = fused.nb[0], fused.nb[1]
+        n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
+        q = ctx.view(fused, (head_dim, n_head, n), (head_dim * es, row), 0)
+        k = ctx.view(fused, (head_dim, n_head_kv, n), (head_dim * es, row), n_q * es)
+        v = ctx.view(fused, (head_dim, n_head_kv, n), (head_dim * es, row), (n_q + n_kv) * es)
+        return q, k, v
+    q, k, v = (ctx.mul_mat(w[f"{prefix}attn_{x}.weight"], cur) for x in "qkv")
+    q, k, v = (ctx.add(t, w[f"{prefix}attn_{x}.bias"]) if f"{prefix}attn_{x}.bias" in w else t
+               for t, x in zip((q, k, v), "qkv"))
+    return (ctx.reshape(q, (head_dim, n_head, n)), ctx.reshape(k, (head_dim, n_head_kv, n)),
+            ctx.reshape(v, (head_dim, n_head_kv, n)))
+
+
+def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
+              flash_attn: bool) -> Tensor:
+    """Write this batch's ``k`` and ``v`` into the cache and attend ``q`` over what the cache shows.
+
+    ``memory`` is the graph's view of the cache (``cache.forward(ctx, plan)``): the layer's K/V go in
+    with ``put`` and come back, with the mask (causal, window), from ``get``. Grouped-query attention
+    (``n_head`` a multiple of ``n_head_kv``) is broadcast by the ops. ``flash_attn`` uses
+    ``flash_attn_ext``; otherwise ``mul_mat`` + ``soft_max_ext`` + ``mul_mat``, reading V transposed
+    where the cache stores it so (``memory.v_trans``).
+
+    Parameters
+    ----------
+    q : Tensor
+        ``ne = (head_dim, n_head, n)``, RoPE applied.
+    k, v : Tensor
+        ``ne = (head_dim, n_head_kv, n)``.
+    scale : float
+        Applied to ``q·k`` before the softmax (usually ``1 / sqrt(head_dim)``).
+
+    Returns
+    -------
+    Tensor
+        ``ne = (head_dim * n_head, n)``, before the output projection.
+    """
+    head_dim, n_head, n = q.ne[0], q.ne[1], q.ne[2]
+    memory.set_layer(layer).put(k, v)
+    kv_k, kv_v, mask = memory.get()
+    qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
+    # A logit softcap (gemma2) or attention sinks would enter here: flash_attn_ext takes logit_softcap=
+    # and sinks=; the soft_max path would cap kq (scale, tanh, scale back) and pass sinks= to soft_max_ext.
+    if flash_attn:
+        o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale)     # (head_dim, n_head, n)
+        return ctx.reshape(o, (head_dim * n_head, n))
+    kq = ctx.soft_max_ext(ctx.mul_mat(kv_k, qp), mask, scale=scale)   # (n_kv, n, n_head)
+    if memory.v_trans:
+        o = ctx.mul_mat(kv_v, kq)                                   # (head_dim, n, n_head)
+    else:
+        o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
+    return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (head_dim * n_head, n))
+
+
+def _glu(act: str) -> tuple:
+    ops = GLU.get(act)
+    if ops is None:
+        raise GGMLValueError(f"feed-forward activation {act!r} is not supported ({', '.join(GLU)})")
+    return ops
+
+
+def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu") -> Tensor:
+    """Gated feed-forward of ``cur`` (``ne = (n_embd, n)``): ``down(act(gate(cur)) * up(cur))``.
+
+    Reads ``{prefix}ffn_gate_up.weight`` (gate rows then up rows) or ``ffn_gate`` and ``ffn_up``, and
+    ``ffn_down``. ``act``: ``"silu"`` (SwiGLU: llama, qwen, mistral) or ``"gelu"`` (GeGLU: gemma);
+    see :data:`GLU`. Returns ``ne = (n_embd, n)``.
+    """
+    fused, split = _glu(act)
+    if prefix + "ffn_gate_up.weight" in w:
+        h = fused(ctx, ctx.mul_mat(w[prefix + "ffn_gate_up.weight"], cur))
+    else:
+        h = split(ctx, ctx.mul_mat(w[prefix + "ffn_gate.weight"], cur), ctx.mul_mat(w[prefix + "ffn_up.weight"], cur))
+    return ctx.mul_mat(w[prefix + "ffn_down.weight"], h)
+
+
+def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, norm_weights: bool = True,
+            act: str = "silu") -> Tensor:
+    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``), softmax gating (mixtral, qwen3moe).
+
+    Each token's router logits (``{prefix}ffn_gate_inp.weight``, ``ne = (n_embd, n_expert)``) go
+    through a softmax; the ``n_expert_used`` most probable experts each run a gated feed-forward
+    (``ffn_gate_exps``, ``ffn_up_exps``: ``ne = (n_embd, n_ff, n_expert)``; ``ffn_down_exps``:
+    ``(n_ff, n_embd, n_expert)``) through ``mul_mat_id``, and their outputs are summed, weighted by
+    those probabilities, renormalised to sum to 1 with ``norm_weights``.
+
+    Returns
+    -------
+    Tensor
+        ``ne = (n_embd, n)``.
+    """
+    _, split = _glu(act)
+    n_embd, n = cur.ne[0], cur.ne[1]
+    k = int(n_expert_used)
+    probs = ctx.soft_max(ctx.mul_mat(w[prefix + "ffn_gate_inp.weight"], cur))      # (n_expert, n)
+    n_expert = probs.ne[0]
+    if not 1 <= k <= n_expert:
+        raise GGMLValueError(f"moe_ffn: n_expert_used must be in [1, {n_expert}] (got {k})")
+    chosen = ctx.top_k(probs, k)                                                     # (k, n) i32
+    weights = ctx.get_rows(ctx.reshape(probs, (1, n_expert, n)), chosen)            # (1, k, n)
+    if norm_weights:
+        weights = ctx.reshape(weights, (k, n))
+        weights = ctx.reshape(ctx.div(weights, ctx.sum_rows(weights)), (1, k, n))
+    x = ctx.reshape(cur, (n_embd, 1, n))            # one input row per token, shared by its experts
+    h = split(ctx, ctx.mul_mat_id(w[prefix + "ffn_gate_exps.weight"], x, chosen),
+              ctx.mul_mat_id(w[prefix + "ffn_up_exps.weight"], x, chosen))             # (n_ff, k, n)
+    experts = ctx.mul(ctx.mul_mat_id(w[prefix + "ffn_down_exps.weight"], h, chosen), weights)   # (n_embd, k, n)
+    # the sum over the k experts: views of one expert's rows across the tokens, added
+    out = None
+    for i in range(k):
+        e = ctx.view(experts, (n_embd, n), (experts.nb[2],), i * experts.nb[1])
+        out = e if out is None else ctx.add(out, e)
+    return ctx.cont(out) if k == 1 else out
+
+
+def output(ctx: Context, w, x: Tensor, eps: float, *, embeddings: bool = False) -> Tensor:
+    """The head: RMSNorm by ``output_norm.weight``, then ``output.weight`` (or the tied
+    ``token_embd.weight`` when ``w`` has no ``output.weight``).
+
+    Returns the logits ``ne = (n_vocab, n)``, or with ``embeddings`` the normed hidden states
+    ``ne = (n_embd, n)``. A final logit softcap (gemma2) or logit scale (granite) would follow the product.
+    """
+    x = rms_norm(ctx, x, w["output_norm.weight"], eps)
+    if embeddings:
+        return x
+    return ctx.mul_mat(w["output.weight"] if "output.weight" in w else w["token_embd.weight"], x)
