@@ -541,6 +541,37 @@ def test_synthetic_is_deterministic_and_cached(tmp_path):
     assert Path(r.stdout.strip()) == tmp_path / "env"
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe", "gemma3"])
+def test_synthetic_architectures_have_llama_cpp_names_and_keys(tmp_path, arch):
+    """The keys and tensors llama.cpp's loader reads for each architecture (its src/models/<arch>.cpp)."""
+    from ggmlpy import gguf as ggguf
+    from ggmlpy.models.synthetic import SIZES, for_arch, synthetic_path, tensor_specs
+
+    cfg = for_arch(SIZES["tiny"], arch)
+    path = synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch=arch)
+    assert path.name.startswith(f"synthetic-{arch}-tiny-Q8_0")
+    r = ggguf.GGUFReader(str(path))
+    md = r.metadata
+    assert md["general.architecture"] == arch and md[f"{arch}.block_count"] == 2
+    assert md[f"{arch}.attention.key_length"] == md[f"{arch}.attention.value_length"] == 16
+    ne = {t.name: tuple(t.ne) for t in r.tensors}
+    types = {t.name: t.type.name for t in r.tensors}
+    assert ne["blk.1.attn_q_norm.weight"] == ne["blk.1.attn_k_norm.weight"] == (16,)
+    if arch == "qwen3moe":
+        assert (md["qwen3moe.expert_count"], md["qwen3moe.expert_used_count"]) == (8, 2)
+        f = md["qwen3moe.expert_feed_forward_length"]
+        assert ne["blk.0.ffn_gate_exps.weight"] == (64, f, 8) and ne["blk.0.ffn_down_exps.weight"] == (f, 64, 8)
+        assert ne["blk.0.ffn_gate_inp.weight"] == (64, 8) and types["blk.0.ffn_gate_inp.weight"] == "F32"
+        assert types["blk.0.ffn_up_exps.weight"] == "Q8_0" and "blk.0.ffn_up.weight" not in ne
+    if arch == "gemma3":
+        assert md["gemma3.attention.sliding_window"] == cfg.sliding_window == 512
+        assert "output.weight" not in ne                       # tied to token_embd
+        assert ne["blk.0.post_attention_norm.weight"] == ne["blk.0.post_ffw_norm.weight"] == (64,)
+    assert len(ne) == len(tensor_specs(cfg)) and cfg.n_params == sum(int(np.prod(v)) for v in ne.values())
+    with pytest.raises(ValueError, match="architecture"):
+        synthetic_path("tiny", "F16", cache_dir=tmp_path, arch="bert")
+
+
 # --------------------------------------------------------------------------- real runs (ggmlpy's model + runner)
 
 def test_real_run_on_tiny_model(tmp_path, capsys):

@@ -8,6 +8,7 @@ code, and the next one runs, as llama-bench does.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -33,19 +34,19 @@ __all__ = ["main", "run"]
 
 
 def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
-    """The built-in models of ``--synthetic`` and ``--type``, written to the cache folder where missing."""
+    """The built-in models of ``--synthetic``, ``--type`` and ``--arch``, written to the cache folder where
+    missing."""
     paths = []
-    for size in p.synthetic:
-        for t in p.types:
-            path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, create=False)
-            if not path.exists():
-                print(f"{PROG}: writing the built-in {size} {t} model to {path}", file=err, flush=True)
-            t0 = time.perf_counter()
-            path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir,
-                                  progress=ProgressBar(f"writing {size} {t}", stream=err, unit="params"))
-            if time.perf_counter() - t0 > 1:
-                print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
-            paths.append(str(path))
+    for arch, size, t in itertools.product(p.archs, p.synthetic, p.types):
+        path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, create=False, arch=arch)
+        if not path.exists():
+            print(f"{PROG}: writing the built-in {arch} {size} {t} model to {path}", file=err, flush=True)
+        t0 = time.perf_counter()
+        path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, arch=arch,
+                              progress=ProgressBar(f"writing {arch} {size} {t}", stream=err, unit="params"))
+        if time.perf_counter() - t0 > 1:
+            print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
+        paths.append(str(path))
     return paths
 
 

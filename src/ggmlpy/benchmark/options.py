@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ggmlpy._core import GGMLError
-from ggmlpy.models.synthetic import TYPES, parse_size
+from ggmlpy.models.synthetic import ARCHS, TYPES, parse_size
 from ggmlpy.runner import Runner
 
 from .errors import BenchError
@@ -245,6 +245,7 @@ class BenchParams:
     no_warmup: bool = False
     synthetic: list[str] = field(default_factory=lambda: ["110M"])
     types: list[str] = field(default_factory=lambda: ["F16"])
+    archs: list[str] = field(default_factory=lambda: ["llama"])
     cache_dir: str | None = None
     plot: str | None = None
     vs: list[str] = field(default_factory=list)
@@ -287,6 +288,7 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
      "110M, 1B or a count (default 110M)"),
     (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
+    (("--arch",), "archs", _split, f"built-in model architecture: {', '.join(ARCHS)} (default llama)"),
 ]
 
 
@@ -422,6 +424,10 @@ def _validate(p: BenchParams) -> None:
         for t in p.types:
             if t not in TYPES:
                 raise BenchError(f"--type {t}: expected one of {', '.join(TYPES)}")
+        p.archs = [a.lower() for a in p.archs]
+        for a in p.archs:
+            if a not in ARCHS:
+                raise BenchError(f"--arch {a}: expected one of {', '.join(ARCHS)}")
 
 
 def _validate_cache_types(p: BenchParams) -> None:

@@ -1,9 +1,14 @@
-"""Synthetic llama models: deterministic random weights written as a real GGUF file.
+"""Synthetic models: deterministic random weights written as a real GGUF file.
 
 The benchmark needs a model on a fresh machine with nothing downloaded. This
-module writes one: a llama-architecture GGUF with the shapes of a known model
+module writes one: a GGUF with the shapes of a known model
 (llama2.c's *stories* models, TinyLlama) and random weights drawn from a seeded
-numpy generator. The file has no tokenizer (``tokenizer.ggml.model = "none"``
+numpy generator, in one of :data:`ARCHS`: ``llama`` (the default), ``qwen3``
+(per-head Q/K norms), ``qwen3moe`` (8 experts, 2 used per token, each expert
+an eighth of the dense feed-forward, so the parameter count stays close) or
+``gemma3`` (Q/K norms, post-norms, GeGLU, tied output, 5 sliding-window layers
+of 512 then one global, as llama.cpp assumes), each with the metadata keys
+and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
 benchmarked by llama.cpp for a side-by-side comparison.
 
@@ -25,7 +30,7 @@ import math
 import os
 import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -34,7 +39,7 @@ import numpy as np
 from ggmlpy._core import GGMLValueError
 
 __all__ = [
-    "SIZES", "TYPES", "SyntheticConfig", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
+    "ARCHS", "SIZES", "TYPES", "SyntheticConfig", "for_arch", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
     "tensor_specs", "write_synthetic",
 ]
 
@@ -51,6 +56,9 @@ TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M")
 
 #: Standard deviation of the random matrix entries (norm weights are 1).
 WEIGHT_STD = 0.02
+
+#: The architectures the generator writes (``general.architecture``).
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3")
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,12 @@ class SyntheticConfig:
     shape_of: str = ""
     rope_freq_base: float = 10000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"
+    n_expert: int = 0            # qwen3moe: experts per layer, used per token, rows of one expert
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    sliding_window: int = 0      # gemma3: window of the local layers
+    rope_freq_base_swa: float = 10000.0
 
     @property
     def head_dim(self) -> int:
@@ -106,6 +120,21 @@ SIZES: dict[str, SyntheticConfig] = {
         SyntheticConfig("1B", 2048, 22, 32, 4, 5632, 32000, 2048, "TinyLlama 1.1B"),
     )
 }
+
+def for_arch(cfg: SyntheticConfig, arch: str) -> SyntheticConfig:
+    """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings."""
+    arch = str(arch).lower()
+    if arch not in ARCHS:
+        raise GGMLValueError(f"synthetic model architecture {arch!r}: expected one of {', '.join(ARCHS)}")
+    if arch == "llama":
+        return replace(cfg, arch=arch)
+    if arch == "qwen3":
+        return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6)
+    if arch == "qwen3moe":
+        return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, n_expert=8, n_expert_used=2,
+                       n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32))
+    return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
+
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 
@@ -168,6 +197,7 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
     """
     d, hd = cfg.n_embd, cfg.head_dim
     specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (cfg.n_vocab, d), "matrix")]
+    qk_norm = cfg.arch in ("qwen3", "qwen3moe", "gemma3")
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         specs += [
@@ -176,12 +206,31 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
             (b + "attn_k.weight", (cfg.n_head_kv * hd, d), "matrix"),
             (b + "attn_v.weight", (cfg.n_head_kv * hd, d), "matrix"),
             (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix"),
-            (b + "ffn_norm.weight", (d,), "norm"),
-            (b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"),
-            (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
-            (b + "ffn_down.weight", (d, cfg.n_ff), "matrix"),
         ]
-    specs += [("output_norm.weight", (d,), "norm"), ("output.weight", (cfg.n_vocab, d), "matrix")]
+        if qk_norm:
+            specs += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm")]
+        if cfg.arch == "gemma3":
+            specs.append((b + "post_attention_norm.weight", (d,), "norm"))
+        specs.append((b + "ffn_norm.weight", (d,), "norm"))
+        if cfg.n_expert:
+            e, f = cfg.n_expert, cfg.n_ff_exp
+            specs += [
+                (b + "ffn_gate_inp.weight", (e, d), "router"),
+                (b + "ffn_gate_exps.weight", (e, f, d), "matrix"),
+                (b + "ffn_up_exps.weight", (e, f, d), "matrix"),
+                (b + "ffn_down_exps.weight", (e, d, f), "matrix"),
+            ]
+        else:
+            specs += [
+                (b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"),
+                (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
+                (b + "ffn_down.weight", (d, cfg.n_ff), "matrix"),
+            ]
+        if cfg.arch == "gemma3":
+            specs.append((b + "post_ffw_norm.weight", (d,), "norm"))
+    specs.append(("output_norm.weight", (d,), "norm"))
+    if cfg.arch != "gemma3":                    # gemma ties the output to the embeddings
+        specs.append(("output.weight", (cfg.n_vocab, d), "matrix"))
     return specs
 
 
@@ -197,13 +246,15 @@ def matrix_type(type: str, name: str, n_layer: int) -> str:
         return type
     if name == "output.weight":
         return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and _more_bits(int(name.split(".")[1]), n_layer):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and \
+            _more_bits(int(name.split(".")[1]), n_layer):
         return "Q6_K"
     return "Q4_K"
 
 
 def _check_type_fits(cfg: SyntheticConfig, type: str) -> None:
-    if type == "Q4_K_M" and (cfg.n_embd % 256 or cfg.n_ff % 256 or (cfg.n_head * cfg.head_dim) % 256):
+    n_ff = cfg.n_ff_exp if cfg.n_expert else cfg.n_ff
+    if type == "Q4_K_M" and (cfg.n_embd % 256 or n_ff % 256 or (cfg.n_head * cfg.head_dim) % 256):
         fits = ", ".join(n for n, c in SIZES.items() if not (c.n_embd % 256 or c.n_ff % 256))
         raise GGMLValueError(f"synthetic model {cfg.name} Q4_K_M: K-quants need rows that are multiples of 256 "
                              f"(n_embd {cfg.n_embd}, n_ff {cfg.n_ff}); sizes that fit: {fits}")
@@ -219,17 +270,28 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
     ]
     if type != "F16":
         md.append(("general.quantization_version", 2, "UINT32"))
+    a = cfg.arch
     md += [
-        ("llama.vocab_size", cfg.n_vocab, "UINT32"),
-        ("llama.context_length", cfg.n_ctx, "UINT32"),
-        ("llama.embedding_length", cfg.n_embd, "UINT32"),
-        ("llama.block_count", cfg.n_layer, "UINT32"),
-        ("llama.feed_forward_length", cfg.n_ff, "UINT32"),
-        ("llama.attention.head_count", cfg.n_head, "UINT32"),
-        ("llama.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
-        ("llama.rope.dimension_count", cfg.head_dim, "UINT32"),
-        ("llama.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
-        ("llama.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
+        (f"{a}.vocab_size", cfg.n_vocab, "UINT32"),
+        (f"{a}.context_length", cfg.n_ctx, "UINT32"),
+        (f"{a}.embedding_length", cfg.n_embd, "UINT32"),
+        (f"{a}.block_count", cfg.n_layer, "UINT32"),
+        (f"{a}.feed_forward_length", cfg.n_ff, "UINT32"),
+        (f"{a}.attention.head_count", cfg.n_head, "UINT32"),
+        (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
+        (f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
+        (f"{a}.attention.value_length", cfg.head_dim, "UINT32"),
+        (f"{a}.rope.dimension_count", cfg.head_dim, "UINT32"),
+        (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
+        (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
+    ]
+    if cfg.n_expert:
+        md += [(f"{a}.expert_count", cfg.n_expert, "UINT32"), (f"{a}.expert_used_count", cfg.n_expert_used, "UINT32"),
+               (f"{a}.expert_feed_forward_length", cfg.n_ff_exp, "UINT32")]
+    if cfg.sliding_window:
+        md += [(f"{a}.attention.sliding_window", cfg.sliding_window, "UINT32"),
+               (f"{a}.rope.freq_base_swa", cfg.rope_freq_base_swa, "FLOAT32")]
+    md += [
         ("tokenizer.ggml.model", "none", "STRING"),
         ("ggmlpy.synthetic.size", cfg.name, "STRING"),
         ("ggmlpy.synthetic.seed", int(seed), "UINT32"),
@@ -247,8 +309,8 @@ def _random_matrix(shape: tuple[int, ...], seed: int, index: int) -> np.ndarray:
 
 
 def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M", type: str = "F16", seed: int = 0,
-                    progress: Callable[[int, int], None] | None = None) -> Path:
-    """Write a llama GGUF file with deterministic random weights.
+                    progress: Callable[[int, int], None] | None = None, arch: str | None = None) -> Path:
+    """Write a GGUF file with deterministic random weights.
 
     Parameters
     ----------
@@ -264,6 +326,8 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     progress : callable, optional
         Called as ``progress(done, total)`` with the number of parameters
         generated so far.
+    arch : str, optional
+        One of :data:`ARCHS` (default: the config's, ``llama`` for a size name).
 
     Returns
     -------
@@ -281,12 +345,14 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     from ggmlpy import gguf
 
     cfg = size if isinstance(size, SyntheticConfig) else SIZES[parse_size(size)]
+    if arch is not None:
+        cfg = for_arch(cfg, arch)
     type = _normalize_type(type)
     _check_type_fits(cfg, type)
     path = Path(path)
     specs = tensor_specs(cfg)
     total = sum(math.prod(s) for _, s, _ in specs)
-    w = gguf.GGUFWriter(str(path), arch="llama")
+    w = gguf.GGUFWriter(str(path), arch=cfg.arch)
     for key, value, vtype in _metadata(cfg, type, seed):
         w.add(key, value, type=getattr(gguf.ValueType, vtype))
     done = 0
@@ -295,6 +361,8 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     for index, (name, shape, kind) in enumerate(specs):
         if kind == "norm":
             w.add_tensor(name, np.ones(shape, np.float32), type="F32")
+        elif kind == "router":                  # llama.cpp keeps the expert router in F32
+            w.add_tensor(name, _random_matrix(shape, seed, index), type="F32")
         elif type == "F16":
             w.add_tensor(name, _random_matrix(shape, seed, index).astype(np.float16), type="F16")
         else:
@@ -313,6 +381,7 @@ def cache_dir() -> Path:
 
 
 def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
+    # (the architecture is in the file name)
     from ggmlpy import GGMLError, gguf
 
     try:
@@ -331,7 +400,7 @@ def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool
 
 def synthetic_path(size: str = "110M", type: str = "F16", seed: int = 0,
                    cache_dir: str | os.PathLike | None = None, create: bool = True,
-                   progress: Callable[[int, int], None] | None = None) -> Path:
+                   progress: Callable[[int, int], None] | None = None, arch: str = "llama") -> Path:
     """The cached file of a synthetic model, written first if missing.
 
     The file is written to a temporary name in the cache folder and renamed into
@@ -340,7 +409,7 @@ def synthetic_path(size: str = "110M", type: str = "F16", seed: int = 0,
 
     Parameters
     ----------
-    size, type, seed
+    size, type, seed, arch
         As for :func:`write_synthetic`.
     cache_dir : str or PathLike, optional
         Folder of the cache (default :func:`cache_dir`).
@@ -355,16 +424,16 @@ def synthetic_path(size: str = "110M", type: str = "F16", seed: int = 0,
     """
     name = parse_size(size)
     type = _normalize_type(type)
-    cfg = SIZES[name]
+    cfg = for_arch(SIZES[name], arch)
     folder = Path(cache_dir) if cache_dir is not None else globals()["cache_dir"]()
-    path = folder / f"synthetic-llama-{name}-{type}-seed{int(seed)}-v{FORMAT_VERSION}.gguf"
+    path = folder / f"synthetic-{cfg.arch}-{name}-{type}-seed{int(seed)}-v{FORMAT_VERSION}.gguf"
     if not create or (path.exists() and _is_complete(path, cfg, type, int(seed))):
         return path
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=folder)
     os.close(fd)
     try:
-        write_synthetic(tmp, name, type, seed, progress)
+        write_synthetic(tmp, cfg, type, seed, progress)
         os.replace(tmp, path)
     except BaseException:
         try:
