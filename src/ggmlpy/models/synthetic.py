@@ -279,12 +279,13 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         (f"{a}.feed_forward_length", cfg.n_ff, "UINT32"),
         (f"{a}.attention.head_count", cfg.n_head, "UINT32"),
         (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
-        (f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
-        (f"{a}.attention.value_length", cfg.head_dim, "UINT32"),
         (f"{a}.rope.dimension_count", cfg.head_dim, "UINT32"),
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
     ]
+    if a != "llama":                            # (the llama files stay as they were: no format change)
+        md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
+               (f"{a}.attention.value_length", cfg.head_dim, "UINT32")]
     if cfg.n_expert:
         md += [(f"{a}.expert_count", cfg.n_expert, "UINT32"), (f"{a}.expert_used_count", cfg.n_expert_used, "UINT32"),
                (f"{a}.expert_feed_forward_length", cfg.n_ff_exp, "UINT32")]
