@@ -406,6 +406,60 @@ def test_wrapper_remove_is_all_or_nothing():
     assert swa.seq_pos_max(0) == full.seq_pos_max(0) == 1
 
 
+@VT
+def test_wrapper_view_writes_in_layer_order(v_trans):
+    """A layer's K/V come from the earlier layers' reads of the cache, so a graph must write every layer
+    before the next layer reads it. The view's pending writes are in put (model layer) order, not grouped
+    by cache: a graph that expands them first (as DecoderModel.build does) reads each layer as written.
+    Grouped by cache, layer 2 (window cache) was computed from layer 1 (full cache) before layer 1 was
+    written, and read its zeros."""
+    swa = Causal(2, 1, 1, Type.F32, window=4, v_trans=v_trans)
+    full = Causal(1, 1, 1, Type.F32, v_trans=v_trans)
+    w = Wrapper([swa, full], [0, 1, 0])
+    w.init(16, 1, 4)
+    plan = w.start_forward([0, 1, 2], [0, 0, 0])
+    with ggmlpy.Context(1 << 20) as ctx:
+        fw = w.forward(ctx, plan)
+        x = ctx.from_numpy(np.array([1, 2, 3], np.float32).reshape(3, 1, 1))
+        puts = []
+        for layer in range(3):
+            puts.extend(fw.set_layer(layer).put(x, x))
+            k, _, _ = fw.get()                         # (1, 3 cells, 1): this batch's rows
+            x = ctx.scale_bias(ctx.reshape(ctx.cont(k), (1, 1, 3)), 1.0, 1.0)   # the next layer's K: read + 1
+        assert [id(t) for t in fw.pending] == [id(t) for t in puts]
+        gf = ctx.new_graph(256)
+        for t in fw.pending:
+            gf.build_forward_expand(t)
+        gf.build_forward_expand(x)
+        gf.compute(1)
+        assert _flat(x.get()) == [4, 5, 6]
+    assert [_flat(c.keys[i].numpy())[:3] for c, i in ((swa, 0), (full, 0), (swa, 1))] == [[1, 2, 3], [2, 3, 4],
+                                                                                        [3, 4, 5]]
+
+
+def test_wrapper_shift_fn_gets_the_model_layer():
+    """Each wrapped cache calls shift_fn with the model layer (Causal.model_layers, from the routing), not
+    its own index: a model whose layers rotate differently (gemma3's local and global RoPE bases) needs it."""
+    seen = []
+
+    def shift_fn(ctx, layer, k, off):
+        seen.append(layer)
+        return ctx.scale(k, float(layer + 1))         # a marker per model layer instead of a rotation
+
+    swa = Causal(2, 1, 1, Type.F32, shift_fn=shift_fn)
+    full = Causal(1, 1, 1, Type.F32, shift_fn=shift_fn)
+    w = Wrapper([swa, full], [0, 1, 0])
+    w.init(16, 1, 4)
+    assert (swa.model_layers, full.model_layers) == ([0, 2], [1])
+    _wstep(w, [0, 1, 2, 3], [0] * 4)                # layer l holds K = (pos + 1) * (l + 1)
+    w.remove(0, 1, 2)                                # positions 2, 3 move down to 1, 2: re-"rotated"
+    assert sorted(seen) == [0, 1, 2]
+    assert _flat(swa.keys[1].numpy())[:4] == [3, 6, 9 * 3, 12 * 3]          # model layer 2: x3
+    assert _flat(full.keys[0].numpy())[:4] == [2, 4, 6 * 2, 8 * 2]          # model layer 1: x2
+    with pytest.raises(ValueError, match="2 model layers given for a cache of 1"):
+        Causal(1, 1, 1, Type.F32).init(16, 1, 4, layers=[0, 1])
+
+
 def test_wrapper_copy_prefix_clear_and_apply():
     swa = Causal(1, 1, 1, Type.F32, window=2)
     full = Causal(1, 1, 1, Type.F32)

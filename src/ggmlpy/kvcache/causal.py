@@ -235,7 +235,11 @@ class Causal:
         ``k`` is ``ne = (head_dim_k, n_head_kv, n)`` (F32/F16; F32 for a
         quantized cache) and ``offsets`` an I32 ``ne = (n,)`` of position
         deltas, typically ``ctx.rope_ext(k, offsets, n_dims=..., mode=...,
-        freq_base=...)`` with the model's RoPE settings. Without it
+        freq_base=...)`` with the model's RoPE settings. ``layer`` is the
+        model layer (:attr:`model_layers`: the cache's own layer index, unless
+        ``init(layers=...)`` maps them, as a :class:`Wrapper` does), so a model
+        whose layers rotate differently (gemma3's local and global RoPE bases)
+        shifts each with its own settings. Without it
         :meth:`remove` of a middle range raises :class:`NotSupported`.
     """
 
@@ -288,6 +292,8 @@ class Causal:
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self.runtime = None
+        #: The model layer of each of this cache's layers (set by :meth:`init`; ``shift_fn`` receives these).
+        self.model_layers: list[int] = list(range(self.n_layers))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -335,7 +341,7 @@ class Causal:
         :class:`NotSupported` for them (the caller clears and re-processes).
         ``layers`` are the model layers this cache's layers are (default ``0 .. n_layers - 1``; a
         :class:`Wrapper` gives each cache the layers routed to it): they pick the devices and the
-        report's rows.
+        report's rows, and are the layers ``shift_fn`` is called with (:attr:`model_layers`).
 
         Raises
         ------
@@ -345,7 +351,9 @@ class Causal:
         if self._ctx is not None:
             raise CacheStateError("kv cache: already initialised (close() it first)")
         capacity, n_seq_max, max_batch = int(capacity), int(n_seq_max), int(max_batch)
+        model_layers = self._model_layers(layers)
         n, self.memory = self._size(capacity, n_seq_max, max_batch)
+        self.model_layers = model_layers
         self.runtime = runtime
         self.max_batch = max_batch
         k_row = self.dtype.row_size(self.n_embd_k)
@@ -353,7 +361,7 @@ class Causal:
         size = self.n_layers * ((k_row + v_row) * n + 2 * (tensor_overhead() + 64))
         v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
         if placement is not None:
-            self._init_placed(n, v_ne, placement, report, self._model_layers(layers))
+            self._init_placed(n, v_ne, placement, report, model_layers)
             self._cells = Cells(n, n_seq_max)
             return
         ctx = Context(size + 1024, no_alloc=False)
@@ -803,7 +811,7 @@ class Causal:
                 row = cache.nb[1]
                 view = ctx.view(cache, (hd, self.n_head_kv, n), (self.dtype.row_size(hd), row), start * row)
                 src = ctx.cast(view, Type.F32) if quantized else view
-                out = self.shift_fn(ctx, layer, src, pos)
+                out = self.shift_fn(ctx, self.model_layers[layer], src, pos)
                 if not isinstance(out, Tensor):
                     raise GGMLTypeError(f"shift_fn must return a Tensor, got {type(out).__name__}")
                 gf.build_forward_expand(ctx.cpy(out, view))

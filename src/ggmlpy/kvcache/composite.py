@@ -38,17 +38,19 @@ class WrapperPlan:
 
 
 class WrapperForward:
-    """One graph's view of a :class:`Wrapper`: one forward per wrapped cache, each layer routed to its own."""
+    """One graph's view of a :class:`Wrapper`: one forward per wrapped cache, each layer routed to its own.
+
+    ``pending`` holds the cache writes in the order they were put, i.e. in model layer order, whichever
+    cache each went to: a graph expands them first, and a layer's K/V (computed from the earlier layers'
+    reads of the cache) must come after those layers' writes, or those reads see the cells unwritten.
+    """
 
     def __init__(self, wrapper: Wrapper, ctx: Context, plan: WrapperPlan) -> None:
         wrapper._check_plan(plan)
         self.wrapper = wrapper
         self.parts = [c.forward(ctx, p) for c, p in zip(wrapper.caches, plan.plans)]
         self._part = None
-
-    @property
-    def pending(self) -> list:
-        return [t for f in self.parts for t in f.pending]
+        self.pending: list = []
 
     @property
     def v_trans(self) -> bool:
@@ -65,7 +67,9 @@ class WrapperForward:
         return self
 
     def put(self, k: Tensor, v: Tensor) -> tuple:
-        return self._current().put(k, v)
+        out = self._current().put(k, v)
+        self.pending.extend(out)
+        return out
 
     def get(self) -> tuple:
         return self._current().get()
