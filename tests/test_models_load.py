@@ -107,7 +107,7 @@ def test_truncated_file_and_wrong_shape(tmp_path, synth):
 
 @pytest.mark.parametrize("key,value,error,match", [
     ("general.architecture", "gpt2", UnknownArchitecture, "gpt2"),
-    ("llama.expert_count", 8, UnknownArchitecture, "mixture-of-experts"),
+    ("llama.expert_count", 8, ValueError, "'llama.expert_used_count': is missing"),     # mixtral's keys, half
     ("llama.attention.value_length", 32, ValueError, "key and value head sizes differ"),
     ("llama.attention.head_count_kv", 4, ValueError, "head_count_kv 4 must divide"),
     ("llama.rope.scaling.type", "longrope", ValueError, "rope scaling 'longrope'"),

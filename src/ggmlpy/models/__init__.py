@@ -11,14 +11,18 @@ report exists before any data is read) and then loads the data with progress.
   placed and loaded; the graph's inputs);
 * :mod:`~ggmlpy.models.blocks`: the graph functions architectures compose (norms, RoPE, Q/K/V,
   attention through the cache, gated and mixture-of-experts feed-forward, output head);
-* :mod:`~ggmlpy.models.llama`: llama, mistral, qwen2 (one module per architecture family, each a
-  :class:`DecoderModel` registered with :func:`register`);
+* one module per architecture family, each a :class:`DecoderModel` registered with :func:`register`:
+  :mod:`~ggmlpy.models.llama` (llama, mistral, qwen2; Mixtral: a llama file with experts),
+  :mod:`~ggmlpy.models.qwen3` (qwen3, qwen3moe), :mod:`~ggmlpy.models.gemma` (gemma2, gemma3 text:
+  sliding-window layers through a :class:`~ggmlpy.kvcache.Wrapper` cache), :mod:`~ggmlpy.models.phi3`,
+  :mod:`~ggmlpy.models.olmo2`, :mod:`~ggmlpy.models.granite`;
 * :mod:`~ggmlpy.models.load`: :func:`load_model`;
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
 
 from __future__ import annotations
 
+from . import gemma, granite, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
 from .base import (
            ARCHITECTURES,
            BuiltGraph,

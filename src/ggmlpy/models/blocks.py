@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from ggmlpy._core import Context, GGMLValueError, Tensor
 
-__all__ = ["GLU", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope"]
+__all__ = ["GLU", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope", "softcap"]
 
 #: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
 #: gate and up). Both apply the activation to the gate and multiply by up; "gelu" is the tanh
@@ -93,7 +93,7 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
 
 
 def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-              flash_attn: bool) -> Tensor:
+              flash_attn: bool, logit_softcap: float = 0.0) -> Tensor:
     """Write this batch's ``k`` and ``v`` into the cache and attend ``q`` over what the cache shows.
 
     ``memory`` is the graph's view of the cache (``cache.forward(ctx, plan)``): the layer's K/V go in
@@ -110,6 +110,9 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
         ``ne = (head_dim, n_head_kv, n)``.
     scale : float
         Applied to ``q·k`` before the softmax (usually ``1 / sqrt(head_dim)``).
+    logit_softcap : float
+        When non-zero, the scaled logits are capped to ``logit_softcap * tanh(logits / logit_softcap)``
+        before the mask and the softmax (gemma2; :func:`softcap`).
 
     Returns
     -------
@@ -120,17 +123,35 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
-    # A logit softcap (gemma2) or attention sinks would enter here: flash_attn_ext takes logit_softcap=
-    # and sinks=; the soft_max path would cap kq (scale, tanh, scale back) and pass sinks= to soft_max_ext.
+    # Attention sinks would enter here: flash_attn_ext and soft_max_ext both take sinks=.
     if flash_attn:
-        o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale)     # (head_dim, n_head, n)
+        o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap)   # (head_dim, n_head, n)
         return ctx.reshape(o, (head_dim * n_head, n))
-    kq = ctx.soft_max_ext(ctx.mul_mat(kv_k, qp), mask, scale=scale)   # (n_kv, n, n_head)
+    kq = ctx.mul_mat(kv_k, qp)                                      # (n_kv, n, n_head)
+    if logit_softcap:
+        kq, scale = softcap(ctx, kq, logit_softcap, scale), 1.0      # capped before the mask is added
+    kq = ctx.soft_max_ext(kq, mask, scale=scale)
     if memory.v_trans:
         o = ctx.mul_mat(kv_v, kq)                                   # (head_dim, n, n_head)
     else:
         o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
     return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (head_dim * n_head, n))
+
+
+def softcap(ctx: Context, x: Tensor, cap: float, scale: float = 1.0) -> Tensor:
+    """Soft-capping: ``cap * tanh(scale * x / cap)``, elementwise (gemma2's attention and final logits).
+
+    Examples
+    --------
+    >>> import numpy as np, ggmlpy
+    >>> from ggmlpy.models import blocks
+    >>> with ggmlpy.Context(1 << 20) as ctx:
+    ...     y = blocks.softcap(ctx, ctx.from_numpy(np.array([1.0, 100.0], np.float32)), 30.0)
+    ...     gf = ctx.new_graph(); gf.build_forward_expand(y); gf.compute(1)
+    ...     np.round(y.numpy(), 3)
+    array([ 1.   , 29.924], dtype=float32)
+    """
+    return ctx.scale(ctx.tanh(ctx.scale(x, scale / cap)), cap)
 
 
 def _glu(act: str) -> tuple:
@@ -199,7 +220,8 @@ def output(ctx: Context, w, x: Tensor, eps: float, *, embeddings: bool = False) 
     ``token_embd.weight`` when ``w`` has no ``output.weight``).
 
     Returns the logits ``ne = (n_vocab, n)``, or with ``embeddings`` the normed hidden states
-    ``ne = (n_embd, n)``. A final logit softcap (gemma2) or logit scale (granite) would follow the product.
+    ``ne = (n_embd, n)``. A final logit softcap (gemma2: :func:`softcap`) or logit scale (granite) follows
+    the product in the architecture's forward.
     """
     x = rms_norm(ctx, x, w["output_norm.weight"], eps)
     if embeddings:

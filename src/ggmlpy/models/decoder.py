@@ -133,6 +133,9 @@ class DecoderConfig:
 
     #: The ``general.architecture`` values this config reads, and the RoPE layout of each.
     ROPE_TYPES: ClassVar[dict[str, RopeType]] = {}
+    #: The ``rope.scaling.type`` values this config reads (a subclass adds those its architecture handles,
+    #: phi3's ``longrope``); any other is an error naming the key.
+    ROPE_SCALINGS: ClassVar[tuple[str, ...]] = ("none", "linear", "yarn")
 
     arch: str
     n_vocab: int
@@ -223,8 +226,9 @@ class DecoderConfig:
         elif scaling == "yarn" and factor > 0:
             freq_scale, ext_factor = 1.0 / factor, 1.0
             attn_factor = m.getf("rope.scaling.attn_factor", 1.0, lo=0.0, lo_open=True)
-        elif scaling not in ("none", "linear", "yarn"):
-            raise GGMLValueError(f"{path}: rope scaling {scaling!r} is not supported (none, linear, yarn)")
+        elif scaling not in cls.ROPE_SCALINGS:
+            raise GGMLValueError(f"{path}: rope scaling {scaling!r} ({arch}.rope.scaling.type) is not supported "
+                                 f"({', '.join(cls.ROPE_SCALINGS)})")
         n_ctx_orig = m.geti("rope.scaling.original_context_length", n_ctx_train, lo=1, hi=_MAX_CTX)
         window = m.geti("attention.sliding_window", 0, lo=0, hi=_MAX_CTX) or None
         # A special token id outside the vocabulary is dropped with a warning, as llama.cpp does

@@ -1,4 +1,4 @@
-"""The llama family from GGUF: llama (Llama 2/3, TinyLlama), mistral (sliding window), qwen2 (QKV bias).
+"""The llama family from GGUF: llama (Llama 2/3, TinyLlama; Mixtral), mistral (sliding window), qwen2 (QKV bias).
 
 :class:`LlamaModel` is a :class:`~ggmlpy.models.decoder.DecoderModel` (which creates, places and
 loads the weights; :func:`~ggmlpy.models.load_model` does both steps). Its graph is the usual pre-norm
@@ -7,6 +7,13 @@ on Q and K, grouped-query attention through the cache, with ``flash_attn_ext`` o
 ``soft_max_ext``) → residual → RMSNorm → SwiGLU feed-forward → residual; then the output norm and
 the output head (``token_embd`` again when the file has no ``output.weight``). Rows that need no
 output are dropped after the last layer's attention.
+
+A ``llama`` file with ``llama.expert_count > 0`` is Mixtral, as llama.cpp's converter writes it: each
+layer's feed-forward is then a mixture of experts (:func:`~ggmlpy.models.blocks.moe_ffn`: softmax
+routing over ``ffn_gate_inp``, the ``expert_used_count`` most probable experts of ``ffn_gate_exps``,
+``ffn_up_exps``, ``ffn_down_exps``, their outputs summed by renormalised probability), as llama.cpp
+builds it. :class:`LlamaConfig` reads the expert keys for every architecture that extends it
+(:attr:`LlamaConfig.EXPERTS`); see :mod:`~ggmlpy.models.qwen3` for qwen3moe.
 
 Weights follow llama.cpp's converter: for ``llama``/``mistral`` the Q and K rows are permuted so
 that ggml's "normal" RoPE (adjacent pairs) applies; for ``qwen2`` they are not and RoPE is
@@ -17,9 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
+
+import numpy as np
 
 from ggmlpy._core import Context, RopeType, Tensor, Type
+from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
 
 from . import blocks
 from .base import UnknownArchitecture, register
@@ -28,23 +38,101 @@ from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 
 
+_MAX_EXPERTS = 1 << 12          # llama.cpp allows 1024 (LLAMA_MAX_EXPERTS)
+
+#: Expert keys llama.cpp reads for some mixture-of-experts architectures, and the values that mean what
+#: the graph here builds (softmax routing over every expert, no shared expert, weights unscaled); the
+#: architectures of this module leave them unread in llama.cpp, so a file that sets another value
+#: asks for a model neither builds.
+_EXPERT_KEYS_BUILT = {
+    "expert_gating_func": (0, 1),                      # none (the architecture's own: softmax), softmax
+    "expert_group_count": (0, 1),                      # DeepSeek-V3's routing by groups
+    "expert_shared_count": (0,),
+    "expert_shared_feed_forward_length": (0,),
+}
+
+
 @dataclass(frozen=True)
 class LlamaConfig(DecoderConfig):
-    """Hyperparameters read from GGUF metadata (``{arch}.*`` keys); see :class:`DecoderConfig`."""
+    """Hyperparameters read from GGUF metadata (``{arch}.*`` keys); see :class:`DecoderConfig`.
+
+    The expert fields are 0 for a dense model. With experts (``{arch}.expert_count > 0``, only for the
+    architectures in :attr:`EXPERTS`): ``n_expert_used`` of the ``n_expert`` experts (``expert_used_count``)
+    run for each token, each a gated feed-forward ``n_ff_exp`` wide (:meth:`_n_ff_exp`), and their
+    routing probabilities are renormalised to sum to 1 unless ``{arch}.expert_weights_norm`` is false
+    (llama.cpp always renormalises for llama and qwen3moe; their converters never write the key).
+    """
 
     ROPE_TYPES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
+    #: The architectures whose feed-forward may be a mixture of experts, and whether it must be
+    #: (``True``) or may be (``False``: mixtral is a ``llama`` file with experts). Others have none.
+    EXPERTS: ClassVar[dict[str, bool]] = {"llama": False}
+
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = True
 
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
-        # mixtral files say "llama" too; their experts need another feed-forward
-        if m.geti("expert_count", 0, lo=0) > 0:
-            raise UnknownArchitecture(f"{m.path}: mixture-of-experts {m.arch} models are not supported")
-        return super()._read(m, n_vocab)
+        d = super()._read(m, n_vocab)
+        return dict(d, **cls._read_experts(m, d["n_ff"]))
+
+    @classmethod
+    def _read_experts(cls, m: MetaReader, n_ff: int) -> dict[str, Any]:
+        """The expert fields, as llama.cpp reads them (``expert_count``, ``expert_used_count`` a value
+        or a uniform per-layer array), and the refusal of every expert key that asks for another graph."""
+        path, arch = m.path, m.arch
+        n_expert = m.geti("expert_count", 0, lo=0, hi=_MAX_EXPERTS)
+        required = cls.EXPERTS.get(arch)
+        used_key = m.key("expert_used_count")
+        if not n_expert:
+            if required:
+                raise MetadataError(path, m.key("expert_count"), f"{'is 0' if 'expert_count' in m else 'is missing'}"
+                                                                 f": a {arch} model has experts")
+            n_used = meta_int(m.md, used_key, 0, lo=0, per_layer=True, path=path)
+            if n_used:
+                raise MetadataError(path, used_key, f"{n_used}, but {arch}.expert_count is 0 (no experts)")
+            return {}
+        if required is None:
+            raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported "
+                                      f"({arch}.expert_count = {n_expert})")
+        n_used = meta_int(m.md, used_key, lo=1, hi=n_expert, per_layer=True, path=path)
+        for key, built in _EXPERT_KEYS_BUILT.items():
+            v = m.geti(key, built[0], lo=0)
+            if v not in built:
+                raise MetadataError(path, m.key(key), f"{v} is not supported for {arch} (this model builds "
+                                                      f"{' or '.join(map(str, built))})")
+        scale = m.getf("expert_weights_scale", 0.0)
+        if scale not in (0.0, 1.0):
+            raise MetadataError(path, m.key("expert_weights_scale"), f"{scale:g} is not supported for {arch} "
+                                                                     "(the routing weights are unscaled: 0 or 1)")
+        norm = m.md.get(m.key("expert_weights_norm"), True)
+        if not isinstance(norm, (bool, np.bool_)):
+            raise MetadataTypeError(path, m.key("expert_weights_norm"), f"expected a bool, got {norm!r:.80}")
+        return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=cls._n_ff_exp(m, n_ff, n_used),
+                    expert_weights_norm=bool(norm))
+
+    @classmethod
+    def _n_ff_exp(cls, m: MetaReader, n_ff: int, n_expert_used: int) -> int:
+        """Each expert's hidden size: llama.cpp's llama takes ``feed_forward_length`` (Mixtral's experts
+        are the dense layer's size)."""
+        return n_ff
+
+    def _problems(self) -> list[str]:
+        bad = super()._problems()
+        if self.n_expert and not (1 <= self.n_expert_used <= self.n_expert and self.n_ff_exp >= 1):
+            bad.append(f"{self.arch}.expert_used_count {self.n_expert_used} must be in [1, expert_count "
+                       f"{self.n_expert}] and the experts' feed-forward length {self.n_ff_exp} >= 1")
+        return bad
 
 
 @register(*LlamaConfig.ROPE_TYPES)
 class LlamaModel(DecoderModel):
     """A llama-family model: weights on their devices plus the graph builder (see :class:`DecoderModel`).
+
+    A subclass for a related architecture (:class:`~ggmlpy.models.qwen3.Qwen3Model`) extends
+    :meth:`_expected` and the hooks :meth:`_qk` (Q and K before attention) and :meth:`_ffn`.
 
     Attributes
     ----------
@@ -54,6 +142,24 @@ class LlamaModel(DecoderModel):
 
     config_class = LlamaConfig
     config: LlamaConfig
+
+    @classmethod
+    def read_config(cls, reader, path: str = "") -> LlamaConfig:
+        """As :meth:`DecoderModel.read_config`, and with experts: ``expert_count`` and the experts'
+        feed-forward length checked against layer 0's ``ffn_gate_inp`` and ``ffn_gate_exps``."""
+        cfg = super().read_config(reader, path)
+        if cfg.n_expert:
+            a = cfg.arch
+            exp_key = f"{a}.expert_feed_forward_length"
+            # the key the width came from (llama's experts are feed_forward_length wide)
+            ff_key = exp_key if reader.metadata.get(exp_key) == cfg.n_ff_exp else f"{a}.feed_forward_length"
+            for key, want, tname, dim in ((f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_inp.weight", 1),
+                                          (ff_key, cfg.n_ff_exp, "blk.0.ffn_gate_exps.weight", 1),
+                                          (f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_exps.weight", 2)):
+                ne = reader.tensor_info(tname).ne if tname in reader else None
+                if ne is not None and len(ne) > dim and ne[dim] != want:
+                    raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
+        return cfg
 
     def _inspect(self, reader) -> None:
         super()._inspect(reader)
@@ -75,9 +181,33 @@ class LlamaModel(DecoderModel):
                 yield p + "attn_v.bias", (n_kv,), i, (Type.F32,), None
             yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
             yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
+            if c.n_expert:
+                # the router stays a plain matrix product; the experts are read by mul_mat_id
+                yield p + "ffn_gate_inp.weight", (c.n_embd, c.n_expert), i, None, "mul_mat"
+                yield p + "ffn_gate_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, None
+                yield p + "ffn_up_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, None
+                yield p + "ffn_down_exps.weight", (c.n_ff_exp, c.n_embd, c.n_expert), i, None, None
+            else:
+                yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
+                yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
+                yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
+
+    def graph_size(self) -> int:
+        c = self.config
+        # a mixture of experts adds its routing and one view and add per expert used
+        return super().graph_size() + (c.n_layer * (32 + 2 * c.n_expert_used) if c.n_expert else 0)
+
+    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """Q and K (``ne = (head_dim, heads, n)``) as attention takes them: with RoPE at ``pos``."""
+        return self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+
+    def _ffn(self, ctx: Context, prefix: str, cur: Tensor) -> Tensor:
+        """The feed-forward of the normed ``cur``: SwiGLU, or with experts the mixture of them."""
+        c = self.config
+        if c.n_expert:
+            return blocks.moe_ffn(ctx, self.weights, prefix, cur, n_expert_used=c.n_expert_used,
+                                  norm_weights=c.expert_weights_norm)
+        return blocks.ffn_glu(ctx, self.weights, prefix, cur)
 
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
                  embeddings: bool) -> Tensor:
@@ -88,7 +218,7 @@ class LlamaModel(DecoderModel):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
-            q, k = self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+            q, k = self._qk(ctx, p, q, k, pos)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
@@ -96,5 +226,5 @@ class LlamaModel(DecoderModel):
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
             x = ctx.add(x, o)
             cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], c.rms_eps)
-            x = ctx.add(x, blocks.ffn_glu(ctx, w, p, cur))
+            x = ctx.add(x, self._ffn(ctx, p, cur))
         return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
