@@ -89,6 +89,27 @@ def test_rope_uses_the_config_settings(mode):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("yarn", [False, True])
+def test_rope_shift_is_a_pure_rotation(yarn):
+    """Keys rotated at p, then shifted by d, equal keys rotated at p + d: also with YaRN, whose magnitude
+    scale (attn_factor 0.9 times ggml's 1 + 0.1 ln 4) the forward pass applies once and a shift must not
+    apply again (a second rope() does, by 1.03x here)."""
+    n, n_head, hd = 5, 2, 16
+    cfg = SimpleNamespace(rope_dim=hd, rope_mode=int(RopeType.NEOX), n_ctx_orig=64, rope_base=10000.0,
+                          rope_freq_scale=0.25 if yarn else 1.0, rope_ext_factor=1.0 if yarn else 0.0,
+                          rope_attn_factor=0.9 if yarn else 1.0)
+    x, p, d = rand(n, n_head, hd), np.array([0, 5, 9, 40, 63], np.int32), np.array([-3, 2, 7, -40, 100], np.int32)
+    with ggmlpy.Context(1 << 22) as ctx:
+        k = blocks.rope(ctx, ctx.from_numpy(x), ctx.from_numpy(p), cfg)
+        dt = ctx.from_numpy(d)
+        shifted, twice, direct = (blocks.rope_shift(ctx, k, dt, cfg), blocks.rope(ctx, k, dt, cfg),
+                                  blocks.rope(ctx, ctx.from_numpy(x), ctx.from_numpy(p + d), cfg))
+        got, again, want = run(ctx, shifted, twice, direct)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    ratio = np.linalg.norm(again) / np.linalg.norm(want)
+    assert ratio == pytest.approx(0.9 * (1 + 0.1 * math.log(4)) if yarn else 1.0, rel=1e-3)
+
+
 # --------------------------------------------------------------------------------------------- Q/K/V
 
 

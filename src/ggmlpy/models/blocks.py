@@ -23,6 +23,7 @@ array([0.849, 2.263], dtype=float32)
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from ggmlpy._core import Context, GGMLValueError, Tensor
@@ -57,6 +58,19 @@ def rope(ctx: Context, x: Tensor, pos: Tensor, cfg: Any, freq_factors: Optional[
     return ctx.rope_ext(x, pos, freq_factors, n_dims=cfg.rope_dim, mode=cfg.rope_mode, n_ctx_orig=cfg.n_ctx_orig,
                         freq_base=cfg.rope_base, freq_scale=cfg.rope_freq_scale, ext_factor=cfg.rope_ext_factor,
                         attn_factor=cfg.rope_attn_factor)
+
+
+def rope_shift(ctx: Context, k: Tensor, delta: Tensor, cfg: Any, freq_factors: Optional[Tensor] = None) -> Tensor:
+    """Keys already rotated by :func:`rope`, rotated further by ``delta`` positions (a cache's shift).
+
+    The same frequencies as :func:`rope`, but a pure rotation: the magnitude scale the forward pass
+    applied once (``rope_attn_factor``, and YaRN's ``1 + 0.1 ln(1 / freq_scale)``, which ggml multiplies in
+    whenever ``ext_factor`` is set) is not applied again, or every shift would grow the keys by it.
+    """
+    yarn = 1.0 + 0.1 * math.log(1.0 / cfg.rope_freq_scale) if cfg.rope_ext_factor != 0.0 else 1.0
+    return ctx.rope_ext(k, delta, freq_factors, n_dims=cfg.rope_dim, mode=cfg.rope_mode, n_ctx_orig=cfg.n_ctx_orig,
+                        freq_base=cfg.rope_base, freq_scale=cfg.rope_freq_scale, ext_factor=cfg.rope_ext_factor,
+                        attn_factor=1.0 / yarn)
 
 
 def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,

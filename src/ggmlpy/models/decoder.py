@@ -463,6 +463,36 @@ class DecoderModel:
         """Every tensor this model reads, as :data:`Expected` tuples, in the order they are created."""
         raise NotImplementedError(f"{type(self).__name__} must yield its tensors from _expected()")
 
+    def _expected_norm(self, i: int, name: str, n: Optional[int] = None) -> Expected:
+        """Layer ``i``'s F32 norm weight ``name`` of ``n`` values (default ``n_embd``)."""
+        return f"blk.{i}.{name}.weight", (n or self.config.n_embd,), i, (Type.F32,), None
+
+    def _expected_attention(self, i: int, *, bias: bool = False, out_bias: bool = False,
+                            qk_norm: Optional[tuple[int, int]] = None) -> Iterator[Expected]:
+        """Layer ``i``'s attention weights: Q, K, V (and their biases), Q/K norms of ``qk_norm = (n_q, n_k)``
+        values, the output projection (and its bias)."""
+        c = self.config
+        p = f"blk.{i}."
+        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        parts = (("q", n_q), ("k", n_kv), ("v", n_kv))
+        for x, rows in parts:
+            yield f"{p}attn_{x}.weight", (c.n_embd, rows), i, None, "mul_mat"
+        for x, rows in parts if bias else ():
+            yield f"{p}attn_{x}.bias", (rows,), i, (Type.F32,), None
+        if qk_norm is not None:
+            yield self._expected_norm(i, "attn_q_norm", qk_norm[0])
+            yield self._expected_norm(i, "attn_k_norm", qk_norm[1])
+        yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
+        if out_bias:
+            yield p + "attn_output.bias", (c.n_embd,), i, (Type.F32,), None
+
+    def _expected_ffn(self, i: int) -> Iterator[Expected]:
+        """Layer ``i``'s gated feed-forward: gate, up and down matrices."""
+        c, p = self.config, f"blk.{i}."
+        yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
+        yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
+        yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
+
     def _expected_io(self) -> Iterator[Expected]:
         """The tensors outside the layers: the embeddings, the output norm and head, RoPE factors."""
         c = self.config
@@ -626,8 +656,9 @@ class DecoderModel:
         return blocks.rope(ctx, x, pos, self.config, ff)
 
     def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
-        """The cache's key shift: RoPE by the position delta (same settings as the forward pass)."""
-        return self.rope(ctx, k, offsets)
+        """The cache's key shift: a rotation by the position delta, with the forward pass's frequencies."""
+        ff = self.weights["rope_freqs.weight"] if self.has_rope_freqs else None
+        return blocks.rope_shift(ctx, k, offsets, self.config, ff)
 
     def graph_size(self) -> int:
         """Nodes plus leafs a forward graph may use (with headroom)."""

@@ -169,24 +169,14 @@ class GemmaModel(DecoderModel):
 
     def _expected(self):
         c = self.config
-        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         yield from self._expected_io()
         for i in range(c.n_layer):
-            p = f"blk.{i}."
-            yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "attn_q.weight", (c.n_embd, n_q), i, None, "mul_mat"
-            yield p + "attn_k.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            yield p + "attn_v.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            if self.qk_norm:
-                yield p + "attn_q_norm.weight", (c.head_dim,), i, (Type.F32,), None
-                yield p + "attn_k_norm.weight", (c.head_dim,), i, (Type.F32,), None
-            yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
-            yield p + "post_attention_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
-            yield p + "post_ffw_norm.weight", (c.n_embd,), i, (Type.F32,), None
+            yield self._expected_norm(i, "attn_norm")
+            yield from self._expected_attention(i, qk_norm=(c.head_dim, c.head_dim) if self.qk_norm else None)
+            yield self._expected_norm(i, "post_attention_norm")
+            yield self._expected_norm(i, "ffn_norm")
+            yield from self._expected_ffn(i)
+            yield self._expected_norm(i, "post_ffw_norm")
 
     def rope_layer(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
         """RoPE of ``x`` at ``pos`` with ``layer``'s settings (local or global base and scale)."""
@@ -194,7 +184,7 @@ class GemmaModel(DecoderModel):
 
     def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
         """The cache's key shift for model layer ``layer``: RoPE by the position delta, with that layer's base."""
-        return self.rope_layer(ctx, k, offsets, layer)
+        return blocks.rope_shift(ctx, k, offsets, self._rope[layer])
 
     def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True):
         """This model's cache, not yet allocated (see :meth:`DecoderModel.new_cache`).

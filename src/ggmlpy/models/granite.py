@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
+from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor
 from ggmlpy.gguf import MetadataTypeError
 
 from . import blocks
@@ -106,22 +106,12 @@ class GraniteModel(DecoderModel):
 
     def _expected(self):
         c = self.config
-        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         yield from self._expected_io()
         for i in range(c.n_layer):
-            p = f"blk.{i}."
-            yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            for x, rows in (("q", n_q), ("k", n_kv), ("v", n_kv)):
-                yield f"{p}attn_{x}.weight", (c.n_embd, rows), i, None, "mul_mat"
-                if self.qkv_bias:
-                    yield f"{p}attn_{x}.bias", (rows,), i, (Type.F32,), None
-            yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
-            if self.out_bias:
-                yield p + "attn_output.bias", (c.n_embd,), i, (Type.F32,), None
-            yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
+            yield self._expected_norm(i, "attn_norm")
+            yield from self._expected_attention(i, bias=self.qkv_bias, out_bias=self.out_bias)
+            yield self._expected_norm(i, "ffn_norm")
+            yield from self._expected_ffn(i)
 
     def _residual(self, ctx: Context, x: Tensor, out: Tensor) -> Tensor:
         s = self.config.residual_scale

@@ -28,7 +28,7 @@ from typing import Any, ClassVar, Optional
 
 import numpy as np
 
-from ggmlpy._core import Context, RopeType, Tensor, Type
+from ggmlpy._core import Context, RopeType, Tensor
 from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
 
 from . import blocks
@@ -167,20 +167,12 @@ class LlamaModel(DecoderModel):
 
     def _expected(self):
         c = self.config
-        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         yield from self._expected_io()
         for i in range(c.n_layer):
             p = f"blk.{i}."
-            yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "attn_q.weight", (c.n_embd, n_q), i, None, "mul_mat"
-            yield p + "attn_k.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            yield p + "attn_v.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            if self.qkv_bias:
-                yield p + "attn_q.bias", (n_q,), i, (Type.F32,), None
-                yield p + "attn_k.bias", (n_kv,), i, (Type.F32,), None
-                yield p + "attn_v.bias", (n_kv,), i, (Type.F32,), None
-            yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
-            yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,), None
+            yield self._expected_norm(i, "attn_norm")
+            yield from self._expected_attention(i, bias=self.qkv_bias)
+            yield self._expected_norm(i, "ffn_norm")
             if c.n_expert:
                 # the router stays a plain matrix product; the experts are read by mul_mat_id
                 yield p + "ffn_gate_inp.weight", (c.n_embd, c.n_expert), i, None, "mul_mat"
@@ -188,9 +180,7 @@ class LlamaModel(DecoderModel):
                 yield p + "ffn_up_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, None
                 yield p + "ffn_down_exps.weight", (c.n_ff_exp, c.n_embd, c.n_expert), i, None, None
             else:
-                yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-                yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-                yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
+                yield from self._expected_ffn(i)
 
     def graph_size(self) -> int:
         c = self.config

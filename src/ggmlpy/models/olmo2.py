@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
+from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor
 
 from . import blocks
 from .base import register
@@ -64,21 +64,13 @@ class Olmo2Model(DecoderModel):
 
     def _expected(self):
         c = self.config
-        n_q, n_kv = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         yield from self._expected_io()
         for i in range(c.n_layer):
-            p = f"blk.{i}."
-            yield p + "attn_q.weight", (c.n_embd, n_q), i, None, "mul_mat"
-            yield p + "attn_k.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            yield p + "attn_v.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            yield p + "attn_q_norm.weight", (n_q,), i, (Type.F32,), None
-            yield p + "attn_k_norm.weight", (n_kv,), i, (Type.F32,), None
-            yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
-            yield p + "post_attention_norm.weight", (c.n_embd,), i, (Type.F32,), None
-            yield p + "ffn_gate.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_up.weight", (c.n_embd, c.n_ff), i, None, "mul_mat"
-            yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
-            yield p + "post_ffw_norm.weight", (c.n_embd,), i, (Type.F32,), None
+            # Q/K norms over the whole projection, not per head
+            yield from self._expected_attention(i, qk_norm=(c.n_head * c.head_dim, c.n_head_kv * c.head_dim))
+            yield self._expected_norm(i, "post_attention_norm")
+            yield from self._expected_ffn(i)
+            yield self._expected_norm(i, "post_ffw_norm")
 
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
                  embeddings: bool) -> Tensor:

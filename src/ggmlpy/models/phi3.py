@@ -109,15 +109,13 @@ class Phi3Model(DecoderModel):
             yield name, (c.rope_dim // 2,), "input", (Type.F32,), None
         for i in range(c.n_layer):
             p = f"blk.{i}."
-            yield p + "attn_norm.weight", (c.n_embd,), i, (Type.F32,), None
+            yield self._expected_norm(i, "attn_norm")
             if self.qkv_in_file:
                 yield p + "attn_qkv.weight", (c.n_embd, n_q + 2 * n_kv), i, None, "mul_mat"
+                yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
             else:
-                yield p + "attn_q.weight", (c.n_embd, n_q), i, None, "mul_mat"
-                yield p + "attn_k.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-                yield p + "attn_v.weight", (c.n_embd, n_kv), i, None, "mul_mat"
-            yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
-            yield p + "ffn_norm.weight", (c.n_embd,), i, (Type.F32,), None
+                yield from self._expected_attention(i)
+            yield self._expected_norm(i, "ffn_norm")
             yield p + "ffn_up.weight", (c.n_embd, 2 * c.n_ff), i, None, "mul_mat"      # gate rows, then up rows
             yield p + "ffn_down.weight", (c.n_ff, c.n_embd), i, None, "mul_mat"
 

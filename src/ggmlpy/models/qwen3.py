@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ggmlpy._core import Context, RopeType, Tensor, Type
+from ggmlpy._core import Context, RopeType, Tensor
 from ggmlpy.gguf import meta_int
 
 from . import blocks
@@ -56,8 +56,8 @@ class Qwen3Model(LlamaModel):
         yield from super()._expected()
         c = self.config
         for i in range(c.n_layer):
-            yield f"blk.{i}.attn_q_norm.weight", (c.head_dim,), i, (Type.F32,), None
-            yield f"blk.{i}.attn_k_norm.weight", (c.head_dim,), i, (Type.F32,), None
+            yield self._expected_norm(i, "attn_q_norm", c.head_dim)
+            yield self._expected_norm(i, "attn_k_norm", c.head_dim)
 
     def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         w, eps = self.weights, self.config.rms_eps
