@@ -339,7 +339,7 @@ def test_quantize_matches_tensor_blocks(t):
 
 
 @needs_quantize
-def test_quantize_shapes():
+def test_quantize_shapes(tmp_path):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((2, 3, 64)).astype(np.float32)
     rs = Type.Q8_0.row_size(64)
@@ -348,6 +348,12 @@ def test_quantize_shapes():
     assert len(ggmlpy.quantize(x[0, 0], Type.Q8_0)) == rs                       # 1-d: one row
     assert ggmlpy.quantize(x.astype(np.float64), Type.Q8_0) == ggmlpy.quantize(x, Type.Q8_0)
     assert ggmlpy.quantize(np.zeros((0, 64), np.float32), Type.Q8_0) == b""
+    ro = x.copy()
+    ro.flags.writeable = False                         # e.g. a memory-mapped file's tensor
+    assert ggmlpy.quantize(ro, Type.Q8_0) == ggmlpy.quantize(x, Type.Q8_0)
+    x.tofile(tmp_path / "x.f32")
+    mapped = np.memmap(tmp_path / "x.f32", np.float32, "r", shape=x.shape)
+    assert ggmlpy.quantize(mapped, Type.Q8_0) == ggmlpy.quantize(x, Type.Q8_0)
 
 
 @needs_quantize

@@ -41,7 +41,7 @@ def quantize(array, type):
     True
     """
     cdef int t = _as_type(type, "quantize")
-    cdef float[:, ::1] rows
+    cdef const float[:, ::1] rows            # const: a read-only array (a memory map) is accepted
     cdef int64_t n_rows, n_per_row
     cdef size_t nbytes
     if not g.ggml_is_quantized(<g.ggml_type> t):
