@@ -305,6 +305,7 @@ def test_a_config_subclass_is_a_few_lines(tiny):
     @dataclass(frozen=True)
     class MoEConfig(DecoderConfig):
         ROPE_TYPES = {"llama": RopeType.NORMAL}
+        READS_EXPERTS = True
         n_expert: int = 0
 
         @classmethod
@@ -321,6 +322,9 @@ def test_a_config_subclass_is_a_few_lines(tiny):
     with pytest.raises(GGMLValueError, match="bad hyperparameters: llama.expert_count must be > 0"):
         c.validate()
     assert MoEConfig.from_metadata(dict(md, **{"llama.expert_count": 8})).n_expert == 8
+    plain = type("PlainConfig", (DecoderConfig,), {"ROPE_TYPES": {"llama": RopeType.NORMAL}})
+    with pytest.raises(ggmlpy.models.UnknownArchitecture, match=r"\(llama\.expert_count = 8\)"):
+        plain.from_metadata(dict(md, **{"llama.expert_count": 8}), "t.gguf")   # experts it would not build
     with pytest.raises(ggmlpy.models.UnknownArchitecture, match="'qwen2' is not one MoEConfig reads"):
         MoEConfig.from_metadata(dict(md, **{"general.architecture": "qwen2"}), "t.gguf")
 

@@ -13,6 +13,9 @@ An architecture module (``models/llama.py``, ...) subclasses two classes and reg
   It builds the graph's inputs and hands the body to the subclass: a subclass yields its tensors
   (:meth:`DecoderModel._expected`) and composes its forward pass of :mod:`ggmlpy.models.blocks`
   (:meth:`DecoderModel._forward`).
+* :class:`PreNormDecoder` is that forward pass for the usual pre-norm layer (llama, qwen3, phi3, Mixtral),
+  with two hooks where architectures differ: what Q and K go through (:meth:`PreNormDecoder._qk`) and
+  the feed-forward (:meth:`PreNormDecoder._ffn`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from ggmlpy.kvcache import Causal
 from . import blocks
 from .base import BuiltGraph, UnknownArchitecture
 
-__all__ = ["DecoderConfig", "DecoderModel", "MetaReader", "MissingTensor"]
+__all__ = ["DecoderConfig", "DecoderModel", "MetaReader", "MissingTensor", "PreNormDecoder"]
 
 _log = logging.getLogger("ggmlpy")
 
@@ -136,6 +139,9 @@ class DecoderConfig:
     #: The ``rope.scaling.type`` values this config reads (a subclass adds those its architecture handles,
     #: phi3's ``longrope``); any other is an error naming the key.
     ROPE_SCALINGS: ClassVar[tuple[str, ...]] = ("none", "linear", "yarn")
+    #: Whether the config reads ``{arch}.expert_count`` itself (a mixture-of-experts feed-forward); where it
+    #: does not, a file with experts is refused here, naming the key.
+    READS_EXPERTS: ClassVar[bool] = False
 
     arch: str
     n_vocab: int
@@ -191,6 +197,10 @@ class DecoderConfig:
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
         """The constructor's arguments, read through ``m``; a subclass adds its keys to the dict."""
         path, arch = m.path, m.arch
+        n_expert = 0 if cls.READS_EXPERTS else m.geti("expert_count", 0, lo=0)
+        if n_expert:
+            raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported "
+                                      f"({m.key('expert_count')} = {n_expert})")
         n_embd = m.geti("embedding_length", lo=1, hi=_MAX_EMBD)
         n_layer = m.geti("block_count", lo=1, hi=_MAX_LAYERS)
         n_head = m.geti("attention.head_count", lo=1, hi=_MAX_HEADS)
@@ -746,6 +756,43 @@ class DecoderModel:
         return (f"{type(self).__name__}({getattr(self, 'desc', self.path)!r}, n_layer={c.n_layer}, "
                 f"n_embd={c.n_embd}, n_head={c.n_head}/{c.n_head_kv}, n_vocab={c.n_vocab}, "
                 f"{self.placement.summary()})")
+
+
+class PreNormDecoder(DecoderModel):
+    """The usual pre-norm decoder (llama, qwen, phi3, Mixtral): per layer RMSNorm → attention (Q and K through
+    :meth:`_qk`, grouped-query attention through the cache) → residual → RMSNorm → :meth:`_ffn` → residual;
+    rows that need no output are dropped after the last layer's attention.
+
+    A subclass lists its tensors and changes the two hooks where its architecture differs.
+    """
+
+    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
+        """Q and K (``ne = (head_dim, heads, n)``) as attention takes them: with RoPE at ``pos``."""
+        return self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+
+    def _ffn(self, ctx: Context, prefix: str, cur: Tensor) -> Tensor:
+        """The feed-forward of the normed ``cur``: SwiGLU."""
+        return blocks.ffn_glu(ctx, self.weights, prefix, cur)
+
+    def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
+                 embeddings: bool) -> Tensor:
+        c, w = self.config, self.weights
+        scale = 1.0 / math.sqrt(c.head_dim)
+        x = ctx.get_rows(w["token_embd.weight"], tokens)
+        for il in range(c.n_layer):
+            p = f"blk.{il}."
+            cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
+            q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
+            q, k = self._qk(ctx, p, q, k, pos, memory)
+            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
+            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
+            if il == c.n_layer - 1:
+                # only the rows that produce output go further
+                o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
+            x = ctx.add(x, o)
+            cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], c.rms_eps)
+            x = ctx.add(x, self._ffn(ctx, p, cur))
+        return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
 
 
 # ---------------------------------------------------------------------------------------------- data checks

@@ -46,7 +46,7 @@ from ggmlpy.gguf import MetadataError, MetadataTypeError
 from ggmlpy.kvcache import Causal, Wrapper
 
 from . import blocks
-from .base import UnknownArchitecture, register
+from .base import register
 from .decoder import _MAX_LAYERS, DecoderConfig, DecoderModel, MetaReader
 
 __all__ = ["GemmaConfig", "GemmaModel"]
@@ -84,8 +84,6 @@ class GemmaConfig(DecoderConfig):
 
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
-        if m.geti("expert_count", 0, lo=0) > 0:
-            raise UnknownArchitecture(f"{m.path}: mixture-of-experts {m.arch} models are not supported")
         d = super()._read(m, n_vocab)
         arch, n_layer = m.arch, d["n_layer"]
         # per-layer head sizes and RoPE dimensions (gemma3n, gemma4) are not built here

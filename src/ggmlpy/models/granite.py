@@ -31,7 +31,7 @@ from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor
 from ggmlpy.gguf import MetadataTypeError
 
 from . import blocks
-from .base import UnknownArchitecture, register
+from .base import register
 from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
 
 __all__ = ["GraniteConfig", "GraniteModel"]
@@ -54,10 +54,6 @@ class GraniteConfig(DecoderConfig):
 
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
-        n_expert = m.geti("expert_count", 0, lo=0)
-        if n_expert:
-            raise UnknownArchitecture(f"{m.path}: mixture-of-experts granite models are not supported "
-                                      f"({m.key('expert_count')} = {n_expert})")
         if m.key("deepstack_mapping") in m.md:
             raise GGMLValueError(f"{m.path}: {m.key('deepstack_mapping')}: Granite Vision's deepstack inputs are not "
                                  "supported")

@@ -22,7 +22,6 @@ NEOX-style (halves).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -33,7 +32,7 @@ from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
 
 from . import blocks
 from .base import UnknownArchitecture, register
-from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
+from .decoder import DecoderConfig, MetaReader, MissingTensor, PreNormDecoder
 
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 
@@ -67,6 +66,7 @@ class LlamaConfig(DecoderConfig):
     #: The architectures whose feed-forward may be a mixture of experts, and whether it must be
     #: (``True``) or may be (``False``: mixtral is a ``llama`` file with experts). Others have none.
     EXPERTS: ClassVar[dict[str, bool]] = {"llama": False}
+    READS_EXPERTS = True              # _read_experts reads (or refuses) them per architecture
 
     n_expert: int = 0
     n_expert_used: int = 0
@@ -128,11 +128,12 @@ class LlamaConfig(DecoderConfig):
 
 
 @register(*LlamaConfig.ROPE_TYPES)
-class LlamaModel(DecoderModel):
-    """A llama-family model: weights on their devices plus the graph builder (see :class:`DecoderModel`).
+class LlamaModel(PreNormDecoder):
+    """A llama-family model: weights on their devices plus the graph builder (see :class:`PreNormDecoder`).
 
     A subclass for a related architecture (:class:`~ggmlpy.models.qwen3.Qwen3Model`) extends
-    :meth:`_expected` and the hooks :meth:`_qk` (Q and K before attention) and :meth:`_ffn`.
+    :meth:`_expected` and the hooks :meth:`_qk` (Q and K before attention) and :meth:`_ffn`; this class's
+    :meth:`_ffn` is the mixture of experts when the file has them.
 
     Attributes
     ----------
@@ -187,10 +188,6 @@ class LlamaModel(DecoderModel):
         # a mixture of experts adds its routing and one view and add per expert used
         return super().graph_size() + (c.n_layer * (32 + 2 * c.n_expert_used) if c.n_expert else 0)
 
-    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """Q and K (``ne = (head_dim, heads, n)``) as attention takes them: with RoPE at ``pos``."""
-        return self.rope(ctx, q, pos), self.rope(ctx, k, pos)
-
     def _ffn(self, ctx: Context, prefix: str, cur: Tensor) -> Tensor:
         """The feed-forward of the normed ``cur``: SwiGLU, or with experts the mixture of them."""
         c = self.config
@@ -198,23 +195,3 @@ class LlamaModel(DecoderModel):
             return blocks.moe_ffn(ctx, self.weights, prefix, cur, n_expert_used=c.n_expert_used,
                                   norm_weights=c.expert_weights_norm)
         return blocks.ffn_glu(ctx, self.weights, prefix, cur)
-
-    def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
-                 embeddings: bool) -> Tensor:
-        c, w = self.config, self.weights
-        scale = 1.0 / math.sqrt(c.head_dim)
-        x = ctx.get_rows(w["token_embd.weight"], tokens)
-        for il in range(c.n_layer):
-            p = f"blk.{il}."
-            cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
-            q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
-            q, k = self._qk(ctx, p, q, k, pos)
-            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
-            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
-            if il == c.n_layer - 1:
-                # only the rows that produce output go further
-                o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
-            x = ctx.add(x, o)
-            cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], c.rms_eps)
-            x = ctx.add(x, self._ffn(ctx, p, cur))
-        return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)

@@ -29,8 +29,6 @@ Phi-4, which has none.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -39,8 +37,8 @@ from ggmlpy._core import Context, RopeType, Tensor, Type
 from ggmlpy.kvcache import Causal
 
 from . import blocks
-from .base import UnknownArchitecture, register
-from .decoder import DecoderConfig, DecoderModel, MetaReader
+from .base import register
+from .decoder import DecoderConfig, MetaReader, PreNormDecoder
 
 __all__ = ["ContextCache", "Phi3Config", "Phi3Model"]
 
@@ -59,10 +57,6 @@ class Phi3Config(DecoderConfig):
 
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
-        n_expert = m.geti("expert_count", 0, lo=0)
-        if n_expert:
-            raise UnknownArchitecture(f"{m.path}: mixture-of-experts phi3 models are not supported "
-                                      f"({m.key('expert_count')} = {n_expert})")
         d = super()._read(m, n_vocab)
         d["rope_attn_factor"] = m.getf("rope.scaling.attn_factor", 1.0, lo=0.0, lo_open=True)
         return d
@@ -83,7 +77,7 @@ class ContextCache(Causal):
 
 
 @register(*Phi3Config.ROPE_TYPES)
-class Phi3Model(DecoderModel):
+class Phi3Model(PreNormDecoder):
     """A phi3 model: weights on their devices plus the graph builder (see the module docstring).
 
     Attributes
@@ -134,42 +128,28 @@ class Phi3Model(DecoderModel):
         """A :class:`ContextCache` over every layer, with the model's sliding window (see
         :meth:`DecoderModel.new_cache`).
 
-        Its key shift rotates the keys by the position delta with the factors of that cache's context and
-        without the attention factor: that one scales cos and sin, and applied again it would scale
-        every shifted key (llama.cpp's shift applies it again). With YaRN, ggml multiplies by
-        ``1 + 0.1 ln(1 / freq_scale)`` itself, which the shift divides out.
+        Its key shift rotates the keys by the position delta with the factors of that cache's context, as a
+        pure rotation (:func:`~ggmlpy.models.blocks.rope_shift`: the attention factor is not applied again;
+        llama.cpp's shift applies it again).
         """
         c = self.config
-        again = 1.0 + 0.1 * math.log(1.0 / c.rope_freq_scale) if c.rope_ext_factor else 1.0
-        shift = dataclasses.replace(c, rope_attn_factor=1.0 / again)
         window = c.sliding_window - 1 if c.sliding_window else None   # the cache's window excludes the token
         cache = ContextCache(c.n_layer, c.head_dim * c.n_head_kv, c.head_dim * c.n_head_kv, type_k, dtype_v=type_v,
                              window=window, padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
                              v_trans=not flash_attn)
         ref = weakref.ref(cache)        # the cache holds its shift function: no reference cycle
-        cache.shift_fn = lambda ctx, layer, k, offsets: blocks.rope(ctx, k, offsets, shift, self.rope_factors(ref()))
+        cache.shift_fn = lambda ctx, layer, k, offsets: blocks.rope_shift(ctx, k, offsets, c, self.rope_factors(ref()))
         return cache
 
     # ------------------------------------------------------------------ graph
 
-    def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
-                 embeddings: bool) -> Tensor:
-        c, w = self.config, self.weights
+    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
         factors = self.rope_factors(getattr(memory, "cache", None))
-        scale = 1.0 / math.sqrt(c.head_dim)
-        x = ctx.get_rows(w["token_embd.weight"], tokens)
-        for il in range(c.n_layer):
-            p = f"blk.{il}."
-            cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
-            q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
-            q, k = blocks.rope(ctx, q, pos, c, factors), blocks.rope(ctx, k, pos, c, factors)
-            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
-            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
-            if il == c.n_layer - 1:
-                o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
-            x = ctx.add(x, o)
-            cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], c.rms_eps)
-            # the file's ffn_up is the gate and up rows in one matrix: ffn_glu's fused ffn_gate_up
-            ffn = {p + "ffn_gate_up.weight": w[p + "ffn_up.weight"], p + "ffn_down.weight": w[p + "ffn_down.weight"]}
-            x = ctx.add(x, blocks.ffn_glu(ctx, ffn, p, cur))
-        return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
+        return blocks.rope(ctx, q, pos, self.config, factors), blocks.rope(ctx, k, pos, self.config, factors)
+
+    def _ffn(self, ctx: Context, prefix: str, cur: Tensor) -> Tensor:
+        # the file's ffn_up is the gate and up rows in one matrix: ffn_glu's fused ffn_gate_up
+        w = self.weights
+        ffn = {prefix + "ffn_gate_up.weight": w[prefix + "ffn_up.weight"],
+               prefix + "ffn_down.weight": w[prefix + "ffn_down.weight"]}
+        return blocks.ffn_glu(ctx, ffn, prefix, cur)
