@@ -307,7 +307,7 @@ def test_one_token_plan_equals_general_plan(seed, window, padding, n_seq):
     """start_forward of one token (planned in C, committed in place) gives the same cell, range and
     mask as the general path, and apply leaves the same cells: across random fills, removes and clears,
     with windows (one wider than the capacity, so nothing is evicted) and padding. An evicting cache
-    keeps the general path."""
+    evicts on a trimmed copy of the cells."""
     rng = np.random.default_rng(seed)
     cache = Causal(1, 8, 8, Type.F32, window=window, padding=padding)
     cache.init(10, n_seq, 3)
@@ -341,15 +341,21 @@ def test_one_token_plan_equals_general_plan(seed, window, padding, n_seq):
                 continue
             fast = cache.start_forward(np.array([p]), np.array([s]))
             slow = cache.start_forward([p], [s], except_rows=())  # the general path: a trial copy of the cells
-            # a cache that evicts (window 3 of capacity 10) plans every batch the general way
-            assert (fast._one is not None) == (cache.memory is None) and slow._one is None
+            # a token that evicts (window 3 of capacity 10) is planned on a trimmed copy, with the
+            # general path's trim; otherwise the plan commits in place
+            assert slow._one is None
+            kept = slow._after.seqs & (slow._after.pos == cells.pos)[:, None]
+            evicts = bool((cells.seqs & ~kept).any())           # some sequence leaves a position
+            assert (fast._one is None) == (fast._after is not None) == evicts
+            if evicts:
+                assert cache.memory is not None and fast.trim == slow.trim
             assert fast.cell_ids.tolist() == slow.cell_ids.tolist()
             assert (fast.lo, fast.hi) == (slow.lo, slow.hi)
             assert fast.mask.dtype == slow.mask.dtype == np.float16 and np.array_equal(fast.mask, slow.mask)
             after = slow._after
             cache.apply(fast)
             got = cache.cells
-            assert (got is cells) == (cache.memory is None)      # committed in place
+            assert (got is cells) == (fast._one is not None)     # committed in place
             assert np.array_equal(got.pos, after.pos) and np.array_equal(got.seqs, after.seqs)
             assert got.used == after.used
             for q in range(n_seq):

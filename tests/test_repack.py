@@ -236,6 +236,25 @@ def test_q8_0_is_never_placed_on_amx():
         w.close()
 
 
+def test_expert_stacks_go_where_mul_mat_id_has_kernels():
+    w = _weights(repack=True, types=())
+    w.add("exps_q4", "Q4_0", (256, 64, 4), 0, op="mul_mat_id")
+    w.add("exps_f16", "F16", (256, 64, 4), 0, op="mul_mat_id")
+    w.add("flat", "Q4_0", (256, 64), 0, op="mul_mat_id")        # not a stack: mul_mat_id cannot read it
+    w.add("stack", "Q4_0", (256, 64, 4), 0, op="mul_mat")       # a matrix product reads 2-d weights only
+    try:
+        w.allocate()
+        want = "CPU_REPACK" if "CPU_REPACK" in EXTRA and AVX2 else "CPU"
+        assert w["exps_q4"].buffer_type == want
+        assert w.where("Q4_0", (256, 64, 4), 0, "mul_mat_id") == ("CPU", want)       # what add would choose
+        assert w.where("Q4_0", (256, 64, 4), 0) == ("CPU", "CPU")
+        if set(EXTRA) <= {"CPU_REPACK"}:
+            assert w["exps_f16"].buffer_type == "CPU"
+        assert w["flat"].buffer_type == "CPU" and w["stack"].buffer_type == "CPU"
+    finally:
+        w.close()
+
+
 def test_weights_add_refuses_an_unknown_op():
     w = _weights(repack=True, types=())
     with pytest.raises(gp.GGMLValueError, match="op must be"):
@@ -264,6 +283,39 @@ def test_a_repacked_model_computes_the_plain_models_logits(q4_model_path):
             logits = rt.decode(prompt, logits="all")          # two micro-batches of 8 and 5
             step = rt.decode([9], logits="last")              # one-token decode: the gemv path
             out[repack] = np.concatenate([logits, step])
+    a, b = out[True], out[False]
+    assert np.abs(a - b).max() / np.abs(b).max() < 1e-4
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@needs_repack
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma3"])
+def test_repacked_experts_and_tied_head_compute_the_plain_logits(arch, tmp_path):
+    """qwen3moe: the expert stacks are repacked for mul_mat_id. gemma3 (tied embeddings): the head gets a
+    repacked copy of token_embd while the lookup keeps the plain one; the file's size and parameter
+    count do not change. Logits as the plain model's, over a prompt and one-token steps."""
+    path = write_synthetic(tmp_path / f"{arch}.gguf", "tiny", "Q4_0", seed=5, arch=arch)
+    prompt = [1, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200, 5]
+    out, sizes = {}, {}
+    for repack in (True, False):
+        with load_model(path, repack=repack) as model, Runner(model, n_ctx=64, n_batch=8, n_ubatch=8) as rt:
+            on = repack and AVX2
+            if arch == "qwen3moe":
+                assert model.weights["blk.0.ffn_gate_exps.weight"].is_repacked == on
+                assert model.weights["blk.1.ffn_down_exps.weight"].is_repacked == on
+            else:
+                assert model.tied_output and model.copies == ({"output.weight"} if on else set())
+                assert ("output.weight" in model.weights) == on and not model.weights["token_embd.weight"].is_repacked
+                if on:
+                    assert model.weights["output.weight"].is_repacked
+                    # both copies are memory the process holds: the report counts the copy
+                    extra = model.weights["output.weight"].nbytes
+                    assert model.report.devices["CPU"].weights_total >= model.size + extra
+            sizes[repack] = (model.size, model.n_params, model.desc)
+            logits = rt.decode(prompt, logits="all")                             # two micro-batches
+            steps = [rt.decode([t], logits="last") for t in (9, 33, 2)]          # the gemv path
+            out[repack] = np.concatenate([logits] + steps)
+    assert sizes[True] == sizes[False]
     a, b = out[True], out[False]
     assert np.abs(a - b).max() / np.abs(b).max() < 1e-4
     assert (a.argmax(-1) == b.argmax(-1)).all()

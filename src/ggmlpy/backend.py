@@ -360,7 +360,8 @@ class Weights:
     data is read, and an allocation failure costs no I/O.
 
     With ``repack`` (the default, as llama.cpp's ``--repack 1``), a weight that
-    a matrix product reads (``add(..., op="mul_mat")``) goes to the first of its
+    a matrix product reads (``add(..., op="mul_mat")``, or a stack of experts that
+    ``mul_mat_id`` reads: ``op="mul_mat_id"``) goes to the first of its
     device's extra buffer types (:meth:`ggmlpy.Device.extra_buffer_types`:
     ``AMX``, ``CPU_REPACK``...) that supports that product for its type and
     shape: ggml rearranges it there for its interleaved kernels (Q4_0 on an
@@ -402,15 +403,16 @@ class Weights:
         """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``.
 
         ``op`` says how the model reads it: ``"mul_mat"`` (as the first operand
-        of a matrix product, and nothing else) lets it go to an extra buffer
-        type; anything else keeps it in the device's own memory.
+        of a matrix product, and nothing else) or ``"mul_mat_id"`` (a 3-d stack
+        of experts, as the first operand of ``mul_mat_id``) lets it go to an
+        extra buffer type; anything else keeps it in the device's own memory.
         """
         if self.allocated:
             raise GGMLValueError("weights_add: the weights are allocated already; add every tensor first")
         if name in self.tensors:
             raise GGMLValueError(f"weights_add: tensor {name!r} exists already")
-        if op not in (None, "mul_mat"):
-            raise GGMLValueError(f"weights_add: op must be None or 'mul_mat' (got {op!r})")
+        if op not in (None, "mul_mat", "mul_mat_id"):
+            raise GGMLValueError(f"weights_add: op must be None, 'mul_mat' or 'mul_mat_id' (got {op!r})")
         dev = self.placement.device_of(group)
         bt = self._buffer_type(dev, Type[type.upper()] if isinstance(type, str) else Type(type), tuple(ne), op)
         key = (dev.name, bt.name)
@@ -423,16 +425,22 @@ class Weights:
         self._key[name] = key
         return t
 
+    def where(self, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None) -> tuple[str, str]:
+        """The (device, buffer type) names that :meth:`add` with these arguments would place a tensor in."""
+        dev = self.placement.device_of(group)
+        return dev.name, self._buffer_type(dev, Type[type.upper()] if isinstance(type, str) else Type(type),
+                                           tuple(ne), op).name
+
     def _buffer_type(self, dev: Device, type: Type, ne: tuple, op: str | None) -> _core.BufferType:
-        if not self.repack or op != "mul_mat" or len(ne) != 2:
+        if not self.repack or (op, len(ne)) not in (("mul_mat", 2), ("mul_mat_id", 3)):
             return dev.buffer_type()
         key = (dev.name, type, ne)
         bt = self._choice.get(key)
         if bt is None:
-            bt = self._choice[key] = self._first_supporting(dev, type, ne)
+            bt = self._choice[key] = self._first_supporting(dev, type, ne, op)
         return bt
 
-    def _first_supporting(self, dev: Device, type: Type, ne: tuple) -> _core.BufferType:
+    def _first_supporting(self, dev: Device, type: Type, ne: tuple, op: str) -> _core.BufferType:
         extra = self._extra.get(dev.name)
         if extra is None:
             extra = self._extra[dev.name] = dev.extra_buffer_types()
@@ -442,8 +450,12 @@ class Weights:
             probe = Context.for_tensors(4, no_alloc=True)
             try:
                 w = probe.new_tensor(type, ne)
-                x = probe.new_tensor(Type.F32, (ne[0], _PROBE_BATCH))
-                if dev.supports_weight(bt, probe.mul_mat(w, x)):
+                if op == "mul_mat":
+                    product = probe.mul_mat(w, probe.new_tensor(Type.F32, (ne[0], _PROBE_BATCH)))
+                else:       # one input row per token shared by its experts, two experts each (as the models)
+                    x = probe.new_tensor(Type.F32, (ne[0], 1, _PROBE_BATCH))
+                    product = probe.mul_mat_id(w, x, probe.new_tensor(Type.I32, (min(2, ne[2]), _PROBE_BATCH)))
+                if dev.supports_weight(bt, product):
                     return bt
             finally:
                 probe.free()

@@ -10,7 +10,7 @@ model's ``shift_fn``; :meth:`Causal.defrag` compacts the live cells.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -560,8 +560,10 @@ class Causal:
         n = positions.size
         if n == 0:
             raise GGMLValueError("empty batch")
-        if n == 1 and not reserve and except_rows is None and self.memory is None:
-            return self._plan_one(cells, positions, seq_ids)
+        if n == 1 and not reserve and except_rows is None:
+            if self.memory is None:
+                return self._plan_one(cells, positions, seq_ids)
+            return self._plan_one_window(cells, positions, seq_ids)
         cells._check_seq_array(seq_ids)
         if (positions < 0).any():
             raise GGMLValueError("positions must be >= 0")
@@ -586,6 +588,28 @@ class Causal:
         return ForwardPlan(positions, seq_ids, cell_ids, lo, hi, mask, False, trim, cells.n_cells,
                            _base=(cells, cells._version), _after=trial)
 
+    def _plan_one_window(self, cells: Cells, positions: np.ndarray, seq_ids: np.ndarray) -> ForwardPlan:
+        # one token into a sliding-window cache: the general path's eviction (each sequence trimmed at
+        # this token's position, or an idle one at its last + 1) decided from the per-sequence
+        # min/max; usually nothing or one cell goes, so only then is a trial copy trimmed
+        s, p = int(seq_ids[0]), int(positions[0])
+        if not 0 <= s < cells._n_seq_max or p < 0:
+            return self._plan_one(cells, positions, seq_ids)      # raises the usual error
+        lo, hi = cells._pos_min, cells._pos_max
+        at = hi.astype(np.int64) + 1
+        at[s] = p
+        evict = (lo >= 0) & (lo < at - self.memory)
+        if not evict.any():
+            return self._plan_one(cells, positions, seq_ids)
+        trial = cells.copy()
+        trial.trim_window({int(t): int(at[t]) for t in np.flatnonzero(evict)}, self.memory)
+        plan = self._plan_one(trial, positions, seq_ids)
+        trial._append_one(*plan._one)
+        # committed by apply() as a general plan whose planned state is ``trial``; the trim is replayed
+        # only if the cells changed in between
+        trim = {int(t): int(at[t]) for t in np.flatnonzero((hi >= 0) | (np.arange(hi.size) == s))}
+        return replace(plan, trim=trim, _base=(cells, cells._version), _after=trial, _one=None)
+
     def _plan_one(self, cells: Cells, positions: np.ndarray, seq_ids: np.ndarray) -> ForwardPlan:
         # start_forward for one token without eviction, from scalars and the current cells (no trial copy):
         # the same cell, range and mask as the general path, planned in C (_core._kv_plan_one)
@@ -603,15 +627,25 @@ class Causal:
 
     def apply(self, plan: ForwardPlan) -> None:
         """Commit a plan's metadata (eviction, then the new cells); all or nothing."""
+        self._stage(plan)()
+
+    def _stage(self, plan: ForwardPlan) -> Callable[[], None]:
+        """Check ``plan`` against the cells as they are; returns what commits it, which cannot fail
+        (a Wrapper stages every cache's plan before committing any)."""
         self._check_plan(plan)
         base, cells = plan._base, self._cells
         if plan._one is not None and base is not None and base[0] is cells and base[1] == cells._version:
-            object.__setattr__(plan, "_base", None)         # a plan commits once
-            cells._append_one(*plan._one)
-            return
+            def append() -> None:
+                # a current one-token plan is committed in place, not through a copy of the cells
+                object.__setattr__(plan, "_base", None)         # a plan commits once
+                cells._append_one(*plan._one)
+            return append
         trial = self._planned_cells(plan)
-        if trial is not None:
-            self._cells = trial
+
+        def swap() -> None:
+            if trial is not None:
+                self._cells = trial
+        return swap
 
     def _planned_cells(self, plan: ForwardPlan) -> Optional[Cells]:
         """The metadata after committing ``plan`` (None for a reserve plan); changes nothing."""

@@ -8,6 +8,7 @@ gemma-style models need); :class:`Encoder` stores K/V computed once per input
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
@@ -187,13 +188,8 @@ class Wrapper:
     def apply(self, plan: WrapperPlan) -> None:
         """Commit every cache's plan; all or nothing."""
         self._check_plan(plan)
-        staged = [c._planned_cells(p) for c, p in zip(self.caches, plan.plans)]
-        for c, p, cells in zip(self.caches, plan.plans, staged):
-            if isinstance(c, Causal):
-                if cells is not None:
-                    c._cells = cells
-            else:
-                c.apply(p)
+        for commit in [c._stage(p) for c, p in zip(self.caches, plan.plans)]:
+            commit()
 
     def put(self, ctx: Context, layer: int, plan: WrapperPlan, k: Tensor, v: Tensor, **kw):
         """:meth:`Causal.put` on the layer's cache."""
@@ -350,10 +346,10 @@ class Encoder:
         pos = int(positions[-1]) if pos is None else int(pos)
         return EncoderPlan(pos, bool(reserve))
 
-    def _planned_cells(self, plan) -> None:
+    def _stage(self, plan) -> Callable[[], None]:
         if not isinstance(plan, EncoderPlan):
             raise GGMLTypeError(f"plan must be an EncoderPlan, got {type(plan).__name__}")
-        return None
+        return lambda: self.apply(plan)
 
     def apply(self, plan: EncoderPlan) -> None:
         """Commit: after a non-reserve batch that stored K/V, the encoder output is cached."""

@@ -311,7 +311,8 @@ def _size_label(n: int) -> str:
 _LAYER_RE = re.compile(r"blk\.(\d+)\.")
 
 #: One weight the model reads: (name, ne, layer group, allowed types or None, op). ``op`` is
-#: ``"mul_mat"`` for weights only a matrix product reads (they may be repacked), else None.
+#: ``"mul_mat"`` for weights only a matrix product reads, ``"mul_mat_id"`` for a stack of experts only
+#: ``mul_mat_id`` reads (either may be repacked), else None.
 Expected = tuple[str, tuple, Any, Optional[tuple], Optional[str]]
 
 
@@ -355,6 +356,9 @@ class DecoderModel:
         Each fused weight and the file tensors it holds, in row order.
     tied_output : bool
         The file has no ``output.weight``: the head reuses ``token_embd.weight``.
+    copies : set of str
+        Weights that are a second copy of a file tensor (a tied head placed apart from the
+        embeddings, named ``output.weight``); :attr:`n_params` and :attr:`size` count the file's.
     has_rope_freqs : bool
         The file has ``rope_freqs.weight`` (RoPE frequency factors, llama 3.1).
 
@@ -386,12 +390,14 @@ class DecoderModel:
         self.weights = Weights(placement, max_tensors=len(expected) + 8, repack=repack)
         self.report: MemoryReport = self.weights.report
         self.fused: dict[str, tuple[str, ...]] = {}
+        self.copies: set[str] = set()
         try:
             for name, ne, _group, types, _op in expected:
                 self._check(reader, name, ne, types)
             used = {e[0] for e in expected}
             for name, ne, group, _types, op in self._fuse(reader, expected) if fuse else expected:
                 self.weights.add(name, reader.tensor_info(self.fused.get(name, (name,))[0]).type, ne, group, op=op)
+            self._copy_tied_head(reader)
             # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
             # a missing bias ...) do not describe the file, and the model would run without that weight
             unused = [t.name for t in reader.tensors if t.name not in used]
@@ -403,8 +409,10 @@ class DecoderModel:
         except BaseException:
             self.weights.close()
             raise
-        self.n_params = sum(int(np.prod(t.ne)) for t, _ in self.weights.tensors.values())
-        self.size = sum(t.nbytes for t, _ in self.weights.tensors.values())
+        # the file's weights (llama.cpp's model size and parameter count): a copied head is not one
+        stored = [t for name, (t, _) in self.weights.tensors.items() if name not in self.copies]
+        self.n_params = sum(int(np.prod(t.ne)) for t in stored)
+        self.size = sum(t.nbytes for t in stored)
         self.n_vocab = cfg.n_vocab
         ft = _FTYPE_NAMES.get(cfg.file_type) if cfg.file_type is not None else None
         if ft is None:
@@ -512,6 +520,21 @@ class DecoderModel:
             yield "output.weight", (c.n_embd, c.n_vocab), "output", None, "mul_mat"
         if self.has_rope_freqs:
             yield "rope_freqs.weight", (c.rope_dim // 2,), "input", (Type.F32,), None
+
+    def _copy_tied_head(self, reader) -> None:
+        """With tied embeddings, give the head its own copy of ``token_embd.weight`` where the product
+        would run elsewhere: on another device, or from an extra buffer type (a repacked Q4_0 head is
+        1.2x a token's generation on AVX-512). The embedding lookup (``get_rows``) keeps the plain
+        tensor. llama.cpp's loader duplicates a tied head the same way."""
+        if not self.tied_output:
+            return
+        c = self.config
+        ne, t = (c.n_embd, c.n_vocab), reader.tensor_info("token_embd.weight").type
+        if self.weights.where(t, ne, "output", "mul_mat") == self.weights.where(t, ne, "input"):
+            return
+        self.weights.add("output.weight", t, ne, "output", op="mul_mat")
+        self.fused["output.weight"] = ("token_embd.weight",)
+        self.copies.add("output.weight")
 
     def _fuse(self, reader, expected: list) -> list:
         """``expected`` with each layer's fusable weights (and biases) replaced by their concatenation.

@@ -177,9 +177,9 @@ class LlamaModel(PreNormDecoder):
             if c.n_expert:
                 # the router stays a plain matrix product; the experts are read by mul_mat_id
                 yield p + "ffn_gate_inp.weight", (c.n_embd, c.n_expert), i, None, "mul_mat"
-                yield p + "ffn_gate_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, None
-                yield p + "ffn_up_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, None
-                yield p + "ffn_down_exps.weight", (c.n_ff_exp, c.n_embd, c.n_expert), i, None, None
+                yield p + "ffn_gate_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, "mul_mat_id"
+                yield p + "ffn_up_exps.weight", (c.n_embd, c.n_ff_exp, c.n_expert), i, None, "mul_mat_id"
+                yield p + "ffn_down_exps.weight", (c.n_ff_exp, c.n_embd, c.n_expert), i, None, "mul_mat_id"
             else:
                 yield from self._expected_ffn(i)
 
