@@ -79,6 +79,7 @@ cdef class Graph:
     cdef list busy_ctxs       # contexts whose busy count this graph raised while busy
     cdef list written_ctxs    # the ones among them it holds as writer
     cdef unsigned long long serial   # unique per graph made: allocators recognise a graph by it
+    cdef object placed        # bytes: the tensors a Scheduler placed at its last allocation, their buffers
     cdef g.ggml_threadpool * tp   # kept between computes; rebuilt when n_threads changes
     cdef int tp_n
     cdef int _ensure(self) except -1

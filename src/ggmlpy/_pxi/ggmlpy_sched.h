@@ -58,4 +58,39 @@ static inline int ggmlpy_is_read(const struct ggml_cgraph * g, const struct ggml
     return 0;
 }
 
+/* A graph a scheduler allocated keeps its tensors' data pointers. Allocated again after another
+   graph (a pooled graph reused), ggml would take those tensors as placed by someone else and plan
+   only the rest, its fresh copies of split inputs among them, into memory those tensors still
+   occupy: a copy overwritten before it is read (an RPC server aborting on an index read from it).
+   So the tensors an allocation places are recorded (ggmlpy_unplaced, before it; their buffers
+   after it) and lose their memory again before the graph is planned anew (ggmlpy_unplace). */
+
+/* The tensors of g without memory (no data, no buffer): those an allocation places. Writes the first
+   cap of them to out (out may be NULL) and returns how many there are. */
+static inline size_t ggmlpy_unplaced(const struct ggml_cgraph * g, struct ggml_tensor ** out, size_t cap) {
+    size_t n = 0;
+    int k, i;
+    for (k = 0; k < 2; k++) {
+        int m = k == 0 ? g->n_leafs : g->n_nodes;
+        for (i = 0; i < m; i++) {
+            struct ggml_tensor * t = k == 0 ? g->leafs[i] : g->nodes[i];
+            if (t->data != NULL || t->buffer != NULL) continue;
+            if (out != NULL && n < cap) out[n] = t;
+            n++;
+        }
+    }
+    return n;
+}
+/* rec: n tensors, then the buffer each was placed in. Those still in that buffer lose their memory. */
+static inline void ggmlpy_unplace(void * const * rec, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        struct ggml_tensor * t = (struct ggml_tensor *) rec[i];
+        if (rec[n + i] != NULL && (void *) t->buffer == rec[n + i]) {
+            t->data = NULL;
+            t->buffer = NULL;
+        }
+    }
+}
+
 #endif /* GGMLPY_SCHED_H */

@@ -8,6 +8,8 @@ cdef extern from "ggmlpy_sched.h":
     ctypedef struct ggmlpy_saved_srcs
     ggmlpy_saved_srcs * ggmlpy_srcs_save(g.ggml_cgraph * gr) nogil
     void ggmlpy_srcs_restore(ggmlpy_saved_srcs * s, int restore) nogil
+    size_t ggmlpy_unplaced(g.ggml_cgraph * gr, g.ggml_tensor ** out, size_t cap) noexcept nogil
+    void ggmlpy_unplace(void ** rec, size_t n) noexcept nogil
 
 GGML_SCHED_MAX_BACKENDS = 16
 
@@ -232,6 +234,7 @@ cdef class Scheduler(_Allocator):
         self._ready("sched_reserve")
         self._check_graph(graph, "sched_reserve")
         self._reset()
+        self._unplace(graph)
         saved = ggmlpy_srcs_save(graph.ptr)
         if saved == NULL:
             raise GGMLMemoryError("sched_reserve: out of host memory")
@@ -273,6 +276,7 @@ cdef class Scheduler(_Allocator):
             self._check_graph(graph, "sched_reserve_size")
             n = len(self.backends)
             self._reset()
+            self._unplace(graph)
             saved = ggmlpy_srcs_save(graph.ptr)
             if saved == NULL:
                 raise GGMLMemoryError("sched_reserve_size: out of host memory")
@@ -313,14 +317,24 @@ cdef class Scheduler(_Allocator):
     cdef int _alloc(self, Graph graph, bint mark_busy) except -1:
         cdef bint ok
         cdef uint64_t mask
+        cdef size_t n, i
+        cdef void ** rec
         self._ready("sched_alloc_graph")
         self._check_graph(graph, "sched_alloc_graph")
+        if self.allocated is None or self.allocated[0] is not graph:
+            # allocated before, then another graph: plan all of it again (ggmlpy_sched.h)
+            self._unplace(graph)
         if self.need_reserve or self.shape != (graph.serial, graph.ptr.n_nodes, graph.ptr.n_leafs):
             # ggml re-plans by itself only when the node count changes and would otherwise place
             # leafs with another graph's plan (an abort or a crash): plan for this graph first
             self._reserve(graph, mark_busy)
         self._reset()
         mask = graph._unallocated_mask()
+        # the tensors this allocation places, then (once placed) their buffers: see _unplace
+        n = ggmlpy_unplaced(graph.ptr, NULL, 0)
+        placed = PyBytes_FromStringAndSize(NULL, 2 * n * sizeof(void *))
+        rec = <void **> PyBytes_AS_STRING(placed)
+        ggmlpy_unplaced(graph.ptr, <g.ggml_tensor **> rec, n)
         before = self._sizes()
         self.saved = ggmlpy_srcs_save(graph.ptr)
         if self.saved == NULL:
@@ -351,7 +365,18 @@ cdef class Scheduler(_Allocator):
             self.allocated = None
             _rpc_check("sched_alloc_graph")
             raise GGMLMemoryError("sched_alloc_graph: could not allocate the graph's compute buffers")
+        for i in range(n):
+            rec[n + i] = <void *> (<g.ggml_tensor *> rec[i]).buffer
+        graph.placed = placed
         self._stamp(graph, mask)
+        return 0
+
+    cdef int _unplace(self, Graph graph) except -1:
+        # The tensors this graph's last allocation placed lose their memory (ggmlpy_sched.h).
+        cdef bytes rec = graph.placed
+        if rec is not None:
+            graph.placed = None
+            ggmlpy_unplace(<void **> PyBytes_AS_STRING(rec), len(rec) // (2 * sizeof(void *)))
         return 0
 
     def is_allocated(self, Graph graph not None):
