@@ -14,7 +14,8 @@ report exists before any data is read) and then loads the data with progress.
 * one module per architecture family, each a :class:`DecoderModel` registered with :func:`register`:
   :mod:`~ggmlpy.models.llama` (llama, mistral, qwen2; Mixtral: a llama file with experts),
   :mod:`~ggmlpy.models.qwen3` (qwen3, qwen3moe), :mod:`~ggmlpy.models.gemma` (gemma2, gemma3 text:
-  sliding-window layers through a :class:`~ggmlpy.kvcache.Wrapper` cache), :mod:`~ggmlpy.models.phi3`,
+  sliding-window layers through a :class:`~ggmlpy.kvcache.Wrapper` cache), :mod:`~ggmlpy.models.gptoss`
+  (gpt-oss: attention sinks, biased experts, alternating window layers), :mod:`~ggmlpy.models.phi3`,
   :mod:`~ggmlpy.models.olmo2`, :mod:`~ggmlpy.models.granite`;
 * :mod:`~ggmlpy.models.load`: :func:`load_model`;
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
@@ -22,7 +23,7 @@ report exists before any data is read) and then loads the data with progress.
 
 from __future__ import annotations
 
-from . import gemma, granite, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
+from . import gemma, gptoss, granite, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
 from .base import (
            ARCHITECTURES,
            BuiltGraph,

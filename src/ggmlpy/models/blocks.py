@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from ggmlpy._core import Context, GGMLValueError, Tensor
 
-__all__ = ["GLU", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope", "softcap"]
+__all__ = ["GLU", "SWIGLU_OAI", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope", "softcap"]
 
 #: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
 #: gate and up). Both apply the activation to the gate and multiply by up; "gelu" is the tanh
@@ -107,7 +107,7 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
 
 
 def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-              flash_attn: bool, logit_softcap: float = 0.0) -> Tensor:
+              flash_attn: bool, logit_softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
     """Write this batch's ``k`` and ``v`` into the cache and attend ``q`` over what the cache shows.
 
     ``memory`` is the graph's view of the cache (``cache.forward(ctx, plan)``): the layer's K/V go in
@@ -127,6 +127,10 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     logit_softcap : float
         When non-zero, the scaled logits are capped to ``logit_softcap * tanh(logits / logit_softcap)``
         before the mask and the softmax (gemma2; :func:`softcap`).
+    sinks : Tensor, optional
+        Attention sinks (gpt-oss): F32 ``ne = (n_head,)``, one learned logit per head that joins every
+        query's softmax as if it were one more key, with no value: ``softmax([logits, sink])`` with the
+        sink's share dropped, so a head may attend to nothing.
 
     Returns
     -------
@@ -137,14 +141,14 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
-    # Attention sinks would enter here: flash_attn_ext and soft_max_ext both take sinks=.
     if flash_attn:
-        o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap)   # (head_dim, n_head, n)
+        o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap,
+                               sinks=sinks)                                      # (head_dim, n_head, n)
         return ctx.reshape(o, (head_dim * n_head, n))
     kq = ctx.mul_mat(kv_k, qp)                                      # (n_kv, n, n_head)
     if logit_softcap:
         kq, scale = softcap(ctx, kq, logit_softcap, scale), 1.0      # capped before the mask is added
-    kq = ctx.soft_max_ext(kq, mask, scale=scale)
+    kq = ctx.soft_max_ext(kq, mask, scale=scale, sinks=sinks)
     if memory.v_trans:
         o = ctx.mul_mat(kv_v, kq)                                   # (head_dim, n, n_head)
     else:
@@ -190,37 +194,70 @@ def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu") -> Ten
     return ctx.mul_mat(w[prefix + "ffn_down.weight"], h)
 
 
-def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, norm_weights: bool = True,
-            act: str = "silu") -> Tensor:
-    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``), softmax gating (mixtral, qwen3moe).
+#: gpt-oss's clamped SwiGLU (``act="swiglu_oai"`` of :func:`moe_ffn`): (alpha, limit). llama.cpp builds it with
+#: these constants; the HF config's ``swiglu_alpha`` and ``swiglu_limit`` default to them.
+SWIGLU_OAI = (1.702, 7.0)
 
-    Each token's router logits (``{prefix}ffn_gate_inp.weight``, ``ne = (n_embd, n_expert)``) go
-    through a softmax; the ``n_expert_used`` most probable experts each run a gated feed-forward
+
+def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, norm_weights: bool = True,
+            act: str = "silu", gating: str = "softmax", swiglu_oai: tuple = SWIGLU_OAI) -> Tensor:
+    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss.
+
+    Each token's router logits (``{prefix}ffn_gate_inp.weight``, ``ne = (n_embd, n_expert)``, plus
+    ``ffn_gate_inp.bias`` where ``w`` has it) choose ``n_expert_used`` experts, each a gated feed-forward
     (``ffn_gate_exps``, ``ffn_up_exps``: ``ne = (n_embd, n_ff, n_expert)``; ``ffn_down_exps``:
-    ``(n_ff, n_embd, n_expert)``) through ``mul_mat_id``, and their outputs are summed, weighted by
-    those probabilities, renormalised to sum to 1 with ``norm_weights``.
+    ``(n_ff, n_embd, n_expert)``; each plus its ``.bias``, ``ne = (rows, n_expert)``, where ``w`` has it,
+    added per chosen expert with ``add_id``) run through ``mul_mat_id``; their outputs are summed, weighted.
+
+    ``gating``:
+
+    * ``"softmax"`` (mixtral, qwen3moe): the softmax over all experts; the most probable are chosen and
+      weighted by their probabilities, renormalised to sum to 1 with ``norm_weights``;
+    * ``"softmax_weight"`` (gpt-oss): the largest logits are chosen and weighted by the softmax over
+      the chosen ones only (llama.cpp's ``SOFTMAX_WEIGHT``; they sum to 1 already).
+
+    ``act``: ``"silu"`` or ``"gelu"`` (:data:`GLU`), or ``"swiglu_oai"``: gpt-oss's SwiGLU with the gate
+    clamped above and up on both sides at ``limit``, ``gate * sigmoid(alpha * gate) * (up + 1)``, with
+    ``swiglu_oai = (alpha, limit)``.
 
     Returns
     -------
     Tensor
         ``ne = (n_embd, n)``.
     """
-    _, split = _glu(act)
+    if act == "swiglu_oai":
+        alpha, limit = swiglu_oai
+
+        def split(ctx, g, u):
+            return ctx.swiglu_oai(g, u, alpha, limit)
+    else:
+        _, split = _glu(act)
+    if gating not in ("softmax", "softmax_weight"):
+        raise GGMLValueError(f"moe_ffn: gating {gating!r} is not supported (softmax, softmax_weight)")
     n_embd, n = cur.ne[0], cur.ne[1]
     k = int(n_expert_used)
-    probs = ctx.soft_max(ctx.mul_mat(w[prefix + "ffn_gate_inp.weight"], cur))      # (n_expert, n)
-    n_expert = probs.ne[0]
+    logits = ctx.mul_mat(w[prefix + "ffn_gate_inp.weight"], cur)                   # (n_expert, n)
+    if prefix + "ffn_gate_inp.bias" in w:
+        logits = ctx.add(logits, w[prefix + "ffn_gate_inp.bias"])
+    n_expert = logits.ne[0]
     if not 1 <= k <= n_expert:
         raise GGMLValueError(f"moe_ffn: n_expert_used must be in [1, {n_expert}] (got {k})")
+    probs = ctx.soft_max(logits) if gating == "softmax" else logits
     chosen = ctx.top_k(probs, k)                                                     # (k, n) i32
     weights = ctx.get_rows(ctx.reshape(probs, (1, n_expert, n)), chosen)            # (1, k, n)
-    if norm_weights:
+    if gating == "softmax_weight":
+        weights = ctx.reshape(ctx.soft_max(ctx.reshape(weights, (k, n))), (1, k, n))
+    elif norm_weights:
         weights = ctx.reshape(weights, (k, n))
         weights = ctx.reshape(ctx.div(weights, ctx.sum_rows(weights)), (1, k, n))
     x = ctx.reshape(cur, (n_embd, 1, n))            # one input row per token, shared by its experts
-    h = split(ctx, ctx.mul_mat_id(w[prefix + "ffn_gate_exps.weight"], x, chosen),
-              ctx.mul_mat_id(w[prefix + "ffn_up_exps.weight"], x, chosen))             # (n_ff, k, n)
-    experts = ctx.mul(ctx.mul_mat_id(w[prefix + "ffn_down_exps.weight"], h, chosen), weights)   # (n_embd, k, n)
+
+    def experts_of(name, inp):
+        y = ctx.mul_mat_id(w[f"{prefix}{name}.weight"], inp, chosen)               # (rows, k, n)
+        return ctx.add_id(y, w[f"{prefix}{name}.bias"], chosen) if f"{prefix}{name}.bias" in w else y
+
+    h = split(ctx, experts_of("ffn_gate_exps", x), experts_of("ffn_up_exps", x))      # (n_ff, k, n)
+    experts = ctx.mul(experts_of("ffn_down_exps", h), weights)                       # (n_embd, k, n)
     # the sum over the k experts: views of one expert's rows across the tokens, added
     out = None
     for i in range(k):
