@@ -127,10 +127,10 @@ def test_the_factors_follow_the_context_as_in_llama_cpp(phi3, ref):
         for n_ctx, want, name in ((ORIG, short, "short"), (64, ref[:ORIG], "long")):
             with Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32") as rt:
                 assert isinstance(rt.cache, ContextCache) and rt.cache.n_ctx_seq == n_ctx
-                assert model.rope_factors(rt.cache) is model.weights[f"rope_factors_{name}.weight"]
+                assert model.rope_factors(rt.cache, 0) is model.weights[f"rope_factors_{name}.weight"]
                 err = errors(rt.decode(prompt, logits="all"), want)
             assert err.max() <= TOL, (n_ctx, err)
-        assert model.rope_factors(None) is model.weights["rope_factors_short.weight"]
+        assert model.rope_factors(None, 1) is model.weights["rope_factors_short.weight"]
 
 
 def test_longrope_scaling_type_and_separate_qkv_are_read(phi3, ref, tmp_path):

@@ -16,8 +16,10 @@ full one holding layers on each side). Then the same runner session, F32 cache, 
   pool, allocated again after another graph. Before the fix in ``Scheduler._alloc``
   (``ggmlpy_unplace`` in ggmlpy_sched.h) ggml re-planned only the scheduler's fresh copies of split
   inputs around the stale addresses of the graph's own tensors, and a copy was overwritten before it
-  was read: phi3 (its LongRoPE factors stay with the input on the CPU, so each remote layer is several
-  splits on the server) crashed the server on an out-of-range ``get_rows`` index.
+  was read: phi3 (its LongRoPE factors then stayed with the input on the CPU, so each remote layer was
+  several splits on the server) crashed the server on an out-of-range ``get_rows`` index. The server now
+  holds its own copy of the factors (``DecoderModel._copy_to_layer_devices``), and each side of a split
+  is one split of the graph.
 
 Sources: llama (4 layers), Mixtral (a llama file with experts), qwen3, qwen3moe and gemma3 (13 layers:
 local 0-4, global 5, local 6-10, global 11, local 12; window 8) are ggmlpy's synthetic files, rewritten
@@ -194,7 +196,21 @@ def test_split_equals_cpu(name, files, rpc_server):  # noqa: F811
         cpu_groups = {g for g, b in model.report.devices["CPU"].weights.items() if b}
         assert cpu_groups == {"input"} | (set(range(n)) - on_server) | ({"output"} if ngl <= n else set())
 
+        if name == "phi3":
+            # the LongRoPE factors every layer reads: a copy on the server, which its layers read
+            for f in ("rope_factors_short.weight", "rope_factors_long.weight"):
+                copy = f"{f}@{remote.name}"
+                assert copy in model.copies and model.fused[copy] == (f,)
+                assert not model.weights[copy].is_host and model.weights[f].is_host
+                for i in range(n):
+                    assert model.layer_weight(f, i) is model.weights[copy if i in on_server else f], i
+            assert model.n_params == sum(int(np.prod(t.ne)) for k, (t, _g) in model.weights.tensors.items()
+                                         if k not in model.copies)
+
         def check(rt):
+            # no layer reaches back to the input's device: the layers on each side are one split each
+            # (phi3's factors on the CPU alone made every remote layer several)
+            assert rt.rt.stats["tg"][1] <= 3 and rt.rt.stats["pp"][1] <= 3, rt.rt.stats
             cache = rt.memory_report().devices
             assert {g for g, b in cache[remote.name].cache.items() if b} == on_server
             assert {g for g, b in cache["CPU"].cache.items() if b} == set(range(n)) - on_server

@@ -372,6 +372,10 @@ class DecoderModel:
     #: What :meth:`_fuse` concatenates in each layer: the fused name and its parts, in row order. The
     #: blocks :func:`~ggmlpy.models.blocks.qkv` and :func:`~ggmlpy.models.blocks.ffn_glu` read either form.
     FUSIONS: ClassVar[tuple] = (("attn_qkv", ("attn_q", "attn_k", "attn_v")), ("ffn_gate_up", ("ffn_gate", "ffn_up")))
+    #: Tensors of the input group that every layer reads: a device running layers gets its own copy
+    #: (:meth:`_copy_to_layer_devices`).
+    LAYER_SHARED: ClassVar[tuple[str, ...]] = ("rope_freqs.weight", "rope_factors_short.weight",
+                                               "rope_factors_long.weight")
     #: Graph nodes a layer may use (sizes the graph, see :meth:`graph_size`).
     NODES_PER_LAYER: ClassVar[int] = 64
 
@@ -391,6 +395,7 @@ class DecoderModel:
         self.report: MemoryReport = self.weights.report
         self.fused: dict[str, tuple[str, ...]] = {}
         self.copies: set[str] = set()
+        self._on_device: dict[str, dict[str, str]] = {}
         try:
             for name, ne, _group, types, _op in expected:
                 self._check(reader, name, ne, types)
@@ -398,6 +403,7 @@ class DecoderModel:
             for name, ne, group, _types, op in self._fuse(reader, expected) if fuse else expected:
                 self.weights.add(name, reader.tensor_info(self.fused.get(name, (name,))[0]).type, ne, group, op=op)
             self._copy_tied_head(reader)
+            self._copy_to_layer_devices(reader, self.LAYER_SHARED)
             # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
             # a missing bias ...) do not describe the file, and the model would run without that weight
             unused = [t.name for t in reader.tensors if t.name not in used]
@@ -535,6 +541,27 @@ class DecoderModel:
         self.weights.add("output.weight", t, ne, "output", op="mul_mat")
         self.fused["output.weight"] = ("token_embd.weight",)
         self.copies.add("output.weight")
+
+    def _copy_to_layer_devices(self, reader, names) -> None:
+        """Give every device that runs layers, other than the input's, its own copy of these small
+        tensors that every layer reads (RoPE factors), so that no layer's graph reaches back to the input
+        device: each such read would cut the layer into another split there (phi3 over RPC: several per
+        layer). llama.cpp's loader duplicates them per layer; one copy per device is enough. The copy is
+        named ``name@device`` and listed in :attr:`copies`; :meth:`layer_weight` picks it."""
+        home = self.placement.device_of("input").name
+        for name in names:
+            if name not in self.weights:
+                continue
+            t = self.weights[name]
+            for il in range(self.config.n_layer):
+                dev = self.placement.device_of(il).name
+                if dev == home or dev in self._on_device.get(name, {}):
+                    continue
+                copy = f"{name}@{dev}"
+                self.weights.add(copy, t.type, (t.ne[0],), il)          # RoPE factors are vectors
+                self.fused[copy] = (name,)
+                self.copies.add(copy)
+                self._on_device.setdefault(name, {})[dev] = copy
 
     def _fuse(self, reader, expected: list) -> list:
         """``expected`` with each layer's fusable weights (and biases) replaced by their concatenation.
@@ -683,15 +710,22 @@ class DecoderModel:
 
     # ------------------------------------------------------------------ graph
 
-    def rope(self, ctx: Context, x: Tensor, pos: Tensor) -> Tensor:
-        """RoPE of ``x`` at ``pos`` with the model's settings (and ``rope_freqs.weight`` if the file has it)."""
-        ff = self.weights["rope_freqs.weight"] if self.has_rope_freqs else None
+    def rope(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
+        """RoPE of ``x`` at ``pos`` in ``layer`` with the model's settings (and ``rope_freqs.weight`` if the file
+        has it)."""
+        ff = self.layer_weight("rope_freqs.weight", layer) if self.has_rope_freqs else None
         return blocks.rope(ctx, x, pos, self.config, ff)
 
     def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
         """The cache's key shift: a rotation by the position delta, with the forward pass's frequencies."""
-        ff = self.weights["rope_freqs.weight"] if self.has_rope_freqs else None
+        ff = self.layer_weight("rope_freqs.weight", layer) if self.has_rope_freqs else None
         return blocks.rope_shift(ctx, k, offsets, self.config, ff)
+
+    def layer_weight(self, name: str, layer: int) -> Tensor:
+        """Weight ``name`` as ``layer`` reads it: the copy on the layer's device where it has one
+        (:meth:`_copy_to_layer_devices`), else the weight itself."""
+        copy = self._on_device.get(name, {}).get(self.placement.device_of(layer).name)
+        return self.weights[copy or name]
 
     def graph_size(self) -> int:
         """Nodes plus leafs a forward graph may use (with headroom)."""
@@ -789,9 +823,9 @@ class PreNormDecoder(DecoderModel):
     A subclass lists its tensors and changes the two hooks where its architecture differs.
     """
 
-    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
-        """Q and K (``ne = (head_dim, heads, n)``) as attention takes them: with RoPE at ``pos``."""
-        return self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+    def _qk(self, ctx: Context, layer: int, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
+        """Q and K (``ne = (head_dim, heads, n)``) of ``layer`` as attention takes them: with RoPE at ``pos``."""
+        return self.rope(ctx, q, pos, layer), self.rope(ctx, k, pos, layer)
 
     def _ffn(self, ctx: Context, prefix: str, cur: Tensor) -> Tensor:
         """The feed-forward of the normed ``cur``: SwiGLU."""
@@ -806,7 +840,7 @@ class PreNormDecoder(DecoderModel):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
-            q, k = self._qk(ctx, p, q, k, pos, memory)
+            q, k = self._qk(ctx, il, q, k, pos, memory)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:

@@ -124,7 +124,7 @@ class GraniteModel(DecoderModel):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
-            q, k = self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+            q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if self.out_bias:

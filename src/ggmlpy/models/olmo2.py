@@ -82,7 +82,7 @@ class Olmo2Model(DecoderModel):
             q, k, v = blocks.qkv(ctx, w, p, x, c.n_head, c.n_head_kv, c.head_dim)
             q = _flat_rms_norm(ctx, q, w[p + "attn_q_norm.weight"], c.rms_eps)
             k = _flat_rms_norm(ctx, k, w[p + "attn_k_norm.weight"], c.rms_eps)
-            q, k = self.rope(ctx, q, pos), self.rope(ctx, k, pos)
+            q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:

@@ -115,14 +115,14 @@ class Phi3Model(PreNormDecoder):
 
     # ------------------------------------------------------------------ RoPE
 
-    def rope_factors(self, cache) -> Optional[Tensor]:
+    def rope_factors(self, cache, layer: int) -> Optional[Tensor]:
         """The LongRoPE factors for ``cache``: long when its context per sequence (:attr:`ContextCache.n_ctx_seq`)
         exceeds ``rope.scaling.original_context_length``, else short (short too for a cache that does not
-        say); None when the file has not that set."""
+        say); None when the file has not that set. The copy on ``layer``'s device where it has one."""
         n_ctx = getattr(cache, "n_ctx_seq", None)
         name = ("rope_factors_long.weight" if n_ctx is not None and n_ctx > self.config.n_ctx_orig
                 else "rope_factors_short.weight")
-        return self.weights[name] if name in self.longrope else None
+        return self.layer_weight(name, layer) if name in self.longrope else None
 
     def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True) -> ContextCache:
         """A :class:`ContextCache` over every layer, with the model's sliding window (see
@@ -138,13 +138,14 @@ class Phi3Model(PreNormDecoder):
                              window=window, padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
                              v_trans=not flash_attn)
         ref = weakref.ref(cache)        # the cache holds its shift function: no reference cycle
-        cache.shift_fn = lambda ctx, layer, k, offsets: blocks.rope_shift(ctx, k, offsets, c, self.rope_factors(ref()))
+        cache.shift_fn = lambda ctx, layer, k, offsets: blocks.rope_shift(ctx, k, offsets, c,
+                                                                          self.rope_factors(ref(), layer))
         return cache
 
     # ------------------------------------------------------------------ graph
 
-    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
-        factors = self.rope_factors(getattr(memory, "cache", None))
+    def _qk(self, ctx: Context, layer: int, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
+        factors = self.rope_factors(getattr(memory, "cache", None), layer)
         return blocks.rope(ctx, q, pos, self.config, factors), blocks.rope(ctx, k, pos, self.config, factors)
 
     def _ffn(self, ctx: Context, prefix: str, cur: Tensor) -> Tensor:

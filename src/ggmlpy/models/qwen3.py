@@ -59,8 +59,8 @@ class Qwen3Model(LlamaModel):
             yield self._expected_norm(i, "attn_q_norm", c.head_dim)
             yield self._expected_norm(i, "attn_k_norm", c.head_dim)
 
-    def _qk(self, ctx: Context, prefix: str, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
-        w, eps = self.weights, self.config.rms_eps
-        q = blocks.rms_norm(ctx, q, w[prefix + "attn_q_norm.weight"], eps)
-        k = blocks.rms_norm(ctx, k, w[prefix + "attn_k_norm.weight"], eps)
-        return super()._qk(ctx, prefix, q, k, pos, memory)
+    def _qk(self, ctx: Context, layer: int, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
+        w, eps, p = self.weights, self.config.rms_eps, f"blk.{layer}."
+        q = blocks.rms_norm(ctx, q, w[p + "attn_q_norm.weight"], eps)
+        k = blocks.rms_norm(ctx, k, w[p + "attn_k_norm.weight"], eps)
+        return super()._qk(ctx, layer, q, k, pos, memory)
