@@ -41,7 +41,7 @@ from ggmlpy.gguf import (
     meta_str,
     open_data,
 )
-from ggmlpy.kvcache import Causal
+from ggmlpy.kvcache import Causal, Wrapper
 
 from . import blocks
 from .base import BuiltGraph, UnknownArchitecture
@@ -929,3 +929,48 @@ def _check_sample(f, info, path: str) -> None:
             raise GGUFError(f"{path}: tensor {info.name!r} does not look like {t.name} data: the median magnitude "
                             f"of its sampled values is {med:.3g}, outside [{lo:g}, {hi:g}] (data of another type "
                             "labelled as this one?)")
+
+
+class LocalGlobalDecoder(DecoderModel):
+    """A decoder whose layers are local (a sliding window, their own RoPE) or global: gemma2, gemma3,
+    gpt-oss. The config says which (``swa_layers``: one bool per layer) and gives a local layer's RoPE
+    settings (``rope_of(layer)``).
+
+    The cache is a :class:`~ggmlpy.kvcache.Wrapper` of a sliding-window :class:`~ggmlpy.kvcache.Causal`
+    (the local layers; it keeps only the window) and a full one (the global layers), each shifting keys
+    with its layers' own RoPE; with one kind of layer only, that cache alone.
+    """
+
+    def _inspect(self, reader) -> None:
+        super()._inspect(reader)
+        local = None
+        self._rope = []                   # each layer's RoPE settings (the local ones made once)
+        for il, swa in enumerate(self.config.swa_layers):
+            if swa and local is None:
+                local = self.config.rope_of(il)
+            self._rope.append(local if swa else self.config)
+
+    def rope(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
+        """RoPE of ``x`` at ``pos`` with ``layer``'s settings (local or global base and scale)."""
+        return blocks.rope(ctx, x, pos, self._rope[layer])
+
+    def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
+        """The cache's key shift for model layer ``layer``: RoPE by the position delta, with that layer's base."""
+        return blocks.rope_shift(ctx, k, offsets, self._rope[layer])
+
+    def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True):
+        """This model's cache, not yet allocated (see :meth:`DecoderModel.new_cache` and the class)."""
+        c = self.config
+        kv = c.head_dim * c.n_head_kv
+        caches, index = [], {}
+        for local in (True, False):
+            n = sum(1 for s in c.swa_layers if s == local)
+            if n:
+                index[local] = len(caches)
+                # the cache's window excludes the token itself
+                caches.append(Causal(n, kv, kv, type_k, dtype_v=type_v, window=c.sliding_window - 1 if local else None,
+                                     padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
+                                     shift_fn=self.shift_fn, v_trans=not flash_attn))
+        if len(caches) == 1:
+            return caches[0]
+        return Wrapper(caches, [index[s] for s in c.swa_layers])

@@ -27,7 +27,7 @@ writes no pattern. A gemma3 file without a window has only global layers. Local 
 ``rope.freq_base_swa`` (gemma3: the HF config's ``rope_local_base_freq``, default 10000, and no RoPE
 scaling; gemma2: the global settings), global ones with ``rope.freq_base`` and the file's scaling.
 
-The cache recipe (:meth:`GemmaModel.new_cache`) follows: a :class:`~ggmlpy.kvcache.Wrapper` of a
+The cache recipe (:class:`~ggmlpy.models.decoder.LocalGlobalDecoder`) follows: a :class:`~ggmlpy.kvcache.Wrapper` of a
 sliding-window :class:`~ggmlpy.kvcache.Causal` for the local layers (memory: the window, so long
 prompts evict) and a full one for the global layers, each shifting keys with its layers' own RoPE.
 """
@@ -41,13 +41,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ggmlpy._core import Context, RopeType, Tensor, Type
+from ggmlpy._core import Context, RopeType, Tensor
 from ggmlpy.gguf import MetadataError, MetadataTypeError
-from ggmlpy.kvcache import Causal, Wrapper
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_LAYERS, DecoderConfig, DecoderModel, MetaReader
+from .decoder import _MAX_LAYERS, DecoderConfig, LocalGlobalDecoder, MetaReader
 
 __all__ = ["GemmaConfig", "GemmaModel"]
 
@@ -141,7 +140,7 @@ class GemmaConfig(DecoderConfig):
 
 
 @register(*GemmaConfig.ROPE_TYPES)
-class GemmaModel(DecoderModel):
+class GemmaModel(LocalGlobalDecoder):
     """A gemma2 or gemma3 model (see the module docstring and :class:`~ggmlpy.models.decoder.DecoderModel`).
 
     Attributes
@@ -158,12 +157,6 @@ class GemmaModel(DecoderModel):
     def _inspect(self, reader) -> None:
         super()._inspect(reader)
         self.qk_norm = self.config.arch == "gemma3"
-        local = None
-        self._rope = []                   # each layer's RoPE settings (the local ones made once)
-        for il, swa in enumerate(self.config.swa_layers):
-            if swa and local is None:
-                local = self.config.rope_of(il)
-            self._rope.append(local if swa else self.config)
 
     def _expected(self):
         c = self.config
@@ -176,36 +169,6 @@ class GemmaModel(DecoderModel):
             yield from self._expected_ffn(i)
             yield self._expected_norm(i, "post_ffw_norm")
 
-    def rope_layer(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
-        """RoPE of ``x`` at ``pos`` with ``layer``'s settings (local or global base and scale)."""
-        return blocks.rope(ctx, x, pos, self._rope[layer])
-
-    def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
-        """The cache's key shift for model layer ``layer``: RoPE by the position delta, with that layer's base."""
-        return blocks.rope_shift(ctx, k, offsets, self._rope[layer])
-
-    def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True):
-        """This model's cache, not yet allocated (see :meth:`DecoderModel.new_cache`).
-
-        With local and global layers, a :class:`~ggmlpy.kvcache.Wrapper` of a sliding-window
-        :class:`~ggmlpy.kvcache.Causal` (the local layers) and a full one (the global layers); with one
-        kind only, that cache alone. Both shift keys with :meth:`shift_fn` (each layer its own RoPE).
-        """
-        c = self.config
-        kv = c.head_dim * c.n_head_kv
-        caches, index = [], {}
-        for local in (True, False):
-            n = sum(1 for s in c.swa_layers if s == local)
-            if n:
-                index[local] = len(caches)
-                # the cache's window excludes the token itself
-                caches.append(Causal(n, kv, kv, type_k, dtype_v=type_v, window=c.sliding_window - 1 if local else None,
-                                     padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
-                                     shift_fn=self.shift_fn, v_trans=not flash_attn))
-        if len(caches) == 1:
-            return caches[0]
-        return Wrapper(caches, [index[s] for s in c.swa_layers])
-
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
                  embeddings: bool) -> Tensor:
         c, w, eps = self.config, self.weights, self.config.rms_eps
@@ -217,7 +180,7 @@ class GemmaModel(DecoderModel):
             if self.qk_norm:
                 q = blocks.rms_norm(ctx, q, w[p + "attn_q_norm.weight"], eps)
                 k = blocks.rms_norm(ctx, k, w[p + "attn_k_norm.weight"], eps)
-            q, k = self.rope_layer(ctx, q, pos, il), self.rope_layer(ctx, k, pos, il)
+            q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=c.attn_scale, flash_attn=flash_attn,
                                  logit_softcap=c.attn_softcap)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)

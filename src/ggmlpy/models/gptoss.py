@@ -39,7 +39,7 @@ Expert weights: the released models store them in MXFP4, which the converter cop
 float weights (a random model) it writes them in the ``--outtype`` (F32, F16, Q8_0), biases, sinks and
 router in F32. Any type ggml's ``mul_mat_id`` takes is read.
 
-The cache recipe (:meth:`GptOssModel.new_cache`) is gemma's: a :class:`~ggmlpy.kvcache.Wrapper` of a
+The cache recipe (:class:`~ggmlpy.models.decoder.LocalGlobalDecoder`) is gemma's: a :class:`~ggmlpy.kvcache.Wrapper` of a
 sliding-window :class:`~ggmlpy.kvcache.Causal` for the local layers (it keeps only the window) and a full
 one for the global layers, each shifting keys with its layers' own RoPE.
 """
@@ -55,11 +55,10 @@ import numpy as np
 
 from ggmlpy._core import Context, RopeType, Tensor, Type
 from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
-from ggmlpy.kvcache import Causal, Wrapper
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_CTX, _MAX_EMBD, DecoderConfig, DecoderModel, MetaReader
+from .decoder import _MAX_CTX, _MAX_EMBD, DecoderConfig, LocalGlobalDecoder, MetaReader
 from .gemma import GemmaConfig
 
 __all__ = ["GptOssConfig", "GptOssModel"]
@@ -185,7 +184,7 @@ class GptOssConfig(DecoderConfig):
 
 
 @register(*GptOssConfig.ROPE_TYPES)
-class GptOssModel(DecoderModel):
+class GptOssModel(LocalGlobalDecoder):
     """A gpt-oss model (see the module docstring and :class:`~ggmlpy.models.decoder.DecoderModel`).
 
     Attributes
@@ -216,12 +215,6 @@ class GptOssModel(DecoderModel):
     def _inspect(self, reader) -> None:
         super()._inspect(reader)
         self.qkv_bias = "blk.0.attn_q.bias" in reader
-        local = None
-        self._rope = []                   # each layer's RoPE settings (the local ones made once)
-        for il, swa in enumerate(self.config.swa_layers):
-            if swa and local is None:
-                local = self.config.rope_of(il)
-            self._rope.append(local if swa else self.config)
 
     def _expected(self):
         c = self.config
@@ -245,36 +238,6 @@ class GptOssModel(DecoderModel):
         # the sum over the experts adds one view and add per expert used
         return super().graph_size() + self.config.n_layer * 2 * self.config.n_expert_used
 
-    def rope_layer(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
-        """RoPE of ``x`` at ``pos`` with ``layer``'s settings (local or global base)."""
-        return blocks.rope(ctx, x, pos, self._rope[layer])
-
-    def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
-        """The cache's key shift for model layer ``layer``: RoPE by the position delta, with that layer's base."""
-        return blocks.rope_shift(ctx, k, offsets, self._rope[layer])
-
-    def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True):
-        """This model's cache, not yet allocated (see :meth:`DecoderModel.new_cache`).
-
-        With local and global layers, a :class:`~ggmlpy.kvcache.Wrapper` of a sliding-window
-        :class:`~ggmlpy.kvcache.Causal` (the local layers) and a full one (the global layers); with one
-        kind only, that cache alone. Both shift keys with :meth:`shift_fn` (each layer its own RoPE).
-        """
-        c = self.config
-        kv = c.head_dim * c.n_head_kv
-        caches, index = [], {}
-        for local in (True, False):
-            n = sum(1 for s in c.swa_layers if s == local)
-            if n:
-                index[local] = len(caches)
-                # the cache's window excludes the token itself
-                caches.append(Causal(n, kv, kv, type_k, dtype_v=type_v, window=c.sliding_window - 1 if local else None,
-                                     padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
-                                     shift_fn=self.shift_fn, v_trans=not flash_attn))
-        if len(caches) == 1:
-            return caches[0]
-        return Wrapper(caches, [index[s] for s in c.swa_layers])
-
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
                  embeddings: bool) -> Tensor:
         c, w, eps = self.config, self.weights, self.config.rms_eps
@@ -284,7 +247,7 @@ class GptOssModel(DecoderModel):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], eps)
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
-            q, k = self.rope_layer(ctx, q, pos, il), self.rope_layer(ctx, k, pos, il)
+            q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
                                  sinks=w[p + "attn_sinks.weight"])
             o = ctx.add(ctx.mul_mat(w[p + "attn_output.weight"], o), w[p + "attn_output.bias"])
