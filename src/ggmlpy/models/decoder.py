@@ -319,6 +319,31 @@ Expected = tuple[str, tuple, Any, Optional[tuple], Optional[str]]
 # ---------------------------------------------------------------------------------------------- model
 
 
+def read_routing(m: MetaReader, arch: str, built: dict, norm_default: bool) -> bool:
+    """Check the mixture-of-experts routing keys against what ``arch``'s graph builds (``built``: key ->
+    the values it accepts, the first the default) and the routing weights' scale; return
+    ``expert_weights_norm`` (``norm_default`` when the file does not say).
+
+    Raises
+    ------
+    MetadataError, MetadataTypeError
+        Naming the key whose value asks for a routing this model does not build.
+    """
+    for key, ok in built.items():
+        v = m.geti(key, ok[0], lo=0)
+        if v not in ok:
+            raise MetadataError(m.path, m.key(key), f"{v} is not supported for {arch} (this model builds "
+                                                    f"{' or '.join(map(str, ok))})")
+    scale = m.getf("expert_weights_scale", 0.0)
+    if scale not in (0.0, 1.0):
+        raise MetadataError(m.path, m.key("expert_weights_scale"), f"{scale:g} is not supported for {arch} "
+                                                                   "(the routing weights are unscaled: 0 or 1)")
+    norm = m.md.get(m.key("expert_weights_norm"), norm_default)
+    if not isinstance(norm, (bool, np.bool_)):
+        raise MetadataTypeError(m.path, m.key("expert_weights_norm"), f"expected a bool, got {norm!r:.80}")
+    return bool(norm)
+
+
 class DecoderModel:
     """A decoder from a GGUF file: weights on their devices, loading, and the frame of the graph.
 

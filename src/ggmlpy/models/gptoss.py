@@ -51,14 +51,19 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
-
 from ggmlpy._core import Context, RopeType, Tensor, Type
-from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
+from ggmlpy.gguf import MetadataError, meta_int
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_CTX, _MAX_EMBD, DecoderConfig, LocalGlobalDecoder, MetaReader
+from .decoder import (
+    _MAX_CTX,
+    _MAX_EMBD,
+    DecoderConfig,
+    LocalGlobalDecoder,
+    MetaReader,
+    read_routing,
+)
 from .gemma import GemmaConfig
 
 __all__ = ["GptOssConfig", "GptOssModel"]
@@ -123,19 +128,7 @@ class GptOssConfig(DecoderConfig):
         n_layer = d["n_layer"]
         n_expert = m.geti("expert_count", lo=1, hi=_MAX_EXPERTS)
         n_used = meta_int(m.md, m.key("expert_used_count"), lo=1, hi=n_expert, per_layer=True, path=path)
-        for key, built in _EXPERT_KEYS_BUILT.items():
-            v = m.geti(key, built[0], lo=0)
-            if v not in built:
-                raise MetadataError(path, m.key(key), f"{v} is not supported for gpt-oss (this model builds "
-                                                      f"{' or '.join(map(str, built))})")
-        scale = m.getf("expert_weights_scale", 0.0)
-        if scale not in (0.0, 1.0):
-            raise MetadataError(path, m.key("expert_weights_scale"), f"{scale:g} is not supported for gpt-oss "
-                                                                     "(the routing weights are unscaled: 0 or 1)")
-        norm = m.md.get(m.key("expert_weights_norm"), False)
-        if not isinstance(norm, (bool, np.bool_)):
-            raise MetadataTypeError(path, m.key("expert_weights_norm"), f"expected a bool, got {norm!r:.80}")
-        if norm:
+        if read_routing(m, "gpt-oss", _EXPERT_KEYS_BUILT, norm_default=False):
             raise MetadataError(path, m.key("expert_weights_norm"), "true is not supported for gpt-oss (the "
                                                                     "softmax over the chosen experts sums to 1)")
         if d["rope_scaling"] == "yarn":

@@ -25,14 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
-import numpy as np
-
 from ggmlpy._core import Context, RopeType, Tensor
-from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
+from ggmlpy.gguf import MetadataError, meta_int
 
 from . import blocks
 from .base import UnknownArchitecture, register
-from .decoder import DecoderConfig, MetaReader, MissingTensor, PreNormDecoder
+from .decoder import DecoderConfig, MetaReader, MissingTensor, PreNormDecoder, read_routing
 
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 
@@ -98,20 +96,9 @@ class LlamaConfig(DecoderConfig):
             raise UnknownArchitecture(f"{path}: mixture-of-experts {arch} models are not supported "
                                       f"({arch}.expert_count = {n_expert})")
         n_used = meta_int(m.md, used_key, lo=1, hi=n_expert, per_layer=True, path=path)
-        for key, built in _EXPERT_KEYS_BUILT.items():
-            v = m.geti(key, built[0], lo=0)
-            if v not in built:
-                raise MetadataError(path, m.key(key), f"{v} is not supported for {arch} (this model builds "
-                                                      f"{' or '.join(map(str, built))})")
-        scale = m.getf("expert_weights_scale", 0.0)
-        if scale not in (0.0, 1.0):
-            raise MetadataError(path, m.key("expert_weights_scale"), f"{scale:g} is not supported for {arch} "
-                                                                     "(the routing weights are unscaled: 0 or 1)")
-        norm = m.md.get(m.key("expert_weights_norm"), True)
-        if not isinstance(norm, (bool, np.bool_)):
-            raise MetadataTypeError(path, m.key("expert_weights_norm"), f"expected a bool, got {norm!r:.80}")
+        norm = read_routing(m, arch, _EXPERT_KEYS_BUILT, norm_default=True)
         return dict(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=cls._n_ff_exp(m, n_ff, n_used),
-                    expert_weights_norm=bool(norm))
+                    expert_weights_norm=norm)
 
     @classmethod
     def _n_ff_exp(cls, m: MetaReader, n_ff: int, n_expert_used: int) -> int:
