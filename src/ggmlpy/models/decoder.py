@@ -344,6 +344,23 @@ def read_routing(m: MetaReader, arch: str, built: dict, norm_default: bool) -> b
     return bool(norm)
 
 
+def check_expert_shapes(reader, cfg, path: str, ff_key: str) -> None:
+    """Check the expert count and width (from ``ff_key``) against layer 0's router and gate experts.
+
+    Raises
+    ------
+    MetadataError
+        Naming the key whose value the tensor's shape contradicts.
+    """
+    a = cfg.arch
+    for key, want, tname, dim in ((f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_inp.weight", 1),
+                                  (ff_key, cfg.n_ff_exp, "blk.0.ffn_gate_exps.weight", 1),
+                                  (f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_exps.weight", 2)):
+        ne = reader.tensor_info(tname).ne if tname in reader else None
+        if ne is not None and len(ne) > dim and ne[dim] != want:
+            raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
+
+
 class DecoderModel:
     """A decoder from a GGUF file: weights on their devices, loading, and the frame of the graph.
 

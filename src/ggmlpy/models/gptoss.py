@@ -62,6 +62,7 @@ from .decoder import (
     DecoderConfig,
     LocalGlobalDecoder,
     MetaReader,
+    check_expert_shapes,
     read_routing,
 )
 from .gemma import GemmaConfig
@@ -196,13 +197,7 @@ class GptOssModel(LocalGlobalDecoder):
         """As :meth:`DecoderModel.read_config`, and ``expert_count`` and ``expert_feed_forward_length``
         checked against layer 0's ``ffn_gate_inp`` and ``ffn_gate_exps``."""
         cfg = super().read_config(reader, path)
-        a = cfg.arch
-        for key, want, tname, dim in ((f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_inp.weight", 1),
-                                      (f"{a}.expert_feed_forward_length", cfg.n_ff_exp, "blk.0.ffn_gate_exps.weight", 1),
-                                      (f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_exps.weight", 2)):
-            ne = reader.tensor_info(tname).ne if tname in reader else None
-            if ne is not None and len(ne) > dim and ne[dim] != want:
-                raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
+        check_expert_shapes(reader, cfg, path, f"{cfg.arch}.expert_feed_forward_length")
         return cfg
 
     def _inspect(self, reader) -> None:

@@ -30,7 +30,14 @@ from ggmlpy.gguf import MetadataError, meta_int
 
 from . import blocks
 from .base import UnknownArchitecture, register
-from .decoder import DecoderConfig, MetaReader, MissingTensor, PreNormDecoder, read_routing
+from .decoder import (
+    DecoderConfig,
+    MetaReader,
+    MissingTensor,
+    PreNormDecoder,
+    check_expert_shapes,
+    read_routing,
+)
 
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 
@@ -141,12 +148,7 @@ class LlamaModel(PreNormDecoder):
             exp_key = f"{a}.expert_feed_forward_length"
             # the key the width came from (llama's experts are feed_forward_length wide)
             ff_key = exp_key if reader.metadata.get(exp_key) == cfg.n_ff_exp else f"{a}.feed_forward_length"
-            for key, want, tname, dim in ((f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_inp.weight", 1),
-                                          (ff_key, cfg.n_ff_exp, "blk.0.ffn_gate_exps.weight", 1),
-                                          (f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_exps.weight", 2)):
-                ne = reader.tensor_info(tname).ne if tname in reader else None
-                if ne is not None and len(ne) > dim and ne[dim] != want:
-                    raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
+            check_expert_shapes(reader, cfg, path, ff_key)
         return cfg
 
     def _inspect(self, reader) -> None:
