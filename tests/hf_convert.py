@@ -43,8 +43,16 @@ LLAMA_CPP = "vendor/llama.cpp"
 #: what is extracted from LLAMA_CPP. The converter must run with the gguf-py of its own commit: with
 #: PyPI's gguf 0.19.0 it stops on ``gguf.LazyChunkedTensor``, which only the sdist's gguf-py has.
 #: LICENSE is llama.cpp's (MIT), kept beside its code.
-PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE")
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE", "models/templates/")
 VOCABS = "models/ggml-vocab-"
+#: what a vocabulary file may end with: the GGUF, and the reference tokenizations llama.cpp's
+#: test-tokenizer-0 checks it against (``.inp``: texts joined by ``VOCAB_TEST_SEPARATOR``; ``.out``: one
+#: line of ids per text)
+VOCAB_SUFFIXES = (".gguf", ".gguf.inp", ".gguf.out")
+VOCAB_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
+#: bump when PARTS grows: the extracted tree lives in a folder named after it, so an older, smaller
+#: extraction is never taken for complete
+PARTS_VERSION = 2
 #: name of the vocabulary that :func:`convert` takes as "copy :func:`spm_tokenizer_model` in"
 SPM = "spm"
 #: BPE vocabularies to which llama.cpp adds BOS when the file does not say (llama-vocab.cpp: the llama3
@@ -139,7 +147,7 @@ def _wanted(name: str) -> str | None:
     rel = rest[len(LLAMA_CPP) + 1:]
     if any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in PARTS):
         return rel
-    if rel.startswith(VOCABS) and rel.endswith(".gguf") and "/" not in rel[len("models/"):]:
+    if rel.startswith(VOCABS) and rel.endswith(VOCAB_SUFFIXES) and "/" not in rel[len("models/"):]:
         return rel
     return None
 
@@ -151,7 +159,7 @@ def llama_cpp_dir() -> Path:
     Skips the calling test (fails it under ``CI=true``) when pip cannot download the sdist; raises
     :class:`ConverterError` when the download does not match the pinned sha256.
     """
-    dest = cache_dir() / f"{PACKAGE}-{VERSION}"
+    dest = cache_dir() / f"{PACKAGE}-{VERSION}-p{PARTS_VERSION}"
     if (dest / "convert_hf_to_gguf.py").is_file():
         return dest      # only ever renamed into place whole, so present means complete
     with _locked(cache_dir() / f"{dest.name}.lock"):
@@ -185,6 +193,37 @@ def vocab_file(vocab: str) -> Path:
         have = sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in path.parent.glob("ggml-vocab-*.gguf"))
         raise ValueError(f"no llama.cpp vocabulary {vocab!r}; there are {have}")
     return path
+
+
+def vocab_tests(vocab: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's reference tokenizations for ``ggml-vocab-<vocab>.gguf``: (text, ids) pairs, ids as
+    llama.cpp's tokenizer gives them without BOS/EOS and without parsing special tokens. Empty when the
+    vocabulary has no test files."""
+    path = vocab_file(vocab)
+    inp, out = Path(f"{path}.inp"), Path(f"{path}.out")
+    if not inp.is_file():
+        return []
+    texts = inp.read_text(encoding="utf-8").split(VOCAB_TEST_SEPARATOR)
+    lines = out.read_text(encoding="utf-8").split("\n")
+    # test-tokenizer-0 drops the text after the last separator (empty) and the .out's last newline
+    if texts and texts[-1] == "":
+        texts.pop()
+    lines = lines[:len(texts)]
+    if len(lines) != len(texts):
+        raise ValueError(f"{inp.name}: {len(texts)} texts but {out.name} has {len(lines)} lines")
+    return [(t, [int(x) for x in line.split()]) for t, line in zip(texts, lines)]
+
+
+def vocabs() -> list[str]:
+    """Every vocabulary name of llama.cpp's ``models/ggml-vocab-*.gguf``."""
+    models = llama_cpp_dir() / "models"
+    return sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in models.glob("ggml-vocab-*.gguf"))
+
+
+def chat_templates() -> dict[str, str]:
+    """llama.cpp's ``models/templates/*.jinja`` (real models' chat templates), by file stem."""
+    folder = llama_cpp_dir() / "models" / "templates"
+    return {p.stem: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.jinja"))}
 
 
 def tokenizer_dir(vocab: str) -> Path:
