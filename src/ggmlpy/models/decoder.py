@@ -834,6 +834,24 @@ class DecoderModel:
                 names.append(kind)
         return ",".join(names) if names else "CPU"
 
+    @property
+    def tokenizer(self):
+        """The file's :class:`~ggmlpy.tokenizer.Tokenizer`, made on first use from its metadata (kept
+        after :meth:`close`).
+
+        Raises
+        ------
+        TokenizerError
+            The file has no tokenizer (``tokenizer.ggml.model`` missing or ``none``, as in the synthetic
+            models) or one this library does not support.
+        """
+        tok = self.__dict__.get("_tokenizer")
+        if tok is None:
+            from ggmlpy.tokenizer import Tokenizer
+
+            tok = self.__dict__["_tokenizer"] = Tokenizer(self._reader.metadata, self.path)
+        return tok
+
     def close(self) -> None:
         """Free the weights (and close the file reader)."""
         if self._closed:
