@@ -48,7 +48,7 @@ def texts_for(tok: Tokenizer, seed: int) -> list[str]:
                 if tok.token_attr(i) & (TokenAttr.CONTROL | TokenAttr.USER_DEFINED | TokenAttr.UNKNOWN)]
     rng = random.Random(seed)
     out = list(PLAIN)
-    for k in range(12):
+    for _ in range(12):
         parts = []
         for _ in range(rng.randint(1, 4)):
             if specials and rng.random() < 0.6:
