@@ -163,7 +163,10 @@ def test_ten_megabytes(vocab):
     # encoded in pieces, the same ids as the parts encoded alone (a cut where no token can span it)
     first = words[:words.index("\n", 100_000) + 1]
     assert ids[:len(t.encode(first, add_special=False))] == t.encode(first, add_special=False)
-    assert t.decode(ids) == words
+    if vocab in LOSSLESS:
+        assert t.decode(ids) == words
+    else:       # BERT: lower-cased, unknown characters as [UNK]
+        assert t.decode(ids[:9]) == " the quick brown fox, 1234 jumps."
     assert grew_mb < 1500, f"peak RSS grew {grew_mb:.0f} MB"
     # a run the tokenizer cannot cut (no line or word break) over 1 Mi characters: refused, not hours
     for run in ("a" * 10_000_000, " " * 10_000_000, "漢字" * 5_000_000):
