@@ -169,7 +169,9 @@ def test_ten_megabytes(vocab):
         assert t.decode(ids[:9]) == " the quick brown fox, 1234 jumps."
     assert grew_mb < 1500, f"peak RSS grew {grew_mb:.0f} MB"
     # a run the tokenizer cannot cut (no line or word break) over 1 Mi characters: refused, not hours
-    for run in ("a" * 10_000_000, " " * 10_000_000, "漢字" * 5_000_000):
+    # (BERT splits at every space and ideograph: only the letters are one word there)
+    runs = ("a" * 10_000_000,) if t.kind == "WPM" else ("a" * 10_000_000, " " * 10_000_000, "漢字" * 5_000_000)
+    for run in runs:
         with pytest.raises(TokenizerError, match="no place where it can be split"):
             t.encode(run)
 

@@ -884,8 +884,8 @@ class Tokenizer:
         """One word's ids: the longest vocabulary entry at each place, starting with the word-start
         marker; the unknown token if some place has none (llama.cpp's WPM session)."""
         if len(word) > _MAX_PIECE:
-            raise TokenizerError(f"encode: a word of {len(word)} characters; at most {_MAX_PIECE} are encoded "
-                                 f"in one piece: encode it in parts")
+            raise TokenizerError(f"encode: the text has a word of {len(word)} characters, with no place where it "
+                                 f"can be split; at most {_MAX_PIECE} are encoded in one piece: encode it in parts")
         ids, maxlen = self._ids, self._max_token_len
         w = _ESCAPED_SPACE + word
         n = len(w)
