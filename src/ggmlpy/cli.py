@@ -1,4 +1,5 @@
-"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench`` and ``ggmlpy rpc-server``."""
+"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat`` and
+``ggmlpy rpc-server``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import json
 import sys
 import traceback
+from typing import Optional
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -39,8 +41,291 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return benchmark.main(args.bench_args, prog="ggmlpy bench")
 
 
+# ---------------------------------------------------------------------------------------------- run / chat
+
+#: ``ggmlpy chat``'s help, for ``/?``
+_CHAT_HELP = """Available commands:
+  /clear   forget the conversation (the system prompt stays)
+  /bye     exit (also Ctrl-D)
+  /?       this help
+Ctrl-C stops a reply and returns to the prompt; the reply is not kept (as Ollama)."""
+
+
+def _lenient(stream) -> None:
+    """Characters the terminal's encoding cannot show become ``?`` (bytes typed that are not text in it,
+    U+FFFD) instead of an error in the middle of a reply."""
+    reconf = getattr(stream, "reconfigure", None)
+    if reconf is not None:
+        try:
+            reconf(errors="replace")
+        except (ValueError, OSError):      # a stream already written to in another way: leave it
+            pass
+
+
+def _open_runner(args: argparse.Namespace):
+    """Load ``args.model`` and start a Runner over it (one sequence), with the tokenizer checked first."""
+    from ggmlpy.models import load_model
+    from ggmlpy.runner import Runner
+
+    devices = args.device.split(",") if "," in args.device else args.device
+    model = load_model(args.model, devices=devices, n_gpu_layers=args.n_gpu_layers)
+    try:
+        n_ctx = args.ctx_size
+        if n_ctx <= 0:
+            n_ctx = min(4096, int(getattr(model.config, "n_ctx_train", 4096) or 4096))
+        rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
+                    n_threads=args.threads)
+    except BaseException:
+        model.close()
+        raise
+    try:
+        _ = rt.tokenizer               # a file without a vocabulary fails here, before any prompt is read
+    except BaseException:
+        rt.close()
+        model.close()
+        raise
+    return model, rt
+
+
+def _sampling(args: argparse.Namespace):
+    from ggmlpy.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          seed=None if args.seed is None or args.seed < 0 else args.seed)
+
+
+def _read_text(path: str, option: str) -> str:
+    """A UTF-8 file's text; a file that is not UTF-8 is a GGMLValueError naming it (no traceback)."""
+    from ggmlpy import GGMLValueError
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise GGMLValueError(f"{option} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _template(args: argparse.Namespace) -> Optional[str]:
+    return _read_text(args.chat_template_file, "--chat-template-file") if args.chat_template_file else None
+
+
+def _check_chat_template(rt, template: Optional[str]) -> None:
+    from ggmlpy import GGMLValueError
+
+    if template is None and not getattr(rt.tokenizer, "chat_template", None):
+        raise GGMLValueError(f"{rt.model.path if hasattr(rt.model, 'path') else 'the model'} has no chat "
+                             f"template (tokenizer.chat_template); give one with --chat-template-file")
+
+
+def _stats_line(r) -> str:
+    """One line of timings, after llama.cpp's ``llama-cli`` and ``ollama run --verbose``: the prompt tokens
+    evaluated (those taken from the cache apart) and their rate, the generated tokens and their rate
+    (the first token comes with the prompt's evaluation, so the generation rate counts the others)."""
+    n_eval = max(r.prompt_eval_count - r.n_cached, 0)
+    pp = n_eval / r.prompt_eval_duration if r.prompt_eval_duration > 0 else 0.0
+    tg = (r.eval_count - 1) / r.eval_duration if r.eval_count > 1 and r.eval_duration > 0 else 0.0
+    cached = f" ({r.n_cached} cached)" if r.n_cached else ""
+    return (f"[ prompt: {r.prompt_eval_count} tokens{cached}, {pp:.2f} t/s | generated: {r.eval_count} tokens, "
+            f"{tg:.2f} t/s | done: {r.done_reason} ]")
+
+
+def _cancel(handle) -> None:
+    """Cancel a request and wait until the runner has ended it (its slot is free for the next one)."""
+    handle.cancel()
+    while True:
+        try:
+            handle.result()
+            return
+        except KeyboardInterrupt:          # a second Ctrl-C while the cancel lands
+            continue
+
+
+def _stream(handle, out) -> bool:
+    """Print a request's text as it comes; True when it ran to its end, False when Ctrl-C cancelled it.
+
+    Ctrl-C (KeyboardInterrupt in this, the main thread, while it waits for the next token) cancels the
+    request; the runner ends it at its next batch and what it generated until then is discarded here.
+    """
+    try:
+        for ev in handle:
+            if ev.text:
+                out.write(ev.text)
+                out.flush()
+        return True
+    except KeyboardInterrupt:
+        _cancel(handle)
+        return False
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.prompt is None and args.file is None:
+        print("ggmlpy run: error: a prompt is needed: -p PROMPT or -f FILE ('-' for stdin)", file=sys.stderr)
+        return 2
+    if args.system is not None and not args.chat:
+        print("ggmlpy run: error: --system is for --chat", file=sys.stderr)
+        return 2
+    out = sys.stdout
+    _lenient(out)
+    _lenient(sys.stdin)
+    if args.prompt is not None:
+        prompt = args.prompt
+    elif args.file == "-":
+        prompt = sys.stdin.read()
+    else:
+        prompt = _read_text(args.file, "-f")
+    template = _template(args)
+    model, rt = _open_runner(args)
+    try:
+        kw = dict(max_tokens=args.n_predict, sampling=_sampling(args), stop=tuple(args.stop or ()), shift=False)
+        if args.chat:
+            _check_chat_template(rt, template)
+            messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
+                [{"role": "user", "content": prompt}]
+            handle = rt.submit_chat(messages, template=template, **kw)
+        else:
+            handle = rt.submit(prompt, parse_special=not args.no_parse_special, **kw)
+        finished = _stream(handle, out)
+        r = handle.result()
+        out.write("\n")
+        out.flush()
+        print(_stats_line(r), file=sys.stderr)
+        return 0 if finished else 130
+    finally:
+        rt.close()
+        model.close()
+
+
+def _chat_turn(rt, history: list, args, template: Optional[str], out):
+    """Send the conversation, stream the reply; its Completion, or None when Ctrl-C cancelled it.
+
+    A conversation longer than the context loses its oldest messages (the system prompt is kept), as
+    Ollama does; the reply then ends when the context is full (no shifting inside a reply).
+    """
+    from ggmlpy import GGMLValueError
+
+    messages = list(history)
+    ids = rt.chat_prompt(messages, template=template)
+    first = 1 if messages and messages[0].get("role") == "system" else 0
+    while len(ids) >= rt.n_ctx and len(messages) - first > 1:
+        del messages[first]
+        ids = rt.chat_prompt(messages, template=template)
+    if len(ids) >= rt.n_ctx:
+        raise GGMLValueError(f"the message takes {len(ids)} tokens, more than the context of {rt.n_ctx} "
+                             f"(-c) leaves room for")
+    handle = None
+    try:
+        handle = rt.submit(ids, detokenize=True, max_tokens=args.n_predict, sampling=_sampling(args),
+                           stop=tuple(args.stop or ()), shift=False)
+        if not _stream(handle, out):
+            return None
+        r = handle.result()
+    except KeyboardInterrupt:               # Ctrl-C just before or after the stream: a cancel too
+        if handle is not None:
+            _cancel(handle)
+        return None
+    if args.verbose:
+        print(_stats_line(r), file=sys.stderr)
+    return r
+
+
+def chat_repl(rt, args: argparse.Namespace, history: list, template: Optional[str] = None, out=None,
+              read=input) -> int:
+    """``ggmlpy chat``'s loop over a started runner: read a line, answer it, until ``/bye`` or Ctrl-D.
+
+    ``history`` (a list of messages, the system prompt first if any) grows by each user message and
+    each finished reply. Ctrl-C during a reply cancels it and returns to the prompt: as Ollama does,
+    the user's message stays in the history and the partial reply is dropped. Ctrl-C at the prompt
+    prints how to exit. An error in one turn (the template failed, the message alone is longer than
+    the context) is printed and the message dropped; the chat goes on. Returns the exit status (0).
+    """
+    from ggmlpy import GGMLError
+
+    out = sys.stdout if out is None else out
+    system = [m for m in history[:1] if m.get("role") == "system"]
+    while True:
+        try:
+            line = read(">>> ")
+        except EOFError:                       # Ctrl-D
+            out.write("\n")
+            return 0
+        except KeyboardInterrupt:              # Ctrl-C at the prompt: Ollama's hint, not an exit
+            out.write("\nUse Ctrl + d or /bye to exit.\n")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd = text.split()[0]
+            if cmd in ("/bye", "/exit"):
+                return 0
+            if cmd == "/clear":
+                history[:] = system
+                out.write("Cleared session context\n")
+            elif cmd in ("/?", "/help"):
+                out.write(_CHAT_HELP + "\n")
+            else:
+                out.write(f"Unknown command '{cmd}'. Type /? for help\n")
+            out.flush()
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            r = _chat_turn(rt, history, args, template, out)
+        except GGMLError as e:
+            from ggmlpy.benchmark import _one_line
+
+            history.pop()
+            out.write("\n")
+            out.flush()
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            continue
+        if r is not None:
+            history.append({"role": "assistant", "content": r.text})
+        out.write("\n\n" if r is not None else "\n")
+        out.flush()
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    """The interactive chat (see :func:`chat_repl` and ``_CHAT_HELP``)."""
+    template = _template(args)
+    _lenient(sys.stdout)
+    _lenient(sys.stdin)
+    model, rt = _open_runner(args)
+    try:
+        _check_chat_template(rt, template)
+        history = [{"role": "system", "content": args.system}] if args.system is not None else []
+        return chat_repl(rt, args, history, template)
+    finally:
+        rt.close()
+        model.close()
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    p.add_argument("-n", "--n-predict", type=int, default=-1,
+                   help="tokens to generate at most (default -1: until end of generation or the context is full)")
+    p.add_argument("-c", "--ctx-size", type=int, default=0,
+                   help="context size (default 0: the model's training context, at most 4096)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
+                   help="layers on accelerators (default -1: all, when there is one)")
+    p.add_argument("-dev", "--device", default="auto", help="devices: auto (default), cpu, or names (comma list)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
+    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1: off)")
+    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05; 0: off)")
+    p.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--stop", action="append", metavar="STR",
+                   help="stop string (repeatable): the text ends before it")
+    p.add_argument("--system", default=None, help="system prompt (run: with --chat)")
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="Jinja chat template to use instead of the model's")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, RPC server")
+    ap = argparse.ArgumentParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, text "
+                                 "generation and chat, RPC server")
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="versions, CPU features, compiled backends and devices")
     p.add_argument("--json", action="store_true", help="print as JSON")
@@ -49,6 +334,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt/generation throughput, llama-bench compatible (ggmlpy bench -h)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
+    p = sub.add_parser("run", help="complete a prompt, printing the text as it is generated, then the speed")
+    p.add_argument("-p", "--prompt", default=None, help="the prompt")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': stdin)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message through the chat "
+                   "template")
+    p.add_argument("--no-parse-special", action="store_true",
+                   help="read special-token texts in the prompt (<|im_start|>) as plain text")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_run)
+    p = sub.add_parser("chat", help="interactive chat in the terminal (/? for commands, Ctrl-D to exit)")
+    p.add_argument("--verbose", action="store_true", help="print the speed after each reply")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_chat)
     p = sub.add_parser("rpc-server", help="serve this machine's devices to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
@@ -77,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"ggmlpy {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:           # Ctrl-C while loading a model, say: no traceback
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -8,7 +8,12 @@ after Ollama's ``ollamarunner``:
   and get logits back (the benchmark and the tests use it);
 * :meth:`Runner.submit` queues a request from any thread and returns a
   :class:`Handle` that streams tokens and can be cancelled;
-  :meth:`Runner.generate` and :meth:`Runner.embed` wait for the result.
+  :meth:`Runner.generate` and :meth:`Runner.embed` wait for the result;
+* text in and out (:mod:`.text`): a str prompt is encoded with the model's
+  tokenizer, stop strings are matched across token boundaries, and requests
+  that produce text stream :attr:`TokenEvent.text` and end with
+  :attr:`Completion.text`; :meth:`Runner.chat` and :meth:`Runner.submit_chat`
+  render the file's chat template.
 
 The loop fills each batch round-robin across the active sequences up to
 ``n_batch`` tokens (computed in micro-batches of ``n_ubatch``), requests

@@ -37,6 +37,7 @@ from .batching import (
     split_ubatches,
 )
 from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
+from .text import TextStream, chat_prompt, encode_prompt, split_stops
 
 __all__ = ["Runner"]
 
@@ -94,6 +95,10 @@ class Runner:
         holes (:meth:`~ggmlpy.kvcache.Causal.fragmentation`), the cache is compacted first (the batch in
         flight completes, then K/V rows move on the cache's devices), so later batches attend over a
         shorter cell range. llama.cpp's ``defrag_thold``; None never compacts.
+    tokenizer : ggmlpy.tokenizer.Tokenizer, optional
+        What turns text prompts and chats into ids and generated ids into text. Default: the
+        model's (``model.tokenizer``, read from its GGUF file on first use); give one to use another
+        vocabulary file. Token-id requests never need one.
 
     Raises
     ------
@@ -115,7 +120,7 @@ class Runner:
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
-                 offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1) -> None:
+                 offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -158,6 +163,8 @@ class Runner:
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
         self.closed = False
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
+        self._tokenizer = tokenizer
+        self._tokenizer_lock = threading.Lock()     # the first text request reads it from the file once
         try:
             self._check_host_memory()
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
@@ -273,6 +280,39 @@ class Runner:
     @property
     def n_vocab(self) -> int:
         return self.model.n_vocab
+
+    @property
+    def tokenizer(self):
+        """The :class:`~ggmlpy.tokenizer.Tokenizer` of text requests: the one given to the constructor,
+        else the model's (read from its GGUF file on first use, then kept).
+
+        Raises
+        ------
+        TokenizerError (a GGMLValueError)
+            The model's file has no tokenizer (``tokenizer.ggml.model`` missing or ``"none"``, as in
+            the synthetic models), or one this library cannot read.
+        """
+        tok = self._tokenizer
+        if tok is not None:
+            return tok
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._model_tokenizer()
+            return self._tokenizer
+
+    def _model_tokenizer(self):
+        try:
+            return self.model.tokenizer
+        except AttributeError:
+            pass
+        # a model class without the property: read the vocabulary from its file
+        path = getattr(self.model, "path", None)
+        if path is None:
+            raise GGMLValueError("runner: the model has no tokenizer and no file to read one from; pass "
+                                 "Runner(..., tokenizer=Tokenizer.from_gguf(path)) or token ids")
+        from ggmlpy.tokenizer import Tokenizer
+
+        return Tokenizer.from_gguf(path)
 
     # ------------------------------------------------------------------ validation
 
@@ -582,21 +622,31 @@ class Runner:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, prompt: Sequence[int], *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
-               stop: Sequence[int] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
-               embedding: bool = False, pooling: str = "mean", normalize: bool = True,
-               same_batch: Optional[Sequence[int]] = None) -> Handle:
+    def submit(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+               sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
+               shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
+               normalize: bool = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+               detokenize: Optional[bool] = None) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
         Parameters
         ----------
-        prompt : token ids
+        prompt : str or token ids
+            A str is encoded by :attr:`tokenizer` as llama.cpp's completion endpoint does
+            (:func:`~ggmlpy.runner.text.encode_prompt`: BOS as the file says, special tokens in the
+            text parsed unless ``parse_special`` is False, never two BOS).
         max_tokens : generation limit (done reason ``length``). As llama.cpp's ``n_predict``:
             ``-1`` for no limit (the request runs until a stop token, EOS or :meth:`Handle.cancel`;
             with ``shift`` it never ends on its own), ``-2`` until the context is full (done
             reason ``length`` when the next token would not fit, whatever ``shift`` says)
         sampling : :class:`ggmlpy.sampling.SamplingParams` (default greedy)
-        stop : token ids that end the generation (done reason ``stop``); the model's EOS ids are added
+        stop : token ids and stop strings that end the generation (done reason ``stop``). The model's
+            EOS ids are added; for a request that produces text, every end-of-generation id of the
+            tokenizer (``tokenizer.eog``: EOS, end-of-turn...) too. A stop string is matched in the
+            generated text across token boundaries (:class:`~ggmlpy.runner.text.StopMatcher`): text
+            that could still be the start of one is held back, and the stop string and anything after
+            it are never in the text; the token that completed it is the last of ``tokens``. A lone
+            str is one stop string.
         n_keep : tokens kept at the start on a context shift (-1: the whole prompt)
         shift : shift the context when it is full; False ends with ``length`` instead
         truncate : drop prompt tokens after ``n_keep`` when the prompt exceeds ``n_ctx``;
@@ -607,16 +657,41 @@ class Runner:
         same_batch : per prompt token, how many following tokens must be computed in the same
             batch (Ollama's ``SameBatch``, e.g. an image's embeddings): such a group is never split
             across batches or micro-batches, nor cut by truncation or a context shift
+        parse_special : a str prompt's special-token texts (``<|im_start|>``) become those tokens
+            (default, as llama.cpp's server and ``llama-cli``); False reads them as plain text, for
+            text from users who must not write control tokens
+        detokenize : produce text (:attr:`TokenEvent.text`, :attr:`Completion.text`). Default: when
+            the prompt is a str or a stop string is given; True for a token-id prompt too. A request
+            that produces text needs :attr:`tokenizer`; one that does not behaves exactly as before
+            text existed (``text`` None, only the model's EOS ids stop it).
 
         Raises
         ------
         GGMLValueError, InputTooLong
-            Bad token ids, an empty prompt, a prompt longer than the context.
+            Bad token ids, an empty prompt, a prompt longer than the context, an empty stop string,
+            stop strings with ``detokenize=False``.
+        GGMLTypeError
+            A stop that is neither an int nor a str.
+        TokenizerError (a GGMLValueError)
+            Text is asked for and the model has no tokenizer; or the prompt cannot be encoded.
         ClosedError
             The runner is closed (or closing): a request accepted before that
             ends with done reason ``cancel``.
         """
         self._check_open("submit")
+        stop_ids, stop_texts = split_stops(stop, "submit")
+        if detokenize is None:
+            detokenize = not embedding and (isinstance(prompt, str) or bool(stop_texts))
+        elif stop_texts and not detokenize:
+            raise GGMLValueError("submit: stop strings need the generated text; detokenize=False leaves it out")
+        if embedding and stop_texts:
+            raise GGMLValueError("submit: an embedding request generates nothing to stop (stop strings given)")
+        detokenize = bool(detokenize) and not embedding
+        tok = None
+        if isinstance(prompt, str) or detokenize:
+            tok = self.tokenizer
+        if isinstance(prompt, str):
+            prompt = encode_prompt(tok, prompt, parse_special=parse_special)
         toks = self._check_tokens(prompt, "submit")
         if toks.size == 0:
             raise GGMLValueError("submit: empty prompt")
@@ -649,8 +724,14 @@ class Runner:
             keep_idx = truncate_indices(len(toks_l), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
             toks_l = [toks_l[i] for i in keep_idx]
             sb = [sb[i] for i in keep_idx]
-        req = _Request(toks_l, params, max_tokens, tuple(stop) + tuple(self.model.config.eos_token_ids),
-                   n_keep, shift, embedding, pooling, normalize, sb)
+        stop_ids += tuple(self.model.config.eos_token_ids)
+        if detokenize:
+            stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
+        req = _Request(toks_l, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
+        if detokenize:
+            # a detokenizer of its own: it holds the bytes of a character not yet complete
+            req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
+            req.result.text = ""
         with self._lock:
             # checked again under the lock: close() sets _closing under it, so a request is either
             # refused here or seen by whoever ends the requests (the loop, or close() itself)
@@ -662,12 +743,70 @@ class Runner:
             self._lock.notify_all()
         return Handle(self, req)
 
-    def generate(self, prompt: Sequence[int], **kw) -> Completion:
-        """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`)."""
+    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
+        """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`).
+
+        A str prompt gives the generated text in ``Completion.text``.
+        """
         return self.submit(prompt, **kw).result()
 
-    def embed(self, tokens: Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
-        """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch."""
+    def chat_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+                    template_kwargs: Optional[dict] = None) -> list[int]:
+        """The prompt ids :meth:`chat` uses for ``messages`` (see :func:`ggmlpy.runner.text.chat_prompt`).
+
+        The chat template (the GGUF's, or ``template``) rendered with the messages (and ``tools``,
+        ``template_kwargs`` such as ``enable_thinking``), tokenized with special tokens parsed and
+        nothing added; BOS first when the tokenizer adds BOS and the text did not start with it, so
+        there is exactly one whether the template writes ``bos_token`` (transformers' templates) or
+        not (ChatML).
+
+        Raises
+        ------
+        TokenizerError
+            No tokenizer, or no chat template in the file and none given.
+        ChatTemplateError
+            The template failed (its own ``raise_exception``, a loop, output over the limits).
+        """
+        return chat_prompt(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                           template=template, template_kwargs=template_kwargs)
+
+    def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+                    template_kwargs: Optional[dict] = None, **kw) -> Handle:
+        """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
+
+        ``messages`` are dicts as transformers' chat templates take them (``{"role": "user",
+        "content": "..."}``; roles ``system``, ``user``, ``assistant``, ``tool``). The prompt is
+        :meth:`chat_prompt`; the reply ends at any end-of-generation id of the tokenizer (done reason
+        ``stop``), at a stop string, or at ``max_tokens``. Other keywords are :meth:`submit`'s
+        (``max_tokens``, ``sampling``, ``stop``, ...). A later chat whose messages start with this one's
+        reuses the cached prompt (the runner's prefix reuse), as long as the slot still holds it.
+
+        Raises
+        ------
+        As :meth:`chat_prompt` and :meth:`submit`.
+        """
+        if "detokenize" in kw and not kw["detokenize"]:
+            raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
+        kw["detokenize"] = True
+        ids = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                               template=template, template_kwargs=template_kwargs)
+        return self.submit(ids, **kw)
+
+    def chat(self, messages: Sequence[dict], **kw) -> Completion:
+        """Submit a chat and wait: the assistant's reply as a :class:`Completion` (``.text``); see
+        :meth:`submit_chat`.
+
+        Examples
+        --------
+        ``rt.chat([{"role": "user", "content": "Hi"}], max_tokens=64).text``
+        """
+        return self.submit_chat(messages, **kw).result()
+
+    def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch
+        (a str is encoded as :meth:`submit` does)."""
         r = self.submit(tokens, embedding=True, pooling=pooling, normalize=normalize).result()
         return r.embedding
 
@@ -751,6 +890,12 @@ class Runner:
         r.done_reason = reason
         r.error = error
         try:
+            if req.text is not None and error is None:
+                # ended between tokens (cancelled, the context full): the text held back goes out last
+                tail = req.text.finish()
+                if tail:
+                    r.text += tail
+                    req.events.put(TokenEvent(None, None, tail))
             if req.t_first is not None:
                 r.eval_duration = time.perf_counter() - req.t_first
             ph = req.placeholder
@@ -964,13 +1109,22 @@ class Runner:
                 self._finish(req, DoneReason.CANCEL)
                 continue
             row = rows[0]
+            r = req.result
+            text, stop_text = None, False
             try:
                 tok = req.sampler.sample(row)
                 lp = _logprobs(row, tok, req.params.top_logprobs) if req.params.logprobs else None
+                if req.text is not None:
+                    # the text is decided before the event goes out, so the last event carries the tail
+                    if tok in req.stop:
+                        text = req.text.finish()        # a stop token's own text is left out
+                    else:
+                        text, stop_text = req.text.feed(tok)
+                        if not stop_text and req.max_tokens > 0 and r.eval_count + 1 >= req.max_tokens:
+                            text += req.text.finish()
             except Exception as e:           # a sampling failure ends that request only (its handle raises it)
                 self._finish(req, DoneReason.ERROR, e)
                 continue
-            r = req.result
             if req.t_first is None:
                 req.t_first = now
                 r.prompt_eval_duration = now - req.t_start
@@ -978,12 +1132,14 @@ class Runner:
             r.eval_count += 1
             if lp is not None:
                 r.logprobs.append(lp)
-            req.events.put(TokenEvent(tok, lp))
+            if text is not None:
+                r.text += text
+            req.events.put(TokenEvent(tok, lp, text))
             ph = req.placeholder
             req.placeholder = None
             if ph is not None:
                 ph.fill(tok)          # already in the next batch (or still pending): the real token now
-            if tok in req.stop:
+            if tok in req.stop or stop_text:
                 self._finish(req, DoneReason.STOP)
             elif req.max_tokens > 0 and r.eval_count >= req.max_tokens:
                 self._finish(req, DoneReason.LENGTH)

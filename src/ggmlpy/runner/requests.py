@@ -35,7 +35,7 @@ class RunnerError(RuntimeError, GGMLError):
 class DoneReason:
     """Why a sequence ended (``Completion.done_reason``)."""
 
-    STOP = "stop"            # a stop token was sampled
+    STOP = "stop"            # a stop token was sampled, or a stop string completed
     LENGTH = "length"        # max_tokens reached, or the context is full (shifting off, or max_tokens=-2)
     CANCEL = "cancel"        # Handle.cancel(), or Runner.close() before the request ended
     ERROR = "error"          # see Completion.error (Handle.result() raises RunnerError from it)
@@ -43,10 +43,22 @@ class DoneReason:
 
 @dataclass
 class TokenEvent:
-    """One generated token, as streamed by :class:`Handle`."""
+    """One generated token, as streamed by :class:`Handle`.
 
-    token: int
+    ``text`` is set for requests that produce text (a text prompt, stop strings, a chat, or
+    ``detokenize=True``; see :meth:`Runner.submit`), else None: the text this token completed, after
+    the streaming detokenizer and the stop strings. It may be ``""``: the token ends with part of a
+    UTF-8 character (held until the character is whole), is a control token, or may start a stop
+    string (held until that is decided). The text of a stop token or a stop string is never
+    streamed. The ``text`` of all of a request's events, joined, is its :attr:`Completion.text`.
+
+    When a request ends between tokens (cancelled, the context full) while text is held back, one
+    last event carries it with ``token`` None.
+    """
+
+    token: Optional[int]
     logprobs: Optional[Logprobs] = None
+    text: Optional[str] = None
 
 
 @dataclass
@@ -54,9 +66,12 @@ class Completion:
     """The result of a request.
 
     ``tokens`` are the generated ids (the stop token included when one ended
-    it); ``embedding`` is set for embedding requests. Timings follow Ollama:
-    prompt evaluation runs from the first batch to the first token, generation
-    from the first token to the last.
+    it, and the token that completed a stop string); ``embedding`` is set for
+    embedding requests. ``text`` is set for requests that produce text (see
+    :class:`TokenEvent`): the generated text, without the stop token's or the
+    stop string's text and without anything after a stop string. Timings follow
+    Ollama: prompt evaluation runs from the first batch to the first token,
+    generation from the first token to the last.
     """
 
     tokens: list = field(default_factory=list)
@@ -70,6 +85,7 @@ class Completion:
     eval_duration: float = 0.0
     n_cached: int = 0
     n_shifts: int = 0
+    text: Optional[str] = None
 
     @property
     def ttft(self) -> float:
@@ -138,3 +154,4 @@ class _Request:
         self.t_start: Optional[float] = None
         self.t_first: Optional[float] = None
         self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
+        self.text = None                 # text.TextStream of a request that produces text
