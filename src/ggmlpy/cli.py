@@ -251,6 +251,7 @@ def chat_repl(rt, args: argparse.Namespace, history: list, template: Optional[st
             return 0
         except KeyboardInterrupt:              # Ctrl-C at the prompt: Ollama's hint, not an exit
             out.write("\nUse Ctrl + d or /bye to exit.\n")
+            out.flush()
             continue
         text = line.strip()
         if not text:
