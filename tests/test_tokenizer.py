@@ -227,3 +227,18 @@ def test_random_text_as_llama_cpp_live(vocab):
         assert t.encode(text, add, parse) == llm.tokenize(text.encode(), add_bos=add, special=parse)
 
     check()
+
+
+def test_chat_template_of_the_file():
+    q = tok("qwen2")
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]
+    text = q.apply_chat_template(msgs)
+    assert text == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert q.apply_chat_template(msgs, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
+    ids = q.encode(text, add_special=False, parse_special=True)
+    assert ids[0] == q.token_id("<|im_start|>") and ids.count(q.token_id("<|im_end|>")) == 2
+    # Phi-3's template writes bos_token: the tokenizer passes the file's BOS text
+    assert tok("phi-3").apply_chat_template([{"role": "user", "content": "x"}]).startswith("<s><|user|>")
+    with pytest.raises(TokenizerError, match="no tokenizer.chat_template"):
+        tok("gpt-2").apply_chat_template(msgs)
+    assert tok("gpt-2").apply_chat_template(msgs, template="{{ messages[1].content }}") == "Hi"

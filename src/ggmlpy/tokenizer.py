@@ -221,6 +221,11 @@ _GROUP = 1 << 20
 _MAX_PIECE = 1 << 20
 _LONG_WORD = 256
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+_CHAR_TO_BYTE_TABLE = {ord(c): b for c, b in _CHAR_TO_BYTE.items()}
+_BYTE_LEVEL = re.compile("[" + "".join(re.escape(c) for c in _CHAR_TO_BYTE) + "]*")
+_AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
+_NORMAL = int(TokenAttr.NORMAL)
+_BYTE = int(TokenAttr.BYTE)
 
 
 def _text_arg(text: Union[str, bytes], what: str) -> str:
@@ -492,10 +497,12 @@ class Tokenizer:
     def _piece(self, tid: int) -> bytes:
         """llama.cpp's token_to_piece(special=True) for one token."""
         text, attr = self._texts[tid], self._attrs[tid]
-        if attr & (_SPECIAL | TokenAttr.USER_DEFINED):
+        if attr & _AS_TEXT:
             return text.encode("utf-8")
-        if attr & TokenAttr.NORMAL:
+        if attr & _NORMAL:
             if self.kind == "BPE" and not self._escape_ws:
+                if _BYTE_LEVEL.fullmatch(text):         # every character stands for one byte
+                    return text.translate(_CHAR_TO_BYTE_TABLE).encode("latin-1")
                 out = bytearray()
                 for ch in text:
                     b = _CHAR_TO_BYTE.get(ch)
@@ -505,7 +512,7 @@ class Tokenizer:
                         out += b"[UNK_BYTE_0x" + ch.encode("utf-8").hex().encode() + text.encode("utf-8") + b"]"
                 return bytes(out)
             return text.replace(_ESCAPED_SPACE, " ").encode("utf-8")
-        if attr & TokenAttr.BYTE and self.kind != "WPM":
+        if attr & _BYTE and self.kind != "WPM":
             try:
                 return bytes((int(text[3:5], 16),))
             except ValueError:
