@@ -26,7 +26,7 @@ import hf_convert  # noqa: E402
 from ggmlpy.tokenizer import TokenAttr, Tokenizer, TokenizerError, TokenType  # noqa: E402
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
-#: every vocabulary ggmlpy reads (nomic-bert-moe is UGM: refused, tested below)
+#: every vocabulary ggmlpy reads (all of llama.cpp's, nomic-bert-moe the one UGM among them)
 VOCABS = sorted(GOLDEN["vocabs"])
 #: vocabularies with llama.cpp's reference tokenizations (.inp/.out)
 WITH_TESTS = ["bert-bge", "command-r", "deepseek-coder", "deepseek-llm", "falcon", "gemma-4", "gpt-2", "llama-bpe",
@@ -44,8 +44,11 @@ def tok(vocab: str) -> Tokenizer:
 
 
 def test_the_lists_cover_llama_cpps_files():
-    assert set(WITH_TESTS) == {v for v in hf_convert.vocabs() if hf_convert.vocab_tests(v)} - {"nomic-bert-moe"}
-    assert set(VOCABS) == set(hf_convert.vocabs()) - {"nomic-bert-moe"}
+    assert set(WITH_TESTS) == {v for v in hf_convert.vocabs() if hf_convert.vocab_tests(v)}
+    assert set(VOCABS) == set(hf_convert.vocabs())
+    # a vocabulary without .inp/.out has every reference text of the others in the golden file
+    texts = {c["text"] for c in GOLDEN["vocabs"]["nomic-bert-moe"]}
+    assert {t for t, _ in hf_convert.vocab_tests("llama-spm")} <= texts
 
 
 @pytest.mark.parametrize("vocab", WITH_TESTS)
@@ -181,10 +184,14 @@ def test_files_it_cannot_read():
 
     with pytest.raises(TokenizerError, match=r"no tokenizer \(tokenizer.ggml.model is 'none'\)"):
         Tokenizer.from_gguf(synthetic_path("tiny"))
-    with pytest.raises(TokenizerError, match=r"tokenizer.ggml.model = 't5' \(UGM \(T5\)\) is not supported"):
-        Tokenizer.from_gguf(hf_convert.vocab_file("nomic-bert-moe"))
     from ggmlpy.gguf import GGUFReader
 
+    with GGUFReader(hf_convert.vocab_file("nomic-bert-moe")) as r:
+        ugm = dict(r.metadata)
+    with pytest.raises(TokenizerError, match=r"tokenizer.ggml.model = 'rwkv' \(RWKV\) is not supported"):
+        Tokenizer.from_gguf({**ugm, "tokenizer.ggml.model": "rwkv"})
+    with pytest.raises(TokenizerError, match="precompiled_charsmap is malformed"):
+        Tokenizer.from_gguf({**ugm, "tokenizer.ggml.precompiled_charsmap": b"\xff\xff\x00\x00abc"})
     with GGUFReader(hf_convert.vocab_file("qwen2")) as r:
         md = dict(r.metadata)
     with pytest.raises(TokenizerError, match="tokenizer.ggml.pre = 'no-such-pre'"):
@@ -213,16 +220,27 @@ def test_every_known_pre_tokenizer_builds_and_round_trips():
 
 
 
-@pytest.mark.parametrize("vocab", ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "bert-bge", "gemma-4"])
+_UGM_ALPHABET = list(" \t\n\r\u3000\u00a0\u2581abcAé\u0301\u0308ｱﾞｶﾟ가\u1100\u1161\u11a8\u3131\u314f\u00bd\u2460"
+                     "\U0001d400\x00\x01\x7f漢字🦙ＡＢ，") + ["<s>", "</s>", "<mask>", "<unk>", "<pad>", "[PAD250001]"]
+_UGM_WORDS = ["<s>", "</s>", "<mask>", "<unk>", "<pad>", " ", "  ", "\n", "a", "Hello", "é", "🦙"]
+
+
+@pytest.mark.parametrize("vocab", ["llama-spm", "llama-bpe", "qwen2", "gpt-2", "bert-bge", "gemma-4", "nomic-bert-moe"])
 def test_random_text_as_llama_cpp_live(vocab):
     lc = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (optional peer)")
     llm = lc.Llama(str(hf_convert.vocab_file(vocab)), vocab_only=True, verbose=False)
     t = tok(vocab)
 
+    texts = st.text(st.characters(exclude_categories=("Cs", "Cn")), max_size=60)
+    if t.kind == "UGM":
+        # what its normaliser works on: whitespace runs, charsmap keys (combining, half-width, jamo,
+        # compatibility forms), the escaped space itself, special-token text, unknown characters
+        texts = st.one_of(texts, st.lists(st.sampled_from(_UGM_ALPHABET), max_size=40).map("".join),
+                          st.lists(st.sampled_from(_UGM_WORDS), max_size=10).map("".join))
+
     @settings(max_examples=150, deadline=None)
     # unassigned code points (Cn) left out: Python's Unicode tables are older than llama.cpp's
-    @given(text=st.text(st.characters(exclude_categories=("Cs", "Cn")), max_size=60), add=st.booleans(),
-           parse=st.booleans())
+    @given(text=texts, add=st.booleans(), parse=st.booleans())
     def check(text, add, parse):
         assert t.encode(text, add, parse) == llm.tokenize(text.encode(), add_bos=add, special=parse)
 
@@ -242,3 +260,151 @@ def test_chat_template_of_the_file():
     with pytest.raises(TokenizerError, match="no tokenizer.chat_template"):
         tok("gpt-2").apply_chat_template(msgs)
     assert tok("gpt-2").apply_chat_template(msgs, template="{{ messages[1].content }}") == "Hi"
+
+
+# ---------------------------------------------------------------------------------------------- UGM
+
+def _metadata(vocab: str) -> dict:
+    from ggmlpy.gguf import GGUFReader
+
+    with GGUFReader(hf_convert.vocab_file(vocab)) as r:
+        return dict(r.metadata)
+
+
+def test_ugm_vocabulary_facts():
+    t = tok("nomic-bert-moe")
+    assert (t.kind, t.model, t.bos, t.eos, t.unk, t.pad, t.mask) == ("UGM", "t5", 0, 2, 3, 1, 250001)
+    assert (t.add_bos, t.add_eos, t.add_space_prefix, t.remove_extra_whitespaces) == (True, True, True, True)
+    ids = t.encode("Hello world")
+    assert ids[0] == t.bos and ids[-1] == t.eos and [t.token_text(i) for i in ids[1:-1]] == ["▁Hello", "▁world"]
+    # as llama.cpp: the prefix space comes off the first piece, unless a BOS was skipped before it
+    assert t.decode(ids[1:-1]) == "Hello world" and t.decode(ids) == "<s> Hello world</s>"
+    assert t.decode(ids, skip_special=True) == " Hello world"
+    # the precompiled charsmap (NFKC and more): composed, full-width, compatibility forms
+    assert t.encode("e\u0301", False) == t.encode("é", False)
+    assert t.encode("ＡＢＣ　ｶﾞ", False) == t.encode("ABC ガ", False)
+    # tabs and newlines are spaces; runs of spaces are one; none at the ends
+    assert t.encode(" \t a \n\n  b\r\n", False) == t.encode("a b", False)
+    assert t.encode(" \n ", False) == [] and t.encode(" \n ") == [t.bos, t.eos]
+    # characters no token holds: one unknown token for a run of them, also across words
+    unk = [t.token_id("▁"), t.unk]
+    assert t.encode("🦙🦙🦙", False) == unk and t.encode("🦙 🦙", False) == unk + unk
+    # the [PAD…] tokens (unused, score -10000) are in llama.cpp's search but never win it
+    assert t.token_id("[PAD250001]") not in t.encode("[PAD250001]", False)
+    # text after a special token gets its own space prefix; <mask> strips the spaces before it
+    assert t.encode("a<s>b", False, True) == t.encode("a", False) + [t.bos] + t.encode("b", False)
+    assert t.encode("a  <mask>", False, True) == t.encode("a", False) + [t.mask]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=60),
+                      st.text(st.sampled_from(_UGM_ALPHABET[:-6]), max_size=60)))
+def test_ugm_engine_is_llama_cpps_search(text):
+    """The engine (Hugging Face's Unigram, text cut into words) gives the ids of the Python search
+    written after llama.cpp's, on the whole normalised text."""
+    t = tok("nomic-bert-moe")
+    u = t._ugm
+    assert u.hf is not None
+    assert t.encode(text, add_special=False) == u.viterbi(u.normalize(text))
+
+
+def test_ugm_whitespace_settings():
+    """The normaliser's other settings (files llama.cpp ships set both flags): without
+    remove_extra_whitespaces spaces stay, each a ▁, and add_space_prefix puts one ▁ before the
+    first non-space; the engine still agrees with the search."""
+    md = _metadata("nomic-bert-moe")
+    keep = Tokenizer.from_gguf({**md, "tokenizer.ggml.remove_extra_whitespaces": False})
+    bare = Tokenizer.from_gguf({**md, "tokenizer.ggml.remove_extra_whitespaces": False,
+                                "tokenizer.ggml.add_space_prefix": False})
+    merge = Tokenizer.from_gguf({**md, "tokenizer.ggml.add_space_prefix": False})
+    assert keep._ugm.normalize(" \ta  b ") == "▁▁▁a▁▁b▁" and bare._ugm.normalize(" \ta  b ") == "▁▁a▁▁b▁"
+    assert keep._ugm.normalize("  ") == "▁▁"        # no prefix without a non-space
+    assert merge._ugm.normalize(" a  b ") == "▁a▁b"  # merging puts a ▁ before every word regardless
+    text = "  Hello\u3000 wörld 🦙🦙 ＡＢ\t\tx  "
+    for t in (keep, bare, merge):
+        u = t._ugm
+        assert t.encode(text, add_special=False) == u.viterbi(u.normalize(text))
+        assert t.encode(" " + text + "<s>" + text, add_special=False, parse_special=True) == \
+            u.viterbi(u.normalize(" " + text)) + [t.bos] + u.viterbi(u.normalize(text))
+
+
+def _small_ugm(**extra) -> dict:
+    tokens = ["<pad>", "</s>", "<unk>", "▁", "a", "b", "c", "▁a", "ab", "▁ab", "bc", "<user>", "[unused]", "x"]
+    scores = [0.0, 0.0, 0.0, -2.0, -3.0, -3.0, -4.0, -2.5, -3.5, -4.0, -5.0, 0.0, -1e4, -6.0]
+    types = [3, 3, 2, 1, 1, 1, 1, 1, 1, 1, 1, 4, 5, 1]
+    md = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores,
+          "tokenizer.ggml.token_type": types, "tokenizer.ggml.add_space_prefix": True}
+    md.update(extra)
+    return md
+
+
+def test_ugm_small_vocabulary():
+    """A vocabulary made here, without a charsmap: the search by hand, user-defined tokens, unknown
+    characters, and a vocabulary the engine cannot reproduce searched in Python."""
+    t = Tokenizer.from_gguf(_small_ugm())
+    assert (t.kind, t.bos, t.eos, t.unk, t.pad, t.add_bos, t.add_eos) == ("UGM", None, 1, 2, 0, False, True)
+    assert t._ugm.hf is not None and t._ugm.unk_score == -16.0     # the lowest normal score - 10
+    tid = t.token_id
+    # "▁ab": one token (-4) beats "▁a" + "b" (-5.5) and "▁" + "ab" (-5.5)
+    assert t.encode("ab") == [tid("▁ab"), t.eos]
+    # "▁abc": "▁a" + "bc" (-7.5) beats "▁ab" + "c" (-8)
+    assert t.encode("abc", False) == [tid("▁a"), tid("bc")]
+    # user-defined tokens are split out of the text and each side is normalised on its own
+    assert t.encode("a<user>b", False) == [tid("▁a"), tid("<user>"), tid("▁"), tid("b")]
+    # unknown characters: one token for a run; the unused token never wins
+    assert t.encode("zzz a", False) == [tid("▁"), t.unk, tid("▁a")]
+    assert t.encode("[unused]", False)[-1] != tid("[unused]")
+    for text in ("abcabc zz", "ba  cb", "x" * 40, "▁a▁"):
+        assert t.encode(text, False) == t._ugm.viterbi(t._ugm.normalize(text))
+    # an unused one-code-point token scored below the unknown token: the engine's minimum cannot be
+    # llama.cpp's, so the search runs in Python (the unused token is searched, as llama.cpp's)
+    slow = Tokenizer.from_gguf(_small_ugm(**{"tokenizer.ggml.scores": [0.0, 0.0, 0.0, -2.0, -3.0, -3.0, -4.0, -2.5,
+                                                                         -3.5, -4.0, -5.0, 0.0, -1e4, -99.0],
+                                             "tokenizer.ggml.token_type": [3, 3, 2, 1, 1, 1, 1, 1, 1, 1, 1, 4, 5, 5]}))
+    assert slow._ugm.hf is None and slow._ugm.unk_score == -15.0
+    assert slow.encode("abc x zz") == [tid("▁a"), tid("bc"), tid("▁"), tid("x"), tid("▁"), t.unk, t.eos]
+    # a token with a ▁ inside ("a▁b"): texts are not cut before a ▁ that follows an "a"
+    md = _small_ugm()
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"] + ["a▁b", "b▁"]
+    md["tokenizer.ggml.scores"] = md["tokenizer.ggml.scores"] + [-1.0, -1.5]
+    md["tokenizer.ggml.token_type"] = md["tokenizer.ggml.token_type"] + [1, 1]
+    for merge in (False, True):
+        inner = Tokenizer.from_gguf({**md, "tokenizer.ggml.remove_extra_whitespaces": merge})
+        assert inner._ugm.hf is not None and inner._ugm.cut.pattern.startswith("(?<![ab])")
+        assert inner.encode("a b", False) == [tid("▁"), inner.token_id("a▁b")]
+        for text in ("a b a  b ab b c", "▁a b▁▁c", " b  b a", "zz a zz b"):
+            assert inner.encode(text, False) == inner._ugm.viterbi(inner._ugm.normalize(text)), text
+    assert Tokenizer.from_gguf(_small_ugm(**{"tokenizer.ggml.unknown_token_id": 99})).unk == 2   # ignored
+    # no unknown token (the default id 2 is outside a two-token vocabulary): an unknown character is
+    # refused (llama.cpp would put id -1 in the output)
+    for types in ([1, 1], [1, 5]):      # the engine; the search in Python (an unused "a" below "▁" - 10)
+        none = Tokenizer.from_gguf({"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["▁", "a"],
+                                    "tokenizer.ggml.scores": [-1.0, -20.0], "tokenizer.ggml.token_type": types})
+        assert none.unk is None and (none._ugm.hf is None) == (types[1] == 5)
+        assert none.encode("a a", False) == [1, 0, 1]       # UGM's default: no space prefix
+        with pytest.raises(TokenizerError, match="no token holds and the vocabulary defines no unknown token"):
+            none.encode("a z", False)
+
+
+def test_ugm_ten_megabytes():
+    t = tok("nomic-bert-moe")
+    words = ("The quick brown fox, 1234 jumps.\nOver the lazy dog's 🦙 back " * 200_000)[:10_000_000]
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ids = t.encode(words, add_special=False)
+    grew_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    first = words[:words.index("\n", 100_000)]
+    assert ids[:len(t.encode(first, add_special=False))] == t.encode(first, add_special=False)
+    assert t.decode(ids[:11]) == "The quick brown fox, 1234 jumps."
+    assert grew_mb < 1500, f"peak RSS grew {grew_mb:.0f} MB"
+    assert t.encode(" " * 10_000_000, add_special=False) == []      # spaces: nothing left to search
+    for run in ("a" * 10_000_000, "漢字" * 5_000_000):
+        with pytest.raises(TokenizerError, match="no place where it can be split"):
+            t.encode(run)
+
+
+def test_spm_file_with_remove_extra_whitespaces_loads():
+    """llama.cpp reads tokenizer.ggml.remove_extra_whitespaces for every type but only UGM applies it."""
+    md = _metadata("llama-spm")
+    t = Tokenizer.from_gguf({**md, "tokenizer.ggml.remove_extra_whitespaces": True})
+    assert t.remove_extra_whitespaces is False
+    assert t.encode("a   b\n\n c") == tok("llama-spm").encode("a   b\n\n c")

@@ -4,8 +4,11 @@ llama.cpp's ``models/ggml-vocab-*.gguf.out`` files hold ids for one setting only
 tokens not parsed). This records, for every vocabulary ggmlpy supports, llama.cpp's ids for texts that
 mix special-token text with plain text, with and without ``add_special`` and ``parse_special``, and its
 ``llama_detokenize`` output with and without ``remove_special``, so the tests check those settings
-without llama.cpp installed. Needs llama-cpp-python (the version of tests/hf_convert.py) and the
-extracted sdist; run from the repository root:
+without llama.cpp installed. A vocabulary with no ``.inp``/``.out`` of its own (``nomic-bert-moe``,
+the one UGM file, and a few BPE ones) also gets every text of the other vocabularies' ``.inp`` files
+(multilingual text, runs of whitespace, emoji, code), so its plain tokenization is covered too.
+Needs llama-cpp-python (the version of tests/hf_convert.py) and the extracted sdist; run from the
+repository root:
 
     python tools/gen_tokenizer_golden.py
 """
@@ -58,8 +61,21 @@ def texts_for(tok: Tokenizer, seed: int) -> list[str]:
     return out
 
 
+def reference_texts() -> list[str]:
+    """Every text of llama.cpp's ``.inp`` files, each once, in file order."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for vocab in hf_convert.vocabs():
+        for text, _ids in hf_convert.vocab_tests(vocab):
+            if text not in seen:
+                seen.add(text)
+                out.append(text)
+    return out
+
+
 def main() -> None:
     golden = {}
+    reference = reference_texts()
     for vocab in hf_convert.vocabs():
         path = hf_convert.vocab_file(vocab)
         try:
@@ -69,7 +85,10 @@ def main() -> None:
             continue
         llm = llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
         cases = []
-        for text in texts_for(tok, seed=len(vocab)):
+        texts = texts_for(tok, seed=len(vocab))
+        if not hf_convert.vocab_tests(vocab):
+            texts += [t for t in reference if t not in texts]
+        for text in texts:
             case = {"text": text, "ids": {}}
             for add in (False, True):
                 for parse in (False, True):
