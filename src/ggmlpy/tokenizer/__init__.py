@@ -32,226 +32,46 @@ prove them against.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import os
 import re
 import unicodedata
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any
 
-from ggmlpy._core import GGMLValueError
+from ._bpe import _BYTE_LEVEL, _CHAR_TO_BYTE, _CHAR_TO_BYTE_TABLE, _PRE_TOKENIZERS, _Pre
+from ._common import (
+    _AS_TEXT,
+    _BYTE,
+    _C_SPACE,
+    _CHUNK,
+    _CUT_WORDS,
+    _EOG_TEXTS,
+    _EOT_TEXTS,
+    _ESCAPED_SPACE,
+    _FIM_TEXTS,
+    _GROUP,
+    _HANGUL,
+    _HANGUL_LEAD,
+    _LETTER_SPACE,
+    _LONG_WORD,
+    _MAX_PIECE,
+    _NL_NONSPACE,
+    _NORMAL,
+    _PARTITIONED,
+    _SPECIAL,
+    _SPECIAL_IDS,
+    _TYPE_TO_ATTR,
+    TokenAttr,
+    TokenizerError,
+    TokenType,
+    _check_encodable,
+    _text_arg,
+)
+from ._ugm import _Ugm
+from ._wpm import _is_cjk, _wpm_tables
 
-__all__ = ["Tokenizer", "Detokenizer", "TokenType", "TokenAttr", "TokenizerError"]
-
-
-class TokenizerError(GGMLValueError):
-    """A vocabulary the tokenizer cannot use, or text it cannot take (the message says which)."""
-
-
-class TokenType(enum.IntEnum):
-    """``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``)."""
-
-    UNDEFINED = 0
-    NORMAL = 1
-    UNKNOWN = 2
-    CONTROL = 3
-    USER_DEFINED = 4
-    UNUSED = 5
-    BYTE = 6
-
-
-class TokenAttr(enum.IntFlag):
-    """Per-token attributes as llama.cpp derives them (``llama_token_attr``)."""
-
-    UNDEFINED = 0
-    UNKNOWN = 1 << 0
-    UNUSED = 1 << 1
-    NORMAL = 1 << 2
-    CONTROL = 1 << 3
-    USER_DEFINED = 1 << 4
-    BYTE = 1 << 5
-    NORMALIZED = 1 << 6
-    LSTRIP = 1 << 7
-    RSTRIP = 1 << 8
-    SINGLE_WORD = 1 << 9
-
-
-_TYPE_TO_ATTR = {
-    TokenType.UNKNOWN: TokenAttr.UNKNOWN, TokenType.UNUSED: TokenAttr.UNUSED,
-    TokenType.NORMAL: TokenAttr.NORMAL, TokenType.CONTROL: TokenAttr.CONTROL,
-    TokenType.USER_DEFINED: TokenAttr.USER_DEFINED, TokenType.BYTE: TokenAttr.BYTE,
-}
-_SPECIAL = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL)
-_PARTITIONED = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
-_ESCAPED_SPACE = "\u2581"
-#: what C's isspace() calls whitespace: llama.cpp strips these beside special tokens
-_C_SPACE = " \t\n\v\f\r"
-
-# --- BPE pre-tokenizers (llama.cpp's llm_tokenizer_bpe, by tokenizer.ggml.pre) ------------------------
-# The expressions are those of the models' own tokenizer.json files, in the form llama.cpp uses them
-# (case-insensitive contractions spelled out). Applied in order, each splitting the pieces before it.
-
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_QWEN2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          r"|\s+(?!\S)|\s+")
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
-           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# non-raw strings: the code points are written as escapes, so no editor or normalisation can change them
-_CJK = "[\u4E00-\u9FA5\u0800-\u4E00\uAC00-\uD7FF]+"
-_DEEPSEEK_LATIN = (
-    "\\s?[A-Za-z\u00B5\u00C0-\u00D6\u00D8-\u00F6\u00F8-\u01BA\u01BC-\u01BF\u01C4-\u0293\u0295-\u02AF"
-    "\u0370-\u0373\u0376\u0377\u037B-\u037D\u037F\u0386\u0388-\u038A\u038C\u038E-\u03A1\u03A3-\u03F5"
-    "\u03F7-\u0481\u048A-\u052F\u0531-\u0556\u10A0-\u10C5\u13A0-\u13F5\u13F8-\u13FD\u1C90-\u1CBA"
-    "\u1CBD-\u1CBF\u1D00-\u1D2B\u1D6B-\u1D77\u1D79-\u1D9A\u1E00-\u1F15\u1F18-\u1F1D\u1F20-\u1F45"
-    "\u1F48-\u1F4D\u1F50-\u1F57\u1F59\u1F5B\u1F5D\u1F5F-\u1F7D\u1F80-\u1FB4\u1FB6-\u1FBC\u1FBE\u1FC2-"
-    "\u1FC4\u1FC6-\u1FCC\u1FD0-\u1FD3\u1FD6-\u1FDB\u1FE0-\u1FEC\u1FF2-\u1FF4\u1FF6-\u1FFC\u2102\u2107"
-    "\u210A-\u2113\u2115\u2119-\u211D\u2124\u2126\u2128\u212A-\u212D\u212F-\u2134\u2139\u213C-\u213F"
-    "\u2145-\u2149\u214E\u2183\u2184\u2C00-\u2C7B\u2C7E-\u2CE4\u2CEB-\u2CEE\u2CF2\u2CF3\uA640-\uA66D"
-    "\uA680-\uA69B\uA722-\uA76F\uA771-\uA787\uA78B-\uA78E\uAB70-\uABBF\uFB00-\uFB06\uFB13-\uFB17"
-    "\uFF21-\uFF3A\uFF41-\uFF5A\U00010400-\U0001044F\U000104B0-\U000104D3\U000104D8-\U000104FB"
-    "\U00010C80-\U00010CB2\U00010CC0-\U00010CF2\U000118A0-\U000118DF\U0001E900-\U0001E943]+")
-_DEEPSEEK_PUNCT = "\\s?[!-/:-~\uFF01-\uFF0F\uFF1A-\uFF5E\u2018-\u201F\u3000-\u3002]+"
-_CJK_KANA = "[\u4E00-\u9FA5\u3040-\u309F\u30A0-\u30FF]+"
-
-
-@dataclass(frozen=True)
-class _Pre:
-    """How one ``tokenizer.ggml.pre`` value tokenizes (llama.cpp's per-type settings)."""
-
-    regexes: tuple
-    ignore_merges: bool = False
-    clean_spaces: bool = True
-    add_bos: Optional[bool] = None     # None: as the vocabulary type says
-    byte_encode: bool = True            # GPT-2 byte-to-character mapping
-    escape_whitespace: bool = False     # spaces as U+2581 (SPM-style BPE)
-    no_bos: bool = False
-
-
-_DEFAULT = _Pre((r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"))
-_STARCODER = _Pre((r"\p{N}", _GPT2))
-_GPT2_PRE = _Pre((_GPT2,))
-_LLAMA3_PRE = _Pre((_LLAMA3,), ignore_merges=True, add_bos=True)
-_QWEN2_PRE = _Pre((_QWEN2,), clean_spaces=False)
-_PORO = (r" ?[^(\s|.,!?…。，、।۔،)]+",)
-
-_PRE_TOKENIZERS: dict[str, _Pre] = {
-    "default": _DEFAULT,
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "jina-v5-nano"), _LLAMA3_PRE),
-    "dbrx": _Pre((_LLAMA3,)),
-    "smaug-bpe": _Pre((_LLAMA3,)),
-    "deepseek-llm": _Pre((r"[\r\n]", _DEEPSEEK_LATIN, _DEEPSEEK_PUNCT, r"\s+$", _CJK, r"\p{N}+"),
-                         clean_spaces=False),
-    "deepseek-coder": _Pre((r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"), clean_spaces=False),
-    "deepseek-v3": _Pre((r"\p{N}{1,3}", _CJK_KANA,
-                         r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-                         r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"), clean_spaces=False),
-    "falcon": _Pre((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")),
-    **dict.fromkeys(("starcoder", "refact", "codeshell", "exaone", "minerva-7b"), _STARCODER),
-    **dict.fromkeys(("command-r", "smollm"), _Pre((r"\p{N}", _GPT2), clean_spaces=False)),
-    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
-                     "mellum", "modern-bert", "mpt", "olmo", "jais", "exaone4", "jina-v1-en", "jina-v2-code",
-                     "roberta-bpe"), _GPT2_PRE),
-    **dict.fromkeys(("trillion", "granite-docling"), _Pre((_GPT2,), clean_spaces=False)),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "megrez", "hunyuan",
-                     "solar-open"), _QWEN2_PRE),
-    "qwen35": _Pre((_QWEN35,), clean_spaces=False),
-    "poro-chat": _Pre(_PORO, clean_spaces=False),
-    **dict.fromkeys(("bloom", "gpt3-finnish"), _Pre(_PORO)),
-    "viking": _Pre(_PORO + (r"\p{N}",), clean_spaces=False),
-    "chatglm-bpe": _Pre((_LLAMA3,), no_bos=True),
-    **dict.fromkeys(("glm4", "glm5"), _Pre((_LLAMA3,), ignore_merges=True, no_bos=True)),
-    "seed-coder": _Pre((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
-                        r"|\s+(?!\S)|\s+",), clean_spaces=False),
-    "grok-2": _Pre((_QWEN2,), clean_spaces=False),
-    "ufakzeka": _Pre((r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
-                     clean_spaces=False),
-    **dict.fromkeys(("gemma4", "granite-embed-multi-311m"),
-                    _Pre((r"[^\n]+|[\n]+",), byte_encode=False, escape_whitespace=True, add_bos=True)),
-    "whitespace": _Pre((r"\S+",), byte_encode=False),
-}
-
-#: end-of-turn and end-of-generation tokens llama.cpp recognises by their text (llama-vocab.cpp)
-_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
-              "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
-_EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-                        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-                        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-                        "<｜end▁of▁sentence｜>", "[e~["))
-#: fill-in-the-middle tokens, recognised by text when the file does not give their ids
-_FIM_TEXTS = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
-                "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
-                "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
-                "<|code_middle|>", "<|middle|>"),
-    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
-    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "fim_sep": ("<|file_sep|>",),
-}
-#: ids read from tokenizer.ggml.<key>_token_id
-_SPECIAL_IDS = ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask",
-                "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
-
-
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte-to-character mapping: printable bytes stand for themselves, the others are moved
-    to code points from 256 up so every byte is a visible character."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    out, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + n)
-            n += 1
-    return out
-
-
-_BYTE_TO_CHAR = _byte_chars()
-#: where a long text may be cut for parallel encoding (see Tokenizer._cuts), and the piece size
-_CUT_WORDS = re.compile(r"(?<=\S\n)(?=\S)|(?<=[A-Za-z])(?= [A-Za-z])")
-_NL_NONSPACE = re.compile(r"\n\S")
-_LETTER_SPACE = re.compile("[A-Za-z]\u2581")
-_CHUNK = 1 << 14
-_HANGUL = re.compile("[\uAC00-\uD7A3]")
-_HANGUL_LEAD = {cp: 0x1100 + (cp - 0xAC00) // 588 for cp in range(0xAC00, 0xD7A4)}
-_GROUP = 1 << 20
-_MAX_PIECE = 1 << 20
-_LONG_WORD = 256
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
-_CHAR_TO_BYTE_TABLE = {ord(c): b for c, b in _CHAR_TO_BYTE.items()}
-_BYTE_LEVEL = re.compile("[" + "".join(re.escape(c) for c in _CHAR_TO_BYTE) + "]*")
-_AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
-_NORMAL = int(TokenAttr.NORMAL)
-_BYTE = int(TokenAttr.BYTE)
-
-
-def _text_arg(text: Union[str, bytes], what: str) -> str:
-    """``text`` as a str that encodes to UTF-8; bytes must be valid UTF-8."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        try:
-            return bytes(text).decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TokenizerError(f"{what}: the bytes are not valid UTF-8 at offset {e.start} "
-                                 f"({bytes(text)[e.start:e.start + 4]!r})") from None
-    if not isinstance(text, str):
-        raise TypeError(f"{what}: text must be str or bytes, not {type(text).__name__}")
-    return text
-
-
-def _check_encodable(text: str, what: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise TokenizerError(f"{what}: the text has a lone surrogate {text[e.start]!r} at index {e.start}; "
-                             f"it has no UTF-8 form") from None
+__all__ = ["Detokenizer", "TokenAttr", "TokenType", "Tokenizer", "TokenizerError"]
 
 
 class Tokenizer:
@@ -312,7 +132,7 @@ class Tokenizer:
                                                               for t in types]
         self._attrs: list[int] = [int(a) for a in attrs]
         self._ids: dict[str, int] = {t: i for i, t in enumerate(self._texts)}   # last wins, as llama.cpp
-        self.chat_template: Optional[str] = md.get("tokenizer.chat_template")
+        self.chat_template: str | None = md.get("tokenizer.chat_template")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             self.chat_template = None
         self._setup_type(md)
@@ -361,8 +181,8 @@ class Tokenizer:
         self.add_sep = False
         self._escape_ws = False
         self.remove_extra_whitespaces = False
-        self._pre_cfg: Optional[_Pre] = None
-        bos: Optional[int]
+        self._pre_cfg: _Pre | None = None
+        bos: int | None
         if self.model == "llama":
             self.kind = "SPM"
             bos, eos, unk, sep, pad, mask = 1, 2, 0, None, None, None
@@ -410,7 +230,7 @@ class Tokenizer:
 
     def _setup_special(self, md: dict) -> None:
         n = self.n_vocab
-        ids: dict[str, Optional[int]] = {"bos": self.bos, "eos": self.eos, "eot": None, "eom": None,
+        ids: dict[str, int | None] = {"bos": self.bos, "eos": self.eos, "eot": None, "eom": None,
                                          "unknown": self.unk, "seperator": self.sep, "padding": self.pad,
                                          "mask": self.mask}
         ids.update({k: None for k in _FIM_TEXTS})
@@ -443,7 +263,7 @@ class Tokenizer:
         # tokens recognised by text: llama.cpp takes the first it meets in its (unordered) map; the first
         # in the order of its list of texts is deterministic and agrees with it on every vocabulary
         # llama.cpp ships (<|eot_id|> over <|end_of_text|>, <|im_end|> over <|endoftext|>)
-        def by_text(texts) -> Optional[int]:
+        def by_text(texts) -> int | None:
             return next((self._ids[t] for t in texts if t in self._ids), None)
 
         if ids["eot"] is None:
@@ -655,7 +475,7 @@ class Tokenizer:
         """llama.cpp's attributes of ``tid`` (type, plus LSTRIP/RSTRIP where a model sets them)."""
         return TokenAttr(self._attrs[self._check_id(tid, "token_attr")])
 
-    def token_id(self, text: str) -> Optional[int]:
+    def token_id(self, text: str) -> int | None:
         """The id whose vocabulary entry is exactly ``text``, else None."""
         return self._ids.get(text)
 
@@ -697,7 +517,7 @@ class Tokenizer:
             frags = out
         return frags
 
-    def encode(self, text: Union[str, bytes], add_special: bool = True, parse_special: bool = False) -> list[int]:
+    def encode(self, text: str | bytes, add_special: bool = True, parse_special: bool = False) -> list[int]:
         """Token ids of ``text`` (llama.cpp's ``llama_tokenize``).
 
         Parameters
@@ -823,7 +643,7 @@ class Tokenizer:
                                      f"in one piece: encode it in parts")
         return pieces
 
-    def encode_batch(self, texts: Iterable[Union[str, bytes]], add_special: bool = True,
+    def encode_batch(self, texts: Iterable[str | bytes], add_special: bool = True,
                      parse_special: bool = False) -> list[list[int]]:
         """:meth:`encode` of each text; the texts run in parallel in the Rust engine where they can."""
         return [self.encode(t, add_special, parse_special) for t in texts]
@@ -986,7 +806,7 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
-                            tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+                            tools: Sequence[dict] | None = None, template: str | None = None,
                             **kwargs: Any) -> str:
         """Render ``messages`` with the file's chat template (``tokenizer.chat_template``), sandboxed
         (see :mod:`ggmlpy.chat_template`); ``template`` overrides the file's.
@@ -1008,47 +828,6 @@ class Tokenizer:
         eos = self._texts[self.eos] if self.eos is not None else ""
         return ChatTemplate(src, bos_token=bos, eos_token=eos).render(
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
-
-
-_wpm_cache: list = []
-
-
-def _wpm_tables() -> tuple[dict, dict]:
-    """``str.translate`` tables for llama.cpp's BERT pre-processing, from Python's Unicode tables
-    (built once, on first use: a pass over every code point). Control, format and private-use
-    characters that are not whitespace, NUL and U+FFFD are deleted; punctuation, ASCII symbols and
-    CJK ideographs get a space on each side (words of their own). The second table also deletes
-    combining marks (for ``strip_accents``)."""
-    if _wpm_cache:
-        return _wpm_cache[0]
-    keep: dict[int, Optional[str]] = {0: None, 0xFFFD: None}
-    marks: dict[int, Optional[str]] = {}
-    cat = unicodedata.category
-    for cp in range(1, 0x110000):
-        if 0xD800 <= cp <= 0xDFFF:
-            continue
-        ch = chr(cp)
-        c = cat(ch)
-        if c in ("Cc", "Cf", "Co") and not (ch.isspace() and not 0x1C <= cp <= 0x1F):
-            keep[cp] = None
-        elif c[0] == "M":
-            marks[cp] = None
-        elif c[0] == "P" or (cp < 0x7F and c[0] == "S") or _is_cjk(cp):
-            keep[cp] = f" {ch} "
-    # every other BMP character maps to itself: str.translate then finds each character it looks up
-    # (a miss costs a raised and cleared KeyError), twice as fast on mixed text
-    both = {**keep, **marks}
-    for table in (keep, both):
-        for cp in range(0x10000):
-            table.setdefault(cp, cp)
-    _wpm_cache.append((keep, both))
-    return _wpm_cache[0]
-
-
-def _is_cjk(cp: int) -> bool:
-    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or
-            0x2A700 <= cp <= 0x2B73F or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF or
-            0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
 def _clean_spaces(data: bytes) -> bytes:
@@ -1092,470 +871,6 @@ def _clean_spaces(data: bytes) -> bytes:
                 out.pop()
         out.append(x)
     return bytes(out)
-
-
-# --- UGM (T5-style Unigram, llama.cpp's llm_tokenizer_ugm) ----------------------------------------------
-
-#: what llama.cpp takes off the lowest normal score to score a character no token holds
-_UGM_UNK_PENALTY = 10.0
-_UGM_SPACES = re.compile(" +")
-_FLT_MAX = 3.4028234663852886e38
-_charsmap_cache: dict = {}
-_CHARSMAP_PATHS = 1 << 21
-
-
-def _parse_charsmap(data: bytes, source: str) -> dict[str, str]:
-    """SentencePiece's precompiled charsmap (``tokenizer.ggml.precompiled_charsmap``) as a dict of every
-    input string it rewrites to its replacement.
-
-    The blob is a 4-byte size, an XOR-compressed compact double array over UTF-8 bytes and the
-    NUL-terminated replacements. llama.cpp walks the array at each place of the text for the longest
-    matching key; listing every key once (every path the walk can take from the root) lets the
-    walk be a dictionary look-up. The checks llama.cpp makes while it walks (an index outside the
-    array or the replacements, an unterminated replacement) are made here for every key, when the
-    file loads."""
-    cached = _charsmap_cache.get(data)
-    if cached is not None:
-        return cached
-    import numpy as np
-
-    bad = f"{source}: tokenizer.ggml.precompiled_charsmap is malformed"
-    if len(data) < 4:
-        raise TokenizerError(f"{bad} (shorter than its size header)")
-    blob = int.from_bytes(data[:4], "little")
-    if blob + 4 >= len(data):
-        raise TokenizerError(f"{bad} (its array of {blob} bytes leaves no replacement strings)")
-    n = blob // 4
-    repl = data[4 + blob:]
-    keys: dict[bytes, bytes] = {}
-    if n:
-        arr = np.frombuffer(data, dtype="<u4", count=n, offset=4).astype(np.int64)
-        base = ((arr >> 10) << ((arr & (1 << 9)) >> 6)).tolist()
-        check = arr & ((1 << 31) | 0xFF)
-        leaf = ((arr >> 8) & 1).tolist()
-        value = (arr & ((1 << 31) - 1)).tolist()
-        # the walk goes from node position p on byte c to entry p ^ c when that entry's check is c:
-        # each entry with a check of 1..255 is the child of exactly one position
-        kids = np.nonzero((check > 0) & (check < 256))[0]
-        children: dict[int, list[int]] = {}
-        for i, p in zip(kids.tolist(), (kids ^ check[kids]).tolist()):
-            children.setdefault(p, []).append(i)
-        stack = [(base[0], b"")]
-        visited = 0
-        while stack:
-            pos, key = stack.pop()
-            visited += 1
-            # SentencePiece's have about 200 thousand paths of a few bytes; a crafted array could
-            # share nodes to make exponentially many, or loop
-            if len(key) >= 256 or visited > _CHARSMAP_PATHS:
-                raise TokenizerError(f"{bad} (more than {_CHARSMAP_PATHS} keys, or a key of more than 255 bytes)")
-            for i in children.get(pos, ()):
-                k = key + bytes((i ^ pos,))
-                nxt = i ^ base[i]
-                if leaf[i]:
-                    if nxt >= n:
-                        raise TokenizerError(f"{bad} (an index outside the array)")
-                    off = value[nxt]
-                    end = repl.find(b"\0", off) if off < len(repl) else -1
-                    if end < 0:
-                        raise TokenizerError(f"{bad} (a replacement outside the data or not terminated)")
-                    keys[k] = repl[off:end]
-                stack.append((nxt, k))
-    try:
-        out = {k.decode("utf-8"): v.decode("utf-8") for k, v in keys.items()}
-    except UnicodeDecodeError:
-        raise TokenizerError(f"{source}: tokenizer.ggml.precompiled_charsmap rewrites bytes that are not whole "
-                             f"UTF-8 characters; this is not supported") from None
-    _charsmap_cache.clear()
-    _charsmap_cache[data] = out
-    return out
-
-
-def _char_class(chars) -> re.Pattern:
-    """A pattern matching any one of ``chars``, fast: Python's regular expressions test a class with
-    characters beyond U+FFFF one range at a time, so those are only looked at after a cheap test."""
-    bmp = "".join(map(re.escape, sorted(c for c in chars if ord(c) < 0x10000)))
-    astral = "".join(map(re.escape, sorted(c for c in chars if ord(c) >= 0x10000)))
-    alts = ([f"[{bmp}]"] if bmp else []) + ([f"[\U00010000-\U0010FFFF](?<=[{astral}])"] if astral else [])
-    return re.compile("|".join(alts))
-
-
-def _float32(x: float) -> float:
-    import numpy as np
-
-    return float(np.float32(x))
-
-
-def _grain(scores) -> int:
-    """The exponent e such that every score is a whole multiple of 2**e (float32: 24 significant bits)."""
-    import math
-
-    nz = [abs(s) for s in scores if s]
-    return min(math.frexp(s)[1] for s in nz) - 24 if nz else 0
-
-
-class _Ugm:
-    """What llama.cpp's UGM tokenizer needs, built from one vocabulary: the normaliser (charsmap,
-    whitespace), the scored pieces and the engine that runs the Viterbi search.
-
-    llama.cpp's session, per text fragment (special tokens are split out before):
-
-    * normalise: at each place the longest key of the precompiled charsmap is replaced (the output is
-      not looked at again), other characters are kept; then every space (only U+0020, after the map:
-      the usual charsmap has turned tabs and newlines into spaces) becomes ``▁``. With
-      ``remove_extra_whitespaces`` runs of spaces and the spaces at the ends go, and every run of
-      non-spaces gets one ``▁`` before it; else ``add_space_prefix`` puts one ``▁`` before the first
-      non-space (after any leading spaces), and a fragment of spaces alone gets none. Each fragment
-      is normalised on its own, so the text after a special token gets its own prefix. (llama.cpp
-      never sets ``treat_whitespace_as_suffix`` from a file, so the suffix mode never applies; it
-      matches user-defined tokens before the charsmap, but those were split out already.)
-    * Viterbi over code points: normal, user-defined (score 0) and unused tokens, by their score
-      summed in double precision, a later candidate replacing the best only when strictly better; a
-      code point that no single-code-point token holds is also the unknown token, scored the lowest
-      normal score minus 10 (in float32); runs of unknown tokens come out as one.
-
-    The engine is Hugging Face's ``Unigram``, which is that same search (SentencePiece's), when the
-    vocabulary allows it to be exact: it scores the unknown token from the lowest score of all its
-    entries, so entries that cannot match (control, byte, unknown tokens) are given names with a
-    space (the normalised text has none) and a score that does not lower that minimum, and an extra
-    such entry sets it to llama.cpp's value. Unused tokens too long and too low to ever win (their
-    code points one by one always score better: the ``[PAD…]`` tokens at -10000 in XLM-R
-    vocabularies) are left out; a vocabulary the engine cannot reproduce uses :meth:`viterbi`, the
-    same search in Python.
-
-    Words: a normalised text may be cut where no token can span the cut, before a ``▁`` that follows
-    a character no token has right before a ``▁``; every path then passes through the cut. With the
-    sums exact (every score a multiple of 2**grain and no sum beyond 2**(53 + grain), which holds for
-    texts up to :attr:`exact_len` code points) the choices after the cut do not depend on the score
-    before it, so the parts give the same tokens as the whole. So the text is cut at every such
-    place and each word's ids are kept (words repeat; the engine encodes the new ones in parallel),
-    and runs of unknown tokens across cuts are joined afterwards, as llama.cpp joins them. A text
-    longer than :attr:`exact_len` is searched whole."""
-
-    def __init__(self, tok: Tokenizer, md: dict) -> None:
-        import numpy as np
-
-        self.unk = tok.unk
-        self._unk_text = tok._texts[tok.unk] if tok.unk is not None else None
-        self.merge_spaces = tok.remove_extra_whitespaces
-        self.space_prefix = tok.add_space_prefix
-        raw = md.get("tokenizer.ggml.precompiled_charsmap")
-        cmap: dict[str, str] = {}
-        if raw is not None and len(raw):
-            if isinstance(raw, (bytes, bytearray)):
-                data = bytes(raw)
-            else:
-                try:
-                    data = np.asarray(raw).astype(np.uint8).tobytes()
-                except (TypeError, ValueError):
-                    raise TokenizerError(f"{tok.source}: tokenizer.ggml.precompiled_charsmap must be an array "
-                                         f"of bytes") from None
-            cmap = _parse_charsmap(data, tok.source)
-        self.cmap = cmap
-        # a key can only start where its first character is a one-character key, or where the next
-        # character is the second of a longer key: the scan looks only there
-        self.cmap_starts = frozenset(k[0] for k in cmap if len(k) > 1)
-        trig = {k for k in cmap if len(k) == 1} | {k[1] for k in cmap if len(k) > 1}
-        self.cmap_hit = _char_class(trig) if trig else None
-        ascii_trig = {c for c in trig if c < "\x80"}
-        self.cmap_hit_ascii = _char_class(ascii_trig) if ascii_trig else None
-        # ASCII characters replaced before the scan, in C (tab and newline, to a space): no longer
-        # key starts with them or holds them and no key holds a character of their replacement, so
-        # the scan would visit them alone and, after the change, finds nothing new
-        in_keys = set().union(*cmap) if cmap else set()
-        later = {c for k in cmap for c in k[1:]}
-        self.cmap_inert = [(k, r) for k, r in cmap.items()
-                           if len(k) == 1 and k < "\x80" and r and k not in self.cmap_starts and k not in later
-                           and not in_keys.intersection(r)]
-        self.cmap_len = max(map(len, cmap), default=1)
-
-        # the pieces llama.cpp's trie holds (a text held twice: the later id, as its trie)
-        n = tok.n_vocab
-        scores = tok._scores
-        s32 = np.zeros(n, np.float32) if scores is None else np.asarray(scores, dtype=np.float32)[:n]
-        attrs = tok._attrs
-        normal, user, unused = int(TokenAttr.NORMAL), int(TokenAttr.USER_DEFINED), int(TokenAttr.UNUSED)
-        texts = tok._texts
-        score_list = s32.tolist()
-        pieces: dict[str, tuple[int, float]] = {}
-        low = _FLT_MAX
-        for i, a in enumerate(attrs):
-            if a & (normal | user | unused):
-                pieces[texts[i]] = (i, 0.0 if a & user else score_list[i])
-            if a & normal:
-                low = min(low, score_list[i])
-        self.pieces = pieces
-        self.max_piece = max(map(len, pieces), default=1)
-        self.unk_score = _float32(low - _UGM_UNK_PENALTY) if low < _FLT_MAX else _FLT_MAX
-        self.hf = None
-        self.exact_len = 0
-        self.cut: Optional[re.Pattern] = None     # where a normalised text may be cut (None: before every ▁)
-        self._words: dict[str, tuple] = {}
-        self._words_limit = 1 << 17
-        self._build_engine(n)
-
-    def _build_engine(self, n: int) -> None:
-        if self.unk_score >= 0 or not self.pieces:
-            return
-        if self.unk is not None and self.pieces.get(self._unk_text, (None,))[0] == self.unk:
-            return      # an unknown id that is also a piece: the engine would join its matches by text
-        # the lowest a code point can score on its own (a one-code-point token, else the unknown one)
-        floor = min([self.unk_score] + [s for t, (_, s) in self.pieces.items() if len(t) == 1])
-        # a longer token scoring below its code points one by one can never be on the best path
-        # (the margin of 1 covers any rounding of the sums)
-        kept = {t: v for t, v in self.pieces.items() if len(t) == 1 or v[1] + 1.0 >= len(t) * floor}
-        target = self.unk_score + _UGM_UNK_PENALTY      # the engine scores unknowns from its minimum
-        if target - _UGM_UNK_PENALTY != self.unk_score or any(s < target for _, s in kept.values()):
-            return
-        vocab: list[tuple[str, float]] = [(f" {i}", target) for i in range(n + 1)]
-        for t, (i, s) in kept.items():
-            vocab[i] = (t, s)
-        if len({t for t, _ in vocab}) != n + 1:
-            return
-        from tokenizers import Tokenizer as _HFTokenizer
-        from tokenizers import pre_tokenizers
-        from tokenizers.models import Unigram
-
-        # the engine's unknown id: the extra entry when the vocabulary has none (found and refused)
-        self._unk_engine = self.unk if self.unk is not None else n
-        model = Unigram(vocab, unk_id=self._unk_engine, byte_fallback=False)
-        # its cache would keep every text it searched, long ones too; _by_word keeps the short words
-        model._resize_cache(0)
-        self.hf = _HFTokenizer(model)
-        # words go in joined by spaces (see _engine_words); a normalised text has none to split
-        self.hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
-        grain = _grain([s for _, s in kept.values()] + [self.unk_score])
-        top = max([abs(s) for _, s in kept.values()] + [abs(self.unk_score)])
-        per_cp = max(abs(floor), max([s for _, s in kept.values()] + [0.0]))
-        self.exact_len = max(0, int((2.0 ** (53 + grain) - top) / per_cp) - 1) if per_cp else 1 << 62
-        before = sorted({t[k - 1] for t in kept for k in range(1, len(t)) if t[k] == _ESCAPED_SPACE})
-        if before:
-            self.cut = re.compile("(?<![" + "".join(map(re.escape, before)) + "])(?=" + _ESCAPED_SPACE + ")")
-
-    # ------------------------------------------------------------------ normalise
-
-    def charsmap(self, text: str) -> str:
-        """The precompiled charsmap applied as llama.cpp walks it: the longest key at each place."""
-        cmap = self.cmap
-        if not cmap:
-            return text
-        for c, r in self.cmap_inert:
-            if c in text:
-                text = text.replace(c, r)
-        pattern = self.cmap_hit_ascii if text.isascii() else self.cmap_hit
-        if pattern is None:
-            return text
-        hit = pattern.search
-        m = hit(text)
-        if m is None:
-            return text
-        starts, longest, n = self.cmap_starts, self.cmap_len, len(text)
-        out: list[str] = []
-        p = 0
-        while m is not None:
-            h = m.start()
-            j = h - 1 if h > p else h     # a key may start just before the character found
-            out.append(text[p:j])
-            while j <= h:
-                c = text[j]
-                if c in starts:
-                    for k in range(min(longest, n - j), 0, -1):
-                        r = cmap.get(text[j:j + k])
-                        if r is not None:
-                            out.append(r)
-                            j += k
-                            break
-                    else:
-                        out.append(c)
-                        j += 1
-                else:
-                    r = cmap.get(c)
-                    out.append(c if r is None else r)
-                    j += 1
-            p = j
-            m = hit(text, p)
-        out.append(text[p:])
-        return "".join(out)
-
-    def spaces(self, text: str) -> str:
-        """The whitespace step of the normalisation, on the charsmap's output."""
-        if self.merge_spaces:
-            text = text.strip(" ")
-            return _ESCAPED_SPACE + _UGM_SPACES.sub(_ESCAPED_SPACE, text) if text else ""
-        if self.space_prefix:
-            lead = len(text) - len(text.lstrip(" "))
-            if lead < len(text):
-                text = text[:lead] + " " + text[lead:]
-        return text.replace(" ", _ESCAPED_SPACE)
-
-    def normalize(self, text: str) -> str:
-        """llama.cpp's UGM normalisation of one fragment (see the class)."""
-        return self.spaces(self.charsmap(text))
-
-    # ------------------------------------------------------------------ encode
-
-    def encode(self, text: str) -> list[int]:
-        """The ids of one fragment (raw text between special tokens), as llama.cpp's UGM session."""
-        text = self.charsmap(text)
-        if self.hf is None:
-            return self._checked(self.spaces(text), self.viterbi)
-        if self.merge_spaces and self.cut is None and len(text) < self.exact_len:
-            # words are the runs of non-spaces, each after one ▁ (a ▁ of the text's own inside a word
-            # just goes uncut)
-            words = list(filter(None, text.split(" ")))
-            return self.finish(self._by_word(words, None))
-        text = self.spaces(text)
-        if len(text) > self.exact_len:
-            return self.finish(self._checked(text, self._engine_one))
-        if self.cut is None:
-            words = text.split(_ESCAPED_SPACE)
-            head = words[0]
-            ids = self._by_word(words[1:], None)
-            return self.finish(self._engine_one(head) + ids if head else ids)
-        return self.finish(self._by_word([w for w in self.cut.split(text) if w], ""))
-
-    def _by_word(self, words: list[str], prefix: Optional[str]) -> list[int]:
-        """Ids of the words in order, each word searched on its own (``prefix`` None: ``▁`` + word)."""
-        known = self._words
-        missing = set(words).difference(known)
-        if missing:
-            new = list(missing)
-            pre = _ESCAPED_SPACE if prefix is None else prefix
-            texts = [pre + w for w in new]
-            for t in texts:
-                if len(t) > _MAX_PIECE:
-                    raise TokenizerError(f"encode: the text has a run of {len(t)} characters with no place where "
-                                         f"it can be split (a space); at most {_MAX_PIECE} are encoded in one "
-                                         f"piece: encode it in parts")
-            found = dict(zip(new, self._engine_words(texts)))
-            # kept for later texts up to a bound, long words never (they rarely repeat)
-            keep = {w: v for w, v in found.items() if len(w) <= _LONG_WORD}
-            stored = len(known) + len(keep) <= self._words_limit
-            if stored:
-                known.update(keep)
-            if not stored or len(keep) != len(found):
-                known = {**known, **found}
-        return list(itertools.chain.from_iterable(map(known.__getitem__, words)))
-
-    def _engine_words(self, texts: list[str]) -> list[tuple]:
-        """Each text's ids, searched on its own. The texts go to the engine joined by spaces into
-        pieces of about _CHUNK characters (its pre-tokenizer splits them there again; normalised
-        text has no space), in parallel, in groups of about _GROUP characters; the word index of
-        each token gives the words back."""
-        from collections import Counter
-
-        out: list[tuple] = []
-        pieces: list[list[str]] = []
-        cur: list[str] = []
-        size = total = 0
-
-        def run() -> None:
-            try:
-                encs = self.hf.encode_batch([" ".join(p) for p in pieces], add_special_tokens=False)
-            except BaseException as e:
-                if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
-                    raise
-                raise TokenizerError(f"encode: the tokenizer engine failed on {sum(map(len, pieces))} words: "
-                                     f"{e}") from None
-            for p, enc in zip(pieces, encs):
-                ids, count, at = enc.ids, Counter(enc.word_ids), 0
-                for k in range(len(p)):
-                    n = count[k]
-                    out.append(tuple(ids[at:at + n]))
-                    at += n
-
-        for t in texts:
-            cur.append(t)
-            size += len(t) + 1
-            if size >= _CHUNK:
-                pieces.append(cur)
-                total += size
-                cur, size = [], 0
-                if total >= _GROUP:
-                    run()
-                    pieces, total = [], 0
-        if cur:
-            pieces.append(cur)
-        if pieces:
-            run()
-        return out
-
-    def _engine_one(self, text: str) -> list[int]:
-        try:
-            return self.hf.encode(text, add_special_tokens=False).ids
-        except BaseException as e:
-            if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
-                raise
-            raise TokenizerError(f"encode: the tokenizer engine failed on a piece of {len(text)} characters: "
-                                 f"{e}") from None
-
-    @staticmethod
-    def _checked(text: str, search) -> list[int]:
-        if len(text) > _MAX_PIECE:
-            raise TokenizerError(f"encode: the text has a run of {len(text)} characters that this vocabulary "
-                                 f"searches whole; at most {_MAX_PIECE} are encoded in one piece: encode it in "
-                                 f"parts")
-        return search(text)
-
-    def viterbi(self, text: str) -> list[int]:
-        """llama.cpp's UGM search in Python over one normalised text: the reference the engine is
-        checked against, and the search for vocabularies the engine cannot reproduce."""
-        n = len(text)
-        if not n:
-            return []
-        pieces, longest, unk_score = self.pieces, self.max_piece, self.unk_score
-        unk = -1 if self.unk is None else self.unk
-        best = [0.0] + [float("-inf")] * n
-        tid = [unk] * (n + 1)
-        start = [0] * (n + 1)
-        get = pieces.get
-        for i in range(n):
-            here = best[i]
-            single = False
-            for k in range(1, min(longest, n - i) + 1):
-                e = get(text[i:i + k])
-                if e is not None:
-                    if k == 1:
-                        single = True
-                    s = here + e[1]
-                    if s > best[i + k]:
-                        best[i + k], tid[i + k], start[i + k] = s, e[0], i
-            if not single:
-                s = here + unk_score
-                if s > best[i + 1]:
-                    best[i + 1], tid[i + 1], start[i + 1] = s, unk, i
-        out: list[int] = []
-        pos = n
-        while pos > 0:
-            t = tid[pos]
-            if not (t == unk and out and out[-1] == unk):
-                out.append(t)
-            pos = start[pos]
-        out.reverse()
-        if unk == -1 and -1 in out:
-            raise TokenizerError("encode: the text has a character no token holds and the vocabulary defines no "
-                                 "unknown token")
-        return out
-
-    def finish(self, ids: list[int]) -> list[int]:
-        """The engine's ids of one fragment as llama.cpp gives them: runs of unknown tokens (split by
-        cuts) as one; an unknown character with no unknown token refused."""
-        unk = self._unk_engine
-        if unk not in ids:
-            return ids
-        if self.unk is None:
-            raise TokenizerError("encode: the text has a character no token holds and the vocabulary defines no "
-                                 "unknown token")
-        drop = set()
-        k = ids.index(unk)
-        try:
-            while True:
-                if k and ids[k - 1] == unk:
-                    drop.add(k)
-                k = ids.index(unk, k + 1)
-        except ValueError:
-            pass
-        return [t for k, t in enumerate(ids) if k not in drop] if drop else ids
 
 
 class Detokenizer:

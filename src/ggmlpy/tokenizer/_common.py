@@ -1,0 +1,112 @@
+"""What the tokenizer kinds share: the error, token types and attributes, the special-token texts
+llama.cpp recognises, limits and checks of the text."""
+
+from __future__ import annotations
+
+import enum
+import re
+
+from ggmlpy._core import GGMLValueError
+
+
+class TokenizerError(GGMLValueError):
+    """A vocabulary the tokenizer cannot use, or text it cannot take (the message says which)."""
+
+
+class TokenType(enum.IntEnum):
+    """``tokenizer.ggml.token_type`` values (llama.cpp's ``llama_token_type``)."""
+
+    UNDEFINED = 0
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+class TokenAttr(enum.IntFlag):
+    """Per-token attributes as llama.cpp derives them (``llama_token_attr``)."""
+
+    UNDEFINED = 0
+    UNKNOWN = 1 << 0
+    UNUSED = 1 << 1
+    NORMAL = 1 << 2
+    CONTROL = 1 << 3
+    USER_DEFINED = 1 << 4
+    BYTE = 1 << 5
+    NORMALIZED = 1 << 6
+    LSTRIP = 1 << 7
+    RSTRIP = 1 << 8
+    SINGLE_WORD = 1 << 9
+
+
+_TYPE_TO_ATTR = {
+    TokenType.UNKNOWN: TokenAttr.UNKNOWN, TokenType.UNUSED: TokenAttr.UNUSED,
+    TokenType.NORMAL: TokenAttr.NORMAL, TokenType.CONTROL: TokenAttr.CONTROL,
+    TokenType.USER_DEFINED: TokenAttr.USER_DEFINED, TokenType.BYTE: TokenAttr.BYTE,
+}
+_SPECIAL = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL)
+_PARTITIONED = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
+_ESCAPED_SPACE = "\u2581"
+#: what C's isspace() calls whitespace: llama.cpp strips these beside special tokens
+_C_SPACE = " \t\n\v\f\r"
+
+
+#: end-of-turn and end-of-generation tokens llama.cpp recognises by their text (llama-vocab.cpp)
+_EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>",
+              "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")
+_EOG_TEXTS = frozenset(("<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+                        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+                        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+                        "<｜end▁of▁sentence｜>", "[e~["))
+#: fill-in-the-middle tokens, recognised by text when the file does not give their ids
+_FIM_TEXTS = {
+    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>",
+                "<|code_prefix|>", "<|prefix|>"),
+    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>",
+                "<|code_suffix|>", "<|suffix|>"),
+    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+                "<|code_middle|>", "<|middle|>"),
+    "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
+    "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "fim_sep": ("<|file_sep|>",),
+}
+#: ids read from tokenizer.ggml.<key>_token_id
+_SPECIAL_IDS = ("bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask",
+                "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")
+
+
+_CUT_WORDS = re.compile(r"(?<=\S\n)(?=\S)|(?<=[A-Za-z])(?= [A-Za-z])")
+_NL_NONSPACE = re.compile(r"\n\S")
+_LETTER_SPACE = re.compile("[A-Za-z]\u2581")
+_CHUNK = 1 << 14
+_HANGUL = re.compile("[\uAC00-\uD7A3]")
+_HANGUL_LEAD = {cp: 0x1100 + (cp - 0xAC00) // 588 for cp in range(0xAC00, 0xD7A4)}
+_GROUP = 1 << 20
+_MAX_PIECE = 1 << 20
+_LONG_WORD = 256
+_AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
+_NORMAL = int(TokenAttr.NORMAL)
+_BYTE = int(TokenAttr.BYTE)
+
+
+def _text_arg(text: str | bytes, what: str) -> str:
+    """``text`` as a str that encodes to UTF-8; bytes must be valid UTF-8."""
+    if isinstance(text, (bytes, bytearray, memoryview)):
+        try:
+            return bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{what}: the bytes are not valid UTF-8 at offset {e.start} "
+                                 f"({bytes(text)[e.start:e.start + 4]!r})") from None
+    if not isinstance(text, str):
+        raise TypeError(f"{what}: text must be str or bytes, not {type(text).__name__}")
+    return text
+
+
+def _check_encodable(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise TokenizerError(f"{what}: the text has a lone surrogate {text[e.start]!r} at index {e.start}; "
+                             f"it has no UTF-8 form") from None
