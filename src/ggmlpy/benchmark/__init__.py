@@ -74,6 +74,13 @@ Beyond llama-bench
   count, one line per model, engine and kind of test (needs matplotlib).
 * ``-v`` prints the memory report (weights, cache, graph per device) of each
   test's configuration.
+* ``--roofline`` adds, for every test and engine, the achieved memory
+  bandwidth (tg: weight and KV-cache bytes read per generated token × t/s) and
+  FLOP rate (pp: the prompt's FLOPs × t/s / n_prompt), and their share of this
+  machine's bandwidth and matmul peak, measured once per thread count with
+  ggml's own kernels and cached in the cache folder (``--roofline-refresh``
+  measures again): four table columns and a footnote, nine fields in the other
+  formats (:mod:`~ggmlpy.benchmark.roofline` says what is counted and how).
 
 
 The package
@@ -94,6 +101,8 @@ One job a module; the names below are re-exported here.
   spoken with it (:class:`WorkerClient`);
 * :mod:`~ggmlpy.benchmark.output`: the printers (:func:`format_results`) and
   :func:`plot`;
+* :mod:`~ggmlpy.benchmark.roofline`: ``--roofline``: the machine's bounds
+  (:func:`machine_bounds`) and a test's bytes and FLOPs (:class:`ModelWork`);
 * :mod:`~ggmlpy.benchmark.driver`: :func:`run` and :func:`main`;
 * :mod:`~ggmlpy.benchmark.errors`: :class:`BenchError`.
 
@@ -131,6 +140,7 @@ from .output import (
     FIELDS,
     FLOAT_FIELDS,
     INT_FIELDS,
+    ROOFLINE_FIELDS,
     CsvPrinter,
     JsonlPrinter,
     JsonPrinter,
@@ -143,13 +153,14 @@ from .output import (
     swept_variable,
 )
 from .results import Instance, Result, ratio, round_ratio
+from .roofline import MachineBounds, ModelWork, machine_bounds, roofline_fields
 from .worker import PeerUnavailable, WorkerClient
 
 __all__ = [
     "BOOL_FIELDS", "CACHE_TYPES", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "INT_FIELDS", "LOAD_MODES", "OUTPUTS",
-    "PEERS", "PROG", "BenchError", "BenchParams", "CsvPrinter", "Engine", "GgmlpyEngine", "Instance",
-    "JsonPrinter", "JsonlPrinter", "LlamaCppEngine", "MarkdownPrinter", "PeerUnavailable", "Printer", "Progress",
-    "Result", "SqlPrinter", "WorkerClient", "build_parser", "default_threads", "format_results", "main",
-    "make_instances", "make_printer", "parse_args", "parse_int_range", "plot", "ratio", "round_ratio", "run",
-    "run_instance", "swept_variable",
+    "PEERS", "PROG", "ROOFLINE_FIELDS", "BenchError", "BenchParams", "CsvPrinter", "Engine", "GgmlpyEngine",
+    "Instance", "JsonPrinter", "JsonlPrinter", "LlamaCppEngine", "MachineBounds", "MarkdownPrinter", "ModelWork",
+    "PeerUnavailable", "Printer", "Progress", "Result", "SqlPrinter", "WorkerClient", "build_parser",
+    "default_threads", "format_results", "machine_bounds", "main", "make_instances", "make_printer", "parse_args",
+    "parse_int_range", "plot", "ratio", "round_ratio", "roofline_fields", "run", "run_instance", "swept_variable",
 ]

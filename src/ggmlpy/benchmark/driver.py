@@ -27,7 +27,8 @@ from .errors import BenchError
 from .ggmlpy_engine import GgmlpyEngine, has_gpu
 from .options import PROG, BenchParams, build_parser, make_instances, parse_args
 from .output import make_printer, plot
-from .results import Result, _merge, ratio, round_ratio
+from .results import Instance, Result, _merge, ratio, round_ratio
+from .roofline import MachineBounds, ModelWork, machine_bounds, roofline_fields
 from .worker import PeerUnavailable, WorkerClient
 
 __all__ = ["main", "run"]
@@ -48,6 +49,29 @@ def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
             print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
         paths.append(str(path))
     return paths
+
+
+def _roofline_setup(p: BenchParams, models: list[str],
+                    err: TextIO) -> tuple[dict[str, ModelWork | None], dict[int, MachineBounds]]:
+    """``--roofline``: each model's work (None where its file cannot be read) and the machine's bounds per
+    thread count (measured now, or read from the cache)."""
+    works: dict[str, ModelWork | None] = {}
+    for m in dict.fromkeys(models):
+        try:
+            works[m] = ModelWork.from_gguf(m)
+        except (OSError, GGMLError, ValueError, TypeError) as e:
+            works[m] = None
+            print(f"{PROG}: --roofline: cannot read {m} ({_one_line(e)}); no roofline fields for it", file=err,
+                  flush=True)
+    types = sorted({t for w in works.values() if w is not None for t in w.types})
+    bounds = {n: machine_bounds(n, types, cache_dir=p.cache_dir, refresh=p.roofline_refresh, err=err)
+              for n in dict.fromkeys(p.n_threads)}
+    return works, bounds
+
+
+def _cpu_only(p: BenchParams, inst: Instance, gpu: bool) -> bool:
+    """Whether a test runs on the CPU alone (the roofline's bounds are the CPU's)."""
+    return not p.rpc and (not gpu or inst.n_gpu_layers == 0 or inst.devices == "none")
 
 
 def _build_string() -> str:
@@ -95,8 +119,14 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                 return 1, []
         gpu = has_gpu()
         build = _build_string()
+        works: dict[str, ModelWork | None] = {}
+        bounds: dict[int, MachineBounds] = {}
+        if p.roofline:
+            works, bounds = _roofline_setup(p, models, err)
         printers = [pr for pr in (make_printer(p.output, out, p, gpu, build),
                                   make_printer(p.output_err, err, p, gpu, build)) if pr]
+        for pr in printers:
+            pr.notes = [b.describe() for b in bounds.values()]
         for pr in printers:
             pr.header()
         engine = engine or GgmlpyEngine(rpc=p.rpc)
@@ -167,6 +197,10 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                     ours.ratios[peer.engine] = (ratio(ours, res) if p.rounds == 1
                                                 else round_ratio(per_round[peer.engine]))
                 row.append(res)
+            if p.roofline:
+                for res in row:
+                    res.roofline = roofline_fields(res, works.get(inst.model),
+                                                   bounds.get(inst.n_threads) if _cpu_only(p, inst, gpu) else None)
             for pr in printers:
                 pr.rows(row)
             results += row

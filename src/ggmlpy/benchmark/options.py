@@ -252,6 +252,8 @@ class BenchParams:
     seed: int = 0
     rpc: list[str] = field(default_factory=list)
     list_devices: bool = False
+    roofline: bool = False
+    roofline_refresh: bool = False
 
 
 #: (option strings, BenchParams attribute, parser, help) for the swept test parameters. Several options may
@@ -328,7 +330,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     ap.add_argument("-rpc", "--rpc", dest="rpc", action="append", metavar="HOST:PORT,...",
                     help="add ggml RPC servers")
     ap.add_argument("--cache-dir", default=None,
-                    help="folder of the built-in models (default $GGMLPY_CACHE or ~/.cache/ggmlpy)")
+                    help="folder of the built-in models and of --roofline's measurements (default $GGMLPY_CACHE or "
+                         "~/.cache/ggmlpy)")
     ap.add_argument("--plot", default=None, metavar="FILE.png",
                     help="plot t/s against the swept prompt size, depth or threads (matplotlib)")
     ap.add_argument("--vs", action="append", default=None, metavar="ENGINE",
@@ -336,6 +339,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     "and print the ratio")
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the random token ids and of the built-in model (default 0)")
+    ap.add_argument("--roofline", action="store_true",
+                    help="add each test's achieved GB/s (tg: weight and KV bytes per token) and GFLOP/s (pp) and "
+                         "their share of this machine's memory bandwidth and matmul peak, measured once per thread "
+                         "count and cached in --cache-dir")
+    ap.add_argument("--roofline-refresh", action="store_true",
+                    help="--roofline, measuring the machine again instead of reading the cache")
     return ap
 
 
@@ -393,6 +402,8 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     params.rpc = [s for text in (args.rpc or []) for s in _split(text)]
     params.vs = [v for text in (args.vs or []) for v in _split(text)]
     params.list_devices = args.list_devices
+    params.roofline_refresh = args.roofline_refresh
+    params.roofline = args.roofline or args.roofline_refresh
     _validate(params)
     return params
 

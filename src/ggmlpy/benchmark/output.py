@@ -4,6 +4,10 @@
 Every format has llama-bench's fields (:data:`FIELDS`) with its types and
 spellings, so its tools read ours; CSV, JSON and JSONL add ours
 (:data:`EXTRA_FIELDS`, and a ``ratio_vs_<peer>`` per ``--vs`` peer) after them.
+With ``--roofline``, every format (SQL too) ends with :data:`ROOFLINE_FIELDS`,
+the table with four columns (``GB/s``, ``% bw``, ``GFLOP/s``, ``% peak``) and a
+footnote giving the machine's measured bounds; without it the output is
+llama-bench's.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from typing import Any, TextIO
 from .errors import BenchError
 from .options import PROG, BenchParams
 from .results import Instance, Result, _ratio_key
+from .roofline import FIELDS as ROOFLINE_FIELDS
 
-__all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "INT_FIELDS", "CsvPrinter", "JsonPrinter",
-           "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "format_results", "make_printer", "plot",
-           "swept_variable"]
+__all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "INT_FIELDS", "ROOFLINE_FIELDS", "CsvPrinter",
+           "JsonPrinter", "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "format_results",
+           "make_printer", "plot", "swept_variable"]
 
 #: llama-bench's CSV/JSON field list (source @ 0104b151, with the ``repack`` of the llama.cpp in
 #: llama-cpp-python 0.3.36, the peer of ``--vs``), in order.
@@ -46,6 +51,18 @@ FLOAT_FIELDS = frozenset(("avg_ts", "stddev_ts"))
 
 #: Our fields, written after llama-bench's (and after the samples in JSON).
 EXTRA_FIELDS = ("engine", "engine_version", "ggmlpy_version", "load_time_ms", "ttft_ms")
+#: The ``--roofline`` fields that are integers (the others are floats); all may be null.
+_ROOFLINE_INTS = frozenset(("roofline_weight_bytes", "roofline_kv_bytes", "roofline_flops"))
+#: The table's ``--roofline`` columns: field, heading, width, format.
+_ROOFLINE_MD = (("roofline_gbps", "GB/s", 9, "{:.2f}"), ("roofline_bw_pct", "% bw", 6, "{:.1f}"),
+                ("roofline_gflops", "GFLOP/s", 9, "{:.1f}"), ("roofline_peak_pct", "% peak", 6, "{:.1f}"))
+_ROOFLINE_NOTE = ("GB/s: t/s x the weight and KV-cache bytes read per generated token; GFLOP/s: t/s x the prompt's "
+                  "FLOPs per token; % of the bounds above (pp+tg: each phase's work over the whole time). "
+                  "See ggmlpy.benchmark.roofline.")
+
+
+def _roofline(r: Result) -> dict[str, Any]:
+    return r.roofline or dict.fromkeys(ROOFLINE_FIELDS)
 
 
 # --------------------------------------------------------------------------- printers
@@ -64,7 +81,8 @@ def _value_str(name: str, value: Any) -> str:
 def _md_width(name: str) -> int:
     widths = {"model": -30, "t/s": 20, "size": 10, "params": 10, "n_gpu_layers": 3,
               "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": 6, "type_v": 6,
-              "flash_attn": 3, "devices": -12, "load_mode": 10, "test": 15}
+              "flash_attn": 3, "devices": -12, "load_mode": 10, "test": 15,
+              **{f: w for f, _, w, _ in _ROOFLINE_MD}}
     if name in widths:
         return widths[name]
     w = max(len(name), 10)
@@ -74,7 +92,8 @@ def _md_width(name: str) -> int:
 
 
 _MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev",
-               "no_kv_offload": "nkvo", "load_mode": "lm", "embeddings": "embd"}
+               "no_kv_offload": "nkvo", "load_mode": "lm", "embeddings": "embd",
+               **{f: h for f, h, _, _ in _ROOFLINE_MD}}
 
 
 def _size_str(n: int) -> str:
@@ -90,6 +109,8 @@ class Printer:
 
     def __init__(self, out: TextIO, params: BenchParams, gpu: bool, build: str):
         self.out, self.params, self.gpu, self.build = out, params, gpu, build
+        #: Lines the table's footer adds after the build line (``--roofline``: the machine's bounds).
+        self.notes: list[str] = []
 
     def header(self) -> None:
         pass
@@ -123,6 +144,8 @@ class MarkdownPrinter(Printer):
                 fields.append(name)
         fields += ["test", "t/s"]
         fields += [_ratio_key(peer) for peer in p.vs]
+        if p.roofline:
+            fields += [f for f, _, _, _ in _ROOFLINE_MD]
         self.fields = fields
         names = [self._display(f) for f in fields]
         self._write("|" + "".join(f" {self._pad(n, _md_width(f))} |" for f, n in zip(fields, names))
@@ -168,6 +191,9 @@ class MarkdownPrinter(Printer):
                     peer = next(pe for pe in self.params.vs if _ratio_key(pe) == f)
                     rr = r.ratios.get(peer)
                     v = f"{rr[0]:.2f} ± {rr[1]:.2f}" if rr else ""
+                elif f.startswith("roofline_"):
+                    x = _roofline(r).get(f)
+                    v = "" if x is None else next(fm for n, _, _, fm in _ROOFLINE_MD if n == f).format(x)
                 else:
                     v = _value_str(f, rec[f])
                 cells.append(f" {self._pad(v, _md_width(f))} |")
@@ -175,6 +201,8 @@ class MarkdownPrinter(Printer):
 
     def footer(self) -> None:
         self._write(f"\nbuild: {self.build}\n")
+        if self.params.roofline:
+            self._write("".join(f"{n}\n" for n in [*self.notes, _ROOFLINE_NOTE]))
 
 
 class CsvPrinter(Printer):
@@ -183,22 +211,26 @@ class CsvPrinter(Printer):
     def header(self) -> None:
         self.names = list(FIELDS) + list(EXTRA_FIELDS) + [
             k for peer in self.params.vs for k in (_ratio_key(peer), _ratio_key(peer) + "_stddev")]
+        if self.params.roofline:
+            self.names += ROOFLINE_FIELDS
         self._write(",".join(self.names) + "\n")
 
     def rows(self, results: list[Result]) -> None:
         for r in results:
-            rec = {**r.record(), **r.extras(self.params.vs)}
+            rec = {**r.record(), **r.extras(self.params.vs), **_roofline(r)}
             buf = io.StringIO()
             csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n").writerow(
                 [_value_str(n, rec[n]) for n in self.names])
             self._write(buf.getvalue())
 
 
-def _json_record(r: Result, peers: list[str]) -> dict[str, Any]:
+def _json_record(r: Result, params: BenchParams) -> dict[str, Any]:
     rec = r.record()
     rec["samples_ns"] = list(r.samples_ns)
     rec["samples_ts"] = r.samples_ts
-    rec.update(r.extras(peers))
+    rec.update(r.extras(params.vs))
+    if params.roofline:
+        rec.update(_roofline(r))
     return rec
 
 
@@ -211,7 +243,7 @@ class JsonPrinter(Printer):
 
     def rows(self, results: list[Result]) -> None:
         for r in results:
-            text = json.dumps(_json_record(r, self.params.vs), indent=2)
+            text = json.dumps(_json_record(r, self.params), indent=2)
             text = "\n".join("  " + line for line in text.splitlines())
             self._write(("" if self.first else ",\n") + text)
             self.first = False
@@ -225,7 +257,7 @@ class JsonlPrinter(Printer):
 
     def rows(self, results: list[Result]) -> None:
         for r in results:
-            self._write(json.dumps(_json_record(r, self.params.vs)) + "\n")
+            self._write(json.dumps(_json_record(r, self.params)) + "\n")
 
 
 class SqlPrinter(Printer):
@@ -235,14 +267,19 @@ class SqlPrinter(Printer):
         def sql_type(f: str) -> str:
             return "REAL" if f in FLOAT_FIELDS else "INTEGER" if (
                 f in INT_FIELDS or f in BOOL_FIELDS) else "TEXT"
-        cols = ",\n".join(f"  {f} {sql_type(f)}" for f in FIELDS)
-        self._write(f"CREATE TABLE IF NOT EXISTS llama_bench (\n{cols}\n);\n\n")
+        cols = [f"  {f} {sql_type(f)}" for f in FIELDS]
+        if self.params.roofline:      # (a table made without them needs them added: ALTER TABLE ... ADD COLUMN)
+            cols += [f"  {f} {'INTEGER' if f in _ROOFLINE_INTS else 'REAL'}" for f in ROOFLINE_FIELDS]
+        cols_text = ",\n".join(cols)
+        self._write(f"CREATE TABLE IF NOT EXISTS llama_bench (\n{cols_text}\n);\n\n")
 
     def rows(self, results: list[Result]) -> None:
+        names = list(FIELDS) + (list(ROOFLINE_FIELDS) if self.params.roofline else [])
         for r in results:
-            rec = r.record()
-            vals = ", ".join("'" + _value_str(f, rec[f]).replace("'", "''") + "'" for f in FIELDS)
-            self._write(f"INSERT INTO llama_bench ({', '.join(FIELDS)}) VALUES ({vals});\n")
+            rec = {**r.record(), **_roofline(r)}
+            vals = ", ".join("NULL" if f in ROOFLINE_FIELDS and rec[f] is None else
+                             "'" + _value_str(f, rec[f]).replace("'", "''") + "'" for f in names)
+            self._write(f"INSERT INTO llama_bench ({', '.join(names)}) VALUES ({vals});\n")
 
 
 _PRINTERS = {"md": MarkdownPrinter, "csv": CsvPrinter, "json": JsonPrinter, "jsonl": JsonlPrinter,

@@ -90,6 +90,8 @@ class Result:
     load_time_ms: float
     ggmlpy_version: str = ""
     ratios: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: ``--roofline``'s fields (:func:`ggmlpy.benchmark.roofline.roofline_fields`), set by the driver.
+    roofline: dict[str, Any] | None = None
 
     @property
     def samples_ts(self) -> list[float]:
