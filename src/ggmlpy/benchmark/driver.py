@@ -118,6 +118,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                 print(f"{PROG}: error: {e}", file=err, flush=True)
                 return 1, []
         gpu = has_gpu()
+        local_gpu = has_gpu(local=True)     # RPC devices another part of the process added are not used
         build = _build_string()
         works: dict[str, ModelWork | None] = {}
         bounds: dict[int, MachineBounds] = {}
@@ -200,7 +201,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             if p.roofline:
                 for res in row:
                     res.roofline = roofline_fields(res, works.get(inst.model),
-                                                   bounds.get(inst.n_threads) if _cpu_only(p, inst, gpu) else None)
+                                                   bounds.get(inst.n_threads) if _cpu_only(p, inst, local_gpu) else None)
             for pr in printers:
                 pr.rows(row)
             results += row

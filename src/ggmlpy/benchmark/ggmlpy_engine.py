@@ -23,9 +23,10 @@ def _kind(d: Any) -> str:
     return getattr(d.type, "name", str(d.type)).upper()
 
 
-def has_gpu() -> bool:
-    """Whether ggml has a GPU device (the table then shows llama-bench's ``ngl`` column)."""
-    return any("GPU" in _kind(d) for d in _devices())
+def has_gpu(local: bool = False) -> bool:
+    """Whether ggml has a GPU device (the table then shows llama-bench's ``ngl`` column); ``local``: one
+    that is not an RPC server's (which "auto" placement only takes when ``-rpc`` names it)."""
+    return any("GPU" in _kind(d) and (not local or d.endpoint is None) for d in _devices())
 
 
 class GgmlpyEngine(Engine):
