@@ -408,3 +408,13 @@ def test_spm_file_with_remove_extra_whitespaces_loads():
     t = Tokenizer.from_gguf({**md, "tokenizer.ggml.remove_extra_whitespaces": True})
     assert t.remove_extra_whitespaces is False
     assert t.encode("a   b\n\n c") == tok("llama-spm").encode("a   b\n\n c")
+
+
+def test_wpm_slow_path_is_the_fast_one():
+    """The Python matcher (for a BERT vocabulary with a bare word-start token, which WordPiece cannot
+    hold) gives the engine's ids on llama.cpp's test texts of two vocabularies."""
+    t = tok("bert-bge")
+    texts = [x for x, _ in hf_convert.vocab_tests("bert-bge") + hf_convert.vocab_tests("llama-spm")]
+    assert len(texts) >= 90
+    assert [t._wpm_slow(x) for x in texts] == [t._wpm(x) for x in texts]
+    assert t._wpm_slow("Hello, world!") == t.encode("Hello, world!", add_special=False)

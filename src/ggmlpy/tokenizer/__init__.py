@@ -645,7 +645,8 @@ class Tokenizer:
 
     def encode_batch(self, texts: Iterable[str | bytes], add_special: bool = True,
                      parse_special: bool = False) -> list[list[int]]:
-        """:meth:`encode` of each text; the texts run in parallel in the Rust engine where they can."""
+        """:meth:`encode` of each text, one after the other (each long text is itself cut into pieces
+        that the engine encodes on every core)."""
         return [self.encode(t, add_special, parse_special) for t in texts]
 
     # ------------------------------------------------------------------ WPM
