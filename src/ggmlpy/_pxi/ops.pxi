@@ -186,6 +186,19 @@ cdef int _nonzero_dims(Tensor a, str op, str name, int first) except -1:
 cdef extern from "ggmlpy_ops.h":
     bint ggmlpy_permute_ok(const g.ggml_tensor * a) noexcept nogil
 
+cdef extern from "ggmlpy_attn.h":
+    g.ggml_tensor * ggmlpy_attn_decode(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k, g.ggml_tensor * v,
+                                       g.ggml_tensor * mask, float scale, int n_chunks) nogil
+    int GGMLPY_ATTN_MAX_DV
+    int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
+
+
+def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
+    """Whether ``Context.attn_decode`` runs its vectorised kernel for these head sizes on this CPU
+    (x86 with AVX2, FMA and F16C; sizes multiples of 8). Elsewhere it is correct but scalar, slower
+    than ggml's flash attention, and the models do not choose it."""
+    return bool(ggmlpy_attn_use_avx2(head_dim_k, head_dim_v))
+
 
 cdef int _view_bounds(Tensor a, const int64_t ne[4], const size_t nb[4], size_t offset, str op) except -1:
     """A view (ne, nb, offset) of a must stay inside a's root tensor."""
@@ -1206,4 +1219,56 @@ cdef class _ContextOps(_ContextBase):
             g.ggml_flash_attn_ext_add_sinks(r, sinks.ptr)
         if sinks is not None and sinks.ctx is not self:
             _add_dep(self, sinks)
+        return _res(self, r, q, k, v, mask)
+
+    def attn_decode(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, int n_chunks=1):
+        """Attention of a few query rows over a float16/float32 KV cache: ``softmax(q k^T * scale + mask) v``.
+
+        ggmlpy's own CPU kernel for the generation step (a ggml custom op, so the CPU backend runs it):
+        ggml's CPU ``flash_attn_ext`` visits the cache one position at a time, which at depth costs a
+        generated token more than reading its K/V; this scores a block of positions at once, takes one
+        vectorised exp and sums the V rows in float32. Same result as ``flash_attn_ext`` without
+        ALiBi, soft-capping or sinks (a fully masked row gives zeros); meant for few rows (for prompts,
+        ``flash_attn_ext``'s tiled kernel is faster).
+
+        Shapes (ggml order): ``q`` f32 ``(head_dim, n_head, n_q)`` (not permuted: as RoPE returns it;
+        rows contiguous, other strides free); ``k`` ``(head_dim, n_kv, n_head_kv)`` and ``v``
+        ``(head_dim_v, n_kv, n_head_kv)``, f16 or f32, rows contiguous, ``n_head`` a multiple of
+        ``n_head_kv``; ``mask`` f16 ``(>= n_kv, >= n_q)``, shared by the heads. ``n_chunks`` > 1 cuts
+        the positions into that many pieces, done in parallel and merged by a second op (for when
+        ``n_head * n_q`` is too few to keep the threads busy). Result f32 ``(head_dim_v, n_head, n_q)``
+        as ``flash_attn_ext``'s.
+        """
+        cdef str op = "attn_decode"
+        cdef g.ggml_tensor * r
+        self._ensure_op(op)
+        _arg(q, op, "q"); _arg(k, op, "k"); _arg(v, op, "v")
+        _types(q, op, "q", M_F32)
+        _types(k, op, "k", M_F32_F16)
+        _types(v, op, "v", M_F32_F16)
+        _rows_contig(q, op, "q"); _rows_contig(k, op, "k"); _rows_contig(v, op, "v")
+        _nonzero_dims(k, op, "k", 2)
+        if not (k.ptr.ne[0] == q.ptr.ne[0] and q.ptr.ne[1] % k.ptr.ne[2] == 0 and v.ptr.ne[1] == k.ptr.ne[1]
+                and v.ptr.ne[2] == k.ptr.ne[2] and q.ptr.ne[3] == 1 and k.ptr.ne[3] == 1 and v.ptr.ne[3] == 1):
+            _fail(op, f"shapes do not match (got q: {_desc(q)}, k: {_desc(k)}, v: {_desc(v)}; expected q (head_dim, "
+                  f"n_head, n_q), k (head_dim, n_kv, n_head_kv), v (head_dim_v, n_kv, n_head_kv), n_head % n_head_kv "
+                  f"== 0, 3 dimensions)")
+        if not (q.ptr.ne[0] <= GGMLPY_ATTN_MAX_DV and v.ptr.ne[0] <= GGMLPY_ATTN_MAX_DV):
+            _fail(op, f"head sizes above {GGMLPY_ATTN_MAX_DV} are not supported (got q: {_desc(q)}, v: {_desc(v)})")
+        if mask is not None:
+            _arg(mask, op, "mask")
+            _types(mask, op, "mask", M_F16)
+            _rows_contig(mask, op, "mask")
+            if not (mask.ptr.ne[0] >= k.ptr.ne[1] and mask.ptr.ne[1] >= q.ptr.ne[2] and mask.ptr.ne[2] == 1
+                    and mask.ptr.ne[3] == 1):
+                _fail(op, f"mask does not fit (got k: {_desc(k)}, q: {_desc(q)}, mask: {_desc(mask)}; expected "
+                      f"mask (>= n_kv, >= n_q) shared by the heads)")
+        if not (1 <= n_chunks <= max(1, k.ptr.ne[1])):
+            _fail(op, f"n_chunks must be in 1..n_kv = {k.ptr.ne[1]} (got {n_chunks})")
+        if n_chunks == 1:
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
+        else:
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0] + 2, n_chunks, q.ptr.ne[1], q.ptr.ne[2])
+                       + _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 2)
+        r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks)
         return _res(self, r, q, k, v, mask)

@@ -24,9 +24,11 @@ array([0.849, 2.263], dtype=float32)
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Optional
 
-from ggmlpy._core import Context, GGMLValueError, Tensor
+from ggmlpy import _core
+from ggmlpy._core import Context, GGMLValueError, Tensor, Type
 
 __all__ = ["GLU", "SWIGLU_OAI", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope", "softcap"]
 
@@ -107,7 +109,8 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
 
 
 def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
-              flash_attn: bool, logit_softcap: float = 0.0, sinks: Optional[Tensor] = None) -> Tensor:
+              flash_attn: bool, logit_softcap: float = 0.0, sinks: Optional[Tensor] = None,
+              on_cpu: bool = False) -> Tensor:
     """Write this batch's ``k`` and ``v`` into the cache and attend ``q`` over what the cache shows.
 
     ``memory`` is the graph's view of the cache (``cache.forward(ctx, plan)``): the layer's K/V go in
@@ -132,6 +135,12 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
         query's softmax as if it were one more key, with no value: ``softmax([logits, sink])`` with the
         sink's share dropped, so a head may attend to nothing.
 
+    With ``flash_attn``, ``on_cpu`` (the layer computes on the CPU backend: the caller's placement
+    says so), fewer than :data:`DECODE_MAX_ROWS` tokens (generation), a float16/float32 cache in host
+    memory and neither soft-capping nor sinks, :meth:`~ggmlpy.Context.attn_decode` (ggmlpy's
+    own CPU kernel, faster than ggml's at depth) runs instead of ``flash_attn_ext``; ``blocks.decode_kernel =
+    False`` turns that off.
+
     Returns
     -------
     Tensor
@@ -141,6 +150,11 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
+    if flash_attn and on_cpu and decode_kernel and n < DECODE_MAX_ROWS and not logit_softcap and sinks is None \
+            and _decode_ok(kv_k, kv_v):
+        chunks = _decode_chunks(kv_k.ne[1])
+        o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
+        return ctx.reshape(o, (head_dim * n_head, n))
     if flash_attn:
         o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap,
                                sinks=sinks)                                      # (head_dim, n_head, n)
@@ -154,6 +168,30 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     else:
         o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
     return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (head_dim * n_head, n))
+
+
+#: Whether :func:`attention` uses :meth:`~ggmlpy.Context.attn_decode` where it can (module-wide, read when a
+#: graph is built; for measuring one kernel against the other).
+decode_kernel = True
+#: Below this many query rows :func:`attention` may take :meth:`~ggmlpy.Context.attn_decode`; from here on
+#: ggml's flash attention switches to its tiled kernel (64 rows), which is faster for prompts.
+DECODE_MAX_ROWS = 64
+_KV_FLOAT = (Type.F16, Type.F32)
+
+
+def _decode_ok(k: Tensor, v: Tensor) -> bool:
+    # the custom op runs on the CPU backend only (a cache on another device keeps ggml's kernel, and
+    # so does a layer on another device: the caller's on_cpu), and only where it is vectorised
+    # (elsewhere ggml's is faster)
+    return (k.type in _KV_FLOAT and v.type in _KV_FLOAT and k.ne[3] == 1 and k.is_host and v.is_host
+            and _core._attn_decode_vectorized(k.ne[0], v.ne[0]))
+
+
+def _decode_chunks(n_kv: int) -> int:
+    """How many pieces :meth:`~ggmlpy.Context.attn_decode` cuts the positions into: one per core (each
+    thread then streams its own run of cache cells, every head at once, which the memory system
+    serves fastest), no piece under 128 cells."""
+    return max(1, min(os.cpu_count() or 1, n_kv // 128))
 
 
 def softcap(ctx: Context, x: Tensor, cap: float, scale: float = 1.0) -> Tensor:

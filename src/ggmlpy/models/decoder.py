@@ -773,6 +773,11 @@ class DecoderModel:
         """Nodes plus leafs a forward graph may use (with headroom)."""
         return self.NODES_PER_LAYER * self.config.n_layer + 256
 
+    def on_cpu(self, layer: int) -> bool:
+        """Whether ``layer`` computes on the CPU backend (its weights are there), which lets attention
+        take ggmlpy's CPU decode kernel (:func:`~ggmlpy.models.blocks.attention`)."""
+        return self.placement.device_of(layer).type == "CPU"
+
     def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True) -> Causal:
         """This model's cache, not yet allocated (the caller sizes it with ``cache.init(...)``).
 
@@ -901,7 +906,8 @@ class PreNormDecoder(DecoderModel):
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
             q, k = self._qk(ctx, il, q, k, pos, memory)
-            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
+            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
+                                 on_cpu=self.on_cpu(il))
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 # only the rows that produce output go further

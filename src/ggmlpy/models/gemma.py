@@ -182,7 +182,7 @@ class GemmaModel(LocalGlobalDecoder):
                 k = blocks.rms_norm(ctx, k, w[p + "attn_k_norm.weight"], eps)
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=c.attn_scale, flash_attn=flash_attn,
-                                 logit_softcap=c.attn_softcap)
+                                 on_cpu=self.on_cpu(il), logit_softcap=c.attn_softcap)
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 # only the rows that produce output go further

@@ -237,7 +237,7 @@ class GptOssModel(LocalGlobalDecoder):
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
-                                 sinks=w[p + "attn_sinks.weight"])
+                                 on_cpu=self.on_cpu(il), sinks=w[p + "attn_sinks.weight"])
             o = ctx.add(ctx.mul_mat(w[p + "attn_output.weight"], o), w[p + "attn_output.bias"])
             if il == c.n_layer - 1:
                 # only the rows that produce output go further

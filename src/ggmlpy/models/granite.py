@@ -125,7 +125,8 @@ class GraniteModel(DecoderModel):
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
             q, k, v = blocks.qkv(ctx, w, p, cur, c.n_head, c.n_head_kv, c.head_dim)
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
-            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
+            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
+                                 on_cpu=self.on_cpu(il))
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if self.out_bias:
                 o = ctx.add(o, w[p + "attn_output.bias"])

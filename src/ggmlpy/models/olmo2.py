@@ -83,7 +83,8 @@ class Olmo2Model(DecoderModel):
             q = _flat_rms_norm(ctx, q, w[p + "attn_q_norm.weight"], c.rms_eps)
             k = _flat_rms_norm(ctx, k, w[p + "attn_k_norm.weight"], c.rms_eps)
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
-            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn)
+            o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
+                                 on_cpu=self.on_cpu(il))
             o = ctx.mul_mat(w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)

@@ -1,0 +1,221 @@
+"""``Context.attn_decode``: ggmlpy's CPU kernel for the generation step's attention.
+
+Checked against numpy in float64 (``softmax(scale q.k + mask) v``, grouped heads broadcast) in both
+layouts the kernel reads differently (one head's rows contiguous, and a cache's cells with every
+head side by side), for float16 and float32 K/V, masks with holes, a sliding window's leading run and
+the padding's trailing run, fully masked rows, every chunk count and 1-3 threads; against
+``flash_attn_ext`` as the models call it; and the runner's logits with the kernel on and off.
+"""
+
+import numpy as np
+import pytest
+
+import ggmlpy
+from ggmlpy import GGMLTypeError, GGMLValueError, _core
+from ggmlpy.models import blocks
+
+# float32 accumulation over at most a few hundred positions: observed 1e-6 relative to the largest
+# output; flash_attn_ext (float16 accumulators for an F16 cache) is at ~5e-3 on the same data.
+TOL = 1e-5
+
+
+def _reference(Q, K, V, M, scale):
+    """Q (n_q, n_head, dk), K (n_head_kv, n_kv, dk), V (n_head_kv, n_kv, dv), M (n_q, n_kv) -> (n_q, n_head, dv)."""
+    group = Q.shape[1] // K.shape[0]
+    Kf = np.repeat(K.astype(np.float64), group, 0)
+    Vf = np.repeat(V.astype(np.float64), group, 0)
+    s = np.einsum("qhd,hkd->qhk", Q.astype(np.float64), Kf) * scale + M.astype(np.float64)[:, None, :]
+    out = np.zeros((Q.shape[0], Q.shape[1], V.shape[2]))
+    for r in range(Q.shape[0]):
+        if np.isneginf(M[r]).all():
+            continue                                       # nothing visible: zeros
+        p = np.exp(s[r] - s[r].max(-1, keepdims=True))
+        out[r] = np.einsum("hk,hkd->hd", p / p.sum(-1, keepdims=True), Vf)
+    return out
+
+
+def _mask(rng, n_q, n_kv, lead=0, tail=0, holes=0):
+    M = np.zeros((n_q, n_kv), np.float16)
+    for r in range(n_q):
+        M[r, :lead + r] = -np.inf                          # a window that slides with the row
+        if tail:
+            M[r, n_kv - tail:] = -np.inf
+        if holes:
+            M[r, rng.choice(n_kv, holes, replace=False)] = -np.inf
+    return M
+
+
+def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type):
+    """attn_decode on K/V laid out head-major (cells=False) or as a cache (cells=True: ne = (dk *
+    n_head_kv, n_kv), viewed per head)."""
+    n_head_kv, n_kv, dk = K.shape
+    dv = V.shape[2]
+    with ggmlpy.Context(64 << 20) as ctx:
+        if cells:
+            kc = ctx.from_numpy(K.transpose(1, 0, 2).reshape(n_kv, n_head_kv * dk).astype(kv_type))
+            vc = ctx.from_numpy(V.transpose(1, 0, 2).reshape(n_kv, n_head_kv * dv).astype(kv_type))
+            es = kc.nb[0]
+            k = ctx.view(kc, (dk, n_kv, n_head_kv), (kc.nb[1], dk * es), 0)
+            v = ctx.view(vc, (dv, n_kv, n_head_kv), (vc.nb[1], dv * es), 0)
+        else:
+            k, v = ctx.from_numpy(K.astype(kv_type)), ctx.from_numpy(V.astype(kv_type))
+        q, m = ctx.from_numpy(Q), ctx.from_numpy(M) if M is not None else None
+        o = ctx.attn_decode(q, k, v, m, scale=scale, n_chunks=chunks)
+        assert tuple(o.ne[:3]) == (dv, Q.shape[1], Q.shape[0]) and o.type == ggmlpy.Type.F32
+        gf = ctx.new_graph()
+        gf.build_forward_expand(o)
+        gf.compute(threads)
+        return o.numpy()
+
+
+CASES = [  # n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes
+    (12, 12, 64, 64, 1, 640, 0, 64, 5),        # the 110M model at depth, padded
+    (8, 2, 64, 64, 3, 300, 0, 44, 3),          # grouped-query heads, several rows
+    (4, 4, 128, 128, 2, 513, 100, 1, 0),       # a sliding window's leading run
+    (6, 3, 72, 40, 5, 257, 0, 0, 17),          # K and V sizes differ
+    (2, 1, 8, 8, 1, 3, 0, 0, 0),               # tiny
+    (2, 1, 6, 5, 2, 9, 0, 2, 1),               # sizes that are not multiples of 8: the portable path
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}/{}-d{}x{}-q{}-kv{}".format(*c[:6]))
+@pytest.mark.parametrize("kv_type", [np.float16, np.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("cells", [False, True], ids=["heads", "cells"])
+def test_matches_numpy(case, kv_type, cells):
+    n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes = case
+    rng = np.random.default_rng(hash(case) % 2**32)
+    Q = rng.standard_normal((n_q, n_head, dk)).astype(np.float32)
+    K = (rng.standard_normal((n_head_kv, n_kv, dk)) * 2).astype(kv_type)
+    V = rng.standard_normal((n_head_kv, n_kv, dv)).astype(kv_type)
+    M = _mask(rng, n_q, n_kv, lead, tail, holes)
+    scale = 1 / np.sqrt(dk)
+    ref = _reference(Q, K, V, M, scale)
+    for chunks in sorted({1, 2, 3, min(7, n_kv)}):
+        for threads in (1, 2, 3):
+            out = _run(Q, K, V, M, scale=scale, cells=cells, chunks=chunks, threads=threads, kv_type=kv_type)
+            err = np.abs(out - ref).max() / np.abs(ref).max()
+            assert err < TOL, (chunks, threads, err)
+
+
+def test_without_mask_and_fully_masked_rows():
+    rng = np.random.default_rng(1)
+    Q = rng.standard_normal((3, 4, 16)).astype(np.float32)
+    K = rng.standard_normal((2, 50, 16)).astype(np.float16)
+    V = rng.standard_normal((2, 50, 16)).astype(np.float16)
+    ref = _reference(Q, K, V, np.zeros((3, 50), np.float16), 0.3)
+    np.testing.assert_allclose(_run(Q, K, V, None, scale=0.3, cells=False, chunks=2, threads=2, kv_type=np.float16),
+                               ref, rtol=0, atol=TOL * np.abs(ref).max())
+    M = np.zeros((3, 50), np.float16)
+    M[1] = -np.inf                                         # row 1 sees nothing
+    M[2, :30] = -np.inf                                    # row 2: its first chunk is all masked
+    out = _run(Q, K, V, M, scale=0.3, cells=True, chunks=3, threads=2, kv_type=np.float16)
+    assert np.all(out[1] == 0.0)
+    ref = _reference(Q, K, V, M, 0.3)
+    assert np.abs(out - ref).max() < TOL * np.abs(ref).max()
+
+
+def test_large_scores_do_not_overflow():
+    """Scores of several hundred: the running maximum keeps every exp in range."""
+    rng = np.random.default_rng(2)
+    Q = (rng.standard_normal((1, 2, 32)) * 30).astype(np.float32)
+    K = (rng.standard_normal((2, 400, 32)) * 4).astype(np.float16)
+    V = rng.standard_normal((2, 400, 32)).astype(np.float16)
+    M = np.zeros((1, 400), np.float16)
+    out = _run(Q, K, V, M, scale=1.0, cells=True, chunks=2, threads=2, kv_type=np.float16)
+    ref = _reference(Q, K, V, M, 1.0)
+    assert np.isfinite(out).all() and np.abs(out - ref).max() < TOL * np.abs(ref).max()
+
+
+def test_agrees_with_flash_attn_ext():
+    """The two kernels the models switch between give the same attention (to flash_attn_ext's own
+    float16 accuracy)."""
+    rng = np.random.default_rng(3)
+    Q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    K = rng.standard_normal((4, 256, 64)).astype(np.float16)
+    V = rng.standard_normal((4, 256, 64)).astype(np.float16)
+    M = _mask(rng, 2, 256, tail=40)
+    with ggmlpy.Context(16 << 20) as ctx:
+        q, k, v, m = (ctx.from_numpy(a) for a in (Q, K, V, M))
+        ours = ctx.attn_decode(q, k, v, m, scale=0.125, n_chunks=2)
+        fa = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), k, v, m, scale=0.125)
+        gf = ctx.new_graph()
+        gf.build_forward_expand(ours)
+        gf.build_forward_expand(fa)
+        gf.compute(2)
+        assert ours.shape == fa.shape
+        np.testing.assert_allclose(ours.numpy(), fa.numpy(), rtol=0, atol=1e-2)
+        ref = _reference(Q, K, V, M, 0.125)
+        assert np.abs(ours.numpy() - ref).max() < np.abs(fa.numpy() - ref).max()
+
+
+def _bad(ctx, n_chunks=1, **over):
+    """attn_decode on no_alloc tensors of valid shapes, some replaced by ``over``: name -> (type, ne) or a Tensor."""
+    shapes = dict(q=("F32", (64, 8, 2)), k=("F16", (64, 100, 4)), v=("F16", (64, 100, 4)), mask=("F16", (100, 2)))
+    shapes.update(over)
+    t = {name: spec if isinstance(spec, ggmlpy.Tensor) else ctx.new_tensor(getattr(ggmlpy.Type, spec[0]), spec[1])
+         for name, spec in shapes.items()}
+    return ctx.attn_decode(t["q"], t["k"], t["v"], t["mask"], scale=1.0, n_chunks=n_chunks)
+
+
+@pytest.mark.parametrize("over, exc, words", [
+    (dict(q=("F16", (64, 8, 2))), GGMLTypeError, "q has type f16"),
+    (dict(k=("Q8_0", (64, 100, 4))), GGMLTypeError, "k has type q8_0"),
+    (dict(k=("F16", (32, 100, 4))), GGMLValueError, "shapes do not match"),
+    (dict(k=("F16", (64, 100, 3)), v=("F16", (64, 100, 3))), GGMLValueError, "n_head % n_head_kv"),
+    (dict(v=("F16", (64, 99, 4))), GGMLValueError, "shapes do not match"),
+    (dict(q=("F32", (64, 8, 2, 2))), GGMLValueError, "3 dimensions"),
+    (dict(mask=("F16", (99, 2))), GGMLValueError, "mask does not fit"),
+    (dict(mask=("F16", (100, 1))), GGMLValueError, "mask does not fit"),
+    (dict(mask=("F16", (100, 2, 8))), GGMLValueError, "shared by the heads"),
+    (dict(mask=("F32", (100, 2))), GGMLTypeError, "mask has type f32"),
+    (dict(q=("F32", (2048, 8, 2)), k=("F16", (2048, 100, 4))), GGMLValueError, "head sizes above 1024"),
+    (dict(n_chunks=0), GGMLValueError, r"n_chunks must be in 1\.\.n_kv = 100"),
+    (dict(n_chunks=101), GGMLValueError, r"n_chunks must be in 1\.\.n_kv = 100"),
+])
+def test_refuses_what_it_cannot_compute(over, exc, words):
+    with ggmlpy.Context(8 << 20, no_alloc=True) as ctx:
+        with pytest.raises(exc, match=words):
+            _bad(ctx, **over)
+
+
+def test_transposed_rows_are_refused():
+    with ggmlpy.Context(8 << 20, no_alloc=True) as ctx:
+        k = ctx.new_tensor(ggmlpy.Type.F16, (100, 64, 4))
+        with pytest.raises(GGMLValueError, match="k must have contiguous rows"):
+            _bad(ctx, k=ctx.permute(k, 1, 0, 2, 3))
+
+
+@pytest.mark.skipif(not _core._attn_decode_vectorized(64, 64), reason="no vectorised kernel on this CPU: the models keep flash_attn_ext")
+def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
+    """Generation at depth through the runner: the logits with the kernel equal those with ggml's
+    flash attention (an F32 cache: both exact to float32 rounding), and the kernel really ran."""
+    from ggmlpy.models import load_model
+    from ggmlpy.models.synthetic import write_synthetic
+    from ggmlpy.runner import Runner
+
+    path = write_synthetic(tmp_path / "m.gguf", "tiny", "F16")
+    model = load_model(path)
+    calls = []
+    real = blocks._decode_chunks            # asked only when attention takes attn_decode
+
+    def spy(n_kv):
+        calls.append(n_kv)
+        return real(n_kv)
+
+    monkeypatch.setattr(blocks, "_decode_chunks", spy)
+    prompt = np.arange(300, dtype=np.int32) % 200 + 1
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(blocks, "decode_kernel", on)
+        del calls[:]
+        rt = Runner(model, n_ctx=512, n_seq_max=2, n_threads=2, type_k="f32", type_v="f32")
+        rt.decode(prompt, seq=0, logits="last")
+        rt.decode(prompt[:50], seq=1, logits="last")
+        steps = []
+        for i in range(4):                      # both sequences, one token each: 2 query rows
+            steps.append(rt.decode_batch([5 + i, 9 + i], [300 + i, 50 + i], [0, 1], [True, True]).copy())
+        logits[on] = np.stack(steps)
+        rt.close()
+        assert bool(calls) == on                # the prompts (300 and 50 rows) keep flash_attn_ext
+    ref = logits[False]
+    np.testing.assert_allclose(logits[True], ref, rtol=0, atol=1e-5 * np.abs(ref).max())
