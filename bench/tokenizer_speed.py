@@ -12,8 +12,8 @@ by default (the text cut into exact pieces encoded on every core) and with
 The text: English prose and code (this Python's standard library sources) and llama.cpp's
 multilingual tokenizer test strings (CJK, emoji, Cyrillic, whitespace runs), about 3 MB::
 
-    python bench/tokenize.py
-    python bench/tokenize.py --vocab llama-bpe,qwen2 --mb 5 --rounds 5 --json tok.json
+    python bench/tokenizer_speed.py
+    python bench/tokenizer_speed.py --vocab llama-bpe,qwen2 --mb 5 --rounds 5 --json tok.json
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""The generation step's attention alone: ``Context.attn_decode`` against ggml's ``flash_attn_ext``.
+
+A cache laid out as the runner's (each cell a row of every head's K, or V, side by side), one query
+row per layer, the 110M model's shapes by default. Each repetition flushes the CPU caches (a pass
+over 256 MiB), then runs every layer's attention; both kernels alternate. Prints the median time
+and the K/V bytes read per second.
+
+    python bench/attention.py                       # 12 layers, 12 heads of 64, 576 cells visible
+    python bench/attention.py --visible 2048 --cells 2304 --threads 2 --chunks 1,2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import ggmlpy
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--cells", type=int, default=768, help="cells in the view (the padded range)")
+    ap.add_argument("--visible", type=int, default=576, help="cells the row sees (the rest masked)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--chunks", default="1,2", help="attn_decode's n_chunks values to time")
+    ap.add_argument("--reps", type=int, default=30)
+    a = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    L, H, D, n = a.layers, a.heads, a.head_dim, a.cells
+    ctx = ggmlpy.Context(2 * L * n * H * D * 2 + (64 << 20))
+    caches = [[ctx.from_numpy(rng.standard_normal((n, H * D)).astype(np.float16)) for _ in range(2)] for _ in range(L)]
+    q = ctx.from_numpy(rng.standard_normal((1, H, D)).astype(np.float32))
+    mask = np.full((1, n), -np.inf, np.float16)
+    mask[:, :a.visible] = 0
+    m = ctx.from_numpy(mask)
+
+    def heads(t):
+        return ctx.view(t, (D, n, H), (t.nb[1], D * 2), 0)
+
+    graphs = {}
+    for c in (int(x) for x in a.chunks.split(",")):
+        outs = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=c) for k, v in caches]
+        graphs[f"attn_decode n_chunks={c}"] = outs
+    graphs["flash_attn_ext"] = [ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), heads(k), heads(v), m, scale=D ** -0.5)
+                                for k, v in caches]
+    for name, outs in graphs.items():
+        gf = ctx.new_graph()
+        for t in outs:
+            gf.build_forward_expand(t)
+        graphs[name] = gf
+    flush = np.ones(64 << 20, np.float32)
+    times = {name: [] for name in graphs}
+    for _ in range(a.reps):
+        for name, gf in graphs.items():
+            flush.sum()
+            t0 = time.perf_counter()
+            gf.compute(a.threads)
+            times[name].append(time.perf_counter() - t0)
+    kv_bytes = L * a.visible * H * D * 2 * 2
+    print(f"{L} layers, {H} heads of {D}, {a.visible} of {n} cells visible, F16 cache, {a.threads} threads, "
+          f"cold caches; {kv_bytes / 2**20:.1f} MiB of K/V per token")
+    base = np.median(times["flash_attn_ext"])
+    for name, ts in times.items():
+        t = np.median(ts)
+        print(f"  {name:24s} {t * 1e3:7.3f} ms  {kv_bytes / t / 1e9:6.1f} GB/s  {base / t:5.2f}x flash_attn_ext")
+
+
+if __name__ == "__main__":
+    main()
