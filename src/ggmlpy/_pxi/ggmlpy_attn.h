@@ -96,23 +96,14 @@ GGMLPY_AVX2 static inline float ggmlpy_attn_hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-/* Positions prefetched ahead of the one being read: a head's slice of a cell is a few cache lines
-   amid the other heads' (a stride the hardware prefetcher follows late), so each row is asked for
-   this many rows early. */
-#define GGMLPY_ATTN_PF 16
-
 /* out[i] = q.k_i for positions b0..b0+n of one head (rows nb apart), four rows at a time (their sums
    reduced together); dk % 8 == 0. */
 GGMLPY_AVX2 static void ggmlpy_attn_scores_avx2(const float * q, const char * k, size_t nb, int f16, int64_t dk,
                                                 int64_t b0, int64_t n, float * out) {
-    const size_t es = f16 ? 2 : 4, bytes = (size_t) dk * es;
+    const size_t es = f16 ? 2 : 4;
     const char * r = k + (size_t) b0 * nb;
     int64_t i = 0;
     for (; i + 4 <= n; i += 4, r += 4 * nb) {
-        for (int p = 0; p < 4; p++) {
-            const char * f = r + (GGMLPY_ATTN_PF + p) * nb;
-            for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
-        }
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < dk; d += 8) {
             const __m256 qv = _mm256_loadu_ps(q + d);
@@ -136,7 +127,7 @@ GGMLPY_AVX2 static void ggmlpy_attn_scores_avx2(const float * q, const char * k,
    time stay in registers over the block. */
 GGMLPY_AVX2 static void ggmlpy_attn_vsum_avx2(const float * w, const char * v, size_t nb, int f16, int64_t dv,
                                               int64_t b0, int64_t n, float * acc) {
-    const size_t es = f16 ? 2 : 4, bytes = (size_t) dv * es;
+    const size_t es = f16 ? 2 : 4;
     const char * base = v + (size_t) b0 * nb;
     int64_t d = 0;
     for (; d + 32 <= dv; d += 32) {
@@ -144,7 +135,6 @@ GGMLPY_AVX2 static void ggmlpy_attn_vsum_avx2(const float * w, const char * v, s
         __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
         const char * r = base + d * es;
         for (int64_t i = 0; i < n; i++, r += nb) {
-            if (d == 0) for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(base + (i + GGMLPY_ATTN_PF) * nb + o, _MM_HINT_T0);
             if (w[i] == 0.0f) continue;
             const __m256 wi = _mm256_set1_ps(w[i]);
             a0 = _mm256_fmadd_ps(wi, ggmlpy_attn_load8(r, f16), a0);
@@ -216,6 +206,35 @@ static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
    acc (dv floats, after the struct's owner) the exp-weighted sum of V rows. */
 typedef struct { float m, l; } ggmlpy_attn_state;
 
+/* The block's scores x[0:n] (of positions b0..) into one head's running softmax: the mask added,
+   the running maximum moved (what was summed so far rescaled), x replaced by the weights
+   exp(x - m) and their sum added to l. Returns 0, with x all zeros, when the whole block is masked. */
+static int ggmlpy_attn_softmax_step(float * x, int64_t n, const ggml_fp16_t * mask, int64_t b0,
+                                    ggmlpy_attn_state * st, float * acc, int64_t dv, int avx2) {
+    float bm = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        if (mask) x[i] += ggmlpy_attn_h2f(mask[b0 + i]);
+        bm = x[i] > bm ? x[i] : bm;
+    }
+    if (bm == -INFINITY) {
+        memset(x, 0, (size_t) n * sizeof(float));
+        return 0;
+    }
+    if (bm > st->m) {                  /* a new maximum: what was summed so far shrinks */
+        const float f = st->m == -INFINITY ? 0.0f : expf(st->m - bm);
+        for (int64_t d = 0; d < dv; d++) acc[d] *= f;
+        st->l *= f;
+        st->m = bm;
+    }
+#if GGMLPY_ATTN_X86
+    if (avx2) ggmlpy_attn_exp_avx2(x, n, st->m); else
+#endif
+    ggmlpy_attn_exp_ref(x, n, st->m);
+    (void) avx2;
+    for (int64_t i = 0; i < n; i++) st->l += x[i];
+    return 1;
+}
+
 /* Where a thread's heads read: the cache, the running state of each head (scaled q, acc, m, l). */
 typedef struct {
     const char * k; size_t k_nb1, k_nb2; int k_f16;
@@ -238,23 +257,7 @@ static void ggmlpy_attn_block(const ggmlpy_attn_group * g, float * work, int64_t
         if (g->avx2) ggmlpy_attn_scores_avx2(q, k, g->k_nb1, g->k_f16, g->dk, b0, n, sc); else
 #endif
         ggmlpy_attn_scores_ref(q, k, g->k_nb1, g->k_f16, g->dk, b0, n, sc);
-        float bm = -INFINITY;
-        for (int64_t i = 0; i < n; i++) {
-            if (g->mask) sc[i] += ggmlpy_attn_h2f(g->mask[b0 + i]);
-            bm = sc[i] > bm ? sc[i] : bm;
-        }
-        if (bm == -INFINITY) continue;             /* all masked */
-        if (bm > st->m) {              /* a new maximum: what was summed so far shrinks */
-            const float f = st->m == -INFINITY ? 0.0f : expf(st->m - bm);
-            for (int64_t d = 0; d < g->dv; d++) acc[d] *= f;
-            st->l *= f;
-            st->m = bm;
-        }
-#if GGMLPY_ATTN_X86
-        if (g->avx2) ggmlpy_attn_exp_avx2(sc, n, st->m); else
-#endif
-        ggmlpy_attn_exp_ref(sc, n, st->m);
-        for (int64_t i = 0; i < n; i++) st->l += sc[i];
+        if (!ggmlpy_attn_softmax_step(sc, n, g->mask, b0, st, acc, g->dv, g->avx2)) continue;
 #if GGMLPY_ATTN_X86
         if (g->avx2) ggmlpy_attn_vsum_avx2(sc, v, g->v_nb1, g->v_f16, g->dv, b0, n, acc); else
 #endif
@@ -289,24 +292,7 @@ GGMLPY_AVX2 static void ggmlpy_attn_block_rows_avx2(const ggmlpy_attn_group * g,
     for (int64_t j = 0; j < nh; j++) {
         float * x = sc + j * GGMLPY_ATTN_BLOCK, * acc = work + j * g->stride + dk;
         ggmlpy_attn_state * st = (ggmlpy_attn_state *) (acc + dv);
-        float bm = -INFINITY;
-        for (int64_t i = 0; i < n; i++) {
-            if (g->mask) x[i] += _cvtsh_ss(g->mask[b0 + i]);
-            bm = x[i] > bm ? x[i] : bm;
-        }
-        if (bm == -INFINITY) {
-            memset(x, 0, (size_t) n * sizeof(float));
-            continue;
-        }
-        live = 1;
-        if (bm > st->m) {
-            const float f = st->m == -INFINITY ? 0.0f : expf(st->m - bm);
-            for (int64_t d = 0; d < dv; d++) acc[d] *= f;
-            st->l *= f;
-            st->m = bm;
-        }
-        ggmlpy_attn_exp_avx2(x, n, st->m);
-        for (int64_t i = 0; i < n; i++) st->l += x[i];
+        live |= ggmlpy_attn_softmax_step(x, n, g->mask, b0, st, acc, dv, 1);
     }
     if (!live) return;
     for (int64_t i = 0; i < n; i++) {

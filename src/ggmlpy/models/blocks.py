@@ -149,12 +149,12 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     head_dim, n_head, n = q.ne[0], q.ne[1], q.ne[2]
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
-    qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
     if flash_attn and on_cpu and decode_kernel and n < DECODE_MAX_ROWS and not logit_softcap and sinks is None \
             and _decode_ok(kv_k, kv_v):
         chunks = _decode_chunks(kv_k.ne[1])
         o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
         return ctx.reshape(o, (head_dim * n_head, n))
+    qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
     if flash_attn:
         o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap,
                                sinks=sinks)                                      # (head_dim, n_head, n)
