@@ -191,3 +191,82 @@ def test_cross_context_graph_refuses_freed_inputs():
     weights.free()
     with pytest.raises(gp.ClosedError, match="freed"):
         gf.compute(1)
+
+
+def _mixed_expression(ctx, order=None):
+    # Leafs, a source read twice, a view, a leaf first met deep in the graph,
+    # and a 3-source op; `order` collects every tensor in the order ggml's
+    # depth-first visit would file it (sources in slot order, then the tensor).
+    x = ctx.from_numpy(np.arange(8, dtype=np.float32), name="x")
+    y = ctx.from_numpy(np.ones(8, np.float32), name="y")
+    w = ctx.from_numpy(np.full((8, 8), 0.5, np.float32), name="w")
+    z = ctx.from_numpy(np.full(8, 2.0, np.float32), name="z")
+    a = ctx.add(x, y)
+    b = ctx.mul(a, a)                     # one source slot pair on the same tensor
+    v = ctx.view_1d(b, 4, 8)
+    c = ctx.add(ctx.cont(v), ctx.view_1d(x, 4, 0))
+    d = ctx.mul_mat(w, ctx.add(b, x))
+    e = ctx.add(d, z)                     # z enters the graph only here
+    if order is not None:
+        order.extend([x, y, a, b, v])
+        order.extend([c.src[0], c.src[1], c])      # cont(v), the view of x, c
+        order.extend([w, d.src[1], d, z, e])
+    return e, c
+
+
+def test_op_by_op_expand_records_what_ggml_expand_records():
+    # build_forward_expand files a new node whose sources are all in the graph
+    # itself (one probe of ggml's visited set instead of ggml's several); the
+    # graph it leaves must be the one ggml's own recursive expand builds:
+    # same nodes and leafs in the same order, names, use counts and
+    # compute marks (ggml's fusion reads the use counts).
+    ref_ctx = gp.Context(1 << 20)
+    e_ref, c_ref = _mixed_expression(ref_ctx)
+    ref = ref_ctx.new_graph(64)
+    ref.build_forward_expand(c_ref)       # c's ancestors are new: ggml's expand
+    ref.build_forward_expand(e_ref)
+
+    ctx = gp.Context(1 << 20)
+    order = []
+    e, c = _mixed_expression(ctx, order)
+    gf = ctx.new_graph(64)
+    for t in order:                       # every expand after the leafs' is one new tensor
+        gf.build_forward_expand(t)
+    state, want = gf._visit_state(), ref._visit_state()
+    assert [s[0] for s in state] == [s[0] for s in want]
+    assert state == want
+    # the values the checks above compare are not trivial
+    assert {s[1] for s in want} >= {0, 1, 2} and any(s[2] for s in want) and not all(s[2] for s in want)
+    gf.compute(1)
+    ref.compute(1)
+    np.testing.assert_array_equal(e.numpy(), e_ref.numpy())
+
+
+def test_expand_of_a_tensor_already_in_the_graph_adds_nothing():
+    ctx = gp.Context(1 << 20)
+    e, _ = _mixed_expression(ctx)
+    gf = ctx.new_graph(64)
+    gf.build_forward_expand(e)
+    before = gf._visit_state()
+    for t in (e, e.src[0], e.src[1]):
+        gf.build_forward_expand(t)
+    assert gf._visit_state() == before
+
+
+def test_fast_expand_still_refuses_a_full_graph():
+    ctx = gp.Context(1 << 20)
+    x = ctx.from_numpy(np.zeros(4, np.float32))
+    gf = ctx.new_graph(2)
+    gf.build_forward_expand(x)            # a leaf on its own
+    x1 = ctx.neg(x)
+    gf.build_forward_expand(x1)
+    x2 = ctx.neg(x1)
+    gf.build_forward_expand(x2)
+    x3 = ctx.neg(x2)
+    with pytest.raises(gp.GGMLMemoryError, match="graph is full"):
+        gf.build_forward_expand(x3)
+    # the refused expand filed nothing and counted no use of x2
+    assert gf._visit_state() == [("node_0", 1, True), ("node_1", 0, True), ("leaf_0", 1, False)]
+    gf2 = ctx.new_graph(4)
+    gf2.build_forward_expand(x3)
+    assert gf2.n_nodes == 3

@@ -106,20 +106,59 @@ static inline int ggmlpy_count_new(struct ggml_cgraph * g, struct ggml_tensor * 
     return rc;
 }
 
-/* The common expand: 1 if root is new and all its sources are in the
-   graph already, 0 if root is in the graph, -1 otherwise. */
-static inline int ggmlpy_only_root_new(struct ggml_cgraph * g, struct ggml_tensor * root) {
-    int i;
-    if (ggml_hash_contains(&g->visited_hash_set, root)) return 0;
-    for (i = 0; i < GGML_MAX_SRC; i++) {
-        if (root->src[i] && !ggml_hash_contains(&g->visited_hash_set, root->src[i])) return -1;
-    }
-    return 1;
-}
 /* ggml's rule for where an expand files a new tensor: a leaf has no op and is
    not a parameter. */
 static inline int ggmlpy_is_leaf(const struct ggml_tensor * t) {
     return t->op == GGML_OP_NONE && !(t->flags & GGML_TENSOR_FLAG_PARAM);
+}
+static inline void ggmlpy_name_new(const struct ggml_cgraph * g, struct ggml_tensor * t);
+
+/* The common expand, op by op, done here in one pass over the visited set
+   (ggml's expand would probe it again for root and every source, and each
+   probe divides by the set's size): root is new, and every source is in the
+   graph already and either marked for compute or without sources of its own,
+   so ggml's revisit of it would change nothing. Does what
+   ggml_visit_parents_graph does for such a root: marks it for compute, files
+   it in the set with a zero use count, counts one use of every source slot,
+   names and appends it. 1 if added, 0 if root is in the graph already, -1
+   when the general path must decide (a source not yet in the graph, or one a
+   revisit would mark, a full graph or set). */
+static inline int ggmlpy_expand_one(struct ggml_cgraph * g, struct ggml_tensor * root) {
+    struct ggml_hash_set * hs = &g->visited_hash_set;
+    size_t pos = ggml_hash_find(hs, root), spos[GGML_MAX_SRC];
+    int i, j, leaf;
+    if (pos == GGML_HASHSET_FULL) return -1;
+    if (ggml_bitset_get(hs->used, pos)) return 0;
+    for (i = 0; i < GGML_MAX_SRC; i++) {
+        const struct ggml_tensor * s = root->src[i];
+        if (!s) continue;
+        spos[i] = ggml_hash_find(hs, s);
+        if (spos[i] == GGML_HASHSET_FULL || !ggml_bitset_get(hs->used, spos[i])) return -1;
+        if (!(s->flags & GGML_TENSOR_FLAG_COMPUTE)) {
+            if (s->op != GGML_OP_NONE) return -1;
+            for (j = 0; j < GGML_MAX_SRC; j++) if (s->src[j]) return -1;
+        }
+    }
+    leaf = ggmlpy_is_leaf(root);
+    if ((leaf ? g->n_leafs : g->n_nodes) >= g->size) return -1;
+    if (root->op != GGML_OP_NONE) root->flags |= GGML_TENSOR_FLAG_COMPUTE;
+    hs->keys[pos] = root;
+    ggml_bitset_set(hs->used, pos);
+    g->use_counts[pos] = 0;
+    for (i = 0; i < GGML_MAX_SRC; i++) {
+        if (root->src[i]) g->use_counts[spos[i]]++;
+    }
+    ggmlpy_name_new(g, root);
+    if (leaf) g->leafs[g->n_leafs++] = root;
+    else g->nodes[g->n_nodes++] = root;
+    return 1;
+}
+/* What ggml's visit recorded for t: its use count (how many source slots of
+   later nodes read it), or -1 if t is not in the graph. */
+static inline int ggmlpy_use_count(const struct ggml_cgraph * g, const struct ggml_tensor * t) {
+    size_t pos = ggml_hash_find(&g->visited_hash_set, t);
+    if (pos == GGML_HASHSET_FULL || !ggml_bitset_get(g->visited_hash_set.used, pos)) return -1;
+    return g->use_counts[pos];
 }
 /* Give an unnamed new tensor the name ggml's expand would ("node_<i>" /
    "leaf_<i>"), without the vsnprintf that dominates ggml's expand. */

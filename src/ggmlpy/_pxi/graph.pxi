@@ -4,9 +4,8 @@
 # C helpers over the graph's internals (ggmlpy_graph.h says why each exists).
 cdef extern from "ggmlpy_graph.h":
     int ggmlpy_count_new(g.ggml_cgraph * gr, g.ggml_tensor * root, int * n_nodes, int * n_leafs, int * depth) nogil
-    int ggmlpy_only_root_new(g.ggml_cgraph * gr, g.ggml_tensor * root) noexcept nogil
-    bint ggmlpy_is_leaf(g.ggml_tensor * t) noexcept nogil
-    void ggmlpy_name_new(g.ggml_cgraph * gr, g.ggml_tensor * t) noexcept nogil
+    int ggmlpy_expand_one(g.ggml_cgraph * gr, g.ggml_tensor * root) noexcept nogil
+    int ggmlpy_use_count(g.ggml_cgraph * gr, g.ggml_tensor * t) noexcept nogil
     uint64_t ggmlpy_unalloc_mask(g.ggml_cgraph * gr, char ** starts, size_t * sizes, int n, int written) noexcept nogil
     int64_t ggmlpy_bad_index(const g.ggml_tensor * t, int64_t bound, int64_t * value) nogil
 
@@ -282,6 +281,17 @@ cdef class Graph:
         self._readable()
         return [_wrap(self._owner(self.ptr.leafs[i]), self.ptr.leafs[i]) for i in range(self.ptr.n_leafs)]
 
+    def _visit_state(self):
+        """For tests: per node, then per leaf, (name, use count, marked for compute) as ggml's visit left them."""
+        self._readable()
+        cdef g.ggml_tensor * t
+        out = []
+        for i in range(self.ptr.n_nodes + self.ptr.n_leafs):
+            t = self.ptr.nodes[i] if i < self.ptr.n_nodes else self.ptr.leafs[i - self.ptr.n_nodes]
+            out.append((t.name.decode(errors="replace"), ggmlpy_use_count(self.ptr, t),
+                        bool(t.flags & g.GGML_TENSOR_FLAG_COMPUTE)))
+        return out
+
     def get_tensor(self, str name):
         """The node or leaf named ``name``, or None."""
         self._readable()
@@ -311,15 +321,10 @@ cdef class Graph:
         elif len(self.ctx.deps) != self.own_ndeps:
             self._note_ctx(self.ctx)
             self.own_ndeps = len(self.ctx.deps)
-        rc = ggmlpy_only_root_new(self.ptr, tensor.ptr)
+        rc = ggmlpy_expand_one(self.ptr, tensor.ptr)
         if rc == 1:
-            # Fast path of op-by-op building: one new node (or leaf).
-            if ggmlpy_is_leaf(tensor.ptr):
-                n_nodes, n_leafs = 0, 1
-            else:
-                n_nodes, n_leafs = 1, 0
-            depth = 1
-        elif rc == 0:
+            return      # one new node, filed by the fast path as ggml's expand would have
+        if rc == 0:
             n_nodes = n_leafs = depth = 0
         elif ggmlpy_count_new(self.ptr, tensor.ptr, &n_nodes, &n_leafs, &depth) != 0:
             raise GGMLMemoryError("build_forward_expand: out of host memory while counting new nodes")
@@ -331,8 +336,6 @@ cdef class Graph:
         if depth > _MAX_EXPAND_DEPTH:
             raise GGMLValueError(f"build_forward_expand: {depth} new nodes in one dependency chain; expand in "
                                  f"steps of at most {_MAX_EXPAND_DEPTH} (ggml visits them recursively)")
-        if rc == 1:
-            ggmlpy_name_new(self.ptr, tensor.ptr)
         g.ggml_build_forward_expand(self.ptr, tensor.ptr)
 
     def clear(self):

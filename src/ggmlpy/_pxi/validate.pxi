@@ -175,7 +175,8 @@ cdef inline bint _can_repeat(g.ggml_tensor * b, g.ggml_tensor * a) noexcept:
     if b.ne[0] == 0 or b.ne[1] == 0 or b.ne[2] == 0 or b.ne[3] == 0:
         return a.ne[0] == 0 or a.ne[1] == 0 or a.ne[2] == 0 or a.ne[3] == 0
     for i in range(4):
-        if a.ne[i] % b.ne[i] != 0:
+        # equal or 1 is the common case, decided without a 64-bit division
+        if b.ne[i] != a.ne[i] and b.ne[i] != 1 and a.ne[i] % b.ne[i] != 0:
             return False
     return True
 
