@@ -266,6 +266,25 @@ def test_set_fast_path_matches_slow_path():
     assert t.get().tolist() == src.tolist()
 
 
+def test_set_integers_by_width():
+    # numpy's int64 buffer says 'l' on LP64 where ggml's I64 is 'q': the same integers, one memcpy;
+    # other widths and unsigned input are converted, never reinterpreted
+    ctx = gp.Context(1 << 20)
+    t64 = ctx.new_tensor(gp.Type.I64, (3,))
+    t32 = ctx.new_tensor(gp.Type.I32, (3,))
+    big = np.array([2**40 + 1, -5, 7], np.int64)
+    t64.set(big)
+    assert t64.get().tolist() == big.tolist()
+    t64.set(np.array([1, -2, 3], np.int32))                # widened
+    assert t64.get().tolist() == [1, -2, 3]
+    t64.set(np.array([1, 2, 3], dtype="q"))
+    assert t64.get().tolist() == [1, 2, 3]
+    t32.set(np.array([4, -5, 6], np.int64))                # narrowed by value, not by bytes
+    assert t32.get().tolist() == [4, -5, 6]
+    t32.set(np.array([7, 8, 9], np.uint16))
+    assert t32.get().tolist() == [7, 8, 9]
+
+
 def test_invalidated_context_does_not_hand_out_old_tensors():
     src = gp.Context(1 << 20)
     a = src.from_numpy(np.ones(4, np.float32))

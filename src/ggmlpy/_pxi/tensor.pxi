@@ -893,7 +893,10 @@ cdef bint _buffer_matches(Py_buffer * b, g.ggml_tensor * p) noexcept:
         return False
     if fmt[0] in (b'@', b'=', b'<') and fmt[1] != 0:
         fmt += 1
-    if fmt[0] != want[0] or fmt[1] != 0 or b.itemsize != <Py_ssize_t> g.ggml_type_size(p.type):
+    if fmt[1] != 0 or b.itemsize != <Py_ssize_t> g.ggml_type_size(p.type):
+        return False
+    # signed integers match by width: numpy's int64 is 'l' on LP64 platforms, where I64 says 'q'
+    if fmt[0] != want[0] and not (fmt[0] in b"bhilq" and want[0] in b"bhilq"):
         return False
     if b.len != <Py_ssize_t> g.ggml_nbytes(p):
         return False

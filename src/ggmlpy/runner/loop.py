@@ -455,26 +455,43 @@ class Runner:
         return t if 0 <= t < self.model.n_vocab else None
 
     def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
-        with self._direct("decode"):
-            p = self.cache.seq_pos_max(seq) + 1
+        # One generation step, the hot path of token-by-token decoding: what decode() + _run_direct do
+        # for one token, without the batch arrays, micro-batch splitting or a context manager (each
+        # step runs on caches the weight sweep has just emptied, so every call saved counts).
+        self._direct_enter("decode")
+        try:
+            cache = self.cache
+            p = cache.seq_pos_max(seq) + 1
             if p >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {p}..{p} are outside the context [0, {self.n_ctx}) of "
                                      f"sequence {seq}")
             ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
                          _ROW0 if want else _NO_ROWS)
-            return self._run_direct([ub], [seq], embedding, appended=(p, [tok]))
+            try:
+                self._build(ub, embedding)
+                r = self._compute(ub)
+            except BaseException:
+                if ub.built is not None:
+                    ub.built.free()
+                    ub.built = None
+                cache.clear(seq)
+                self.slots.reset(seq)
+                raise
+            if len(self.slots[seq].tokens) == p:
+                self.slots.committed(seq, (tok,))
+            else:
+                self.slots.reset(seq)          # unknown to the slot table: a request re-processes
+            self.n_batches += 1
+            return r
+        finally:
+            self._direct_exit()
 
     def _check_open(self, what: str) -> None:
         if self._closing:
             raise ClosedError(f"{what}: the runner is closed")
 
-    @contextlib.contextmanager
-    def _direct(self, what: str):
-        """Direct use of the cache and scheduler: only while no request is served or computing.
-
-        close() waits for a direct call in progress before it frees anything,
-        and a direct call started after close() raises ClosedError.
-        """
+    def _direct_enter(self, what: str) -> None:
+        """Start a direct use of the cache and scheduler (see :meth:`_direct`); pair with :meth:`_direct_exit`."""
         with self._lock:
             while True:
                 # checked again after every wait: a request may be accepted while we wait for
@@ -487,13 +504,37 @@ class Runner:
                 self._lock.wait()                    # the loop's last batch is still computing
             self._direct_busy += 1
         try:
-            with self._engine:
-                self._check_open(what)               # close() may have come while we queued for the engine
-                yield
+            self._engine.acquire()
+        except BaseException:
+            self._direct_done()
+            raise
+        try:
+            self._check_open(what)                   # close() may have come while we queued for the engine
+        except BaseException:
+            self._direct_exit()
+            raise
+
+    def _direct_exit(self) -> None:
+        self._engine.release()
+        self._direct_done()
+
+    def _direct_done(self) -> None:
+        with self._lock:
+            self._direct_busy -= 1
+            self._lock.notify_all()       # close() waits for the last direct call
+
+    @contextlib.contextmanager
+    def _direct(self, what: str):
+        """Direct use of the cache and scheduler: only while no request is served or computing.
+
+        close() waits for a direct call in progress before it frees anything,
+        and a direct call started after close() raises ClosedError.
+        """
+        self._direct_enter(what)
+        try:
+            yield
         finally:
-            with self._lock:
-                self._direct_busy -= 1
-                self._lock.notify_all()       # close() waits for the last direct call
+            self._direct_exit()
 
     def _run_direct(self, ubatches, seqs, embedding, appended=None) -> Optional[np.ndarray]:
         """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated.
