@@ -7,6 +7,7 @@ and the K/V bytes read per second.
 
     python bench/attention.py                       # 12 layers, 12 heads of 64, 576 cells visible
     python bench/attention.py --visible 2048 --cells 2304 --threads 2 --chunks 1,2,4
+    python bench/attention.py --chunks 2 --prefetch 0,2,4,8,16      # the kernel's prefetch distance
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def main(argv=None) -> None:
     ap.add_argument("--visible", type=int, default=576, help="cells the row sees (the rest masked)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chunks", default="1,2", help="attn_decode's n_chunks values to time")
+    ap.add_argument("--prefetch", default=None,
+                    help="comma-separated prefetch distances (cells ahead, 0 = none) to time attn_decode with "
+                         "(default: the kernel's own)")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args(argv)
     rng = np.random.default_rng(0)
@@ -43,9 +47,15 @@ def main(argv=None) -> None:
         return ctx.view(t, (D, n, H), (t.nb[1], D * 2), 0)
 
     graphs = {}
+    default_pfd = ggmlpy._core._attn_decode_prefetch()
+    pfds = [default_pfd] if a.prefetch is None else [int(x) for x in a.prefetch.split(",")]
+    prefetch = {}                     # graph name -> the prefetch distance it runs with
     for c in (int(x) for x in a.chunks.split(",")):
-        outs = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=c) for k, v in caches]
-        graphs[f"attn_decode n_chunks={c}"] = outs
+        for d in pfds:
+            name = f"attn_decode n_chunks={c}" + (f" pf={d}" if a.prefetch is not None else "")
+            graphs[name] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=c)
+                            for k, v in caches]
+            prefetch[name] = d
     graphs["flash_attn_ext"] = [ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), heads(k), heads(v), m, scale=D ** -0.5)
                                 for k, v in caches]
     for name, outs in graphs.items():
@@ -58,9 +68,11 @@ def main(argv=None) -> None:
     for _ in range(a.reps):
         for name, gf in graphs.items():
             flush.sum()
+            ggmlpy._core._attn_decode_prefetch(prefetch.get(name, default_pfd))
             t0 = time.perf_counter()
             gf.compute(a.threads)
             times[name].append(time.perf_counter() - t0)
+    ggmlpy._core._attn_decode_prefetch(default_pfd)
     kv_bytes = L * a.visible * H * D * 2 * 2
     print(f"{L} layers, {H} heads of {D}, {a.visible} of {n} cells visible, F16 cache, {a.threads} threads, "
           f"cold caches; {kv_bytes / 2**20:.1f} MiB of K/V per token")

@@ -97,6 +97,28 @@ def test_matches_numpy(case, kv_type, cells):
             assert err < TOL, (chunks, threads, err)
 
 
+@pytest.mark.parametrize("distance", [0, 1, 8, 64])
+def test_prefetch_distance_changes_no_value(distance):
+    # the cache layout the prefetch reads ahead in, with the prefetch running past the cache's end
+    n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes = CASES[1]
+    rng = np.random.default_rng(7)
+    Q = rng.standard_normal((n_q, n_head, dk)).astype(np.float32)
+    K = rng.standard_normal((n_head_kv, n_kv, dk)).astype(np.float16)
+    V = rng.standard_normal((n_head_kv, n_kv, dv)).astype(np.float16)
+    M = _mask(rng, n_q, n_kv, lead, tail, holes)
+    old = _core._attn_decode_prefetch(distance)
+    try:
+        assert _core._attn_decode_prefetch() == distance
+        out = _run(Q, K, V, M, scale=0.125, cells=True, chunks=2, threads=2, kv_type=np.float16)
+    finally:
+        _core._attn_decode_prefetch(old)
+    ref = _reference(Q, K, V, M, 0.125)
+    assert np.abs(out - ref).max() / np.abs(ref).max() < TOL
+    with pytest.raises(GGMLValueError, match="outside"):
+        _core._attn_decode_prefetch(65)
+    assert _core._attn_decode_prefetch() == old
+
+
 def test_without_mask_and_fully_masked_rows():
     rng = np.random.default_rng(1)
     Q = rng.standard_normal((3, 4, 16)).astype(np.float32)

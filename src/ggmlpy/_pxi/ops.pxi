@@ -191,6 +191,19 @@ cdef extern from "ggmlpy_attn.h":
                                        g.ggml_tensor * mask, float scale, int n_chunks) nogil
     int GGMLPY_ATTN_MAX_DV
     int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
+    int64_t ggmlpy_attn_pfd
+
+
+def _attn_decode_prefetch(distance=None):
+    """The cells ahead that ``attn_decode``'s vectorised kernel prefetches (0: none); with
+    ``distance``, set it (process-wide) and return the previous value. For benchmarks."""
+    global ggmlpy_attn_pfd
+    cdef int64_t old = ggmlpy_attn_pfd
+    if distance is not None:
+        if not 0 <= distance <= 64:
+            raise GGMLValueError(f"_attn_decode_prefetch: distance {distance} outside [0, 64]")
+        ggmlpy_attn_pfd = distance
+    return old
 
 
 def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
