@@ -460,23 +460,13 @@ class Runner:
         # step runs on caches the weight sweep has just emptied, so every call saved counts).
         self._direct_enter("decode")
         try:
-            cache = self.cache
-            p = cache.seq_pos_max(seq) + 1
+            p = self.cache.seq_pos_max(seq) + 1
             if p >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {p}..{p} are outside the context [0, {self.n_ctx}) of "
                                      f"sequence {seq}")
             ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
                          _ROW0 if want else _NO_ROWS)
-            try:
-                self._build(ub, embedding)
-                r = self._compute(ub)
-            except BaseException:
-                if ub.built is not None:
-                    ub.built.free()
-                    ub.built = None
-                cache.clear(seq)
-                self.slots.reset(seq)
-                raise
+            r = self._run_ubatch(ub, embedding, (seq,))
             if len(self.slots[seq].tokens) == p:
                 self.slots.committed(seq, (tok,))
             else:
@@ -536,6 +526,21 @@ class Runner:
         finally:
             self._direct_exit()
 
+    def _run_ubatch(self, ub: _UBatch, embedding: bool, seqs) -> Optional[np.ndarray]:
+        """Build and compute one micro-batch of direct use; on failure, whatever part of the batch
+        reached the cache is undone for the sequences ``seqs``, as for a failed compute."""
+        try:
+            self._build(ub, embedding)
+            return self._compute(ub)
+        except BaseException:
+            if ub.built is not None:
+                ub.built.free()
+                ub.built = None
+            for s in seqs:
+                self.cache.clear(s)
+                self.slots.reset(s)        # the record follows the cache it describes
+            raise
+
     def _run_direct(self, ubatches, seqs, embedding, appended=None) -> Optional[np.ndarray]:
         """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated.
 
@@ -545,18 +550,7 @@ class Runner:
         """
         rows = []
         for ub in ubatches:
-            try:
-                self._build(ub, embedding)
-                r = self._compute(ub)
-            except BaseException:
-                # whatever part of the batch reached the cache is undone, as for a failed compute
-                if ub.built is not None:
-                    ub.built.free()
-                    ub.built = None
-                for s in seqs:
-                    self.cache.clear(s)
-                    self.slots.reset(s)        # the record follows the cache it describes
-                raise
+            r = self._run_ubatch(ub, embedding, seqs)
             if r is not None:
                 rows.append(r)
         if appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]:
