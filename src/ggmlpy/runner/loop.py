@@ -456,8 +456,8 @@ class Runner:
 
     def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
         # One generation step, the hot path of token-by-token decoding: what decode() + _run_direct do
-        # for one token, without the batch arrays, micro-batch splitting or a context manager (each
-        # step runs on caches the weight sweep has just emptied, so every call saved counts).
+        # for one token, without the batch checks, micro-batch splitting or a generator context manager
+        # (each step runs on caches the weight sweep has just emptied, so every call saved counts).
         self._direct_enter("decode")
         try:
             p = self.cache.seq_pos_max(seq) + 1
