@@ -51,6 +51,7 @@ import numpy as np
 
 from ggmlpy import _core
 from ggmlpy._core import GGMLError, GGMLTypeError, GGUFError, Type
+from ggmlpy._files import replacing
 
 __all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "GGUFError", "GGUFKeyError", "GGUFReader", "GGUFWriter", "MappedFile",
            "MetadataError", "MetadataTypeError", "TensorInfo", "ValueType", "meta_float", "meta_int", "meta_str",
@@ -981,28 +982,21 @@ class GGUFWriter:
         pending = list(self._tensors.values())
         meta, alignment, layout = _core._gguf_meta(
             [(k, t, et, v) for k, (t, et, v) in self._kv.items()], [(p.name, p.type, p.ne) for p in pending])
-        tmp = self.path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(meta)
-                base = len(meta)
-                for p, (off, nbytes) in zip(pending, layout):
-                    if f.tell() != base + off or nbytes != p.nbytes:
-                        raise GGUFError(f"{self.path}: tensor {p.name!r} would be written at {f.tell()}, but ggml "
-                                        f"placed it at {base + off} ({nbytes} bytes)")
-                    n = 0
-                    for piece in p.pieces():
-                        mv = memoryview(piece).cast("B")
-                        f.write(mv)
-                        n += mv.nbytes
-                    if n != nbytes:
-                        raise GGUFError(f"{self.path}: tensor {p.name!r} encoded to {n} bytes, expected {nbytes}")
-                    f.write(b"\0" * (-nbytes % alignment))
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        with replacing(self.path) as tmp, open(tmp, "wb") as f:
+            f.write(meta)
+            base = len(meta)
+            for p, (off, nbytes) in zip(pending, layout):
+                if f.tell() != base + off or nbytes != p.nbytes:
+                    raise GGUFError(f"{self.path}: tensor {p.name!r} would be written at {f.tell()}, but ggml "
+                                    f"placed it at {base + off} ({nbytes} bytes)")
+                n = 0
+                for piece in p.pieces():
+                    mv = memoryview(piece).cast("B")
+                    f.write(mv)
+                    n += mv.nbytes
+                if n != nbytes:
+                    raise GGUFError(f"{self.path}: tensor {p.name!r} encoded to {n} bytes, expected {nbytes}")
+                f.write(b"\0" * (-nbytes % alignment))
         self._written = True
 
     def __enter__(self) -> GGUFWriter:

@@ -83,7 +83,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -94,6 +93,7 @@ import numpy as np
 
 from ggmlpy import _core
 from ggmlpy._core import GGMLError, Type
+from ggmlpy._files import replacing
 from ggmlpy._system import cpu_variant, ggml_commit, ggml_version
 
 from .llamacpp import _cpu_model_name
@@ -353,18 +353,9 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 def _write_cache(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, path)              # a reader sees the old file or the new one, never half
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with replacing(path) as tmp, open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")
 
 
 def machine_bounds(n_threads: int, types: Iterable[str] = (), cache_dir: str | os.PathLike | None = None,

@@ -70,6 +70,7 @@ from typing import Optional
 import numpy as np
 
 from ggmlpy._core import GGMLTypeError, GGMLValueError, Tensor
+from ggmlpy._files import replacing
 
 from .causal import Causal, KVCacheFull
 from .cells import _INT32_MAX, NotSupported
@@ -280,16 +281,8 @@ def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
     if not isinstance(file, (str, os.PathLike)):
         _check_file(file, "write")
         return dump(file)
-    path = os.fspath(file)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            n = dump(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return n
+    with replacing(file) as tmp, open(tmp, "wb") as f:
+        return dump(f)
 
 
 # ----------------------------------------------------------------------------------------- loading

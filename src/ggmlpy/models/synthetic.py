@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -37,6 +36,7 @@ from typing import Callable
 import numpy as np
 
 from ggmlpy._core import GGMLValueError
+from ggmlpy._files import replacing
 
 __all__ = [
     "ARCHS", "SIZES", "TYPES", "SyntheticConfig", "for_arch", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
@@ -431,15 +431,6 @@ def synthetic_path(size: str = "110M", type: str = "F16", seed: int = 0,
     if not create or (path.exists() and _is_complete(path, cfg, type, int(seed))):
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         write_synthetic(tmp, cfg, type, seed, progress)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return path
