@@ -467,11 +467,7 @@ class Runner:
             ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
                          _ROW0 if want else _NO_ROWS)
             r = self._run_ubatch(ub, embedding, (seq,))
-            if len(self.slots[seq].tokens) == p:
-                self.slots.committed(seq, (tok,))
-            else:
-                self.slots.reset(seq)          # unknown to the slot table: a request re-processes
-            self.n_batches += 1
+            self._record_direct((seq,), (p, (tok,)))
             return r
         finally:
             self._direct_exit()
@@ -526,6 +522,17 @@ class Runner:
         finally:
             self._direct_exit()
 
+    def _record_direct(self, seqs, appended) -> None:
+        """After a direct batch: the slot of ``seqs[0]`` records ``appended = (first position, tokens)``
+        when they continued what it holds; otherwise the slots of ``seqs`` are dropped (a request
+        re-processes them)."""
+        if appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]:
+            self.slots.committed(seqs[0], appended[1])
+        else:
+            for s in seqs:
+                self.slots.reset(s)
+        self.n_batches += 1
+
     def _run_ubatch(self, ub: _UBatch, embedding: bool, seqs) -> Optional[np.ndarray]:
         """Build and compute one micro-batch of direct use; on failure, whatever part of the batch
         reached the cache is undone for the sequences ``seqs``, as for a failed compute."""
@@ -553,12 +560,7 @@ class Runner:
             r = self._run_ubatch(ub, embedding, seqs)
             if r is not None:
                 rows.append(r)
-        if appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]:
-            self.slots.committed(seqs[0], appended[1])
-        else:
-            for s in seqs:
-                self.slots.reset(s)          # unknown to the slot table: a request re-processes
-        self.n_batches += 1
+        self._record_direct(seqs, appended)
         return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
 
     def decode_batch(self, tokens, positions, seq_ids, logits) -> np.ndarray:
