@@ -118,11 +118,13 @@ class Placement:
     def device_of(self, group: Group) -> Device:
         if group == "input":
             return self.input
-        if group == "output":
+        if group in ("output", "vision"):
+            # a vision encoder (mmproj) runs where the output layer does, as in Ollama's engine
             return self.output
         if isinstance(group, int) and 0 <= group < len(self.layers):
             return self.layers[group]
-        raise GGMLValueError(f"placement: no layer group {group!r} (layers 0..{len(self.layers) - 1}, input, output)")
+        raise GGMLValueError(f"placement: no layer group {group!r} (layers 0..{len(self.layers) - 1}, input, output, "
+                             f"vision)")
 
     def devices(self) -> list[Device]:
         """The distinct devices used, in scheduler order (CPU last)."""
@@ -398,6 +400,7 @@ class Weights:
         self._key: dict[str, tuple[str, str]] = {}          # tensor name -> (device, buffer type)
         self.buffers: dict[tuple[str, str], _core.Buffer] = {}
         self.allocated = False
+        self._recorded: list[tuple] = []      # (device, group, buffer type, bytes) put in the report
 
     def add(self, name: str, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None) -> Tensor:
         """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``.
@@ -491,17 +494,24 @@ class Weights:
             A device had no room. ``.report`` says what every device needed;
             nothing stays allocated.
         """
-        for dev in {d.name: d for d, _bt in self._bt.values()}.values():
+        # a retry after a failed allocation starts afresh: what this set recorded before is taken back (a
+        # report may be shared, e.g. by a text model and its vision encoder)
+        for dev, grp, bname, size in self._recorded:
             m = self.report.device(dev)
-            m.weights.clear()
-            m.weight_buffers.clear()
-            m.weights_ok = None             # a retry after a failed allocation starts afresh
+            for d, k in ((m.weights, grp), (m.weight_buffers, bname)):
+                d[k] -= size
+                if not d[k]:
+                    del d[k]
+        self._recorded = []
+        for dev in {d.name: d for d, _bt in self._bt.values()}.values():
+            self.report.device(dev).weights_ok = None
         for name, (t, grp) in self.tensors.items():
             dev, bt = self._bt[self._key[name]]
             size = self._reserved(bt, t)
             self.report.add_weights(dev, grp, size)
             m = self.report.device(dev)
             m.weight_buffers[bt.name] = m.weight_buffers.get(bt.name, 0) + size
+            self._recorded.append((dev, grp, bt.name, size))
         failed = None
         for key, ctx in self._ctx.items():
             dev, bt = self._bt[key]
@@ -721,21 +731,26 @@ class Runtime:
         """Bytes of each backend's compute buffer now."""
         return {d.name: self.sched.buffer_size(b) for d, b in zip(self.devices, self.backends)}
 
-    def reserve(self, build: Callable[[int], Graph], n_prompt: int, n_decode: int = 1) -> dict[str, int]:
+    def reserve(self, build: Callable[[int], Graph], n_prompt: int, n_decode: int = 1,
+                extra: Sequence[tuple[str, Callable[[], Graph]]] = ()) -> dict[str, int]:
         """Reserve compute buffers for the worst case, as llama.cpp's context does.
 
         ``build(n_tokens)`` returns a graph at full context for a batch of
         ``n_tokens``; it is called for the prompt batch, a decode batch, and
         the prompt batch again (so the final allocation is the prompt-sized
-        one). Logs node and split counts. Returns the bytes per device.
+        one). ``extra`` are other graphs the buffers must hold, ``(label,
+        build())``, reserved before the last prompt batch: the largest image
+        batch of a vision encoder. Logs node and split counts. Returns the bytes per device.
 
         Raises
         ------
         GGMLMemoryError
             A compute buffer could not be allocated; ``.report`` has the figures.
         """
-        for label, n in (("pp", n_prompt), ("tg", n_decode), ("pp", n_prompt)):
-            gf = build(n)
+        steps = [("pp", lambda: build(n_prompt)), ("tg", lambda: build(n_decode)), *extra,
+                 ("pp", lambda: build(n_prompt))]
+        for label, make in steps:
+            gf = make()
             need = self.sched.reserve_size(gf)       # measured without allocating, for the report
             try:
                 self.sched.reserve(gf)

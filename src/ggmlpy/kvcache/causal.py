@@ -532,13 +532,17 @@ class Causal:
         return lowest
 
     def start_forward(self, positions, seq_ids, reserve: bool = False, *,
-                      except_rows: Optional[Iterable[int]] = None) -> ForwardPlan:
+                      except_rows: Optional[Iterable[int]] = None,
+                      spans: Optional[Iterable[tuple[int, int]]] = None) -> ForwardPlan:
         """Plan a batch: the cells written, visible range and mask. Changes nothing.
 
         ``except_rows`` are batch rows exempt from the causal rule (Ollama's
         ``SetCausal`` with ``Except``): they also see later positions of
-        their own sequence, i.e. the rest of the batch (bidirectional spans
-        such as image tokens). Sequence and window rules still apply.
+        their own sequence, i.e. the rest of the batch. ``spans`` are
+        bidirectional spans ``(first_row, end_row)`` of one sequence (an
+        image's tokens, as transformers' Gemma 3 masks them): a row of a span
+        also sees the later rows of its span, and nothing later. Sequence and
+        window rules still apply.
 
         With a sliding window, eviction (Ollama's ``updateSlidingWindow``) is
         planned first and committed by :meth:`apply`; the visible range then
@@ -560,6 +564,12 @@ class Causal:
         n = positions.size
         if n == 0:
             raise GGMLValueError("empty batch")
+        span_list = [] if spans is None else [(int(a), int(b)) for a, b in spans]
+        for a, b in span_list:
+            if not 0 <= a < b <= n:
+                raise GGMLValueError(f"bidirectional span [{a}, {b}) is outside the batch of {n} rows")
+        if span_list:
+            except_rows = [*(except_rows or ()), *(r for a, b in span_list for r in range(a, b))]
         if n == 1 and not reserve and except_rows is None:
             if self.memory is None:
                 return self._plan_one(cells, positions, seq_ids)
@@ -585,6 +595,11 @@ class Causal:
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
         mask = trial.mask(positions, seq_ids, window=self.window, except_rows=except_rows, lo=lo, hi=hi,
                           dtype=np.float16)
+        if span_list:
+            # a span's rows see its own later rows, not what follows it in the batch
+            cell_pos = trial.pos[lo:hi]
+            for a, b in span_list:
+                mask[a:b, cell_pos > positions[a:b].max()] = -np.inf
         return ForwardPlan(positions, seq_ids, cell_ids, lo, hi, mask, False, trim, cells.n_cells,
                            _base=(cells, cells._version), _after=trial)
 

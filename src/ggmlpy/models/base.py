@@ -51,13 +51,21 @@ class BuiltGraph:
     n_tokens: int
     n_out: int
     key: tuple = ()
+    embd: Optional[Tensor] = None        # input embeddings of some rows (an image's), ne = (n_embd, k)
+    embd_rows: Optional[Tensor] = None   # which rows they replace, I64 ne = (k,)
 
-    def set_inputs(self, tokens, positions, plan, out_ids) -> None:
-        """Fill the inputs: token ids, positions, the output rows, and the cache's own from ``plan``."""
+    def set_inputs(self, tokens, positions, plan, out_ids, embd=None) -> None:
+        """Fill the inputs: token ids, positions, the output rows, the cache's own from ``plan``, and for
+        a graph with input embeddings ``embd = (values (k, n_embd) float32, rows (k,))``."""
         self.tokens.set(np.asarray(tokens, dtype=np.int32))
         self.positions.set(np.asarray(positions, dtype=np.int32))
         self.memory.fill(plan)
         self.out_ids.set(np.asarray(out_ids, dtype=np.int32))
+        if self.embd is not None:
+            if embd is None:
+                raise GGMLValueError("set_inputs: this graph takes input embeddings; none given")
+            self.embd.set(np.ascontiguousarray(embd[0], dtype=np.float32))
+            self.embd_rows.set(np.asarray(embd[1], dtype=np.int64))
 
     def free(self) -> None:
         self.ctx.free()

@@ -361,7 +361,137 @@ def check_expert_shapes(reader, cfg, path: str, ff_key: str) -> None:
             raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
 
 
-class DecoderModel:
+class WeightLoader:
+    """Reading a model's weights from its GGUF file into the tensors :class:`~ggmlpy.backend.Weights` made.
+
+    Used by :class:`DecoderModel` and the vision encoders (:mod:`ggmlpy.vision`); the class needs
+    ``path``, ``size`` (bytes to store), ``weights``, ``fused`` (a stored tensor made of several of the
+    file's, in order), ``converted`` and ``_reader`` (the open :class:`~ggmlpy.gguf.GGUFReader`), and sets ``loaded``.
+    """
+
+    path: str
+    size: int
+    weights: Weights
+    fused: dict
+    _reader: Any
+    loaded: bool
+    #: weights stored in another form than the file's: name -> f(the file's values as a float array in
+    #: numpy order) -> what to store
+    converted: ClassVar[dict] = {}
+
+    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
+             mmap: bool = False) -> None:
+        """Read every tensor's data from the file into its buffer.
+
+        With ``mmap`` the data is copied out of a memory map of the file (see
+        :class:`ggmlpy.gguf.MappedFile`) instead of read with ``read(2)``.
+
+        Host tensors are filled with ``readinto`` straight into their memory
+        (no intermediate copy, so peak RSS stays near the model's size); device
+        tensors are written in chunks. ``progress(done_bytes, total_bytes)``
+        is called as data arrives.
+
+        A few rows of every tensor are decoded first and must be finite, with
+        magnitudes some model could have (see :func:`_check_sample`): NaN/inf
+        weights, and F16 data re-labelled as BF16 at typical weight scales
+        (median |w| below about 0.2; the two types have the same size, so the
+        file's layout cannot show it), are an error, not garbage output. The
+        other direction (BF16 read as F16) and re-labelled quantized types of
+        the same block size are not detected. ``check_tensors=True`` checks every row for non-finite values
+        too (as llama.cpp's ``--check-tensors``; it decodes the whole model, so
+        it costs about one more pass over the data).
+
+        Raises
+        ------
+        GGUFError
+            Implausible or non-finite data (names the tensor, and the row with ``check_tensors``).
+        GGMLValueError, MissingTensor
+            The file ends inside a tensor, or a tensor's size disagrees with its type and shape.
+        """
+        total = self.size
+        done = 0
+        chunk = 16 << 20
+        with open_data(self.path, mmap=mmap) as f:
+            for name, (t, _grp) in self.weights.tensors.items():
+                convert = self.converted.get(name)
+                if convert is not None:
+                    # stored in another form than the file's (a small weight, read whole)
+                    info = self._reader.tensor_info(name)
+                    _check_sample(f, info, self.path)
+                    f.seek(info.offset)
+                    raw = f.read(info.nbytes)
+                    if len(raw) != info.nbytes:
+                        raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
+                    t.set(convert(_decode(raw, info.type, info.ne[0]).reshape(tuple(reversed(info.ne)))))
+                    done += t.nbytes
+                    continue
+                # a fused weight is its parts' bytes one after the other (rows of the same width)
+                infos = [self._reader.tensor_info(n) for n in self.fused.get(name, (name,))]
+                if sum(i.nbytes for i in infos) != t.nbytes:
+                    raise MissingTensor(f"{self.path}: tensor {name!r} holds {sum(i.nbytes for i in infos)} bytes, "
+                                        f"expected {t.nbytes}")
+                for info in infos:
+                    _check_sample(f, info, self.path)
+                if t.is_host:
+                    dst = memoryview(t.numpy()).cast("B")
+                    off = 0
+                    for info in infos:
+                        self._read_into(f, info, dst[off:off + info.nbytes], check_tensors, chunk,
+                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
+                        off += info.nbytes
+                    del dst
+                elif t.is_repacked or len(infos) > 1:
+                    # a repacked weight is written in one piece (ggml converts it whole); a fused one is put
+                    # together first
+                    buf = bytearray(t.nbytes)
+                    off = 0
+                    for info in infos:
+                        self._read_into(f, info, memoryview(buf)[off:off + info.nbytes], check_tensors, chunk,
+                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
+                        off += info.nbytes
+                    t.set_bytes(buf, 0)
+                    del buf
+                else:
+                    # whole rows, so each piece can be checked
+                    info = infos[0]
+                    rs = info.type.row_size(info.ne[0]) or 1
+                    step = max(rs, chunk // rs * rs)
+                    buf = bytearray(min(step, t.nbytes))
+                    f.seek(info.offset)
+                    pos = 0
+                    while pos < t.nbytes:
+                        view = memoryview(buf)[:min(step, t.nbytes - pos)]
+                        n = f.readinto(view)
+                        if n != len(view):
+                            raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
+                        if check_tensors:
+                            _check_finite_rows(view, info, pos // rs, rs, chunk, self.path)
+                        t.set_bytes(view, pos)
+                        pos += n
+                        if progress is not None:
+                            progress(done + pos, total)
+                done += t.nbytes
+                if progress is not None:
+                    progress(done, total)
+        self.loaded = True
+
+    def _read_into(self, f, info, dst: memoryview, check_tensors: bool, chunk: int,
+                   progress: Optional[Callable[[int], None]]) -> None:
+        """Read tensor ``info``'s bytes from ``f`` straight into ``dst`` (``progress(bytes so far)``)."""
+        f.seek(info.offset)
+        pos = 0
+        while pos < info.nbytes:
+            n = f.readinto(dst[pos:pos + chunk])
+            if not n:
+                raise GGMLValueError(f"{self.path}: file ends inside tensor {info.name!r}")
+            pos += n
+            if progress is not None:
+                progress(pos)
+        if check_tensors:
+            _check_finite_rows(dst, info, 0, info.type.row_size(info.ne[0]) or 1, chunk, self.path)
+
+
+class DecoderModel(WeightLoader):
     """A decoder from a GGUF file: weights on their devices, loading, and the frame of the graph.
 
     Subclasses set :attr:`config_class`, yield their tensors from :meth:`_expected` and build their
@@ -420,6 +550,8 @@ class DecoderModel:
                                                "rope_factors_long.weight")
     #: Graph nodes a layer may use (sizes the graph, see :meth:`graph_size`).
     NODES_PER_LAYER: ClassVar[int] = 64
+    #: The image encoder loaded with the model (``load_model(..., mmproj=...)``), closed with it.
+    vision: Any = None
 
     def __init__(self, reader, placement: Optional[Placement] = None, repack: bool = True,
                  fuse: bool = True) -> None:
@@ -651,105 +783,6 @@ class DecoderModel:
             raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected "
                                 f"{'/'.join(t.name for t in types)}")
 
-    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
-             mmap: bool = False) -> None:
-        """Read every tensor's data from the file into its buffer.
-
-        With ``mmap`` the data is copied out of a memory map of the file (see
-        :class:`ggmlpy.gguf.MappedFile`) instead of read with ``read(2)``.
-
-        Host tensors are filled with ``readinto`` straight into their memory
-        (no intermediate copy, so peak RSS stays near the model's size); device
-        tensors are written in chunks. ``progress(done_bytes, total_bytes)``
-        is called as data arrives.
-
-        A few rows of every tensor are decoded first and must be finite, with
-        magnitudes some model could have (see :func:`_check_sample`): NaN/inf
-        weights, and F16 data re-labelled as BF16 at typical weight scales
-        (median |w| below about 0.2; the two types have the same size, so the
-        file's layout cannot show it), are an error, not garbage output. The
-        other direction (BF16 read as F16) and re-labelled quantized types of
-        the same block size are not detected. ``check_tensors=True`` checks every row for non-finite values
-        too (as llama.cpp's ``--check-tensors``; it decodes the whole model, so
-        it costs about one more pass over the data).
-
-        Raises
-        ------
-        GGUFError
-            Implausible or non-finite data (names the tensor, and the row with ``check_tensors``).
-        GGMLValueError, MissingTensor
-            The file ends inside a tensor, or a tensor's size disagrees with its type and shape.
-        """
-        total = self.size
-        done = 0
-        chunk = 16 << 20
-        with open_data(self.path, mmap=mmap) as f:
-            for name, (t, _grp) in self.weights.tensors.items():
-                # a fused weight is its parts' bytes one after the other (rows of the same width)
-                infos = [self._reader.tensor_info(n) for n in self.fused.get(name, (name,))]
-                if sum(i.nbytes for i in infos) != t.nbytes:
-                    raise MissingTensor(f"{self.path}: tensor {name!r} holds {sum(i.nbytes for i in infos)} bytes, "
-                                        f"expected {t.nbytes}")
-                for info in infos:
-                    _check_sample(f, info, self.path)
-                if t.is_host:
-                    dst = memoryview(t.numpy()).cast("B")
-                    off = 0
-                    for info in infos:
-                        self._read_into(f, info, dst[off:off + info.nbytes], check_tensors, chunk,
-                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
-                        off += info.nbytes
-                    del dst
-                elif t.is_repacked or len(infos) > 1:
-                    # a repacked weight is written in one piece (ggml converts it whole); a fused one is put
-                    # together first
-                    buf = bytearray(t.nbytes)
-                    off = 0
-                    for info in infos:
-                        self._read_into(f, info, memoryview(buf)[off:off + info.nbytes], check_tensors, chunk,
-                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
-                        off += info.nbytes
-                    t.set_bytes(buf, 0)
-                    del buf
-                else:
-                    # whole rows, so each piece can be checked
-                    info = infos[0]
-                    rs = info.type.row_size(info.ne[0]) or 1
-                    step = max(rs, chunk // rs * rs)
-                    buf = bytearray(min(step, t.nbytes))
-                    f.seek(info.offset)
-                    pos = 0
-                    while pos < t.nbytes:
-                        view = memoryview(buf)[:min(step, t.nbytes - pos)]
-                        n = f.readinto(view)
-                        if n != len(view):
-                            raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
-                        if check_tensors:
-                            _check_finite_rows(view, info, pos // rs, rs, chunk, self.path)
-                        t.set_bytes(view, pos)
-                        pos += n
-                        if progress is not None:
-                            progress(done + pos, total)
-                done += t.nbytes
-                if progress is not None:
-                    progress(done, total)
-        self.loaded = True
-
-    def _read_into(self, f, info, dst: memoryview, check_tensors: bool, chunk: int,
-                   progress: Optional[Callable[[int], None]]) -> None:
-        """Read tensor ``info``'s bytes from ``f`` straight into ``dst`` (``progress(bytes so far)``)."""
-        f.seek(info.offset)
-        pos = 0
-        while pos < info.nbytes:
-            n = f.readinto(dst[pos:pos + chunk])
-            if not n:
-                raise GGMLValueError(f"{self.path}: file ends inside tensor {info.name!r}")
-            pos += n
-            if progress is not None:
-                progress(pos)
-        if check_tensors:
-            _check_finite_rows(dst, info, 0, info.type.row_size(info.ne[0]) or 1, chunk, self.path)
-
     # ------------------------------------------------------------------ graph
 
     def rope(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
@@ -792,18 +825,29 @@ class DecoderModel:
                       window=window, padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
                       shift_fn=self.shift_fn, v_trans=not flash_attn)
 
+    #: The graph can take input embeddings for some rows (an image's, :meth:`embed_tokens`) in place of
+    #: their tokens' (``build(..., n_embd_rows=k)``); an architecture whose ``_forward`` reads them sets it.
+    EMBD_INPUT: ClassVar[bool] = False
+
     def build(self, cache, plan, n_tokens: int, n_out: int, *, flash_attn: bool = False,
-              embeddings: bool = False) -> BuiltGraph:
+              embeddings: bool = False, n_embd_rows: int = 0) -> BuiltGraph:
         """Build the forward graph for a batch of ``n_tokens`` through ``cache`` with ``plan``.
 
         ``n_out`` rows produce output (selected by the ``out_ids`` input). The result is the logits ``ne = (n_vocab,
         n_out)``, or with ``embeddings`` the final-normed hidden states
-        ``ne = (n_embd, n_out)``. Inputs are created unallocated: allocate
-        the graph with the scheduler, then :meth:`BuiltGraph.set_inputs`.
+        ``ne = (n_embd, n_out)``. ``n_embd_rows`` rows take their input embedding from the ``inp_embd``
+        input (``ne = (n_embd, n_embd_rows)``, the rows named by ``inp_embd_rows``) instead of from their
+        token: an image's embeddings (models with :attr:`EMBD_INPUT`). Inputs are created unallocated:
+        allocate the graph with the scheduler, then :meth:`BuiltGraph.set_inputs`.
         """
         n = int(n_tokens)
         if not 1 <= n_out <= n:
             raise GGMLValueError(f"build: n_out {n_out} must be in [1, n_tokens={n}]")
+        n_embd_rows = int(n_embd_rows)
+        if n_embd_rows and not self.EMBD_INPUT:
+            raise GGMLValueError(f"build: {self.config.arch} takes no input embeddings (n_embd_rows={n_embd_rows})")
+        if not 0 <= n_embd_rows <= n:
+            raise GGMLValueError(f"build: n_embd_rows {n_embd_rows} must be in [0, n_tokens={n}]")
         size = self.graph_size()
         ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
         tokens = ctx.new_tensor(Type.I32, (n,), name="inp_tokens").set_input()
@@ -812,13 +856,32 @@ class DecoderModel:
         # always present (even when every row is output) so that every graph has the topology the
         # worst-case reservation measured
         out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input()
-        out = self._forward(ctx, tokens, pos, memory, out_ids, flash_attn=flash_attn, embeddings=embeddings)
+        kw = {}
+        if n_embd_rows:
+            kw["embd"] = (ctx.new_tensor(Type.F32, (self.config.n_embd, n_embd_rows), name="inp_embd").set_input(),
+                          ctx.new_tensor(Type.I64, (n_embd_rows,), name="inp_embd_rows").set_input())
+        out = self._forward(ctx, tokens, pos, memory, out_ids, flash_attn=flash_attn, embeddings=embeddings, **kw)
         out.set_output()
         gf = ctx.new_graph(size)
         for t in memory.pending:          # cache writes before anything reads the cache
             gf.build_forward_expand(t)
         gf.build_forward_expand(out)
-        return BuiltGraph(ctx, gf, tokens, pos, memory, out_ids, out, n, n_out)
+        built = BuiltGraph(ctx, gf, tokens, pos, memory, out_ids, out, n, n_out)
+        if n_embd_rows:
+            built.embd, built.embd_rows = kw["embd"]
+        return built
+
+    def embed_tokens(self, ctx: Context, tokens: Tensor, embd: Optional[tuple] = None,
+                     scale: Optional[float] = None) -> Tensor:
+        """The input embeddings of a batch: ``token_embd`` rows of ``tokens`` (times ``scale``), where
+        ``embd = (values, rows)`` is given with ``values`` (``ne = (n_embd, k)``) written over rows
+        ``rows`` (an image's embeddings enter unscaled, as in transformers and llama.cpp)."""
+        x = ctx.get_rows(self.weights["token_embd.weight"], tokens)
+        if scale is not None:
+            x = ctx.scale(x, scale)
+        if embd is not None:
+            x = ctx.set_rows(x, embd[0], embd[1])
+        return x
 
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
                  embeddings: bool) -> Tensor:
@@ -862,6 +925,9 @@ class DecoderModel:
         if self._closed:
             return
         self._closed = True
+        vision = getattr(self, "vision", None)
+        if vision is not None:
+            vision.close()
         self.weights.close()
         close = getattr(self._reader, "close", None)
         if close is not None:
@@ -888,6 +954,8 @@ class PreNormDecoder(DecoderModel):
     A subclass lists its tensors and changes the two hooks where its architecture differs.
     """
 
+    EMBD_INPUT = True
+
     def _qk(self, ctx: Context, layer: int, q: Tensor, k: Tensor, pos: Tensor, memory) -> tuple[Tensor, Tensor]:
         """Q and K (``ne = (head_dim, heads, n)``) of ``layer`` as attention takes them: with RoPE at ``pos``."""
         return self.rope(ctx, q, pos, layer), self.rope(ctx, k, pos, layer)
@@ -897,10 +965,10 @@ class PreNormDecoder(DecoderModel):
         return blocks.ffn_glu(ctx, self.weights, prefix, cur)
 
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
-                 embeddings: bool) -> Tensor:
+                 embeddings: bool, embd: Optional[tuple] = None) -> Tensor:
         c, w = self.config, self.weights
         scale = 1.0 / math.sqrt(c.head_dim)
-        x = ctx.get_rows(w["token_embd.weight"], tokens)
+        x = self.embed_tokens(ctx, tokens, embd)
         for il in range(c.n_layer):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)

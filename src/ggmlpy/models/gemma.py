@@ -153,6 +153,7 @@ class GemmaModel(LocalGlobalDecoder):
     config: GemmaConfig
     #: four norms, Q/K norms, soft-capping and the scaled embeddings add to the llama layer's nodes
     NODES_PER_LAYER = 96
+    EMBD_INPUT = True
 
     def _inspect(self, reader) -> None:
         super()._inspect(reader)
@@ -170,9 +171,9 @@ class GemmaModel(LocalGlobalDecoder):
             yield self._expected_norm(i, "post_ffw_norm")
 
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
-                 embeddings: bool) -> Tensor:
+                 embeddings: bool, embd: Optional[tuple] = None) -> Tensor:
         c, w, eps = self.config, self.weights, self.config.rms_eps
-        x = ctx.scale(ctx.get_rows(w["token_embd.weight"], tokens), math.sqrt(c.n_embd))
+        x = self.embed_tokens(ctx, tokens, embd, scale=math.sqrt(c.n_embd))
         for il in range(c.n_layer):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], eps)

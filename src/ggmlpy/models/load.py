@@ -6,6 +6,7 @@ import os
 from collections.abc import Sequence
 from typing import Callable, Optional
 
+from ggmlpy._core import GGMLValueError
 from ggmlpy.backend import choose_devices, split_layers
 from ggmlpy.gguf import GGUFReader
 
@@ -18,7 +19,7 @@ __all__ = ["load_model"]
 def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
                load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True,
-               fuse: bool = True) -> Model:
+               fuse: bool = True, mmproj: Optional[str | os.PathLike] = None) -> Model:
     """Open a GGUF file, pick its architecture's model class, place and allocate its weights, and load them.
 
     Parameters
@@ -37,6 +38,10 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         False keeps every weight in plain memory, where it can be read back
     fuse : concatenate each layer's Q/K/V and gate/up weights into one matrix each where their types
         agree (fewer, larger matrix products; the same results); see :class:`LlamaModel`
+    mmproj : the model's vision encoder, an mmproj GGUF file (``convert_hf_to_gguf.py --mmproj``): loaded
+        as ``model.vision`` (:func:`ggmlpy.vision.load_mmproj`), on the device of the output layer, its
+        weights in the model's memory report; a :class:`~ggmlpy.runner.Runner` then takes images.
+        Closed with the model.
 
     Raises
     ------
@@ -63,10 +68,18 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     except BaseException:
         reader.close()
         raise
-    if load:
-        try:
+    try:
+        if mmproj is not None:
+            from ggmlpy.vision import load_mmproj
+
+            if not getattr(model, "EMBD_INPUT", False):
+                raise GGMLValueError(f"{path}: {model.config.arch} models take no image embeddings (mmproj given)")
+            model.vision = load_mmproj(mmproj, placement=model.placement, report=model.report, load=False)
+        if load:
             model.load(progress, check_tensors, mmap=mmap)
-        except BaseException:
-            model.close()
-            raise
+            if mmproj is not None:
+                model.vision.load(progress, check_tensors=check_tensors)
+    except BaseException:
+        model.close()
+        raise
     return model

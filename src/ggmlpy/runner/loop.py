@@ -18,7 +18,14 @@ from typing import Optional
 
 import numpy as np
 
-from ggmlpy._core import ClosedError, GGMLError, GGMLMemoryError, GGMLValueError, Type
+from ggmlpy._core import (
+    ClosedError,
+    GGMLError,
+    GGMLMemoryError,
+    GGMLTypeError,
+    GGMLValueError,
+    Type,
+)
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import V_TRANS_TYPES, NotSupported
 from ggmlpy.sampling import SamplingParams
@@ -36,6 +43,7 @@ from .batching import (
     as_units,
     split_ubatches,
 )
+from .images import FIRST_IMAGE_ID, MEDIA_MARKER, ImageStore, chunk_spans, place_images
 from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
 from .text import TextStream, chat_prompt, encode_prompt, split_stops
 
@@ -99,6 +107,16 @@ class Runner:
         What turns text prompts and chats into ids and generated ids into text. Default: the
         model's (``model.tokenizer``, read from its GGUF file on first use); give one to use another
         vocabulary file. Token-id requests never need one.
+    vision : ggmlpy.vision.VisionModel, optional
+        The image encoder (an mmproj file); default the model's (``load_model(..., mmproj=...)``).
+        With one, prompts take images (``submit(..., images=[...])``): the worst-case reservation
+        includes the largest image, and the memory report the encoder's weights and graph.
+    image_token : int, optional
+        The token id that marks an image's place in a token-id prompt (one run of it per image tile,
+        as the model's HF processor writes ``input_ids``). Default: the vocabulary's image token
+        (Gemma 3 ``<image_soft_token>``, Idefics3 ``<image>``).
+    image_cache : int
+        Encoded images kept, so that a prompt with the same image is not encoded again.
 
     Raises
     ------
@@ -120,7 +138,8 @@ class Runner:
     def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
-                 offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None) -> None:
+                 offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None, vision=None,
+                 image_token: Optional[int] = None, image_cache: int = 32) -> None:
         if not getattr(model, "loaded", True):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
@@ -165,6 +184,12 @@ class Runner:
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()     # the first text request reads it from the file once
+        self.vision = vision if vision is not None else getattr(model, "vision", None)
+        self.images: Optional[ImageStore] = None
+        self._image_token = image_token
+        if self.vision is not None:
+            self._check_vision(self.vision)
+            self.images = ImageStore(self.vision.config.tokens_per_image, keep=image_cache)
         try:
             self._check_host_memory()
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
@@ -255,17 +280,37 @@ class Runner:
                 f"mask and cache metadata of the worst-case batch, but {avail / 2**30:.2f} GiB are available; lower n_ctx, n_seq_max or "
                 f"n_ubatch\n{self.report}", self.report)
 
+    def _check_vision(self, vision) -> None:
+        vc = self.vision.config
+        if not getattr(self.model, "EMBD_INPUT", False):
+            raise GGMLValueError(f"runner: {self.model.config.arch} models take no image embeddings")
+        if vc.n_embd_text != self.model.config.n_embd:
+            raise GGMLValueError(f"runner: the vision encoder projects to {vc.n_embd_text} values, the text model's "
+                                 f"embeddings have {self.model.config.n_embd} (a projector of another model?)")
+        if vc.tokens_per_image > self.n_ubatch:
+            raise GGMLValueError(f"runner: an image takes {vc.tokens_per_image} tokens, more than n_ubatch "
+                                 f"{self.n_ubatch}; it must fit in one micro-batch")
+
     def _reserve(self) -> None:
         keep = []
 
         def build(n: int):
             plan = self.cache.start_forward(np.zeros(n, np.int64), np.zeros(n, np.int64), reserve=True)
-            b = self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn)
+            # the prompt batch with an image tile in it (the decode batch has no room for one)
+            kw = {"n_embd_rows": self.vision.config.tokens_per_image} \
+                if self.vision is not None and n >= self.vision.config.tokens_per_image else {}
+            b = self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn, **kw)
             keep.append(b)
             return b.graph
 
+        def build_image():
+            b = self.vision.build(self.vision.max_tiles)
+            keep.append(b)
+            return b.graph
+
+        extra = [("image", build_image)] if self.vision is not None else []
         try:
-            self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch))
+            self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch), extra=extra)
         finally:
             for b in keep:             # on failure too: each holds a graph context
                 b.free()
@@ -348,11 +393,20 @@ class Runner:
         """Plan the cache for a micro-batch, commit its metadata and build its graph."""
         n = len(ub.tokens)
         n_out = max(1, len(ub.out_rows))
-        plan = self.cache.start_forward(ub.positions, ub.seqs)
+        n_img = 0
+        if self.images is not None and ub.tokens.min() <= FIRST_IMAGE_ID:
+            # image rows: their embeddings replace the tokens'; Gemma 3's attend both ways within an image
+            n_img = int(np.count_nonzero(ub.tokens <= FIRST_IMAGE_ID))
+            spans = chunk_spans(ub.tokens, self.vision.config.tokens_per_image, self.images) \
+                if self.vision.bidirectional else None
+            plan = self.cache.start_forward(ub.positions, ub.seqs, spans=spans)
+        else:
+            plan = self.cache.start_forward(ub.positions, ub.seqs)
+        kw = {"n_embd_rows": n_img} if n_img else {}
         # A graph of the same shape (tokens, outputs, the cache plan's visible ranges) is reused with new
         # inputs: with the visible range padded, consecutive one-token steps share one graph.
-        built = self.rt.graphs.take((n, n_out, plan.key, embedding), lambda: self.model.build(
-            self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding))
+        built = self.rt.graphs.take((n, n_out, plan.key, embedding, n_img), lambda: self.model.build(
+            self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding, **kw))
         # Metadata is committed when the graph exists; the cells are written when it computes. A failed
         # compute clears the sequences involved (see _fail).
         try:
@@ -366,15 +420,73 @@ class Runner:
         """Allocate, fill the inputs, compute; the wanted output rows as numpy (rows, n_out_dim)."""
         b = ub.built
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
-        self.rt.run(b.graph, lambda: b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows))
+        if getattr(b, "embd", None) is not None:
+            rows = np.flatnonzero(ub.tokens <= FIRST_IMAGE_ID)
+            ids = ub.tokens[rows]
+            for entry in self.images.missing(ids):
+                self._encode(entry)
+            embd = (self.images.rows(ids), rows)
+            toks = np.where(ub.tokens < 0, 0, ub.tokens)
+            self.rt.run(b.graph, lambda: b.set_inputs(toks, ub.positions, ub.plan, out_rows, embd))
+        else:
+            self.rt.run(b.graph, lambda: b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows))
         ub.plan = None          # its mask is uploaded: the micro-batches of a batch must not all hold one
         res = b.output.get() if len(ub.out_rows) else None
         ub.built = None
         self.rt.graphs.give(b)
         return None if res is None else res.reshape(len(out_rows), -1)
 
+    @property
+    def image_token(self) -> int:
+        """The token id that marks an image tile's place in a token-id prompt (see the class)."""
+        if self._image_token is None:
+            text = self.vision.image_token_text if self.vision is not None else None
+            tid = self.tokenizer.token_id(text) if text else None
+            if tid is None:
+                raise GGMLValueError(f"runner: the vocabulary has no image token {text!r}; pass Runner(..., "
+                                     f"image_token=ID)")
+            self._image_token = int(tid)
+        return self._image_token
+
+    def _with_images(self, prompt, images, what: str, parse_special: bool) -> tuple[list, list]:
+        """A prompt with images: its token ids (image rows as their ids) and same-batch markers."""
+        if self.vision is None:
+            raise GGMLValueError(f"{what}: images given, but this runner has no vision encoder (load the model "
+                                 f"with load_model(path, mmproj=...) or pass Runner(..., vision=...))")
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
+        from ggmlpy.vision.preprocess import image_prompt, preprocess
+
+        cfg = self.vision.image_config
+        pre = [preprocess(im, cfg) for im in images]
+        if isinstance(prompt, str):
+            n_mark = prompt.count(MEDIA_MARKER)
+            if n_mark != len(pre):
+                raise GGMLValueError(f"{what}: {len(pre)} image(s) but the prompt has {n_mark} {MEDIA_MARKER} "
+                                     f"marker(s)")
+            parts = prompt.split(MEDIA_MARKER)
+            text = parts[0] + "".join(image_prompt(p, cfg) + rest for p, rest in zip(pre, parts[1:]))
+            prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special)
+        toks = self._check_tokens(prompt, what)
+        entries = [self.images.add(p.pixel_values) for p in pre]
+        rows = self.vision.config.tokens_per_image
+        out, sb = place_images(toks.tolist(), entries, self.image_token, rows, what)
+        if rows > self.n_ubatch:
+            raise GGMLValueError(f"{what}: an image tile of {rows} tokens exceeds n_ubatch {self.n_ubatch}")
+        return out, sb
+
+    def _encode(self, entry) -> None:
+        """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""
+        g = self.vision.build(len(entry.tiles))
+        try:
+            self.rt.run(g.graph, lambda: g.set_inputs(entry.tiles))
+            out = np.asarray(g.output.get(), dtype=np.float32)
+        finally:
+            g.free()
+        self.images.set_embd(entry, out.reshape(entry.n_rows, self.vision.config.n_embd_text))
+
     def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
-               embeddings: bool = False) -> Optional[np.ndarray]:
+               embeddings: bool = False, images: Sequence = ()) -> Optional[np.ndarray]:
         """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
 
         Positions continue from what the cache holds for ``seq`` unless
@@ -405,11 +517,19 @@ class Runner:
         self._check_open("decode")
         seq = self._check_seq_id(seq, "decode")
         one_row = type(logits) is str and logits in ("last", "all")
-        if positions is None and (one_row or logits is None or logits is False):
-            tok = self._one_token(tokens)
-            if tok is not None:             # one generation step: scalars instead of arrays
-                return self._decode_one(tok, seq, logits is not None and logits is not False, bool(embeddings))
-        toks = self._check_tokens(tokens, "decode")
+        tied = None
+        if images is not None and len(images):
+            toks_l, sb = self._with_images(tokens, images, "decode", True)
+            toks = np.asarray(toks_l, np.int64)
+            tied = np.zeros(len(toks), bool)
+            for i, k in enumerate(sb):
+                tied[i + 1:i + 1 + k] = True
+        else:
+            if positions is None and (one_row or logits is None or logits is False):
+                tok = self._one_token(tokens)
+                if tok is not None:             # one generation step: scalars instead of arrays
+                    return self._decode_one(tok, seq, logits is not None and logits is not False, bool(embeddings))
+            toks = self._check_tokens(tokens, "decode")
         n = len(toks)
         if n == 0:
             raise GGMLValueError("decode: empty batch")
@@ -437,7 +557,8 @@ class Runner:
             if pos.min() < 0 or pos.max() >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want), [seq],
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want, tied),
+                                    [seq],
                                     embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
                                     if positions is None else None)
 
@@ -663,7 +784,7 @@ class Runner:
                sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
                shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
                normalize: bool = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
-               detokenize: Optional[bool] = None) -> Handle:
+               detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
         Parameters
@@ -701,6 +822,13 @@ class Runner:
             the prompt is a str or a stop string is given; True for a token-id prompt too. A request
             that produces text needs :attr:`tokenizer`; one that does not behaves exactly as before
             text existed (``text`` None, only the model's EOS ids stop it).
+        images : images for a runner with a vision encoder (PIL images, ``uint8`` arrays ``(H, W, 3)``,
+            paths or encoded bytes; see :func:`ggmlpy.vision.preprocess.load_image`), in prompt order.
+            A str prompt marks each image's place with :data:`MEDIA_MARKER` (``<__media__>``), which
+            becomes the text the model's processor writes for it (Gemma 3: ``<start_of_image>``, the
+            image tokens, ``<end_of_image>``); a token-id prompt holds a run of :attr:`image_token`
+            per image tile, as the processor's ``input_ids``. Each tile's embeddings replace its run,
+            in one micro-batch (never split, nor cut by truncation or a shift).
 
         Raises
         ------
@@ -727,9 +855,16 @@ class Runner:
         tok = None
         if isinstance(prompt, str) or detokenize:
             tok = self.tokenizer
-        if isinstance(prompt, str):
-            prompt = encode_prompt(tok, prompt, parse_special=parse_special)
-        toks = self._check_tokens(prompt, "submit")
+        if images is not None and len(images):
+            toks_l, sb = self._with_images(prompt, images, "submit", parse_special)
+            if same_batch is not None:
+                raise GGMLValueError("submit: same_batch and images together; the images set the groups")
+            toks = np.asarray(toks_l, np.int64)
+        else:
+            if isinstance(prompt, str):
+                prompt = encode_prompt(tok, prompt, parse_special=parse_special)
+            toks = self._check_tokens(prompt, "submit")
+            sb = None if same_batch is None else [int(x) for x in same_batch]
         if toks.size == 0:
             raise GGMLValueError("submit: empty prompt")
         if pooling not in ("mean", "cls", "last"):
@@ -740,10 +875,9 @@ class Runner:
                                  f"full) (got {max_tokens})")
         params = sampling if sampling is not None else SamplingParams()
         toks_l = toks.tolist()
-        if same_batch is None:
+        if sb is None:
             sb = [0] * len(toks_l)
         else:
-            sb = [int(x) for x in same_batch]
             try:
                 longest = max(group_sizes(sb, len(toks_l)))
             except GGMLError as e:

@@ -1,0 +1,16 @@
+"""Images in: preprocessing as the models' Hugging Face processors do it (:mod:`~ggmlpy.vision.preprocess`)
+and the vision encoders of mmproj GGUF files (:mod:`~ggmlpy.vision.encoder`)."""
+
+from .encoder import PROJECTORS, VisionConfig, VisionModel, load_mmproj
+from .preprocess import (
+    ImageConfig,
+    PreprocessedImage,
+    gemma3_image_prompt,
+    idefics3_image_prompt,
+    image_prompt,
+    load_image,
+    preprocess,
+)
+
+__all__ = ["PROJECTORS", "ImageConfig", "PreprocessedImage", "VisionConfig", "VisionModel", "gemma3_image_prompt",
+           "idefics3_image_prompt", "image_prompt", "load_image", "load_mmproj", "preprocess"]

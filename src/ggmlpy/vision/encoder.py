@@ -1,0 +1,490 @@
+"""Vision encoders from the ``mmproj`` GGUF files llama.cpp's converter writes (``convert_hf_to_gguf.py
+--mmproj``): a SigLIP vision transformer and the projector that turns its patches into text embeddings.
+
+Two projector families, as llama.cpp's ``clip.cpp`` builds them (read for facts; this is our own code):
+
+* ``gemma3`` (Gemma 3): the patch grid is average-pooled by ``clip.vision.projector.scale_factor``
+  (default 4: 64 x 64 patches to 16 x 16 tokens), RMS-normalised (``mm.soft_emb_norm``, stored as
+  ``1 + w``) and projected (``mm.input_projection``, stored transposed: ``ne = (n_embd_text,
+  n_embd)``). In the text model the image's tokens attend to each other both ways.
+* ``idefics3`` (Idefics3, SmolVLM): the patch grid is pixel-shuffled by the scale factor (each
+  ``s x s`` block of patches becomes one token of ``s * s`` times the width) and projected
+  (``mm.model.fc``, no bias). The image's tokens are causal, as any text.
+
+The transformer (SigLIP, both): a patch embedding convolution with bias, learned position embeddings,
+``block_count`` pre-norm layers (LayerNorm with bias, multi-head attention with biases, an MLP with
+GELU (tanh approximation, in F32)), a final LayerNorm (``v.post_ln``).
+
+:class:`VisionModel` reads the file, places and loads the weights (as a text model does: allocation
+first, so a memory report exists before any data is read), and builds the encoder graph for a batch of
+preprocessed images (:mod:`ggmlpy.vision.preprocess`). :meth:`VisionModel.encode` runs it alone;
+the runner runs it through its own scheduler instead, so the worst-case reservation covers it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ggmlpy._core import Context, GGMLValueError, PoolOp, Tensor, Type
+from ggmlpy.backend import Placement, Runtime, Weights
+from ggmlpy.gguf import GGUFError, GGUFReader, MetadataError
+
+from ..models.decoder import MetaReader, MissingTensor, WeightLoader
+from .preprocess import ImageConfig
+
+__all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
+
+#: projector types (``clip.projector_type``) this module builds
+PROJECTORS = ("gemma3", "idefics3")
+#: the scale factor a file without ``clip.vision.projector.scale_factor`` means (llama.cpp's defaults)
+_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2}
+#: the token text the HF processors write for each image position
+_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>"}
+#: gemma3's projection, which the file stores as ``ne = (n_embd_text, n_embd)``
+_PROJ_T = "mm.input_projection.weight"
+#: graph nodes per encoder layer (with headroom)
+_NODES_PER_LAYER = 64
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """Hyperparameters of an mmproj file (``clip.*`` metadata).
+
+    Attributes
+    ----------
+    projector : str
+        ``clip.projector_type``: one of :data:`PROJECTORS`.
+    image_size, patch_size : int
+        Side of the (square) image the encoder takes, and of a patch, in pixels.
+    n_embd, n_ff, n_layer, n_head : int
+        The transformer's width, MLP width, layers and attention heads.
+    eps : float
+        LayerNorm epsilon (also the gemma3 projector's RMSNorm epsilon).
+    n_embd_text : int
+        Width of the projected embeddings: the text model's ``n_embd`` (``clip.vision.projection_dim``).
+    image_mean, image_std : tuple of float
+        Per-channel normalisation of the pixels (after scaling to [0, 1]).
+    scale_factor : int
+        gemma3: the pooling kernel; idefics3: the pixel-shuffle factor.
+    preproc_image_size : int or None
+        idefics3: the longest edge images are resized to before they are cut into tiles.
+    """
+
+    projector: str
+    image_size: int
+    patch_size: int
+    n_embd: int
+    n_ff: int
+    n_layer: int
+    n_head: int
+    eps: float
+    n_embd_text: int
+    image_mean: tuple
+    image_std: tuple
+    scale_factor: int
+    preproc_image_size: Optional[int] = None
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def n_patches(self) -> int:
+        return self.patches_per_side ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Text positions one encoded image (one tile for idefics3) takes."""
+        return self.n_patches // self.scale_factor ** 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_metadata(cls, md: dict, path: str = "") -> VisionConfig:
+        """Read and check the hyperparameters (each error names the key and the file)."""
+        m = MetaReader(md, "clip", path)
+        if md.get("general.architecture") != "clip":
+            raise MetadataError(path, "general.architecture", f"{md.get('general.architecture')!r}: not an mmproj "
+                                                              f"file (expected 'clip')")
+        if not md.get("clip.has_vision_encoder", False):
+            raise MetadataError(path, "clip.has_vision_encoder", "the file has no vision encoder (audio-only "
+                                                                 "projectors are not supported)")
+        proj = m.gets("projector_type")
+        if proj not in PROJECTORS:
+            raise MetadataError(path, "clip.projector_type", f"{proj!r} is not supported (supported: "
+                                                             f"{', '.join(PROJECTORS)})")
+        d: dict[str, Any] = {"projector": proj}
+        d["image_size"] = m.geti("vision.image_size", lo=1, hi=1 << 14)
+        d["patch_size"] = m.geti("vision.patch_size", lo=1, hi=d["image_size"])
+        d["n_embd"] = m.geti("vision.embedding_length", lo=1, hi=1 << 16)
+        d["n_ff"] = m.geti("vision.feed_forward_length", lo=1, hi=1 << 18)
+        d["n_layer"] = m.geti("vision.block_count", lo=1, hi=512)
+        d["n_head"] = m.geti("vision.attention.head_count", lo=1, hi=d["n_embd"])
+        d["eps"] = m.getf("vision.attention.layer_norm_epsilon", 1e-6, lo=0.0, hi=1.0)
+        d["n_embd_text"] = m.geti("vision.projection_dim", lo=1, hi=1 << 17)
+        d["scale_factor"] = m.geti("vision.projector.scale_factor", _DEFAULT_SCALE[proj], lo=1, hi=64)
+        pre = md.get("clip.vision.preproc_image_size")
+        d["preproc_image_size"] = None if pre is None else m.geti("vision.preproc_image_size", lo=1, hi=1 << 15)
+        for key, default in (("image_mean", (0.5, 0.5, 0.5)), ("image_std", (0.5, 0.5, 0.5))):
+            v = md.get(f"clip.vision.{key}", default)
+            try:
+                vals = tuple(float(x) for x in v)
+            except (TypeError, ValueError):
+                raise MetadataError(path, f"clip.vision.{key}", f"expected 3 numbers, got {v!r}") from None
+            if len(vals) != 3 or not all(math.isfinite(x) for x in vals) or (key == "image_std" and min(vals) <= 0):
+                raise MetadataError(path, f"clip.vision.{key}", f"expected 3 finite numbers (std > 0), got {vals}")
+            d[key] = vals
+        cfg = cls(**d)
+        bad = []
+        if cfg.image_size % cfg.patch_size:
+            bad.append(f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}")
+        elif cfg.patches_per_side % cfg.scale_factor:
+            bad.append(f"{cfg.patches_per_side} patches per side are not a multiple of the projector's scale "
+                       f"factor {cfg.scale_factor}")
+        if cfg.n_embd % cfg.n_head:
+            bad.append(f"embedding_length {cfg.n_embd} is not a multiple of head_count {cfg.n_head}")
+        if bad:
+            raise MetadataError(path, "clip.vision", "; ".join(bad))
+        return cfg
+
+
+@dataclass
+class EncodedGraph:
+    """An encoder graph for ``n_images`` images and its input/output tensors."""
+
+    ctx: Context
+    graph: Any
+    pixels: Tensor          # F32 ne = (image_size, image_size, 3, n_images): numpy (n, 3, H, W)
+    output: Tensor          # F32 ne = (n_embd_text, tokens_per_image, n_images)
+    n_images: int
+    key: tuple = ()
+
+    def set_inputs(self, pixels: np.ndarray) -> None:
+        self.pixels.set(np.ascontiguousarray(pixels, dtype=np.float32))
+
+    def free(self) -> None:
+        self.ctx.free()
+
+
+class VisionModel(WeightLoader):
+    """A vision encoder and projector from an mmproj GGUF file (see the module docstring).
+
+    Parameters
+    ----------
+    reader : ggmlpy.gguf.GGUFReader
+        The open file.
+    placement : ggmlpy.backend.Placement, optional
+        The text model's placement: the encoder goes where its output layer is (group ``"vision"``).
+        Default: the CPU.
+    report : ggmlpy.backend.MemoryReport, optional
+        Where the weights are recorded (the text model's report, so that one report shows both).
+
+    Attributes
+    ----------
+    config : VisionConfig
+    weights : ggmlpy.backend.Weights
+    size, n_params : int
+        Bytes and number of weight values.
+    """
+
+    def __init__(self, reader, placement: Optional[Placement] = None, report=None) -> None:
+        self.path = str(reader.path)
+        self._reader = reader
+        self.config = cfg = VisionConfig.from_metadata(reader.metadata, self.path)
+        if placement is None:
+            from ggmlpy import _core
+
+            cpu = _core.device("CPU")
+            placement = Placement(layers=[], output=cpu, input=cpu)
+        self.placement = placement
+        self.device = placement.device_of("vision")
+        c = cfg
+        self.image_config = ImageConfig(c.projector, c.image_size, c.patch_size, c.image_mean, c.image_std,
+                                        c.scale_factor, c.preproc_image_size)
+        #: Gemma 3's image tokens attend to each other both ways (transformers' token_type_ids mask)
+        self.bidirectional = c.projector == "gemma3"
+        #: the text of the token a processor writes per image position
+        self.image_token_text = _IMAGE_TOKEN[c.projector]
+        #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image)
+        grid = -(-self.image_config.longest_edge // c.image_size) if c.projector == "idefics3" else 0
+        self.max_tiles = grid * grid + 1 if grid > 1 else 1
+        expected = list(self._expected())
+        self.fused: dict[str, tuple[str, ...]] = {}
+        self.weights = Weights(placement, max_tensors=len(expected) + 4, report=report, repack=False)
+        self.report = self.weights.report
+        try:
+            for name, ne, types in expected:
+                self._check(reader, name, ne, types)
+            for name, ne, _types in expected:
+                if name == _PROJ_T:
+                    # kept transposed, in F32: the product then needs no transpose per graph, and the
+                    # activations are not rounded to F16 as a product with an F16 weight would round them
+                    self.converted = {name: lambda a: np.ascontiguousarray(a.T, dtype=np.float32)}
+                    self.weights.add(name, Type.F32, (ne[1], ne[0]), "vision")
+                else:
+                    self.weights.add(name, reader.tensor_info(name).type, ne, "vision")
+            used = {e[0] for e in expected}
+            unused = [t.name for t in reader.tensors if t.name not in used]
+            if unused:
+                raise GGUFError(f"{self.path}: {len(unused)} tensor(s) of the file are not used by the "
+                                f"{cfg.projector} encoder with these hyperparameters (block_count {cfg.n_layer}): "
+                                f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
+            self.weights.allocate()
+        except BaseException:
+            self.weights.close()
+            raise
+        stored = [t for t, _ in self.weights.tensors.values()]
+        self.n_params = sum(int(np.prod(t.ne)) for t in stored)
+        self.size = sum(t.nbytes for t in stored)
+        self.loaded = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ weights
+
+    def _expected(self):
+        """``(name, ne, types)`` of every tensor the encoder reads (ggml ``ne`` order)."""
+        c = self.config
+        f32 = (Type.F32,)
+        p, e, ff = c.patch_size, c.n_embd, c.n_ff
+        yield "v.patch_embd.weight", (p, p, 3, e), (Type.F32, Type.F16)
+        yield "v.patch_embd.bias", (e,), f32
+        yield "v.position_embd.weight", (e, c.n_patches), (Type.F32, Type.F16)
+        for i in range(c.n_layer):
+            b = f"v.blk.{i}."
+            for x in ("q", "k", "v", "out"):
+                yield f"{b}attn_{x}.weight", (e, e), None
+                yield f"{b}attn_{x}.bias", (e,), f32
+            for x in ("ln1", "ln2"):
+                yield f"{b}{x}.weight", (e,), f32
+                yield f"{b}{x}.bias", (e,), f32
+            yield f"{b}ffn_up.weight", (e, ff), None
+            yield f"{b}ffn_up.bias", (ff,), f32
+            yield f"{b}ffn_down.weight", (ff, e), None
+            yield f"{b}ffn_down.bias", (e,), f32
+        yield "v.post_ln.weight", (e,), f32
+        yield "v.post_ln.bias", (e,), f32
+        if c.projector == "gemma3":
+            yield "mm.soft_emb_norm.weight", (e,), f32
+            yield "mm.input_projection.weight", (c.n_embd_text, e), (Type.F32, Type.F16, Type.BF16)
+        else:
+            yield "mm.model.fc.weight", (e * c.scale_factor ** 2, c.n_embd_text), None
+
+    def _check(self, reader, name: str, ne: tuple, types) -> None:
+        if name not in reader:
+            raise MissingTensor(f"{self.path}: tensor {name!r} is missing (the {self.config.projector} encoder "
+                                f"needs it)")
+        info = reader.tensor_info(name)
+        got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
+        if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
+            raise MissingTensor(f"{self.path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
+        if info.type in (Type.I8, Type.I16, Type.I32, Type.I64) or (types is not None and info.type not in types):
+            want = "float or quantized" if types is None else "/".join(t.name for t in types)
+            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected {want}")
+
+    # ------------------------------------------------------------------ graph
+
+    def graph_size(self, n_images: int = 1) -> int:
+        return _NODES_PER_LAYER * self.config.n_layer + 64
+
+    def build(self, n_images: int = 1) -> EncodedGraph:
+        """The encoder graph for ``n_images`` preprocessed images (unallocated; compute it through a
+        :class:`~ggmlpy.backend.Runtime`, then read :attr:`EncodedGraph.output`)."""
+        c = self.config
+        n = int(n_images)
+        if n < 1:
+            raise GGMLValueError(f"vision build: n_images must be >= 1 (got {n_images})")
+        size = self.graph_size(n)
+        ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
+        try:
+            pixels = ctx.new_tensor(Type.F32, (c.image_size, c.image_size, 3, n), name="inp_pixels").set_input()
+            x = self._transformer(ctx, pixels, n)
+            x = self._project(ctx, x, n)
+            x.set_output()
+            gf = ctx.new_graph(size)
+            gf.build_forward_expand(x)
+        except BaseException:
+            ctx.free()
+            raise
+        return EncodedGraph(ctx, gf, pixels, x, n)
+
+    def _transformer(self, ctx: Context, pixels: Tensor, n: int) -> Tensor:
+        """SigLIP: the patches' final hidden states, ``ne = (n_embd, n_patches, n)``."""
+        c, w = self.config, self.weights
+        e, npatch, hd = c.n_embd, c.n_patches, c.head_dim
+        # the patch convolution as one product over the patches' pixels, unrolled in F32 (ggml's conv_2d
+        # unrolls the image to F16, which moves the features by ~4e-4 of their largest value)
+        kern = w["v.patch_embd.weight"]
+        cols = ctx.im2col(kern, pixels, c.patch_size, c.patch_size, 0, 0, 1, 1, True, Type.F32)  # (3 p p, pw, ph, n)
+        x = ctx.mul_mat(ctx.reshape_2d(kern, 3 * c.patch_size ** 2, e), ctx.reshape_2d(cols, cols.ne[0], npatch * n))
+        x = ctx.reshape_3d(x, e, npatch, n)
+        x = ctx.add(x, w["v.patch_embd.bias"])
+        x = ctx.add(x, w["v.position_embd.weight"])
+        scale = 1.0 / math.sqrt(hd)
+        for i in range(c.n_layer):
+            b = f"v.blk.{i}."
+            cur = _layer_norm(ctx, x, w, b + "ln1", c.eps)
+            q = _linear(ctx, w, b + "attn_q", cur)
+            k = _linear(ctx, w, b + "attn_k", cur)
+            v = _linear(ctx, w, b + "attn_v", cur)
+            q = ctx.permute(ctx.reshape_4d(q, hd, c.n_head, npatch, n), 0, 2, 1, 3)        # (hd, npatch, head, n)
+            k = ctx.permute(ctx.reshape_4d(k, hd, c.n_head, npatch, n), 0, 2, 1, 3)
+            v = ctx.cont(ctx.permute(ctx.reshape_4d(v, hd, c.n_head, npatch, n), 1, 2, 0, 3))  # (npatch, hd, head, n)
+            kq = ctx.soft_max_ext(ctx.mul_mat(k, q), None, scale)                          # (npatch_k, npatch_q, ...)
+            o = ctx.mul_mat(v, kq)                                                         # (hd, npatch, head, n)
+            o = ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), e, npatch, n)
+            x = ctx.add(x, _linear(ctx, w, b + "attn_out", o))
+            cur = _layer_norm(ctx, x, w, b + "ln2", c.eps)
+            cur = _gelu_tanh(ctx, _linear(ctx, w, b + "ffn_up", cur))
+            x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
+        return _layer_norm(ctx, x, w, "v.post_ln", c.eps)
+
+    def _project(self, ctx: Context, x: Tensor, n: int) -> Tensor:
+        """The projector: ``ne = (n_embd_text, tokens_per_image, n)``."""
+        c, w = self.config, self.weights
+        e, side, s = c.n_embd, c.patches_per_side, c.scale_factor
+        if c.projector == "gemma3":
+            # average-pool the patch grid: patches as planes (W, H) per channel
+            x = ctx.cont(ctx.permute(x, 1, 0, 2, 3))                                       # (npatch, e, n)
+            x = ctx.reshape_4d(x, side, side, e, n)
+            x = ctx.pool_2d(x, PoolOp.AVG, s, s, s, s)                                     # (side/s, side/s, e, n)
+            x = ctx.reshape_3d(x, (side // s) ** 2, e, n)
+            x = ctx.cont(ctx.permute(x, 1, 0, 2, 3))                                       # (e, tokens, n)
+            x = ctx.mul(ctx.rms_norm(x, c.eps), w["mm.soft_emb_norm.weight"])
+            return ctx.mul_mat(w[_PROJ_T], x)           # stored transposed at load: ne = (n_embd, n_embd_text)
+        # idefics3: pixel shuffle (numpy (n, H, W, e) -> (n, H/s * W/s, e*s*s)), then the linear projection
+        x = ctx.reshape_4d(x, e * s, side // s, side, n)                                   # (e s, W/s, H, n)
+        x = ctx.cont(ctx.permute(x, 0, 2, 1, 3))                                           # (e s, H, W/s, n)
+        x = ctx.reshape_4d(x, e * s * s, side // s, side // s, n)                          # (e s s, H/s, W/s, n)
+        x = ctx.cont(ctx.permute(x, 0, 2, 1, 3))                                           # (e s s, W/s, H/s, n)
+        x = ctx.reshape_3d(x, e * s * s, (side // s) ** 2, n)
+        return ctx.mul_mat(w["mm.model.fc.weight"], x)
+
+    # ------------------------------------------------------------------ running
+
+    def encode(self, pixels: np.ndarray, runtime: Optional[Runtime] = None) -> np.ndarray:
+        """Encode preprocessed images alone (outside a runner).
+
+        Parameters
+        ----------
+        pixels : float32 array ``(n, 3, image_size, image_size)`` (or one image ``(3, H, W)``)
+        runtime : a Runtime over this model's device (default: a new one for this call)
+
+        Returns
+        -------
+        numpy.ndarray
+            float32 ``(n, tokens_per_image, n_embd_text)``.
+        """
+        pixels = self.check_pixels(pixels)
+        n = pixels.shape[0]
+        own = runtime is None
+        rt = Runtime([self.device], graph_size=2 * self.graph_size(n)) if own else runtime
+        try:
+            g = self.build(n)
+            try:
+                rt.run(g.graph, lambda: g.set_inputs(pixels))
+                out = g.output.get()
+            finally:
+                g.free()
+        finally:
+            if own:
+                rt.close()
+        return np.asarray(out, dtype=np.float32).reshape(n, self.config.tokens_per_image, self.config.n_embd_text)
+
+    def check_pixels(self, pixels) -> np.ndarray:
+        """``pixels`` as float32 ``(n, 3, S, S)``, or a clear error naming the shape expected."""
+        c = self.config
+        a = np.asarray(pixels)
+        if a.ndim == 3:
+            a = a[None]
+        want = (3, c.image_size, c.image_size)
+        if a.ndim != 4 or a.shape[1:] != want or a.shape[0] < 1:
+            raise GGMLValueError(f"vision encode: pixels of shape {np.shape(pixels)}; expected (n, {want[0]}, "
+                                 f"{want[1]}, {want[2]}) (preprocess the images with ggmlpy.vision.preprocess)")
+        if a.dtype.kind != "f":
+            raise GGMLValueError(f"vision encode: pixels of dtype {a.dtype}; expected float32 (normalised values)")
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if not np.isfinite(a).all():
+            raise GGMLValueError("vision encode: pixels hold NaN or inf")
+        return a
+
+    def close(self) -> None:
+        """Free the weights (and close the file reader)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.weights.close()
+        close = getattr(self._reader, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> VisionModel:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"VisionModel({c.projector!r}, image {c.image_size}px / patch {c.patch_size}, n_layer={c.n_layer}, "
+                f"n_embd={c.n_embd} -> {c.n_embd_text}, {c.tokens_per_image} tokens per image, on {self.device.name})")
+
+
+def _linear(ctx: Context, w, name: str, x: Tensor) -> Tensor:
+    return ctx.add(ctx.mul_mat(w[name + ".weight"], x), w[name + ".bias"])
+
+
+def _gelu_tanh(ctx: Context, x: Tensor) -> Tensor:
+    """GELU, tanh approximation, in F32 throughout: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    ggml's own GELU reads an F16 lookup table on the CPU, which moves the image features by ~5e-4 of
+    their largest value (llama.cpp's figure too); these six element-wise ops cost ~1% of the encoder.
+    """
+    inner = ctx.add(x, ctx.scale(ctx.mul(ctx.sqr(x), x), 0.044715))
+    return ctx.mul(x, ctx.scale_bias(ctx.tanh(ctx.scale(inner, math.sqrt(2.0 / math.pi))), 0.5, 0.5))
+
+
+def _layer_norm(ctx: Context, x: Tensor, w, name: str, eps: float) -> Tensor:
+    return ctx.add(ctx.mul(ctx.norm(x, eps), w[name + ".weight"]), w[name + ".bias"])
+
+
+def load_mmproj(path: str | os.PathLike, placement: Optional[Placement] = None, report=None,
+                progress: Optional[Callable[[int, int], None]] = None, load: bool = True,
+                check_tensors: bool = False) -> VisionModel:
+    """Open an mmproj GGUF file, place and allocate its weights, and load them.
+
+    Parameters
+    ----------
+    path : the mmproj file (``convert_hf_to_gguf.py --mmproj``)
+    placement : the text model's placement (the encoder goes to its output device); default the CPU
+    report : a MemoryReport to record the weights in (the text model's)
+    progress, load, check_tensors : as :func:`ggmlpy.models.load_model`
+
+    Raises
+    ------
+    FileNotFoundError, ggmlpy.gguf.GGUFError, ggmlpy.gguf.MetadataError
+        No file, not a GGUF file, not an mmproj file, an unsupported projector, a bad hyperparameter.
+    MissingTensor
+        A tensor missing or of the wrong shape or type.
+    GGMLMemoryError
+        No room for the weights.
+    """
+    reader = GGUFReader(path)
+    try:
+        model = VisionModel(reader, placement, report)
+    except BaseException:
+        reader.close()
+        raise
+    if load:
+        try:
+            model.load(progress, check_tensors=check_tensors)
+        except BaseException:
+            model.close()
+            raise
+    return model

@@ -1,0 +1,212 @@
+"""Images in: the vision encoders (mmproj files written by llama.cpp's converter) and image prompts in the
+runner, against transformers on tiny random-weight models (tests/vision_helpers.py).
+
+Measured (max |got - ref| / max |ref|):
+
+=========  ==================  ========================  ==========================================
+family     image features      logits, default           logits, GELU from exact ops
+=========  ==================  ========================  ==========================================
+gemma3     3.5e-7              4.8e-4 (text GELU table)  ~1e-6
+idefics3   4.0e-7              8.2e-7                    (no GELU in the text model)
+=========  ==================  ========================  ==========================================
+
+The encoder computes its GELU from exact F32 ops and unrolls the patch convolution in F32 (ggml's own
+GELU reads an F16 table and its conv_2d unrolls to F16: ~4e-4 each, llama.cpp's figure). The gemma3 text
+model's GeGLU still uses ggml's GELU, as in test_arch_gemma.py, which also shows the exact-op figure.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+vh = pytest.importorskip("vision_helpers")
+
+from test_arch_gemma import _exact_geglu, _exact_geglu_fused  # noqa: E402
+
+from ggmlpy._core import GGMLTypeError, GGMLValueError  # noqa: E402
+from ggmlpy.models import blocks, load_model  # noqa: E402
+from ggmlpy.runner import Runner  # noqa: E402
+from ggmlpy.vision import load_mmproj  # noqa: E402
+from ggmlpy.vision.preprocess import preprocess  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+TOL = 1e-5
+#: gemma3's text GeGLU with ggml's GELU (test_arch_gemma.py's tolerance)
+TOL_GEMMA_GELU = 2e-3
+FAMILIES = ("gemma3", "idefics3")
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory):
+    return {f: vh.make(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
+
+
+def _err(got, ref) -> float:
+    got, ref = np.asarray(got, np.float64), np.asarray(ref, np.float64)
+    return float((np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)).max())
+
+
+def _runner(fx, **kw):
+    kw = {"n_ctx": 256, "type_k": "f32", "type_v": "f32", **kw}
+    model = load_model(fx.text_path, mmproj=fx.mmproj_path)
+    try:
+        return model, Runner(model, **kw)
+    except BaseException:
+        model.close()
+        raise
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_features_and_pixels_match_hf(fixtures, family):
+    """The preprocessing gives the HF processor's pixel values and the encoder its image features."""
+    fx = fixtures[family]
+    img = vh.sample_image(100, 70, seed=3)
+    ref_px = vh.pixel_values(fx, [img])
+    with load_mmproj(fx.mmproj_path) as vm:
+        px = preprocess(img, vm.image_config).pixel_values
+        assert px.shape == ref_px.shape
+        assert np.abs(px - ref_px).max() < 1e-6
+        got = vm.encode(px)
+    ref = vh.image_features(fx, ref_px)
+    assert got.shape == ref.shape == (len(px), fx.tokens_per_image, fx.n_embd_text)
+    assert _err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_hf(fixtures, family, monkeypatch):
+    """A prompt with text before and after an image, in one batch: every position's logits as transformers'
+    (gemma3: its image tokens attend both ways, via token_type_ids), the ids of a text prompt with a
+    marker as the HF processor's; then token by token after it."""
+    fx = fixtures[family]
+    img = vh.sample_image(90, 120, seed=5)
+    inp = vh.hf_inputs(fx, ["Describe", img, "this please"])
+    ids = [int(t) for t in inp["input_ids"]]
+    ref = vh.logits(fx, ids, inp["pixel_values"])
+    tol = TOL
+    if family == "gemma3":
+        monkeypatch.setitem(blocks.GLU, "gelu", (_exact_geglu_fused, _exact_geglu))
+    model, rt = _runner(fx)
+    with model, rt:
+        got = rt.decode(ids, logits="all", images=[img])
+        assert _err(got, ref) < tol
+        # a text prompt: the marker becomes what the processor writes, the same ids
+        text_ids, sb = rt._with_images("Describe<__media__>this please", [img], "test", True)
+        assert [t if t >= 0 else fx.image_token_id for t in text_ids] == ids
+        assert sum(1 for x in sb if x) == len(vh.pixel_values(fx, [img]))
+        # then generation steps, one token at a time, against the whole sequence in transformers
+        nxt = [7, 11, 13]
+        steps = np.concatenate([rt.decode([t]) for t in nxt])
+    ref2 = vh.logits(fx, ids + nxt, inp["pixel_values"])
+    assert _err(steps, ref2[len(ids):]) < tol
+
+
+def test_gemma3_default_gelu_tolerance(fixtures):
+    """With ggml's GELU table in the text model, gemma3 is within the text architecture's tolerance."""
+    fx = fixtures["gemma3"]
+    img = vh.sample_image(64, 64, seed=8)
+    inp = vh.hf_inputs(fx, ["A", img, "B"])
+    ids = [int(t) for t in inp["input_ids"]]
+    model, rt = _runner(fx)
+    with model, rt:
+        got = rt.decode(ids, logits="all", images=[img])
+    assert _err(got, vh.logits(fx, ids, inp["pixel_values"])) < TOL_GEMMA_GELU
+
+
+def test_image_never_split_across_micro_batches(fixtures):
+    """With micro-batches of 20 rows and a 16-row image after a few text rows, the image moves whole to the next
+    micro-batch: the logits are those of one batch (a split image would attend to half of itself)."""
+    fx = fixtures["gemma3"]
+    img = vh.sample_image(64, 64, seed=1)
+    inp = vh.hf_inputs(fx, ["one two", img, "end"])
+    ids = [int(t) for t in inp["input_ids"]]
+    start = ids.index(fx.image_token_id)
+    assert 2 <= start < 20 < start + fx.tokens_per_image
+    model, rt = _runner(fx, n_batch=20, n_ubatch=20)
+    with model, rt:
+        got = rt.decode(ids, logits="all", images=[img])
+    model, rt = _runner(fx)
+    with model, rt:
+        whole = rt.decode(ids, logits="all", images=[img])
+    assert _err(got, whole) < 1e-5
+
+
+def test_generate_reuses_encoding_and_prefix(fixtures):
+    """Two requests with the same image: the image is encoded once, the second request reuses the cached
+    prefix (image included), and both generate transformers' greedy tokens. Another image in the same
+    place is not taken for the first (prefix reuse compares images by content)."""
+    fx = fixtures["gemma3"]
+    img, other = vh.sample_image(64, 64, seed=2), vh.sample_image(64, 64, seed=9)
+    inp = vh.hf_inputs(fx, ["Look", img, "now"])
+    ids = [int(t) for t in inp["input_ids"]]
+    model, rt = _runner(fx)
+    with model, rt:
+        a = rt.generate(ids, images=[img], max_tokens=3)
+        b = rt.generate(ids, images=[img], max_tokens=3)
+        assert rt.images.n_encoded == 1
+        assert b.n_cached >= len(ids) - 1
+        assert a.tokens == b.tokens
+        c = rt.generate(ids, images=[other], max_tokens=3)
+        assert rt.images.n_encoded == 2
+        assert c.n_cached < ids.index(fx.image_token_id) + 1
+        assert rt.rt.reallocations == 0          # the reservation covered the image batches
+    ref = vh.logits(fx, ids, inp["pixel_values"])
+    assert a.tokens[0] == int(np.argmax(ref[-1]))
+
+
+def test_memory_report_has_vision(fixtures):
+    fx = fixtures["idefics3"]
+    model, rt = _runner(fx)
+    with model, rt:
+        dev = rt.memory_report().to_dict()["devices"]["CPU"]
+        assert dev["weights"]["vision"] == model.vision.size
+        assert dev["graph"] > 0
+        assert model.vision.max_tiles == 5          # a 2 x 2 grid and the global image
+
+
+@pytest.mark.parametrize("case", ["more_images", "fewer_images", "short_run", "no_marker", "bad_image", "not_list"])
+def test_bad_image_prompts(fixtures, case):
+    """Clear errors, and the runner goes on serving."""
+    fx = fixtures["gemma3"]
+    img = vh.sample_image(64, 64, seed=4)
+    inp = vh.hf_inputs(fx, ["x", img, "y"])
+    ids = [int(t) for t in inp["input_ids"]]
+    model, rt = _runner(fx)
+    with model, rt:
+        args = {
+            "more_images": (ids, [img, img], GGMLValueError, "placeholder"),
+            "fewer_images": (ids + ids[1:], [img], GGMLValueError, "more image placeholders"),
+            "short_run": ([i for i in ids if i != fx.image_token_id] + [fx.image_token_id] * 3, [img],
+                          GGMLValueError, "exactly 16"),
+            "no_marker": ("no marker here", [img], GGMLValueError, "<__media__>"),
+            "bad_image": (ids, [np.zeros((5, 7, 2), np.uint8)], GGMLValueError, "image"),
+            "not_list": (ids, img.tobytes(), GGMLTypeError, "list"),
+        }[case]
+        prompt, images, err, words = args
+        with pytest.raises(err, match=words):
+            rt.generate(prompt, images=images, max_tokens=1)
+        with pytest.raises(err):
+            rt.decode(prompt, images=images) if not isinstance(prompt, str) else rt.submit(prompt, images=images)
+        assert rt.generate(ids, images=[img], max_tokens=2).done_reason in ("length", "stop")
+
+
+def test_images_need_a_vision_encoder(fixtures):
+    fx = fixtures["gemma3"]
+    with load_model(fx.text_path) as model, Runner(model, n_ctx=64) as rt:
+        with pytest.raises(GGMLValueError, match="no vision encoder"):
+            rt.decode([1, 2, 3], images=[vh.sample_image(8, 8)])
+
+
+def test_mmproj_errors(fixtures, tmp_path):
+    """A text model file given as mmproj, and an mmproj whose projection does not fit the text model."""
+    g, i = fixtures["gemma3"], fixtures["idefics3"]
+    from ggmlpy.gguf import MetadataError
+
+    with pytest.raises(MetadataError, match="clip"):
+        load_mmproj(g.text_path)
+    with load_model(g.text_path) as model, load_mmproj(i.mmproj_path) as vm:
+        assert vm.config.n_embd_text == model.config.n_embd      # same width: this pairing is accepted ...
+    with load_model(i.text_path) as model:
+        assert model.vision is None
