@@ -162,6 +162,8 @@ def test_memory_report_has_vision(fixtures):
     with model, rt:
         dev = rt.memory_report().to_dict()["devices"]["CPU"]
         assert dev["weights"]["vision"] == model.vision.size
+        # the text model's weights are still there: allocating the encoder's into the shared report kept them
+        assert sum(v for k, v in dev["weights"].items() if k != "vision") >= model.size
         assert dev["graph"] > 0
         assert model.vision.max_tiles == 5          # a 2 x 2 grid and the global image
 

@@ -361,6 +361,23 @@ def check_expert_shapes(reader, cfg, path: str, ff_key: str) -> None:
             raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
 
 
+def check_tensor(reader, path: str, needed_by: str, name: str, ne: tuple, types) -> None:
+    """Tensor ``name`` of an open file is there, of shape ``ne`` (trailing 1s aside) and of one of ``types``
+    (None: any float or quantized type); else :class:`MissingTensor` naming it and ``needed_by``."""
+    if name not in reader:
+        raise MissingTensor(f"{path}: tensor {name!r} is missing ({needed_by} needs it)")
+    info = reader.tensor_info(name)
+    got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
+    if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
+        raise MissingTensor(f"{path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
+    if info.type in (Type.I8, Type.I16, Type.I32, Type.I64):
+        # no matrix op takes integer weights; ggml would refuse the graph much later
+        raise MissingTensor(f"{path}: tensor {name!r} is {info.type.name}: weights must be float or quantized")
+    if types is not None and info.type not in types:
+        raise MissingTensor(f"{path}: tensor {name!r} is {info.type.name}, expected "
+                            f"{'/'.join(t.name for t in types)}")
+
+
 class WeightLoader:
     """Reading a model's weights from its GGUF file into the tensors :class:`~ggmlpy.backend.Weights` made.
 
@@ -376,8 +393,25 @@ class WeightLoader:
     _reader: Any
     loaded: bool
     #: weights stored in another form than the file's: name -> f(the file's values as a float array in
-    #: numpy order) -> what to store
-    converted: ClassVar[dict] = {}
+    #: numpy order) -> what to store (read only; a class sets its own)
+    converted: dict = {}
+    _closed: bool = False
+
+    def close(self) -> None:
+        """Free the weights (and close the file reader); safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.weights.close()
+        close = getattr(self._reader, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
              mmap: bool = False) -> None:
@@ -769,19 +803,7 @@ class DecoderModel(WeightLoader):
         return out
 
     def _check(self, reader, name, ne, types) -> None:
-        if name not in reader:
-            raise MissingTensor(f"{self.path}: tensor {name!r} is missing ({self.config.arch} needs it)")
-        info = reader.tensor_info(name)
-        got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
-        if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
-            raise MissingTensor(f"{self.path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
-        if info.type in (Type.I8, Type.I16, Type.I32, Type.I64):
-            # no matrix op takes integer weights; ggml would refuse the graph much later
-            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}: weights must be float or "
-                                f"quantized")
-        if types is not None and info.type not in types:
-            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected "
-                                f"{'/'.join(t.name for t in types)}")
+        check_tensor(reader, self.path, self.config.arch, name, ne, types)
 
     # ------------------------------------------------------------------ graph
 
@@ -921,23 +943,13 @@ class DecoderModel(WeightLoader):
         return tok
 
     def close(self) -> None:
-        """Free the weights (and close the file reader)."""
-        if self._closed:
-            return
-        self._closed = True
-        vision = getattr(self, "vision", None)
-        if vision is not None:
-            vision.close()
-        self.weights.close()
-        close = getattr(self._reader, "close", None)
-        if close is not None:
-            close()
+        """Free the weights, the vision encoder's too (and close the file readers)."""
+        if self.vision is not None:
+            self.vision.close()
+        super().close()
 
     def __enter__(self) -> DecoderModel:
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         c = self.config

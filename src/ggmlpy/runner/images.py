@@ -20,7 +20,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -87,24 +87,29 @@ class ImageStore:
                 e.tiles = tiles                  # kept for a re-encoding after its embeddings were dropped
             return e
 
-    def entry_of(self, token_id: int) -> tuple[ImageEntry, int]:
-        """The entry and row of an image row's token id."""
-        k = FIRST_IMAGE_ID - int(token_id)
+    def locate(self, token_ids) -> tuple[list[ImageEntry], np.ndarray]:
+        """The entry of each image row id and the row within it (one search for all of them).
+
+        Raises
+        ------
+        GGMLValueError
+            An id that is no row of an image this store knows.
+        """
+        k = FIRST_IMAGE_ID - np.asarray(token_ids, np.int64).reshape(-1)
         with self._lock:
-            i = int(np.searchsorted(self._bases, k, side="right")) - 1
-            e = self._entries[i] if i >= 0 else None
-        if e is None or not 0 <= k - e.base < e.n_rows:
-            raise GGMLValueError(f"token id {token_id} is not an image row this runner knows")
-        return e, k - e.base
+            idx = np.searchsorted(np.asarray(self._bases, np.int64), k, side="right") - 1
+            entries = [self._entries[i] if i >= 0 else None for i in idx.tolist()]
+        rows = np.array([kk - e.base if e is not None else -1 for kk, e in zip(k.tolist(), entries)], np.int64)
+        bad = [i for i, (e, r) in enumerate(zip(entries, rows.tolist())) if e is None or not 0 <= r < e.n_rows]
+        if bad:
+            raise GGMLValueError(f"token id {int(np.asarray(token_ids).reshape(-1)[bad[0]])} is not an image row "
+                                 f"this runner knows")
+        return entries, rows
 
     def missing(self, token_ids: np.ndarray) -> list[ImageEntry]:
         """The entries of these image rows whose embeddings are not computed (each once)."""
-        out: list[ImageEntry] = []
-        for t in np.unique(token_ids):
-            e, _ = self.entry_of(int(t))
-            if e.embd is None and e not in out:
-                out.append(e)
-        return out
+        entries, _ = self.locate(token_ids)
+        return list({id(e): e for e in entries if e.embd is None}.values())
 
     def set_embd(self, e: ImageEntry, embd: np.ndarray) -> None:
         """Store an image's embeddings; the least recently used beyond ``keep`` are dropped."""
@@ -119,17 +124,21 @@ class ImageStore:
 
     def rows(self, token_ids: np.ndarray) -> np.ndarray:
         """The embedding rows of image row ids, in order: float32 ``(len(token_ids), n_embd_text)``."""
+        entries, rows = self.locate(token_ids)
         out = []
-        for t in token_ids:
-            e, r = self.entry_of(int(t))
-            embd = e.embd
-            if embd is None:
-                raise GGMLValueError(f"image row {int(t)}: its image is not encoded")
-            out.append(embd[r])
-            with self._lock:
-                if e.key in self._encoded:
-                    self._encoded.move_to_end(e.key)
-        return np.stack(out)
+        a = 0
+        for b in range(1, len(entries) + 1):     # a run of one image's rows is copied at once
+            if b == len(entries) or entries[b] is not entries[a]:
+                e = entries[a]
+                embd = e.embd
+                if embd is None:
+                    raise GGMLValueError(f"image row {int(token_ids[a])}: its image is not encoded")
+                out.append(embd[rows[a:b]])
+                with self._lock:
+                    if e.key in self._encoded:
+                        self._encoded.move_to_end(e.key)
+                a = b
+        return np.concatenate(out)
 
 
 def place_images(tokens: Sequence[int], entries: Sequence[ImageEntry], image_token: int, rows_per_tile: int,
@@ -172,14 +181,14 @@ def place_images(tokens: Sequence[int], entries: Sequence[ImageEntry], image_tok
     return out, sb
 
 
-def chunk_spans(tokens: np.ndarray, rows_per_tile: int, store: Any) -> list[tuple[int, int]]:
+def chunk_spans(tokens: np.ndarray, rows_per_tile: int, store: ImageStore) -> list[tuple[int, int]]:
     """The ``(first_row, end_row)`` of each image chunk in a micro-batch's tokens (for bidirectional attention)."""
-    rows = np.flatnonzero(tokens <= FIRST_IMAGE_ID)
-    spans: list[tuple[int, int]] = []
-    for r in rows:
-        _, row = store.entry_of(int(tokens[r]))
-        if row % rows_per_tile == 0 or not spans or spans[-1][1] != r:
-            spans.append((int(r), int(r) + 1))
-        else:
-            spans[-1] = (spans[-1][0], int(r) + 1)
-    return spans
+    at = np.flatnonzero(tokens <= FIRST_IMAGE_ID)
+    if at.size == 0:
+        return []
+    _, rows = store.locate(tokens[at])
+    # a chunk starts at a tile's first row, or where the image rows are not consecutive in the batch
+    start = (rows % rows_per_tile == 0) | np.r_[True, np.diff(at) != 1]
+    first = at[start]
+    last = np.r_[at[np.flatnonzero(start)[1:] - 1], at[-1]] + 1
+    return list(zip(first.tolist(), last.tolist()))

@@ -281,7 +281,7 @@ class Runner:
                 f"n_ubatch\n{self.report}", self.report)
 
     def _check_vision(self, vision) -> None:
-        vc = self.vision.config
+        vc = vision.config
         if not getattr(self.model, "EMBD_INPUT", False):
             raise GGMLValueError(f"runner: {self.model.config.arch} models take no image embeddings")
         if vc.n_embd_text != self.model.config.n_embd:
@@ -469,11 +469,8 @@ class Runner:
             prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special)
         toks = self._check_tokens(prompt, what)
         entries = [self.images.add(p.pixel_values) for p in pre]
-        rows = self.vision.config.tokens_per_image
-        out, sb = place_images(toks.tolist(), entries, self.image_token, rows, what)
-        if rows > self.n_ubatch:
-            raise GGMLValueError(f"{what}: an image tile of {rows} tokens exceeds n_ubatch {self.n_ubatch}")
-        return out, sb
+        return place_images(toks.tolist(), entries, self.image_token, self.vision.config.tokens_per_image,
+                            what)
 
     def _encode(self, entry) -> None:
         """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""

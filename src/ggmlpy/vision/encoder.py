@@ -34,7 +34,7 @@ from ggmlpy._core import Context, GGMLValueError, PoolOp, Tensor, Type
 from ggmlpy.backend import Placement, Runtime, Weights
 from ggmlpy.gguf import GGUFError, GGUFReader, MetadataError
 
-from ..models.decoder import MetaReader, MissingTensor, WeightLoader
+from ..models.decoder import MetaReader, WeightLoader, check_tensor
 from .preprocess import ImageConfig
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
@@ -221,7 +221,7 @@ class VisionModel(WeightLoader):
         self.report = self.weights.report
         try:
             for name, ne, types in expected:
-                self._check(reader, name, ne, types)
+                check_tensor(reader, self.path, f"the {cfg.projector} encoder", name, ne, types)
             for name, ne, _types in expected:
                 if name == _PROJ_T:
                     # kept transposed, in F32: the product then needs no transpose per graph, and the
@@ -244,7 +244,6 @@ class VisionModel(WeightLoader):
         self.n_params = sum(int(np.prod(t.ne)) for t in stored)
         self.size = sum(t.nbytes for t in stored)
         self.loaded = False
-        self._closed = False
 
     # ------------------------------------------------------------------ weights
 
@@ -276,21 +275,9 @@ class VisionModel(WeightLoader):
         else:
             yield "mm.model.fc.weight", (e * c.scale_factor ** 2, c.n_embd_text), None
 
-    def _check(self, reader, name: str, ne: tuple, types) -> None:
-        if name not in reader:
-            raise MissingTensor(f"{self.path}: tensor {name!r} is missing (the {self.config.projector} encoder "
-                                f"needs it)")
-        info = reader.tensor_info(name)
-        got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
-        if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
-            raise MissingTensor(f"{self.path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
-        if info.type in (Type.I8, Type.I16, Type.I32, Type.I64) or (types is not None and info.type not in types):
-            want = "float or quantized" if types is None else "/".join(t.name for t in types)
-            raise MissingTensor(f"{self.path}: tensor {name!r} is {info.type.name}, expected {want}")
-
     # ------------------------------------------------------------------ graph
 
-    def graph_size(self, n_images: int = 1) -> int:
+    def graph_size(self) -> int:
         return _NODES_PER_LAYER * self.config.n_layer + 64
 
     def build(self, n_images: int = 1) -> EncodedGraph:
@@ -300,7 +287,7 @@ class VisionModel(WeightLoader):
         n = int(n_images)
         if n < 1:
             raise GGMLValueError(f"vision build: n_images must be >= 1 (got {n_images})")
-        size = self.graph_size(n)
+        size = self.graph_size()
         ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
         try:
             pixels = ctx.new_tensor(Type.F32, (c.image_size, c.image_size, 3, n), name="inp_pixels").set_input()
@@ -384,7 +371,7 @@ class VisionModel(WeightLoader):
         pixels = self.check_pixels(pixels)
         n = pixels.shape[0]
         own = runtime is None
-        rt = Runtime([self.device], graph_size=2 * self.graph_size(n)) if own else runtime
+        rt = Runtime([self.device], graph_size=2 * self.graph_size()) if own else runtime
         try:
             g = self.build(n)
             try:
@@ -413,22 +400,6 @@ class VisionModel(WeightLoader):
         if not np.isfinite(a).all():
             raise GGMLValueError("vision encode: pixels hold NaN or inf")
         return a
-
-    def close(self) -> None:
-        """Free the weights (and close the file reader)."""
-        if self._closed:
-            return
-        self._closed = True
-        self.weights.close()
-        close = getattr(self._reader, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self) -> VisionModel:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         c = self.config
