@@ -17,6 +17,9 @@ model's GeGLU still uses ggml's GELU, as in test_arch_gemma.py, which also shows
 
 from __future__ import annotations
 
+import base64
+import io
+
 import numpy as np
 import pytest
 
@@ -34,6 +37,9 @@ from ggmlpy.vision.preprocess import preprocess  # noqa: E402
 pytestmark = pytest.mark.hf
 
 TOL = 1e-5
+#: image features from mmproj files the converter wrote with --outtype f16 / q8_0 (measured 6.5e-4 and
+#: 5.2e-4 for f16, 7.8e-3 and 1.5e-2 for q8_0, gemma3 and idefics3; the test_arch_* figures for weights)
+QUANT_TOL = {"f16": 3e-3, "q8_0": 3e-2}
 #: gemma3's text GeGLU with ggml's GELU (test_arch_gemma.py's tolerance)
 TOL_GEMMA_GELU = 2e-3
 FAMILIES = ("gemma3", "idefics3")
@@ -73,6 +79,26 @@ def test_features_and_pixels_match_hf(fixtures, family):
     ref = vh.image_features(fx, ref_px)
     assert got.shape == ref.shape == (len(px), fx.tokens_per_image, fx.n_embd_text)
     assert _err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("outtype", list(QUANT_TOL))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_mmproj_features(fixtures, family, outtype, tmp_path):
+    """mmproj files converted with --outtype f16 / q8_0 (the converter keeps norms, biases and tensors
+    whose rows are not a multiple of the block in F32/F16): the features within the per-type tolerance of
+    transformers' F32 ones."""
+    from ggmlpy.gguf import GGUFReader
+
+    fx = fixtures[family]
+    _, mmproj = vh.convert_dir(fx.hf_dir, tmp_path, outtype=outtype)
+    with GGUFReader(mmproj) as r:
+        types = {t.type.name for t in r.tensors}
+    assert outtype.upper() in types
+    img = vh.sample_image(100, 70, seed=3)
+    px = vh.pixel_values(fx, [img])
+    with load_mmproj(mmproj) as vm:
+        got = vm.encode(px)
+    assert _err(got, vh.image_features(fx, px)) < QUANT_TOL[outtype]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -166,6 +192,17 @@ def test_memory_report_has_vision(fixtures):
         assert sum(v for k, v in dev["weights"].items() if k != "vision") >= model.size
         assert dev["graph"] > 0
         assert model.vision.max_tiles == 5          # a 2 x 2 grid and the global image
+        # the largest image batch was reserved: what its graph needs, as measured on its own
+        g = model.vision.build(model.vision.max_tiles)
+        try:
+            need = rt.rt.sched.reserve_size(g.graph)["CPU"]
+        finally:
+            g.free()
+        assert dev["graphs"]["vision"] == need > 0
+        assert dev["graph"] >= max(dev["graphs"].values())
+        text = str(rt.memory_report())
+        assert "vision encoder [MiB]" in text
+        assert f"{model.vision.size / 2**20:.2f}" in text.split("vision encoder")[1]
 
 
 @pytest.mark.parametrize("case", ["more_images", "fewer_images", "short_run", "no_marker", "bad_image", "not_list"])
@@ -212,3 +249,115 @@ def test_mmproj_errors(fixtures):
         load_model(g.text_path, mmproj=g.text_path)
     with load_model(g.text_path) as model:
         assert model.vision is None
+
+
+#: chat templates written for the tests (the fixtures' files have none): what the families' published
+#: templates write for an image part, ``{"type": "image"}``
+CHAT_TEMPLATES = {
+    "gemma3": ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+               "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+               "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+               "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}"
+               "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+    "idefics3": ("{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}:"
+                 "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+                 "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+                 "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"),
+}
+
+
+def _chat_messages(*images) -> list:
+    """A user turn with text around two images (parts given as the caller wants them)."""
+    a, b = images
+    return [{"role": "user", "content": [{"type": "text", "text": "Look at "}, a, {"type": "text", "text": " and "},
+                                         b, {"type": "text", "text": ", what changed?"}]}]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_with_images_matches_hf(fixtures, family, tmp_path, monkeypatch):
+    """Chat messages with image parts: the prompt ids are those of the HF processor's apply_chat_template
+    (each image's placeholder expanded as the processor expands it), whatever form the parts take; the
+    reply's first token is transformers' greedy token; a follow-up turn reuses the prompt and both images."""
+    from PIL import Image
+
+    fx = fixtures[family]
+    template = CHAT_TEMPLATES[family]
+    a, b = vh.sample_image(100, 70, seed=3), vh.sample_image(60, 90, seed=4)
+    hf_msgs = _chat_messages({"type": "image", "image": Image.fromarray(a)},
+                             {"type": "image", "image": Image.fromarray(b)})
+    out = fx.processor.apply_chat_template(hf_msgs, chat_template=template, add_generation_prompt=True,
+                                           tokenize=True, return_dict=True, return_tensors="np")
+    ref_ids = [int(t) for t in out["input_ids"][0]]
+    assert ref_ids.count(fx.image_token_id) >= 2 * fx.tokens_per_image
+    path = tmp_path / "b.png"
+    Image.fromarray(b).save(path)
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    forms = [hf_msgs,
+             _chat_messages({"type": "image", "image": a}, {"type": "image", "path": str(path)}),
+             _chat_messages({"type": "image_url", "image_url": {"url": url}}, {"type": "image", "url": path.as_uri()})]
+    if family == "gemma3":
+        monkeypatch.setitem(blocks.GLU, "gelu", (_exact_geglu_fused, _exact_geglu))
+    model, rt = _runner(fx, n_ctx=512)
+    with model, rt:
+        for msgs in forms:
+            assert rt.chat_prompt(msgs, template=template) == ref_ids
+        first = rt.chat(forms[2], template=template, max_tokens=1)       # greedy (the default sampling)
+        assert first.prompt_eval_count + first.n_cached == len(ref_ids)
+        assert rt.images.n_encoded == 2
+        follow = forms[0] + [{"role": "assistant", "content": first.text},
+                             {"role": "user", "content": [{"type": "text", "text": "And now?"}]}]
+        second = rt.chat(follow, template=template, max_tokens=1)
+        assert rt.images.n_encoded == 2                      # both images were reused, not encoded again
+        assert second.n_cached >= len(ref_ids) - 1
+    ref = vh.logits(fx, ref_ids, vh.pixel_values(fx, [a, b]))
+    assert first.tokens[0] == int(np.argmax(ref[-1]))
+
+
+def test_chat_image_errors(fixtures):
+    """Bad image parts and templates that drop them: clear errors, and the runner goes on serving."""
+    fx = fixtures["idefics3"]
+    template = CHAT_TEMPLATES["idefics3"]
+    img = vh.sample_image(64, 64, seed=6)
+    good = _chat_messages({"type": "image", "image": img}, {"type": "image", "image": img})
+    text_only = "{% for m in messages %}{{ m['content'][0]['text'] }}{% endfor %}"
+    model, rt = _runner(fx, n_ctx=512)
+    with model, rt:
+        with pytest.raises(GGMLValueError, match="wrote 0 '<image>'"):
+            rt.chat(good, template=text_only, max_tokens=1)
+        with pytest.raises(GGMLValueError, match="without an image"):
+            rt.chat(_chat_messages({"type": "image"}, {"type": "image", "image": img}), template=template)
+        with pytest.raises(GGMLValueError, match="both in the messages"):
+            rt.submit_chat(good, template=template, images=[img])
+        with pytest.raises(GGMLValueError, match="image"):
+            rt.chat(_chat_messages({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                   {"type": "image", "image": img}), template=template)
+        assert rt.chat(good, template=template, max_tokens=2).done_reason in ("length", "stop")
+    with load_model(fx.text_path) as model, Runner(model, n_ctx=512) as rt:
+        with pytest.raises(GGMLValueError, match="no vision encoder"):
+            rt.chat_prompt(good, template=template)
+
+
+def test_no_image_exceeds_the_reservation(fixtures):
+    """The reservation holds the largest image: any size or shape the processor takes stays within
+    max_tiles (idefics3 resizes to its longest edge), and runs with no reallocation; a preprocessed image
+    of more tiles, or of another tile size, is refused before anything runs."""
+    from ggmlpy.vision.preprocess import PreprocessedImage
+
+    fx = fixtures["idefics3"]
+    model, rt = _runner(fx, n_ctx=512)
+    with model, rt:
+        cap = model.vision.max_tiles
+        for h, w in ((900, 1500), (4000, 3), (3, 4000), (1, 1), (129, 127)):
+            pre = preprocess(vh.sample_image(h, w, seed=h), model.vision.image_config)
+            assert len(pre.pixel_values) <= cap
+            assert rt.generate("a <__media__> b", images=[pre], max_tokens=1).done_reason in ("length", "stop")
+        assert rt.rt.reallocations == 0
+        tile = pre.pixel_values[0]
+        with pytest.raises(GGMLValueError, match=f"at most {cap}"):
+            rt.generate("a <__media__> b", images=[PreprocessedImage([tile] * (cap + 1))], max_tokens=1)
+        with pytest.raises(GGMLValueError, match="expected"):
+            rt.generate("a <__media__> b", images=[PreprocessedImage([tile[:, :32, :32]])], max_tokens=1)
+        assert rt.generate("a <__media__> b", images=[pre], max_tokens=1).done_reason in ("length", "stop")

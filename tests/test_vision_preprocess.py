@@ -14,9 +14,11 @@ Tests that need transformers skip when it is missing, except under ``CI``, where
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import sys
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -208,7 +210,10 @@ def test_bytes_same_as_path(tmp_path):
     path = tmp_path / "x.png"
     Image.fromarray(a).save(path)
     data = path.read_bytes()
-    for source in (data, bytearray(data), memoryview(data), str(path), path):
+    b64 = base64.b64encode(data).decode()
+    sources = (data, bytearray(data), memoryview(data), str(path), path, path.as_uri(),
+               f"data:image/png;base64,{b64}", "data:image/png," + urllib.parse.quote_from_bytes(data))
+    for source in sources:
         img = load_image(source)
         assert img.mode == "RGB" and img.size == (30, 20)
         np.testing.assert_array_equal(np.asarray(img), a)
@@ -353,6 +358,9 @@ def test_config_errors():
     (b"", GGMLValueError, ["empty"]),
     (b"this is not an image", GGMLValueError, ["image bytes", "cannot decode"]),
     ("https://example.com/cat.png", GGMLValueError, ["URL"]),
+    ("data:image/png;base64,@@@@", GGMLValueError, ["base64"]),
+    ("data:image/png;base64", GGMLValueError, ["data URL", "','"]),
+    ("data:image/png;base64," + base64.b64encode(b"not a png").decode(), GGMLValueError, ["data URL", "cannot decode"]),
 ])
 def test_bad_images(value, exc, words):
     with pytest.raises(exc) as ei:

@@ -202,6 +202,8 @@ class DeviceMemory:
     #: weight bytes per buffer type (``"CPU"``, ``"CPU_REPACK"``...)
     weight_buffers: dict[str, int] = field(default_factory=dict)
     graph: int = 0
+    #: what each reserved graph needs here (``pp``, ``tg``, ``vision``...); the compute buffer holds the largest
+    graphs: dict[str, int] = field(default_factory=dict)
     weights_ok: bool | None = None       # None: not attempted
     cache_ok: bool | None = None
     graph_ok: bool | None = None
@@ -241,7 +243,8 @@ class DeviceMemory:
             "weights": {str(k): v for k, v in self.weights.items()},
             "cache": {str(k): v for k, v in self.cache.items()},
             "weight_buffers": dict(self.weight_buffers),
-            "graph": self.graph, "weights_total": self.weights_total, "cache_total": self.cache_total,
+            "graph": self.graph, "graphs": dict(self.graphs),
+            "weights_total": self.weights_total, "cache_total": self.cache_total,
             "self": self.self_total, "free": self.free, "total": self.total, "unaccounted": self.unaccounted,
             "allocated": {"weights": self.weights_ok, "cache": self.cache_ok, "graph": self.graph_ok},
         }
@@ -290,6 +293,11 @@ class MemoryReport:
         m.graph = int(nbytes)
         m.graph_ok = ok
 
+    def note_graph(self, dev: Device, label: str, nbytes: int) -> None:
+        """Record what the graph ``label`` needs on ``dev`` (the largest of its reservations)."""
+        m = self.device(dev)
+        m.graphs[label] = max(m.graphs.get(label, 0), int(nbytes))
+
     @property
     def total(self) -> int:
         return sum(m.self_total for m in self.devices.values())
@@ -331,6 +339,12 @@ class MemoryReport:
             lines.append("  * unaccounted < 0: this report counts more than the device shows as used; host "
                          "buffers take\n    their pages only when first written (untouched cache and compute "
                          "memory still\n    looks free), or free memory was read before an allocation")
+        vision = [m for m in self.devices.values() if "vision" in m.weights or "vision" in m.graphs]
+        if vision:
+            # in the figures above too: the encoder's weights are in "weights", its graph shares the compute buffer
+            rows = [["device", "weights", "graph"]]
+            rows += [[m.name, _mib(m.weights.get("vision", 0)), _mib(m.graphs.get("vision", 0))] for m in vision]
+            lines += ["", "vision encoder [MiB] (included above; its graph shares the compute buffer)", _table(rows)]
         return "\n".join(lines)
 
 
@@ -749,9 +763,13 @@ class Runtime:
         """
         steps = [("pp", lambda: build(n_prompt)), ("tg", lambda: build(n_decode)), *extra,
                  ("pp", lambda: build(n_prompt))]
+        for d in self.devices:
+            self.report.device(d).graphs.clear()
         for label, make in steps:
             gf = make()
             need = self.sched.reserve_size(gf)       # measured without allocating, for the report
+            for d in self.devices:
+                self.report.note_graph(d, label, need.get(d.name, 0))
             try:
                 self.sched.reserve(gf)
             except MemoryError as e:

@@ -19,14 +19,15 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
 from ggmlpy._core import GGMLValueError
 
-__all__ = ["FIRST_IMAGE_ID", "MEDIA_MARKER", "ImageEntry", "ImageStore", "chunk_spans", "place_images"]
+__all__ = ["FIRST_IMAGE_ID", "MEDIA_MARKER", "ImageEntry", "ImageStore", "chat_images", "chunk_spans",
+           "place_images"]
 
 #: where an image goes in a text prompt (llama.cpp's ``mtmd`` default marker)
 MEDIA_MARKER = "<__media__>"
@@ -192,3 +193,40 @@ def chunk_spans(tokens: np.ndarray, rows_per_tile: int, store: ImageStore) -> li
     first = at[start]
     last = np.r_[at[np.flatnonzero(start)[1:] - 1], at[-1]] + 1
     return list(zip(first.tolist(), last.tolist()))
+
+
+def chat_images(messages: Sequence, what: str) -> tuple[list, list]:
+    """The images of a chat's messages, in order, and the messages with each image part as ``{"type": "image"}``.
+
+    Image parts as transformers' processors take them (``{"type": "image", "image": ...}``, or ``"url"`` /
+    ``"path"`` instead of ``"image"``) and as OpenAI's chat API sends them (``{"type": "image_url",
+    "image_url": {"url": ...}}``); the value is anything :func:`ggmlpy.vision.preprocess.load_image` reads
+    (a ``data:`` URL too). Chat templates written for vision models render ``{"type": "image"}`` as the
+    model's image placeholder. Messages without image parts are returned as they are.
+    """
+    out: list = []
+    images: list[Any] = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, (str, bytes)) or not isinstance(content, Sequence):
+            out.append(m)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image":
+                src = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
+            elif kind == "image_url":
+                src = part.get("image_url")
+                if isinstance(src, Mapping):
+                    src = src.get("url")
+            else:
+                parts.append(part)
+                continue
+            if src is None:
+                raise GGMLValueError(f"{what}: an {kind} part without an image (give it 'image', 'url' or 'path'; "
+                                     f"OpenAI's form is {{'type': 'image_url', 'image_url': {{'url': ...}}}})")
+            images.append(src)
+            parts.append({"type": "image"})
+        out.append({**m, "content": parts})
+    return out, images

@@ -43,9 +43,9 @@ from .batching import (
     as_units,
     split_ubatches,
 )
-from .images import FIRST_IMAGE_ID, MEDIA_MARKER, ImageStore, chunk_spans, place_images
+from .images import FIRST_IMAGE_ID, MEDIA_MARKER, ImageStore, chat_images, chunk_spans, place_images
 from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
-from .text import TextStream, chat_prompt, encode_prompt, split_stops
+from .text import TextStream, chat_prompt, chat_text, encode_chat, encode_prompt, split_stops
 
 __all__ = ["Runner"]
 
@@ -308,7 +308,7 @@ class Runner:
             keep.append(b)
             return b.graph
 
-        extra = [("image", build_image)] if self.vision is not None else []
+        extra = [("vision", build_image)] if self.vision is not None else []
         try:
             self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch), extra=extra)
         finally:
@@ -448,29 +448,61 @@ class Runner:
             self._image_token = int(tid)
         return self._image_token
 
-    def _with_images(self, prompt, images, what: str, parse_special: bool) -> tuple[list, list]:
-        """A prompt with images: its token ids (image rows as their ids) and same-batch markers."""
+    def _expand_images(self, prompt, images, what: str, parse_special: bool, marker: str = MEDIA_MARKER,
+                       encode=None) -> tuple[list, list]:
+        """A prompt's ids with each image's tokens in place (as the processor's ``input_ids``), and the
+        preprocessed images. A str prompt has one ``marker`` per image; ``encode`` tokenizes the expanded text
+        (default: :func:`encode_prompt`)."""
         if self.vision is None:
             raise GGMLValueError(f"{what}: images given, but this runner has no vision encoder (load the model "
                                  f"with load_model(path, mmproj=...) or pass Runner(..., vision=...))")
         if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
             raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
-        from ggmlpy.vision.preprocess import image_prompt, preprocess
+        from ggmlpy.vision.preprocess import PreprocessedImage, image_prompt, preprocess
 
         cfg = self.vision.image_config
-        pre = [preprocess(im, cfg) for im in images]
+        pre = [im if isinstance(im, PreprocessedImage) else preprocess(im, cfg) for im in images]
+        for p in pre:
+            n = len(self.vision.check_pixels(p.pixel_values))
+            if n > self.vision.max_tiles:
+                # only a PreprocessedImage made with other settings gets here: preprocess bounds the tiles
+                raise GGMLValueError(f"{what}: an image of {n} tiles; this encoder's images have at most "
+                                     f"{self.vision.max_tiles} (what the runner reserved for), preprocess it with "
+                                     f"the encoder's image_config")
         if isinstance(prompt, str):
-            n_mark = prompt.count(MEDIA_MARKER)
+            n_mark = prompt.count(marker)
             if n_mark != len(pre):
-                raise GGMLValueError(f"{what}: {len(pre)} image(s) but the prompt has {n_mark} {MEDIA_MARKER} "
+                raise GGMLValueError(f"{what}: {len(pre)} image(s) but the prompt has {n_mark} {marker} "
                                      f"marker(s)")
-            parts = prompt.split(MEDIA_MARKER)
+            parts = prompt.split(marker)
             text = parts[0] + "".join(image_prompt(p, cfg) + rest for p, rest in zip(pre, parts[1:]))
-            prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special)
-        toks = self._check_tokens(prompt, what)
+            if encode is None:
+                prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special)
+            else:
+                prompt = encode(text)
+        return self._check_tokens(prompt, what).tolist(), pre
+
+    def _with_images(self, prompt, images, what: str, parse_special: bool) -> tuple[list, list]:
+        """A prompt with images: its token ids (image rows as their ids) and same-batch markers."""
+        toks, pre = self._expand_images(prompt, images, what, parse_special)
         entries = [self.images.add(p.pixel_values) for p in pre]
-        return place_images(toks.tolist(), entries, self.image_token, self.vision.config.tokens_per_image,
-                            what)
+        return place_images(toks, entries, self.image_token, self.vision.config.tokens_per_image, what)
+
+    def _chat(self, messages, what: str, kw: dict) -> tuple[list[int], list]:
+        """A chat's prompt ids (image tokens in place) and its preprocessed images (see :meth:`chat_prompt`)."""
+        msgs, images = chat_images(messages, what)
+        if not images:
+            return chat_prompt(self.tokenizer, msgs, **kw), []
+        text = chat_text(self.tokenizer, msgs, **kw)
+        if self.vision is None:
+            return self._expand_images(text, images, what, True)     # raises: no encoder
+        ph = self.vision.image_placeholder
+        n = text.count(ph)
+        if n != len(images):
+            raise GGMLValueError(f"{what}: {len(images)} image part(s), but the chat template wrote {n} {ph!r} "
+                                 f"(a template that does not render image parts, or {ph!r} in a message's text)")
+        return self._expand_images(text, images, what, True, marker=ph,
+                                   encode=lambda t: encode_chat(self.tokenizer, t))
 
     def _encode(self, entry) -> None:
         """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""
@@ -820,7 +852,9 @@ class Runner:
             that produces text needs :attr:`tokenizer`; one that does not behaves exactly as before
             text existed (``text`` None, only the model's EOS ids stop it).
         images : images for a runner with a vision encoder (PIL images, ``uint8`` arrays ``(H, W, 3)``,
-            paths or encoded bytes; see :func:`ggmlpy.vision.preprocess.load_image`), in prompt order.
+            paths, ``data:`` URLs or encoded bytes, see :func:`ggmlpy.vision.preprocess.load_image`; or
+            :class:`~ggmlpy.vision.preprocess.PreprocessedImage` made with the encoder's ``image_config``),
+            in prompt order.
             A str prompt marks each image's place with :data:`MEDIA_MARKER` (``<__media__>``), which
             becomes the text the model's processor writes for it (Gemma 3: ``<start_of_image>``, the
             image tokens, ``<end_of_image>``); a token-id prompt holds a run of :attr:`image_token`
@@ -929,15 +963,26 @@ class Runner:
         there is exactly one whether the template writes ``bos_token`` (transformers' templates) or
         not (ChatML).
 
+        Images (a runner with a vision encoder): a message's ``content`` may be a list of parts, with
+        image parts as transformers' processors take them (``{"type": "image", "image": <image>}``, or
+        ``"url"``/``"path"``) or as OpenAI's API sends them (``{"type": "image_url", "image_url": {"url":
+        "data:image/png;base64,..."}}``), the image anything :func:`ggmlpy.vision.preprocess.load_image`
+        reads. The template gets ``{"type": "image"}`` for each, and its placeholder for an image
+        (:attr:`VisionModel.image_placeholder`, Gemma 3's ``<start_of_image>``) becomes the image's
+        tokens as the model's processor writes them: the ids are the processor's ``input_ids``.
+
         Raises
         ------
         TokenizerError
             No tokenizer, or no chat template in the file and none given.
         ChatTemplateError
             The template failed (its own ``raise_exception``, a loop, output over the limits).
+        GGMLValueError
+            Image parts without a vision encoder, an image part without an image, or a template that
+            did not write one placeholder per image.
         """
-        return chat_prompt(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                           template=template, template_kwargs=template_kwargs)
+        return self._chat(messages, "chat_prompt", dict(add_generation_prompt=add_generation_prompt, tools=tools,
+                                                        template=template, template_kwargs=template_kwargs))[0]
 
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
@@ -945,11 +990,12 @@ class Runner:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
         ``messages`` are dicts as transformers' chat templates take them (``{"role": "user",
-        "content": "..."}``; roles ``system``, ``user``, ``assistant``, ``tool``). The prompt is
-        :meth:`chat_prompt`; the reply ends at any end-of-generation id of the tokenizer (done reason
-        ``stop``), at a stop string, or at ``max_tokens``. Other keywords are :meth:`submit`'s
-        (``max_tokens``, ``sampling``, ``stop``, ...). A later chat whose messages start with this one's
-        reuses the cached prompt (the runner's prefix reuse), as long as the slot still holds it.
+        "content": "..."}``; roles ``system``, ``user``, ``assistant``, ``tool``); contents with image
+        parts as :meth:`chat_prompt` says. The prompt is :meth:`chat_prompt`; the reply ends at any
+        end-of-generation id of the tokenizer (done reason ``stop``), at a stop string, or at
+        ``max_tokens``. Other keywords are :meth:`submit`'s (``max_tokens``, ``sampling``, ``stop``, ...). A
+        later chat whose messages start with this one's reuses the cached prompt (the runner's prefix
+        reuse, images compared by content), as long as the slot still holds it.
 
         Raises
         ------
@@ -958,8 +1004,14 @@ class Runner:
         if "detokenize" in kw and not kw["detokenize"]:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
         kw["detokenize"] = True
-        ids = self.chat_prompt(messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                               template=template, template_kwargs=template_kwargs)
+        ids, images = self._chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt,
+                                                                tools=tools, template=template,
+                                                                template_kwargs=template_kwargs))
+        if images:
+            if kw.get("images"):
+                raise GGMLValueError("submit_chat: images both in the messages and in images=; give them as "
+                                     "image parts of the messages")
+            kw["images"] = images
         return self.submit(ids, **kw)
 
     def chat(self, messages: Sequence[dict], **kw) -> Completion:

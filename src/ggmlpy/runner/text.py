@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from ggmlpy._core import GGMLTypeError, GGMLValueError
 
-__all__ = ["StopMatcher", "TextStream", "chat_prompt", "encode_prompt", "split_stops"]
+__all__ = ["StopMatcher", "TextStream", "chat_prompt", "chat_text", "encode_chat", "encode_prompt", "split_stops"]
 
 
 class StopMatcher:
@@ -243,11 +243,23 @@ def chat_prompt(tokenizer: Any, messages: Sequence[dict], *, add_generation_prom
     ChatTemplateError
         The template failed (its own ``raise_exception``, a loop or output over the limits).
     """
+    return encode_chat(tokenizer, chat_text(tokenizer, messages, add_generation_prompt=add_generation_prompt,
+                                            tools=tools, template=template, template_kwargs=template_kwargs))
+
+
+def chat_text(tokenizer: Any, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+              tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+              template_kwargs: Optional[dict] = None) -> str:
+    """The rendered chat template of :func:`chat_prompt` (the text before it is tokenized)."""
     kw = dict(template_kwargs or {})
     if template is not None:
         kw["template"] = template
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tools=tools,
                                          **kw)
+
+
+def encode_chat(tokenizer: Any, text: str) -> list[int]:
+    """A rendered chat's ids (:func:`chat_prompt`): special tokens parsed, nothing added but one BOS."""
     ids = list(tokenizer.encode(text, add_special=False, parse_special=True))
     bos = getattr(tokenizer, "bos", None)
     if getattr(tokenizer, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):

@@ -45,6 +45,8 @@ PROJECTORS = ("gemma3", "idefics3")
 _DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2}
 #: the token text the HF processors write for each image position
 _IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>"}
+#: what the family's chat templates write for an image part, which its processor then expands
+_PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>"}
 #: gemma3's projection, which the file stores as ``ne = (n_embd_text, n_embd)``
 _PROJ_T = "mm.input_projection.weight"
 #: graph nodes per encoder layer (with headroom)
@@ -212,6 +214,9 @@ class VisionModel(WeightLoader):
         self.bidirectional = c.projector == "gemma3"
         #: the text of the token a processor writes per image position
         self.image_token_text = _IMAGE_TOKEN[c.projector]
+        #: the text a chat template writes for an image part (``{"type": "image"}``), which becomes the
+        #: image's prompt as the processor expands it (Gemma 3's ``boi_token``, Idefics3's ``image_token``)
+        self.image_placeholder = _PLACEHOLDER[c.projector]
         #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image)
         grid = -(-self.image_config.longest_edge // c.image_size) if c.projector == "idefics3" else 0
         self.max_tiles = grid * grid + 1 if grid > 1 else 1

@@ -38,7 +38,8 @@ Inputs, and where they differ from transformers
 * Paths and bytes are decoded as HF's ``load_image`` does for a path: EXIF orientation applied, then
   ``convert("RGB")``, which *drops* an alpha band rather than compositing onto white. So a transparent PNG
   gives different pixels from a path than from ``Image.open`` of the same file, in transformers and here.
-  Only local paths: a ``str`` is never fetched as a URL or decoded as base64.
+  Nothing is fetched: a ``str`` is a local path, a ``file://`` URL, or a ``data:`` URL (RFC 2397, e.g.
+  ``data:image/png;base64,...``, as chat messages carry images), whose bytes are decoded as above.
 * numpy arrays must be channel-last, ``(H, W)``, ``(H, W, 1)``, ``(H, W, 3)`` or ``(H, W, 4)``: greyscale
   is repeated to three channels and RGBA is composited onto white with HF's float64 formula. Integer arrays
   of any dtype with values in ``[0, 255]`` are taken as uint8. Float arrays must hold values in ``[0, 1]``
@@ -51,10 +52,13 @@ Pillow is needed to decode and resize, and is imported only when a function need
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import math
 import os
 import sys
+import urllib.parse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Union
 
@@ -197,6 +201,19 @@ def _decode(data: bytes, source: str) -> _PILImageModule.Image:
     return rgb
 
 
+def _data_url(url: str) -> bytes:
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (RFC 2397), as chat messages carry images."""
+    head, sep, data = url.partition(",")
+    if not sep:
+        raise GGMLValueError(f"image: a data URL without a ',' ({url[:40]!r}...)")
+    if head.endswith(";base64"):
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise GGMLValueError(f"image: the data URL's base64 payload is not valid ({e})") from e
+    return urllib.parse.unquote_to_bytes(data)
+
+
 def load_image(image: ImageInput) -> _PILImageModule.Image:
     """An image as an RGB PIL image, converted as transformers converts it.
 
@@ -206,7 +223,7 @@ def load_image(image: ImageInput) -> _PILImageModule.Image:
         A PIL image of any mode (transparency is composited onto white); a channel-last numpy array
         ``(H, W)``, ``(H, W, 1)``, ``(H, W, 3)`` or ``(H, W, 4)`` of uint8 (other integer dtypes with values in
         ``[0, 255]`` and float dtypes with values in ``[0, 1]`` are accepted, see the module notes); the path
-        of an image file; or the bytes of an encoded image (``bytearray`` and ``memoryview`` too). Files and
+        of an image file (or a ``file://`` URL, or a ``data:`` URL such as ``data:image/png;base64,...``); or the bytes of an encoded image (``bytearray`` and ``memoryview`` too). Files and
         bytes get their EXIF orientation applied and any alpha band dropped, as transformers' ``load_image``.
 
     Returns
@@ -221,7 +238,7 @@ def load_image(image: ImageInput) -> _PILImageModule.Image:
     GGMLValueError
         An array of the wrong shape, with no pixels or with out-of-range values; an empty, corrupt or
         truncated file or byte string, or one larger than Pillow's decompression-bomb limit (the
-        decoder's exception is chained); a ``str`` that is a URL.
+        decoder's exception is chained); an ``http(s)://`` URL; a malformed ``data:`` URL.
     FileNotFoundError, PermissionError, IsADirectoryError
         As ``open`` raises them for a path.
     ImportError
@@ -238,6 +255,10 @@ def load_image(image: ImageInput) -> _PILImageModule.Image:
         if path.startswith(("http://", "https://")):
             raise GGMLValueError(f"image: {path!r} is a URL; ggmlpy does not download images: fetch it and pass "
                                  "the bytes or a local path")
+        if path.startswith("data:"):
+            return _decode(_data_url(path), "image data URL")
+        if path.startswith("file://"):
+            path = urllib.parse.unquote(path[len("file://"):])
         _pil()  # fail on a missing Pillow before reading the file
         with open(path, "rb") as f:
             data = f.read()
