@@ -81,6 +81,21 @@ def test_features_and_pixels_match_hf(fixtures, family):
     assert _err(got, ref) < TOL
 
 
+def test_encode_image(fixtures):
+    """Runner.encode_image: the rows a prompt's image tokens get, as transformers' image features."""
+    fx = fixtures["idefics3"]
+    img = vh.sample_image(100, 70, seed=3)
+    px = vh.pixel_values(fx, [img])
+    model, rt = _runner(fx)
+    with model, rt:
+        got = rt.encode_image(img)
+        same = rt.encode_image(preprocess(img, model.vision.image_config))
+    ref = vh.image_features(fx, px)
+    assert got.shape == (len(px) * fx.tokens_per_image, fx.n_embd_text)
+    assert _err(got, ref.reshape(got.shape)) < TOL
+    np.testing.assert_array_equal(same, got)
+
+
 @pytest.mark.parametrize("outtype", list(QUANT_TOL))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_quantized_mmproj_features(fixtures, family, outtype, tmp_path):

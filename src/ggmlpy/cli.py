@@ -332,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("bench", add_help=False,
-                       help="prompt/generation throughput, llama-bench compatible (ggmlpy bench -h)")
+                       help="prompt/generation (and image encoding) throughput, llama-bench compatible "
+                            "(ggmlpy bench -h)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
     p = sub.add_parser("run", help="complete a prompt, printing the text as it is generated, then the speed")

@@ -1,4 +1,5 @@
-"""Prompt-processing and token-generation throughput, measured the way llama.cpp's llama-bench does.
+"""Prompt-processing, token-generation and image-encoding throughput, measured the way llama.cpp's llama-bench
+does.
 
 ``ggmlpy bench`` (and ``python -m ggmlpy.benchmark``) takes llama-bench's
 options with their meanings and defaults, runs the same tests and prints the
@@ -18,6 +19,20 @@ repetitions; each repetition clears the cache, prefills ``-d`` tokens untimed
 and times the prompt and/or generation. The rate of a test is the mean of the
 per-repetition rates ``(n_prompt + n_gen) / t`` and its ``±`` the sample
 standard deviation of those rates.
+
+Image tests (ours: ``-i N`` with ``--mmproj FILE``, named ``imgN``) time the
+model's vision encoder (an mmproj GGUF, loaded with the model). A random RGB
+image of the encoder's native size (``clip.vision.image_size``; the same pixels
+for every engine) is preprocessed once, untimed (resized, and cut into tiles
+for idefics3, as each engine's own preprocessing does); one image is encoded
+untimed as the warm-up; each repetition then encodes N images, one at a time
+(setting the pixels, computing the encoder graph, reading its output), which
+is what llama.cpp's ``mtmd`` reports as its encode time. The rate counts the
+embedding rows the text model gets (tiles x tokens per tile per image), so
+t/s is image tokens per second. An image test sweeps only what changes the
+encoding (the model's placement, ``-fa``, ``-t``) and takes the first value of
+every other list; n_prompt and n_gen are 0, so llama-bench's fields read as
+an empty test, and ours say what it was (below).
 
 What llama-bench's options mean here
 ------------------------------------
@@ -58,7 +73,8 @@ Beyond llama-bench
   the mean over repetitions of the time from the start of the timed part to the
   end of the decode that produces the first new token's logits, i.e. the whole
   prompt for pp and pp+tg tests and the first one-token decode for tg tests;
-  depth prefill is not included, sampling is excluded as everywhere here).
+  depth prefill is not included, sampling is excluded as everywhere here;
+  0 on image tests).
 * ``--vs llama.cpp`` runs the same tests, with the same token ids, through
   llama-cpp-python in a separate process (the two packages each ship a
   ``libggml-base.so`` with the same soname, so they must never share a
@@ -66,6 +82,16 @@ Beyond llama-bench
   ggmlpy/llama.cpp with its spread to each ggmlpy row. The peer gets the same
   options (cache types, flash attention, load mode, KV offload, embeddings,
   repack).
+* ``-i N[,N..]`` and ``--mmproj FILE`` (one file for all ``-m`` models, or one
+  per model): the image tests above. ggmlpy encodes through a
+  :class:`~ggmlpy.runner.Runner`'s scheduler with the test's threads, as the
+  runner encodes a prompt's images; llama.cpp through its ``mtmd`` library
+  (``llama_cpp.mtmd_cpp``), which is skipped with a "not supported" message
+  where llama-cpp-python cannot load it. CSV, JSON, JSONL and SQL then end
+  with ``n_images``, ``mmproj``, ``image_size``, ``image_tiles`` (tiles per
+  image, as each engine cut it) and ``image_tokens`` (embedding rows per
+  image); engines that cut different numbers of tiles are reported on
+  stderr, ``-v`` prints the counts.
 * ``--rounds N`` runs every test N times, each time ggmlpy and the peers back
   to back (the peers first in every other round); the repetitions of all
   rounds make the row's t/s, and the ratio is the median of the N per-round ratios (``±``: their standard
@@ -118,7 +144,7 @@ from .driver import _one_line as _one_line
 from .driver import _synthetic_models as _synthetic_models
 from .driver import main, run
 from .engines import Engine, Progress, run_instance
-from .errors import BenchError
+from .errors import BenchError, UnsupportedTest
 from .ggmlpy_engine import GgmlpyEngine
 from .llamacpp import LlamaCppEngine
 from .options import (
@@ -139,6 +165,7 @@ from .output import (
     EXTRA_FIELDS,
     FIELDS,
     FLOAT_FIELDS,
+    IMAGE_FIELDS,
     INT_FIELDS,
     ROOFLINE_FIELDS,
     CsvPrinter,
@@ -154,13 +181,14 @@ from .output import (
 )
 from .results import Instance, Result, ratio, round_ratio
 from .roofline import MachineBounds, ModelWork, machine_bounds, roofline_fields
-from .worker import PeerUnavailable, WorkerClient
+from .worker import PeerUnavailable, PeerUnsupported, WorkerClient
 
 __all__ = [
-    "BOOL_FIELDS", "CACHE_TYPES", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "INT_FIELDS", "LOAD_MODES", "OUTPUTS",
-    "PEERS", "PROG", "ROOFLINE_FIELDS", "BenchError", "BenchParams", "CsvPrinter", "Engine", "GgmlpyEngine",
-    "Instance", "JsonPrinter", "JsonlPrinter", "LlamaCppEngine", "MachineBounds", "MarkdownPrinter", "ModelWork",
-    "PeerUnavailable", "Printer", "Progress", "Result", "SqlPrinter", "WorkerClient", "build_parser",
-    "default_threads", "format_results", "machine_bounds", "main", "make_instances", "make_printer", "parse_args",
-    "parse_int_range", "plot", "ratio", "round_ratio", "roofline_fields", "run", "run_instance", "swept_variable",
+    "BOOL_FIELDS", "CACHE_TYPES", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "IMAGE_FIELDS", "INT_FIELDS",
+    "LOAD_MODES", "OUTPUTS", "PEERS", "PROG", "ROOFLINE_FIELDS", "BenchError", "BenchParams", "CsvPrinter", "Engine",
+    "GgmlpyEngine", "Instance", "JsonPrinter", "JsonlPrinter", "LlamaCppEngine", "MachineBounds", "MarkdownPrinter",
+    "ModelWork", "PeerUnavailable", "PeerUnsupported", "Printer", "Progress", "Result", "SqlPrinter", "UnsupportedTest",
+    "WorkerClient", "build_parser", "default_threads", "format_results", "machine_bounds", "main", "make_instances",
+    "make_printer", "parse_args", "parse_int_range", "plot", "ratio", "round_ratio", "roofline_fields", "run",
+    "run_instance", "swept_variable",
 ]

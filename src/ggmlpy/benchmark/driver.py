@@ -3,7 +3,10 @@ printing the results as they come; :func:`main` is ``ggmlpy bench``.
 
 Each test runs ``--rounds`` times, each round ggmlpy and the peers back to back
 (the peers first in odd rounds); a failed test is reported, counted in the exit
-code, and the next one runs, as llama-bench does.
+code, and the next one runs, as llama-bench does. A test a peer cannot run at
+all (llama.cpp's image tests without libmtmd) is reported once and skipped,
+without a row and without failing. Image tests get their image's side from the
+mmproj file, so that every engine encodes the same pixels.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ggmlpy._core import GGMLError, devices, rpc_add_server
 from ggmlpy._system import ggml_commit, ggml_version
 from ggmlpy._version import __version__
 from ggmlpy.backend import ProgressBar
+from ggmlpy.gguf import GGUFReader
 from ggmlpy.models.synthetic import synthetic_path
 
 from .engines import Engine, run_instance
@@ -29,7 +33,7 @@ from .options import PROG, BenchParams, build_parser, make_instances, parse_args
 from .output import make_printer, plot
 from .results import Instance, Result, _merge, ratio, round_ratio
 from .roofline import MachineBounds, ModelWork, machine_bounds, roofline_fields
-from .worker import PeerUnavailable, WorkerClient
+from .worker import PeerUnavailable, PeerUnsupported, WorkerClient
 
 __all__ = ["main", "run"]
 
@@ -101,6 +105,10 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
     for m in p.models if engine is None else ():      # (a test's fake engine has no files)
         if not Path(m).is_file():
             raise BenchError(f"-m {m}: no such model file")
+    image_sizes: dict[str, int] = {}         # the image tests' image side per mmproj, the same for every engine
+    if any(n > 0 for n in p.n_images):
+        image_sizes = {mm: _image_size(mm) for mm in dict.fromkeys(p.mmproj)
+                       if engine is None or Path(mm).is_file()}
     for ep in p.rpc:
         rpc_add_server(ep)
     if p.list_devices:
@@ -132,6 +140,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             pr.header()
         engine = engine or GgmlpyEngine(rpc=p.rpc)
         failed = 0
+        unsupported: set[tuple[str, str]] = set()
         results: list[Result] = []
         n = len(instances)
         for i, inst in enumerate(instances):
@@ -146,7 +155,9 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                       f"(threads {_inst.n_threads}, n_batch {_inst.n_batch}, n_ubatch "
                       f"{_inst.n_ubatch}):\n{report}", file=err, flush=True)
 
-            kw = dict(reps=p.reps, seed=p.seed, index=i, warmup=not p.no_warmup, delay=p.delay)
+            kw: dict = dict(reps=p.reps, seed=p.seed, index=i, warmup=not p.no_warmup, delay=p.delay)
+            if inst.n_images and inst.mmproj in image_sizes:
+                kw["image_size"] = image_sizes[inst.mmproj]
             ours: Result | None = None
             theirs: dict[str, Result] = {}
             per_round: dict[str, list[float]] = {peer.engine: [] for peer in peers}
@@ -159,6 +170,11 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                                   if p.progress else None)
                         got[peer.engine] = res = peer.run(_inst, **pk)
                         res.ggmlpy_version = engine.version
+                    except PeerUnsupported as e:          # a skip, not a failure: no row
+                        if (peer.engine, _inst.name) not in unsupported:
+                            unsupported.add((peer.engine, _inst.name))
+                            print(f"{PROG}: {peer.engine}: {_inst.name} not supported, skipped: {e}", file=err,
+                                  flush=True)
                     except BenchError as e:
                         failed += 1
                         print(f"{PROG}: error: {peer.engine} failed on {_inst.name} with "
@@ -198,6 +214,8 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                     ours.ratios[peer.engine] = (ratio(ours, res) if p.rounds == 1
                                                 else round_ratio(per_round[peer.engine]))
                 row.append(res)
+            if inst.n_images:
+                _check_tiles(row, p.verbose, err)
             if p.roofline:
                 for res in row:
                     res.roofline = roofline_fields(res, works.get(inst.model),
@@ -215,6 +233,32 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
         plot(results, p.plot)
         print(f"{PROG}: wrote {p.plot}", file=err, flush=True)
     return (1 if failed else 0), results
+
+
+def _image_size(mmproj: str) -> int:
+    """The side of the square image an mmproj's encoder takes (``clip.vision.image_size``): the image tests'
+    image, the same for every engine."""
+    if not Path(mmproj).is_file():
+        raise BenchError(f"--mmproj {mmproj}: no such file")
+    with GGUFReader(mmproj) as r:
+        if r.metadata.get("general.architecture") != "clip":
+            raise BenchError(f"--mmproj {mmproj}: not an mmproj file (general.architecture is "
+                             f"{r.metadata.get('general.architecture')!r}, expected 'clip')")
+        return int(r.get_int("clip.vision.image_size", lo=1, hi=1 << 15))
+
+
+def _check_tiles(row: list[Result], verbose: bool, err: TextIO) -> None:
+    """An image test's tiles per image, engine by engine: printed with -v; engines that cut the image into
+    different numbers of tiles are always reported (each row's image_tiles and image_tokens say so too)."""
+    counts = [(r.engine, r.image_tiles, r.image_tokens) for r in row]
+    text = ", ".join(f"{e} {t} tile(s), {n} embedding rows" for e, t, n in counts)
+    name = f"{row[0].inst.name} on {Path(row[0].inst.mmproj).name}" if row else ""
+    if len({(t, n) for _, t, n in counts}) > 1:
+        print(f"{PROG}: warning: {name}: the engines cut the {row[0].image_size}x{row[0].image_size} image "
+              f"differently: {text} per image (t/s counts each engine's own rows)", file=err, flush=True)
+    elif verbose and row:
+        print(f"{PROG}: {name}: a {row[0].image_size}x{row[0].image_size} image: {text} per image", file=err,
+              flush=True)
 
 
 # --------------------------------------------------------------------------- entry

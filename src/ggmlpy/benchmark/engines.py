@@ -1,6 +1,13 @@
 """What the benchmark loop needs from an inference engine (:class:`Engine`), and the loop: :func:`run_instance`
 times one test on any engine the way llama-bench does.
 
+Image tests (``-i``) time the vision encoder: a random RGB image of the encoder's native size (the same
+pixels for every engine, from the test's seed) is preprocessed once, untimed (resize, and tiles for
+idefics3: :meth:`Engine.prepare_images`); one image is encoded untimed as the warm-up; each repetition then
+encodes ``n_images`` of it, one image at a time as a prompt's images are (:meth:`Engine.encode_images`:
+setting the pixels, computing the encoder graph, reading its output), as llama.cpp's ``mtmd`` reports its
+encode time.
+
 Both processes of ``--vs`` run this loop, ggmlpy's engine
 (:mod:`.ggmlpy_engine`) in the driver and llama.cpp's (:mod:`.llamacpp`) in the
 worker, so this module imports nothing from ggmlpy.
@@ -13,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .errors import BenchError
 from .results import Instance, Result
 
 __all__ = ["Engine", "Progress", "run_instance"]
@@ -69,6 +77,16 @@ class Engine:
         """The memory report of the current context, if the engine has one."""
         return None
 
+    def prepare_images(self, inst: Instance, image: np.ndarray) -> tuple[int, int]:
+        """Preprocess ``image`` (uint8 ``(S, S, 3)``) for an image test's context, untimed: afterwards
+        :meth:`encode_images` encodes it. Returns the tiles the engine cut it into and the embedding rows one
+        image gives the text model."""
+        raise NotImplementedError(f"{self.name} has no image tests")
+
+    def encode_images(self, n: int) -> None:
+        """Encode the prepared image ``n`` times, one image at a time, synchronously, reading every output."""
+        raise NotImplementedError(f"{self.name} has no image tests")
+
     def ensure_model(self, inst: Instance) -> None:
         """Load the model unless the loaded one has the same file and placement."""
         if self.model_key == inst.model_key():
@@ -94,7 +112,7 @@ Progress = Callable[[str], None]
 
 def run_instance(engine: Engine, inst: Instance, reps: int, seed: int, index: int = 0,
                  warmup: bool = True, delay: float = 0.0, progress: Progress | None = None,
-                 verbose: Callable[[str], None] | None = None) -> Result:
+                 verbose: Callable[[str], None] | None = None, image_size: int | None = None) -> Result:
     """Run one test on ``engine`` the way llama-bench does and return its measurements.
 
     Parameters
@@ -104,16 +122,19 @@ def run_instance(engine: Engine, inst: Instance, reps: int, seed: int, index: in
     reps : int
         Timed repetitions.
     seed, index : int
-        The random token ids come from ``numpy.random.default_rng([seed, index])``,
-        so two engines given the same pair see the same ids.
+        The random token ids (image tests: the image's pixels) come from
+        ``numpy.random.default_rng([seed, index])``, so two engines given the same pair see the same ids.
     warmup : bool
-        One untimed prompt (if any) and one generated token (if any) first.
+        One untimed prompt (if any) and one generated token (if any) first; image tests: one image.
     delay : float
         Seconds of sleep before the test.
     progress : callable, optional
         Called with llama-bench's progress messages (``"prompt run 1/5"``).
     verbose : callable, optional
         Called with the engine's memory report once the context exists.
+    image_size : int, optional
+        Image tests: the side of the square image, in pixels (the encoder's native size, which the driver
+        reads from the mmproj file); default ``engine.info["image_size"]``.
     """
     say = progress or (lambda msg: None)
     engine.ensure_model(inst)
@@ -126,6 +147,8 @@ def run_instance(engine: Engine, inst: Instance, reps: int, seed: int, index: in
         info = engine.info
         n_vocab = info["n_vocab"]
         rng = np.random.default_rng([int(seed), int(index)])
+        if inst.n_images > 0:
+            return _run_images(engine, inst, reps, rng, warmup, delay, say, image_size)
 
         def prompt(n: int) -> None:
             done = 0
@@ -173,13 +196,40 @@ def run_instance(engine: Engine, inst: Instance, reps: int, seed: int, index: in
                     gen(inst.n_gen)
             samples.append(max(1, time.perf_counter_ns() - t0))
             ttfts.append(ttft or 0)
-        sysinfo = engine.system()
-        return Result(
-            inst=inst, engine=engine.name, engine_version=engine.version,
-            build_commit=sysinfo["build_commit"], build_number=sysinfo["build_number"],
-            cpu_info=sysinfo["cpu_info"], gpu_info=sysinfo["gpu_info"], backends=info["backends"],
-            model_type=info["desc"], model_size=info["size"], model_n_params=info["n_params"],
-            load_mode=inst.load_mode, test_time=_utc_now(), samples_ns=samples, ttft_ns=ttfts,
-            load_time_ms=engine.load_time_ms)
+        return _result(engine, inst, samples, ttfts)
     finally:
         engine.free_context()
+
+
+def _result(engine: Engine, inst: Instance, samples: list[int], ttfts: list[int], **image: int) -> Result:
+    sysinfo, info = engine.system(), engine.info
+    return Result(
+        inst=inst, engine=engine.name, engine_version=engine.version,
+        build_commit=sysinfo["build_commit"], build_number=sysinfo["build_number"],
+        cpu_info=sysinfo["cpu_info"], gpu_info=sysinfo["gpu_info"], backends=info["backends"],
+        model_type=info["desc"], model_size=info["size"], model_n_params=info["n_params"],
+        load_mode=inst.load_mode, test_time=_utc_now(), samples_ns=samples, ttft_ns=ttfts,
+        load_time_ms=engine.load_time_ms, **image)
+
+
+def _run_images(engine: Engine, inst: Instance, reps: int, rng: np.random.Generator, warmup: bool, delay: float,
+                say: Progress, image_size: int | None) -> Result:
+    """An image test (``-i``), once the context exists: see the module docstring. ``ttft_ns`` is 0 (no token)."""
+    side = int(image_size or engine.info.get("image_size") or 0)
+    if side < 1:
+        raise BenchError(f"{inst.name}: the encoder's image size is unknown (no mmproj loaded?)")
+    image = rng.integers(0, 256, size=(side, side, 3), dtype=np.uint8)
+    tiles, rows = engine.prepare_images(inst, image)
+    if delay > 0:
+        time.sleep(delay)
+    if warmup:
+        say("warmup image run")
+        engine.encode_images(1)
+    samples = []
+    for r in range(reps):
+        say(f"image run {r + 1}/{reps}")
+        t0 = time.perf_counter_ns()
+        engine.encode_images(inst.n_images)
+        samples.append(max(1, time.perf_counter_ns() - t0))
+    return _result(engine, inst, samples, [0] * len(samples), image_size=side, image_tiles=int(tiles),
+                   image_tokens=int(rows))

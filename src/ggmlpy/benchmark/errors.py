@@ -14,8 +14,13 @@ try:
 except ImportError:                     # the llama.cpp worker, where ggmlpy is blocked (see worker.py)
     _BenchErrorBase = ValueError        # type: ignore[misc,assignment]
 
-__all__ = ["BenchError"]
+__all__ = ["BenchError", "UnsupportedTest"]
 
 
 class BenchError(_BenchErrorBase):
     """A bad option value or an engine that cannot run (a :class:`ggmlpy.GGMLError` and a ValueError)."""
+
+
+class UnsupportedTest(BenchError):
+    """A test an engine cannot run at all (llama.cpp's image tests without a usable ``libmtmd``): reported
+    as skipped, not as a failure."""

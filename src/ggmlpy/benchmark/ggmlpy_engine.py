@@ -1,4 +1,10 @@
-"""The engine under test: ggmlpy's model loader and :class:`~ggmlpy.runner.Runner` (:class:`GgmlpyEngine`)."""
+"""The engine under test: ggmlpy's model loader and :class:`~ggmlpy.runner.Runner` (:class:`GgmlpyEngine`).
+
+Image tests load the model with its vision encoder (``load_model(path, mmproj=...)``) and encode with
+:meth:`Runner.encode_image <ggmlpy.runner.Runner.encode_image>`, the runner's own path: the encoder graph
+of one image's tiles built, its pixels set, computed by the runner's scheduler (with the test's threads)
+and its output read.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ from ggmlpy.models import load_model
 from ggmlpy.runner import Runner
 
 from .engines import Engine
+from .errors import BenchError
 from .results import Instance
 
 __all__ = ["GgmlpyEngine", "has_gpu"]
@@ -41,6 +48,7 @@ class GgmlpyEngine(Engine):
         self.model: Any = None
         self.rt: Any = None
         self.embeddings = False
+        self.pixels: Any = None     # an image test's PreprocessedImage
 
     def system(self) -> dict[str, Any]:
         cpu, gpu = [], []
@@ -53,10 +61,13 @@ class GgmlpyEngine(Engine):
     def load(self, inst: Instance) -> None:
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
         self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc,
-                                mmap=inst.load_mode == "mmap", repack=inst.repack)
+                                mmap=inst.load_mode == "mmap", repack=inst.repack, mmproj=inst.mmproj or None)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}
+        vision = getattr(m, "vision", None)
+        if vision is not None:
+            self.info["image_size"] = int(vision.config.image_size)
 
     def unload(self) -> None:
         self.free_context()
@@ -67,15 +78,40 @@ class GgmlpyEngine(Engine):
     def new_context(self, inst: Instance) -> None:
         self.free_context()
         fa = None if inst.flash_attn < 0 else bool(inst.flash_attn)
-        self.rt = Runner(self.model, n_ctx=inst.n_ctx, n_batch=inst.n_batch, n_ubatch=inst.n_ubatch,
+        n_ctx, n_batch, n_ubatch = inst.n_ctx, inst.n_batch, inst.n_ubatch
+        if inst.n_images > 0:
+            # encoding needs no text context: the smallest the runner takes with an encoder (one image
+            # tile in a micro-batch); its reservation still covers the encoder graph of the largest image
+            n_ctx = n_batch = n_ubatch = self._vision(inst).config.tokens_per_image
+        self.rt = Runner(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                          n_seq_max=1, n_threads=inst.n_threads, flash_attn=fa,
                          type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload)
         self.embeddings = inst.embeddings
 
     def free_context(self) -> None:
+        self.pixels = None
         if self.rt is not None:
             self.rt.close()
             self.rt = None
+
+    def _vision(self, inst: Instance) -> Any:
+        vision = getattr(self.model, "vision", None)
+        if vision is None:
+            raise BenchError(f"{inst.name}: {inst.model} was loaded without a vision encoder (--mmproj)")
+        return vision
+
+    def prepare_images(self, inst: Instance, image: np.ndarray) -> tuple[int, int]:
+        from ggmlpy.vision.preprocess import preprocess
+
+        vision = self._vision(inst)
+        self.pixels = preprocess(image, vision.image_config)
+        tiles = len(self.pixels.tiles)
+        return tiles, tiles * int(vision.config.tokens_per_image)
+
+    def encode_images(self, n: int) -> None:
+        # the runner's own path (preprocessed once, untimed): graph, inputs, compute, output read
+        for _ in range(n):
+            self.rt.encode_image(self.pixels)
 
     def clear(self) -> None:
         self.rt.clear()

@@ -5,18 +5,26 @@ ggmlpy each ship a ``libggml-base.so`` with the same soname, which must never
 share a process. So this module imports nothing from ggmlpy, and imports
 ``llama_cpp`` only when an engine is made (the driver imports this module too,
 through the package, but never makes one).
+
+Image tests (``-i``) go through llama.cpp's ``mtmd`` library (``libmtmd``, whose bindings
+llama-cpp-python ships as ``llama_cpp.mtmd_cpp``), as ``llama-mtmd-cli`` and ``llama-server`` encode
+images: an mtmd context per test (the test's threads and flash attention), the image tokenized once
+(``mtmd_tokenize``: resize, and slices for idefics3, untimed), then every image chunk encoded
+(``mtmd_encode_chunk``) and its embeddings copied out (``mtmd_get_output_embd``). A llama-cpp-python
+without a usable ``libmtmd`` makes them :class:`~.errors.UnsupportedTest`, reported as skipped.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import platform
 from typing import Any, Callable
 
 import numpy as np
 
 from .engines import Engine
-from .errors import BenchError
+from .errors import BenchError, UnsupportedTest
 from .results import Instance
 
 __all__ = ["LlamaCppEngine"]
@@ -50,6 +58,13 @@ class LlamaCppEngine(Engine):
         self.version = getattr(llama_cpp, "__version__", "")
         self.model: Any = None
         self.ctx: Any = None
+        self.verbose = verbose
+        self.mt: Any = None                  # llama_cpp.mtmd_cpp, imported by the first image test
+        self.mctx: Any = None                # an image test's mtmd context, its input chunks and bitmap
+        self._chunks: Any = None
+        self._bitmap: Any = None
+        self._image_chunks: list[tuple[Any, int]] = []
+        self._n_embd = 0
         if not verbose:
             # Keep a reference: ctypes callbacks must outlive their registration.
             self._log_cb = llama_cpp.llama_log_callback(lambda level, text, data: None)
@@ -109,6 +124,9 @@ class LlamaCppEngine(Engine):
     def new_context(self, inst: Instance) -> None:
         ll = self.ll
         self.free_context()
+        if inst.n_images > 0:
+            self._new_mtmd(inst)
+            return
         cp = ll.llama_context_default_params()
         cp.n_ctx = inst.n_ctx
         cp.n_batch = inst.n_batch
@@ -133,6 +151,7 @@ class LlamaCppEngine(Engine):
         self._tok = None
 
     def free_context(self) -> None:
+        self._free_mtmd()
         if self.ctx is not None:
             self.ll.llama_free(self.ctx)
             self.ctx = None
@@ -154,3 +173,96 @@ class LlamaCppEngine(Engine):
         if rc != 0:
             raise BenchError(f"llama_decode failed ({rc})")
         ll.llama_synchronize(self.ctx)
+
+    # ------------------------------------------------------------------ images (mtmd)
+
+    _MTMD_FUNCTIONS = ("mtmd_context_params_default", "mtmd_init_from_file", "mtmd_free", "mtmd_default_marker",
+                       "mtmd_bitmap_init", "mtmd_bitmap_free", "mtmd_input_chunks_init", "mtmd_input_chunks_free",
+                       "mtmd_input_chunks_size", "mtmd_input_chunks_get", "mtmd_input_chunk_get_type",
+                       "mtmd_input_chunk_get_n_tokens", "mtmd_input_text", "mtmd_bitmap_p_ctypes", "mtmd_tokenize",
+                       "mtmd_encode_chunk", "mtmd_get_output_embd")
+
+    def _mtmd(self) -> Any:
+        """llama_cpp.mtmd_cpp (loading libmtmd), or UnsupportedTest saying why it cannot be used."""
+        if self.mt is not None:
+            return self.mt
+        mt = getattr(self.ll, "mtmd_cpp", None)
+        if mt is None:
+            try:
+                mt = importlib.import_module("llama_cpp.mtmd_cpp")
+            except Exception as e:          # ImportError, or OSError/AttributeError from loading the library
+                raise UnsupportedTest(f"image tests need llama.cpp's libmtmd, which llama_cpp {self.version} "
+                                      f"cannot load ({type(e).__name__}: {e})") from None
+        missing = [n for n in self._MTMD_FUNCTIONS if not hasattr(mt, n)]
+        if missing:
+            raise UnsupportedTest(f"image tests need llama.cpp's libmtmd; llama_cpp {self.version}'s mtmd_cpp has "
+                                  f"no {', '.join(missing)}")
+        if not self.verbose and hasattr(mt, "mtmd_log_set"):
+            mt.mtmd_log_set(self._log_cb, None)           # the encoder's own log (clip, mtmd)
+            if hasattr(mt, "mtmd_helper_log_set"):
+                mt.mtmd_helper_log_set(self._log_cb, None)
+        self.mt = mt
+        return mt
+
+    def _new_mtmd(self, inst: Instance) -> None:
+        mt = self._mtmd()
+        mp = mt.mtmd_context_params_default()
+        mp.n_threads = inst.n_threads
+        mp.print_timings = False
+        # the encoder where ggmlpy's goes: beside the output layer, on the CPU with -ngl 0 or -dev none
+        # (a llama.cpp built without a GPU backend runs it on the CPU either way)
+        mp.use_gpu = inst.devices != "none" and inst.n_gpu_layers != 0
+        if hasattr(mp, "flash_attn_type"):          # llama_flash_attn_type: -1 auto, 0 off, 1 on, as -fa
+            mp.flash_attn_type = inst.flash_attn
+        self.mctx = mt.mtmd_init_from_file(inst.mmproj.encode(), self.model, mp)
+        if not self.mctx:
+            raise BenchError(f"llama.cpp (mtmd) failed to load the mmproj {inst.mmproj} for {inst.model} "
+                             "(run with -v for its log)")
+
+    def prepare_images(self, inst: Instance, image: np.ndarray) -> tuple[int, int]:
+        mt = self.mt
+        ny, nx = image.shape[:2]
+        data = np.ascontiguousarray(image, dtype=np.uint8).tobytes()
+        self._bitmap = mt.mtmd_bitmap_init(nx, ny, (ctypes.c_uint8 * len(data)).from_buffer_copy(data))
+        self._chunks = mt.mtmd_input_chunks_init()
+        if not self._bitmap or not self._chunks:
+            raise BenchError("llama.cpp (mtmd): could not allocate the image")
+        marker = mt.mtmd_default_marker()
+        text = mt.mtmd_input_text(text=marker, text_len=len(marker), add_special=False, parse_special=True)
+        bitmaps = (mt.mtmd_bitmap_p_ctypes * 1)(self._bitmap)
+        rc = mt.mtmd_tokenize(self.mctx, self._chunks, ctypes.byref(text), bitmaps, 1)
+        if rc != 0:
+            raise BenchError(f"llama.cpp (mtmd): mtmd_tokenize failed ({rc})")
+        image_type = getattr(mt, "MTMD_INPUT_CHUNK_TYPE_IMAGE", 1)
+        chunks = [mt.mtmd_input_chunks_get(self._chunks, i) for i in range(mt.mtmd_input_chunks_size(self._chunks))]
+        self._image_chunks = [(c, int(mt.mtmd_input_chunk_get_n_tokens(c))) for c in chunks
+                              if mt.mtmd_input_chunk_get_type(c) == image_type]
+        if not self._image_chunks:
+            raise BenchError("llama.cpp (mtmd): the image gave no image chunk")
+        ll = self.ll
+        self._n_embd = int((getattr(ll, "llama_model_n_embd_inp", None) or ll.llama_model_n_embd)(self.model))
+        # one chunk per tile (idefics3: a chunk per slice, then the overview image)
+        return len(self._image_chunks), sum(n for _, n in self._image_chunks)
+
+    def encode_images(self, n: int) -> None:
+        mt, n_embd = self.mt, self._n_embd
+        for _ in range(n):
+            for chunk, n_tokens in self._image_chunks:
+                rc = mt.mtmd_encode_chunk(self.mctx, chunk)
+                if rc != 0:
+                    raise BenchError(f"llama.cpp (mtmd): mtmd_encode_chunk failed ({rc})")
+                out = mt.mtmd_get_output_embd(self.mctx)
+                if not out:
+                    raise BenchError("llama.cpp (mtmd): no output embeddings")
+                np.ctypeslib.as_array(out, shape=(n_tokens * n_embd,)).copy()    # read, as ggmlpy's output is
+
+    def _free_mtmd(self) -> None:
+        mt = self.mt
+        self._image_chunks = []
+        if self._chunks:
+            mt.mtmd_input_chunks_free(self._chunks)
+        if self._bitmap:
+            mt.mtmd_bitmap_free(self._bitmap)
+        if self.mctx:
+            mt.mtmd_free(self.mctx)
+        self._chunks = self._bitmap = self.mctx = None

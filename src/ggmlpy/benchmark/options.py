@@ -254,6 +254,8 @@ class BenchParams:
     list_devices: bool = False
     roofline: bool = False
     roofline_refresh: bool = False
+    n_images: list[int] = field(default_factory=list)
+    mmproj: list[str] = field(default_factory=list)
 
 
 #: (option strings, BenchParams attribute, parser, help) for the swept test parameters. Several options may
@@ -264,6 +266,10 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-p", "--n-prompt"), "n_prompt", parse_int_range, "prompt sizes (default 512)"),
     (("-n", "--n-gen"), "n_gen", parse_int_range, "generation sizes (default 128)"),
     (("-pg",), "n_pg", lambda s: [_parse_pg(s)], "PROMPT,GEN: prompt then generation in one test"),
+    (("-i", "--n-images"), "n_images", parse_int_range, "images encoded per image test (imgN; needs --mmproj; "
+     "default: no image tests)"),
+    (("--mmproj",), "mmproj", _split, "the vision encoder (mmproj GGUF) of the -m model: one file for all "
+     "models, or one per -m in order (comma list or repeated)"),
     (("-d", "--n-depth"), "n_depth", parse_int_range, "tokens already in the cache (default 0)"),
     (("-b", "--batch-size"), "n_batch", parse_int_range, "logical batch size (default 2048)"),
     (("-ub", "--ubatch-size"), "n_ubatch", parse_int_range, "physical batch size (default 512)"),
@@ -309,7 +315,8 @@ class _ArgParser(argparse.ArgumentParser):
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The argument parser of ``ggmlpy bench`` (llama-bench's options plus ours)."""
     ap = _ArgParser(prog=prog, description="Prompt processing (pp) and token generation (tg) "
-                    "throughput, llama-bench compatible.", allow_abbrev=False)
+                    "throughput, llama-bench compatible; with -i and --mmproj, image encoding (img: the vision "
+                    "encoder's embedding rows per second, preprocessing not timed).", allow_abbrev=False)
     for i, (opts, _attr, _, help_) in enumerate(_LIST_OPTIONS):
         ap.add_argument(*opts, dest=str(i), action=_Swept, metavar="V", help=help_)
     ap.set_defaults(swept=[])
@@ -415,7 +422,7 @@ def _validate(p: BenchParams) -> None:
         raise BenchError(f"--rounds {p.rounds}: at least one round is needed")
     if p.delay < 0:
         raise BenchError(f"--delay {p.delay}: must be >= 0")
-    for name in ("n_prompt", "n_gen", "n_depth"):
+    for name in ("n_prompt", "n_gen", "n_depth", "n_images"):
         if any(v < 0 for v in getattr(p, name)):
             raise BenchError(f"{name}: sizes must be >= 0")
     for name in ("n_batch", "n_ubatch", "n_threads"):
@@ -426,6 +433,7 @@ def _validate(p: BenchParams) -> None:
         if peer.lower() not in ("llama.cpp", "llama_cpp", "llamacpp", "llama-cpp"):
             raise BenchError(f"--vs {peer!r}: the only peer engine is llama.cpp")
     p.vs = ["llama.cpp"] if p.vs else []
+    _validate_images(p)
     if not p.models:
         try:
             p.synthetic = [parse_size(s) for s in p.synthetic]
@@ -439,6 +447,24 @@ def _validate(p: BenchParams) -> None:
         for a in p.archs:
             if a not in ARCHS:
                 raise BenchError(f"--arch {a}: expected one of {', '.join(ARCHS)}")
+
+
+def _validate_images(p: BenchParams) -> None:
+    """-i needs --mmproj and a -m model (the built-in model has no vision encoder); --mmproj gives one file for
+    all models or one per model."""
+    if any(n > 0 for n in p.n_images):
+        if not p.models:
+            raise BenchError("-i: image tests need -m MODEL and --mmproj FILE (the built-in synthetic model has no "
+                             "vision encoder)")
+        if not p.mmproj:
+            raise BenchError("-i: image tests need the model's vision encoder: --mmproj FILE (the mmproj GGUF "
+                             "convert_hf_to_gguf.py --mmproj writes)")
+    if p.mmproj:
+        if not p.models:
+            raise BenchError("--mmproj: needs -m MODEL (the built-in synthetic model has no vision encoder)")
+        if len(p.mmproj) not in (1, len(p.models)):
+            raise BenchError(f"--mmproj: {len(p.mmproj)} files for {len(p.models)} models (-m): give one for all "
+                             "models or one per model, in -m's order")
 
 
 def _validate_cache_types(p: BenchParams) -> None:
@@ -460,17 +486,33 @@ def _validate_cache_types(p: BenchParams) -> None:
 # --------------------------------------------------------------------------- instances
 
 def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Instance]:
-    """All tests in llama-bench's order (a model is reloaded as rarely as possible)."""
+    """All tests in llama-bench's order (a model is reloaded as rarely as possible).
+
+    The token tests (pp, tg, pp+tg) sweep every parameter, as llama-bench's do. The image tests (``-i``)
+    come after the token tests of each model configuration (the model is loaded once more, with its
+    encoder) and sweep only what changes the encoding: the model's placement, flash attention (llama.cpp's
+    encoder uses it) and the threads; they take the first value of every other list and no depth.
+    """
+    models = list(models if models is not None else p.models)
+    mmprojs = (p.mmproj * len(models) if len(p.mmproj) == 1 else list(p.mmproj)) if p.mmproj else []
+    images = [n for n in p.n_images if n > 0]
     out = []
     # llama-bench's nesting: model parameters outermost
-    for m, ngl, lm, dev, rpk, embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
-            models if models is not None else p.models, p.n_gpu_layers, p.load_mode, p.devices, p.repack,
-            p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
-            p.n_threads, p.n_depth):
-        common = dict(model=m, n_depth=nd, n_batch=nb, n_ubatch=nub, type_k=tk, type_v=tv,
-                      n_threads=nt, n_gpu_layers=ngl, devices=dev, flash_attn=fa, load_mode=lm,
-                      no_kv_offload=nkvo, embeddings=embd, repack=rpk)
-        out += [Instance(n_prompt=n, n_gen=0, **common) for n in p.n_prompt if n > 0]
-        out += [Instance(n_prompt=0, n_gen=n, **common) for n in p.n_gen if n > 0]
-        out += [Instance(n_prompt=a, n_gen=b, **common) for a, b in p.n_pg if a or b]
+    for (k, m), ngl, lm, dev, rpk in itertools.product(enumerate(models), p.n_gpu_layers, p.load_mode, p.devices,
+                                                       p.repack):
+        model = dict(model=m, n_gpu_layers=ngl, devices=dev, load_mode=lm, repack=rpk)
+        for embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
+                p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
+                p.n_threads, p.n_depth):
+            common = dict(n_depth=nd, n_batch=nb, n_ubatch=nub, type_k=tk, type_v=tv, n_threads=nt,
+                          flash_attn=fa, no_kv_offload=nkvo, embeddings=embd, **model)
+            out += [Instance(n_prompt=n, n_gen=0, **common) for n in p.n_prompt if n > 0]
+            out += [Instance(n_prompt=0, n_gen=n, **common) for n in p.n_gen if n > 0]
+            out += [Instance(n_prompt=a, n_gen=b, **common) for a, b in p.n_pg if a or b]
+        if images and k < len(mmprojs):
+            for fa, nt in itertools.product(p.flash_attn, p.n_threads):
+                common = dict(n_batch=p.n_batch[0], n_ubatch=p.n_ubatch[0], type_k=p.type_k[0], type_v=p.type_v[0],
+                              n_threads=nt, flash_attn=fa, no_kv_offload=p.no_kv_offload[0],
+                              embeddings=p.embeddings[0], mmproj=mmprojs[k], **model)
+                out += [Instance(n_prompt=0, n_gen=0, n_images=n, **common) for n in images]
     return out

@@ -7,7 +7,9 @@ spellings, so its tools read ours; CSV, JSON and JSONL add ours
 With ``--roofline``, every format (SQL too) ends with :data:`ROOFLINE_FIELDS`,
 the table with four columns (``GB/s``, ``% bw``, ``GFLOP/s``, ``% peak``) and a
 footnote giving the machine's measured bounds; without it the output is
-llama-bench's.
+llama-bench's. With image tests (``-i``), every format but the table ends with
+:data:`IMAGE_FIELDS` (after the roofline's); the table shows them as tests named
+``imgN`` whose t/s counts image embedding rows.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from .options import PROG, BenchParams
 from .results import Instance, Result, _ratio_key
 from .roofline import FIELDS as ROOFLINE_FIELDS
 
-__all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "INT_FIELDS", "ROOFLINE_FIELDS", "CsvPrinter",
-           "JsonPrinter", "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "format_results",
+__all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "IMAGE_FIELDS", "INT_FIELDS", "ROOFLINE_FIELDS",
+           "CsvPrinter", "JsonPrinter", "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "format_results",
            "make_printer", "plot", "swept_variable"]
 
 #: llama-bench's CSV/JSON field list (source @ 0104b151, with the ``repack`` of the llama.cpp in
@@ -51,6 +53,11 @@ FLOAT_FIELDS = frozenset(("avg_ts", "stddev_ts"))
 
 #: Our fields, written after llama-bench's (and after the samples in JSON).
 EXTRA_FIELDS = ("engine", "engine_version", "ggmlpy_version", "load_time_ms", "ttft_ms")
+#: The image tests' fields (``-i``), written last, only when ``-i`` is given: images per repetition, the mmproj
+#: file, the image's side in pixels, the tiles the engine cut it into and its embedding rows per image (0 and ""
+#: on the token tests of the run).
+IMAGE_FIELDS = ("n_images", "mmproj", "image_size", "image_tiles", "image_tokens")
+_IMAGE_INTS = frozenset(("n_images", "image_size", "image_tiles", "image_tokens"))
 #: The ``--roofline`` fields that are integers (the others are floats); all may be null.
 _ROOFLINE_INTS = frozenset(("roofline_weight_bytes", "roofline_kv_bytes", "roofline_flops"))
 #: The table's ``--roofline`` columns: field, heading, width, format.
@@ -63,6 +70,11 @@ _ROOFLINE_NOTE = ("GB/s: t/s x the weight and KV-cache bytes read per generated 
 
 def _roofline(r: Result) -> dict[str, Any]:
     return r.roofline or dict.fromkeys(ROOFLINE_FIELDS)
+
+
+def _images(params: BenchParams) -> bool:
+    """Whether the run has image tests (and its CSV/JSON/SQL the image fields)."""
+    return any(n > 0 for n in params.n_images)
 
 
 # --------------------------------------------------------------------------- printers
@@ -213,11 +225,13 @@ class CsvPrinter(Printer):
             k for peer in self.params.vs for k in (_ratio_key(peer), _ratio_key(peer) + "_stddev")]
         if self.params.roofline:
             self.names += ROOFLINE_FIELDS
+        if _images(self.params):
+            self.names += IMAGE_FIELDS
         self._write(",".join(self.names) + "\n")
 
     def rows(self, results: list[Result]) -> None:
         for r in results:
-            rec = {**r.record(), **r.extras(self.params.vs), **_roofline(r)}
+            rec = {**r.record(), **r.extras(self.params.vs), **_roofline(r), **r.image_fields()}
             buf = io.StringIO()
             csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n").writerow(
                 [_value_str(n, rec[n]) for n in self.names])
@@ -231,6 +245,8 @@ def _json_record(r: Result, params: BenchParams) -> dict[str, Any]:
     rec.update(r.extras(params.vs))
     if params.roofline:
         rec.update(_roofline(r))
+    if _images(params):
+        rec.update(r.image_fields())
     return rec
 
 
@@ -270,13 +286,16 @@ class SqlPrinter(Printer):
         cols = [f"  {f} {sql_type(f)}" for f in FIELDS]
         if self.params.roofline:      # (a table made without them needs them added: ALTER TABLE ... ADD COLUMN)
             cols += [f"  {f} {'INTEGER' if f in _ROOFLINE_INTS else 'REAL'}" for f in ROOFLINE_FIELDS]
+        if _images(self.params):      # (likewise)
+            cols += [f"  {f} {'INTEGER' if f in _IMAGE_INTS else 'TEXT'}" for f in IMAGE_FIELDS]
         cols_text = ",\n".join(cols)
         self._write(f"CREATE TABLE IF NOT EXISTS llama_bench (\n{cols_text}\n);\n\n")
 
     def rows(self, results: list[Result]) -> None:
-        names = list(FIELDS) + (list(ROOFLINE_FIELDS) if self.params.roofline else [])
+        names = (list(FIELDS) + (list(ROOFLINE_FIELDS) if self.params.roofline else [])
+                 + (list(IMAGE_FIELDS) if _images(self.params) else []))
         for r in results:
-            rec = {**r.record(), **_roofline(r)}
+            rec = {**r.record(), **_roofline(r), **r.image_fields()}
             vals = ", ".join("NULL" if f in ROOFLINE_FIELDS and rec[f] is None else
                              "'" + _value_str(f, rec[f]).replace("'", "''") + "'" for f in names)
             self._write(f"INSERT INTO llama_bench ({', '.join(names)}) VALUES ({vals});\n")
@@ -346,7 +365,7 @@ def plot(results: list[Result], path: str | os.PathLike) -> None:
             kind = "pp" if i.n_gen == 0 else f"pp+tg{i.n_gen}"
             kind += f" @ d{i.n_depth}" if i.n_depth else ""
         elif x_name == "n_depth":
-            kind = Instance(i.model, i.n_prompt, i.n_gen).name
+            kind = Instance(i.model, i.n_prompt, i.n_gen, n_images=i.n_images).name
         else:
             kind = i.name
         key = (Path(i.model).stem, r.engine, kind)  # engines name one model differently

@@ -1,5 +1,9 @@
 """One test (:class:`Instance`) and what one engine measured on it (:class:`Result`), with the ratios of two results.
 
+A test is a prompt (``pp``), a generation (``tg``), both (``pp+tg``), or the encoding of images (``img``,
+``-i``): an image test has no tokens (``n_prompt = n_gen = 0``), ``n_images`` images and the mmproj file of
+their encoder, and its rate counts the image embedding rows the encoder gives the text model.
+
 Both processes of ``--vs`` use these: the driver sends an Instance to the
 llama.cpp worker and gets a Result back, each as a dict of JSON values. So this
 module imports nothing from ggmlpy.
@@ -17,7 +21,11 @@ __all__ = ["Instance", "Result", "ratio", "round_ratio"]
 
 @dataclass(frozen=True)
 class Instance:
-    """One test: a model, a configuration and its sizes."""
+    """One test: a model, a configuration and its sizes.
+
+    An image test (``n_images > 0``) has ``n_prompt = n_gen = n_depth = 0`` and the encoder's ``mmproj``
+    file; the fields after them default so that every other test is what it was before they existed.
+    """
 
     model: str
     n_prompt: int
@@ -35,6 +43,10 @@ class Instance:
     no_kv_offload: bool = False
     embeddings: bool = False
     repack: bool = True
+    #: images encoded per repetition (an ``img`` test; 0 for token tests)
+    n_images: int = 0
+    #: the mmproj GGUF file of the vision encoder (image tests only; "" otherwise)
+    mmproj: str = ""
 
     @property
     def n_ctx(self) -> int:
@@ -43,8 +55,11 @@ class Instance:
 
     @property
     def name(self) -> str:
-        """llama-bench's test name: ``pp512``, ``tg128``, ``pp512+tg128``, `` @ d1024``."""
-        if self.n_prompt > 0 and self.n_gen == 0:
+        """llama-bench's test name: ``pp512``, ``tg128``, ``pp512+tg128``, `` @ d1024``; ours for images:
+        ``img1``."""
+        if self.n_images > 0:
+            s = f"img{self.n_images}"
+        elif self.n_prompt > 0 and self.n_gen == 0:
             s = f"pp{self.n_prompt}"
         elif self.n_gen > 0 and self.n_prompt == 0:
             s = f"tg{self.n_gen}"
@@ -53,8 +68,9 @@ class Instance:
         return s + (f" @ d{self.n_depth}" if self.n_depth > 0 else "")
 
     def model_key(self) -> tuple:
-        """What decides whether the model must be reloaded between two tests."""
-        return (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack)
+        """What decides whether the model must be reloaded between two tests (the mmproj: whether it is
+        loaded with a vision encoder, and which)."""
+        return (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack, self.mmproj)
 
 
 def _mean(v: list[float]) -> float:
@@ -92,11 +108,22 @@ class Result:
     ratios: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: ``--roofline``'s fields (:func:`ggmlpy.benchmark.roofline.roofline_fields`), set by the driver.
     roofline: dict[str, Any] | None = None
+    #: image tests: the side in pixels of the (square) image given to the engine, the tiles the engine cut it
+    #: into, and the embedding rows it gave the text model per image (tiles x tokens per tile); 0 otherwise
+    image_size: int = 0
+    image_tiles: int = 0
+    image_tokens: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens one repetition processes: prompt and generated tokens, or the image tests' embedding rows
+        (``n_images x image_tokens``)."""
+        return self.inst.n_prompt + self.inst.n_gen + self.inst.n_images * self.image_tokens
 
     @property
     def samples_ts(self) -> list[float]:
-        """Per-repetition rates in tokens per second."""
-        n = self.inst.n_prompt + self.inst.n_gen
+        """Per-repetition rates in tokens per second (image tests: embedding rows per second)."""
+        n = self.n_tokens
         return [1e9 * n / t for t in self.samples_ns]
 
     @property
@@ -151,6 +178,13 @@ class Result:
             out[_ratio_key(peer)] = r[0] if r else None
             out[_ratio_key(peer) + "_stddev"] = r[1] if r else None
         return out
+
+    def image_fields(self) -> dict[str, Any]:
+        """The image tests' fields (:data:`ggmlpy.benchmark.output.IMAGE_FIELDS`), written after all others
+        when ``-i`` is given (zeros and "" on the token tests of such a run)."""
+        i = self.inst
+        return {"n_images": i.n_images, "mmproj": i.mmproj, "image_size": self.image_size,
+                "image_tiles": self.image_tiles, "image_tokens": self.image_tokens}
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -7,9 +7,10 @@ process, the worker, runs :func:`serve`. They speak one JSON object a line:
 * the worker starts with ``{"ok": true, "version": ...}``, or
   ``{"ok": false, "error": ...}`` and exits (llama_cpp missing or broken);
 * ``{"cmd": "run", "inst": {Instance fields}, "reps", "seed", "index",
-  "warmup", "delay", "progress_prefix"}`` runs one test
+  "warmup", "delay", "progress_prefix"}`` (image tests: and ``"image_size"``) runs one test
   (:func:`~.engines.run_instance`) and gets ``{"ok": true, "result": {Result
-  fields}}`` or ``{"ok": false, "error": "Type: message"}``;
+  fields}}`` or ``{"ok": false, "error": "Type: message"}`` (with ``"unsupported": true`` for a
+  test the engine cannot run at all, :class:`~.errors.UnsupportedTest`);
 * ``{"cmd": "exit"}``, or the end of its input, ends the worker.
 
 The worker must never load ggmlpy: llama-cpp-python and ggmlpy each ship a
@@ -52,15 +53,19 @@ if __name__ == "__main__" and not __package__:
     sys.exit(importlib.import_module(WORKER_PACKAGE + ".worker").serve(sys.argv[2], "-v" in sys.argv[3:]))
 
 from .engines import Engine, run_instance  # noqa: E402  (after the worker's set-up above)
-from .errors import BenchError  # noqa: E402
+from .errors import BenchError, UnsupportedTest  # noqa: E402
 from .llamacpp import LlamaCppEngine  # noqa: E402
 from .results import Instance, Result  # noqa: E402
 
-__all__ = ["WORKER_PACKAGE", "PeerUnavailable", "WorkerClient", "serve"]
+__all__ = ["WORKER_PACKAGE", "PeerUnavailable", "PeerUnsupported", "WorkerClient", "serve"]
 
 
 class PeerUnavailable(BenchError):
     """The peer engine's package is not installed (or does not start)."""
+
+
+class PeerUnsupported(UnsupportedTest):
+    """The peer cannot run this kind of test (llama.cpp's image tests without libmtmd): a skip, not a failure."""
 
 
 class WorkerClient:
@@ -104,7 +109,7 @@ class WorkerClient:
             raise BenchError(f"the {self.engine} worker is gone: {e}") from None
         reply = self._recv()
         if not reply.get("ok"):
-            raise BenchError(reply.get("error", "worker error"))
+            raise (PeerUnsupported if reply.get("unsupported") else BenchError)(reply.get("error", "worker error"))
         return Result.from_dict(reply["result"])
 
     def close(self) -> None:
@@ -153,13 +158,15 @@ def serve(engine_name: str, verbose: bool) -> int:
             if msg.get("cmd") != "run":
                 break
             inst = Instance(**msg["inst"])
-            kw = {k: msg[k] for k in ("reps", "seed", "index", "warmup", "delay") if k in msg}
+            kw = {k: msg[k] for k in ("reps", "seed", "index", "warmup", "delay", "image_size") if k in msg}
             prefix = msg.get("progress_prefix")
             prog = (lambda s, _p=prefix: print(f"{_p}{s}", file=sys.stderr, flush=True)) if prefix \
                 else None
             try:
                 res = run_instance(engine, inst, progress=prog, **kw)
                 send({"ok": True, "result": res.to_dict()})
+            except UnsupportedTest as e:
+                send({"ok": False, "error": str(e), "unsupported": True})
             except Exception as e:
                 send({"ok": False, "error": f"{type(e).__name__}: {e}"})
     finally:

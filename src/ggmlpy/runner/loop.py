@@ -8,6 +8,7 @@ The loop (after Ollama's ``ollamarunner``) admits requests into slots (prefix re
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -65,7 +66,9 @@ class Runner:
     model : ggmlpy.models.LlamaModel
         A loaded model.
     n_ctx : int
-        Context per sequence (cache cells per sequence; positions stay below it).
+        Context per sequence (cache cells per sequence; positions stay below it). Default: the context a
+        placement search chose the model's layout for (``model.fit.n_ctx``, see ``load_model(...,
+        n_gpu_layers="auto")``), else 2048.
     n_batch, n_ubatch : int
         Tokens per logical batch and per computed micro-batch; shrunk to ``n_ctx``.
     n_seq_max : int
@@ -135,13 +138,16 @@ class Runner:
     :class:`~ggmlpy.ClosedError`.
     """
 
-    def __init__(self, model, n_ctx: int = 2048, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
+    def __init__(self, model, n_ctx: Optional[int] = None, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
                  n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
                  offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None, vision=None,
                  image_token: Optional[int] = None, image_cache: int = 32) -> None:
-        if not getattr(model, "loaded", True):
+        if not getattr(model, "loaded", True) and not getattr(self, "_measuring", False):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
+        if n_ctx is None:
+            fit = getattr(model, "fit", None)
+            n_ctx = fit.n_ctx if fit is not None else 2048
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
             if int(v) < 1:
                 raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
@@ -209,6 +215,27 @@ class Runner:
                                       f"n_seq_max={self.n_seq_max}, n_ubatch={self.n_ubatch} ({e})\n{self.report}",
                                       self.report) from e
             raise
+
+    @classmethod
+    def measure(cls, model, **kw) -> MemoryReport:
+        """What a runner with these settings allocates on ``model``, then freed: a copy of the memory report.
+
+        The cache and the worst-case graphs are allocated and reserved as by the constructor (``kw`` are
+        its parameters), on a model whose weights need only be allocated (``load_model(..., load=False)``:
+        no data read), then freed. ``load_model(..., n_gpu_layers="auto")`` tries placements with it.
+
+        Raises
+        ------
+        GGMLMemoryError
+            As the constructor (``.report`` says what each device needed).
+        """
+        self = cls.__new__(cls)
+        self._measuring = True
+        self.__init__(model, **kw)
+        try:
+            return copy.deepcopy(self.report)
+        finally:
+            self.close()
 
     # ------------------------------------------------------------------ set-up
 
@@ -506,13 +533,35 @@ class Runner:
 
     def _encode(self, entry) -> None:
         """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""
-        g = self.vision.build(len(entry.tiles))
+        self.images.set_embd(entry, self._encode_tiles(entry.tiles))
+
+    def _encode_tiles(self, tiles: np.ndarray) -> np.ndarray:
+        g = self.vision.build(len(tiles))
         try:
-            self.rt.run(g.graph, lambda: g.set_inputs(entry.tiles))
+            self.rt.run(g.graph, lambda: g.set_inputs(tiles))
             out = np.asarray(g.output.get(), dtype=np.float32)
         finally:
             g.free()
-        self.images.set_embd(entry, out.reshape(entry.n_rows, self.vision.config.n_embd_text))
+        return out.reshape(-1, self.vision.config.n_embd_text)
+
+    def encode_image(self, image) -> np.ndarray:
+        """An image's embeddings as the text model receives them: ``float32[rows, n_embd]``, the rows of its
+        tiles in order (what replaces its image tokens in a prompt); computed now, synchronously, through
+        this runner's scheduler, and not kept (prompts keep theirs, see :meth:`submit`).
+
+        ``image`` is anything ``images=`` takes (a :class:`~ggmlpy.vision.preprocess.PreprocessedImage`
+        skips the preprocessing, as ``ggmlpy bench -i`` times it).
+
+        Raises
+        ------
+        GGMLValueError
+            No vision encoder, a bad image, one over the reservation's tile bound, or requests being
+            served (like :meth:`decode`, for direct use).
+        """
+        _, (pre,) = self._expand_images([], [image], "encode_image", True)      # checked there
+        tiles = np.ascontiguousarray(pre.pixel_values, dtype=np.float32)
+        with self._direct("encode_image"):
+            return self._encode_tiles(tiles)
 
     def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
                embeddings: bool = False, images: Sequence = ()) -> Optional[np.ndarray]:
