@@ -611,3 +611,8 @@ cdef extern from "ggmlpy_rpc.h" nogil:
     ggml_backend_reg * ggml_backend_rpc_add_server(const char * endpoint)
     void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
                                        size_t n_devices, ggml_backend_dev_t * devices)
+
+# ggmlpy_budget.h: a device that is another one holding at most a byte budget,
+# for RPC servers that advertise a memory size (rpc_start_server's mem).
+cdef extern from "ggmlpy_budget.h" nogil:
+    ggml_backend_dev_t ggmlpy_budget_device_new(ggml_backend_dev_t dev, size_t budget)

@@ -272,6 +272,8 @@ class MemoryReport:
     def __init__(self, n_layers: int = 0):
         self.n_layers = n_layers
         self.devices: dict[str, DeviceMemory] = {}
+        #: how the placement was chosen (``load_model(..., n_gpu_layers="auto")``: a FitResult), else None
+        self.fit: Any = None
 
     def device(self, dev: Device) -> DeviceMemory:
         m = self.devices.get(dev.name)
@@ -303,8 +305,11 @@ class MemoryReport:
         return sum(m.self_total for m in self.devices.values())
 
     def to_dict(self) -> dict:
-        return {"n_layers": self.n_layers, "devices": {k: m.to_dict() for k, m in self.devices.items()},
-                "total": self.total}
+        out = {"n_layers": self.n_layers, "devices": {k: m.to_dict() for k, m in self.devices.items()},
+               "total": self.total}
+        if self.fit is not None:
+            out["fit"] = self.fit.to_dict()
+        return out
 
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
@@ -345,6 +350,8 @@ class MemoryReport:
             rows = [["device", "weights", "graph"]]
             rows += [[m.name, _mib(m.weights.get("vision", 0)), _mib(m.graphs.get("vision", 0))] for m in vision]
             lines += ["", "vision encoder [MiB] (included above; its graph shares the compute buffer)", _table(rows)]
+        if self.fit is not None:
+            lines += ["", str(self.fit)]
         return "\n".join(lines)
 
 
@@ -767,9 +774,11 @@ class Runtime:
             self.report.device(d).graphs.clear()
         for label, make in steps:
             gf = make()
-            need = self.sched.reserve_size(gf)       # measured without allocating, for the report
+            # measured without allocating, for the report; keyed by backend name ("RPC0[host:port]")
+            by_backend = self.sched.reserve_size(gf)
+            need = {d.name: by_backend.get(b.name, 0) for d, b in zip(self.devices, self.backends)}
             for d in self.devices:
-                self.report.note_graph(d, label, need.get(d.name, 0))
+                self.report.note_graph(d, label, need[d.name])
             try:
                 self.sched.reserve(gf)
             except MemoryError as e:

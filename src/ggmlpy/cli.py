@@ -18,15 +18,38 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mem_mib(text: str) -> float:
+    """An ``rpc-server --mem`` value: MiB (decimals allowed), 0 for the device's own memory (llama.cpp's
+    rpc-server ``-m``, in MiB)."""
+    try:
+        mib = float(text)
+    except ValueError:
+        mib = -1.0
+    if not (mib == 0 or 1 <= mib * (1 << 20) < 2.0 ** 64):       # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be a number of MiB from 1 byte up, 0 for the device's own "
+                                         f"memory (got {text!r})")
+    return mib
+
+
 def _cmd_rpc_server(args: argparse.Namespace) -> int:
     from ggmlpy import _core
 
-    devs = [_core.device(name) for name in args.device] if args.device else None
+    devs = [_core.device(name) for name in args.device] if args.device else [_core.device("CPU")]
+    mem = args.mem or [0]
+    if len(mem) == 1:
+        mem = mem * len(devs)
+    elif len(mem) != len(devs):
+        print(f"ggmlpy rpc-server: error: {len(mem)} --mem sizes for {len(devs)} device(s): give one for every "
+              f"device, or one per --device", file=sys.stderr)
+        return 2
+    limits = [round(mib * (1 << 20)) if mib else None for mib in mem]
     endpoint = f"{args.host}:{args.port}"
-    names = ", ".join(d.name for d in devs) if devs else "CPU"
+    # what each device advertises to clients: its limit, or its own total
+    names = ", ".join(f"{d.name} ({mib:g} MiB)" if mib else f"{d.name} ({d.memory()[1] >> 20} MiB, its own)"
+                      for d, mib in zip(devs, mem))
     print(f"ggmlpy rpc-server: serving {names} at {endpoint} (Ctrl-C to stop)", flush=True)
     try:
-        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads)
+        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads, mem=limits)
     except (OSError, ValueError) as e:
         print(f"ggmlpy rpc-server: {e}", file=sys.stderr)
         return 1
@@ -355,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (default: all cores)")
     p.add_argument("--device", "-d", action="append", help="device to serve (repeatable; default CPU)")
     p.add_argument("--cache-dir", default=None, help="cache tensors received by hash in this folder")
+    p.add_argument("--mem", "-m", type=_mem_mib, action="append", metavar="MiB",
+                   help="memory each device offers clients, in MiB (decimals allowed): it reports this "
+                        "size and refuses allocations beyond it (one for all devices, or one per --device; "
+                        "default 0: the device's own memory)")
     p.set_defaults(func=_cmd_rpc_server)
     return ap
 

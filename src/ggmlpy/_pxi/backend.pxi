@@ -331,7 +331,7 @@ cdef class BufferType:
         if b == NULL:
             _rpc_check("alloc_buffer", self.endpoint)
             raise GGMLMemoryError(f"alloc_buffer: could not allocate {_fmt_bytes(size)} of {self.name} "
-                                  f"on device {self.dev_name}")
+                                  f"on device {self.dev_name}{_free_note(self)}")
         return Buffer._make(b, self)
 
     def __eq__(self, other):
@@ -460,6 +460,22 @@ cdef class Buffer:
         return f"<ggmlpy.Buffer {self.name} {_fmt_bytes(self.size)}>"
 
 
+cdef str _free_note(BufferType bt):
+    # After a failed allocation: " (it reports N free of M)" from the buffer type's device, or "" where
+    # the device reports no memory or asking could abort (an RPC server with ggml's unpatched client).
+    cdef size_t free_b = 0, total_b = 0
+    cdef g.ggml_backend_dev_t dev = g.ggml_backend_buft_get_device(bt.ptr)
+    if dev == NULL or (bt.endpoint is not None and not g.GGMLPY_RPC_ERRORS):
+        return ""
+    with nogil:
+        g.ggml_backend_dev_memory(dev, &free_b, &total_b)
+    if bt.endpoint is not None:
+        _rpc_discard()       # a server lost meanwhile: the note is left out, the allocation error stands
+    if total_b == 0:
+        return ""
+    return f" (it reports {_fmt_bytes(free_b)} free of {_fmt_bytes(total_b)})"
+
+
 cdef object _owner_endpoint(object owner):
     # RPC endpoint ("host:port") of the device a BufferType or Backend belongs to, else None.
     if isinstance(owner, BufferType):
@@ -559,7 +575,7 @@ def alloc_ctx_tensors(Context ctx not None, target):
         ctx.stale_below = g.ggml_used_mem(ctx.ptr)
         _rpc_check("alloc_ctx_tensors", bt.endpoint)
         raise GGMLMemoryError(f"alloc_ctx_tensors: could not allocate {_fmt_bytes(need)} of {bt.name} on device "
-                              f"{bt.dev_name}; the context's tensors are invalid now")
+                              f"{bt.dev_name}{_free_note(bt)}; the context's tensors are invalid now")
     buf = Buffer._make(b, bt)
     (<Buffer> buf).ctxs.append(ctx)
     ctx.keep.append(buf)

@@ -767,18 +767,55 @@ def rpc_add_server(str endpoint, float timeout=5.0):
     return list(devs)
 
 
-def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_threads=0):
+cdef object _rpc_server_budget(object v, str where):
+    # One entry of rpc_start_server's mem: None (no limit) or a byte count.
+    cdef size_t c_max = <size_t> -1
+    if v is None:
+        return None
+    try:
+        n = operator.index(v) if not isinstance(v, bool) else None
+    except TypeError:
+        n = None
+    if n is None:
+        raise GGMLValueError(f"rpc_start_server: {where} must be None, a whole number of bytes, or a list of one "
+                             f"per device (got {v!r})")
+    if not 0 < n <= c_max:
+        raise GGMLValueError(f"rpc_start_server: {where} must be a byte count in 1..{c_max} or None (got {n})")
+    return n
+
+
+def _rpc_server_budgets(mem, size_t n):
+    # rpc_start_server's mem as one entry per device.
+    if not isinstance(mem, (list, tuple)):
+        return [_rpc_server_budget(mem, "mem")] * n
+    if len(mem) != n:
+        raise GGMLValueError(f"rpc_start_server: mem lists {len(mem)} sizes for {n} device(s)")
+    return [_rpc_server_budget(v, f"mem[{i}]") for i, v in enumerate(mem)]
+
+
+def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_threads=0, mem=None):
     """Serve ``devices`` (default: the CPU) over ggml's RPC protocol at ``endpoint``; blocks.
 
     Run it in its own process (``ggmlpy rpc-server``): ggml's server has no
     stop call, and a malformed request aborts the process hosting it.
+
+    ``mem`` limits the memory a device offers its clients: None (each device
+    offers what it has), one byte count for every device, or a list with one
+    entry per device (None: that one is not limited). A limited device
+    reports the limit as its total and the limit less its live buffers as
+    free, and refuses an allocation that does not fit, which the client sees
+    as a failed allocation (GGMLMemoryError naming the device). The limit may
+    exceed the device's real memory; allocations then also fail where the
+    device runs out.
 
     Raises
     ------
     OSError
         The port is in use.
     GGMLValueError
-        A malformed endpoint.
+        A malformed endpoint, or a bad ``mem``.
+    GGMLMemoryError
+        A limited device could not be set up (it cannot allocate at all).
     """
     cdef g.ggml_backend_dev_t devs[16]
     cdef size_t n = 0
@@ -788,14 +825,22 @@ def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_thread
     if not g.GGMLPY_HAVE_RPC:
         raise _unavailable("RPC")
     addr, port = _parse_endpoint(endpoint, server=True)
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((addr, port))      # raises OSError (address in use) before ggml would just return
     dl = list(devices) if devices is not None else [device("CPU")]
     if not (1 <= len(dl) <= 16):
         _fail("rpc_start_server", "serve 1 to 16 devices")
-    for d in dl:
-        devs[n] = d.ptr
+    budgets = _rpc_server_budgets(mem, len(dl))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port))      # raises OSError (address in use) before ggml would just return
+    for d, budget in zip(dl, budgets):
+        if budget is None:
+            devs[n] = d.ptr
+        else:
+            # lives for the process, as ggml's server does not return while it serves
+            devs[n] = g.ggmlpy_budget_device_new(d.ptr, <size_t> budget)
+            if devs[n] == NULL:
+                raise GGMLMemoryError(f"rpc_start_server: could not give {d.name} a memory limit: it cannot "
+                                      f"allocate a buffer (or the host is out of memory)")
         n += 1
     if n_threads == 0:
         n_threads = _default_threads()

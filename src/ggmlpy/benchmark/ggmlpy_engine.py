@@ -20,7 +20,7 @@ from ggmlpy.runner import Runner
 
 from .engines import Engine
 from .errors import BenchError
-from .results import Instance
+from .results import AUTO_NGL, Instance
 
 __all__ = ["GgmlpyEngine", "has_gpu"]
 
@@ -60,8 +60,14 @@ class GgmlpyEngine(Engine):
 
     def load(self, inst: Instance) -> None:
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
-        self.model = load_model(inst.model, devices=devices, n_gpu_layers=inst.n_gpu_layers, rpc=self.rpc,
-                                mmap=inst.load_mode == "mmap", repack=inst.repack, mmproj=inst.mmproj or None)
+        kw: dict[str, Any] = {"n_gpu_layers": inst.n_gpu_layers}
+        if inst.n_gpu_layers == AUTO_NGL:
+            # fitted to this test's runner (Instance.model_key reloads for another one)
+            kw = {"n_gpu_layers": "auto", "n_ctx": inst.n_ctx, "n_batch": inst.n_batch, "n_ubatch": inst.n_ubatch,
+                  "type_k": inst.type_k, "type_v": inst.type_v,
+                  "flash_attn": None if inst.flash_attn < 0 else bool(inst.flash_attn)}
+        self.model = load_model(inst.model, devices=devices, rpc=self.rpc, mmap=inst.load_mode == "mmap",
+                                repack=inst.repack, mmproj=inst.mmproj or None, **kw)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}

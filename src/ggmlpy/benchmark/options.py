@@ -21,7 +21,7 @@ from ggmlpy.models.synthetic import ARCHS, TYPES, parse_size
 from ggmlpy.runner import Runner
 
 from .errors import BenchError
-from .results import Instance
+from .results import AUTO_NGL, Instance
 
 __all__ = ["CACHE_TYPES", "LOAD_MODES", "OUTPUTS", "PEERS", "PROG", "BenchParams", "build_parser",
            "default_threads", "make_instances", "parse_args", "parse_int_range"]
@@ -130,6 +130,17 @@ def _parse_bools(option: str) -> Callable[[str], list[bool]]:
                 raise BenchError(f"invalid {option} value {v!r}: expected 0 or 1")
         return out
     return parse
+
+
+def _parse_ngl(text: str) -> list[int]:
+    out: list[int] = []
+    for part in _split(text):
+        out += [AUTO_NGL] if part.lower() == "auto" else parse_int_range(part, True)
+    return out
+
+
+def _parse_fit(text: str) -> list[int]:
+    return [AUTO_NGL if b else -1 for b in _parse_bools("-fit")(text)]
 
 
 def _parse_mmap(text: str) -> list[str]:
@@ -278,8 +289,10 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types,
      "V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)"),
     (("-t", "--threads"), "n_threads", parse_int_range, "CPU threads (default: physical cores)"),
-    (("-ngl", "--n-gpu-layers"), "n_gpu_layers", lambda s: parse_int_range(s, True),
-     "layers on the GPU (default -1: all)"),
+    (("-ngl", "--n-gpu-layers"), "n_gpu_layers", _parse_ngl,
+     "layers on the GPU (default -1: all); auto: as many as fit each device's free memory, found by trying "
+     "allocations (-v prints the tries)"),
+    (("-fit", "--fit"), "n_gpu_layers", _parse_fit, "on: -ngl auto; off: -ngl -1"),
     (("-dev", "--device"), "devices", _parse_devices,
      "devices, '/'-separated (auto, none = CPU only; default auto)"),
     (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 from .errors import BenchError
 from .options import PROG, BenchParams
-from .results import Instance, Result, _ratio_key
+from .results import AUTO_NGL, Instance, Result, _ratio_key
 from .roofline import FIELDS as ROOFLINE_FIELDS
 
 __all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "IMAGE_FIELDS", "INT_FIELDS", "ROOFLINE_FIELDS",
@@ -91,7 +91,7 @@ def _value_str(name: str, value: Any) -> str:
 
 
 def _md_width(name: str) -> int:
-    widths = {"model": -30, "t/s": 20, "size": 10, "params": 10, "n_gpu_layers": 3,
+    widths = {"model": -30, "t/s": 20, "size": 10, "params": 10, "n_gpu_layers": 4,
               "n_threads": 7, "n_batch": 7, "n_ubatch": 8, "type_k": 6, "type_v": 6,
               "flash_attn": 3, "devices": -12, "load_mode": 10, "test": 15,
               **{f: w for f, _, w, _ in _ROOFLINE_MD}}
@@ -146,7 +146,7 @@ class MarkdownPrinter(Printer):
         fields = ["model", "size", "params", "backend"]
         if self.p_vs:
             fields.append("engine")
-        if self.gpu:
+        if self.gpu or p.n_gpu_layers != d.n_gpu_layers:
             fields.append("n_gpu_layers")
         if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
             fields.append("n_threads")
@@ -206,6 +206,8 @@ class MarkdownPrinter(Printer):
                 elif f.startswith("roofline_"):
                     x = _roofline(r).get(f)
                     v = "" if x is None else next(fm for n, _, _, fm in _ROOFLINE_MD if n == f).format(x)
+                elif f == "n_gpu_layers" and rec[f] == AUTO_NGL:
+                    v = "auto"
                 else:
                     v = _value_str(f, rec[f])
                 cells.append(f" {self._pad(v, _md_width(f))} |")

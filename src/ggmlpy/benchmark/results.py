@@ -16,7 +16,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Instance", "Result", "ratio", "round_ratio"]
+__all__ = ["AUTO_NGL", "Instance", "Result", "ratio", "round_ratio"]
+
+#: ``-ngl auto`` (``-fit on``): the layers placed by trying allocations (``load_model(n_gpu_layers="auto")``)
+AUTO_NGL = -2
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,11 @@ class Instance:
     def model_key(self) -> tuple:
         """What decides whether the model must be reloaded between two tests (the mmproj: whether it is
         loaded with a vision encoder, and which)."""
-        return (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack, self.mmproj)
+        key = (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack, self.mmproj)
+        if self.n_gpu_layers == AUTO_NGL:
+            # the placement is fitted to this test's context, batches and cache types
+            key += (self.n_ctx, self.n_batch, self.n_ubatch, self.type_k, self.type_v, self.flash_attn)
+        return key
 
 
 def _mean(v: list[float]) -> float:

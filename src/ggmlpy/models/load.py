@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Callable, Optional
 
 from ggmlpy._core import GGMLValueError
-from ggmlpy.backend import choose_devices, split_layers
+from ggmlpy.backend import Placement, choose_devices, split_layers
 from ggmlpy.gguf import GGUFReader
 
 from . import llama  # noqa: F401  (registers the llama family)
@@ -16,17 +16,36 @@ from .base import Model, model_class
 __all__ = ["load_model"]
 
 
-def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int = -1,
+def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int | str = -1,
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
                load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True,
-               fuse: bool = True, mmproj: Optional[str | os.PathLike] = None) -> Model:
+               fuse: bool = True, mmproj: Optional[str | os.PathLike] = None, placement: Optional[Placement] = None,
+               *, n_ctx: int | str = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
+               n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
+               margin: Optional[int | dict] = None, memory: Optional[dict] = None) -> Model:
     """Open a GGUF file, pick its architecture's model class, place and allocate its weights, and load them.
 
     Parameters
     ----------
     path : the GGUF file
     devices : ``"cpu"``, ``"auto"`` or device names (see :func:`ggmlpy.backend.choose_devices`)
-    n_gpu_layers : how many of the last layers go to accelerators (-1: all)
+    n_gpu_layers : how many of the last layers go to accelerators (-1: all), or ``"auto"``: as many as
+        fit, found by trying allocations (:mod:`ggmlpy.models.fit`): each try allocates the weights (no
+        data read), the KV cache and the worst-case graphs of a runner with ``n_ctx``, ``n_seq_max``,
+        ``n_batch``, ``n_ubatch``, ``type_k``, ``type_v``, ``flash_attn`` on every device, and reads what
+        each device needed; the devices are filled in order (``devices``: local GPUs, then RPC servers,
+        the CPU last), the last layers first and the output layer after every repeating one, each
+        within its free memory minus ``margin``; the data is then read once. ``model.fit`` (also in
+        ``model.report``) lists the tries and why; ``Runner(model)`` takes the fitted ``n_ctx``.
+    placement : an explicit :class:`~ggmlpy.backend.Placement` (device per layer, output, input), instead
+        of ``devices`` and ``n_gpu_layers``
+    n_ctx, n_ctx_min, n_seq_max, n_batch, n_ubatch, type_k, type_v, flash_attn : with
+        ``n_gpu_layers="auto"``, the runner the placement must leave room for. ``n_ctx="auto"`` starts at
+        the model's training context and halves it, not below ``n_ctx_min``, while the model does not
+        fit wholly on the accelerators (llama.cpp's ``--fit`` order); a number is never changed.
+    margin : with ``"auto"``, bytes left free on each device (an int, or a dict by device name); default
+        10 % of each device's memory, at most 512 MiB
+    memory : with ``"auto"``, a cap in bytes per device name (``{"CPU": 8 << 30}``) below its free memory
     progress : ``progress(done_bytes, total_bytes)`` while loading (e.g. ``backend.ProgressBar()``)
     rpc : RPC server endpoints to add
     load : False to stop after allocation (the memory report is then available; call ``model.load()``)
@@ -56,14 +75,32 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     UnknownArchitecture, MissingTensor, GGMLValueError
         The file's architecture has no model class, or uses a variant it cannot build.
     GGMLMemoryError
-        A device has no room for its weights (``.report`` says what was needed).
+        A device has no room for its weights (``.report`` says what was needed); with ``"auto"``, no
+        placement fits (the message lists the tries, ``.report`` is the last one's; nothing stays
+        allocated).
     """
+    if isinstance(n_gpu_layers, str):
+        if n_gpu_layers != "auto":
+            raise GGMLValueError(f"load_model: n_gpu_layers must be an integer or 'auto' (got {n_gpu_layers!r})")
+        if placement is not None:
+            raise GGMLValueError("load_model: placement and n_gpu_layers='auto' together; give one")
+        if not load:
+            raise GGMLValueError("load_model: n_gpu_layers='auto' loads the model (load=False given)")
+        from .fit import fit_model
+
+        return fit_model(path, devices=devices, rpc=rpc, n_ctx=n_ctx, n_ctx_min=n_ctx_min, n_seq_max=n_seq_max,
+                         n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
+                         margin=margin, memory=memory, progress=progress, check_tensors=check_tensors, mmap=mmap,
+                         load_kw={"repack": repack, "fuse": fuse, "mmproj": mmproj})
     reader = GGUFReader(path)
     try:
         cls = model_class(reader.metadata.get("general.architecture"), str(path))
         n_layer = cls.read_config(reader, str(path)).n_layer      # the placement needs the layer count first
-        devs = choose_devices(devices, rpc=rpc)
-        placement = split_layers(n_layer, devs, n_gpu_layers)
+        if placement is None:
+            devs = choose_devices(devices, rpc=rpc)
+            placement = split_layers(n_layer, devs, n_gpu_layers)
+        elif placement.n_layers != n_layer:
+            raise GGMLValueError(f"load_model: the placement has {placement.n_layers} layers, {path} has {n_layer}")
         model = cls(reader, placement, repack=repack, fuse=fuse)
     except BaseException:
         reader.close()

@@ -58,6 +58,10 @@ _CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Typ
                 "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
 
+#: the constructor's defaults for settings a fitted model may give instead
+_DEFAULTS = {"n_ctx": 2048, "n_batch": 512, "n_ubatch": 512, "n_seq_max": 1, "type_k": "f16", "type_v": "f16"}
+
+
 class Runner:
     """A model plus its cache, scheduler and request loop.
 
@@ -66,13 +70,15 @@ class Runner:
     model : ggmlpy.models.LlamaModel
         A loaded model.
     n_ctx : int
-        Context per sequence (cache cells per sequence; positions stay below it). Default: the context a
-        placement search chose the model's layout for (``model.fit.n_ctx``, see ``load_model(...,
-        n_gpu_layers="auto")``), else 2048.
+        Context per sequence (cache cells per sequence; positions stay below it). Default 2048.
+
+        ``n_ctx``, ``n_batch``, ``n_ubatch``, ``n_seq_max``, ``type_k``, ``type_v`` and ``flash_attn`` not
+        given take the values a placement search reserved for (``model.fit.runner_kwargs``, see
+        ``load_model(..., n_gpu_layers="auto")``), so that the runner fits where the search said.
     n_batch, n_ubatch : int
-        Tokens per logical batch and per computed micro-batch; shrunk to ``n_ctx``.
+        Tokens per logical batch and per computed micro-batch (default 512 each); shrunk to ``n_ctx``.
     n_seq_max : int
-        Sequences served at once (slots).
+        Sequences served at once (slots; default 1).
     n_threads : int
         CPU threads (0: all cores).
     flash_attn : bool, optional
@@ -138,16 +144,23 @@ class Runner:
     :class:`~ggmlpy.ClosedError`.
     """
 
-    def __init__(self, model, n_ctx: Optional[int] = None, n_batch: int = 512, n_ubatch: int = 512, n_seq_max: int = 1,
-                 n_threads: int = 0, flash_attn: Optional[bool] = None, type_k: str = "f16", type_v: str = "f16",
+    def __init__(self, model, n_ctx: Optional[int] = None, n_batch: Optional[int] = None,
+                 n_ubatch: Optional[int] = None, n_seq_max: Optional[int] = None, n_threads: int = 0,
+                 flash_attn: Optional[bool] = None, type_k: Optional[str] = None, type_v: Optional[str] = None,
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
                  offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None, vision=None,
                  image_token: Optional[int] = None, image_cache: int = 32) -> None:
         if not getattr(model, "loaded", True) and not getattr(self, "_measuring", False):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
-        if n_ctx is None:
-            fit = getattr(model, "fit", None)
-            n_ctx = fit.n_ctx if fit is not None else 2048
+        # settings not given: those a placement search reserved for (load_model(n_gpu_layers="auto")),
+        # else the defaults
+        fitted = getattr(getattr(model, "fit", None), "runner_kwargs", None) or {}
+        given = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "n_seq_max": n_seq_max,
+                 "type_k": type_k, "type_v": type_v}
+        v = {k: x if x is not None else fitted.get(k, _DEFAULTS[k]) for k, x in given.items()}
+        n_ctx, n_batch, n_ubatch, n_seq_max, type_k, type_v = (v[k] for k in given)
+        if flash_attn is None:
+            flash_attn = fitted.get("flash_attn")
         for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
             if int(v) < 1:
                 raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
