@@ -378,6 +378,17 @@ def check_tensor(reader, path: str, needed_by: str, name: str, ne: tuple, types)
                             f"{'/'.join(t.name for t in types)}")
 
 
+def check_all_used(reader, path: str, used, user: str, n_layer: int) -> None:
+    """Every tensor of the file is in ``used``; else :class:`GGUFError`: one left over means the
+    hyperparameters (block_count, a missing bias ...) do not describe the file, and ``user`` would run
+    without that weight."""
+    unused = [t.name for t in reader.tensors if t.name not in used]
+    if unused:
+        raise GGUFError(f"{path}: {len(unused)} tensor(s) of the file are not used by {user} with these "
+                        f"hyperparameters (block_count {n_layer}): "
+                        f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
+
+
 class WeightLoader:
     """Reading a model's weights from its GGUF file into the tensors :class:`~ggmlpy.backend.Weights` made.
 
@@ -612,13 +623,7 @@ class DecoderModel(WeightLoader):
                 self.weights.add(name, reader.tensor_info(self.fused.get(name, (name,))[0]).type, ne, group, op=op)
             self._copy_tied_head(reader)
             self._copy_to_layer_devices(reader, self.LAYER_SHARED)
-            # every tensor of the file is consumed: one left over means the hyperparameters (block_count,
-            # a missing bias ...) do not describe the file, and the model would run without that weight
-            unused = [t.name for t in reader.tensors if t.name not in used]
-            if unused:
-                raise GGUFError(f"{self.path}: {len(unused)} tensor(s) of the file are not used by {cfg.arch} with "
-                                f"these hyperparameters (block_count {cfg.n_layer}): "
-                                f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
+            check_all_used(reader, self.path, used, cfg.arch, cfg.n_layer)
             self.weights.allocate()
         except BaseException:
             self.weights.close()

@@ -488,22 +488,26 @@ class Runner:
             self._image_token = int(tid)
         return self._image_token
 
-    def _expand_images(self, prompt, images, what: str, parse_special: bool, marker: str = MEDIA_MARKER,
-                       encode=None) -> tuple[list, list]:
-        """A prompt's ids with each image's tokens in place (as the processor's ``input_ids``), and the
-        preprocessed images. A str prompt has one ``marker`` per image; ``encode`` tokenizes the expanded text
-        (default: :func:`encode_prompt`)."""
+    def _need_vision(self, what: str) -> None:
         if self.vision is None:
             raise GGMLValueError(f"{what}: images given, but this runner has no vision encoder (load the model "
                                  f"with load_model(path, mmproj=...) or pass Runner(..., vision=...))")
+
+    def _expand_images(self, prompt, images, what: str, parse_special: bool, marker: str = MEDIA_MARKER,
+                       encode=None) -> tuple[list, list, list]:
+        """A prompt's ids with each image's tokens in place (as the processor's ``input_ids``), the
+        preprocessed images and their checked pixels (float32 ``(tiles, 3, S, S)`` each). A str prompt has
+        one ``marker`` per image; ``encode`` tokenizes the expanded text (default: :func:`encode_prompt`)."""
+        self._need_vision(what)
         if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
             raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
         from ggmlpy.vision.preprocess import PreprocessedImage, image_prompt, preprocess
 
         cfg = self.vision.image_config
         pre = [im if isinstance(im, PreprocessedImage) else preprocess(im, cfg) for im in images]
-        for p in pre:
-            n = len(self.vision.check_pixels(p.pixel_values))
+        pixels = [self.vision.check_pixels(p.pixel_values) for p in pre]
+        for px in pixels:
+            n = len(px)
             if n > self.vision.max_tiles:
                 # only a PreprocessedImage made with other settings gets here: preprocess bounds the tiles
                 raise GGMLValueError(f"{what}: an image of {n} tiles; this encoder's images have at most "
@@ -520,12 +524,12 @@ class Runner:
                 prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special)
             else:
                 prompt = encode(text)
-        return self._check_tokens(prompt, what).tolist(), pre
+        return self._check_tokens(prompt, what).tolist(), pre, pixels
 
     def _with_images(self, prompt, images, what: str, parse_special: bool) -> tuple[list, list]:
         """A prompt with images: its token ids (image rows as their ids) and same-batch markers."""
-        toks, pre = self._expand_images(prompt, images, what, parse_special)
-        entries = [self.images.add(p.pixel_values) for p in pre]
+        toks, _, pixels = self._expand_images(prompt, images, what, parse_special)
+        entries = [self.images.add(px) for px in pixels]
         return place_images(toks, entries, self.image_token, self.vision.config.tokens_per_image, what)
 
     def _chat(self, messages, what: str, kw: dict) -> tuple[list[int], list]:
@@ -534,15 +538,15 @@ class Runner:
         if not images:
             return chat_prompt(self.tokenizer, msgs, **kw), []
         text = chat_text(self.tokenizer, msgs, **kw)
-        if self.vision is None:
-            return self._expand_images(text, images, what, True)     # raises: no encoder
+        self._need_vision(what)
         ph = self.vision.image_placeholder
         n = text.count(ph)
         if n != len(images):
             raise GGMLValueError(f"{what}: {len(images)} image part(s), but the chat template wrote {n} {ph!r} "
                                  f"(a template that does not render image parts, or {ph!r} in a message's text)")
-        return self._expand_images(text, images, what, True, marker=ph,
-                                   encode=lambda t: encode_chat(self.tokenizer, t))
+        toks, pre, _ = self._expand_images(text, images, what, True, marker=ph,
+                                           encode=lambda t: encode_chat(self.tokenizer, t))
+        return toks, pre
 
     def _encode(self, entry) -> None:
         """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""
@@ -571,8 +575,7 @@ class Runner:
             No vision encoder, a bad image, one over the reservation's tile bound, or requests being
             served (like :meth:`decode`, for direct use).
         """
-        _, (pre,) = self._expand_images([], [image], "encode_image", True)      # checked there
-        tiles = np.ascontiguousarray(pre.pixel_values, dtype=np.float32)
+        _, _, (tiles,) = self._expand_images([], [image], "encode_image", True)
         with self._direct("encode_image"):
             return self._encode_tiles(tiles)
 

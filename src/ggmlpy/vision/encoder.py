@@ -32,9 +32,9 @@ import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, PoolOp, Tensor, Type
 from ggmlpy.backend import Placement, Runtime, Weights
-from ggmlpy.gguf import GGUFError, GGUFReader, MetadataError
+from ggmlpy.gguf import GGUFReader, MetadataError
 
-from ..models.decoder import MetaReader, WeightLoader, check_tensor
+from ..models.decoder import MetaReader, WeightLoader, check_all_used, check_tensor
 from .preprocess import ImageConfig
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
@@ -235,12 +235,7 @@ class VisionModel(WeightLoader):
                     self.weights.add(name, Type.F32, (ne[1], ne[0]), "vision")
                 else:
                     self.weights.add(name, reader.tensor_info(name).type, ne, "vision")
-            used = {e[0] for e in expected}
-            unused = [t.name for t in reader.tensors if t.name not in used]
-            if unused:
-                raise GGUFError(f"{self.path}: {len(unused)} tensor(s) of the file are not used by the "
-                                f"{cfg.projector} encoder with these hyperparameters (block_count {cfg.n_layer}): "
-                                f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
+            check_all_used(reader, self.path, {e[0] for e in expected}, f"the {cfg.projector} encoder", cfg.n_layer)
             self.weights.allocate()
         except BaseException:
             self.weights.close()
