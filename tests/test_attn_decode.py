@@ -45,9 +45,9 @@ def _mask(rng, n_q, n_kv, lead=0, tail=0, holes=0):
     return M
 
 
-def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type):
-    """attn_decode on K/V laid out head-major (cells=False) or as a cache (cells=True: ne = (dk *
-    n_head_kv, n_kv), viewed per head)."""
+def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode"):
+    """attn_decode (or ``op="attn_prefill"``, which has no chunks) on K/V laid out head-major
+    (cells=False) or as a cache (cells=True: ne = (dk * n_head_kv, n_kv), viewed per head)."""
     n_head_kv, n_kv, dk = K.shape
     dv = V.shape[2]
     with ggmlpy.Context(64 << 20) as ctx:
@@ -60,7 +60,10 @@ def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type):
         else:
             k, v = ctx.from_numpy(K.astype(kv_type)), ctx.from_numpy(V.astype(kv_type))
         q, m = ctx.from_numpy(Q), ctx.from_numpy(M) if M is not None else None
-        o = ctx.attn_decode(q, k, v, m, scale=scale, n_chunks=chunks)
+        if op == "attn_decode":
+            o = ctx.attn_decode(q, k, v, m, scale=scale, n_chunks=chunks)
+        else:
+            o = ctx.attn_prefill(q, k, v, m, scale=scale)
         assert tuple(o.ne[:3]) == (dv, Q.shape[1], Q.shape[0]) and o.type == ggmlpy.Type.F32
         gf = ctx.new_graph()
         gf.build_forward_expand(o)
@@ -170,12 +173,15 @@ def test_agrees_with_flash_attn_ext():
         assert np.abs(ours.numpy() - ref).max() < np.abs(fa.numpy() - ref).max()
 
 
-def _bad(ctx, n_chunks=1, **over):
-    """attn_decode on no_alloc tensors of valid shapes, some replaced by ``over``: name -> (type, ne) or a Tensor."""
+def _bad(ctx, n_chunks=1, op="attn_decode", **over):
+    """attn_decode (or ``op``) on no_alloc tensors of valid shapes, some replaced by ``over``: name -> (type, ne)
+    or a Tensor."""
     shapes = dict(q=("F32", (64, 8, 2)), k=("F16", (64, 100, 4)), v=("F16", (64, 100, 4)), mask=("F16", (100, 2)))
     shapes.update(over)
     t = {name: spec if isinstance(spec, ggmlpy.Tensor) else ctx.new_tensor(getattr(ggmlpy.Type, spec[0]), spec[1])
          for name, spec in shapes.items()}
+    if op == "attn_prefill":
+        return ctx.attn_prefill(t["q"], t["k"], t["v"], t["mask"], scale=1.0)
     return ctx.attn_decode(t["q"], t["k"], t["v"], t["mask"], scale=1.0, n_chunks=n_chunks)
 
 

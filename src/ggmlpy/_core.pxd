@@ -4,6 +4,9 @@ cimport ggmlpy._ggml as g
 from libc.stdint cimport int64_t, uint64_t
 
 
+cdef class Tensor                       # tensor.pxi (below; the ops' cdef helpers name it)
+
+
 # Context is one class made of a chain of cdef classes, one file each (context.pxi
 # says why); the fields and the C-level methods are those of the first.
 cdef class _ContextBase:                # context.pxi
@@ -33,7 +36,7 @@ cdef class _ContextBase:                # context.pxi
 
 
 cdef class _ContextOps(_ContextBase):   # ops.pxi
-    pass
+    cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1
 
 
 cdef class _ContextNN(_ContextOps):     # nn.pxi

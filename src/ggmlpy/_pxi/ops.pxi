@@ -193,6 +193,13 @@ cdef extern from "ggmlpy_attn.h":
     int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
     int64_t ggmlpy_attn_pfd
 
+cdef extern from "ggmlpy_attn_prefill.h":
+    g.ggml_tensor * ggmlpy_attn_prefill(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k,
+                                        g.ggml_tensor * v, g.ggml_tensor * mask, float scale) nogil
+    int GGMLPY_PF_MAX_D
+    int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) nogil
+    int ggmlpy_pf_allow_vector
+
 
 def _attn_decode_prefetch(distance=None):
     """The cells ahead that ``attn_decode``'s vectorised kernel prefetches (0: none); with
@@ -203,6 +210,23 @@ def _attn_decode_prefetch(distance=None):
         if not 0 <= distance <= 64:
             raise GGMLValueError(f"_attn_decode_prefetch: distance {distance} outside [0, 64]")
         ggmlpy_attn_pfd = distance
+    return old
+
+
+def _attn_prefill_vectorized(int64_t head_dim_k, int64_t head_dim_v):
+    """Whether ``Context.attn_prefill`` runs its AVX-512 kernel for these head sizes on this CPU
+    (x86 with AVX-512F and FMA; sizes multiples of 16). Elsewhere it is correct but scalar, slower
+    than ggml's flash attention, and the models do not choose it."""
+    return bool(ggmlpy_pf_vectorized(head_dim_k, head_dim_v))
+
+
+def _attn_prefill_allow_vector(allow=None):
+    """Whether ``attn_prefill`` may use its vectorised kernel (process-wide; ``False`` forces the
+    portable one, for tests); with ``allow``, set it and return the previous value."""
+    global ggmlpy_pf_allow_vector
+    cdef bint old = ggmlpy_pf_allow_vector
+    if allow is not None:
+        ggmlpy_pf_allow_vector = 1 if allow else 0
     return old
 
 
@@ -1254,6 +1278,41 @@ cdef class _ContextOps(_ContextBase):
         """
         cdef str op = "attn_decode"
         cdef g.ggml_tensor * r
+        self._attn_check(op, q, k, v, mask, GGMLPY_ATTN_MAX_DV)
+        if not (1 <= n_chunks <= max(1, k.ptr.ne[1])):
+            _fail(op, f"n_chunks must be in 1..n_kv = {k.ptr.ne[1]} (got {n_chunks})")
+        if n_chunks == 1:
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
+        else:
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0] + 2, n_chunks, q.ptr.ne[1], q.ptr.ne[2])
+                       + _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 2)
+        r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks)
+        return _res(self, r, q, k, v, mask)
+
+    def attn_prefill(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0):
+        """Attention of a prompt's query rows over a float16/float32 KV cache: ``softmax(q k^T * scale + mask) v``.
+
+        ggmlpy's own CPU kernel for prompts (a ggml custom op): tiles of 64 query rows of a head meet
+        blocks of 64 positions as two small float32 matrix products with an online softmax between
+        them; blocks the mask hides from the whole tile (a causal prompt's upper triangle) are
+        skipped. ggml's CPU ``flash_attn_ext`` does a prompt row by row. Same result as
+        ``flash_attn_ext`` without ALiBi, soft-capping or sinks (a fully masked row gives zeros),
+        computed in float32 throughout (ggml rounds ``q`` to float16 for a float16 cache).
+
+        Arguments as :meth:`attn_decode`'s (``q`` f32 ``(head_dim, n_head, n_q)``, rows contiguous;
+        ``k``/``v`` f16 or f32 ``(head_dim, n_kv, n_head_kv)``; ``mask`` f16 ``(>= n_kv, >= n_q)``),
+        head sizes at most 256. Result f32 ``(head_dim_v, n_head, n_q)``. Vectorised with AVX-512
+        (head sizes multiples of 16, see ``_attn_prefill_vectorized``); elsewhere portable C.
+        """
+        cdef str op = "attn_prefill"
+        cdef g.ggml_tensor * r
+        self._attn_check(op, q, k, v, mask, GGMLPY_PF_MAX_D)
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
+        r = ggmlpy_attn_prefill(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale)
+        return _res(self, r, q, k, v, mask)
+
+    cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
+        """attn_decode's and attn_prefill's preconditions: types, contiguous rows, matching shapes."""
         self._ensure_op(op)
         _arg(q, op, "q"); _arg(k, op, "k"); _arg(v, op, "v")
         _types(q, op, "q", M_F32)
@@ -1266,8 +1325,8 @@ cdef class _ContextOps(_ContextBase):
             _fail(op, f"shapes do not match (got q: {_desc(q)}, k: {_desc(k)}, v: {_desc(v)}; expected q (head_dim, "
                   f"n_head, n_q), k (head_dim, n_kv, n_head_kv), v (head_dim_v, n_kv, n_head_kv), n_head % n_head_kv "
                   f"== 0, 3 dimensions)")
-        if not (q.ptr.ne[0] <= GGMLPY_ATTN_MAX_DV and v.ptr.ne[0] <= GGMLPY_ATTN_MAX_DV):
-            _fail(op, f"head sizes above {GGMLPY_ATTN_MAX_DV} are not supported (got q: {_desc(q)}, v: {_desc(v)})")
+        if not (q.ptr.ne[0] <= max_d and v.ptr.ne[0] <= max_d):
+            _fail(op, f"head sizes above {max_d} are not supported (got q: {_desc(q)}, v: {_desc(v)})")
         if mask is not None:
             _arg(mask, op, "mask")
             _types(mask, op, "mask", M_F16)
@@ -1276,12 +1335,4 @@ cdef class _ContextOps(_ContextBase):
                     and mask.ptr.ne[3] == 1):
                 _fail(op, f"mask does not fit (got k: {_desc(k)}, q: {_desc(q)}, mask: {_desc(mask)}; expected "
                       f"mask (>= n_kv, >= n_q) shared by the heads)")
-        if not (1 <= n_chunks <= max(1, k.ptr.ne[1])):
-            _fail(op, f"n_chunks must be in 1..n_kv = {k.ptr.ne[1]} (got {n_chunks})")
-        if n_chunks == 1:
-            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
-        else:
-            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0] + 2, n_chunks, q.ptr.ne[1], q.ptr.ne[2])
-                       + _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 2)
-        r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks)
-        return _res(self, r, q, k, v, mask)
+        return 0

@@ -136,10 +136,11 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
         sink's share dropped, so a head may attend to nothing.
 
     With ``flash_attn``, ``on_cpu`` (the layer computes on the CPU backend: the caller's placement
-    says so), fewer than :data:`DECODE_MAX_ROWS` tokens (generation), a float16/float32 cache in host
-    memory and neither soft-capping nor sinks, :meth:`~ggmlpy.Context.attn_decode` (ggmlpy's
-    own CPU kernel, faster than ggml's at depth) runs instead of ``flash_attn_ext``; ``blocks.decode_kernel =
-    False`` turns that off.
+    says so), a float16/float32 cache in host memory and neither soft-capping nor sinks, ggmlpy's
+    own CPU kernels run instead of ``flash_attn_ext``: :meth:`~ggmlpy.Context.attn_decode` for fewer
+    than :data:`DECODE_MAX_ROWS` tokens (generation; faster than ggml's at depth), and
+    :meth:`~ggmlpy.Context.attn_prefill` from there on (prompts; about 3x ggml's). ``blocks.decode_kernel
+    = False`` and ``blocks.prefill_kernel = False`` turn them off.
 
     Returns
     -------
@@ -149,11 +150,14 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     head_dim, n_head, n = q.ne[0], q.ne[1], q.ne[2]
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
-    if flash_attn and on_cpu and decode_kernel and n < DECODE_MAX_ROWS and not logit_softcap and sinks is None \
-            and _decode_ok(kv_k, kv_v):
-        chunks = _decode_chunks(kv_k.ne[1])
-        o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
-        return ctx.reshape(o, (head_dim * n_head, n))
+    if flash_attn and on_cpu and not logit_softcap and sinks is None and _kernel_ok(kv_k, kv_v):
+        if n < DECODE_MAX_ROWS and decode_kernel and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]):
+            chunks = _decode_chunks(kv_k.ne[1])
+            o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
+            return ctx.reshape(o, (head_dim * n_head, n))
+        if n >= DECODE_MAX_ROWS and prefill_kernel and _core._attn_prefill_vectorized(kv_k.ne[0], kv_v.ne[0]):
+            o = ctx.attn_prefill(q, kv_k, kv_v, mask, scale=scale)                    # (head_dim, n_head, n)
+            return ctx.reshape(o, (head_dim * n_head, n))
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
     if flash_attn:
         o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap,
@@ -173,18 +177,19 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
 #: Whether :func:`attention` uses :meth:`~ggmlpy.Context.attn_decode` where it can (module-wide, read when a
 #: graph is built; for measuring one kernel against the other).
 decode_kernel = True
-#: Below this many query rows :func:`attention` may take :meth:`~ggmlpy.Context.attn_decode`; from here on
-#: ggml's flash attention switches to its tiled kernel (64 rows), which is faster for prompts.
+#: The same for :meth:`~ggmlpy.Context.attn_prefill` (prompts).
+prefill_kernel = True
+#: Below this many query rows :func:`attention` may take :meth:`~ggmlpy.Context.attn_decode`, from here on
+#: :meth:`~ggmlpy.Context.attn_prefill`, whose tiles are 64 rows.
 DECODE_MAX_ROWS = 64
 _KV_FLOAT = (Type.F16, Type.F32)
 
 
-def _decode_ok(k: Tensor, v: Tensor) -> bool:
-    # the custom op runs on the CPU backend only (a cache on another device keeps ggml's kernel, and
-    # so does a layer on another device: the caller's on_cpu), and only where it is vectorised
-    # (elsewhere ggml's is faster)
-    return (k.type in _KV_FLOAT and v.type in _KV_FLOAT and k.ne[3] == 1 and k.is_host and v.is_host
-            and _core._attn_decode_vectorized(k.ne[0], v.ne[0]))
+def _kernel_ok(k: Tensor, v: Tensor) -> bool:
+    # ggmlpy's attention ops run on the CPU backend only (a cache on another device keeps ggml's
+    # kernel, and so does a layer on another device: the caller's on_cpu); each is taken only where
+    # it is vectorised (elsewhere ggml's is faster)
+    return k.type in _KV_FLOAT and v.type in _KV_FLOAT and k.ne[3] == 1 and k.is_host and v.is_host
 
 
 def _decode_chunks(n_kv: int) -> int:
