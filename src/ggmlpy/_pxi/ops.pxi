@@ -193,6 +193,42 @@ cdef extern from "ggmlpy_attn.h":
     int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
     int64_t ggmlpy_attn_pfd
 
+cdef extern from "ggmlpy_gemv.h":
+    g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    int GGMLPY_GEMV_MAX_COLS
+    int64_t ggmlpy_gemv_pfd
+    int ggmlpy_gemv_allow_vector
+    int ggmlpy_gemv_vectorized(int64_t k) nogil
+
+
+def _mul_mat_vec_prefetch(distance=None):
+    """The bytes ahead that ``mul_mat_vec``'s kernel prefetches (0: none); with ``distance``, set it
+    (process-wide) and return the previous value. For benchmarks."""
+    global ggmlpy_gemv_pfd
+    cdef int64_t old = ggmlpy_gemv_pfd
+    if distance is not None:
+        if not 0 <= distance <= 1 << 16:
+            raise GGMLValueError(f"_mul_mat_vec_prefetch: distance {distance} outside [0, 65536]")
+        ggmlpy_gemv_pfd = distance
+    return old
+
+
+def _mul_mat_vec_vectorized(int64_t k):
+    """Whether ``Context.mul_mat_vec`` runs its AVX-512 kernel for rows of ``k`` weights on this CPU
+    (x86 with AVX-512F and FMA; ``k`` a multiple of 16)."""
+    return bool(ggmlpy_gemv_vectorized(k))
+
+
+def _mul_mat_vec_allow_vector(allow=None):
+    """Whether ``mul_mat_vec`` may use its vectorised kernel (process-wide; ``False`` forces the
+    portable one, for tests); with ``allow``, set it and return the previous value."""
+    global ggmlpy_gemv_allow_vector
+    cdef bint old = ggmlpy_gemv_allow_vector
+    if allow is not None:
+        ggmlpy_gemv_allow_vector = 1 if allow else 0
+    return old
+
+
 cdef extern from "ggmlpy_attn_prefill.h":
     g.ggml_tensor * ggmlpy_attn_prefill(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k,
                                         g.ggml_tensor * v, g.ggml_tensor * mask, float scale) nogil
@@ -1310,6 +1346,37 @@ cdef class _ContextOps(_ContextBase):
         self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
         r = ggmlpy_attn_prefill(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale)
         return _res(self, r, q, k, v, mask)
+
+    def mul_mat_vec(self, Tensor w, Tensor x):
+        """``mul_mat(w, x)`` for a float16 or Q8_0 matrix and a few float32 vectors: the generation step's product.
+
+        ggmlpy's own CPU kernel (a ggml custom op): each thread reads one contiguous run of ``w``'s
+        rows, four at a time, with software prefetches ahead of the rows it reads, and every column
+        of ``x`` in the same pass; ggml's ``mul_mat`` hands out small chunks of rows from a shared
+        counter and rounds ``x`` to float16 (or quantizes it to Q8_0) first. Here ``x`` stays float32,
+        so the result is the float32 dot product of the stored weights, closer to exact than
+        ``mul_mat``'s.
+
+        ``w`` f16 or q8_0 ``(k, n)``, 2 dimensions, rows contiguous, not repacked; ``x`` f32 ``(k, m)`` with ``1 <= m <= 4``,
+        rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s. Vectorised with AVX-512 where ``k``
+        is a multiple of 16 (``_mul_mat_vec_vectorized``); elsewhere portable C, slower than ggml's.
+        """
+        cdef str op = "mul_mat_vec"
+        cdef g.ggml_tensor * r
+        self._ensure_op(op)
+        _arg(w, op, "w"); _arg(x, op, "x")
+        _types(w, op, "w", M_F16 | _bit(g.GGML_TYPE_Q8_0))
+        _types(x, op, "x", M_F32)
+        _rows_contig(w, op, "w"); _rows_contig(x, op, "x")
+        if _repacked_buffer(w.ptr) != NULL:
+            _fail(op, f"w is in a repacked buffer (its bytes are not Q8_0/F16 rows): use mul_mat (got w: {_desc(w)})")
+        if not (x.ptr.ne[0] == w.ptr.ne[0] and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and x.ptr.ne[2] == 1
+                and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
+            _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
+                  f"1 <= m <= {GGMLPY_GEMV_MAX_COLS}, 2 dimensions)")
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
+        r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)
+        return _res(self, r, w, x)
 
     cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
         """attn_decode's and attn_prefill's preconditions: types, contiguous rows, matching shapes."""

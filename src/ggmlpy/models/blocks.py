@@ -92,7 +92,7 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
     """
     n = cur.ne[1]
     if prefix + "attn_qkv.weight" in w:
-        fused = ctx.mul_mat(w[prefix + "attn_qkv.weight"], cur)          # (n_q + 2 n_kv, n): q, k, v rows
+        fused = linear(ctx, w[prefix + "attn_qkv.weight"], cur)          # (n_q + 2 n_kv, n): q, k, v rows
         if prefix + "attn_qkv.bias" in w:
             fused = ctx.add(fused, w[prefix + "attn_qkv.bias"])
         es, row = fused.nb[0], fused.nb[1]
@@ -101,7 +101,7 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
         k = ctx.view(fused, (head_dim, n_head_kv, n), (head_dim * es, row), n_q * es)
         v = ctx.view(fused, (head_dim, n_head_kv, n), (head_dim * es, row), (n_q + n_kv) * es)
         return q, k, v
-    q, k, v = (ctx.mul_mat(w[f"{prefix}attn_{x}.weight"], cur) for x in "qkv")
+    q, k, v = (linear(ctx, w[f"{prefix}attn_{x}.weight"], cur) for x in "qkv")
     q, k, v = (ctx.add(t, w[f"{prefix}attn_{x}.bias"]) if f"{prefix}attn_{x}.bias" in w else t
                for t, x in zip((q, k, v), "qkv"))
     return (ctx.reshape(q, (head_dim, n_head, n)), ctx.reshape(k, (head_dim, n_head_kv, n)),
@@ -185,6 +185,30 @@ DECODE_MAX_ROWS = 64
 _KV_FLOAT = (Type.F16, Type.F32)
 
 
+#: Whether :func:`linear` uses :meth:`~ggmlpy.Context.mul_mat_vec` where it can (module-wide, read when a
+#: graph is built).
+matvec_kernel = True
+#: The most tokens :func:`linear` hands to :meth:`~ggmlpy.Context.mul_mat_vec` (its bound).
+MATVEC_MAX_COLS = 4
+_MATVEC_TYPES = (Type.F16, Type.Q8_0)
+
+
+def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
+    """``x`` through the weight matrix ``w``: ``mul_mat(w, x)``, ``ne = (w.ne[1], x.ne[1])``.
+
+    For at most :data:`MATVEC_MAX_COLS` tokens (generation) and a float16 or Q8_0 ``w`` in host
+    memory, not repacked (a layer computing on the CPU), :meth:`~ggmlpy.Context.mul_mat_vec`
+    (ggmlpy's CPU kernel: each thread streams its own run of rows with prefetches ahead; ~1.1x
+    ggml's on the 110M model's weights) runs instead; ``blocks.matvec_kernel = False`` turns that
+    off.
+    """
+    if (matvec_kernel and w.type in _MATVEC_TYPES and x.type == Type.F32 and x.ne[1] <= MATVEC_MAX_COLS
+            and x.ne[2] == 1 and x.ne[3] == 1 and w.ne[2] == 1 and w.ne[3] == 1 and w.is_host and not w.is_repacked
+            and _core._mul_mat_vec_vectorized(w.ne[0])):
+        return ctx.mul_mat_vec(w, x)
+    return ctx.mul_mat(w, x)
+
+
 def _kernel_ok(k: Tensor, v: Tensor) -> bool:
     # ggmlpy's attention ops run on the CPU backend only (a cache on another device keeps ggml's
     # kernel, and so does a layer on another device: the caller's on_cpu); each is taken only where
@@ -231,10 +255,10 @@ def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu") -> Ten
     """
     fused, split = _glu(act)
     if prefix + "ffn_gate_up.weight" in w:
-        h = fused(ctx, ctx.mul_mat(w[prefix + "ffn_gate_up.weight"], cur))
+        h = fused(ctx, linear(ctx, w[prefix + "ffn_gate_up.weight"], cur))
     else:
-        h = split(ctx, ctx.mul_mat(w[prefix + "ffn_gate.weight"], cur), ctx.mul_mat(w[prefix + "ffn_up.weight"], cur))
-    return ctx.mul_mat(w[prefix + "ffn_down.weight"], h)
+        h = split(ctx, linear(ctx, w[prefix + "ffn_gate.weight"], cur), linear(ctx, w[prefix + "ffn_up.weight"], cur))
+    return linear(ctx, w[prefix + "ffn_down.weight"], h)
 
 
 #: gpt-oss's clamped SwiGLU (``act="swiglu_oai"`` of :func:`moe_ffn`): (alpha, limit). llama.cpp builds it with
@@ -320,4 +344,4 @@ def output(ctx: Context, w, x: Tensor, eps: float, *, embeddings: bool = False) 
     x = rms_norm(ctx, x, w["output_norm.weight"], eps)
     if embeddings:
         return x
-    return ctx.mul_mat(w["output.weight"] if "output.weight" in w else w["token_embd.weight"], x)
+    return linear(ctx, w["output.weight"] if "output.weight" in w else w["token_embd.weight"], x)

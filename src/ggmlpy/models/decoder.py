@@ -993,7 +993,7 @@ class PreNormDecoder(DecoderModel):
             q, k = self._qk(ctx, il, q, k, pos, memory)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
                                  on_cpu=self.on_cpu(il))
-            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
+            o = blocks.linear(ctx, w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 # only the rows that produce output go further
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)

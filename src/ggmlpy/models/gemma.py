@@ -184,7 +184,7 @@ class GemmaModel(LocalGlobalDecoder):
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=c.attn_scale, flash_attn=flash_attn,
                                  on_cpu=self.on_cpu(il), logit_softcap=c.attn_softcap)
-            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
+            o = blocks.linear(ctx, w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 # only the rows that produce output go further
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)

@@ -238,7 +238,7 @@ class GptOssModel(LocalGlobalDecoder):
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
                                  on_cpu=self.on_cpu(il), sinks=w[p + "attn_sinks.weight"])
-            o = ctx.add(ctx.mul_mat(w[p + "attn_output.weight"], o), w[p + "attn_output.bias"])
+            o = ctx.add(blocks.linear(ctx, w[p + "attn_output.weight"], o), w[p + "attn_output.bias"])
             if il == c.n_layer - 1:
                 # only the rows that produce output go further
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)

@@ -127,7 +127,7 @@ class GraniteModel(DecoderModel):
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
                                  on_cpu=self.on_cpu(il))
-            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
+            o = blocks.linear(ctx, w[p + "attn_output.weight"], o)
             if self.out_bias:
                 o = ctx.add(o, w[p + "attn_output.bias"])
             if il == c.n_layer - 1:

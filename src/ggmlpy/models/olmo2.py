@@ -85,7 +85,7 @@ class Olmo2Model(DecoderModel):
             q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
             o = blocks.attention(ctx, memory, il, q, k, v, scale=scale, flash_attn=flash_attn,
                                  on_cpu=self.on_cpu(il))
-            o = ctx.mul_mat(w[p + "attn_output.weight"], o)
+            o = blocks.linear(ctx, w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
             x = ctx.add(x, blocks.rms_norm(ctx, o, w[p + "post_attention_norm.weight"], c.rms_eps))
