@@ -27,7 +27,8 @@
     X(ggml_cpu_has_sse3) X(ggml_cpu_has_avx) X(ggml_cpu_has_avx2) X(ggml_cpu_has_avx_vnni) \
     X(ggml_cpu_has_f16c) X(ggml_cpu_has_fma) X(ggml_cpu_has_avx512) X(ggml_cpu_has_avx512_vbmi) \
     X(ggml_cpu_has_avx512_vnni) X(ggml_cpu_has_avx512_bf16) X(ggml_cpu_has_amx_int8) \
-    X(ggml_cpu_has_neon) X(ggml_cpu_has_dotprod) X(ggml_cpu_has_sve) X(ggml_cpu_has_llamafile)
+    X(ggml_cpu_has_neon) X(ggml_cpu_has_dotprod) X(ggml_cpu_has_sve) X(ggml_cpu_has_llamafile) \
+    X(ggml_get_type_traits_cpu)
 
 /* __typeof__ takes each pointer's type from ggml's own declaration: no signature is restated. */
 #define GGMLPY_FIELD(name) __typeof__(&name) name;
@@ -97,6 +98,7 @@ static const char * ggmlpy_cpu_path(void) { return ggmlpy_cpu_path_buf; }
 #define ggml_cpu_has_dotprod (ggmlpy_cpu_fns.ggml_cpu_has_dotprod)
 #define ggml_cpu_has_sve (ggmlpy_cpu_fns.ggml_cpu_has_sve)
 #define ggml_cpu_has_llamafile (ggmlpy_cpu_fns.ggml_cpu_has_llamafile)
+#define ggml_get_type_traits_cpu (ggmlpy_cpu_fns.ggml_get_type_traits_cpu)
 
 #else  /* native: ggml-cpu is linked */
 

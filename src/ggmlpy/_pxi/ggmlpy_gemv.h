@@ -1,21 +1,24 @@
-/* A float16 or Q8_0 matrix times a few float32 vectors, as a ggml custom op (Context.mul_mat_vec):
-   the generation step's products.
+/* A matrix times a few float32 vectors, as a ggml custom op (Context.mul_mat_vec): the generation
+   step's products.
 
    Why: a generated token reads every weight once, and ggml's CPU mul_mat spends that time in
    ggml_vec_dot_f16 waiting on memory (perf: 84% of a 110M F16 token, the stalls on the loads). Its
    threads take small chunks of rows from a shared counter, so each thread's reads jump around and
    the hardware prefetchers restart at every chunk. Here each thread reads one contiguous run of
    rows, four rows at a time, with software prefetches a fixed distance ahead in that run, so the
-   memory system always has the next lines in flight. The vector stays float32 (ggml rounds it to
-   float16, or quantizes it to Q8_0, first): a more exact product, and for float16 one conversion
-   per 16 weights instead of two. */
+   memory system always has the next lines in flight. For float16 and Q8_0 weights the products are
+   ggmlpy's, with the vector kept float32 (ggml rounds it to float16, or quantizes it to Q8_0,
+   first): a more exact product, and for float16 one conversion per 16 weights instead of two. For
+   every other type they are ggml's own dot kernels, on the vector converted as ggml converts it. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
 #include "ggmlpy_attn.h"
+#include "ggmlpy_cpu.h"
 
 #define GGMLPY_GEMV_MAX_COLS 4          /* vectors per call: a batch of up to 4 tokens */
+#define GGMLPY_GEMV_SCRATCH 65536       /* bytes of a thread's copy of the vectors in ggml's dot type */
 
 /* Bytes ahead of the rows being read that the kernel prefetches (0: none); process-wide, for
    benchmarks. */
@@ -136,7 +139,30 @@ static inline int ggmlpy_gemv_vectorized(int64_t k) {
 #endif
 }
 
-/* src[0] w F16 or Q8_0 (k, n) rows contiguous; src[1] x F32 (k, m) rows contiguous, m <= MAX_COLS;
+/* Any other type: ggml's own dot kernel (the one its mul_mat uses, on the vectors converted to the
+   kernel's type as mul_mat converts them), row by row over the thread's run of rows, prefetched. */
+static void ggmlpy_gemv_traits(const struct ggml_tensor * w, const float * const * x, int m, int64_t r0, int64_t r1,
+                               float * const * y) {
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
+    const enum ggml_type vt = tt->vec_dot_type;
+    const int64_t k = w->ne[0];
+    const size_t xrow = ggml_row_size(vt, k), nb1 = w->nb[1];
+    char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
+    for (int c = 0; c < m; c++) {          /* each thread converts its own copy: no barrier needed */
+        if (vt == GGML_TYPE_F32) memcpy(xq + c * xrow, x[c], xrow);
+        else ggml_get_type_traits_cpu(vt)->from_float(x[c], xq + c * xrow, k);
+    }
+    const int64_t pfd = ggmlpy_gemv_pfd;
+    for (int64_t r = r0; r < r1; r++) {
+        const char * wr = (const char *) w->data + r * nb1;
+        if (pfd) {
+            for (size_t o = 0; o < nb1; o += 64) __builtin_prefetch(wr + pfd + o);
+        }
+        for (int c = 0; c < m; c++) tt->vec_dot((int) k, &y[c][r], 0, wr, 0, xq + c * xrow, 0, 1);
+    }
+}
+
+/* src[0] w (k, n) rows contiguous, not repacked; src[1] x F32 (k, m) rows contiguous, m <= MAX_COLS;
    dst F32 (n, m). Thread ith takes rows [n * ith / nth, n * (ith + 1) / nth), aligned to 4. */
 static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
@@ -150,6 +176,10 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
         xs[c] = (const float *) ((const char *) x->data + c * x->nb[1]);
         ys[c] = (float *) ((char *) dst->data + c * dst->nb[1]);
     }
+    if (w->type != GGML_TYPE_F16 && !q8) {
+        ggmlpy_gemv_traits(w, xs, (int) m, r0, r1, ys);
+        return;
+    }
 #if GGMLPY_ATTN_X86
     if (ggmlpy_gemv_vectorized(k)) {
         ggmlpy_gemv_avx512((const char *) w->data, w->nb[1], xs, (int) m, k, r0, r1, q8, ys);
@@ -157,6 +187,18 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
     }
 #endif
     ggmlpy_gemv_ref((const char *) w->data, w->nb[1], xs, (int) m, k, r0, r1, q8, ys);
+}
+
+/* Bytes the vectors take in ggml's dot type for w's type (what ggmlpy_gemv_traits converts them
+   to), or 0 where this op does not convert them (F16, Q8_0). */
+static size_t ggmlpy_gemv_scratch(enum ggml_type type, int64_t k, int64_t m) {
+    if (type == GGML_TYPE_F16 || type == GGML_TYPE_Q8_0) return 0;
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(type);
+    if (tt == NULL || tt->vec_dot == NULL) return (size_t) -1;
+    if (tt->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float == NULL) {
+        return (size_t) -1;
+    }
+    return ggml_row_size(tt->vec_dot_type, k) * (size_t) m;
 }
 
 static struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w,

@@ -199,6 +199,8 @@ cdef extern from "ggmlpy_gemv.h":
     int64_t ggmlpy_gemv_pfd
     int ggmlpy_gemv_allow_vector
     int ggmlpy_gemv_vectorized(int64_t k) nogil
+    size_t ggmlpy_gemv_scratch(g.ggml_type type, int64_t k, int64_t m) nogil
+    size_t GGMLPY_GEMV_SCRATCH
 
 
 def _mul_mat_vec_prefetch(distance=None):
@@ -217,6 +219,18 @@ def _mul_mat_vec_vectorized(int64_t k):
     """Whether ``Context.mul_mat_vec`` runs its AVX-512 kernel for rows of ``k`` weights on this CPU
     (x86 with AVX-512F and FMA; ``k`` a multiple of 16)."""
     return bool(ggmlpy_gemv_vectorized(k))
+
+
+def _mul_mat_vec_ok(int wtype, int64_t k, int64_t m):
+    """Whether ``Context.mul_mat_vec`` takes a weight of type ``wtype`` with rows of ``k`` for ``m``
+    vectors and runs it at least as fast as ``mul_mat`` (float16 only where vectorised; any other
+    type through ggml's own dot kernel, within the scratch bound). For the models' choice."""
+    if not (0 <= wtype < g.GGML_TYPE_COUNT and 1 <= m <= GGMLPY_GEMV_MAX_COLS):
+        return False
+    if wtype == g.GGML_TYPE_F16 or wtype == g.GGML_TYPE_Q8_0:
+        return bool(ggmlpy_gemv_vectorized(k))
+    cdef size_t scratch = ggmlpy_gemv_scratch(<g.ggml_type> wtype, k, m)
+    return scratch != <size_t> -1 and scratch <= GGMLPY_GEMV_SCRATCH
 
 
 def _mul_mat_vec_allow_vector(allow=None):
@@ -1348,32 +1362,41 @@ cdef class _ContextOps(_ContextBase):
         return _res(self, r, q, k, v, mask)
 
     def mul_mat_vec(self, Tensor w, Tensor x):
-        """``mul_mat(w, x)`` for a float16 or Q8_0 matrix and a few float32 vectors: the generation step's product.
+        """``mul_mat(w, x)`` for a few float32 vectors: the generation step's product.
 
         ggmlpy's own CPU kernel (a ggml custom op): each thread reads one contiguous run of ``w``'s
-        rows, four at a time, with software prefetches ahead of the rows it reads, and every column
-        of ``x`` in the same pass; ggml's ``mul_mat`` hands out small chunks of rows from a shared
-        counter and rounds ``x`` to float16 (or quantizes it to Q8_0) first. Here ``x`` stays float32,
-        so the result is the float32 dot product of the stored weights, closer to exact than
-        ``mul_mat``'s.
+        rows with software prefetches ahead of the rows it reads, and every column of ``x`` in the
+        same pass; ggml's ``mul_mat`` hands out small chunks of rows from a shared counter, so the
+        memory system sees no long stream. For float16 and Q8_0 ``w`` the products are ggmlpy's
+        (AVX-512, four rows at a time) on ``x`` kept float32, where ``mul_mat`` rounds it to float16
+        or quantizes it to Q8_0 first: closer to exact. For every other type they are ggml's own dot
+        kernels on ``x`` converted as ``mul_mat`` converts it: the same values as ``mul_mat``.
 
-        ``w`` f16 or q8_0 ``(k, n)``, 2 dimensions, rows contiguous, not repacked; ``x`` f32 ``(k, m)`` with ``1 <= m <= 4``,
-        rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s. Vectorised with AVX-512 where ``k``
-        is a multiple of 16 (``_mul_mat_vec_vectorized``); elsewhere portable C, slower than ggml's.
+        ``w`` ``(k, n)``, 2 dimensions, rows contiguous, any type with a CPU dot kernel, not in a
+        repacked buffer (``is_repacked``: its bytes are not rows); ``x`` f32 ``(k, m)`` with
+        ``1 <= m <= 4``, rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s. Float16 rows are
+        vectorised where ``k`` is a multiple of 16 on a CPU with AVX-512 (``_mul_mat_vec_vectorized``).
         """
         cdef str op = "mul_mat_vec"
         cdef g.ggml_tensor * r
+        cdef size_t scratch
         self._ensure_op(op)
         _arg(w, op, "w"); _arg(x, op, "x")
-        _types(w, op, "w", M_F16 | _bit(g.GGML_TYPE_Q8_0))
         _types(x, op, "x", M_F32)
         _rows_contig(w, op, "w"); _rows_contig(x, op, "x")
         if _repacked_buffer(w.ptr) != NULL:
-            _fail(op, f"w is in a repacked buffer (its bytes are not Q8_0/F16 rows): use mul_mat (got w: {_desc(w)})")
+            _fail(op, f"w is in a repacked buffer (its bytes are not rows): use mul_mat (got w: {_desc(w)})")
         if not (x.ptr.ne[0] == w.ptr.ne[0] and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and x.ptr.ne[2] == 1
                 and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
             _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
                   f"1 <= m <= {GGMLPY_GEMV_MAX_COLS}, 2 dimensions)")
+        scratch = ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], x.ptr.ne[1])
+        if scratch == <size_t> -1:
+            raise GGMLTypeError(f"{op}: w has type {g.ggml_type_name(w.ptr.type).decode()}, which has no CPU dot kernel "
+                                f"(got w: {_desc(w)})")
+        if scratch > GGMLPY_GEMV_SCRATCH:
+            _fail(op, f"the vectors take {scratch} bytes in w's dot type, above {GGMLPY_GEMV_SCRATCH} (got w: "
+                  f"{_desc(w)}, x: {_desc(x)}): use mul_mat")
         self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
         r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)
         return _res(self, r, w, x)
