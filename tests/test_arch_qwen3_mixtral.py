@@ -39,7 +39,7 @@ from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 
 from ggmlpy import Type, gguf  # noqa: E402
 from ggmlpy.gguf import MetadataError, MetadataTypeError  # noqa: E402
-from ggmlpy.models import LlamaModel, UnknownArchitecture, blocks, load_model  # noqa: E402
+from ggmlpy.models import LlamaModel, UnknownArchitecture, load_model  # noqa: E402
 from ggmlpy.models.qwen3 import Qwen3Model  # noqa: E402
 from ggmlpy.runner import DoneReason, Runner  # noqa: E402
 from ggmlpy.sequences import shift_discard  # noqa: E402
@@ -304,11 +304,9 @@ def test_expert_sizes_are_checked_against_the_tensors(models, name, key, value):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
-def test_the_benchmarks_synthetic_models_run(tmp_path, arch, monkeypatch):
+def test_the_benchmarks_synthetic_models_run(tmp_path, arch):
     """ggmlpy bench --arch qwen3/qwen3moe: the built-in files (llama.cpp's keys, Q8_0 experts, F32
-    router) load and give one batch's logits token by token too: to 1e-3 with ggml's products in
-    both, to the Q8_0 tolerance with ggmlpy's one-token product (its activations stay float32,
-    where ggml's batch quantizes them to Q8_0: measured 1.1e-2)."""
+    router) load and give one batch's logits token by token too."""
     from ggmlpy.models.synthetic import synthetic_path
 
     path = synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch=arch)
@@ -316,6 +314,4 @@ def test_the_benchmarks_synthetic_models_run(tmp_path, arch, monkeypatch):
     with load_model(path) as model:
         assert type(model) is Qwen3Model and bool(model.config.n_expert) == (arch == "qwen3moe")
     full, steps = run_batch(path, toks), run_steps(path, toks)
-    assert np.isfinite(full).all() and errors(steps, full).max() <= QUANT_TOL["Q8_0"][0]
-    monkeypatch.setattr(blocks, "matvec_kernel", False)
-    assert errors(run_steps(path, toks), full).max() <= 1e-3
+    assert np.isfinite(full).all() and errors(steps, full).max() <= 1e-3

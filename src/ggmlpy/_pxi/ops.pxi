@@ -197,10 +197,9 @@ cdef extern from "ggmlpy_gemv.h":
     g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
     int GGMLPY_GEMV_MAX_COLS
     int64_t ggmlpy_gemv_pfd
-    int ggmlpy_gemv_allow_vector
-    int ggmlpy_gemv_vectorized(int64_t k) nogil
     size_t ggmlpy_gemv_scratch(g.ggml_type type, int64_t k, int64_t m) nogil
     size_t GGMLPY_GEMV_SCRATCH
+    int ggmlpy_gemv_readable(const g.ggml_tensor * w) nogil
 
 
 def _mul_mat_vec_prefetch(distance=None):
@@ -215,32 +214,20 @@ def _mul_mat_vec_prefetch(distance=None):
     return old
 
 
-def _mul_mat_vec_vectorized(int64_t k):
-    """Whether ``Context.mul_mat_vec`` runs its AVX-512 kernel for rows of ``k`` weights on this CPU
-    (x86 with AVX-512F and FMA; ``k`` a multiple of 16)."""
-    return bool(ggmlpy_gemv_vectorized(k))
+cdef str _buffer_name(const g.ggml_tensor * p):
+    cdef g.ggml_backend_buffer * buf = p.buffer if p.buffer != NULL or p.view_src == NULL else p.view_src.buffer
+    return "its context's memory" if buf == NULL else g.ggml_backend_buffer_name(buf).decode()
 
 
-def _mul_mat_vec_ok(int wtype, int64_t k, int64_t m):
-    """Whether ``Context.mul_mat_vec`` takes a weight of type ``wtype`` with rows of ``k`` for ``m``
-    vectors and runs it at least as fast as ``mul_mat`` (float16 only where vectorised; any other
-    type through ggml's own dot kernel, within the scratch bound). For the models' choice."""
-    if not (0 <= wtype < g.GGML_TYPE_COUNT and 1 <= m <= GGMLPY_GEMV_MAX_COLS):
+def _mul_mat_vec_ok(Tensor w, int64_t m):
+    """Whether ``Context.mul_mat_vec`` takes the weight ``w`` (2 dimensions, plain rows in host
+    memory, a type with a CPU dot kernel) for ``m`` vectors within its scratch bound. For the
+    models' choice."""
+    cdef size_t scratch
+    if not ggmlpy_gemv_readable(w.ptr) or not 1 <= m <= GGMLPY_GEMV_MAX_COLS or w.ptr.ne[2] != 1 or w.ptr.ne[3] != 1:
         return False
-    if wtype == g.GGML_TYPE_F16 or wtype == g.GGML_TYPE_Q8_0:
-        return bool(ggmlpy_gemv_vectorized(k))
-    cdef size_t scratch = ggmlpy_gemv_scratch(<g.ggml_type> wtype, k, m)
+    scratch = ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], m)
     return scratch != <size_t> -1 and scratch <= GGMLPY_GEMV_SCRATCH
-
-
-def _mul_mat_vec_allow_vector(allow=None):
-    """Whether ``mul_mat_vec`` may use its vectorised kernel (process-wide; ``False`` forces the
-    portable one, for tests); with ``allow``, set it and return the previous value."""
-    global ggmlpy_gemv_allow_vector
-    cdef bint old = ggmlpy_gemv_allow_vector
-    if allow is not None:
-        ggmlpy_gemv_allow_vector = 1 if allow else 0
-    return old
 
 
 cdef extern from "ggmlpy_attn_prefill.h":
@@ -1362,20 +1349,19 @@ cdef class _ContextOps(_ContextBase):
         return _res(self, r, q, k, v, mask)
 
     def mul_mat_vec(self, Tensor w, Tensor x):
-        """``mul_mat(w, x)`` for a few float32 vectors: the generation step's product.
+        """``mul_mat(w, x)`` for a few float32 vectors: the generation step's product, ``mul_mat``'s values.
 
-        ggmlpy's own CPU kernel (a ggml custom op): each thread reads one contiguous run of ``w``'s
-        rows with software prefetches ahead of the rows it reads, and every column of ``x`` in the
-        same pass; ggml's ``mul_mat`` hands out small chunks of rows from a shared counter, so the
-        memory system sees no long stream. For float16 and Q8_0 ``w`` the products are ggmlpy's
-        (AVX-512, four rows at a time) on ``x`` kept float32, where ``mul_mat`` rounds it to float16
-        or quantizes it to Q8_0 first: closer to exact. For every other type they are ggml's own dot
-        kernels on ``x`` converted as ``mul_mat`` converts it: the same values as ``mul_mat``.
+        ggmlpy's schedule for ggml's own CPU dot kernels (a ggml custom op): each thread reads one
+        contiguous run of ``w``'s rows and prefetches the lines ahead of the row it is on, and
+        every column of ``x`` in the same pass; ggml's ``mul_mat`` hands out small chunks of rows
+        from a shared counter, so the memory system sees no long stream (measured on the 110M
+        model's matrices, 2 threads: F16 1.12-1.15x, Q8_0 1.31x, Q6_K 1.47x). The vectors are
+        converted to the kernel's type as ``mul_mat`` converts them, each row's dot is the type's
+        ``vec_dot``: the same values.
 
-        ``w`` ``(k, n)``, 2 dimensions, rows contiguous, any type with a CPU dot kernel, not in a
-        repacked buffer (``is_repacked``: its bytes are not rows); ``x`` f32 ``(k, m)`` with
-        ``1 <= m <= 4``, rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s. Float16 rows are
-        vectorised where ``k`` is a multiple of 16 on a CPU with AVX-512 (``_mul_mat_vec_vectorized``).
+        ``w`` ``(k, n)``, 2 dimensions, rows contiguous, a type with a CPU dot kernel, plain rows in
+        host memory (not a device's, nor a repacked buffer: ``is_repacked``); ``x`` f32 ``(k, m)``
+        with ``1 <= m <= 4``, rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s.
         """
         cdef str op = "mul_mat_vec"
         cdef g.ggml_tensor * r
@@ -1384,8 +1370,8 @@ cdef class _ContextOps(_ContextBase):
         _arg(w, op, "w"); _arg(x, op, "x")
         _types(x, op, "x", M_F32)
         _rows_contig(w, op, "w"); _rows_contig(x, op, "x")
-        if _repacked_buffer(w.ptr) != NULL:
-            _fail(op, f"w is in a repacked buffer (its bytes are not rows): use mul_mat (got w: {_desc(w)})")
+        if not ggmlpy_gemv_readable(w.ptr):
+            _fail(op, f"w must be plain rows in host memory (got w: {_desc(w)}, in {_buffer_name(w.ptr)}): use mul_mat")
         if not (x.ptr.ne[0] == w.ptr.ne[0] and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and x.ptr.ne[2] == 1
                 and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
             _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
