@@ -8,6 +8,11 @@ and the K/V bytes read per second.
     python bench/attention.py                       # 12 layers, 12 heads of 64, 576 cells visible
     python bench/attention.py --visible 2048 --cells 2304 --threads 2 --chunks 1,2,4
     python bench/attention.py --chunks 2 --prefetch 0,2,4,8,16      # the kernel's prefetch distance
+    python bench/attention.py --prompt 512 --depth 0,512            # a prompt's: attn_prefill
+
+With ``--prompt N`` it times a prompt's attention instead: N causal query rows after ``--depth``
+cached positions, ``Context.attn_prefill`` against ``flash_attn_ext``, with the FLOP rate of the
+positions the rows see.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ def main(argv=None) -> None:
                     help="comma-separated prefetch distances (cells ahead, 0 = none) to time attn_decode with "
                          "(default: the kernel's own)")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--prompt", type=int, default=0, help="time a prompt of this many rows (attn_prefill)")
+    ap.add_argument("--depth", default="0", help="with --prompt: comma-separated cached positions before it")
     a = ap.parse_args(argv)
+    if a.prompt:
+        for depth in (int(d) for d in a.depth.split(",")):
+            _prompt(a, depth)
+        return
     rng = np.random.default_rng(0)
     L, H, D, n = a.layers, a.heads, a.head_dim, a.cells
     ctx = ggmlpy.Context(2 * L * n * H * D * 2 + (64 << 20))
@@ -80,6 +91,44 @@ def main(argv=None) -> None:
     for name, ts in times.items():
         t = np.median(ts)
         print(f"  {name:24s} {t * 1e3:7.3f} ms  {kv_bytes / t / 1e9:6.1f} GB/s  {base / t:5.2f}x flash_attn_ext")
+
+
+def _prompt(a, depth: int) -> None:
+    rng = np.random.default_rng(0)
+    L, H, D, T = a.layers, a.heads, a.head_dim, a.prompt
+    n = (depth + T + 255) // 256 * 256                      # the padded range, as the runner's
+    ctx = ggmlpy.Context(2 * L * n * H * D * 2 + T * H * D * 4 + T * n * 2 + (64 << 20))
+    q = ctx.from_numpy(rng.standard_normal((T, H, D)).astype(np.float32))
+    mask = np.full((T, n), -np.inf, np.float16)
+    for i in range(T):
+        mask[i, :depth + i + 1] = 0
+    m = ctx.from_numpy(mask)
+    outs = {"flash_attn_ext": [], "attn_prefill": []}
+    for _ in range(L):
+        kc, vc = (ctx.from_numpy(rng.standard_normal((n, H * D)).astype(np.float16)) for _ in range(2))
+        k, v = (ctx.view(c, (D, n, H), (c.nb[1], D * 2), 0) for c in (kc, vc))
+        outs["flash_attn_ext"].append(ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), k, v, m, scale=D ** -0.5))
+        outs["attn_prefill"].append(ctx.attn_prefill(q, k, v, m, scale=D ** -0.5))
+    graphs = {}
+    for name, ts in outs.items():
+        graphs[name] = gf = ctx.new_graph()
+        for t in ts:
+            gf.build_forward_expand(t)
+    times = {name: [] for name in graphs}
+    for _ in range(max(3, a.reps // 4)):
+        for name, gf in graphs.items():
+            t0 = time.perf_counter()
+            gf.compute(a.threads)
+            times[name].append(time.perf_counter() - t0)
+    diff = np.abs(outs["attn_prefill"][0].numpy() - outs["flash_attn_ext"][0].numpy()).max()
+    flops = 2 * H * 2 * D * L * sum(depth + i + 1 for i in range(T))
+    print(f"{L} layers, {H} heads of {D}, a prompt of {T} rows after {depth} positions, F16 cache, "
+          f"{a.threads} threads; max |difference| {diff:.1e}")
+    base = np.median(times["flash_attn_ext"])
+    for name, ts in times.items():
+        t = np.median(ts)
+        print(f"  {name:16s} {t * 1e3:8.2f} ms  {flops / t / 1e9:6.1f} GFLOP/s  {base / t:5.2f}x flash_attn_ext")
+    ctx.free()
 
 
 if __name__ == "__main__":

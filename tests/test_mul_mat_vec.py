@@ -159,3 +159,103 @@ def test_weights_it_cannot_read_are_refused():
     with ggmlpy.Context(1 << 20) as c2:
         with pytest.raises(GGMLValueError, match="w must be plain rows in host memory.*in CPU_REPACK"):
             c2.mul_mat_vec(w, c2.new_tensor("F32", (64, 1)))
+
+
+# ---- mul_mat_id_vec: the experts' version -----------------------------------------------------
+
+def _experts(ctx, wtype, W):
+    w = ctx.new_tensor(getattr(Type, wtype), W.shape[::-1])
+    if wtype in ("F32", "F16", "BF16"):
+        w.set(W)
+    else:
+        w.set_bytes(ggmlpy.quantize(W.reshape(-1, W.shape[-1]), getattr(Type, wtype)))
+    return w
+
+
+@pytest.mark.parametrize("wtype", ["F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("n_tokens", [1, 2, 4])
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
+def test_experts_equal_mul_mat_id(wtype, n_tokens, per_slot):
+    """Each token's chosen experts: mul_mat_id's values, bit for bit (the same kernels, each row
+    one call), whatever the thread count; ids as top_k returns them (a strided view)."""
+    rng = np.random.default_rng(n_tokens * 10 + per_slot + len(wtype))
+    k, rows, n_expert, n_used = 256, 36, 6, 3
+    W = rng.standard_normal((n_expert, rows, k)).astype(np.float32)
+    X = rng.standard_normal((n_tokens, n_used if per_slot else 1, k)).astype(np.float32)
+    L = rng.standard_normal((n_tokens, n_expert)).astype(np.float32)
+    with ggmlpy.Context(64 << 20) as ctx:
+        w = _experts(ctx, wtype, W)
+        x = ctx.from_numpy(X)
+        ids = ctx.top_k(ctx.from_numpy(L), n_used)             # (n_used, n_tokens), rows n_expert apart
+        ours, theirs = ctx.mul_mat_id_vec(w, x, ids), ctx.mul_mat_id(w, x, ids)
+        assert tuple(ours.ne[:3]) == tuple(theirs.ne[:3]) == (rows, n_used, n_tokens)
+        outs = []
+        for t in (1, 2, 3):
+            gf = ctx.new_graph()
+            gf.build_forward_expand(ours)
+            gf.build_forward_expand(theirs)
+            gf.compute(t)
+            outs.append(ours.numpy().copy())
+            assert np.array_equal(outs[-1], theirs.numpy())
+        chosen = ids.numpy()
+    assert sorted(chosen.reshape(n_tokens, n_used)[0].tolist()) == sorted(np.argsort(-L[0])[:n_used].tolist())
+
+
+def test_an_expert_id_out_of_range_gives_nan_rows():
+    """mul_mat_id asserts (the process would abort); this op marks the rows instead."""
+    with ggmlpy.Context(16 << 20) as ctx:
+        w = ctx.from_numpy(np.ones((4, 8, 64), np.float16))
+        x = ctx.from_numpy(np.ones((1, 1, 64), np.float32))
+        ids = ctx.from_numpy(np.array([[1, 7, -1]], np.int32))
+        y = ctx.mul_mat_id_vec(w, x, ids)
+        gf = ctx.new_graph()
+        gf.build_forward_expand(y)
+        gf.compute(2)
+        out = y.numpy()
+    assert (out[0] == 64).all() and np.isnan(out[1:]).all()
+
+
+@pytest.mark.parametrize("over, exc, words", [
+    (dict(w=("I32", (64, 8, 4))), GGMLTypeError, "mul_mat_id_vec: as_ has type i32"),
+    (dict(x=("F16", (64, 1, 1))), GGMLTypeError, "b has type f16"),
+    (dict(ids=("F32", (2, 1))), GGMLTypeError, "ids has type f32"),
+    (dict(x=("F32", (64, 3, 1))), GGMLValueError, "b \\(k, 1 or n_used, n_tokens\\)"),
+    (dict(x=("F32", (64, 1, 5)), ids=("I32", (2, 5))), GGMLValueError, "1 <= n_tokens <= 4"),
+    (dict(x=("F32", (32, 1, 1))), GGMLValueError, "shapes do not match"),
+])
+def test_experts_refuse_what_they_cannot_compute(over, exc, words):
+    shapes = dict(w=("F16", (64, 8, 4)), x=("F32", (64, 1, 1)), ids=("I32", (2, 1)))
+    shapes.update(over)
+    with ggmlpy.Context(8 << 20, no_alloc=True) as ctx:
+        t = {name: ctx.new_tensor(getattr(Type, spec[0]), spec[1]) for name, spec in shapes.items()}
+        with pytest.raises(exc, match=words):
+            ctx.mul_mat_id_vec(t["w"], t["x"], t["ids"])
+
+
+def test_moe_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
+    """A mixture of experts through the runner (the synthetic qwen3moe, Q8_0 experts): the one-token
+    steps take the experts' kernel, with the logits of mul_mat_id."""
+    from ggmlpy.models import load_model
+    from ggmlpy.models.synthetic import synthetic_path
+    from ggmlpy.runner import Runner
+
+    model = load_model(synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch="qwen3moe"))
+    asked = []
+    real = blocks._core._mul_mat_id_vec_ok
+
+    def spy(w, n):
+        ok = real(w, n)
+        asked.append(ok)
+        return ok
+
+    monkeypatch.setattr(blocks._core, "_mul_mat_id_vec_ok", spy)
+    logits = {}
+    for on in (True, False):
+        monkeypatch.setattr(blocks, "matvec_kernel", on)
+        rt = Runner(model, n_ctx=256, n_threads=2)
+        rt.decode(np.arange(30, dtype=np.int32) + 5, seq=0, logits="last")
+        del asked[:]
+        logits[on] = np.stack([rt.decode([9 + i], seq=0, logits="last").copy() for i in range(4)])
+        assert (any(asked) and all(asked)) if on else not asked
+        rt.close()
+    np.testing.assert_array_equal(logits[True], logits[False])

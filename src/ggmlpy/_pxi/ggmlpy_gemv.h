@@ -16,6 +16,7 @@
    (converting int8 weights to float costs more than ggml's integer dot), and with other values than
    mul_mat's; dropped. */
 #pragma once
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
@@ -77,6 +78,54 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
             tt->vec_dot((int) k, y, 0, wr, 0, xq + c * xrow, 0, 1);
         }
     }
+}
+
+/* The experts' version (Context.mul_mat_id_vec), a token's chosen experts as mul_mat_id computes
+   them: src[0] w (k, rows, n_expert) rows contiguous, readable; src[1] x F32 (k, xb, n) rows
+   contiguous, xb 1 (every slot reads the token's one vector) or n_used (a vector per slot), n <=
+   MAX_COLS; src[2] ids I32 (n_used, n), contiguous; dst F32 (rows, n_used, n). The (token, slot, row)
+   units are cut into one contiguous run per thread, so a thread streams through the rows of the
+   experts it has. An id outside [0, n_expert) gives NaN rows (mul_mat_id would abort the process). */
+static void ggmlpy_gemv_id_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void) userdata;
+    const struct ggml_tensor * w = dst->src[0], * x = dst->src[1], * ids = dst->src[2];
+    const int64_t k = w->ne[0], rows = w->ne[1], n_expert = w->ne[2], xb = x->ne[1], n = x->ne[2];
+    const int64_t n_used = ids->ne[0], per_token = n_used * rows, units = n * per_token;
+    const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
+    const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(w->type);
+    const enum ggml_type vt = tt->vec_dot_type;
+    const size_t xrow = ggml_row_size(vt, k), nb1 = w->nb[1];
+    char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t b = 0; b < xb; b++) {
+            const float * xc = (const float *) ((const char *) x->data + b * x->nb[1] + t * x->nb[2]);
+            char * q = xq + (t * xb + b) * xrow;
+            if (vt == GGML_TYPE_F32) memcpy(q, xc, xrow);
+            else ggml_get_type_traits_cpu(vt)->from_float(xc, q, k);
+        }
+    }
+    const int64_t pfd = ggmlpy_gemv_pfd;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t t = u / per_token, s = (u % per_token) / rows, r = u % rows;
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + s * ids->nb[0] + t * ids->nb[1]);
+        float * y = (float *) ((char *) dst->data + s * dst->nb[1] + t * dst->nb[2]) + r;
+        if (e < 0 || e >= n_expert) {
+            *y = NAN;
+            continue;
+        }
+        const char * wr = (const char *) w->data + e * w->nb[2] + r * nb1;
+        if (pfd) {
+            for (size_t o = 0; o < nb1; o += 64) __builtin_prefetch(wr + pfd + o);
+        }
+        tt->vec_dot((int) k, y, 0, wr, 0, xq + (t * xb + s % xb) * xrow, 0, 1);
+    }
+}
+
+static struct ggml_tensor * ggmlpy_mul_mat_id_vec(struct ggml_context * ctx, struct ggml_tensor * w,
+                                                  struct ggml_tensor * x, struct ggml_tensor * ids) {
+    struct ggml_tensor * args[3] = {w, x, ids};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 3, ggmlpy_gemv_id_op,
+                          GGML_N_TASKS_MAX, NULL);
 }
 
 static struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w,

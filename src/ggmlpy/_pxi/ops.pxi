@@ -195,6 +195,8 @@ cdef extern from "ggmlpy_attn.h":
 
 cdef extern from "ggmlpy_gemv.h":
     g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    g.ggml_tensor * ggmlpy_mul_mat_id_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
+                                          g.ggml_tensor * ids) nogil
     int GGMLPY_GEMV_MAX_COLS
     int64_t ggmlpy_gemv_pfd
     size_t ggmlpy_gemv_scratch(g.ggml_type type, int64_t k, int64_t m) nogil
@@ -217,6 +219,17 @@ def _mul_mat_vec_prefetch(distance=None):
 cdef str _buffer_name(const g.ggml_tensor * p):
     cdef g.ggml_backend_buffer * buf = p.buffer if p.buffer != NULL or p.view_src == NULL else p.view_src.buffer
     return "its context's memory" if buf == NULL else g.ggml_backend_buffer_name(buf).decode()
+
+
+def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
+    """Whether ``Context.mul_mat_id_vec`` takes the expert stack ``w`` (3 dimensions, plain rows in
+    host memory, a type with a CPU dot kernel) with ``n_vectors`` input vectors (``b.ne[1] *
+    b.ne[2]``) within its scratch bound. For the models' choice."""
+    cdef size_t scratch
+    if not ggmlpy_gemv_readable(w.ptr) or not 1 <= n_vectors or w.ptr.ne[3] != 1:
+        return False
+    scratch = ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], n_vectors)
+    return scratch != <size_t> -1 and scratch <= GGMLPY_GEMV_SCRATCH
 
 
 def _mul_mat_vec_ok(Tensor w, int64_t m):
@@ -1386,6 +1399,45 @@ cdef class _ContextOps(_ContextBase):
         self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
         r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)
         return _res(self, r, w, x)
+
+    def mul_mat_id_vec(self, Tensor as_, Tensor b, Tensor ids):
+        """``mul_mat_id(as_, b, ids)`` for at most 4 tokens: a few tokens' chosen experts, ``mul_mat_id``'s values.
+
+        :meth:`mul_mat_vec`'s schedule for the experts: the (token, slot, row) units are cut into one
+        contiguous run per thread, which streams through the rows of its experts with prefetches
+        ahead, and each row's dot is ggml's kernel for the type on the vector converted as
+        ``mul_mat_id`` converts it. An expert id out of range gives NaN rows instead of ggml's abort.
+
+        ``as_`` ``(k, rows, n_expert)`` rows contiguous, plain rows in host memory, a type with a CPU
+        dot kernel; ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous, ``n_tokens <= 4``;
+        ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous (``top_k``'s view). Result f32 ``(rows, n_used, n_tokens)``.
+        """
+        cdef str op = "mul_mat_id_vec"
+        cdef size_t scratch
+        self._ensure_op(op)
+        _arg(as_, op, "as_"); _arg(b, op, "b"); _arg(ids, op, "ids")
+        _types(b, op, "b", M_F32)
+        _types(ids, op, "ids", M_I32)
+        _rows_contig(as_, op, "as_"); _rows_contig(b, op, "b")
+        if not ggmlpy_gemv_readable(as_.ptr):
+            _fail(op, f"as_ must be plain rows in host memory (got as_: {_desc(as_)}, in {_buffer_name(as_.ptr)}): "
+                  f"use mul_mat_id")
+        if not (as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1
+                and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0]
+                and (b.ptr.ne[1] == 1 or b.ptr.ne[1] == ids.ptr.ne[0]) and 1 <= b.ptr.ne[2] <= GGMLPY_GEMV_MAX_COLS
+                and ids.ptr.nb[0] == 4):
+            _fail(op, f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
+                  f"as_ (k, rows, n_expert), b (k, 1 or n_used, n_tokens), ids (n_used, n_tokens) with contiguous rows, "
+                  f"1 <= n_tokens <= {GGMLPY_GEMV_MAX_COLS})")
+        scratch = ggmlpy_gemv_scratch(as_.ptr.type, as_.ptr.ne[0], b.ptr.ne[1] * b.ptr.ne[2])
+        if scratch == <size_t> -1:
+            raise GGMLTypeError(f"{op}: as_ has type {g.ggml_type_name(as_.ptr.type).decode()}, which has no CPU dot "
+                                f"kernel (got as_: {_desc(as_)})")
+        if scratch > GGMLPY_GEMV_SCRATCH:
+            _fail(op, f"the vectors take {scratch} bytes in as_'s dot type, above {GGMLPY_GEMV_SCRATCH} (got as_: "
+                  f"{_desc(as_)}, b: {_desc(b)}): use mul_mat_id")
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
+        return _res(self, ggmlpy_mul_mat_id_vec(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
 
     cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
         """attn_decode's and attn_prefill's preconditions: types, contiguous rows, matching shapes."""

@@ -318,7 +318,12 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     x = ctx.reshape(cur, (n_embd, 1, n))            # one input row per token, shared by its experts
 
     def experts_of(name, inp):
-        y = ctx.mul_mat_id(w[f"{prefix}{name}.weight"], inp, chosen)               # (rows, k, n)
+        exps = w[f"{prefix}{name}.weight"]
+        if (matvec_kernel and n <= MATVEC_MAX_COLS
+                and _core._mul_mat_id_vec_ok(exps, inp.ne[1] * inp.ne[2])):
+            y = ctx.mul_mat_id_vec(exps, inp, chosen)        # generation: linear()'s schedule for experts
+        else:
+            y = ctx.mul_mat_id(exps, inp, chosen)                                   # (rows, k, n)
         return ctx.add_id(y, w[f"{prefix}{name}.bias"], chosen) if f"{prefix}{name}.bias" in w else y
 
     h = split(ctx, experts_of("ffn_gate_exps", x), experts_of("ffn_up_exps", x))      # (n_ff, k, n)
