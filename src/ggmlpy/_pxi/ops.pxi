@@ -221,26 +221,40 @@ cdef str _buffer_name(const g.ggml_tensor * p):
     return "its context's memory" if buf == NULL else g.ggml_backend_buffer_name(buf).decode()
 
 
-def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
-    """Whether ``Context.mul_mat_id_vec`` takes the expert stack ``w`` (3 dimensions, plain rows in
-    host memory, a type with a CPU dot kernel) with ``n_vectors`` input vectors (``b.ne[1] *
-    b.ne[2]``) within its scratch bound. For the models' choice."""
-    cdef size_t scratch
-    if not ggmlpy_gemv_readable(w.ptr) or not 1 <= n_vectors or w.ptr.ne[3] != 1:
-        return False
-    scratch = ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], n_vectors)
-    return scratch != <size_t> -1 and scratch <= GGMLPY_GEMV_SCRATCH
+cdef size_t _gemv_scratch(Tensor w, int64_t n_vectors) noexcept:
+    # bytes the vectors take in w's dot type; (size_t) -1 where the type has no CPU dot kernel
+    return ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], n_vectors)
 
 
 def _mul_mat_vec_ok(Tensor w, int64_t m):
     """Whether ``Context.mul_mat_vec`` takes the weight ``w`` (2 dimensions, plain rows in host
     memory, a type with a CPU dot kernel) for ``m`` vectors within its scratch bound. For the
     models' choice."""
+    return (1 <= m <= GGMLPY_GEMV_MAX_COLS and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
+            and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH)
+
+
+def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
+    """The same for ``Context.mul_mat_id_vec`` and the expert stack ``w`` (3 dimensions) with
+    ``n_vectors`` input vectors (``b.ne[1] * b.ne[2]``)."""
+    return (n_vectors >= 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
+            and _gemv_scratch(w, n_vectors) <= GGMLPY_GEMV_SCRATCH)
+
+
+cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, str instead) except -1:
+    # mul_mat_vec's and mul_mat_id_vec's checks of the weight: readable rows, a dot kernel, the scratch
     cdef size_t scratch
-    if not ggmlpy_gemv_readable(w.ptr) or not 1 <= m <= GGMLPY_GEMV_MAX_COLS or w.ptr.ne[2] != 1 or w.ptr.ne[3] != 1:
-        return False
-    scratch = ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], m)
-    return scratch != <size_t> -1 and scratch <= GGMLPY_GEMV_SCRATCH
+    if not ggmlpy_gemv_readable(w.ptr):
+        _fail(op, f"{name} must be plain rows in host memory (got {name}: {_desc(w)}, in {_buffer_name(w.ptr)}): "
+              f"use {instead}")
+    scratch = _gemv_scratch(w, n_vectors)
+    if scratch == <size_t> -1:
+        raise GGMLTypeError(f"{op}: {name} has type {g.ggml_type_name(w.ptr.type).decode()}, which has no CPU dot "
+                            f"kernel (got {name}: {_desc(w)})")
+    if scratch > GGMLPY_GEMV_SCRATCH:
+        _fail(op, f"the vectors take {scratch} bytes in {name}'s dot type, above {GGMLPY_GEMV_SCRATCH} (got {name}: "
+              f"{_desc(w)}, b: {_desc(b)}): use {instead}")
+    return 0
 
 
 cdef extern from "ggmlpy_attn_prefill.h":
@@ -1378,24 +1392,15 @@ cdef class _ContextOps(_ContextBase):
         """
         cdef str op = "mul_mat_vec"
         cdef g.ggml_tensor * r
-        cdef size_t scratch
         self._ensure_op(op)
         _arg(w, op, "w"); _arg(x, op, "x")
         _types(x, op, "x", M_F32)
         _rows_contig(w, op, "w"); _rows_contig(x, op, "x")
-        if not ggmlpy_gemv_readable(w.ptr):
-            _fail(op, f"w must be plain rows in host memory (got w: {_desc(w)}, in {_buffer_name(w.ptr)}): use mul_mat")
         if not (x.ptr.ne[0] == w.ptr.ne[0] and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and x.ptr.ne[2] == 1
                 and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
             _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
                   f"1 <= m <= {GGMLPY_GEMV_MAX_COLS}, 2 dimensions)")
-        scratch = ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], x.ptr.ne[1])
-        if scratch == <size_t> -1:
-            raise GGMLTypeError(f"{op}: w has type {g.ggml_type_name(w.ptr.type).decode()}, which has no CPU dot kernel "
-                                f"(got w: {_desc(w)})")
-        if scratch > GGMLPY_GEMV_SCRATCH:
-            _fail(op, f"the vectors take {scratch} bytes in w's dot type, above {GGMLPY_GEMV_SCRATCH} (got w: "
-                  f"{_desc(w)}, x: {_desc(x)}): use mul_mat")
+        _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat")
         self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
         r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)
         return _res(self, r, w, x)
@@ -1413,15 +1418,11 @@ cdef class _ContextOps(_ContextBase):
         ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous (``top_k``'s view). Result f32 ``(rows, n_used, n_tokens)``.
         """
         cdef str op = "mul_mat_id_vec"
-        cdef size_t scratch
         self._ensure_op(op)
         _arg(as_, op, "as_"); _arg(b, op, "b"); _arg(ids, op, "ids")
         _types(b, op, "b", M_F32)
         _types(ids, op, "ids", M_I32)
         _rows_contig(as_, op, "as_"); _rows_contig(b, op, "b")
-        if not ggmlpy_gemv_readable(as_.ptr):
-            _fail(op, f"as_ must be plain rows in host memory (got as_: {_desc(as_)}, in {_buffer_name(as_.ptr)}): "
-                  f"use mul_mat_id")
         if not (as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1
                 and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0]
                 and (b.ptr.ne[1] == 1 or b.ptr.ne[1] == ids.ptr.ne[0]) and 1 <= b.ptr.ne[2] <= GGMLPY_GEMV_MAX_COLS
@@ -1429,13 +1430,7 @@ cdef class _ContextOps(_ContextBase):
             _fail(op, f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
                   f"as_ (k, rows, n_expert), b (k, 1 or n_used, n_tokens), ids (n_used, n_tokens) with contiguous rows, "
                   f"1 <= n_tokens <= {GGMLPY_GEMV_MAX_COLS})")
-        scratch = ggmlpy_gemv_scratch(as_.ptr.type, as_.ptr.ne[0], b.ptr.ne[1] * b.ptr.ne[2])
-        if scratch == <size_t> -1:
-            raise GGMLTypeError(f"{op}: as_ has type {g.ggml_type_name(as_.ptr.type).decode()}, which has no CPU dot "
-                                f"kernel (got as_: {_desc(as_)})")
-        if scratch > GGMLPY_GEMV_SCRATCH:
-            _fail(op, f"the vectors take {scratch} bytes in as_'s dot type, above {GGMLPY_GEMV_SCRATCH} (got as_: "
-                  f"{_desc(as_)}, b: {_desc(b)}): use mul_mat_id")
+        _gemv_check(op, as_, "as_", b, b.ptr.ne[1] * b.ptr.ne[2], "mul_mat_id")
         self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
         return _res(self, ggmlpy_mul_mat_id_vec(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
 
