@@ -3,7 +3,8 @@
 Checked against numpy in float64 (``test_attn_decode._reference``) for causal prompts at depth 0
 and deeper, grouped-query heads, K and V of different sizes, row counts and cache lengths that are
 not multiples of the 64-row tiles and 64-position blocks, masks with holes (several sequences in one
-batch), a sliding window, values other than 0 and -inf, rows that see nothing, no mask at all; the
+batch), a sliding window, values other than 0 and -inf, rows that see nothing, no mask at all, soft-
+capped scores (gemma2); the
 cache's layout (a cell's heads side by side) and a head-major one; float16 and float32 K/V; the
 AVX-512 kernel and the portable one, 1-3 threads. Then against ``flash_attn_ext`` and through the
 runner: a prompt's logits with the kernel and with ggml's flash attention.
@@ -78,6 +79,55 @@ def test_matches_numpy(case, kv_type, cells, vector):
     assert err < TOL, err
     # a unit of work (a tile of rows of a head) is one thread's whatever the count: identical results
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def _softcapped_reference(Q, K, V, M, scale, cap):
+    """softmax(cap * tanh(scale q.k / cap) + mask) v in float64 (gemma2's attention)."""
+    group = Q.shape[1] // K.shape[0]
+    Kf, Vf = (np.repeat(a.astype(np.float64), group, 0) for a in (K, V))
+    s = np.einsum("qhd,hkd->qhk", Q.astype(np.float64), Kf) * scale
+    s = cap * np.tanh(s / cap) + M.astype(np.float64)[:, None, :]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("qhk,hkd->qhd", p / p.sum(-1, keepdims=True), Vf)
+
+
+@pytest.mark.parametrize("kv_type", [np.float16, np.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "portable"])
+@pytest.mark.parametrize("cap", [50.0, 2.0])
+def test_soft_capping(kv_type, vector, cap):
+    """gemma2's capped scores: cap * tanh(s / cap) before the mask (a cap of 2 bends every score)."""
+    if vector and not VECTOR:
+        pytest.skip("no AVX-512 on this CPU")
+    rng = np.random.default_rng(int(cap))
+    n_q, n_head, n_head_kv, d, n_kv = 100, 4, 2, 64, 160
+    Q = (rng.standard_normal((n_q, n_head, d)) * 3).astype(np.float32)
+    K = (rng.standard_normal((n_head_kv, n_kv, d)) * 3).astype(kv_type)
+    V = rng.standard_normal((n_head_kv, n_kv, d)).astype(kv_type)
+    M = _causal(rng, n_q, n_kv, depth=60)
+    ref = _softcapped_reference(Q, K, V, M, 0.125, cap)
+    old = _core._attn_prefill_allow_vector(vector)
+    try:
+        with ggmlpy.Context(32 << 20) as ctx:
+            q, k, v, m = (ctx.from_numpy(a) for a in (Q, K, V, M))
+            ours = ctx.attn_prefill(q, k, v, m, scale=0.125, logit_softcap=cap)
+            fa = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), k, v, m, scale=0.125, logit_softcap=cap)
+            gf = ctx.new_graph()
+            gf.build_forward_expand(ours)
+            gf.build_forward_expand(fa)
+            gf.compute(2)
+            out, theirs = ours.numpy(), fa.numpy()
+    finally:
+        _core._attn_prefill_allow_vector(old)
+    assert np.abs(out - ref).max() < TOL * np.abs(ref).max()
+    assert np.abs(theirs - ref).max() < 1e-2 * np.abs(ref).max()     # ggml's, on float16 scores
+
+
+@pytest.mark.parametrize("cap", [-1.0, float("inf"), float("nan")])
+def test_soft_cap_must_be_a_positive_number(cap):
+    with ggmlpy.Context(8 << 20, no_alloc=True) as ctx:
+        with pytest.raises(GGMLValueError, match="logit_softcap must be 0"):
+            q, k, v = ctx.new_tensor("F32", (64, 2, 70)), ctx.new_tensor("F16", (64, 80, 2)), ctx.new_tensor("F16", (64, 80, 2))
+            ctx.attn_prefill(q, k, v, scale=1.0, logit_softcap=cap)
 
 
 def test_large_scores_stay_finite():

@@ -16,9 +16,10 @@
    hides for every row of the tile (a causal prompt's upper triangle) are skipped, blocks it leaves
    whole need no mask, and only the blocks on its edges add it element by element.
 
-   Semantics are flash_attn_ext's without ALiBi, soft-capping or sinks, in float32 throughout (ggml
-   rounds q to float16 and sums V in float16 when the cache is float16): out = softmax(scale q.k +
-   mask) v, grouped-query heads broadcast, a fully masked row gives zeros. */
+   Semantics are flash_attn_ext's without ALiBi or sinks, in float32 throughout (ggml rounds q to
+   float16 and sums V in float16 when the cache is float16): out = softmax(s + mask) v with s =
+   scale q.k, or softcap * tanh(scale q.k / softcap) (gemma2), grouped-query heads broadcast, a
+   fully masked row gives zeros. */
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -149,6 +150,21 @@ GGMLPY_AVX512 static inline __m512 ggmlpy_pf_exp512(__m512 t) {
     return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
 }
 
+/* Soft-capping of the block's scores, in place: s -> cap * tanh(s) (the scores were scaled by 1/cap
+   with q), tanh from exp(-2|s|), which keeps the exp in its accurate range (x <= 0). */
+GGMLPY_AVX512 static inline void ggmlpy_pf_softcap_avx512(float * ST, int64_t n, float cap) {
+    const __m512 one = _mm512_set1_ps(1.0f), vcap = _mm512_set1_ps(cap);
+    const __m512i sign = _mm512_set1_epi32((int) 0x80000000u);
+    for (int64_t i = 0; i < n * GGMLPY_PF_BQ; i += 16) {
+        const __m512 s = _mm512_loadu_ps(ST + i);
+        const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign, _mm512_castps_si512(s)));
+        const __m512 e = ggmlpy_pf_exp512(_mm512_mul_ps(a, _mm512_set1_ps(-2.0f)));
+        const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+        const __m512i sb = _mm512_and_si512(sign, _mm512_castps_si512(s));
+        _mm512_storeu_ps(ST + i, _mm512_mul_ps(vcap, _mm512_castsi512_ps(_mm512_or_si512(sb, _mm512_castps_si512(t)))));
+    }
+}
+
 GGMLPY_AVX512 static inline void ggmlpy_pf_softmax_avx512(float * ST, int64_t n, float * m, float * l, float * f) {
     for (int q = 0; q < GGMLPY_PF_BQ; q += 16) {
         __m512 bm = _mm512_set1_ps(-INFINITY);
@@ -210,6 +226,10 @@ static inline void ggmlpy_pf_softmax_ref(float * ST, int64_t n, float * m, float
     }
 }
 
+static inline void ggmlpy_pf_softcap_ref(float * ST, int64_t n, float cap) {
+    for (int64_t i = 0; i < n * GGMLPY_PF_BQ; i++) ST[i] = cap * tanhf(ST[i]);
+}
+
 static inline void ggmlpy_pf_rescale_ref(float * Ot, int64_t dv, const float * f) {
     for (int64_t d = 0; d < dv; d++) {
         for (int i = 0; i < GGMLPY_PF_BQ; i++) Ot[d * GGMLPY_PF_BQ + i] *= f[i];
@@ -263,7 +283,7 @@ typedef struct {
     const char * mask; size_t mask_nb1;    /* the tile's first mask row, or NULL */
     const int64_t * lo, * hi;              /* each row's visible span */
     int64_t nr, dk, dv, span_lo, span_hi;
-    float scale;
+    float scale, softcap;                  /* q's scale (divided by softcap where there is one) */
     float * out; size_t out_nb2;           /* the tile's first output row of the head */
 } ggmlpy_pf_tile;
 
@@ -281,8 +301,8 @@ typedef struct {
 
 /* The op's tensors are attn_decode's: src[0] q (dk, n_head, n_rows) F32, rows contiguous; src[1] k
    (dk, n_kv, n_head_kv), src[2] v (dv, n_kv, n_head_kv), F16 or F32, rows contiguous; src[3] the
-   F16 mask (>= n_kv, >= n_rows) or absent. dst (dv, n_head, n_rows). The scale travels in the
-   userdata pointer's bits. Work is (tile of rows, head) units dealt to the threads in turn, heads
+   F16 mask (>= n_kv, >= n_rows) or absent. dst (dv, n_head, n_rows). The scale and the soft cap (0:
+   none) travel in the userdata pointer's bits. Work is (tile of rows, head) units dealt to the threads in turn, heads
    fastest, so a causal prompt's long and short tiles spread evenly. */
 static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const uint32_t bits = (uint32_t) (uintptr_t) userdata;
@@ -295,7 +315,10 @@ static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * user
     int64_t lo[GGMLPY_PF_BQ], hi[GGMLPY_PF_BQ], span_r0 = -1;
     ggmlpy_pf_tile t;
     memset(&t, 0, sizeof t);
+    const uint32_t cap_bits = (uint32_t) ((uint64_t) (uintptr_t) userdata >> 32);
     memcpy(&t.scale, &bits, 4);
+    memcpy(&t.softcap, &cap_bits, 4);
+    if (t.softcap != 0.0f) t.scale /= t.softcap;
     t.Qt = work; t.Kf = t.Qt + dk * GGMLPY_PF_BQ; t.Vf = t.Kf + GGMLPY_PF_BK * dk; t.ST = t.Vf + GGMLPY_PF_BK * dv;
     t.Ot = t.ST + GGMLPY_PF_BK * GGMLPY_PF_BQ; t.m = t.Ot + dv * GGMLPY_PF_BQ; t.l = t.m + GGMLPY_PF_BQ;
     t.f = t.l + GGMLPY_PF_BQ;
@@ -338,8 +361,13 @@ static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * user
    is full. */
 static struct ggml_tensor * ggmlpy_attn_prefill(struct ggml_context * ctx, struct ggml_tensor * q,
                                                 struct ggml_tensor * k, struct ggml_tensor * v,
-                                                struct ggml_tensor * mask, float scale) {
+                                                struct ggml_tensor * mask, float scale, float softcap) {
     struct ggml_tensor * args[4] = {q, k, v, mask};
+    uint32_t s_bits, c_bits;
+    memcpy(&s_bits, &scale, 4);
+    memcpy(&c_bits, &softcap, 4);
+    /* both floats in the userdata pointer's bits: nothing has to outlive the graph */
+    void * packed = (void *) (uintptr_t) (((uint64_t) c_bits << 32) | s_bits);
     return ggml_custom_4d(ctx, GGML_TYPE_F32, v->ne[0], q->ne[1], q->ne[2], 1, args, mask ? 4 : 3, ggmlpy_pf_op,
-                          GGML_N_TASKS_MAX, ggmlpy_attn_pack(scale, 1));
+                          GGML_N_TASKS_MAX, packed);
 }

@@ -259,7 +259,7 @@ cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, st
 
 cdef extern from "ggmlpy_attn_prefill.h":
     g.ggml_tensor * ggmlpy_attn_prefill(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k,
-                                        g.ggml_tensor * v, g.ggml_tensor * mask, float scale) nogil
+                                        g.ggml_tensor * v, g.ggml_tensor * mask, float scale, float softcap) nogil
     int GGMLPY_PF_MAX_D
     int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) nogil
     int ggmlpy_pf_allow_vector
@@ -1353,15 +1353,17 @@ cdef class _ContextOps(_ContextBase):
         r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks)
         return _res(self, r, q, k, v, mask)
 
-    def attn_prefill(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0):
+    def attn_prefill(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, float logit_softcap=0.0):
         """Attention of a prompt's query rows over a float16/float32 KV cache: ``softmax(q k^T * scale + mask) v``.
 
         ggmlpy's own CPU kernel for prompts (a ggml custom op): tiles of 64 query rows of a head meet
         blocks of 64 positions as two small float32 matrix products with an online softmax between
         them; blocks the mask hides from the whole tile (a causal prompt's upper triangle) are
         skipped. ggml's CPU ``flash_attn_ext`` does a prompt row by row. Same result as
-        ``flash_attn_ext`` without ALiBi, soft-capping or sinks (a fully masked row gives zeros),
-        computed in float32 throughout (ggml rounds ``q`` to float16 for a float16 cache).
+        ``flash_attn_ext`` without ALiBi or sinks (a fully masked row gives zeros), computed in
+        float32 throughout (ggml rounds ``q`` to float16 for a float16 cache); ``logit_softcap``
+        caps the scaled scores to ``logit_softcap * tanh(s / logit_softcap)`` before the mask, as
+        ``flash_attn_ext``'s does (gemma2).
 
         Arguments as :meth:`attn_decode`'s (``q`` f32 ``(head_dim, n_head, n_q)``, rows contiguous;
         ``k``/``v`` f16 or f32 ``(head_dim, n_kv, n_head_kv)``; ``mask`` f16 ``(>= n_kv, >= n_q)``),
@@ -1371,8 +1373,11 @@ cdef class _ContextOps(_ContextBase):
         cdef str op = "attn_prefill"
         cdef g.ggml_tensor * r
         self._attn_check(op, q, k, v, mask, GGMLPY_PF_MAX_D)
+        if not (logit_softcap >= 0.0 and logit_softcap < float("inf")):
+            _fail(op, f"logit_softcap must be 0 (none) or a positive finite cap (got {logit_softcap})")
         self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
-        r = ggmlpy_attn_prefill(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale)
+        r = ggmlpy_attn_prefill(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale,
+                                logit_softcap)
         return _res(self, r, q, k, v, mask)
 
     def mul_mat_vec(self, Tensor w, Tensor x):

@@ -136,11 +136,11 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
         sink's share dropped, so a head may attend to nothing.
 
     With ``flash_attn``, ``on_cpu`` (the layer computes on the CPU backend: the caller's placement
-    says so), a float16/float32 cache in host memory and neither soft-capping nor sinks, ggmlpy's
-    own CPU kernels run instead of ``flash_attn_ext``: :meth:`~ggmlpy.Context.attn_decode` for fewer
-    than :data:`DECODE_MAX_ROWS` tokens (generation; faster than ggml's at depth), and
-    :meth:`~ggmlpy.Context.attn_prefill` from there on (prompts; about 3x ggml's). ``blocks.decode_kernel
-    = False`` and ``blocks.prefill_kernel = False`` turn them off.
+    says so), a float16/float32 cache in host memory and no sinks, ggmlpy's own CPU kernels run
+    instead of ``flash_attn_ext``: :meth:`~ggmlpy.Context.attn_decode` for fewer than
+    :data:`DECODE_MAX_ROWS` tokens without soft-capping (generation; faster than ggml's at depth),
+    and :meth:`~ggmlpy.Context.attn_prefill` from there on (prompts; about 3x ggml's).
+    ``blocks.decode_kernel = False`` and ``blocks.prefill_kernel = False`` turn them off.
 
     Returns
     -------
@@ -150,14 +150,15 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     head_dim, n_head, n = q.ne[0], q.ne[1], q.ne[2]
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
-    if flash_attn and on_cpu and not logit_softcap and sinks is None and _kernel_ok(kv_k, kv_v):
-        if n < DECODE_MAX_ROWS and decode_kernel and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]):
+    if flash_attn and on_cpu and sinks is None and _kernel_ok(kv_k, kv_v):
+        if n < DECODE_MAX_ROWS and decode_kernel and not logit_softcap \
+                and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]):
             chunks = _decode_chunks(kv_k.ne[1])
             o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
             return ctx.reshape(o, (head_dim * n_head, n))
         if n >= DECODE_MAX_ROWS and prefill_kernel and _core._attn_prefill_vectorized(kv_k.ne[0], kv_v.ne[0]):
-            o = ctx.attn_prefill(q, kv_k, kv_v, mask, scale=scale)                    # (head_dim, n_head, n)
-            return ctx.reshape(o, (head_dim * n_head, n))
+            o = ctx.attn_prefill(q, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap)
+            return ctx.reshape(o, (head_dim * n_head, n))                              # o: (head_dim, n_head, n)
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
     if flash_attn:
         o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap,
