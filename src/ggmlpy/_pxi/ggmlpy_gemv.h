@@ -49,6 +49,24 @@ static size_t ggmlpy_gemv_scratch(enum ggml_type type, int64_t k, int64_t m) {
     return ggml_row_size(tt->vec_dot_type, k) * (size_t) m;
 }
 
+/* One float32 vector of k into the dot type vt, as mul_mat converts it. */
+static inline void ggmlpy_gemv_convert(enum ggml_type vt, const float * x, char * q, int64_t k, size_t row) {
+    if (vt == GGML_TYPE_F32) memcpy(q, x, row);
+    else ggml_get_type_traits_cpu(vt)->from_float(x, q, k);
+}
+
+/* The lines pfd bytes past the row asked for, span bytes of them (a hint: never faults; 0 for a
+   later column of the same row), then the row's dot with the converted vector q by the type's
+   kernel. */
+static inline void ggmlpy_gemv_dot(const struct ggml_type_traits_cpu * tt, const char * wr, size_t span, int64_t k,
+                                   const char * q, float * y) {
+    const int64_t pfd = ggmlpy_gemv_pfd;
+    if (pfd) {
+        for (size_t o = 0; o < span; o += 64) __builtin_prefetch(wr + pfd + o);
+    }
+    tt->vec_dot((int) k, y, 0, wr, 0, q, 0, 1);
+}
+
 /* src[0] w (k, n) rows contiguous, readable (ggmlpy_gemv_readable); src[1] x F32 (k, m) rows
    contiguous, m <= MAX_COLS; dst F32 (n, m). Thread ith takes rows [n * ith / nth, n * (ith + 1) /
    nth) and converts its own copy of the vectors (no barrier needed; k values, against the n * k
@@ -63,19 +81,12 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
     const size_t xrow = ggml_row_size(vt, k), nb1 = w->nb[1];
     char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
     for (int64_t c = 0; c < m; c++) {
-        const float * xc = (const float *) ((const char *) x->data + c * x->nb[1]);
-        if (vt == GGML_TYPE_F32) memcpy(xq + c * xrow, xc, xrow);
-        else ggml_get_type_traits_cpu(vt)->from_float(xc, xq + c * xrow, k);
+        ggmlpy_gemv_convert(vt, (const float *) ((const char *) x->data + c * x->nb[1]), xq + c * xrow, k, xrow);
     }
-    const int64_t pfd = ggmlpy_gemv_pfd;
     for (int64_t r = r0; r < r1; r++) {
         const char * wr = (const char *) w->data + r * nb1;
-        if (pfd) {
-            for (size_t o = 0; o < nb1; o += 64) __builtin_prefetch(wr + pfd + o);
-        }
         for (int64_t c = 0; c < m; c++) {
-            float * y = (float *) ((char *) dst->data + c * dst->nb[1]) + r;
-            tt->vec_dot((int) k, y, 0, wr, 0, xq + c * xrow, 0, 1);
+            ggmlpy_gemv_dot(tt, wr, c == 0 ? nb1 : 0, k, xq + c * xrow, (float *) ((char *) dst->data + c * dst->nb[1]) + r);
         }
     }
 }
@@ -98,13 +109,10 @@ static void ggmlpy_gemv_id_op(struct ggml_tensor * dst, int ith, int nth, void *
     char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
     for (int64_t t = 0; t < n; t++) {
         for (int64_t b = 0; b < xb; b++) {
-            const float * xc = (const float *) ((const char *) x->data + b * x->nb[1] + t * x->nb[2]);
-            char * q = xq + (t * xb + b) * xrow;
-            if (vt == GGML_TYPE_F32) memcpy(q, xc, xrow);
-            else ggml_get_type_traits_cpu(vt)->from_float(xc, q, k);
+            ggmlpy_gemv_convert(vt, (const float *) ((const char *) x->data + b * x->nb[1] + t * x->nb[2]),
+                                xq + (t * xb + b) * xrow, k, xrow);
         }
     }
-    const int64_t pfd = ggmlpy_gemv_pfd;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t t = u / per_token, s = (u % per_token) / rows, r = u % rows;
         const int32_t e = *(const int32_t *) ((const char *) ids->data + s * ids->nb[0] + t * ids->nb[1]);
@@ -113,11 +121,7 @@ static void ggmlpy_gemv_id_op(struct ggml_tensor * dst, int ith, int nth, void *
             *y = NAN;
             continue;
         }
-        const char * wr = (const char *) w->data + e * w->nb[2] + r * nb1;
-        if (pfd) {
-            for (size_t o = 0; o < nb1; o += 64) __builtin_prefetch(wr + pfd + o);
-        }
-        tt->vec_dot((int) k, y, 0, wr, 0, xq + (t * xb + s % xb) * xrow, 0, 1);
+        ggmlpy_gemv_dot(tt, (const char *) w->data + e * w->nb[2] + r * nb1, nb1, k, xq + (t * xb + s % xb) * xrow, y);
     }
 }
 
