@@ -94,9 +94,10 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
 /* The experts' version (Context.mul_mat_id_vec), a token's chosen experts as mul_mat_id computes
    them: src[0] w (k, rows, n_expert) rows contiguous, readable; src[1] x F32 (k, xb, n) rows
    contiguous, xb 1 (every slot reads the token's one vector) or n_used (a vector per slot), n <=
-   MAX_COLS; src[2] ids I32 (n_used, n), contiguous; dst F32 (rows, n_used, n). The (token, slot, row)
-   units are cut into one contiguous run per thread, so a thread streams through the rows of the
-   experts it has. An id outside [0, n_expert) gives NaN rows (mul_mat_id would abort the process). */
+   MAX_COLS; src[2] ids I32 (n_used, n), each token's ids contiguous (top_k's view); dst F32 (rows,
+   n_used, n). The (token, slot, row) units are cut into one contiguous run per thread, so a thread
+   streams through the rows of the experts it has. An id outside [0, n_expert) gives NaN rows
+   (mul_mat_id would abort the process). */
 static void ggmlpy_gemv_id_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void) userdata;
     const struct ggml_tensor * w = dst->src[0], * x = dst->src[1], * ids = dst->src[2];
