@@ -12,6 +12,8 @@ Conventions used throughout the op tests:
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 
 import ggmlpy
@@ -247,3 +249,19 @@ def sched_model(backends_for_weights, rng, dim: int = 16, scale: float = 4.0):
         return np.maximum(X @ mats[0].T, 0) @ mats[1].T
 
     return ws, build, ref
+
+
+_PORTS_GIVEN: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on, never one this process was given before: ggml's RPC
+    client keeps one registry entry per endpoint for the life of the process, so a new server on a
+    port an earlier test's server had would be answered with the old server's devices."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port

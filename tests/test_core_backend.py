@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import sched_model
+from helpers import free_port, sched_model
 
 import ggmlpy as gp
 from ggmlpy import _core as c
@@ -198,15 +198,10 @@ def test_scheduler_rules():
         s.reserve(_graph(nctx, x))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def rpc_server():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
                              "--port", str(port), "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -257,7 +252,7 @@ def test_rpc_bad_endpoints():
     with pytest.raises(gp.GGMLValueError, match="host:port"):
         c.rpc_add_server("nonsense")
     with pytest.raises(ConnectionError):
-        c.rpc_add_server(f"127.0.0.1:{_free_port()}", timeout=1.0)
+        c.rpc_add_server(f"127.0.0.1:{free_port()}", timeout=1.0)
 
 
 def test_rpc_server_refuses_a_port_in_use():

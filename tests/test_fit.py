@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import rss_mib
+from helpers import free_port, rss_mib
 
 from ggmlpy import _core
 from ggmlpy._core import GGMLMemoryError, GGMLValueError
@@ -32,14 +32,9 @@ RUNNER = {"n_ctx": 128, "n_batch": 32, "n_ubatch": 32, "type_k": "f32", "type_v"
 PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _start(mem_mib: float) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1", "--port",
                              str(port), "--threads", "1", "--mem", str(mem_mib)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

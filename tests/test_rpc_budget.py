@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from helpers import sched_model
+from helpers import free_port, sched_model
 
 import ggmlpy as gp
 from ggmlpy import _core as c
@@ -22,11 +22,6 @@ pytestmark = pytest.mark.rpc
 
 MiB = 1 << 20
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli(*args, timeout=60):
@@ -40,7 +35,7 @@ def start_server():
     procs = []
 
     def start(*args):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
                                  "--port", str(port), "--threads", "1", *args],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -203,7 +198,7 @@ def test_servers_and_devices_report_their_own_sizes(start_server):
     (["-d", "CPU", "-d", "CPU", "-d", "CPU", "-m", "8", "-m", "16"], "2 --mem sizes for 3 device"),
 ])
 def test_cli_refuses_bad_mem(args, message):
-    out = _cli("--port", str(_free_port()), *args, timeout=30)
+    out = _cli("--port", str(free_port()), *args, timeout=30)
     assert out.returncode == 2 and "--mem" in out.stderr and message in out.stderr, out.stderr
     assert "serving" not in out.stdout
 
@@ -226,7 +221,7 @@ for mem, devs in [(0, None), (-1, None), (1.5, None), ("64", None), (True, None)
 
 def test_rpc_start_server_refuses_bad_mem():
     # In a child: a value taken by mistake would serve (block) instead of raising.
-    out = subprocess.run([sys.executable, "-c", BAD_MEM, f"127.0.0.1:{_free_port()}"],
+    out = subprocess.run([sys.executable, "-c", BAD_MEM, f"127.0.0.1:{free_port()}"],
                          capture_output=True, text=True, timeout=60)
     lines = out.stdout.splitlines()
     assert out.returncode == 0 and len(lines) == 9, out.stdout + out.stderr

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from helpers import rss_mib, run_child
+from helpers import free_port, rss_mib, run_child
 
 import ggmlpy as gp
 
@@ -362,9 +362,7 @@ def _proc_rss_mib(pid: int) -> float:
 
 @pytest.fixture
 def fresh_rpc_server():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
                              "--port", str(port), "-t", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -8,12 +8,12 @@ import importlib
 import inspect
 import io
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from helpers import free_port
 
 import ggmlpy
 from ggmlpy import GGMLError, GGMLTypeError, GGMLValueError
@@ -103,11 +103,6 @@ def test_no_bare_builtin_raise_left_in_the_runtime_modules():
 
 # --------------------------------------------------------------------------- command line
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _ggmlpy(*args, env=None, timeout=120):
     e = dict(os.environ, **(env or {}))
@@ -122,7 +117,7 @@ def _ggmlpy(*args, env=None, timeout=120):
     (["bench", "--no-such-option"], "no-such-option"),
 ])
 def test_cli_errors_are_one_line_and_exit_1(argv, needle):
-    port = _free_port()             # nothing listens there
+    port = free_port()             # nothing listens there
     argv = [a.format(port=port) for a in argv]
     r = _ggmlpy(*argv)
     assert r.returncode == 1, r.stderr
