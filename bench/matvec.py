@@ -4,10 +4,13 @@ The 110M model's 49 matrices (12 layers of fused Q/K/V, output, fused gate/up an
 output head) in one weight type, times one vector each: one graph of ``mul_mat`` and one of
 ``mul_mat_vec`` over the same weights, alternated, the CPU caches flushed (a pass over 256 MiB)
 before each. Prints the median time, the weight bytes read per second and the speed against
-``mul_mat``.
+``mul_mat``. A type written ``Q4_0:repack`` puts the weights in ggml's ``CPU_REPACK`` buffer, where
+ggml rearranges them for its own kernels: the Q4_0 VNNI kernel of ``mul_mat_vec`` against ggml's
+repacked ``mul_mat``.
 
-    python bench/matvec.py                                   # F16, Q8_0, Q6_K; 1 and 2 threads
+    python bench/matvec.py                                   # F16, Q8_0, Q6_K, Q4_0:repack; 1 and 2 threads
     python bench/matvec.py --type Q8_0 --threads 1 --prefetch 0,1024,4096,16384
+    python bench/matvec.py --type Q4_0:repack --prefetch 0,4096,16384,32768
 """
 
 from __future__ import annotations
@@ -21,53 +24,69 @@ import ggmlpy
 from ggmlpy import Type, _core
 
 
-def _weights(ctx, wtype, shapes, rng):
-    ws = []
-    for n, k in shapes:
-        w = ctx.new_tensor(getattr(Type, wtype), (k, n))
+def _weights(wtype, shapes, rng):
+    """The weights in a CPU buffer (``T:repack``: ggml's CPU_REPACK one), and what keeps them."""
+    wtype, _, where = wtype.partition(":")
+    cpu = ggmlpy.device("cpu")
+    buft = cpu.buffer_type()
+    if where == "repack":
+        extra = {bt.name: bt for bt in cpu.extra_buffer_types()}
+        if "CPU_REPACK" not in extra:
+            raise SystemExit("this build/CPU has no CPU_REPACK buffer")
+        buft = extra["CPU_REPACK"]
+    ctx = ggmlpy.Context.for_tensors(len(shapes), no_alloc=True)
+    ws = [ctx.new_tensor(getattr(Type, wtype), (k, n)) for n, k in shapes]
+    keep = [ctx, _core.alloc_ctx_tensors(ctx, buft)]
+    for w, (n, k) in zip(ws, shapes):
         W = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
         if wtype in ("F32", "F16", "BF16"):
             w.set(W)
         else:
             w.set_bytes(ggmlpy.quantize(W, getattr(Type, wtype)))
-        ws.append(w)
-    return ws
+    return ws, keep
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--type", default="F16,Q8_0,Q6_K", help="comma-separated weight types")
+    ap.add_argument("--type", default="F16,Q8_0,Q6_K,Q4_0:repack", help="comma-separated weight types")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--prefetch", default=None, help="comma-separated prefetch distances in bytes (default: the kernel's)")
     ap.add_argument("--reps", type=int, default=11)
     a = ap.parse_args(argv)
     E, F, V, L = 768, 2048, 32000, 12
     shapes = [(3 * E, E), (E, E), (2 * F, E), (E, F)] * L + [(V, E)]
-    default_pfd = _core._mul_mat_vec_prefetch()
-    pfds = [default_pfd] if a.prefetch is None else [int(p) for p in a.prefetch.split(",")]
     flush = np.ones(64 << 20, np.float32)
     rng = np.random.default_rng(0)
+    backend = ggmlpy.device("cpu").init()          # a repacked weight computes only on its backend
     for wtype in a.type.split(","):
-        ctx = ggmlpy.Context(600 << 20)
-        ws = _weights(ctx, wtype, shapes, rng)
-        xs = {k: ctx.from_numpy(rng.standard_normal((1, k)).astype(np.float32)) for k in (E, F)}
-        graphs = {"mul_mat": ctx.new_graph(), "mul_mat_vec": ctx.new_graph()}
+        repacked = wtype.endswith(":repack")
+        default_pfd = _core._mul_mat_vec_prefetch(repacked=repacked)
+        pfds = [default_pfd] if a.prefetch is None else [int(p) for p in a.prefetch.split(",")]
+        ws, keep = _weights(wtype, shapes, rng)
+        # the vectors and results in a CPU buffer (the backend computes only on backend memory)
+        ctx = ggmlpy.Context.for_tensors(4 * len(ws) + 520, graph_size=256, no_alloc=True)   # room for the second graph
+        xs = {k: ctx.new_tensor(Type.F32, (k, 1)) for k in (E, F)}
+        graphs = {"mul_mat": ctx.new_graph(256), "mul_mat_vec": ctx.new_graph(256)}
         for w in ws:
             graphs["mul_mat"].build_forward_expand(ctx.mul_mat(w, xs[w.ne[0]]))
             graphs["mul_mat_vec"].build_forward_expand(ctx.mul_mat_vec(w, xs[w.ne[0]]))
+        keep.append(_core.alloc_ctx_tensors(ctx, ggmlpy.device("cpu").buffer_type()))
+        for k, x in xs.items():
+            x.set(rng.standard_normal((1, k)).astype(np.float32))
         nbytes = sum(w.nbytes for w in ws)
         runs = [("mul_mat", None)] + [("mul_mat_vec", d) for d in pfds]
         for threads in (int(t) for t in a.threads.split(",")):
+            backend.set_n_threads(threads)
             times = {r: [] for r in runs}
             for _ in range(a.reps):
                 for r in runs:
                     flush.sum()
                     if r[1] is not None:
-                        _core._mul_mat_vec_prefetch(r[1])
+                        _core._mul_mat_vec_prefetch(r[1], repacked=repacked)
                     t0 = time.perf_counter()
-                    graphs[r[0]].compute(threads)
+                    backend.graph_compute(graphs[r[0]])
                     times[r].append(time.perf_counter() - t0)
-            _core._mul_mat_vec_prefetch(default_pfd)
+            _core._mul_mat_vec_prefetch(default_pfd, repacked=repacked)
             base = np.median(times[runs[0]])
             print(f"{wtype}, {threads} thread(s), {nbytes / 2**20:.0f} MiB of weights, cold caches")
             for r, ts in times.items():
@@ -75,6 +94,7 @@ def main(argv=None) -> None:
                 name = r[0] if r[1] is None else f"mul_mat_vec pf={r[1]}"
                 print(f"  {name:24s} {t * 1e3:7.2f} ms  {nbytes / t / 1e9:6.1f} GB/s  {base / t:5.2f}x mul_mat")
         ctx.free()
+        del keep
 
 
 if __name__ == "__main__":

@@ -5,12 +5,13 @@ vectors: equal up to the summation order of llamafile's kernels, which ``mul_mat
 types), and float16 against numpy in float64 on the vectors rounded as ggml rounds them; one to four
 columns, row counts that split unevenly over the threads, 1-3 threads (each row is one thread's
 whichever the count: identical results), every prefetch distance. Its refusals; and the runner's
-generation with the kernel and with ``mul_mat``.
+generation with the kernel and with ``mul_mat``. Q4_0 weights in ggml's ``CPU_REPACK`` layout (the
+VNNI kernel): bit-identical to ggml's repacked ``mul_mat``.
 """
 
 import numpy as np
 import pytest
-from test_repack import EXTRA
+from test_repack import AVX2, CPU, EXTRA
 from test_repack import _weight as _repack_weight
 
 import ggmlpy
@@ -19,6 +20,11 @@ from ggmlpy.models import blocks
 
 #: relative to the largest output, against mul_mat (observed at most 2e-7) and numpy (4e-7)
 TOL = 1e-6
+
+#: whether repacked Q4_0 weights get mul_mat_vec's VNNI kernel here (ggml repacks Q4_0 on x86 with
+#: AVX2; the kernel needs AVX-512 with VNNI)
+RQ4 = "CPU_REPACK" in EXTRA and AVX2 and _core._mul_mat_vec_repacked_cpu()
+needs_rq4 = pytest.mark.skipif(not RQ4, reason="no repacked Q4_0 kernel here (CPU_REPACK with AVX2, AVX-512 VNNI)")
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
 
@@ -113,8 +119,8 @@ def test_refuses_what_it_cannot_compute(over, exc, words):
 @pytest.mark.parametrize("wtype", ["F16", "Q8_0", "Q4_0"])
 def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype):
     """Generation through the runner: the logits with the kernel equal those with mul_mat (the same
-    dot kernels), and the kernel really ran for the one-token steps, never on a repacked weight (a
-    Q4_0 model's weights are in CPU_REPACK where the CPU has it: they keep mul_mat)."""
+    dot kernels), and the kernel really ran for the one-token steps; on a repacked weight (a Q4_0
+    model's weights are in CPU_REPACK where the CPU has it) only where its VNNI kernel runs."""
     from ggmlpy.models import load_model
     from ggmlpy.models.synthetic import write_synthetic
     from ggmlpy.runner import Runner
@@ -138,8 +144,8 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
         del taken[:]
         steps = [rt.decode([7 + i], seq=0, logits="last").copy() for i in range(5)]
         if on:
-            assert all(ok != repacked for repacked, ok in taken) and taken
-            assert any(ok for _, ok in taken) == (wtype != "Q4_0" or "CPU_REPACK" not in EXTRA)
+            assert taken and all(ok == (not repacked or RQ4) for repacked, ok in taken)
+            assert any(ok for _, ok in taken) == (wtype != "Q4_0" or "CPU_REPACK" not in EXTRA or RQ4)
         else:
             assert not taken
         logits[on] = np.stack(steps)
@@ -149,16 +155,118 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
 
 
 def test_weights_it_cannot_read_are_refused():
-    """A repacked weight (ggml's own layout, and a buffer whose tensors the CPU backend runs only in
-    its kernels' ops): refused, the buffer named; the models keep mul_mat for it."""
-    if "CPU_REPACK" not in EXTRA:
-        pytest.skip("no CPU_REPACK buffer")
-    W = np.zeros((16, 64), np.float32)
+    """A repacked weight of a layout it has no kernel for (ggml's own, and a buffer whose tensors the
+    CPU backend runs only in its kernels' ops): refused, the buffer named; the models keep mul_mat
+    for it. Q4_0 with the switch off likewise."""
+    if "CPU_REPACK" not in EXTRA or not AVX2:
+        pytest.skip("no CPU_REPACK buffer for Q4_K and Q4_0")
+    for wtype, switch in (("Q4_K", True), ("Q4_0", False)):
+        ctx, buf, w = _repack_weight(wtype, np.zeros((16, 256), np.float32), EXTRA["CPU_REPACK"])
+        old = _core._mul_mat_vec_repacked(switch)
+        try:
+            assert w.is_repacked and not _core._mul_mat_vec_ok(w, 1)
+            with ggmlpy.Context(1 << 20) as c2:
+                with pytest.raises(GGMLValueError, match="w must be plain rows in host memory.*in CPU_REPACK"):
+                    c2.mul_mat_vec(w, c2.new_tensor("F32", (256, 1)))
+        finally:
+            _core._mul_mat_vec_repacked(old)
+
+
+# ---- Q4_0 in ggml's CPU_REPACK layout: the VNNI kernel -------------------------------------------
+
+def _repacked_both(w, X, threads=(1, 2, 3)):
+    """mul_mat_vec's result on the repacked weight w for each thread count, and mul_mat's, computed by
+    the CPU backend (the only one that reads a repacked weight)."""
+    m, k = X.shape
+    g = ggmlpy.Context.for_tensors(8, graph_size=16, no_alloc=True)
+    x = g.new_tensor("F32", (k, m), name="x")
+    ours, theirs = g.mul_mat_vec(w, x), g.mul_mat(w, x)
+    graph = g.new_graph(16)
+    graph.build_forward_expand(ours)
+    graph.build_forward_expand(theirs)
+    buf = _core.alloc_ctx_tensors(g, CPU.buffer_type())
+    x.set(X)
+    be = CPU.init()
+    outs = []
+    for t in threads:
+        be.set_n_threads(t)
+        be.graph_compute(graph)
+        outs.append(ours.get().reshape(m, -1).copy())
+    ref = theirs.get().reshape(m, -1).copy()
+    del buf
+    return outs, ref
+
+
+@needs_rq4
+@pytest.mark.parametrize("shape", [(8, 32), (64, 512), (2304, 768), (776, 3072)],
+                         ids=["8x32", "64x512", "2304x768", "776x3072"])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_repacked_q4_0_equals_mul_mat_exactly(shape, m):
+    """Bit-identical to ggml's repacked mul_mat (the same integer dots, the same float steps in the
+    same order), on 1-3 threads (776 rows: 97 groups of 8, split unevenly); and within TOL of the
+    plain layout's mul_mat, whose kernel sums in another order."""
+    rng = np.random.default_rng(shape[0] + m)
+    W = rng.standard_normal(shape).astype(np.float32)
+    X = rng.standard_normal((m, shape[1])).astype(np.float32)
     ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
-    assert w.is_repacked and not _core._mul_mat_vec_ok(w, 1)
-    with ggmlpy.Context(1 << 20) as c2:
-        with pytest.raises(GGMLValueError, match="w must be plain rows in host memory.*in CPU_REPACK"):
-            c2.mul_mat_vec(w, c2.new_tensor("F32", (64, 1)))
+    assert w.is_repacked and _core._mul_mat_vec_ok(w, m)
+    outs, ref = _repacked_both(w, X)
+    assert all(np.array_equal(o, ref) for o in outs)
+    plain = _both("Q4_0", W, X, threads=(2,))[1]
+    assert np.abs(outs[0] - plain).max() <= TOL * np.abs(plain).max()
+
+
+@needs_rq4
+@pytest.mark.parametrize("distance", [0, 64, 16384, 65536])
+def test_repacked_prefetch_distance_changes_no_value(distance):
+    rng = np.random.default_rng(2)
+    W = rng.standard_normal((64, 512)).astype(np.float32)
+    X = rng.standard_normal((2, 512)).astype(np.float32)
+    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    old = _core._mul_mat_vec_prefetch(distance, repacked=True)
+    try:
+        assert _core._mul_mat_vec_prefetch(repacked=True) == distance
+        outs, ref = _repacked_both(w, X, threads=(2,))
+        assert np.array_equal(outs[0], ref)
+    finally:
+        _core._mul_mat_vec_prefetch(old, repacked=True)
+    assert _core._mul_mat_vec_prefetch(repacked=True) == old != _core._mul_mat_vec_prefetch()
+
+
+@needs_rq4
+def test_repacked_q4_0_takes_at_most_three_vectors():
+    """From 4 vectors on, ggml's mul_mat quantizes them in its GEMM's layout (other values): refused,
+    and the models keep mul_mat."""
+    ctx, buf, w = _repack_weight("Q4_0", np.zeros((16, 64), np.float32), EXTRA["CPU_REPACK"])
+    assert [_core._mul_mat_vec_ok(w, m) for m in (1, 3, 4)] == [True, True, False]
+    with ggmlpy.Context(1 << 20, no_alloc=True) as c2:
+        with pytest.raises(GGMLValueError, match="a repacked Q4_0 w takes at most 3 vectors.*use mul_mat"):
+            c2.mul_mat_vec(w, c2.new_tensor("F32", (64, 4)))
+
+
+@needs_rq4
+def test_repacked_weight_outlives_its_names():
+    """The weight is no source of the op (the CPU backend refuses custom ops on repacked tensors): the
+    result keeps the weight's context and buffer alive, so dropping every name of them before the
+    compute still reads the right bytes."""
+    import gc
+    rng = np.random.default_rng(3)
+    W = rng.standard_normal((64, 256)).astype(np.float32)
+    X = rng.standard_normal((1, 256)).astype(np.float32)
+    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    expected = _repacked_both(w, X, threads=(1,))[1]
+    g = ggmlpy.Context.for_tensors(4, graph_size=8, no_alloc=True)
+    x = g.new_tensor("F32", (256, 1))
+    y = g.mul_mat_vec(w, x)
+    del ctx, buf, w
+    gc.collect()
+    graph = g.new_graph(8)
+    graph.build_forward_expand(y)
+    keep = _core.alloc_ctx_tensors(g, CPU.buffer_type())
+    x.set(X)
+    CPU.init().graph_compute(graph)
+    assert np.array_equal(y.get().reshape(1, -1), expected)
+    del keep
 
 
 # ---- mul_mat_id_vec: the experts' version -----------------------------------------------------

@@ -186,121 +186,6 @@ cdef int _nonzero_dims(Tensor a, str op, str name, int first) except -1:
 cdef extern from "ggmlpy_ops.h":
     bint ggmlpy_permute_ok(const g.ggml_tensor * a) noexcept nogil
 
-cdef extern from "ggmlpy_attn.h":
-    g.ggml_tensor * ggmlpy_attn_decode(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k, g.ggml_tensor * v,
-                                       g.ggml_tensor * mask, float scale, int n_chunks) nogil
-    int GGMLPY_ATTN_MAX_DV
-    int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
-    int64_t ggmlpy_attn_pfd
-
-cdef extern from "ggmlpy_gemv.h":
-    g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
-    g.ggml_tensor * ggmlpy_mul_mat_id_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
-                                          g.ggml_tensor * ids) nogil
-    int GGMLPY_GEMV_MAX_COLS
-    int64_t ggmlpy_gemv_pfd
-    size_t ggmlpy_gemv_scratch(g.ggml_type type, int64_t k, int64_t m) nogil
-    size_t GGMLPY_GEMV_SCRATCH
-    int ggmlpy_gemv_readable(const g.ggml_tensor * w) nogil
-
-
-def _mul_mat_vec_prefetch(distance=None):
-    """The bytes ahead that ``mul_mat_vec``'s kernel prefetches (0: none); with ``distance``, set it
-    (process-wide) and return the previous value. For benchmarks."""
-    global ggmlpy_gemv_pfd
-    cdef int64_t old = ggmlpy_gemv_pfd
-    if distance is not None:
-        if not 0 <= distance <= 1 << 16:
-            raise GGMLValueError(f"_mul_mat_vec_prefetch: distance {distance} outside [0, 65536]")
-        ggmlpy_gemv_pfd = distance
-    return old
-
-
-cdef str _buffer_name(const g.ggml_tensor * p):
-    cdef g.ggml_backend_buffer * buf = p.buffer if p.buffer != NULL or p.view_src == NULL else p.view_src.buffer
-    return "its context's memory" if buf == NULL else g.ggml_backend_buffer_name(buf).decode()
-
-
-cdef size_t _gemv_scratch(Tensor w, int64_t n_vectors) noexcept:
-    # bytes the vectors take in w's dot type; (size_t) -1 where the type has no CPU dot kernel
-    return ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], n_vectors)
-
-
-def _mul_mat_vec_ok(Tensor w, int64_t m):
-    """Whether ``Context.mul_mat_vec`` takes the weight ``w`` (2 dimensions, plain rows in host
-    memory, a type with a CPU dot kernel) for ``m`` vectors within its scratch bound. For the
-    models' choice."""
-    return (1 <= m <= GGMLPY_GEMV_MAX_COLS and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
-            and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH)
-
-
-def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
-    """The same for ``Context.mul_mat_id_vec`` and the expert stack ``w`` (3 dimensions) with
-    ``n_vectors`` input vectors (``b.ne[1] * b.ne[2]``)."""
-    return (n_vectors >= 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
-            and _gemv_scratch(w, n_vectors) <= GGMLPY_GEMV_SCRATCH)
-
-
-cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, str instead) except -1:
-    # mul_mat_vec's and mul_mat_id_vec's checks of the weight: readable rows, a dot kernel, the scratch
-    cdef size_t scratch
-    if not ggmlpy_gemv_readable(w.ptr):
-        _fail(op, f"{name} must be plain rows in host memory (got {name}: {_desc(w)}, in {_buffer_name(w.ptr)}): "
-              f"use {instead}")
-    scratch = _gemv_scratch(w, n_vectors)
-    if scratch == <size_t> -1:
-        raise GGMLTypeError(f"{op}: {name} has type {g.ggml_type_name(w.ptr.type).decode()}, which has no CPU dot "
-                            f"kernel (got {name}: {_desc(w)})")
-    if scratch > GGMLPY_GEMV_SCRATCH:
-        _fail(op, f"the vectors take {scratch} bytes in {name}'s dot type, above {GGMLPY_GEMV_SCRATCH} (got {name}: "
-              f"{_desc(w)}, b: {_desc(b)}): use {instead}")
-    return 0
-
-
-cdef extern from "ggmlpy_attn_prefill.h":
-    g.ggml_tensor * ggmlpy_attn_prefill(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k,
-                                        g.ggml_tensor * v, g.ggml_tensor * mask, float scale, float softcap) nogil
-    int GGMLPY_PF_MAX_D
-    int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) nogil
-    int ggmlpy_pf_allow_vector
-
-
-def _attn_decode_prefetch(distance=None):
-    """The cells ahead that ``attn_decode``'s vectorised kernel prefetches (0: none); with
-    ``distance``, set it (process-wide) and return the previous value. For benchmarks."""
-    global ggmlpy_attn_pfd
-    cdef int64_t old = ggmlpy_attn_pfd
-    if distance is not None:
-        if not 0 <= distance <= 64:
-            raise GGMLValueError(f"_attn_decode_prefetch: distance {distance} outside [0, 64]")
-        ggmlpy_attn_pfd = distance
-    return old
-
-
-def _attn_prefill_vectorized(int64_t head_dim_k, int64_t head_dim_v):
-    """Whether ``Context.attn_prefill`` runs its AVX-512 kernel for these head sizes on this CPU
-    (x86 with AVX-512F and FMA; sizes multiples of 16). Elsewhere it is correct but scalar, slower
-    than ggml's flash attention, and the models do not choose it."""
-    return bool(ggmlpy_pf_vectorized(head_dim_k, head_dim_v))
-
-
-def _attn_prefill_allow_vector(allow=None):
-    """Whether ``attn_prefill`` may use its vectorised kernel (process-wide; ``False`` forces the
-    portable one, for tests); with ``allow``, set it and return the previous value."""
-    global ggmlpy_pf_allow_vector
-    cdef bint old = ggmlpy_pf_allow_vector
-    if allow is not None:
-        ggmlpy_pf_allow_vector = 1 if allow else 0
-    return old
-
-
-def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
-    """Whether ``Context.attn_decode`` runs its vectorised kernel for these head sizes on this CPU
-    (x86 with AVX2, FMA and F16C; sizes multiples of 8). Elsewhere it is correct but scalar, slower
-    than ggml's flash attention, and the models do not choose it."""
-    return bool(ggmlpy_attn_use_avx2(head_dim_k, head_dim_v))
-
-
 cdef int _view_bounds(Tensor a, const int64_t ne[4], const size_t nb[4], size_t offset, str op) except -1:
     """A view (ne, nb, offset) of a must stay inside a's root tensor."""
     cdef g.ggml_tensor * root = a.ptr.view_src if a.ptr.view_src != NULL else a.ptr
@@ -1394,6 +1279,12 @@ cdef class _ContextOps(_ContextBase):
         ``w`` ``(k, n)``, 2 dimensions, rows contiguous, a type with a CPU dot kernel, plain rows in
         host memory (not a device's, nor a repacked buffer: ``is_repacked``); ``x`` f32 ``(k, m)``
         with ``1 <= m <= 4``, rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s.
+
+        One repacked layout is taken too: a Q4_0 ``w`` that ggml's ``CPU_REPACK`` buffer holds in
+        8-row groups (x86 with AVX2), on a CPU with AVX-512 VNNI, for ``m <= 3``. ggml's own kernel
+        for it computes slower than memory delivers; ggmlpy's runs the 8 rows of a block in one
+        512-bit VNNI pass (measured on one Zen 5 core: ~1.5x), with ggml's exact arithmetic, so
+        again ``mul_mat``'s values.
         """
         cdef str op = "mul_mat_vec"
         cdef g.ggml_tensor * r
@@ -1405,6 +1296,16 @@ cdef class _ContextOps(_ContextBase):
                 and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
             _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
                   f"1 <= m <= {GGMLPY_GEMV_MAX_COLS}, 2 dimensions)")
+        if ggmlpy_gemv_repacked_q4_0(w.ptr):
+            if x.ptr.ne[1] > GGMLPY_RQ4_MAX_COLS:
+                _fail(op, f"a repacked Q4_0 w takes at most {GGMLPY_RQ4_MAX_COLS} vectors (got w: {_desc(w)}, "
+                      f"x: {_desc(x)}): use mul_mat")
+            _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat", repacked=True)
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
+            # w is no source of the op (the CPU backend refuses custom ops on repacked tensors): _res
+            # keeps its Tensor, and so its context, alive with the result
+            r = ggmlpy_mul_mat_vec_rq4(self.ptr, w.ptr, x.ptr)
+            return _res(self, r, w, x)
         _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat")
         self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
         r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)

@@ -1,0 +1,145 @@
+# ggmlpy's own CPU kernels (ggml custom ops; the Context methods are in ops.pxi): their headers, the
+# process-wide switches benchmarks and tests turn, and the checks the models ask before choosing them.
+
+cdef extern from "ggmlpy_attn.h":
+    g.ggml_tensor * ggmlpy_attn_decode(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k, g.ggml_tensor * v,
+                                       g.ggml_tensor * mask, float scale, int n_chunks) nogil
+    int GGMLPY_ATTN_MAX_DV
+    int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
+    int64_t ggmlpy_attn_pfd
+
+cdef extern from "ggmlpy_gemv.h":
+    g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    g.ggml_tensor * ggmlpy_mul_mat_id_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
+                                          g.ggml_tensor * ids) nogil
+    int GGMLPY_GEMV_MAX_COLS
+    int64_t ggmlpy_gemv_pfd
+    size_t ggmlpy_gemv_scratch(g.ggml_type type, int64_t k, int64_t m) nogil
+    size_t GGMLPY_GEMV_SCRATCH
+    int ggmlpy_gemv_readable(const g.ggml_tensor * w) nogil
+    g.ggml_tensor * ggmlpy_mul_mat_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    int ggmlpy_gemv_repacked_q4_0(const g.ggml_tensor * w) nogil
+    int ggmlpy_rq4_cpu() nogil
+    int GGMLPY_RQ4_MAX_COLS
+    int ggmlpy_rq4_allow
+    int64_t ggmlpy_rq4_pfd
+
+
+def _mul_mat_vec_prefetch(distance=None, repacked=False):
+    """The bytes ahead that ``mul_mat_vec``'s kernel prefetches (0: none), that of the dot kernels or
+    (``repacked``) of the repacked Q4_0 one; with ``distance``, set it (process-wide) and return the
+    previous value. For benchmarks."""
+    global ggmlpy_gemv_pfd, ggmlpy_rq4_pfd
+    cdef int64_t old = ggmlpy_rq4_pfd if repacked else ggmlpy_gemv_pfd
+    if distance is not None:
+        if not 0 <= distance <= 1 << 16:
+            raise GGMLValueError(f"_mul_mat_vec_prefetch: distance {distance} outside [0, 65536]")
+        if repacked:
+            ggmlpy_rq4_pfd = distance
+        else:
+            ggmlpy_gemv_pfd = distance
+    return old
+
+
+cdef str _buffer_name(const g.ggml_tensor * p):
+    cdef g.ggml_backend_buffer * buf = p.buffer if p.buffer != NULL or p.view_src == NULL else p.view_src.buffer
+    return "its context's memory" if buf == NULL else g.ggml_backend_buffer_name(buf).decode()
+
+
+cdef size_t _gemv_scratch(Tensor w, int64_t n_vectors) noexcept:
+    # bytes the vectors take in w's dot type; (size_t) -1 where the type has no CPU dot kernel
+    return ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], n_vectors)
+
+
+def _mul_mat_vec_repacked(allow=None):
+    """Whether ``mul_mat_vec`` takes Q4_0 weights of the CPU's repack buffer (its VNNI kernel); with
+    ``allow``, set it (process-wide) and return the previous value. For tests and benchmarks."""
+    global ggmlpy_rq4_allow
+    cdef int old = ggmlpy_rq4_allow
+    if allow is not None:
+        ggmlpy_rq4_allow = 1 if allow else 0
+    return bool(old)
+
+
+def _mul_mat_vec_repacked_cpu():
+    """Whether this CPU runs ``mul_mat_vec``'s kernel for repacked Q4_0 weights (AVX-512 with VNNI)."""
+    return bool(ggmlpy_rq4_cpu())
+
+
+def _mul_mat_vec_ok(Tensor w, int64_t m):
+    """Whether ``Context.mul_mat_vec`` takes the weight ``w`` (2 dimensions, plain rows in host
+    memory, a type with a CPU dot kernel; or Q4_0 repacked by ggml where this CPU has AVX-512 VNNI,
+    up to 3 vectors) for ``m`` vectors within its scratch bound. For the models' choice."""
+    if ggmlpy_gemv_repacked_q4_0(w.ptr):
+        return 1 <= m <= GGMLPY_RQ4_MAX_COLS and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH
+    return (1 <= m <= GGMLPY_GEMV_MAX_COLS and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
+            and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH)
+
+
+def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
+    """The same for ``Context.mul_mat_id_vec`` and the expert stack ``w`` (3 dimensions) with
+    ``n_vectors`` input vectors (``b.ne[1] * b.ne[2]``)."""
+    return (n_vectors >= 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
+            and _gemv_scratch(w, n_vectors) <= GGMLPY_GEMV_SCRATCH)
+
+
+cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, str instead,
+                     bint repacked=False) except -1:
+    # mul_mat_vec's and mul_mat_id_vec's checks of the weight: readable rows (or a layout the op has a
+    # kernel for: repacked), a dot kernel, the scratch
+    cdef size_t scratch
+    if not repacked and not ggmlpy_gemv_readable(w.ptr):
+        _fail(op, f"{name} must be plain rows in host memory (got {name}: {_desc(w)}, in {_buffer_name(w.ptr)}): "
+              f"use {instead}")
+    scratch = _gemv_scratch(w, n_vectors)
+    if scratch == <size_t> -1:
+        raise GGMLTypeError(f"{op}: {name} has type {g.ggml_type_name(w.ptr.type).decode()}, which has no CPU dot "
+                            f"kernel (got {name}: {_desc(w)})")
+    if scratch > GGMLPY_GEMV_SCRATCH:
+        _fail(op, f"the vectors take {scratch} bytes in {name}'s dot type, above {GGMLPY_GEMV_SCRATCH} (got {name}: "
+              f"{_desc(w)}, b: {_desc(b)}): use {instead}")
+    return 0
+
+
+cdef extern from "ggmlpy_attn_prefill.h":
+    g.ggml_tensor * ggmlpy_attn_prefill(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k,
+                                        g.ggml_tensor * v, g.ggml_tensor * mask, float scale, float softcap) nogil
+    int GGMLPY_PF_MAX_D
+    int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) nogil
+    int ggmlpy_pf_allow_vector
+
+
+def _attn_decode_prefetch(distance=None):
+    """The cells ahead that ``attn_decode``'s vectorised kernel prefetches (0: none); with
+    ``distance``, set it (process-wide) and return the previous value. For benchmarks."""
+    global ggmlpy_attn_pfd
+    cdef int64_t old = ggmlpy_attn_pfd
+    if distance is not None:
+        if not 0 <= distance <= 64:
+            raise GGMLValueError(f"_attn_decode_prefetch: distance {distance} outside [0, 64]")
+        ggmlpy_attn_pfd = distance
+    return old
+
+
+def _attn_prefill_vectorized(int64_t head_dim_k, int64_t head_dim_v):
+    """Whether ``Context.attn_prefill`` runs its AVX-512 kernel for these head sizes on this CPU
+    (x86 with AVX-512F and FMA; sizes multiples of 16). Elsewhere it is correct but scalar, slower
+    than ggml's flash attention, and the models do not choose it."""
+    return bool(ggmlpy_pf_vectorized(head_dim_k, head_dim_v))
+
+
+def _attn_prefill_allow_vector(allow=None):
+    """Whether ``attn_prefill`` may use its vectorised kernel (process-wide; ``False`` forces the
+    portable one, for tests); with ``allow``, set it and return the previous value."""
+    global ggmlpy_pf_allow_vector
+    cdef bint old = ggmlpy_pf_allow_vector
+    if allow is not None:
+        ggmlpy_pf_allow_vector = 1 if allow else 0
+    return old
+
+
+def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
+    """Whether ``Context.attn_decode`` runs its vectorised kernel for these head sizes on this CPU
+    (x86 with AVX2, FMA and F16C; sizes multiples of 8). Elsewhere it is correct but scalar, slower
+    than ggml's flash attention, and the models do not choose it."""
+    return bool(ggmlpy_attn_use_avx2(head_dim_k, head_dim_v))
