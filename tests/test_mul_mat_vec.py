@@ -367,3 +367,66 @@ def test_moe_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
         assert (any(asked) and all(asked)) if on else not asked
         rt.close()
     np.testing.assert_array_equal(logits[True], logits[False])
+
+
+def _repacked_experts_both(w, X, L, n_used, threads=(1, 2, 3), ids_given=None):
+    """mul_mat_id_vec's result on the repacked expert stack w for each thread count, and mul_mat_id's
+    (None when ids_given holds ids ggml would abort on), through the CPU backend."""
+    n_tokens, xb, k = X.shape
+    g = ggmlpy.Context.for_tensors(12, graph_size=32, no_alloc=True)
+    x = g.new_tensor("F32", (k, xb, n_tokens))
+    if ids_given is None:
+        logits = g.new_tensor("F32", (L.shape[1], n_tokens))
+        ids = g.top_k(logits, n_used)                          # (n_used, n_tokens), rows n_expert apart
+    else:
+        ids = g.new_tensor("I32", ids_given.shape[::-1])
+    ours = g.mul_mat_id_vec(w, x, ids)
+    theirs = g.mul_mat_id(w, x, ids) if ids_given is None else None
+    graph = g.new_graph(32)
+    graph.build_forward_expand(ours)
+    if theirs is not None:
+        graph.build_forward_expand(theirs)
+    buf = _core.alloc_ctx_tensors(g, CPU.buffer_type())
+    x.set(X)
+    if ids_given is None:
+        logits.set(L)
+    else:
+        ids.set(ids_given)
+    be = CPU.init()
+    outs = []
+    for t in threads:
+        be.set_n_threads(t)
+        be.graph_compute(graph)
+        outs.append(ours.get().reshape(n_tokens, -1, w.ne[1]).copy())
+    ref = None if theirs is None else theirs.get().reshape(n_tokens, -1, w.ne[1]).copy()
+    del buf
+    return outs, ref
+
+
+@needs_rq4
+@pytest.mark.parametrize("n_tokens", [1, 2, 4])
+@pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
+def test_repacked_experts_equal_mul_mat_id_exactly(n_tokens, per_slot):
+    """A repacked Q4_0 expert stack (each expert's matrix repacked on its own): ggml's repacked
+    mul_mat_id's values bit for bit, for 1-4 tokens and 1-3 threads."""
+    rng = np.random.default_rng(20 + n_tokens * 2 + per_slot)
+    k, rows, n_expert, n_used = 256, 40, 6, 3
+    W = rng.standard_normal((n_expert, rows, k)).astype(np.float32)
+    X = rng.standard_normal((n_tokens, n_used if per_slot else 1, k)).astype(np.float32)
+    L = rng.standard_normal((n_tokens, n_expert)).astype(np.float32)
+    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    assert w.is_repacked and _core._mul_mat_id_vec_ok(w, n_tokens * X.shape[1])
+    assert not _core._mul_mat_vec_ok(w, 1)                     # a stack: mul_mat_vec takes matrices
+    outs, ref = _repacked_experts_both(w, X, L, n_used)
+    assert ref.shape == (n_tokens, n_used, rows)
+    assert all(np.array_equal(o, ref) for o in outs)
+
+
+@needs_rq4
+def test_repacked_expert_id_out_of_range_gives_nan_rows():
+    W = np.ones((4, 8, 64), np.float32)
+    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    ids = np.array([[1, 7, -1]], np.int32)
+    outs, _ = _repacked_experts_both(w, np.ones((1, 1, 64), np.float32), None, 3, threads=(2,), ids_given=ids)
+    out = outs[0]
+    assert out.shape == (1, 3, 8) and np.allclose(out[0, 0], 64, rtol=1e-3) and np.isnan(out[0, 1:]).all()

@@ -193,11 +193,12 @@ static int ggmlpy_rq4_cpu(void) {
 #endif
 }
 
-/* 1 where w is a whole Q4_0 weight ggml repacked into the layout above (CPU_REPACK, 8-row groups:
-   the only Q4_0 layout ggml has for an x86 CPU with AVX2) and this CPU runs the kernel */
+/* 1 where w is a whole Q4_0 weight (a matrix, or a stack of experts' matrices) ggml repacked into
+   the layout above (CPU_REPACK, 8-row groups: the only Q4_0 layout ggml has for an x86 CPU with
+   AVX2) and this CPU runs the kernel */
 static int ggmlpy_gemv_repacked_q4_0(const struct ggml_tensor * w) {
     if (!ggmlpy_rq4_allow || w->type != GGML_TYPE_Q4_0 || w->view_src != NULL || w->buffer == NULL
-        || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[2] != 1 || w->ne[3] != 1 || !ggmlpy_rq4_cpu()) {
+        || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1 || !ggmlpy_rq4_cpu()) {
         return 0;
     }
     return strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer)), "CPU_REPACK") == 0
@@ -276,6 +277,59 @@ static void ggmlpy_gemv_rq4_op(struct ggml_tensor * dst, int ith, int nth, void 
 #else
     (void) dst; (void) ith; (void) nth; (void) userdata;
 #endif
+}
+
+/* The experts' version (Context.mul_mat_id_vec on a repacked Q4_0 expert stack): src[0] x F32 (k,
+   xb, n) rows contiguous, xb 1 or n_used, n <= MAX_COLS; src[1] ids I32 (n_used, n), each token's
+   ids contiguous; userdata w (k, rows, n_expert), each expert's matrix repacked on its own; dst F32
+   (rows, n_used, n). The (token, slot, group of 8 rows) units are cut into one contiguous run per
+   thread. ggml's repacked mul_mat_id runs its one-vector kernel for every (token, slot) whatever
+   the count, on vectors quantized as here: the same values for any n. An id outside [0, n_expert)
+   gives NaN rows. */
+static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+#if GGMLPY_GEMV_X86
+    const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0], * ids = dst->src[1];
+    const int64_t k = w->ne[0], nb = k / 32, groups = w->ne[1] / 8, n_expert = w->ne[2];
+    const int64_t xb = x->ne[1], n = x->ne[2], n_used = ids->ne[0];
+    const int64_t per_token = n_used * groups, units = n * per_token;
+    const int64_t u1 = units * (ith + 1) / nth;
+    const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, k);
+    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float;
+    char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
+    int32_t ys8[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
+    for (int64_t v = 0; v < n * xb; v++) {
+        char * q = xq + v * xrow;
+        quantize((const float *) ((const char *) x->data + (v % xb) * x->nb[1] + (v / xb) * x->nb[2]), q, k);
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t * qs = (const int8_t *) (q + b * GGMLPY_Q8_0_BYTES + 2);
+            int32_t sum = 0;
+            for (int j = 0; j < 32; j++) sum += qs[j];
+            ys8[v * nb + b] = 8 * sum;
+        }
+    }
+    for (int64_t u = units * ith / nth; u < u1;) {
+        const int64_t t = u / per_token, s = (u % per_token) / groups, g0 = u % groups;
+        const int64_t g1 = groups - g0 < u1 - u ? groups : g0 + (u1 - u);
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + s * ids->nb[0] + t * ids->nb[1]);
+        char * y = (char *) dst->data + s * dst->nb[1] + t * dst->nb[2];
+        const int64_t v = t * xb + s % xb;
+        if (e < 0 || e >= n_expert) {
+            for (int64_t r = g0 * 8; r < g1 * 8; r++) ((float *) y)[r] = NAN;
+        } else {
+            ggmlpy_rq4_rows((const char *) w->data + e * w->nb[2], nb, g0, g1, xq + v * xrow, xrow, ys8 + v * nb, 1, y, 0);
+        }
+        u += g1 - g0;
+    }
+#else
+    (void) dst; (void) ith; (void) nth; (void) userdata;
+#endif
+}
+
+static struct ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,
+                                                      struct ggml_tensor * x, struct ggml_tensor * ids) {
+    struct ggml_tensor * args[2] = {x, ids};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 2, ggmlpy_gemv_rq4_id_op,
+                          GGML_N_TASKS_MAX, w);
 }
 
 static struct ggml_tensor * ggmlpy_mul_mat_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,

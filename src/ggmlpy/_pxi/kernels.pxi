@@ -18,6 +18,8 @@ cdef extern from "ggmlpy_gemv.h":
     size_t GGMLPY_GEMV_SCRATCH
     int ggmlpy_gemv_readable(const g.ggml_tensor * w) nogil
     g.ggml_tensor * ggmlpy_mul_mat_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    g.ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
+                                              g.ggml_tensor * ids) nogil
     int ggmlpy_gemv_repacked_q4_0(const g.ggml_tensor * w) nogil
     int ggmlpy_rq4_cpu() nogil
     int GGMLPY_RQ4_MAX_COLS
@@ -71,15 +73,16 @@ def _mul_mat_vec_ok(Tensor w, int64_t m):
     memory, a type with a CPU dot kernel; or Q4_0 repacked by ggml where this CPU has AVX-512 VNNI,
     up to 3 vectors) for ``m`` vectors within its scratch bound. For the models' choice."""
     if ggmlpy_gemv_repacked_q4_0(w.ptr):
-        return 1 <= m <= GGMLPY_RQ4_MAX_COLS and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH
+        return 1 <= m <= GGMLPY_RQ4_MAX_COLS and w.ptr.ne[2] == 1 and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH
     return (1 <= m <= GGMLPY_GEMV_MAX_COLS and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
             and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH)
 
 
 def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
     """The same for ``Context.mul_mat_id_vec`` and the expert stack ``w`` (3 dimensions) with
-    ``n_vectors`` input vectors (``b.ne[1] * b.ne[2]``)."""
-    return (n_vectors >= 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
+    ``n_vectors`` input vectors (``b.ne[1] * b.ne[2]``); a repacked Q4_0 stack for any count."""
+    return (n_vectors >= 1 and w.ptr.ne[3] == 1
+            and (ggmlpy_gemv_readable(w.ptr) or ggmlpy_gemv_repacked_q4_0(w.ptr))
             and _gemv_scratch(w, n_vectors) <= GGMLPY_GEMV_SCRATCH)
 
 

@@ -1320,10 +1320,12 @@ cdef class _ContextOps(_ContextBase):
         ``mul_mat_id`` converts it. An expert id out of range gives NaN rows instead of ggml's abort.
 
         ``as_`` ``(k, rows, n_expert)`` rows contiguous, plain rows in host memory, a type with a CPU
-        dot kernel; ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous, ``n_tokens <= 4``;
+        dot kernel (or a Q4_0 stack ggml repacked, as :meth:`mul_mat_vec` takes it, for any token
+        count: ggml's repacked ``mul_mat_id`` runs its one-vector kernel per token and slot); ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous, ``n_tokens <= 4``;
         ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous (``top_k``'s view). Result f32 ``(rows, n_used, n_tokens)``.
         """
         cdef str op = "mul_mat_id_vec"
+        cdef bint rq4
         self._ensure_op(op)
         _arg(as_, op, "as_"); _arg(b, op, "b"); _arg(ids, op, "ids")
         _types(b, op, "b", M_F32)
@@ -1336,8 +1338,11 @@ cdef class _ContextOps(_ContextBase):
             _fail(op, f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
                   f"as_ (k, rows, n_expert), b (k, 1 or n_used, n_tokens), ids (n_used, n_tokens) with contiguous rows, "
                   f"1 <= n_tokens <= {GGMLPY_GEMV_MAX_COLS})")
-        _gemv_check(op, as_, "as_", b, b.ptr.ne[1] * b.ptr.ne[2], "mul_mat_id")
+        rq4 = ggmlpy_gemv_repacked_q4_0(as_.ptr)
+        _gemv_check(op, as_, "as_", b, b.ptr.ne[1] * b.ptr.ne[2], "mul_mat_id", repacked=rq4)
         self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
+        if rq4:                     # as_ is no source of the op: _res keeps it alive (see mul_mat_vec)
+            return _res(self, ggmlpy_mul_mat_id_vec_rq4(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
         return _res(self, ggmlpy_mul_mat_id_vec(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
 
     cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
