@@ -55,10 +55,11 @@ TOL = 1e-6
 @pytest.fixture(autouse=True)
 def _same_kernels(monkeypatch):
     """Both runs use ggml's kernels: ggmlpy's CPU kernels (attention for generation and prompts,
-    blocks.attention; the one-token products, blocks.linear) take the CPU-only run's layers but not
-    the server's, and they differ from ggml's by rounding (float16 in attention, ~1e-5; float32
-    summation order in the products), more than TOL, which checks the placement, not the kernels."""
-    for switch in ("decode_kernel", "prefill_kernel", "matvec_kernel"):
+    blocks.attention; the one-token products, blocks.linear; GeGLU, blocks.ffn_glu) take the
+    CPU-only run's layers but not the server's, and they differ from ggml's by rounding (float16 in
+    attention, ~1e-5; float32 summation order in the products; ggml's float16 GELU table), more than
+    TOL, which checks the placement, not the kernels."""
+    for switch in ("decode_kernel", "prefill_kernel", "matvec_kernel", "glu_kernel"):
         monkeypatch.setattr(blocks, switch, False)
 
 PROMPT = [13, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200, 5, 77, 31, 402, 8, 19, 260, 4]

@@ -146,3 +146,24 @@ def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
     (x86 with AVX2, FMA and F16C; sizes multiples of 8). Elsewhere it is correct but scalar, slower
     than ggml's flash attention, and the models do not choose it."""
     return bool(ggmlpy_attn_use_avx2(head_dim_k, head_dim_v))
+
+
+cdef extern from "ggmlpy_glu.h":
+    g.ggml_tensor * ggmlpy_geglu_tanh(g.ggml_context * ctx, g.ggml_tensor * a, g.ggml_tensor * b) nogil
+    int ggmlpy_glu_allow_vector
+    int ggmlpy_glu_vectorized() nogil
+
+
+def _geglu_allow_vector(allow=None):
+    """Whether ``geglu_tanh`` runs its AVX-512 loop where the CPU has it (else the portable one); with
+    ``allow``, set it (process-wide) and return the previous value. For tests."""
+    global ggmlpy_glu_allow_vector
+    cdef int old = ggmlpy_glu_allow_vector
+    if allow is not None:
+        ggmlpy_glu_allow_vector = 1 if allow else 0
+    return bool(old)
+
+
+def _geglu_vectorized():
+    """Whether ``geglu_tanh`` runs vectorised here (x86 with AVX-512)."""
+    return bool(ggmlpy_glu_vectorized())

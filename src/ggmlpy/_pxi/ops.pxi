@@ -629,6 +629,38 @@ cdef class _ContextOps(_ContextBase):
         """``silu(x1) * x2`` over the halves of each row."""
         return self.glu(a, g.GGML_GLU_OP_SWIGLU)
 
+    def geglu_tanh(self, Tensor a, Tensor b=None):
+        """``gelu(x1) * x2`` over the halves of each row, or with ``b`` ``gelu(a) * b``: GELU's tanh
+        form (transformers' ``gelu_pytorch_tanh``) evaluated in float32 for every value.
+
+        ggmlpy's CPU kernel (a ggml custom op: the CPU backend runs it, no other). ggml's
+        :meth:`geglu` reads GELU from a float16 table one value at a time (relative errors up to
+        ~5e-4, and ten times slower than its vectorised :meth:`swiglu`); this one computes
+        ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, 16 values at a time with AVX-512
+        (a 512 x 2048 prompt's rows on one thread: ~0.2 against 2.1 ms), within a few float32 ulps.
+
+        ``a`` f32, contiguous, ``ne[0]`` even without ``b``; ``b`` f32, contiguous, ``a``'s shape.
+        The result has ``ne[0] / 2`` (without ``b``) or ``a``'s shape.
+        """
+        cdef str op = "geglu_tanh"
+        cdef int64_t n
+        self._ensure_op(op)
+        _arg(a, op, "a")
+        _types(a, op, "a", M_F32)
+        _contig(a, op, "a")
+        if b is None:
+            if a.ptr.ne[0] % 2:
+                _fail(op, f"a.ne[0] must be even (got a: {_desc(a)})")
+            n = a.ptr.ne[0] // 2
+        else:
+            _arg(b, op, "b")
+            _types(b, op, "b", M_F32)
+            _contig(b, op, "b")
+            _same_shape(a, b, op, "a", "b")
+            n = a.ptr.ne[0]
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, n, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
+        return _res(self, ggmlpy_geglu_tanh(self.ptr, a.ptr, b.ptr if b is not None else NULL), a, b)
+
     def geglu_erf(self, Tensor a):
         return self.glu(a, g.GGML_GLU_OP_GEGLU_ERF)
 

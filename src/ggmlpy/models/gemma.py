@@ -190,7 +190,7 @@ class GemmaModel(LocalGlobalDecoder):
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
             x = ctx.add(x, blocks.rms_norm(ctx, o, w[p + "post_attention_norm.weight"], eps))
             cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], eps)
-            cur = blocks.ffn_glu(ctx, w, p, cur, act="gelu")
+            cur = blocks.ffn_glu(ctx, w, p, cur, act="gelu", on_cpu=self.on_cpu(il))
             x = ctx.add(x, blocks.rms_norm(ctx, cur, w[p + "post_ffw_norm.weight"], eps))
         out = blocks.output(ctx, w, x, eps, embeddings=embeddings)
         if c.final_softcap and not embeddings:
