@@ -60,7 +60,7 @@ def test_fused_and_split_match_torch(vector, shape):
     ref = _ref(X, G)
     fused = _run(lambda c, a: c.geglu_tanh(a), [np.concatenate([X, G], axis=-1)], threads=(1, 2, 3))
     split = _run(lambda c, a, b: c.geglu_tanh(a, b), [X, G], threads=(2,))
-    for i, got in enumerate(fused + split):
+    for got in fused + split:
         assert got.size == ref.size and got.dtype == np.float32        # numpy() drops trailing 1s
         got = got.reshape(ref.shape)
         assert _err(got, ref) <= TOL
