@@ -60,7 +60,8 @@ def main(argv=None) -> None:
     backend = ggmlpy.device("cpu").init()          # a repacked weight computes only on its backend
     for wtype in a.type.split(","):
         repacked = wtype.endswith(":repack")
-        default_pfd = _core._mul_mat_vec_prefetch(repacked=repacked)
+        kernel = "q4_0_repacked" if repacked else "q8_0" if wtype == "Q8_0" and _core._mul_mat_vec_vnni() else "dot"
+        default_pfd = _core._mul_mat_vec_prefetch(kernel=kernel)
         pfds = [default_pfd] if a.prefetch is None else [int(p) for p in a.prefetch.split(",")]
         ws, keep = _weights(wtype, shapes, rng)
         # the vectors and results in a CPU buffer (the backend computes only on backend memory)
@@ -82,11 +83,11 @@ def main(argv=None) -> None:
                 for r in runs:
                     flush.sum()
                     if r[1] is not None:
-                        _core._mul_mat_vec_prefetch(r[1], repacked=repacked)
+                        _core._mul_mat_vec_prefetch(r[1], kernel=kernel)
                     t0 = time.perf_counter()
                     backend.graph_compute(graphs[r[0]])
                     times[r].append(time.perf_counter() - t0)
-            _core._mul_mat_vec_prefetch(default_pfd, repacked=repacked)
+            _core._mul_mat_vec_prefetch(default_pfd, kernel=kernel)
             base = np.median(times[runs[0]])
             print(f"{wtype}, {threads} thread(s), {nbytes / 2**20:.0f} MiB of weights, cold caches")
             for r, ts in times.items():

@@ -23,7 +23,7 @@ TOL = 1e-6
 
 #: whether repacked Q4_0 weights get mul_mat_vec's VNNI kernel here (ggml repacks Q4_0 on x86 with
 #: AVX2; the kernel needs AVX-512 with VNNI)
-RQ4 = "CPU_REPACK" in EXTRA and AVX2 and _core._mul_mat_vec_repacked_cpu()
+RQ4 = "CPU_REPACK" in EXTRA and AVX2 and _core._mul_mat_vec_vnni()
 needs_rq4 = pytest.mark.skipif(not RQ4, reason="no repacked Q4_0 kernel here (CPU_REPACK with AVX2, AVX-512 VNNI)")
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
@@ -68,6 +68,26 @@ def test_equals_mul_mat(wtype, shape, m):
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.skipif(not _core._mul_mat_vec_vnni(), reason="no AVX-512 VNNI: Q8_0 keeps ggml's vec_dot")
+@pytest.mark.parametrize("shape", [(37, 512), (2304, 768), (1, 32)], ids=["37x512", "2304x768", "1x32"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_q8_0_vnni_kernel_equals_mul_mat_exactly(shape, m):
+    """Q8_0 rows two at a time in the VNNI kernel: ggml's arithmetic (8 int32 lanes per block, its
+    scale product, its final sum), so mul_mat's values bit for bit, with an odd row count (the lone
+    last row), on 1-3 threads; and the same values with the kernel switched off (ggml's vec_dot)."""
+    rng = np.random.default_rng(shape[0] * 7 + m)
+    W = rng.standard_normal(shape).astype(np.float32)
+    X = rng.standard_normal((m, shape[1])).astype(np.float32)
+    assert _core._mul_mat_vec_q8()
+    outs, ref = _both("Q8_0", W, X)
+    assert all(np.array_equal(o, ref) for o in outs)
+    old = _core._mul_mat_vec_q8(False)
+    try:
+        assert np.array_equal(_both("Q8_0", W, X, threads=(2,))[0][0], ref)
+    finally:
+        _core._mul_mat_vec_q8(old)
+
+
 def test_float16_against_numpy():
     """F16 weights: ggml's kernel on the vectors rounded to float16, summed in float32."""
     rng = np.random.default_rng(5)
@@ -78,20 +98,23 @@ def test_float16_against_numpy():
     assert np.abs(outs[0] - ref).max() <= TOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("kernel, wtype", [("dot", "F16"), ("q8_0", "Q8_0")])
 @pytest.mark.parametrize("distance", [0, 64, 4096, 65536])
-def test_prefetch_distance_changes_no_value(distance):
+def test_prefetch_distance_changes_no_value(distance, kernel, wtype):
     rng = np.random.default_rng(1)
     W = rng.standard_normal((500, 256)).astype(np.float32)
     X = rng.standard_normal((2, 256)).astype(np.float32)
-    base = _both("Q8_0", W, X, threads=(2,))[0][0]
-    old = _core._mul_mat_vec_prefetch(distance)
+    base = _both(wtype, W, X, threads=(2,))[0][0]
+    old = _core._mul_mat_vec_prefetch(distance, kernel=kernel)
     try:
-        assert _core._mul_mat_vec_prefetch() == distance
-        assert np.array_equal(_both("Q8_0", W, X, threads=(2,))[0][0], base)
+        assert _core._mul_mat_vec_prefetch(kernel=kernel) == distance
+        assert np.array_equal(_both(wtype, W, X, threads=(2,))[0][0], base)
     finally:
-        _core._mul_mat_vec_prefetch(old)
+        _core._mul_mat_vec_prefetch(old, kernel=kernel)
     with pytest.raises(GGMLValueError, match="outside"):
         _core._mul_mat_vec_prefetch(-1)
+    with pytest.raises(GGMLValueError, match="kernel 'q4'"):
+        _core._mul_mat_vec_prefetch(kernel="q4")
 
 
 def _bad(ctx, **over):
@@ -223,14 +246,14 @@ def test_repacked_prefetch_distance_changes_no_value(distance):
     W = rng.standard_normal((64, 512)).astype(np.float32)
     X = rng.standard_normal((2, 512)).astype(np.float32)
     ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
-    old = _core._mul_mat_vec_prefetch(distance, repacked=True)
+    old = _core._mul_mat_vec_prefetch(distance, kernel="q4_0_repacked")
     try:
-        assert _core._mul_mat_vec_prefetch(repacked=True) == distance
+        assert _core._mul_mat_vec_prefetch(kernel="q4_0_repacked") == distance
         outs, ref = _repacked_both(w, X, threads=(2,))
         assert np.array_equal(outs[0], ref)
     finally:
-        _core._mul_mat_vec_prefetch(old, repacked=True)
-    assert _core._mul_mat_vec_prefetch(repacked=True) == old != _core._mul_mat_vec_prefetch()
+        _core._mul_mat_vec_prefetch(old, kernel="q4_0_repacked")
+    assert _core._mul_mat_vec_prefetch(kernel="q4_0_repacked") == old != _core._mul_mat_vec_prefetch()
 
 
 @needs_rq4

@@ -24,6 +24,29 @@
 #include "ggml-backend.h"
 #include "ggmlpy_cpu.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GGMLPY_GEMV_X86 1
+#define GGMLPY_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#else
+#define GGMLPY_GEMV_X86 0
+#endif
+
+/* 1 where the CPU runs ggmlpy's VNNI kernels (AVX-512 F/BW/VL with VNNI) */
+static int ggmlpy_gemv_vnni(void) {
+#if GGMLPY_GEMV_X86
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+              && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    }
+    return has;
+#else
+    return 0;
+#endif
+}
+
 #define GGMLPY_GEMV_MAX_COLS 4          /* vectors per call: a batch of up to 4 tokens */
 #define GGMLPY_GEMV_SCRATCH 65536       /* bytes of a thread's copy of the vectors in the dot type */
 
@@ -68,6 +91,98 @@ static inline void ggmlpy_gemv_dot(const struct ggml_type_traits_cpu * tt, const
     tt->vec_dot((int) k, y, 0, wr, 0, q, 0, 1);
 }
 
+/* ---- Q8_0 rows: two at a time in 512-bit VNNI registers ---------------------------------------
+   ggml's Q8_0 dot (one row, 256-bit) computes slower than one core reads (bench/matvec.py, one
+   thread: 28 GB/s of 55), so on one thread the schedule alone gains little. This kernel does two
+   rows per 512-bit register with ggml's own arithmetic: per block of 32 columns, 8 int32 lanes of
+   four products each (here the weights biased to unsigned, XOR 0x80, for vpdpbusd, and 128 times
+   the vector's four bytes per lane subtracted after), times d_w * d_y into 8 float lanes, summed at
+   the end as ggml's hsum_float_8 does: ggml's values exactly. */
+
+/* Process-wide: 0 keeps Q8_0 weights on ggml's vec_dot (for tests and benchmarks). */
+static int ggmlpy_q8_allow = 1;
+
+/* Bytes ahead of the row pair being read that this kernel prefetches (0: none). bench/matvec.py,
+   110M Q8_0 matrices, 1 / 2 threads against ggml's mul_mat: none 0.41x / 0.68x (the two rows'
+   streams alone defeat the hardware prefetchers), 4 KiB 1.12x / 1.41x, 8 KiB 1.26x / 1.42x,
+   16 KiB 1.24x / 1.35x. */
+static int64_t ggmlpy_q8_pfd = 8192;
+
+#define GGMLPY_Q8_0_BYTES 34            /* a Q8_0 block: float16 scale, 32 int8 */
+
+#if GGMLPY_GEMV_X86
+/* ggml's hsum_float_8 */
+GGMLPY_VNNI static inline float ggmlpy_hsum8(__m256 x) {
+    __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* Rows [r0, r1) of the Q8_0 weight w (rows nb1 bytes apart, k columns) against m Q8_0 vectors xq
+   (xrow bytes apart; corr[(c * nb + b) * 8 + j] = 128 * the sum of vector c's bytes 4j..4j+3 in
+   block b, dy[c * nb + b] its block scale) into dst's columns (dnb1 bytes apart). */
+GGMLPY_VNNI static void ggmlpy_q8_rows(const char * w, size_t nb1, int64_t k, int64_t r0, int64_t r1, const char * xq,
+                                       size_t xrow, const int32_t * corr, const float * dy, int m, char * dst,
+                                       size_t dnb1) {
+    const int64_t nb = k / 32, pfd = ggmlpy_q8_pfd;
+    const __m512i bias = _mm512_set1_epi8((char) 0x80);
+    for (int64_t r = r0; r < r1; r += 2) {
+        const int two = r + 1 < r1;                     /* a lone last row is read twice, stored once */
+        const char * wa = w + r * nb1, * wb = two ? wa + nb1 : wa;
+        if (pfd) {
+            for (size_t o = 0; o < (two ? 2 : 1) * nb1; o += 64) __builtin_prefetch(wa + pfd + o);
+        }
+        __m512 acc[GGMLPY_GEMV_MAX_COLS];
+        for (int c = 0; c < m; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const char * ba = wa + b * GGMLPY_Q8_0_BYTES, * bb = wb + b * GGMLPY_Q8_0_BYTES;
+            const __m512i q = _mm512_xor_si512(_mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) (ba + 2))),
+                _mm256_loadu_si256((const __m256i *) (bb + 2)), 1), bias);
+            uint16_t ha, hb;
+            memcpy(&ha, ba, 2);
+            memcpy(&hb, bb, 2);
+            const float da = _cvtsh_ss(ha), db = _cvtsh_ss(hb);
+            for (int c = 0; c < m; c++) {
+                const int64_t cb = c * nb + b;
+                const __m512i y = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (xq + c * xrow + b * GGMLPY_Q8_0_BYTES + 2)));
+                const __m512i s = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, y),
+                                                   _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (corr + cb * 8))));
+                const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(da * dy[cb])),
+                                                                     _mm256_castps_pd(_mm256_set1_ps(db * dy[cb])), 1));
+                acc[c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[c]);
+            }
+        }
+        for (int c = 0; c < m; c++) {
+            float * y = (float *) (dst + c * dnb1);
+            y[r] = ggmlpy_hsum8(_mm512_castps512_ps256(acc[c]));
+            if (two) y[r + 1] = ggmlpy_hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c]), 1)));
+        }
+    }
+}
+
+/* ggmlpy_q8_rows for the vectors xq (m of k, Q8_0): their corrections and scales first */
+static void ggmlpy_q8_run(const struct ggml_tensor * w, int64_t r0, int64_t r1, const char * xq, size_t xrow, int m,
+                          struct ggml_tensor * dst) {
+    const int64_t nb = w->ne[0] / 32;
+    int32_t corr[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES * 8 + 8] __attribute__((aligned(64)));
+    float dy[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
+    for (int c = 0; c < m; c++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const char * blk = xq + c * xrow + b * GGMLPY_Q8_0_BYTES;
+            const int8_t * qs = (const int8_t *) (blk + 2);
+            uint16_t h;
+            memcpy(&h, blk, 2);
+            dy[c * nb + b] = ggml_fp16_to_fp32(h);
+            for (int j = 0; j < 8; j++) corr[(c * nb + b) * 8 + j] = 128 * (qs[4 * j] + qs[4 * j + 1] + qs[4 * j + 2] + qs[4 * j + 3]);
+        }
+    }
+    ggmlpy_q8_rows((const char *) w->data, w->nb[1], w->ne[0], r0, r1, xq, xrow, corr, dy, m, (char *) dst->data,
+                   dst->nb[1]);
+}
+#endif
+
 /* src[0] w (k, n) rows contiguous, readable (ggmlpy_gemv_readable); src[1] x F32 (k, m) rows
    contiguous, m <= MAX_COLS; dst F32 (n, m). Thread ith takes rows [n * ith / nth, n * (ith + 1) /
    nth) and converts its own copy of the vectors (no barrier needed; k values, against the n * k
@@ -84,6 +199,12 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
     for (int64_t c = 0; c < m; c++) {
         ggmlpy_gemv_convert(vt, (const float *) ((const char *) x->data + c * x->nb[1]), xq + c * xrow, k, xrow);
     }
+#if GGMLPY_GEMV_X86
+    if (w->type == GGML_TYPE_Q8_0 && ggmlpy_q8_allow && ggmlpy_gemv_vnni()) {
+        ggmlpy_q8_run(w, r0, r1, xq, xrow, (int) m, dst);
+        return;
+    }
+#endif
     for (int64_t r = r0; r < r1; r++) {
         const char * wr = (const char *) w->data + r * nb1;
         for (int64_t c = 0; c < m; c++) {
@@ -160,15 +281,7 @@ static struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct
 
 #define GGMLPY_RQ4_MAX_COLS 3
 #define GGMLPY_RQ4_BLOCK 144            /* bytes of 8 rows x 32 columns */
-#define GGMLPY_Q8_0_BYTES 34            /* a Q8_0 block: float16 scale, 32 int8 */
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GGMLPY_GEMV_X86 1
-#define GGMLPY_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#else
-#define GGMLPY_GEMV_X86 0
-#endif
 
 /* Process-wide: 0 keeps repacked weights on ggml's mul_mat (for tests and benchmarks). */
 static int ggmlpy_rq4_allow = 1;
@@ -178,27 +291,13 @@ static int ggmlpy_rq4_allow = 1;
    1 / 2 threads: none 478 / 735, 4 KiB 569 / 845, 16 KiB 715 / 851, 32-48 KiB no further gain. */
 static int64_t ggmlpy_rq4_pfd = 16384;
 
-/* 1 where the CPU runs the kernel (AVX-512 F/BW/VL with VNNI) */
-static int ggmlpy_rq4_cpu(void) {
-#if GGMLPY_GEMV_X86
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-              && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }
-    return has;
-#else
-    return 0;
-#endif
-}
 
 /* 1 where w is a whole Q4_0 weight (a matrix, or a stack of experts' matrices) ggml repacked into
    the layout above (CPU_REPACK, 8-row groups: the only Q4_0 layout ggml has for an x86 CPU with
    AVX2) and this CPU runs the kernel */
 static int ggmlpy_gemv_repacked_q4_0(const struct ggml_tensor * w) {
     if (!ggmlpy_rq4_allow || w->type != GGML_TYPE_Q4_0 || w->view_src != NULL || w->buffer == NULL
-        || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1 || !ggmlpy_rq4_cpu()) {
+        || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1 || !ggmlpy_gemv_vnni()) {
         return 0;
     }
     return strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer)), "CPU_REPACK") == 0

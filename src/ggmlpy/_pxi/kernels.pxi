@@ -21,25 +21,31 @@ cdef extern from "ggmlpy_gemv.h":
     g.ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
                                               g.ggml_tensor * ids) nogil
     int ggmlpy_gemv_repacked_q4_0(const g.ggml_tensor * w) nogil
-    int ggmlpy_rq4_cpu() nogil
+    int ggmlpy_gemv_vnni() nogil
+    int ggmlpy_q8_allow
+    int64_t ggmlpy_q8_pfd
     int GGMLPY_RQ4_MAX_COLS
     int ggmlpy_rq4_allow
     int64_t ggmlpy_rq4_pfd
 
 
-def _mul_mat_vec_prefetch(distance=None, repacked=False):
-    """The bytes ahead that ``mul_mat_vec``'s kernel prefetches (0: none), that of the dot kernels or
-    (``repacked``) of the repacked Q4_0 one; with ``distance``, set it (process-wide) and return the
-    previous value. For benchmarks."""
-    global ggmlpy_gemv_pfd, ggmlpy_rq4_pfd
-    cdef int64_t old = ggmlpy_rq4_pfd if repacked else ggmlpy_gemv_pfd
+def _mul_mat_vec_prefetch(distance=None, kernel="dot"):
+    """The bytes ahead that one of ``mul_mat_vec``'s kernels prefetches (0: none): ``"dot"`` (ggml's
+    dot kernels under ggmlpy's schedule), ``"q8_0"`` (the VNNI Q8_0 one) or ``"q4_0_repacked"``; with
+    ``distance``, set it (process-wide) and return the previous value. For benchmarks."""
+    global ggmlpy_gemv_pfd, ggmlpy_q8_pfd, ggmlpy_rq4_pfd
+    if kernel not in ("dot", "q8_0", "q4_0_repacked"):
+        raise GGMLValueError(f"_mul_mat_vec_prefetch: kernel {kernel!r}: expected 'dot', 'q8_0' or 'q4_0_repacked'")
+    cdef int64_t old = ggmlpy_gemv_pfd if kernel == "dot" else ggmlpy_q8_pfd if kernel == "q8_0" else ggmlpy_rq4_pfd
     if distance is not None:
         if not 0 <= distance <= 1 << 16:
             raise GGMLValueError(f"_mul_mat_vec_prefetch: distance {distance} outside [0, 65536]")
-        if repacked:
-            ggmlpy_rq4_pfd = distance
-        else:
+        if kernel == "dot":
             ggmlpy_gemv_pfd = distance
+        elif kernel == "q8_0":
+            ggmlpy_q8_pfd = distance
+        else:
+            ggmlpy_rq4_pfd = distance
     return old
 
 
@@ -63,9 +69,21 @@ def _mul_mat_vec_repacked(allow=None):
     return bool(old)
 
 
-def _mul_mat_vec_repacked_cpu():
-    """Whether this CPU runs ``mul_mat_vec``'s kernel for repacked Q4_0 weights (AVX-512 with VNNI)."""
-    return bool(ggmlpy_rq4_cpu())
+def _mul_mat_vec_vnni():
+    """Whether this CPU runs ``mul_mat_vec``'s VNNI kernels (AVX-512 with VNNI): the one for repacked
+    Q4_0 weights, and the one for Q8_0 rows."""
+    return bool(ggmlpy_gemv_vnni())
+
+
+def _mul_mat_vec_q8(allow=None):
+    """Whether ``mul_mat_vec`` runs Q8_0 weights through its VNNI kernel where the CPU has it (else
+    ggml's ``vec_dot`` under its schedule); with ``allow``, set it (process-wide) and return the
+    previous value. For tests and benchmarks."""
+    global ggmlpy_q8_allow
+    cdef int old = ggmlpy_q8_allow
+    if allow is not None:
+        ggmlpy_q8_allow = 1 if allow else 0
+    return bool(old)
 
 
 def _mul_mat_vec_ok(Tensor w, int64_t m):

@@ -199,9 +199,10 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     For at most :data:`MATVEC_MAX_COLS` tokens (generation) and a ``w`` of plain rows in host
     memory (a layer computing on the CPU), :meth:`~ggmlpy.Context.mul_mat_vec` (ggmlpy's CPU
     kernel: each thread streams its own run of rows with prefetches ahead; ~1.1x ggml's on the 110M
-    model's weights) runs instead where it can (``_core._mul_mat_vec_ok``); so does it for Q4_0
-    weights ggml repacked, up to 3 tokens, where the CPU has AVX-512 VNNI (its own kernel for that
-    layout: 1.2-1.4x ggml's). ``blocks.matvec_kernel = False`` turns that off.
+    model's weights; Q8_0 through a VNNI kernel of its own, 1.26-1.42x) runs instead where it can
+    (``_core._mul_mat_vec_ok``); so does it for Q4_0 weights ggml repacked, up to 3 tokens, where
+    the CPU has AVX-512 VNNI (its own kernel for that layout: 1.2-1.4x ggml's).
+    ``blocks.matvec_kernel = False`` turns that off.
     """
     if (matvec_kernel and x.type == Type.F32 and x.ne[1] <= MATVEC_MAX_COLS and x.ne[2] == 1 and x.ne[3] == 1
             and _core._mul_mat_vec_ok(w, x.ne[1])):
