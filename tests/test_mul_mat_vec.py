@@ -197,27 +197,34 @@ def test_weights_it_cannot_read_are_refused():
 
 # ---- Q4_0 in ggml's CPU_REPACK layout: the VNNI kernel -------------------------------------------
 
-def _repacked_both(w, X, threads=(1, 2, 3)):
-    """mul_mat_vec's result on the repacked weight w for each thread count, and mul_mat's, computed by
-    the CPU backend (the only one that reads a repacked weight)."""
-    m, k = X.shape
-    g = ggmlpy.Context.for_tensors(8, graph_size=16, no_alloc=True)
-    x = g.new_tensor("F32", (k, m), name="x")
-    ours, theirs = g.mul_mat_vec(w, x), g.mul_mat(w, x)
-    graph = g.new_graph(16)
-    graph.build_forward_expand(ours)
-    graph.build_forward_expand(theirs)
+def _on_cpu_backend(g, ours, theirs, inputs, threads, shape):
+    """g's tensors allocated in a CPU buffer, inputs ((tensor, array) pairs) set, the graph of ours
+    (and theirs, if not None) computed by the CPU backend (the only one that reads a repacked weight)
+    once per thread count: ours for each count and theirs once, reshaped to shape."""
+    graph = g.new_graph(32)
+    for t in (ours, theirs):
+        if t is not None:
+            graph.build_forward_expand(t)
     buf = _core.alloc_ctx_tensors(g, CPU.buffer_type())
-    x.set(X)
+    for t, a in inputs:
+        t.set(a)
     be = CPU.init()
     outs = []
-    for t in threads:
-        be.set_n_threads(t)
+    for n in threads:
+        be.set_n_threads(n)
         be.graph_compute(graph)
-        outs.append(ours.get().reshape(m, -1).copy())
-    ref = theirs.get().reshape(m, -1).copy()
+        outs.append(ours.get().reshape(shape).copy())
+    ref = None if theirs is None else theirs.get().reshape(shape).copy()
     del buf
     return outs, ref
+
+
+def _repacked_both(w, X, threads=(1, 2, 3)):
+    """mul_mat_vec's result on the repacked weight w for each thread count, and mul_mat's."""
+    m, k = X.shape
+    g = ggmlpy.Context.for_tensors(8, graph_size=32, no_alloc=True)
+    x = g.new_tensor("F32", (k, m), name="x")
+    return _on_cpu_backend(g, g.mul_mat_vec(w, x), g.mul_mat(w, x), [(x, X)], threads, (m, -1))
 
 
 @needs_rq4
@@ -394,36 +401,19 @@ def test_moe_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
 
 def _repacked_experts_both(w, X, L, n_used, threads=(1, 2, 3), ids_given=None):
     """mul_mat_id_vec's result on the repacked expert stack w for each thread count, and mul_mat_id's
-    (None when ids_given holds ids ggml would abort on), through the CPU backend."""
+    (None when ids_given holds ids ggml would abort on)."""
     n_tokens, xb, k = X.shape
     g = ggmlpy.Context.for_tensors(12, graph_size=32, no_alloc=True)
     x = g.new_tensor("F32", (k, xb, n_tokens))
     if ids_given is None:
         logits = g.new_tensor("F32", (L.shape[1], n_tokens))
         ids = g.top_k(logits, n_used)                          # (n_used, n_tokens), rows n_expert apart
+        inputs = [(x, X), (logits, L)]
     else:
         ids = g.new_tensor("I32", ids_given.shape[::-1])
-    ours = g.mul_mat_id_vec(w, x, ids)
+        inputs = [(x, X), (ids, ids_given)]
     theirs = g.mul_mat_id(w, x, ids) if ids_given is None else None
-    graph = g.new_graph(32)
-    graph.build_forward_expand(ours)
-    if theirs is not None:
-        graph.build_forward_expand(theirs)
-    buf = _core.alloc_ctx_tensors(g, CPU.buffer_type())
-    x.set(X)
-    if ids_given is None:
-        logits.set(L)
-    else:
-        ids.set(ids_given)
-    be = CPU.init()
-    outs = []
-    for t in threads:
-        be.set_n_threads(t)
-        be.graph_compute(graph)
-        outs.append(ours.get().reshape(n_tokens, -1, w.ne[1]).copy())
-    ref = None if theirs is None else theirs.get().reshape(n_tokens, -1, w.ne[1]).copy()
-    del buf
-    return outs, ref
+    return _on_cpu_backend(g, g.mul_mat_id_vec(w, x, ids), theirs, inputs, threads, (n_tokens, -1, w.ne[1]))
 
 
 @needs_rq4
