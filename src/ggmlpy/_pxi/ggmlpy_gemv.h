@@ -17,7 +17,6 @@
    mul_mat's; dropped. */
 #pragma once
 #include <math.h>
-#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
