@@ -270,6 +270,55 @@ static void ggmlpy_attn_block(const ggmlpy_attn_group * g, float * work, int64_t
 }
 
 #if GGMLPY_ATTN_X86
+/* ggmlpy_attn_softmax_step for the rows path: the block's mask already in float32 (mf, converted
+   once for all the heads; NULL: none), the add, the maximum and the sum vectorised. The same
+   arithmetic per value; l's sum in another order. */
+GGMLPY_AVX2 static int ggmlpy_attn_softmax_step_avx2(float * x, int64_t n, const float * mf, ggmlpy_attn_state * st,
+                                                     float * acc, int64_t dv) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(x + i);
+        if (mf) v = _mm256_add_ps(v, _mm256_loadu_ps(mf + i));
+        _mm256_storeu_ps(x + i, v);
+        vmax = _mm256_max_ps(vmax, v);
+    }
+    float bm = -INFINITY;
+    {
+        float t[8];
+        _mm256_storeu_ps(t, vmax);
+        for (int j = 0; j < 8; j++) bm = t[j] > bm ? t[j] : bm;
+    }
+    for (; i < n; i++) {
+        if (mf) x[i] += mf[i];
+        bm = x[i] > bm ? x[i] : bm;
+    }
+    if (bm == -INFINITY) {
+        memset(x, 0, (size_t) n * sizeof(float));
+        return 0;
+    }
+    if (bm > st->m) {
+        const float f = st->m == -INFINITY ? 0.0f : expf(st->m - bm);
+        for (int64_t d = 0; d < dv; d++) acc[d] *= f;
+        st->l *= f;
+        st->m = bm;
+    }
+    ggmlpy_attn_exp_avx2(x, n, st->m);
+    __m256 vs = _mm256_setzero_ps();
+    for (i = 0; i + 8 <= n; i += 8) vs = _mm256_add_ps(vs, _mm256_loadu_ps(x + i));
+    float l = ggmlpy_attn_hsum8(vs);
+    for (; i < n; i++) l += x[i];
+    st->l += l;
+    return 1;
+}
+
+/* acc[0:64] += w * v[0:64]: the common head size with the loop unrolled */
+GGMLPY_AVX2 static inline void ggmlpy_attn_axpy64(float * acc, __m256 wv, const char * vh, int f16) {
+    for (int d = 0; d < 64; d += 8) {
+        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, ggmlpy_attn_load8(vh + d * (f16 ? 2 : 4), f16), _mm256_loadu_ps(acc + d)));
+    }
+}
+
 /* ggmlpy_attn_block for AVX2, position by position over the group's heads: the cache is then read
    in address order (a cell's heads lie side by side), and the scores and V sums of every head are
    done in one function (no call per head and position). */
@@ -299,11 +348,18 @@ GGMLPY_AVX2 static void ggmlpy_attn_block_rows_avx2(const ggmlpy_attn_group * g,
             sc[j * GGMLPY_ATTN_BLOCK + i] = ggmlpy_attn_hsum8(_mm256_add_ps(a0, a1));
         }
     }
+    /* the block's mask, once for every head (it is the row's, not the head's) */
+    float mf[GGMLPY_ATTN_BLOCK];
+    if (g->mask) {
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(mf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (g->mask + b0 + i))));
+        for (; i < n; i++) mf[i] = ggmlpy_attn_h2f(g->mask[b0 + i]);
+    }
     int live = 0;
     for (int64_t j = 0; j < nh; j++) {
         float * x = sc + j * GGMLPY_ATTN_BLOCK, * acc = work + j * g->stride + dk;
         ggmlpy_attn_state * st = (ggmlpy_attn_state *) (acc + dv);
-        live |= ggmlpy_attn_softmax_step(x, n, g->mask, b0, st, acc, dv, 1);
+        live |= ggmlpy_attn_softmax_step_avx2(x, n, g->mask ? mf : NULL, st, acc, dv);
     }
     if (!live) return;
     for (int64_t i = 0; i < n; i++) {
@@ -318,6 +374,10 @@ GGMLPY_AVX2 static void ggmlpy_attn_block_rows_avx2(const ggmlpy_attn_group * g,
             const char * vh = row + (size_t) ((g->h0 + j) / g->group) * g->v_nb2;
             float * acc = work + j * g->stride + dk;
             const __m256 wv = _mm256_set1_ps(w);
+            if (dv == 64) {
+                if (g->v_f16) ggmlpy_attn_axpy64(acc, wv, vh, 1); else ggmlpy_attn_axpy64(acc, wv, vh, 0);
+                continue;
+            }
             for (int64_t d = 0; d < dv; d += 8) {
                 _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(wv, ggmlpy_attn_load8(vh + d * ves, g->v_f16),
                                                           _mm256_loadu_ps(acc + d)));
