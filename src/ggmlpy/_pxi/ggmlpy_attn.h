@@ -210,16 +210,11 @@ static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
    acc (dv floats, after the struct's owner) the exp-weighted sum of V rows. */
 typedef struct { float m, l; } ggmlpy_attn_state;
 
-/* The block's scores x[0:n] (of positions b0..) into one head's running softmax: the mask added,
-   the running maximum moved (what was summed so far rescaled), x replaced by the weights
-   exp(x - m) and their sum added to l. Returns 0, with x all zeros, when the whole block is masked. */
-static int ggmlpy_attn_softmax_step(float * x, int64_t n, const ggml_fp16_t * mask, int64_t b0,
-                                    ggmlpy_attn_state * st, float * acc, int64_t dv, int avx2) {
-    float bm = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-        if (mask) x[i] += ggmlpy_attn_h2f(mask[b0 + i]);
-        bm = x[i] > bm ? x[i] : bm;
-    }
+/* The softmax step's middle, given the block's maximum bm (its scores x[0:n] already masked): 0,
+   with x all zeros, when the whole block is masked; else 1 with the running maximum moved to bm
+   where bm is larger, and what was summed so far (acc[0:dv], l) rescaled to it. */
+static inline int ggmlpy_attn_new_max(float * x, int64_t n, float bm, ggmlpy_attn_state * st, float * acc,
+                                      int64_t dv) {
     if (bm == -INFINITY) {
         memset(x, 0, (size_t) n * sizeof(float));
         return 0;
@@ -230,6 +225,20 @@ static int ggmlpy_attn_softmax_step(float * x, int64_t n, const ggml_fp16_t * ma
         st->l *= f;
         st->m = bm;
     }
+    return 1;
+}
+
+/* The block's scores x[0:n] (of positions b0..) into one head's running softmax: the mask added,
+   the running maximum moved (what was summed so far rescaled), x replaced by the weights
+   exp(x - m) and their sum added to l. Returns 0, with x all zeros, when the whole block is masked. */
+static int ggmlpy_attn_softmax_step(float * x, int64_t n, const ggml_fp16_t * mask, int64_t b0,
+                                    ggmlpy_attn_state * st, float * acc, int64_t dv, int avx2) {
+    float bm = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        if (mask) x[i] += ggmlpy_attn_h2f(mask[b0 + i]);
+        bm = x[i] > bm ? x[i] : bm;
+    }
+    if (!ggmlpy_attn_new_max(x, n, bm, st, acc, dv)) return 0;
 #if GGMLPY_ATTN_X86
     if (avx2) ggmlpy_attn_exp_avx2(x, n, st->m); else
 #endif
@@ -293,16 +302,7 @@ GGMLPY_AVX2 static int ggmlpy_attn_softmax_step_avx2(float * x, int64_t n, const
         if (mf) x[i] += mf[i];
         bm = x[i] > bm ? x[i] : bm;
     }
-    if (bm == -INFINITY) {
-        memset(x, 0, (size_t) n * sizeof(float));
-        return 0;
-    }
-    if (bm > st->m) {
-        const float f = st->m == -INFINITY ? 0.0f : expf(st->m - bm);
-        for (int64_t d = 0; d < dv; d++) acc[d] *= f;
-        st->l *= f;
-        st->m = bm;
-    }
+    if (!ggmlpy_attn_new_max(x, n, bm, st, acc, dv)) return 0;
     ggmlpy_attn_exp_avx2(x, n, st->m);
     __m256 vs = _mm256_setzero_ps();
     for (i = 0; i + 8 <= n; i += 8) vs = _mm256_add_ps(vs, _mm256_loadu_ps(x + i));

@@ -349,6 +349,20 @@ GGMLPY_VNNI static void ggmlpy_rq4_rows(const char * w, int64_t nb, int64_t g0, 
 }
 #endif
 
+/* One float32 vector of k into Q8_0 at q, as ggml's mul_mat quantizes it (quantize_row_q8_0), and
+   ys8[b] = 8 * the sum of its bytes in block b (the kernel's correction for unsigned nibbles). */
+#if GGMLPY_GEMV_X86
+static void ggmlpy_rq4_vector(const float * x, int64_t k, char * q, int32_t * ys8) {
+    ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float(x, q, k);
+    for (int64_t b = 0; b < k / 32; b++) {
+        const int8_t * qs = (const int8_t *) (q + b * GGMLPY_Q8_0_BYTES + 2);
+        int32_t sum = 0;
+        for (int j = 0; j < 32; j++) sum += qs[j];
+        ys8[b] = 8 * sum;
+    }
+}
+#endif
+
 /* src[0] x F32 (k, m) rows contiguous, m <= RQ4_MAX_COLS; userdata the repacked Q4_0 weight w (k,
    n); dst F32 (n, m). Thread ith takes the row groups [G * ith / nth, G * (ith + 1) / nth) of G =
    n / 8 and quantizes its own copy of the vectors, as ggml's mul_mat does (quantize_row_q8_0). */
@@ -357,18 +371,10 @@ static void ggmlpy_gemv_rq4_op(struct ggml_tensor * dst, int ith, int nth, void 
     const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0];
     const int64_t k = w->ne[0], nb = k / 32, groups = w->ne[1] / 8, m = x->ne[1];
     const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, k);
-    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float;
     char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
     int32_t ys8[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
     for (int64_t c = 0; c < m; c++) {
-        char * q = xq + c * xrow;
-        quantize((const float *) ((const char *) x->data + c * x->nb[1]), q, k);
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t * qs = (const int8_t *) (q + b * GGMLPY_Q8_0_BYTES + 2);
-            int32_t sum = 0;
-            for (int j = 0; j < 32; j++) sum += qs[j];
-            ys8[c * nb + b] = 8 * sum;
-        }
+        ggmlpy_rq4_vector((const float *) ((const char *) x->data + c * x->nb[1]), k, xq + c * xrow, ys8 + c * nb);
     }
     ggmlpy_rq4_rows((const char *) w->data, nb, groups * ith / nth, groups * (ith + 1) / nth, xq, xrow, ys8, (int) m,
                     (char *) dst->data, dst->nb[1]);
@@ -392,18 +398,11 @@ static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, vo
     const int64_t per_token = n_used * groups, units = n * per_token;
     const int64_t u1 = units * (ith + 1) / nth;
     const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, k);
-    const ggml_from_float_t quantize = ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float;
     char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
     int32_t ys8[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
     for (int64_t v = 0; v < n * xb; v++) {
-        char * q = xq + v * xrow;
-        quantize((const float *) ((const char *) x->data + (v % xb) * x->nb[1] + (v / xb) * x->nb[2]), q, k);
-        for (int64_t b = 0; b < nb; b++) {
-            const int8_t * qs = (const int8_t *) (q + b * GGMLPY_Q8_0_BYTES + 2);
-            int32_t sum = 0;
-            for (int j = 0; j < 32; j++) sum += qs[j];
-            ys8[v * nb + b] = 8 * sum;
-        }
+        ggmlpy_rq4_vector((const float *) ((const char *) x->data + (v % xb) * x->nb[1] + (v / xb) * x->nb[2]), k,
+                          xq + v * xrow, ys8 + v * nb);
     }
     for (int64_t u = units * ith / nth; u < u1;) {
         const int64_t t = u / per_token, s = (u % per_token) / groups, g0 = u % groups;
