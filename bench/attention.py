@@ -25,6 +25,26 @@ import numpy as np
 import ggmlpy
 
 
+def _graphs(ctx, outs: dict) -> dict:
+    """One graph per name, over that name's result tensors."""
+    graphs = {}
+    for name, ts in outs.items():
+        graphs[name] = gf = ctx.new_graph()
+        for t in ts:
+            gf.build_forward_expand(t)
+    return graphs
+
+
+def _print_times(times: dict, work: float, unit: str, width: int, digits: int, decimals: int) -> None:
+    """Each kernel's median time, ``work`` (bytes or FLOPs) per second in ``unit`` (10^9), and its
+    speed against flash_attn_ext's."""
+    base = np.median(times["flash_attn_ext"])
+    for name, ts in times.items():
+        t = np.median(ts)
+        print(f"  {name:{width}s} {t * 1e3:{digits}.{decimals}f} ms  {work / t / 1e9:6.1f} {unit}  "
+              f"{base / t:5.2f}x flash_attn_ext")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
@@ -69,11 +89,7 @@ def main(argv=None) -> None:
             prefetch[name] = d
     graphs["flash_attn_ext"] = [ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), heads(k), heads(v), m, scale=D ** -0.5)
                                 for k, v in caches]
-    for name, outs in graphs.items():
-        gf = ctx.new_graph()
-        for t in outs:
-            gf.build_forward_expand(t)
-        graphs[name] = gf
+    graphs = _graphs(ctx, graphs)
     flush = np.ones(64 << 20, np.float32)
     times = {name: [] for name in graphs}
     for _ in range(a.reps):
@@ -87,10 +103,7 @@ def main(argv=None) -> None:
     kv_bytes = L * a.visible * H * D * 2 * 2
     print(f"{L} layers, {H} heads of {D}, {a.visible} of {n} cells visible, F16 cache, {a.threads} threads, "
           f"cold caches; {kv_bytes / 2**20:.1f} MiB of K/V per token")
-    base = np.median(times["flash_attn_ext"])
-    for name, ts in times.items():
-        t = np.median(ts)
-        print(f"  {name:24s} {t * 1e3:7.3f} ms  {kv_bytes / t / 1e9:6.1f} GB/s  {base / t:5.2f}x flash_attn_ext")
+    _print_times(times, kv_bytes, "GB/s", 24, 7, 3)
 
 
 def _prompt(a, depth: int) -> None:
@@ -109,11 +122,7 @@ def _prompt(a, depth: int) -> None:
         k, v = (ctx.view(c, (D, n, H), (c.nb[1], D * 2), 0) for c in (kc, vc))
         outs["flash_attn_ext"].append(ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), k, v, m, scale=D ** -0.5))
         outs["attn_prefill"].append(ctx.attn_prefill(q, k, v, m, scale=D ** -0.5))
-    graphs = {}
-    for name, ts in outs.items():
-        graphs[name] = gf = ctx.new_graph()
-        for t in ts:
-            gf.build_forward_expand(t)
+    graphs = _graphs(ctx, outs)
     times = {name: [] for name in graphs}
     for _ in range(max(3, a.reps // 4)):
         for name, gf in graphs.items():
@@ -124,10 +133,7 @@ def _prompt(a, depth: int) -> None:
     flops = 2 * H * 2 * D * L * sum(depth + i + 1 for i in range(T))
     print(f"{L} layers, {H} heads of {D}, a prompt of {T} rows after {depth} positions, F16 cache, "
           f"{a.threads} threads; max |difference| {diff:.1e}")
-    base = np.median(times["flash_attn_ext"])
-    for name, ts in times.items():
-        t = np.median(ts)
-        print(f"  {name:16s} {t * 1e3:8.2f} ms  {flops / t / 1e9:6.1f} GFLOP/s  {base / t:5.2f}x flash_attn_ext")
+    _print_times(times, flops, "GFLOP/s", 16, 8, 2)
     ctx.free()
 
 
