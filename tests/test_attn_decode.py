@@ -78,7 +78,10 @@ CASES = [  # n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes
     (6, 3, 72, 40, 5, 257, 0, 0, 17),          # K and V sizes differ
     (2, 1, 8, 8, 1, 3, 0, 0, 0),               # tiny
     (2, 1, 6, 5, 2, 9, 0, 2, 1),               # sizes that are not multiples of 8: the portable path
+    (20, 4, 64, 64, 2, 300, 0, 20, 4),         # five query heads per K/V head
+    (4, 2, 256, 256, 1, 200, 0, 8, 2),         # a large head size
 ]
+
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}/{}-d{}x{}-q{}-kv{}".format(*c[:6]))
@@ -149,6 +152,22 @@ def test_large_scores_do_not_overflow():
     out = _run(Q, K, V, M, scale=1.0, cells=True, chunks=2, threads=2, kv_type=np.float16)
     ref = _reference(Q, K, V, M, 1.0)
     assert np.isfinite(out).all() and np.abs(out - ref).max() < TOL * np.abs(ref).max()
+
+
+def test_a_masked_run_inside_the_row():
+    """Whole blocks masked between visible ones (the running state carried across them), in every
+    chunking: a chunk that starts or ends inside the run, or sees nothing but it."""
+    rng = np.random.default_rng(5)
+    Q = rng.standard_normal((2, 12, 64)).astype(np.float32)
+    K = (rng.standard_normal((12, 700, 64)) * 2).astype(np.float16)
+    V = rng.standard_normal((12, 700, 64)).astype(np.float16)
+    M = np.zeros((2, 700), np.float16)
+    M[0, 20:500] = -np.inf
+    M[1, 130:400] = -np.inf
+    ref = _reference(Q, K, V, M, 0.125)
+    for chunks in (1, 2, 3, 5):
+        out = _run(Q, K, V, M, scale=0.125, cells=True, chunks=chunks, threads=2, kv_type=np.float16)
+        assert np.abs(out - ref).max() / np.abs(ref).max() < TOL, chunks
 
 
 def test_agrees_with_flash_attn_ext():
