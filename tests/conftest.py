@@ -13,7 +13,7 @@ def _fixed_malloc_trim_threshold() -> None:
     """glibc raises its trim threshold (up to 64 MiB) after a large block is freed, and malloc_trim
     never trims the top of a thread's arena: memory a thread (the runner's compute worker) freed then
     stays resident, and an RSS check sees up to 16 MiB that no object holds (measured: a failed
-    Runner's freed cache planning, 1 run in 4). A fixed threshold turns the adjustment off, so
+    Runner's freed cache planning, 4 runs in 12). A fixed threshold turns the adjustment off, so
     ``helpers.rss_growth`` sees what live objects hold. Set once, before the tests allocate."""
     import ctypes
 

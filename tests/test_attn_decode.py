@@ -83,7 +83,6 @@ CASES = [  # n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes
 ]
 
 
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}/{}-d{}x{}-q{}-kv{}".format(*c[:6]))
 @pytest.mark.parametrize("kv_type", [np.float16, np.float32], ids=["f16", "f32"])
 @pytest.mark.parametrize("cells", [False, True], ids=["heads", "cells"])
