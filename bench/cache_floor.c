@@ -1,7 +1,7 @@
 /* The memory floor of a generated token's attention at depth: how long one core (or a few, with
    OpenMP) takes just to read the K and V cells a token's attention reads, with the CPU caches
    flushed first, as bench/attention.py times the kernels. No arithmetic beyond an integer add per
-   64 bytes, so this is the time no attention kernel can beat on this machine.
+   32 bytes, so this is the time no attention kernel can beat on this machine.
 
    Layout as the runner's cache: per layer a K and a V tensor, each cell a row of every head side by
    side (cell bytes = n_head_kv * head_dim * 2 for F16), read in blocks of 128 cells, K then V, as
@@ -23,7 +23,7 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-/* the 32-bit sum of n bytes (n % 256 == 0), four independent accumulators */
+/* the 32-bit sums of n bytes (n % 128 == 0), four independent accumulators */
 static int read_all(const char * p, size_t n) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (size_t i = 0; i < n; i += 128) {
@@ -51,10 +51,17 @@ int main(int argc, char ** argv) {
         return 2;
     }
     const size_t flush_n = (size_t) 256 << 20;
-    char * flush = aligned_alloc(64, flush_n), ** kv = malloc(2 * layers * sizeof(char *));
+    char * flush = aligned_alloc(64, flush_n), ** kv = calloc(2 * layers, sizeof(char *));
+    if (!flush || !kv) {
+        fprintf(stderr, "out of memory\n");
+        return 1;
+    }
     memset(flush, 1, flush_n);
     for (size_t i = 0; i < 2 * layers; i++) {
-        kv[i] = aligned_alloc(64, cells * cell);
+        if (!(kv[i] = aligned_alloc(64, cells * cell))) {
+            fprintf(stderr, "out of memory\n");
+            return 1;
+        }
         memset(kv[i], (int) i, cells * cell);
     }
     double total = 0, best = 1e9;
