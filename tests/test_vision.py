@@ -317,9 +317,10 @@ def test_chat_with_images_matches_hf(fixtures, family, tmp_path, monkeypatch):
         monkeypatch.setitem(blocks.GLU, "gelu", (_exact_geglu_fused, _exact_geglu))
     model, rt = _runner(fx, n_ctx=512)
     with model, rt:
-        for msgs in forms:
-            assert rt.chat_prompt(msgs, template=template) == ref_ids
-        first = rt.chat(forms[2], template=template, max_tokens=1)       # greedy (the default sampling)
+        for msgs in forms:   # the messages name local files: the caller allows them
+            assert rt.chat_prompt(msgs, template=template, allow_local_files=True) == ref_ids
+        first = rt.chat(forms[2], template=template, max_tokens=1,       # greedy (the default sampling)
+                        allow_local_files=True)
         assert first.prompt_eval_count + first.n_cached == len(ref_ids)
         assert rt.images.n_encoded == 2
         follow = forms[0] + [{"role": "assistant", "content": first.text},

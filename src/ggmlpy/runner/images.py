@@ -195,7 +195,7 @@ def chunk_spans(tokens: np.ndarray, rows_per_tile: int, store: ImageStore) -> li
     return list(zip(first.tolist(), last.tolist()))
 
 
-def chat_images(messages: Sequence, what: str) -> tuple[list, list]:
+def chat_images(messages: Sequence, what: str, allow_local_files: bool = False) -> tuple[list, list]:
     """The images of a chat's messages, in order, and the messages with each image part as ``{"type": "image"}``.
 
     Image parts as transformers' processors take them (``{"type": "image", "image": ...}``, or ``"url"`` /
@@ -203,6 +203,18 @@ def chat_images(messages: Sequence, what: str) -> tuple[list, list]:
     "image_url": {"url": ...}}``); the value is anything :func:`ggmlpy.vision.preprocess.load_image` reads
     (a ``data:`` URL too). Chat templates written for vision models render ``{"type": "image"}`` as the
     model's image placeholder. Messages without image parts are returned as they are.
+
+    Messages may come from someone other than the caller (a server relays them), so an image part that
+    names a local file (a path or a ``file://`` URL) is refused here, before anything is read or looked
+    up, unless ``allow_local_files`` (the same error whether the file exists or not); see
+    :func:`ggmlpy.vision.preprocess.check_source`.
+
+    Raises
+    ------
+    GGMLValueError
+        An image part without an image.
+    ggmlpy.vision.preprocess.ImageError
+        An image part naming a local file while ``allow_local_files`` is false.
     """
     out: list = []
     images: list[Any] = []
@@ -226,6 +238,10 @@ def chat_images(messages: Sequence, what: str) -> tuple[list, list]:
             if src is None:
                 raise GGMLValueError(f"{what}: an {kind} part without an image (give it 'image', 'url' or 'path'; "
                                      f"OpenAI's form is {{'type': 'image_url', 'image_url': {{'url': ...}}}})")
+            if not allow_local_files:
+                from ggmlpy.vision.preprocess import check_source
+
+                check_source(src, allow_local_files=False, what=what)
             images.append(src)
             parts.append({"type": "image"})
         out.append({**m, "content": parts})

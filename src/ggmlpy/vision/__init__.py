@@ -4,6 +4,7 @@ and the vision encoders of mmproj GGUF files (:mod:`~ggmlpy.vision.encoder`)."""
 from .encoder import PROJECTORS, VisionConfig, VisionModel, load_mmproj
 from .preprocess import (
     ImageConfig,
+    ImageError,
     PreprocessedImage,
     gemma3_image_prompt,
     idefics3_image_prompt,
@@ -12,5 +13,5 @@ from .preprocess import (
     preprocess,
 )
 
-__all__ = ["PROJECTORS", "ImageConfig", "PreprocessedImage", "VisionConfig", "VisionModel", "gemma3_image_prompt",
-           "idefics3_image_prompt", "image_prompt", "load_image", "load_mmproj", "preprocess"]
+__all__ = ["PROJECTORS", "ImageConfig", "ImageError", "PreprocessedImage", "VisionConfig", "VisionModel",
+           "gemma3_image_prompt", "idefics3_image_prompt", "image_prompt", "load_image", "load_mmproj", "preprocess"]

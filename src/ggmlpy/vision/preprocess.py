@@ -47,6 +47,26 @@ Inputs, and where they differ from transformers
   (once around its PIL resize, once in ``rescale``), which no model expects. HF also guesses channel-first
   when the first axis has length 1, 3 or 4; here the layout is always ``(H, W, C)``.
 
+Untrusted inputs
+----------------
+Encoded images (files, ``data:`` URLs, bytes) may come from anyone, so reading them is bounded, and every
+refusal is an :class:`ImageError` naming the input (a path, truncated, or "data URL" / "bytes"):
+
+* only regular files are opened: a directory, FIFO, socket or device is refused from its ``stat``, and the
+  file is opened non-blocking and checked again, so nothing blocks or reads without end;
+* at most :data:`MAX_IMAGE_BYTES` of encoded image are read, from a file, a ``data:`` URL or bytes alike;
+* only the formats of :data:`IMAGE_FORMATS` (PNG, JPEG, WebP, GIF, BMP, as the HF processors take) are
+  tried: Pillow is given that list, so no other plugin (TIFF, EPS through Ghostscript, ...) ever sees the
+  data, whatever the file is called;
+* an image of more than :data:`MAX_IMAGE_PIXELS` pixels (width x height, or Pillow's own
+  ``PIL.Image.MAX_IMAGE_PIXELS`` when that is lower) is refused from its header, before a pixel is decoded;
+* local files are read only where the caller allows them: :func:`load_image` and :func:`preprocess` read
+  paths (the caller's own argument), while chat messages (:meth:`ggmlpy.runner.Runner.chat`) do not
+  unless ``allow_local_files=True``; a refusal reads nothing, so it is the same for a file that exists and
+  one that does not. A ``data:`` URL, bytes, a PIL image or an array is always accepted.
+
+The two bounds are module attributes, read at each call: a program that trusts its images may raise them.
+
 Pillow is needed to decode and resize, and is imported only when a function needs it.
 """
 
@@ -57,10 +77,11 @@ import binascii
 import io
 import math
 import os
+import stat
 import sys
 import urllib.parse
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import numpy as np
 
@@ -72,8 +93,13 @@ if TYPE_CHECKING:
     ImageInput = Union["_PILImageModule.Image", np.ndarray, str, "os.PathLike[str]", bytes, bytearray, memoryview]
 
 __all__ = [
+    "IMAGE_FORMATS",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
     "ImageConfig",
+    "ImageError",
     "PreprocessedImage",
+    "check_source",
     "gemma3_image_prompt",
     "idefics3_image_prompt",
     "image_prompt",
@@ -90,6 +116,24 @@ RESCALE_FACTOR = 1 / 255
 #: Idefics3's absolute cap on either edge after the first resize (transformers' ``MAX_IMAGE_SIZE``).
 IDEFICS3_MAX_IMAGE_SIZE = 4096
 
+#: The encoded formats decoded (Pillow's names): those the HF image processors are used with. Pillow tries
+#: no other plugin, so a TIFF, PSD, ICO or EPS file (which would reach Ghostscript) is refused unread.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+#: The most bytes of encoded image read from a file, a ``data:`` URL or bytes (64 MiB; a 50-megapixel
+#: photo is 10-30 MB as JPEG). Read at each call: a program may raise it for images it trusts.
+MAX_IMAGE_BYTES = 64 * 2**20
+
+#: The most pixels (width x height) an encoded image may declare; checked from the header, before decoding
+#: (50 million: a 50-megapixel camera's 8160 x 6120 passes; its pixels take 150-200 MB decoded).
+#: It stays below Pillow's own ``PIL.Image.MAX_IMAGE_PIXELS`` (89.5 million), so Pillow never warns about
+#: an image that is decoded; when that is set lower, the lower bound holds. Read at each call.
+MAX_IMAGE_PIXELS = 50_000_000
+
+# Pillow's JPEG opener gives a multi-picture JPEG (as many cameras write) the format "MPO": still a JPEG.
+_OPENED_FORMATS = frozenset(IMAGE_FORMATS) | {"MPO"}
+_FORMAT_NAMES = "PNG, JPEG, WebP, GIF or BMP"
+
 # mmproj GGUF keys, as llama.cpp's converter writes them.
 KEY_PROJECTOR_TYPE = "clip.projector_type"
 KEY_VISION_PROJECTOR_TYPE = "clip.vision.projector_type"  # mixed-modality files name the vision one here
@@ -104,6 +148,13 @@ KEY_SCALE_FACTOR = "clip.vision.projector.scale_factor"
 _GEMMA3_SCALE_FACTOR = 4
 # Idefics3Config's default, used when ImageConfig is built by hand without one.
 _IDEFICS3_SCALE_FACTOR = 2
+
+
+class ImageError(GGMLValueError):
+    """An image input that cannot be read or decoded, or that is refused (a file that is not a regular file,
+    over :data:`MAX_IMAGE_BYTES` or :data:`MAX_IMAGE_PIXELS`, not in :data:`IMAGE_FORMATS`, or a local file
+    where local files are not allowed). The message names the input: its path (truncated), "image data URL"
+    or "image bytes"."""
 
 
 def _pil():
@@ -138,20 +189,20 @@ def _array_to_rgb(a: np.ndarray) -> np.ndarray:
         hint = ""
         if a.ndim == 3 and a.shape[0] in (1, 3, 4):
             hint = "; a channel-first array must be transposed first: a.transpose(1, 2, 0)"
-        raise GGMLValueError(f"image: array of shape {a.shape}; {expected}{hint}")
+        raise ImageError(f"image: array of shape {a.shape}; {expected}{hint}")
     if a.shape[0] == 0 or a.shape[1] == 0:
-        raise GGMLValueError(f"image: array of shape {shape} has no pixels; {expected}")
+        raise ImageError(f"image: array of shape {shape} has no pixels; {expected}")
 
     if np.issubdtype(a.dtype, np.floating):
         if not np.all(np.isfinite(a)) or a.min() < 0 or a.max() > 1:
-            raise GGMLValueError(f"image: float array of shape {a.shape} has values outside [0, 1] (or NaN/inf); "
-                                 "float images must be in [0, 1] (uint8 images in [0, 255])")
+            raise ImageError(f"image: float array of shape {a.shape} has values outside [0, 1] (or NaN/inf); "
+                             "float images must be in [0, 1] (uint8 images in [0, 255])")
         # Quantise first, so that a float image is processed exactly as its uint8 counterpart would be.
         a = np.round(a.astype(np.float64) * 255).astype(np.uint8)
     elif a.dtype != np.uint8:
         lo, hi = int(a.min()), int(a.max())
         if lo < 0 or hi > 255:
-            raise GGMLValueError(f"image: {a.dtype} array has values in [{lo}, {hi}]; expected [0, 255]")
+            raise ImageError(f"image: {a.dtype} array has values in [{lo}, {hi}]; expected [0, 255]")
         a = a.astype(np.uint8)
 
     channels = a.shape[2]
@@ -168,7 +219,7 @@ def _pil_to_rgb(img: _PILImageModule.Image) -> _PILImageModule.Image:
     """HF's ``convert_to_rgb`` for a PIL image: transparency is composited onto white."""
     Image, _ = _pil()
     if img.width == 0 or img.height == 0:
-        raise GGMLValueError(f"image: PIL image of size {img.width}x{img.height} has no pixels")
+        raise ImageError(f"image: PIL image of size {img.width}x{img.height} has no pixels")
     try:
         if "A" in img.getbands() or img.info.get("transparency") is not None:
             rgba = img.convert("RGBA")
@@ -177,44 +228,268 @@ def _pil_to_rgb(img: _PILImageModule.Image) -> _PILImageModule.Image:
         return img.convert("RGB")
     except Exception as e:
         # a lazily opened file may fail to decode only now, or the mode may have no RGB conversion
-        raise GGMLValueError(f"image: cannot convert a PIL image of mode {img.mode!r} and size "
-                             f"{img.width}x{img.height} to RGB ({type(e).__name__}: {e})") from e
+        raise ImageError(f"image: cannot convert a PIL image of mode {img.mode!r} and size "
+                         f"{img.width}x{img.height} to RGB ({type(e).__name__}: {e})") from e
 
 
-def _decode(data: bytes, source: str) -> _PILImageModule.Image:
-    """Decode encoded image bytes as HF's ``load_image`` does for a file: EXIF orientation, then RGB."""
+def _short(text: str, limit: int = 80) -> str:
+    """``text`` quoted, its middle cut when long (a path's two ends say the most)."""
+    if len(text) > limit:
+        text = text[: limit // 2] + "..." + text[-(limit // 2 - 3):]
+    return repr(text)
+
+
+def _too_many_bytes(source: str, n: str, limit: int) -> ImageError:
+    return ImageError(f"{source}: {n}, more than the {limit:,} bytes read for an image "
+                      "(ggmlpy.vision.preprocess.MAX_IMAGE_BYTES)")
+
+
+def _pixel_limit(Image) -> int:
+    """The most pixels decoded: :data:`MAX_IMAGE_PIXELS`, or Pillow's own limit when that is lower."""
+    pil = getattr(Image, "MAX_IMAGE_PIXELS", None)
+    return MAX_IMAGE_PIXELS if pil is None else min(MAX_IMAGE_PIXELS, int(pil))
+
+
+def _too_many_pixels(source: str, width: int, height: int, limit: int) -> ImageError:
+    return ImageError(f"{source}: the image is too large: {width}x{height} = {width * height:,} pixels, "
+                      f"more than the {limit:,} decoded (ggmlpy.vision.preprocess.MAX_IMAGE_PIXELS, or "
+                      "PIL.Image.MAX_IMAGE_PIXELS if lower); refused before decoding")
+
+
+def _jpeg_size(data) -> Optional[tuple[int, int]]:
+    """The size in a JPEG's frame header (the first SOFn marker), or None if not found near the start."""
+    at = 2
+    for _ in range(256):                 # a real file reaches its frame header within a few segments
+        if at + 9 > len(data) or data[at] != 0xFF:
+            return None
+        marker = data[at + 1]
+        if marker == 0xFF:               # fill byte
+            at += 1
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):   # SOF0..SOF15 (not DHT, JPG, DAC)
+            return int.from_bytes(data[at + 7:at + 9], "big"), int.from_bytes(data[at + 5:at + 7], "big")
+        if marker == 0xD8 or 0xD0 <= marker <= 0xD7:   # markers without a length
+            at += 2
+            continue
+        at += 2 + int.from_bytes(data[at + 2:at + 4], "big")
+    return None
+
+
+def _webp_size(data) -> Optional[tuple[int, int]]:
+    """The canvas size a WebP file declares (RFC 9649), or None."""
+    chunk = bytes(data[12:16])
+    if chunk == b"VP8X":            # extended format: 24-bit canvas width and height, minus one
+        return 1 + int.from_bytes(data[24:27], "little"), 1 + int.from_bytes(data[27:30], "little")
+    if chunk == b"VP8L" and data[20] == 0x2F:     # lossless: two 14-bit fields, minus one
+        bits = int.from_bytes(data[21:25], "little")
+        return 1 + (bits & 0x3FFF), 1 + ((bits >> 14) & 0x3FFF)
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":    # lossy key frame: 14-bit sizes
+        return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(data[28:30], "little") & 0x3FFF
+    return None
+
+
+def _declared_size(data) -> Optional[tuple[int, int]]:
+    """The ``(width, height)`` an encoded image's header declares, read from the bytes before Pillow sees
+    them (so that no Pillow opener allocates for, or warns about, an image refused anyway); None when the
+    header is not one of :data:`IMAGE_FORMATS`' or is malformed (Pillow's opener then decides)."""
+    if len(data) < 30:
+        return None
+    head = bytes(data[:30])
+    if head.startswith(b"\x89PNG\r\n\x1a\n") and head[12:16] == b"IHDR":
+        return int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+    if head.startswith((b"GIF87a", b"GIF89a")):       # the logical screen
+        return int.from_bytes(head[6:8], "little"), int.from_bytes(head[8:10], "little")
+    if head.startswith(b"BM"):
+        if int.from_bytes(head[14:18], "little") == 12:                 # OS/2 core header: 16-bit sizes
+            return int.from_bytes(head[18:20], "little"), int.from_bytes(head[20:22], "little")
+        # height is negative for a top-down bitmap
+        return (abs(int.from_bytes(head[18:22], "little", signed=True)),
+                abs(int.from_bytes(head[22:26], "little", signed=True)))
+    if head.startswith(b"\xff\xd8"):
+        return _jpeg_size(data)
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return _webp_size(head)
+    return None
+
+
+def _decode(data, source: str) -> _PILImageModule.Image:
+    """Decode encoded image bytes as HF's ``load_image`` does for a file: EXIF orientation, then RGB.
+
+    Only :data:`IMAGE_FORMATS` are tried, and the size the header declares is checked against the pixel
+    bound before anything is decoded (``Image.open`` reads only the header).
+    """
     Image, ImageOps = _pil()
-    if not data:
-        raise GGMLValueError(f"{source}: empty (0 bytes); expected an encoded image (PNG, JPEG, ...)")
+    from PIL import UnidentifiedImageError
+
+    if not len(data):
+        raise ImageError(f"{source}: empty (0 bytes); expected an encoded image ({_FORMAT_NAMES})")
+    limit = _pixel_limit(Image)
+    # Checked before Image.open: some openers allocate (WebP's sets up its canvas), and Pillow's own check
+    # in open would warn about an image refused here anyway. The check after open stays the rule.
+    size = _declared_size(data)
+    if size is not None and size[0] * size[1] > limit:
+        raise _too_many_pixels(source, size[0], size[1], limit)
     try:
-        img = Image.open(io.BytesIO(data))
-        img.load()  # Image.open is lazy: decode now, so that a truncated file fails here
-        img = ImageOps.exif_transpose(img)
-        rgb = img.convert("RGB")
-    except Image.DecompressionBombError as e:
-        raise GGMLValueError(f"{source}: the image is too large to decode safely ({e}); raise "
-                             "PIL.Image.MAX_IMAGE_PIXELS if the file is trusted") from e
+        img = Image.open(io.BytesIO(data), formats=list(IMAGE_FORMATS))
+    except Image.DecompressionBombError as e:   # Pillow's own check, inside open: still before decoding
+        raise ImageError(f"{source}: the image is too large ({e}); refused before decoding") from e
+    except UnidentifiedImageError as e:
+        raise ImageError(f"{source}: cannot decode the image: not a {_FORMAT_NAMES} file, or a damaged one "
+                         "(no other format is read)") from e
     except Exception as e:
-        raise GGMLValueError(f"{source}: cannot decode the image ({type(e).__name__}: {e})") from e
-    if rgb.width == 0 or rgb.height == 0:
-        raise GGMLValueError(f"{source}: the image has no pixels ({rgb.width}x{rgb.height})")
-    return rgb
+        raise ImageError(f"{source}: cannot decode the image ({type(e).__name__}: {e})") from e
+    try:
+        if img.format not in _OPENED_FORMATS:   # formats= makes this impossible; kept as the rule itself
+            raise ImageError(f"{source}: a {img.format} image; only {_FORMAT_NAMES} images are read")
+        width, height = img.size
+        if width * height > limit:
+            raise _too_many_pixels(source, width, height, limit)
+        if width == 0 or height == 0:
+            raise ImageError(f"{source}: the image has no pixels ({width}x{height})")
+        try:
+            img.load()  # Image.open is lazy: decode now, so that a truncated file fails here
+            try:
+                ImageOps.exif_transpose(img, in_place=True)   # no copy of the decoded pixels
+                oriented = img
+            except TypeError:                                  # Pillow < 9.4 has no in_place
+                oriented = ImageOps.exif_transpose(img)
+            return oriented.convert("RGB")
+        except Exception as e:
+            raise ImageError(f"{source}: cannot decode the image ({type(e).__name__}: {e})") from e
+    finally:
+        img.close()   # frees the decoded pixels now, not when the collector gets to them
 
 
 def _data_url(url: str) -> bytes:
-    """The bytes of a ``data:[<type>][;base64],<data>`` URL (RFC 2397), as chat messages carry images."""
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (RFC 2397), as chat messages carry images.
+
+    The payload's length is checked against :data:`MAX_IMAGE_BYTES` before it is decoded.
+    """
+    source = "image data URL"
     head, sep, data = url.partition(",")
     if not sep:
-        raise GGMLValueError(f"image: a data URL without a ',' ({url[:40]!r}...)")
-    if head.endswith(";base64"):
+        raise ImageError(f"{source}: no ',' ({_short(url, 40)}); expected data:image/png;base64,...")
+    limit = MAX_IMAGE_BYTES
+    if head.lower().endswith(";base64"):
+        if len(data) > 4 * -(-limit // 3):     # 4 characters per 3 bytes: it would decode to more
+            raise _too_many_bytes(source, f"{len(data):,} characters of base64", limit)
         try:
-            return base64.b64decode(data, validate=True)
+            out = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as e:
-            raise GGMLValueError(f"image: the data URL's base64 payload is not valid ({e})") from e
-    return urllib.parse.unquote_to_bytes(data)
+            raise ImageError(f"{source}: the base64 payload is not valid ({e})") from e
+    else:
+        if len(data) > 3 * limit:              # at most 3 characters (%XX) per byte: it would decode to more
+            raise _too_many_bytes(source, f"{len(data):,} characters", limit)
+        out = urllib.parse.unquote_to_bytes(data)
+    if len(out) > limit:
+        raise _too_many_bytes(source, f"{len(out):,} bytes", limit)
+    return out
 
 
-def load_image(image: ImageInput) -> _PILImageModule.Image:
+# the kinds of file never opened, each with the test of its st_mode
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+# O_NONBLOCK: should the path turn into a FIFO between stat and open, open returns rather than waits for a
+# writer; O_NOCTTY: a terminal never becomes the controlling one
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+               | getattr(os, "O_BINARY", 0))
+
+
+def _check_regular(st: os.stat_result, source: str, limit: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((k for test, k in _NOT_REGULAR if test(st.st_mode)), "not a regular file")
+        raise ImageError(f"{source}: {kind}; only regular files are read as images")
+    if st.st_size > limit:
+        raise _too_many_bytes(source, f"{st.st_size:,} bytes", limit)
+
+
+def _read_file(path: str, source: str) -> bytes:
+    """A regular file's bytes, at most :data:`MAX_IMAGE_BYTES`; nothing else is opened, nothing blocks."""
+    limit = MAX_IMAGE_BYTES
+    try:
+        _check_regular(os.stat(path), source, limit)   # a device or FIFO is refused unopened
+        fd = os.open(path, _OPEN_FLAGS)
+    except ImageError:
+        raise
+    except (FileNotFoundError, NotADirectoryError) as e:
+        raise ImageError(f"{source}: no such file") from e
+    except PermissionError as e:
+        raise ImageError(f"{source}: permission denied") from e
+    except (OSError, ValueError) as e:     # ValueError: a NUL in the path
+        raise ImageError(f"{source}: cannot open ({e})") from e
+    try:
+        st = os.fstat(fd)
+        _check_regular(st, source, limit)   # what was opened, should the path have changed since stat
+        chunks, n = [], 0
+        while n <= limit:                   # a file may grow while it is read: never more than limit + 1
+            chunk = os.read(fd, min(limit + 1 - n, max(st.st_size + 1, 1 << 16)))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            n += len(chunk)
+    except OSError as e:
+        raise ImageError(f"{source}: cannot read ({e})") from e
+    finally:
+        os.close(fd)
+    if n > limit:
+        raise _too_many_bytes(source, "more bytes than its size said", limit)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _scheme(text: str) -> str:
+    """The scheme of a str image that is a URL ("data", "file", "http", "https"; any case), else ""."""
+    head, sep, _ = text[:8].partition(":")
+    head = head.lower()
+    return head if sep and head in ("data", "file", "http", "https") else ""
+
+
+def _file_url_path(url: str) -> str:
+    """The local path of a ``file:`` URL (``file:///path`` or ``file://localhost/path``)."""
+    rest = url[len("file:"):]
+    if rest.startswith("//"):
+        rest = rest[2:]
+        host, slash, rest = rest.partition("/")
+        if host.lower() not in ("", "localhost"):
+            raise ImageError(f"image URL {_short(url)}: a file on host {host!r}; only local files "
+                             "(file:///path) are read")
+        rest = slash + rest
+    if os.name == "nt":
+        from urllib.request import url2pathname  # drive letters; imported only there (it is heavy)
+
+        return url2pathname(rest)
+    return urllib.parse.unquote(rest)
+
+
+def check_source(image: Any, *, allow_local_files: bool, what: str = "image") -> None:
+    """Refuse an image that would be read from a local file, unless local files are allowed.
+
+    A path (``str`` or ``os.PathLike``) or a ``file://`` URL reads a local file; a ``data:`` URL, bytes, a
+    PIL image, an array or a preprocessed image does not. Nothing is read or looked up, so the refusal is
+    the same whether the file exists or not (a caller relaying untrusted messages learns nothing about
+    the file system from it).
+
+    Raises
+    ------
+    ImageError
+        ``image`` names a local file and ``allow_local_files`` is false.
+    """
+    if allow_local_files or not isinstance(image, (str, os.PathLike)):
+        return
+    try:
+        text = os.fspath(image)
+    except TypeError:
+        return                                # load_image reports the type
+    if isinstance(text, bytes):
+        text = os.fsdecode(text)
+    if _scheme(text) in ("data", "http", "https"):
+        return                                # not a file: load_image decodes or refuses it
+    kind = "image URL" if _scheme(text) == "file" else "image path"
+    raise ImageError(f"{what}: {kind} {_short(text)}: local files are not read unless the caller allows them "
+                     "(allow_local_files=True); give the image itself: a data: URL, encoded bytes or an image "
+                     "object")
+
+
+def load_image(image: ImageInput, *, allow_local_files: bool = True) -> _PILImageModule.Image:
     """An image as an RGB PIL image, converted as transformers converts it.
 
     Parameters
@@ -223,8 +498,15 @@ def load_image(image: ImageInput) -> _PILImageModule.Image:
         A PIL image of any mode (transparency is composited onto white); a channel-last numpy array
         ``(H, W)``, ``(H, W, 1)``, ``(H, W, 3)`` or ``(H, W, 4)`` of uint8 (other integer dtypes with values in
         ``[0, 255]`` and float dtypes with values in ``[0, 1]`` are accepted, see the module notes); the path
-        of an image file (or a ``file://`` URL, or a ``data:`` URL such as ``data:image/png;base64,...``); or the bytes of an encoded image (``bytearray`` and ``memoryview`` too). Files and
-        bytes get their EXIF orientation applied and any alpha band dropped, as transformers' ``load_image``.
+        of an image file (or a ``file://`` URL, or a ``data:`` URL such as ``data:image/png;base64,...``); or
+        the bytes of an encoded image (``bytearray`` and ``memoryview`` too). Files and bytes get their EXIF
+        orientation applied and any alpha band dropped, as transformers' ``load_image``. Encoded images are
+        read within the module's bounds (see "Untrusted inputs" in the module notes): a regular file only, at
+        most :data:`MAX_IMAGE_BYTES`, one of :data:`IMAGE_FORMATS`, at most :data:`MAX_IMAGE_PIXELS`.
+    allow_local_files : bool
+        Whether a path or ``file://`` URL is read (default True: the caller's own argument). False for an
+        image that comes from someone else (a chat message): such an input is then refused without looking
+        at the file system.
 
     Returns
     -------
@@ -235,12 +517,13 @@ def load_image(image: ImageInput) -> _PILImageModule.Image:
     ------
     GGMLTypeError
         Not one of the types above, or an array of a non-numeric or bool dtype.
-    GGMLValueError
-        An array of the wrong shape, with no pixels or with out-of-range values; an empty, corrupt or
-        truncated file or byte string, or one larger than Pillow's decompression-bomb limit (the
-        decoder's exception is chained); an ``http(s)://`` URL; a malformed ``data:`` URL.
-    FileNotFoundError, PermissionError, IsADirectoryError
-        As ``open`` raises them for a path.
+    ImageError
+        (a GGMLValueError) An array of the wrong shape, with no pixels or with out-of-range values; a missing
+        or unreadable file, or a path that is not a regular file; an encoded image that is empty, corrupt,
+        truncated, over :data:`MAX_IMAGE_BYTES` or :data:`MAX_IMAGE_PIXELS` (checked before decoding), or
+        not in :data:`IMAGE_FORMATS` (the decoder's exception is chained); a local file where
+        ``allow_local_files`` is false; an ``http(s)://`` URL; a malformed ``data:`` URL. The message names
+        the input.
     ImportError
         Pillow is not installed.
     """
@@ -252,19 +535,23 @@ def load_image(image: ImageInput) -> _PILImageModule.Image:
         path = os.fspath(image)
         if isinstance(path, bytes):
             path = os.fsdecode(path)
-        if path.startswith(("http://", "https://")):
-            raise GGMLValueError(f"image: {path!r} is a URL; ggmlpy does not download images: fetch it and pass "
-                                 "the bytes or a local path")
-        if path.startswith("data:"):
+        scheme = _scheme(path)
+        if scheme in ("http", "https"):
+            raise ImageError(f"image: {_short(path)} is a URL; ggmlpy does not download images: fetch it and "
+                             "pass the bytes or a local path")
+        if scheme == "data":
             return _decode(_data_url(path), "image data URL")
-        if path.startswith("file://"):
-            path = urllib.parse.unquote(path[len("file://"):])
+        check_source(path, allow_local_files=allow_local_files)
+        if scheme == "file":
+            path = _file_url_path(path)
         _pil()  # fail on a missing Pillow before reading the file
-        with open(path, "rb") as f:
-            data = f.read()
-        return _decode(data, f"image file {path!r}")
+        source = f"image file {_short(path)}"
+        return _decode(_read_file(path, source), source)
     if isinstance(image, (bytes, bytearray, memoryview)):
-        return _decode(bytes(image), "image bytes")
+        n = memoryview(image).nbytes
+        if n > MAX_IMAGE_BYTES:
+            raise _too_many_bytes("image bytes", f"{n:,} bytes", MAX_IMAGE_BYTES)
+        return _decode(image if isinstance(image, bytes) else bytes(image), "image bytes")
     if _is_pil_image(image):
         return _pil_to_rgb(image)
     cls = type(image)
@@ -532,7 +819,7 @@ def _idefics3_grid_size(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-def preprocess(image: ImageInput, cfg: ImageConfig) -> PreprocessedImage:
+def preprocess(image: ImageInput, cfg: ImageConfig, *, allow_local_files: bool = True) -> PreprocessedImage:
     """Resize, tile and normalise an image as the model's HF image processor does.
 
     Parameters
@@ -541,6 +828,8 @@ def preprocess(image: ImageInput, cfg: ImageConfig) -> PreprocessedImage:
         Anything :func:`load_image` accepts.
     cfg : ImageConfig
         The encoder's preprocessing settings.
+    allow_local_files : bool
+        Whether a path or ``file://`` URL is read, as for :func:`load_image` (default True).
 
     Returns
     -------
@@ -550,13 +839,13 @@ def preprocess(image: ImageInput, cfg: ImageConfig) -> PreprocessedImage:
 
     Raises
     ------
-    GGMLTypeError, GGMLValueError, FileNotFoundError, ImportError
+    GGMLTypeError, ImageError, ImportError
         As :func:`load_image`; GGMLTypeError also when ``cfg`` is not an :class:`ImageConfig`.
     """
     if not isinstance(cfg, ImageConfig):
         raise GGMLTypeError(f"preprocess: cfg is {type(cfg).__name__}; expected an ImageConfig "
                             "(ImageConfig.from_metadata(mmproj_metadata))")
-    img = load_image(image)
+    img = load_image(image, allow_local_files=allow_local_files)
     Image, _ = _pil()
     resampling = getattr(Image, "Resampling", Image)  # Pillow < 9.1 has the filters on the module only
     size = cfg.image_size
