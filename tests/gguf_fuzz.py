@@ -20,7 +20,23 @@ function of ``(base, seed, i)``, so any case can be written out again
 
 Each case goes through ``GGUFReader`` (metadata, every tensor's data, mapped
 and copied) and, when that works, ``load_model`` plus one decode step of a
-``Runner``. An error must be a ``ggmlpy.GGMLError`` (or OSError); anything
+``Runner``.
+
+``--target mmproj`` fuzzes vision encoder (mmproj) files the same way. The bases
+are four tiny encoders in the layout llama.cpp's converter writes (gemma3 and
+idefics3 projectors; F32, F16 and Q8_0 matrices, :func:`write_mmproj`); the
+structural edits are the same, the semantic ones are the ``clip.*`` metadata
+(eps inf/NaN/<= 0, a block count, image/patch/embedding sizes, head count,
+projection width, scale factor that contradict the tensors or are out of range,
+values of the wrong type, mean/std arrays of the wrong length or not finite or
+outside the pixel range, a quick-GELU or SiLU file, a projector type the tensors
+are not, a second projector type that disagrees), a tensor dropped, added,
+renamed to a layer out of range or re-typed, and NaN weights. Each case goes
+through ``GGUFReader``, ``load_mmproj``, one ``encode`` and a ``Runner`` over a
+tiny text model with the encoder (which reserves for the largest image); every
+error must also name the case's file. Edits a loader cannot tell from a real
+file (a head count that divides the width, a gemma3 pooling factor that divides
+the patch grid, other plausible mean/std values) are not made. An error must be a ``ggmlpy.GGMLError`` (or OSError); anything
 else is reported as a failure. Children handle a batch of cases each; the
 parent watches them: a negative return code is an abort (the case is named),
 a case that makes no progress for ``--case-timeout`` seconds (20) is a hang.
@@ -30,6 +46,7 @@ Usage::
     python tests/gguf_fuzz.py --cases 10000 --jobs 2            # the long run (about 2 minutes on 2 cores)
     python tests/gguf_fuzz.py --cases 300 --seed 7              # a sample
     python tests/gguf_fuzz.py --write-case 123 --seed 7 --out case.gguf   # reproduce one case
+    python tests/gguf_fuzz.py --target mmproj --cases 5000 --jobs 2  # mmproj files
 
 The last line on stdout is a JSON summary: counts per outcome and per kind,
 wall time, and the failures (aborts, hangs, silent loads of semantic edits,
@@ -169,12 +186,20 @@ STRUCTURAL = ["truncate", "flip", "bytes", "insert", "delete", "count", "strlen"
 SEMANTIC = ["count-1", "eps", "block_count", "retype", "hparam", "wrongtype", "droptensor", "rename", "nan"]
 
 
-def make_case(base: bytes, hdr: Header, seed: int, i: int) -> tuple[str, str, bytes, bool]:
+# mmproj files: the same structural edits (no tokenizer), semantic edits of the clip.* metadata and tensors
+STRUCTURAL_MMPROJ = [k for k in STRUCTURAL if k != "tokenid"]
+SEMANTIC_MMPROJ = ["count-1", "retype", "droptensor", "nan", "mm-eps", "mm-block_count", "mm-hparam",
+                   "mm-wrongtype", "mm-meanstd", "mm-act", "mm-projector", "mm-rename", "mm-extratensor"]
+KINDS = {"model": (STRUCTURAL, SEMANTIC), "mmproj": (STRUCTURAL_MMPROJ, SEMANTIC_MMPROJ)}
+
+
+def make_case(base: bytes, hdr: Header, seed: int, i: int, target: str = "model") -> tuple[str, str, bytes, bool]:
     """Case ``i``: ``(kind, description, file bytes, semantic)``; a pure function of its arguments."""
     rng = random.Random(f"{seed}:{i}")
+    structural, semantic_kinds = KINDS[target]
     # about one case in three is a semantic edit
     semantic = rng.random() < 0.35
-    kind = rng.choice(SEMANTIC if semantic else STRUCTURAL)
+    kind = rng.choice(semantic_kinds if semantic else structural)
     desc, data = globals()["_case_" + kind.replace("-", "_")](base, hdr, rng)
     return kind, desc, data, semantic
 
@@ -420,9 +445,198 @@ def _case_tokenid(base, hdr, rng):
     return f"{key} = {v}", hdr.build(kvs=list(hdr.kvs) + [kv_chunk(key, 4, v)])
 
 
+# --- mmproj (vision encoder) files: the bases and the semantic edits of their clip.* metadata ---------------
+
+def write_mmproj(path, projector: str = "gemma3", type: str = "F32", seed: int = 0, n_embd: int = 64,
+                 n_ff: int = 128, n_layer: int = 2, n_head: int = 4, image_size: int = 64, patch_size: int = 8,
+                 n_embd_text: int = 64, scale_factor: int = 2):
+    """A tiny random-weight mmproj file in the layout llama.cpp's converter writes (the keys and tensors
+    of tests/vision_helpers.py's converted fixtures; torch-free).
+
+    ``type`` is the matrices' type (``F32``, ``F16`` or ``Q8_0``); as the converter does, biases, norms
+    and the position embeddings stay F32, the patch embedding is F16 only in an F16 file, gemma3's
+    projection is always F16. The default sizes give 64 patches and 16 tokens per image of width 64 (the
+    tiny synthetic text model's ``n_embd``); idefics3's ``preproc_image_size`` is ``2 * image_size``.
+    """
+    import numpy as np
+
+    from ggmlpy import gguf
+    from ggmlpy.gguf import Type, ValueType
+
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, s=0.02):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+    mat = {"F32": None, "F16": Type.F16, "Q8_0": Type.Q8_0}[type]
+    e, p = n_embd, patch_size
+    with gguf.GGUFWriter(path, arch="clip") as g:
+        g.add("general.type", "mmproj")
+        g.add("general.name", f"tiny {projector} encoder")
+        g.add("clip.has_vision_encoder", True)
+        g.add("clip.projector_type", projector)
+        g.add("clip.use_gelu", True)
+        for k, v in (("image_size", image_size), ("patch_size", p), ("embedding_length", e),
+                     ("feed_forward_length", n_ff), ("block_count", n_layer), ("attention.head_count", n_head),
+                     ("projection_dim", n_embd_text), ("projector.scale_factor", scale_factor)):
+            g.add(f"clip.vision.{k}", v, ValueType.UINT32)
+        g.add("clip.vision.attention.layer_norm_epsilon", 1e-6, ValueType.FLOAT32)
+        g.add_array("clip.vision.image_mean", np.full(3, 0.5, np.float32))
+        g.add_array("clip.vision.image_std", np.full(3, 0.5, np.float32))
+        if projector == "idefics3":
+            g.add("clip.vision.preproc_image_size", 2 * image_size, ValueType.UINT32)
+        g.add_tensor("v.patch_embd.weight", w(e, 3, p, p), type=Type.F16 if type == "F16" else None)
+        g.add_tensor("v.patch_embd.bias", w(e))
+        g.add_tensor("v.position_embd.weight", w((image_size // p) ** 2, e))
+        for i in range(n_layer):
+            b = f"v.blk.{i}."
+            for x in ("q", "k", "v", "out"):
+                g.add_tensor(f"{b}attn_{x}.weight", w(e, e), type=mat)
+                g.add_tensor(f"{b}attn_{x}.bias", w(e))
+            for x in ("ln1", "ln2"):
+                g.add_tensor(f"{b}{x}.weight", 1 + w(e))
+                g.add_tensor(f"{b}{x}.bias", w(e))
+            g.add_tensor(f"{b}ffn_up.weight", w(n_ff, e), type=mat)
+            g.add_tensor(f"{b}ffn_up.bias", w(n_ff))
+            g.add_tensor(f"{b}ffn_down.weight", w(e, n_ff), type=mat)
+            g.add_tensor(f"{b}ffn_down.bias", w(e))
+        g.add_tensor("v.post_ln.weight", 1 + w(e))
+        g.add_tensor("v.post_ln.bias", w(e))
+        if projector == "gemma3":
+            g.add_tensor("mm.soft_emb_norm.weight", 1 + w(e))
+            g.add_tensor("mm.input_projection.weight", w(e, n_embd_text), type=Type.F16)
+        else:
+            g.add_tensor("mm.model.fc.weight", w(n_embd_text, e * scale_factor ** 2), type=mat)
+    return path
+
+
+def _projector(hdr) -> str:
+    key, t, chunk, vo = hdr.kvs[hdr.kv_index("clip.projector_type")]
+    return chunk[vo + 8:].decode()
+
+
+def _set_or_add_kv(hdr, key, t, value):
+    kvs = list(hdr.kvs)
+    if key in [k for k, *_ in kvs]:
+        kvs[hdr.kv_index(key)] = kv_chunk(key, t, value)
+    else:
+        kvs.append(kv_chunk(key, t, value))
+    return hdr.build(kvs=kvs)
+
+
+def _case_mm_eps(base, hdr, rng):
+    v = rng.choice([math.inf, -math.inf, math.nan, 0.0, -1e-6, 5.0])
+    return f"clip eps = {v}", _set_kv(hdr, "clip.vision.attention.layer_norm_epsilon", 6, v)
+
+
+def _case_mm_block_count(base, hdr, rng):
+    v = rng.choice([0, 1, 3, 4, 64, 513, 2**31 - 1, 2**32 - 1])
+    return f"clip block_count = {v}", _set_kv(hdr, "clip.vision.block_count", 4, v)
+
+
+# values that contradict the bases' tensors (image 64 / patch 8, width 64, 4 heads, ff 128, projection 64,
+# scale 2) or are out of any sane range; a head count that divides the width, or a gemma3 pooling factor
+# that divides the patch grid, cannot be told from the tensors and is not among them
+_MM_HPARAM = {
+    "clip.vision.image_size": [32, 128, 72, 0, 2**31 - 1, 2**32 - 1],
+    "clip.vision.patch_size": [4, 16, 7, 0, 65, 2**31],
+    "clip.vision.embedding_length": [32, 48, 128, 0, 2**31],
+    "clip.vision.feed_forward_length": [64, 256, 127, 0, 2**31],
+    "clip.vision.attention.head_count": [0, 3, 5, 7, 128, 2**20],
+    "clip.vision.projection_dim": [32, 128, 63, 0, 2**31],
+    "clip.vision.projector.scale_factor": [3, 5, 16, 0, 2**31],
+    "clip.vision.preproc_image_size": [0, 5000, 1 << 20, 2**31 - 1, 2**32 - 1],
+}
+
+
+def _case_mm_hparam(base, hdr, rng):
+    proj = _projector(hdr)
+    keys = sorted(k for k in _MM_HPARAM if proj == "idefics3" or "preproc" not in k)
+    key = rng.choice(keys)
+    values = list(_MM_HPARAM[key])
+    if key.endswith("scale_factor") and proj == "idefics3":
+        values += [1, 4, 8]         # the pixel shuffle's width is in mm.model.fc's shape
+    v = rng.choice(values)
+    return f"{key} = {v}", _set_or_add_kv(hdr, key, 4, v)
+
+
+def _case_mm_wrongtype(base, hdr, rng):
+    key, t, v = rng.choice([
+        ("clip.vision.block_count", STRING, "2"), ("clip.vision.block_count", 6, 2.0),
+        ("clip.vision.block_count", 7, True), ("clip.vision.block_count", ARRAY, (4, [2])),
+        ("clip.vision.image_size", 6, 64.0), ("clip.vision.embedding_length", STRING, "64"),
+        ("clip.vision.attention.layer_norm_epsilon", STRING, "1e-6"), ("clip.projector_type", 4, 7),
+        ("clip.projector_type", ARRAY, (STRING, ["gemma3"])), ("clip.vision.image_mean", STRING, "000"),
+        ("clip.vision.image_std", STRING, "111"), ("clip.vision.image_mean", ARRAY, (STRING, ["0.5"] * 3)),
+        ("clip.vision.image_std", ARRAY, (7, [True] * 3)), ("clip.vision.image_mean", 6, 0.5),
+        ("clip.has_vision_encoder", 4, 1), ("clip.has_vision_encoder", STRING, "true"),
+        ("clip.use_gelu", STRING, "true"), ("clip.use_gelu", 4, 1),
+        ("clip.vision.projector.scale_factor", 6, 2.0), ("clip.vision.attention.head_count", 12, 4.0),
+        ("general.architecture", 4, 7), ("clip.vision.patch_size", STRING, "8"),
+    ])
+    return f"{key} as type {t} = {v!r}", _set_or_add_kv(hdr, key, t, v)
+
+
+def _case_mm_meanstd(base, hdr, rng):
+    key = rng.choice(["clip.vision.image_mean", "clip.vision.image_std"])
+    v = rng.choice([[0.5, 0.5], [0.5] * 4, [], [math.nan, 0.5, 0.5], [0.5, math.inf, 0.5], [-math.inf] * 3,
+                    [1e30] * 3, [-0.5, 0.5, 0.5] if key.endswith("mean") else [0.5, 0.0, 0.5],
+                    [0.5, 2.0, 0.5] if key.endswith("mean") else [0.5, -0.5, 0.5],
+                    [0.5, 0.5, 1e-9] if key.endswith("std") else [0.5, 0.5, 7.0]])
+    return f"{key} = {v}", _set_kv(hdr, key, ARRAY, (6, v))
+
+
+def _case_mm_act(base, hdr, rng):
+    what = rng.choice(["gelu-false", "gelu-missing", "silu"])
+    if what == "gelu-false":
+        return "clip.use_gelu = false (quick GELU)", _set_kv(hdr, "clip.use_gelu", 7, False)
+    if what == "gelu-missing":
+        kvs = [x for x in hdr.kvs if x[0] != "clip.use_gelu"]
+        return "clip.use_gelu removed (quick GELU)", hdr.build(kvs=kvs)
+    return "clip.use_silu = true", _set_or_add_kv(hdr, "clip.use_silu", 7, True)
+
+
+def _case_mm_projector(base, hdr, rng):
+    proj = _projector(hdr)
+    other = "idefics3" if proj == "gemma3" else "gemma3"
+    what = rng.choice(["swap", "unknown", "vision-key", "no-vision"])
+    if what == "swap":
+        return f"clip.projector_type = {other}", _set_kv(hdr, "clip.projector_type", STRING, other)
+    if what == "unknown":
+        v = rng.choice(["", "mlp", "idefics2", "gemma3 ", "GEMMA3", "qwen2vl_merger"])
+        return f"clip.projector_type = {v!r}", _set_kv(hdr, "clip.projector_type", STRING, v)
+    if what == "vision-key":
+        # mixed-modality files name the vision projector here, and it wins (as in llama.cpp)
+        return (f"clip.vision.projector_type = {other} (clip.projector_type {proj})",
+                _set_or_add_kv(hdr, "clip.vision.projector_type", STRING, other))
+    return "clip.has_vision_encoder = false", _set_kv(hdr, "clip.has_vision_encoder", 7, False)
+
+
+def _case_mm_rename(base, hdr, rng):
+    i = rng.choice([j for j, (n, _) in enumerate(hdr.tinfos) if n.startswith("v.blk.1.")])
+    name = hdr.tinfos[i][0]
+    new = "v.blk." + str(rng.choice([2, 3, 7, 9])) + name[7:]
+    chunk = hdr.tinfos[i][1]
+    tinfos = list(hdr.tinfos)
+    tinfos[i] = (new, chunk[:8] + new.encode() + chunk[8 + len(name):])
+    return f"rename {name} -> {new}", hdr.build(tinfos=tinfos)
+
+
+def _case_mm_extratensor(base, hdr, rng):
+    # a weight the encoder would not apply: CLIP's pre-LayerNorm, a projector bias, QK norms, a third layer
+    name, n = rng.choice([("v.pre_ln.weight", 64), ("mm.model.fc.bias", 64), ("mm.input_projection.bias", 64),
+                          ("v.blk.0.attn_q_norm.weight", 64), ("v.blk.2.ln1.weight", 64),
+                          ("v.patch_embd.weight.1", 64), ("v.blk.0.ffn_gate.weight", 64 * 128)])
+    raw = name.encode()
+    info = struct.pack("<Q", len(raw)) + raw + struct.pack("<I", 1) + struct.pack("<q", n) + struct.pack("<I", F32)
+    off = len(hdr.section) + (-len(hdr.section) % hdr.alignment)
+    section = hdr.section + b"\0" * (off - len(hdr.section)) + struct.pack(f"<{n}f", *([0.01] * n))
+    tinfos = list(hdr.tinfos) + [(name, info + struct.pack("<Q", off))]
+    return f"extra tensor {name}", hdr.build(tinfos=tinfos, section=section)
+
+
 # --- the child: runs cases, one JSON line each ---------------------------------------------------------
 
-def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str) -> None:
+def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str, target: str = "model") -> None:
     """Run cases ``start .. stop - 1``, printing ``start i`` before and a JSON result after each."""
     import numpy as np
 
@@ -433,9 +647,10 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str) -> 
     blobs = [open(b, "rb").read() for b in bases]
     hdrs = [Header(b) for b in blobs]
     path = os.path.join(work, f"case-{os.getpid()}.gguf")
+    text = load_model(os.path.join(work, TEXT_MODEL)) if target == "mmproj" else None
     for i in range(start, stop):
         b = i % len(blobs)
-        kind, desc, data, semantic = make_case(blobs[b], hdrs[b], seed, i)
+        kind, desc, data, semantic = make_case(blobs[b], hdrs[b], seed, i, target)
         with open(path, "wb") as f:
             f.write(data)
         print(f"start {i}", flush=True)
@@ -451,15 +666,25 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str) -> 
                 for k in r.metadata:
                     r.kv_type(k)
             stage = "load"
-            with load_model(path) as m:
-                stage = "decode"
-                with Runner(m, n_ctx=16) as rt:
-                    logits = rt.decode([1, 2, 3])
-                if logits is None or logits.shape[-1] != m.n_vocab:
-                    raise AssertionError(f"decode gave {None if logits is None else logits.shape} logits")
+            if target == "mmproj":
+                stage, res["finite"] = _run_mmproj(path, text)
+            else:
+                with load_model(path) as m:
+                    stage = "decode"
+                    with Runner(m, n_ctx=16) as rt:
+                        logits = rt.decode([1, 2, 3])
+                    if logits is None or logits.shape[-1] != m.n_vocab:
+                        raise AssertionError(f"decode gave {None if logits is None else logits.shape} logits")
+                # random bytes in the data may hold NaNs outside the rows the loader samples: noted, allowed
+                res["finite"] = bool(np.all(np.isfinite(logits)))
             res["outcome"] = "loaded"
-            # random bytes in the data may hold NaNs outside the rows the loader samples: noted, allowed
-            res["finite"] = bool(np.all(np.isfinite(logits)))
+        except _Stage as st:
+            e = st.__cause__
+            res["stage"] = st.stage
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            # an mmproj error must name the file (the reader's, the loader's and the runner's alike)
+            res["outcome"] = ("rejected" if isinstance(e, (GGMLError, OSError)) and path in str(e)
+                              else "unnamed-error" if isinstance(e, (GGMLError, OSError)) else "bad-exception")
         except (GGMLError, OSError) as e:
             res["outcome"] = "rejected"
             res["stage"] = stage
@@ -469,18 +694,68 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str) -> 
             res["stage"] = stage
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(res), flush=True)
+    if text is not None:
+        text.close()
     try:
         os.unlink(path)
     except OSError:
         pass
 
 
+class _Stage(Exception):
+    """An error of an mmproj case, raised from ``stage`` (the error itself is the cause)."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(stage)
+        self.stage = stage
+
+
+def _run_mmproj(path: str, text) -> tuple[str, bool]:
+    """Load the encoder, encode one image, and reserve a runner over ``text`` with it: (last stage, finite)."""
+    import numpy as np
+
+    from ggmlpy.runner import Runner
+    from ggmlpy.vision import load_mmproj
+
+    stage = "load"
+    try:
+        with load_mmproj(path) as vm:
+            stage = "encode"
+            c = vm.config
+            px = np.random.default_rng(0).uniform(-1, 1, (1, 3, c.image_size, c.image_size)).astype(np.float32)
+            out = vm.encode(px)
+            if out.shape != (1, c.tokens_per_image, c.n_embd_text):
+                raise AssertionError(f"encode gave {out.shape}")
+            stage = "runner"
+            with Runner(text, vision=vm, n_ctx=64, n_ubatch=64, n_batch=64):
+                pass
+            return stage, bool(np.all(np.isfinite(out)))
+    except AssertionError:
+        raise
+    except Exception as e:
+        raise _Stage(stage) from e
+
+
 # --- the parent: batches, watchdog, summary -------------------------------------------------------------
 
-def make_bases(folder: str) -> list[str]:
+#: the text model an mmproj case's runner takes (n_embd 64, the bases' projection width)
+TEXT_MODEL = "text-F16.gguf"
+
+
+def make_bases(folder: str, target: str = "model") -> list[str]:
     from ggmlpy.models.synthetic import write_synthetic
 
     out = []
+    if target == "mmproj":
+        text = os.path.join(folder, TEXT_MODEL)
+        if not os.path.exists(text):
+            write_synthetic(text, size="tiny", type="F16", seed=5)
+        for proj, t in (("gemma3", "F32"), ("idefics3", "F16"), ("gemma3", "Q8_0"), ("idefics3", "F32")):
+            p = os.path.join(folder, f"mmproj-{proj}-{t}.gguf")
+            if not os.path.exists(p):
+                write_mmproj(p, proj, t, seed=len(out))
+            out.append(p)
+        return out
     for t in ("F16", "Q8_0"):
         p = os.path.join(folder, f"base-{t}.gguf")
         if not os.path.exists(p):
@@ -492,12 +767,12 @@ def make_bases(folder: str) -> list[str]:
 class _Batch:
     """One child process and what the parent knows of it (stderr goes to a file: a full pipe would stall it)."""
 
-    def __init__(self, bases, seed, start, stop, work):
+    def __init__(self, bases, seed, start, stop, work, target="model"):
         self.next, self.stop = start, stop
         self.err = tempfile.TemporaryFile(dir=work)
         self.proc = subprocess.Popen(
             [sys.executable, "-X", "faulthandler", __file__, "--child", "--seed", str(seed), "--range",
-             f"{start}:{stop}", "--work", work, *bases],
+             f"{start}:{stop}", "--work", work, "--target", target, *bases],
             stdout=subprocess.PIPE, stderr=self.err)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -513,18 +788,20 @@ class _Batch:
 
 
 def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout: float = 20.0,
-        work: str | None = None, start: int = 0, log=None) -> dict:
-    """Run ``cases`` cases (numbered from ``start``) in child processes; returns the summary dict."""
+        work: str | None = None, start: int = 0, log=None, target: str = "model") -> dict:
+    """Run ``cases`` cases (numbered from ``start``) in child processes; returns the summary dict.
+
+    ``target``: ``"model"`` (text model files) or ``"mmproj"`` (vision encoder files)."""
     t0 = time.monotonic()
     own = work is None
     tmp = tempfile.TemporaryDirectory(prefix="gguf-fuzz-") if own else None
     work = tmp.name if own else work
     try:
-        bases = make_bases(work)
+        bases = make_bases(work, target)
         todo = [(s, min(s + batch, start + cases)) for s in range(start, start + cases, batch)]
         running: list[_Batch] = []
-        summary = {"cases": 0, "loaded": 0, "rejected": 0, "aborts": 0, "hangs": 0, "bad_exceptions": 0,
-                   "silent_semantic_loads": 0, "semantic": 0, "semantic_rejected": 0, "by_kind": {},
+        summary = {"target": target, "cases": 0, "loaded": 0, "rejected": 0, "aborts": 0, "hangs": 0,
+                   "bad_exceptions": 0, "unnamed_errors": 0, "silent_semantic_loads": 0, "semantic": 0, "semantic_rejected": 0, "by_kind": {},
                    "failures": []}
 
         def record(res):
@@ -544,7 +821,8 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
                 if res["semantic"]:
                     summary["semantic_rejected"] += 1
             else:
-                key = {"abort": "aborts", "hang": "hangs", "bad-exception": "bad_exceptions"}[out]
+                key = {"abort": "aborts", "hang": "hangs", "bad-exception": "bad_exceptions",
+                       "unnamed-error": "unnamed_errors"}[out]
                 summary[key] += 1
                 summary["failures"].append(f"case {res['i']} ({res.get('desc', '?')}): {out} "
                                            f"{res.get('error', '')}".rstrip())
@@ -557,7 +835,7 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
 
         while todo or running:
             while todo and len(running) < jobs:
-                running.append(_Batch(bases, seed, *todo.pop(0), work))
+                running.append(_Batch(bases, seed, *todo.pop(0), work, target))
             ready, _, _ = select.select([b.fd for b in running], [], [], 0.5)
             for b in list(running):
                 if b.fd in ready:
@@ -579,7 +857,7 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
                     err = b.stderr()
                     running.remove(b)
                     if b.current is not None:     # died inside a case: an abort (or an unexpected exit)
-                        info = _describe(bases, seed, b.current)
+                        info = _describe(bases, seed, b.current, target)
                         record({**info, "outcome": "abort", "error": f"rc={rc} {err}"})
                         respawn(b, b.current)
                     elif rc != 0:
@@ -595,7 +873,7 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
                         summary["failures"].append(f"child for cases {b.next}..{b.stop} stalled between cases")
                         summary["hangs"] += 1
                         continue
-                    info = _describe(bases, seed, b.current)
+                    info = _describe(bases, seed, b.current, target)
                     record({**info, "outcome": "hang", "error": f"no result after {case_timeout:g} s"})
                     respawn(b, b.current)
         summary["wall_s"] = round(time.monotonic() - t0, 1)
@@ -606,15 +884,17 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
             tmp.cleanup()
 
 
-def _describe(bases, seed, i):
+def _describe(bases, seed, i, target="model"):
     blob = open(bases[i % len(bases)], "rb").read()
-    kind, desc, _, semantic = make_case(blob, Header(blob), seed, i)
+    kind, desc, _, semantic = make_case(blob, Header(blob), seed, i, target)
     return {"i": i, "base": i % len(bases), "kind": kind, "desc": desc, "semantic": semantic}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=300)
+    ap.add_argument("--target", choices=sorted(KINDS), default="model",
+                    help="model: text model files; mmproj: vision encoder files")
     ap.add_argument("--start", type=int, default=0, help="number of the first case")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="child processes at a time")
@@ -630,20 +910,20 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.child:
         lo, hi = map(int, a.range.split(":"))
-        run_cases(a.bases, a.seed, lo, hi, a.work)
+        run_cases(a.bases, a.seed, lo, hi, a.work, a.target)
         return 0
     if a.write_case is not None:
         work = a.work or tempfile.mkdtemp(prefix="gguf-fuzz-")
-        bases = make_bases(work)
+        bases = make_bases(work, a.target)
         blob = open(bases[a.write_case % len(bases)], "rb").read()
-        kind, desc, data, semantic = make_case(blob, Header(blob), a.seed, a.write_case)
+        kind, desc, data, semantic = make_case(blob, Header(blob), a.seed, a.write_case, a.target)
         with open(a.out, "wb") as f:
             f.write(data)
         print(json.dumps({"case": a.write_case, "kind": kind, "desc": desc, "semantic": semantic, "out": a.out}))
         return 0
     log = open(a.log, "w") if a.log else None
     try:
-        summary = run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log)
+        summary = run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log, a.target)
     finally:
         if log is not None:
             log.close()

@@ -307,3 +307,110 @@ def test_check_tensors_finds_a_nan_in_any_row(edit):
     load_model(path).close()
     with pytest.raises(GGUFError, match=r"'token_embd.weight' \(F16\) holds non-finite values .* row 100, column 5"):
         load_model(path, check_tensors=True)
+
+
+# --- mmproj (vision encoder) files -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mmproj_bases(tmp_path_factory):
+    """Tiny gemma3 and idefics3 encoders in the converter's layout (tests/gguf_fuzz.py's write_mmproj)."""
+    from gguf_fuzz import write_mmproj
+
+    d = tmp_path_factory.mktemp("mmproj")
+    return {p: write_mmproj(d / f"{p}.gguf", p, "F32") for p in ("gemma3", "idefics3")}
+
+
+def _mm_edit(src, dst, fn):
+    dst.write_bytes(fn(Header(src.read_bytes())))
+    return dst
+
+
+def test_the_mmproj_bases_load_and_encode(mmproj_bases):
+    from ggmlpy.vision import load_mmproj
+
+    for proj, path in mmproj_bases.items():
+        with load_mmproj(path) as vm:
+            out = vm.encode(np.zeros((1, 3, 64, 64), np.float32))
+        assert out.shape == (1, 16, 64) and np.all(np.isfinite(out)), proj
+
+
+# each loaded silently on b1aaa0d: an encoder computing something else than the file's model, or
+# settings no image processor has
+@pytest.mark.parametrize("proj,key,t,value,match", [
+    ("gemma3", "clip.vision.attention.layer_norm_epsilon", 6, 0.0, r"0 is out of range \(0"),
+    ("gemma3", "clip.use_gelu", 7, False, "quick GELU"),
+    ("idefics3", "clip.use_gelu", None, None, "quick GELU"),                  # removed: llama.cpp's quick GELU
+    ("gemma3", "clip.use_silu", 7, True, "SiLU"),
+    ("gemma3", "clip.use_gelu", 4, 1, "expected a bool, got int"),
+    ("idefics3", "clip.has_vision_encoder", STRING, "true", "expected a bool, got str"),
+    ("gemma3", "clip.vision.image_mean", STRING, "000", "expected an array of 3 numbers, got str"),
+    ("gemma3", "clip.vision.image_mean", ARRAY, (STRING, ["0.5"] * 3), "expected an array of 3 numbers"),
+    ("idefics3", "clip.vision.image_std", ARRAY, (7, [True] * 3), "expected an array of 3 numbers"),
+    ("gemma3", "clip.vision.image_std", ARRAY, (6, [0.5, 0.5, 1e-9]), r"out of range.*\[0.001, 1\]"),
+    ("idefics3", "clip.vision.image_mean", ARRAY, (6, [0.5, 2.0, 0.5]), r"out of range.*\[0, 1\]"),
+    ("idefics3", "clip.vision.preproc_image_size", 4, 5000, r"5000 is out of range \[1, 4096\]"),
+])
+def test_mmproj_metadata_that_must_be_refused(mmproj_bases, tmp_path, proj, key, t, value, match):
+    from ggmlpy.vision import load_mmproj
+
+    def fn(h):
+        if t is None:
+            return h.build(kvs=[x for x in h.kvs if x[0] != key])
+        return set_kv(key, t, value)(h)
+    path = _mm_edit(mmproj_bases[proj], tmp_path / "edited.gguf", fn)
+    with pytest.raises(MetadataError, match=match) as e:
+        load_mmproj(path)
+    assert e.value.key == key and f"{path}: metadata '{key}'" in str(e.value), str(e.value)
+
+
+def test_mmproj_vision_projector_type_wins(mmproj_bases, tmp_path):
+    """A mixed-modality file's clip.vision.projector_type is the vision projector (as in llama.cpp and the
+    preprocessing); on b1aaa0d the encoder read clip.projector_type alone and built the other projector."""
+    from ggmlpy.vision import load_mmproj
+
+    path = _mm_edit(mmproj_bases["gemma3"], tmp_path / "mixed.gguf",
+                    set_kv("clip.vision.projector_type", STRING, "idefics3"))
+    with pytest.raises(MissingTensor, match=rf"{path}: tensor 'mm.model.fc.weight' is missing \(the idefics3"):
+        load_mmproj(path)
+    same = _mm_edit(mmproj_bases["gemma3"], tmp_path / "same.gguf",
+                    set_kv("clip.vision.projector_type", STRING, "gemma3"))
+    load_mmproj(same).close()
+    unknown = _mm_edit(mmproj_bases["gemma3"], tmp_path / "unknown.gguf",
+                       set_kv("clip.vision.projector_type", STRING, "qwen2vl_merger"))
+    with pytest.raises(MetadataError, match="'qwen2vl_merger' is not supported") as e:
+        load_mmproj(unknown)
+    assert e.value.key == "clip.vision.projector_type"
+
+
+def test_mmproj_f16_position_embeddings_are_refused_at_load(mmproj_bases, tmp_path):
+    """On b1aaa0d an F16 v.position_embd.weight loaded, and every encode then failed inside the graph with
+    an error naming neither the tensor nor the file."""
+    from ggmlpy.vision import load_mmproj
+
+    p = tmp_path / "pos16.gguf"
+    with GGUFReader(mmproj_bases["gemma3"]) as rd, gguf.GGUFWriter(p) as w:
+        for k, v in rd.metadata.items():
+            w.add(k, v, rd.kv_type(k))
+        for t in rd.tensors:
+            f16 = t.name == "v.position_embd.weight"
+            w.add_tensor(t.name, rd.tensor_data(t.name), type=gguf.Type.F16 if f16 else t.type)
+    with pytest.raises(MissingTensor, match=rf"{p}: tensor 'v.position_embd.weight' is F16, expected F32"):
+        load_mmproj(p)
+
+
+@pytest.mark.fuzz
+def test_hostile_mmproj_files_never_abort_and_semantic_edits_never_load(tmp_path):
+    """A sample of ``tests/gguf_fuzz.py --target mmproj`` (the long run is documented there): structural
+    corruption and semantic edits of the clip.* metadata and the encoder's tensors, through GGUFReader,
+    load_mmproj, an encode and a Runner reserving for the encoder, in child processes: no abort, no hang,
+    every semantic edit rejected, every error a GGMLError naming the file."""
+    import gguf_fuzz
+
+    n = int(os.environ.get("GGMLPY_MMPROJ_FUZZ_CASES", "300"))
+    s = gguf_fuzz.run(n, seed=13, jobs=1, batch=150, case_timeout=20.0, work=str(tmp_path), target="mmproj")
+    assert s["cases"] == n and not s["failures"], s["failures"]
+    assert s["aborts"] == s["hangs"] == s["bad_exceptions"] == s["unnamed_errors"] == 0, s
+    assert s["silent_semantic_loads"] == 0 and s["semantic"] > n // 5 and s["semantic_rejected"] == s["semantic"], s
+    assert s["loaded"] > 0 and s["rejected"] > n // 2, s
+    if n >= 300:
+        assert set(gguf_fuzz.SEMANTIC_MMPROJ) <= set(s["by_kind"]), sorted(s["by_kind"])

@@ -32,10 +32,10 @@ import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, PoolOp, Tensor, Type
 from ggmlpy.backend import Placement, Runtime, Weights
-from ggmlpy.gguf import GGUFReader, MetadataError
+from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 
 from ..models.decoder import MetaReader, WeightLoader, check_all_used, check_tensor
-from .preprocess import ImageConfig
+from .preprocess import IDEFICS3_MAX_IMAGE_SIZE, ImageConfig
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
 
@@ -51,6 +51,9 @@ _PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>"}
 _PROJ_T = "mm.input_projection.weight"
 #: graph nodes per encoder layer (with headroom)
 _NODES_PER_LAYER = 64
+#: the range of ``clip.vision.image_mean`` / ``image_std`` values: the pixels are rescaled to [0, 1] first, so a
+#: mean outside it, or a std above 1 (the std of such values is at most 0.5) or near 0, is no processor's
+_MEAN_RANGE, _STD_RANGE = (0.0, 1.0), (1e-3, 1.0)
 
 
 @dataclass(frozen=True)
@@ -66,15 +69,17 @@ class VisionConfig:
     n_embd, n_ff, n_layer, n_head : int
         The transformer's width, MLP width, layers and attention heads.
     eps : float
-        LayerNorm epsilon (also the gemma3 projector's RMSNorm epsilon).
+        LayerNorm epsilon (also the gemma3 projector's RMSNorm epsilon), in ``(0, 1]``.
     n_embd_text : int
         Width of the projected embeddings: the text model's ``n_embd`` (``clip.vision.projection_dim``).
     image_mean, image_std : tuple of float
-        Per-channel normalisation of the pixels (after scaling to [0, 1]).
+        Per-channel normalisation of the pixels (after scaling to [0, 1]): means in [0, 1], stds in
+        [0.001, 1].
     scale_factor : int
         gemma3: the pooling kernel; idefics3: the pixel-shuffle factor.
     preproc_image_size : int or None
-        idefics3: the longest edge images are resized to before they are cut into tiles.
+        idefics3: the longest edge images are resized to before they are cut into tiles (at most 4096,
+        where the HF processor caps it).
     """
 
     projector: str
@@ -110,18 +115,33 @@ class VisionConfig:
 
     @classmethod
     def from_metadata(cls, md: dict, path: str = "") -> VisionConfig:
-        """Read and check the hyperparameters (each error names the key and the file)."""
+        """Read and check the hyperparameters (each error names the key and the file).
+
+        Besides each value's type and range: the projector type is ``clip.vision.projector_type`` where
+        the file has it (mixed-modality files; it wins over ``clip.projector_type``, as in llama.cpp), and
+        the file must ask for the encoder's GELU (``clip.use_gelu`` true, no ``clip.use_silu``: without
+        it llama.cpp runs a quick GELU, which this encoder does not compute).
+
+        Raises
+        ------
+        ggmlpy.gguf.MetadataError, ggmlpy.gguf.MetadataTypeError
+        """
         m = MetaReader(md, "clip", path)
         if md.get("general.architecture") != "clip":
-            raise MetadataError(path, "general.architecture", f"{md.get('general.architecture')!r}: not an mmproj "
-                                                              f"file (expected 'clip')")
-        if not md.get("clip.has_vision_encoder", False):
+            raise MetadataError(path, "general.architecture", f"{md.get('general.architecture')!r:.80}: not an "
+                                                              f"mmproj file (expected 'clip')")
+        if not _meta_bool(md, "clip.has_vision_encoder", False, path):
             raise MetadataError(path, "clip.has_vision_encoder", "the file has no vision encoder (audio-only "
                                                                  "projectors are not supported)")
-        proj = m.gets("projector_type")
+        key = "clip.vision.projector_type" if "clip.vision.projector_type" in md else "clip.projector_type"
+        proj = m.gets(key[len("clip."):])
         if proj not in PROJECTORS:
-            raise MetadataError(path, "clip.projector_type", f"{proj!r} is not supported (supported: "
-                                                             f"{', '.join(PROJECTORS)})")
+            raise MetadataError(path, key, f"{proj!r:.80} is not supported (supported: {', '.join(PROJECTORS)})")
+        if _meta_bool(md, "clip.use_silu", False, path):
+            raise MetadataError(path, "clip.use_silu", "the file asks for SiLU; the encoder computes GELU")
+        if not _meta_bool(md, "clip.use_gelu", False, path):
+            raise MetadataError(path, "clip.use_gelu", "not true: the file asks for a quick GELU (llama.cpp's "
+                                                       "default); the encoder computes GELU")
         d: dict[str, Any] = {"projector": proj}
         d["image_size"] = m.geti("vision.image_size", lo=1, hi=1 << 14)
         d["patch_size"] = m.geti("vision.patch_size", lo=1, hi=d["image_size"])
@@ -129,20 +149,15 @@ class VisionConfig:
         d["n_ff"] = m.geti("vision.feed_forward_length", lo=1, hi=1 << 18)
         d["n_layer"] = m.geti("vision.block_count", lo=1, hi=512)
         d["n_head"] = m.geti("vision.attention.head_count", lo=1, hi=d["n_embd"])
-        d["eps"] = m.getf("vision.attention.layer_norm_epsilon", 1e-6, lo=0.0, hi=1.0)
+        d["eps"] = m.getf("vision.attention.layer_norm_epsilon", 1e-6, lo=0.0, lo_open=True, hi=1.0)
         d["n_embd_text"] = m.geti("vision.projection_dim", lo=1, hi=1 << 17)
         d["scale_factor"] = m.geti("vision.projector.scale_factor", _DEFAULT_SCALE[proj], lo=1, hi=64)
         pre = md.get("clip.vision.preproc_image_size")
-        d["preproc_image_size"] = None if pre is None else m.geti("vision.preproc_image_size", lo=1, hi=1 << 15)
-        for key, default in (("image_mean", (0.5, 0.5, 0.5)), ("image_std", (0.5, 0.5, 0.5))):
-            v = md.get(f"clip.vision.{key}", default)
-            try:
-                vals = tuple(float(x) for x in v)
-            except (TypeError, ValueError):
-                raise MetadataError(path, f"clip.vision.{key}", f"expected 3 numbers, got {v!r}") from None
-            if len(vals) != 3 or not all(math.isfinite(x) for x in vals) or (key == "image_std" and min(vals) <= 0):
-                raise MetadataError(path, f"clip.vision.{key}", f"expected 3 finite numbers (std > 0), got {vals}")
-            d[key] = vals
+        d["preproc_image_size"] = None if pre is None else m.geti("vision.preproc_image_size", lo=1,
+                                                                  hi=IDEFICS3_MAX_IMAGE_SIZE)
+        for key, default, (lo, hi) in (("image_mean", (0.5, 0.5, 0.5), _MEAN_RANGE),
+                                       ("image_std", (0.5, 0.5, 0.5), _STD_RANGE)):
+            d[key] = _meta_triple(md, f"clip.vision.{key}", default, lo, hi, path)
         cfg = cls(**d)
         bad = []
         if cfg.image_size % cfg.patch_size:
@@ -155,6 +170,33 @@ class VisionConfig:
         if bad:
             raise MetadataError(path, "clip.vision", "; ".join(bad))
         return cfg
+
+
+def _meta_bool(md: dict, key: str, default: bool, path: str) -> bool:
+    """Boolean ``md[key]`` (``default`` when absent); any other type is a MetadataTypeError (a 1 or a "true"
+    is not taken for a bool)."""
+    v = md.get(key, default)
+    if not isinstance(v, (bool, np.bool_)):
+        raise MetadataTypeError(path, key, f"expected a bool, got {type(v).__name__} {v!r:.80}")
+    return bool(v)
+
+
+def _meta_triple(md: dict, key: str, default: tuple, lo: float, hi: float, path: str) -> tuple:
+    """Three finite numbers in ``[lo, hi]`` from the array ``md[key]`` (``default`` when absent)."""
+    if key not in md:
+        return default
+    v = md[key]
+    # an array of numbers: not a string (whose characters would pass as digits), bools or strings
+    ok = isinstance(v, (list, tuple, np.ndarray)) and all(
+        isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_)) for x in v)
+    if not ok:
+        raise MetadataTypeError(path, key, f"expected an array of 3 numbers, got {type(v).__name__} {v!r:.80}")
+    vals = tuple(float(x) for x in v)
+    if len(vals) != 3:
+        raise MetadataError(path, key, f"expected 3 numbers (one per channel), got {len(vals)}")
+    if not all(math.isfinite(x) and lo <= x <= hi for x in vals):
+        raise MetadataError(path, key, f"{vals} is out of range: each must be a finite number in [{lo:g}, {hi:g}]")
+    return vals
 
 
 @dataclass
@@ -218,7 +260,9 @@ class VisionModel(WeightLoader):
         #: image's prompt as the processor expands it (Gemma 3's ``boi_token``, Idefics3's ``image_token``)
         self.image_placeholder = _PLACEHOLDER[c.projector]
         #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image)
-        grid = -(-self.image_config.longest_edge // c.image_size) if c.projector == "idefics3" else 0
+        # (the first resize caps the longest edge at IDEFICS3_MAX_IMAGE_SIZE, as preprocess does)
+        edge = min(self.image_config.longest_edge or 0, IDEFICS3_MAX_IMAGE_SIZE)
+        grid = -(-edge // c.image_size) if c.projector == "idefics3" else 0
         self.max_tiles = grid * grid + 1 if grid > 1 else 1
         expected = list(self._expected())
         self.fused: dict[str, tuple[str, ...]] = {}
@@ -254,7 +298,8 @@ class VisionModel(WeightLoader):
         p, e, ff = c.patch_size, c.n_embd, c.n_ff
         yield "v.patch_embd.weight", (p, p, 3, e), (Type.F32, Type.F16)
         yield "v.patch_embd.bias", (e,), f32
-        yield "v.position_embd.weight", (e, c.n_patches), (Type.F32, Type.F16)
+        # F32 only: it is added to the F32 patches (the converter writes it so)
+        yield "v.position_embd.weight", (e, c.n_patches), (Type.F32,)
         for i in range(c.n_layer):
             b = f"v.blk.{i}."
             for x in ("q", "k", "v", "out"):
@@ -439,10 +484,12 @@ def load_mmproj(path: str | os.PathLike, placement: Optional[Placement] = None, 
 
     Raises
     ------
-    FileNotFoundError, ggmlpy.gguf.GGUFError, ggmlpy.gguf.MetadataError
-        No file, not a GGUF file, not an mmproj file, an unsupported projector, a bad hyperparameter.
+    FileNotFoundError, ggmlpy.gguf.GGUFError, ggmlpy.gguf.MetadataError, ggmlpy.gguf.MetadataTypeError
+        No file, not a GGUF file, not an mmproj file, an unsupported projector, an activation other than
+        GELU, a bad hyperparameter (see :meth:`VisionConfig.from_metadata`; the message names the key and
+        the file), a tensor the hyperparameters leave unused.
     MissingTensor
-        A tensor missing or of the wrong shape or type.
+        A tensor missing or of the wrong shape or type (named, with the file).
     GGMLMemoryError
         No room for the weights.
     """
