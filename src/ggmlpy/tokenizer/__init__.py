@@ -28,6 +28,12 @@ across byte tokens.
 
 RWKV and PLaMo-2 vocabularies are refused with a clear error: llama.cpp ships no test vocabulary to
 prove them against.
+
+Every ``tokenizer.ggml.*`` key is checked as it is read, from a file or a caller's dict (``_meta``): a
+value of the wrong type, length or range is a :class:`TokenizerError` that names the key, never
+another exception. A vocabulary's load time and memory grow with its size: tokens are at most
+``_MAX_TOKEN`` (1024) characters, twice the longest of any vocabulary llama.cpp ships, and what grows
+faster than a token's length (SPM's merge table, BPE's spelled-out pieces) is bounded per token.
 """
 
 from __future__ import annotations
@@ -36,10 +42,18 @@ import itertools
 import os
 import re
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ._bpe import _BYTE_LEVEL, _CHAR_TO_BYTE, _CHAR_TO_BYTE_TABLE, _PRE_TOKENIZERS, _Pre
+from . import _meta
+from ._bpe import (
+    _BYTE_LEVEL,
+    _CHAR_TO_BYTE,
+    _CHAR_TO_BYTE_TABLE,
+    _NOT_BYTE_LEVEL,
+    _PRE_TOKENIZERS,
+    _Pre,
+)
 from ._common import (
     _AS_TEXT,
     _BYTE,
@@ -53,19 +67,25 @@ from ._common import (
     _GROUP,
     _HANGUL,
     _HANGUL_LEAD,
+    _KEEP_PIECE,
     _LETTER_SPACE,
     _LONG_WORD,
     _MAX_PIECE,
+    _MAX_TOKEN_PIECE,
     _NL_NONSPACE,
     _NORMAL,
     _PARTITIONED,
+    _SHORT,
     _SPECIAL,
     _SPECIAL_IDS,
+    _SPM_MERGE_CHARS,
+    _SPM_MERGES,
     _TYPE_TO_ATTR,
     TokenAttr,
     TokenizerError,
     TokenType,
     _check_encodable,
+    _engine_model,
     _text_arg,
 )
 from ._ugm import _Ugm
@@ -108,36 +128,38 @@ class Tokenizer:
     """
 
     def __init__(self, md: dict, source: str = "<metadata>") -> None:
+        if not isinstance(md, Mapping):
+            raise TypeError(f"Tokenizer: the metadata must be a mapping (a GGUF file's metadata), not "
+                            f"{type(md).__name__}")
         self.source = source
+        # every key is checked as it is read (see _meta): a malformed one is a TokenizerError naming it
         model = md.get("tokenizer.ggml.model")
+        if model is not None and not isinstance(model, str):
+            raise _meta._bad(source, "tokenizer.ggml.model", f"must be a string, not {_meta._kind(model)}")
         if model is None or model in ("none", "no_vocab"):
             raise TokenizerError(f"{source}: the file has no tokenizer (tokenizer.ggml.model is "
                                  f"{'missing' if model is None else repr(model)}); pass token ids instead of text")
-        if not isinstance(model, str):
-            raise TokenizerError(f"{source}: tokenizer.ggml.model must be a string, not {type(model).__name__}")
         self.model = model
-        self.pre = md.get("tokenizer.ggml.pre", "") or ""
-        if not isinstance(self.pre, str):
-            raise TokenizerError(f"{source}: tokenizer.ggml.pre must be a string")
-        tokens = md.get("tokenizer.ggml.tokens")
-        if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens[:1]):
-            raise TokenizerError(f"{source}: tokenizer.ggml.tokens is missing or not an array of strings")
+        self.pre = _meta.meta_str(md, "tokenizer.ggml.pre", source) or ""
+        tokens = _meta.meta_tokens(md, source)
         n = len(tokens)
         # llama.cpp names empty tokens so every text maps back to one id
         self._texts: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
         self.n_vocab = n
-        self._scores = self._array(md, "tokenizer.ggml.scores", n)
-        types = self._array(md, "tokenizer.ggml.token_type", n)
-        attrs = [TokenAttr.NORMAL] * n if types is None else [_TYPE_TO_ATTR.get(int(t), TokenAttr.UNDEFINED)
-                                                              for t in types]
-        self._attrs: list[int] = [int(a) for a in attrs]
+        self._scores = _meta.meta_scores(md, n, source)
+        types = _meta.meta_token_types(md, n, source)
+        undefined = int(TokenAttr.UNDEFINED)
+        type_attr = {int(t): int(a) for t, a in _TYPE_TO_ATTR.items()}
+        self._attrs: list[int] = ([int(TokenAttr.NORMAL)] * n if types is None else
+                                  [type_attr.get(t, undefined) for t in types])
         self._ids: dict[str, int] = {t: i for i, t in enumerate(self._texts)}   # last wins, as llama.cpp
         self.chat_template: str | None = md.get("tokenizer.chat_template")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             self.chat_template = None
         self._setup_type(md)
         self._setup_special(md)
-        self._pieces = [self._piece(i) for i in range(n)]
+        # None: a piece too big to keep for every token, made when it is asked for (see _piece)
+        self._pieces: list[bytes | None] = [self._piece(i, keep=True) for i in range(n)]
         self._special_mask = bytearray(1 if a & _SPECIAL else 0 for a in self._attrs)
         self._build_engine(md)
 
@@ -151,7 +173,14 @@ class Tokenizer:
         ------
         TokenizerError
             The file has no tokenizer, a tokenizer type or pre-tokenizer this library does not know
-            (the message names the key and value), or malformed vocabulary metadata.
+            (the message names the key and value), or malformed vocabulary metadata: a key of the
+            wrong type (a flag that is not a bool, a token id that is not an unsigned integer, tokens
+            or merges that are not strings), arrays whose length is not the number of tokens, scores
+            that are not finite float32 numbers, token types outside :class:`TokenType`, a token of
+            more than 1024 characters, an SPM vocabulary whose tokens split into other tokens in
+            more than 8 ways per token, a BPE token that decodes to more than 64 KiB. The message
+            names the key (and the entry). A special token id past the vocabulary is dropped with a
+            warning, as llama.cpp does.
         GGUFError, FileNotFoundError
             As :class:`~ggmlpy.gguf.GGUFReader`.
         """
@@ -164,16 +193,6 @@ class Tokenizer:
         path = os.fsdecode(os.fspath(source))
         with GGUFReader(path) as r:
             return cls(r.metadata, path)
-
-    def _array(self, md: dict, key: str, n: int):
-        v = md.get(key)
-        if v is None:
-            return None
-        if not hasattr(v, "__len__") or isinstance(v, (str, bytes)):
-            raise TokenizerError(f"{self.source}: {key} must be an array")
-        if len(v) < n:
-            raise TokenizerError(f"{self.source}: {key} has {len(v)} entries for {n} tokens")
-        return v
 
     def _setup_type(self, md: dict) -> None:
         self.add_space_prefix = False
@@ -217,13 +236,15 @@ class Tokenizer:
             bos, eos, unk, sep, pad, mask = None, 1, 2, None, 0, None
             self.add_bos, self.add_eos = False, True
             # llama.cpp reads this flag for every type but only its UGM normaliser applies it
-            self.remove_extra_whitespaces = bool(md.get("tokenizer.ggml.remove_extra_whitespaces", False))
+            self.remove_extra_whitespaces = _meta.meta_bool(md, "tokenizer.ggml.remove_extra_whitespaces",
+                                                            self.source, False)
         else:
             kinds = {"rwkv": "RWKV", "plamo2": "PLaMo-2", "hybriddna": "HybridDNA"}
             raise TokenizerError(f"{self.source}: tokenizer.ggml.model = {self.model!r}"
                                  f"{' (' + kinds[self.model] + ')' if self.model in kinds else ''} is not supported "
                                  f"(supported: 'llama' (SPM), 'gpt2' (BPE), 'gemma4', 'bert' (WPM), 't5' (UGM))")
-        self.add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", self.add_space_prefix))
+        self.add_space_prefix = _meta.meta_bool(md, "tokenizer.ggml.add_space_prefix", self.source,
+                                                self.add_space_prefix)
         self.unk, self.sep, self.pad, self.mask = unk, sep, pad, mask
         self.bos, self.eos = bos, eos
         self.eot = self.eom = None
@@ -237,20 +258,18 @@ class Tokenizer:
         for k in ids:
             if ids[k] is not None and ids[k] >= n:
                 ids[k] = None
+        src = self.source
         for k in _SPECIAL_IDS:
-            v = md.get(f"tokenizer.ggml.{k}_token_id")
-            if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < n:
+            v = _meta.meta_id(md, f"tokenizer.ggml.{k}_token_id", n, src)
+            if v is not None:
                 ids[k] = v
-        if "tokenizer.ggml.add_bos_token" in md:
-            self.add_bos = bool(md["tokenizer.ggml.add_bos_token"])
-        if "tokenizer.ggml.add_eos_token" in md:
-            self.add_eos = bool(md["tokenizer.ggml.add_eos_token"])
-        if "tokenizer.ggml.add_sep_token" in md:
-            self.add_sep = bool(md["tokenizer.ggml.add_sep_token"])
+        self.add_bos = _meta.meta_bool(md, "tokenizer.ggml.add_bos_token", src, self.add_bos)
+        self.add_eos = _meta.meta_bool(md, "tokenizer.ggml.add_eos_token", src, self.add_eos)
+        self.add_sep = _meta.meta_bool(md, "tokenizer.ggml.add_sep_token", src, self.add_sep)
         if self._pre_cfg is not None and self._pre_cfg.add_bos and self.model == "gemma4":
             self.add_bos = True
-        self.lowercase = bool(md.get("tokenizer.ggml.normalizer.lowercase", False))
-        self.strip_accents = bool(md.get("tokenizer.ggml.normalizer.strip_accents", self.lowercase))
+        self.lowercase = _meta.meta_bool(md, "tokenizer.ggml.normalizer.lowercase", src, False)
+        self.strip_accents = _meta.meta_bool(md, "tokenizer.ggml.normalizer.strip_accents", src, self.lowercase)
         if self.model == "bert" and "tokenizer.ggml.normalizer.lowercase" not in md:
             self.lowercase = self.strip_accents = True   # llama.cpp's BertNormalizer defaults for WPM
 
@@ -303,8 +322,12 @@ class Tokenizer:
         if "</s>" in texts_eog and ("<|tool_response>" in texts_eog or "<|plamo:eos|>" in texts_eog):
             eog.discard(texts_eog["</s>"])
             attrs[texts_eog["</s>"]] = int(TokenAttr.NORMAL)
-        name = str(md.get("general.name", "")).lower()
-        arch = str(md.get("general.architecture", ""))
+        # model-specific attributes, by name: a name that is not a string is no name (these keys are
+        # the model's, not the vocabulary's)
+        name = md.get("general.name")
+        name = name.lower() if isinstance(name, str) else ""
+        arch = md.get("general.architecture")
+        arch = arch if isinstance(arch, str) else ""
         if any(s in self.pre for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
                 any(s in arch for s in ("nomic-bert-moe", "jina-bert-v3")):
             if "<mask>" in self._ids:
@@ -328,8 +351,9 @@ class Tokenizer:
         self._partition = sorted((i for i, a in enumerate(attrs) if a & _PARTITIONED),
                                  key=lambda i: -len(self._texts[i].encode("utf-8")))
 
-    def _piece(self, tid: int) -> bytes:
-        """llama.cpp's token_to_piece(special=True) for one token."""
+    def _piece(self, tid: int, keep: bool = False) -> bytes | None:
+        """llama.cpp's token_to_piece(special=True) for one token. ``keep``: None instead of a piece
+        that is not worth keeping for every token (see below)."""
         text, attr = self._texts[tid], self._attrs[tid]
         if attr & _AS_TEXT:
             return text.encode("utf-8")
@@ -337,6 +361,21 @@ class Tokenizer:
             if self.kind == "BPE" and not self._escape_ws:
                 if _BYTE_LEVEL.fullmatch(text):         # every character stands for one byte
                     return text.translate(_CHAR_TO_BYTE_TABLE).encode("latin-1")
+                # llama.cpp writes the whole text again for each character outside the byte mapping:
+                # a piece quadratic in the token's length. One bigger than _MAX_TOKEN_PIECE is refused
+                # (llama.cpp's vocabularies have single characters there: 25 bytes), and a big one is
+                # made when asked for, not kept for every token
+                if keep:
+                    odd = _NOT_BYTE_LEVEL.findall(text)
+                    size = (len(text) - len(odd) + len(odd) * (13 + len(text.encode("utf-8")))
+                            + 2 * len("".join(odd).encode("utf-8")))
+                    if size > _MAX_TOKEN_PIECE:
+                        raise _meta._bad(self.source, "tokenizer.ggml.tokens",
+                                         f"entry {tid} has {len(odd)} characters outside GPT-2's byte mapping; "
+                                         f"llama.cpp decodes it to {size} bytes (at most {_MAX_TOKEN_PIECE} are "
+                                         f"accepted)")
+                    if size > _KEEP_PIECE:
+                        return None
                 out = bytearray()
                 for ch in text:
                     b = _CHAR_TO_BYTE.get(ch)
@@ -377,7 +416,8 @@ class Tokenizer:
                 # (brackets are words of their own), so the extra entry changes no match
                 unk = self._texts[self.unk]
                 wp.setdefault(unk, self.unk)
-                self._hf = _HFTokenizer(WordPiece(wp, unk_token=unk, max_input_chars_per_word=1 << 30))
+                self._hf = _HFTokenizer(_engine_model(self.source, "WPM", WordPiece, wp, unk_token=unk,
+                                                      max_input_chars_per_word=1 << 30))
                 # whole words found in the vocabulary, and (up to a bound) the pieces of others seen
                 self._wpm_known = {t[1:]: (i,) for t, i in self._ids.items() if t.startswith(_ESCAPED_SPACE)}
                 self._wpm_limit = len(self._wpm_known) + (1 << 17)
@@ -386,23 +426,20 @@ class Tokenizer:
         if self.kind == "SPM":
             merges = self._spm_merges()
             unk = self._texts[self.unk] if self.unk is not None else None
-            model = BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=False)
+            model = _engine_model(self.source, "SPM", BPE, vocab, merges, unk_token=unk, byte_fallback=True,
+                                  fuse_unk=False)
             tok = _HFTokenizer(model)
         else:
-            raw = md.get("tokenizer.ggml.merges")
-            if not isinstance(raw, list):
-                raise TokenizerError(f"{self.source}: tokenizer.ggml.merges is missing or not an array of strings")
             merges = []
-            for m in raw:
+            for m in _meta.meta_merges(md, self.source):
                 pos = m.find(" ", 1)
-                if pos < 0:
-                    continue
                 a, b = m[:pos], m[pos + 1:]
+                # a merge of pieces the vocabulary lacks can never apply (llama.cpp keeps it unused)
                 if a in vocab and b in vocab and a + b in vocab:
                     merges.append((a, b))
             cfg = self._pre_cfg
-            model = BPE(vocab, merges, ignore_merges=cfg.ignore_merges, byte_fallback=not cfg.byte_encode,
-                        fuse_unk=False)
+            model = _engine_model(self.source, "BPE", BPE, vocab, merges, ignore_merges=cfg.ignore_merges,
+                                  byte_fallback=not cfg.byte_encode, fuse_unk=False)
             tok = _HFTokenizer(model)
             steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in cfg.regexes]
             if cfg.byte_encode:
@@ -426,18 +463,72 @@ class Tokenizer:
 
     def _spm_merges(self) -> list[tuple[str, str]]:
         """SPM as BPE: every split of a vocabulary text into two vocabulary texts is a merge, ranked by
-        the score of the text it makes (higher first), as llama.cpp's SPM session picks its bigrams."""
-        ids, scores = self._ids, self._scores
+        the score of the text it makes (higher first), as llama.cpp's SPM session picks its bigrams.
+
+        Cutting each text at every place and looking both parts up is quadratic in its length, so that
+        is done only where a part is short (at most _SHORT characters). The splits into two long parts
+        come from the long texts alone: in sorted order the texts that are prefixes of a text are the
+        chain of earlier texts it extends (a stack), so one pass gives each long text a bit mask of its
+        long prefixes, and a pass over the reversed texts one of its long suffixes. The work is
+        proportional to the vocabulary's characters. The merges are bounded by _SPM_MERGES per token
+        and their characters by _SPM_MERGE_CHARS per character of the vocabulary (SentencePiece
+        vocabularies have about 2 of each): beyond, a vocabulary is refused, not given a merge table
+        that grows with the square of its tokens' lengths."""
+        ids, texts, attrs = self._ids, self._texts, self._attrs
+        scores = self._scores.tolist() if self._scores is not None else None
         byte = int(TokenAttr.BYTE)
+        n = self.n_vocab
+        total = sum(map(len, ids))
+        max_merges = _SPM_MERGES * n + (1 << 16)
+        max_chars = _SPM_MERGE_CHARS * total + (1 << 22)
+        short = _SHORT
+        long_texts = [t for t in ids if len(t) > short]
+        # bit m of prefix[t] / suffix[t]: a long text of length m begins / ends the long text t
+        prefix: dict[str, int] = {}
+        suffix: dict[str, int] = {}
+        for out, key in ((prefix, None), (suffix, True)):
+            stack: list[tuple[str, int]] = []      # (text, mask of the lengths in the chain up to it)
+            for r in sorted(t[::-1] for t in long_texts) if key else sorted(long_texts):
+                while stack and not r.startswith(stack[-1][0]):
+                    stack.pop()
+                if stack:
+                    out[r[::-1] if key else r] = stack[-1][1]
+                stack.append((r, (stack[-1][1] if stack else 0) | (1 << len(r))))
         cands = []
+        chars = 0
         for t, i in ids.items():
-            if len(t) < 2 or self._attrs[i] & byte:
+            n_t = len(t)
+            if n_t < 2 or attrs[i] & byte:
                 continue
-            s = float(scores[i]) if scores is not None else 0.0
-            for k in range(1, len(t)):
-                a, b = t[:k], t[k:]
-                if a in ids and b in ids:
-                    cands.append((-s, i, k, a, b))
+            s = -scores[i] if scores is not None else 0.0
+            found = len(cands)
+            if n_t <= 2 * short:
+                ks: Iterable[int] = range(1, n_t)
+            else:
+                ks = itertools.chain(range(1, short + 1), range(n_t - short, n_t))
+            for k in ks:
+                a = t[:k]
+                if a in ids:
+                    b = t[k:]
+                    if b in ids:
+                        cands.append((s, i, k, texts[ids[a]], texts[ids[b]]))
+            if n_t > 2 * short:
+                # bit k: a long prefix of length k and a long suffix starting at k (the suffix
+                # lengths' mask reversed over n_t + 1 bits)
+                ends = suffix.get(t, 0)
+                splits = prefix.get(t, 0) & int(format(ends, f"0{n_t + 1}b")[::-1], 2) if ends else 0
+                while splits:
+                    low = splits & -splits
+                    splits ^= low
+                    k = low.bit_length() - 1
+                    cands.append((s, i, k, texts[ids[t[:k]]], texts[ids[t[k:]]]))
+            chars += n_t * (len(cands) - found)
+            if len(cands) > max_merges or chars > max_chars:
+                raise _meta._bad(self.source, "tokenizer.ggml.tokens",
+                                 f"has {len(cands)} or more splits of a token into two tokens ({chars} characters) "
+                                 f"for {n} tokens of {total} characters; an SPM vocabulary may have at most "
+                                 f"{max_merges} ({_SPM_MERGES} per token) and {max_chars} characters of them "
+                                 f"(SentencePiece's have about 2 per token)")
         cands.sort()
         return [(a, b) for _s, _i, _k, a, b in cands]
 
@@ -762,7 +853,8 @@ class Tokenizer:
         i = self._check_id(tid, "token_to_piece")
         if not special and self._special_mask[i]:
             return b""
-        return self._pieces[i]
+        piece = self._pieces[i]
+        return self._piece(i) if piece is None else piece
 
     def decode_bytes(self, ids: Sequence[int], skip_special: bool = False) -> bytes:
         """:meth:`decode` before the UTF-8 check: the exact bytes of ``ids``."""
@@ -775,11 +867,14 @@ class Tokenizer:
             ids = ids[:-1]
         pieces, mask = self._pieces, self._special_mask
         if skip_special:
-            parts = [pieces[i] for i in ids if not mask[i]]
-            first = next((i for i in ids if not mask[i]), None)
+            kept = [i for i in ids if not mask[i]]
+            first = kept[0] if kept else None
         else:
-            parts = [pieces[i] for i in ids]
+            kept = ids
             first = ids[0] if ids else None
+        parts = [pieces[i] for i in kept]
+        if None in parts:
+            parts = [self._piece(i) if p is None else p for i, p in zip(kept, parts)]
         # llama.cpp strips one leading space from the first piece it writes (the space SPM added)
         if remove_space and parts and first == ids[0] and parts[0][:1] == b" ":
             parts[0] = parts[0][1:]

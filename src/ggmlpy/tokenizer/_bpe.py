@@ -113,3 +113,4 @@ _BYTE_TO_CHAR = _byte_chars()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 _CHAR_TO_BYTE_TABLE = {ord(c): b for c, b in _CHAR_TO_BYTE.items()}
 _BYTE_LEVEL = re.compile("[" + "".join(re.escape(c) for c in _CHAR_TO_BYTE) + "]*")
+_NOT_BYTE_LEVEL = re.compile("[^" + "".join(re.escape(c) for c in _CHAR_TO_BYTE) + "]")

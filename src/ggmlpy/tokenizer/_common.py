@@ -86,6 +86,22 @@ _HANGUL_LEAD = {cp: 0x1100 + (cp - 0xAC00) // 588 for cp in range(0xAC00, 0xD7A4
 _GROUP = 1 << 20
 _MAX_PIECE = 1 << 20
 _LONG_WORD = 256
+#: the longest vocabulary entry accepted, in characters: twice the longest of any vocabulary llama.cpp
+#: ships (512, a run of spaces in GPT-NeoX-style BPE vocabularies; SentencePiece's are 16). Per-token
+#: work (SPM merges, byte pieces, longest-match and Viterbi searches) grows with it, so a vocabulary's
+#: load and search cost stay proportional to its size.
+_MAX_TOKEN = 1024
+#: an SPM vocabulary's merges (splits of a token into two tokens) per token, and their characters per
+#: character of the vocabulary: at most these (llama.cpp's SPM vocabularies have about 2 of each)
+_SPM_MERGES = 8
+_SPM_MERGE_CHARS = 16
+#: SPM merges: a part of at most this many characters is looked up directly (see Tokenizer._spm_merges)
+_SHORT = 16
+#: a token's decoded piece bigger than this (BPE text outside the byte mapping, which llama.cpp spells
+#: out with the whole text per character) is made when asked for, not kept for every token; one bigger
+#: than _MAX_TOKEN_PIECE is refused
+_KEEP_PIECE = 1 << 8
+_MAX_TOKEN_PIECE = 1 << 16
 _AS_TEXT = int(TokenAttr.UNKNOWN | TokenAttr.CONTROL | TokenAttr.USER_DEFINED)
 _NORMAL = int(TokenAttr.NORMAL)
 _BYTE = int(TokenAttr.BYTE)
@@ -110,3 +126,15 @@ def _check_encodable(text: str, what: str) -> None:
     except UnicodeEncodeError as e:
         raise TokenizerError(f"{what}: the text has a lone surrogate {text[e.start]!r} at index {e.start}; "
                              f"it has no UTF-8 form") from None
+
+
+def _engine_model(source: str, what: str, make, *args, **kwargs):
+    """``make(*args, **kwargs)``: a model of the Rust engine built from a vocabulary (checked before it
+    gets here); should the engine still refuse it, a TokenizerError, not the engine's own exception or
+    a Rust panic (a BaseException)."""
+    try:
+        return make(*args, **kwargs)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
+            raise
+        raise TokenizerError(f"{source}: the tokenizer engine cannot build this {what} vocabulary: {e}") from None

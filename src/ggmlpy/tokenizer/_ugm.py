@@ -14,7 +14,9 @@ from ._common import (
     _MAX_PIECE,
     TokenAttr,
     TokenizerError,
+    _engine_model,
 )
+from ._meta import meta_bytes
 
 if TYPE_CHECKING:
     from . import Tokenizer
@@ -27,6 +29,7 @@ _UGM_SPACES = re.compile(" +")
 _FLT_MAX = 3.4028234663852886e38
 _charsmap_cache: dict = {}
 _CHARSMAP_PATHS = 1 << 21
+_CHARSMAP_KEY_BYTES = 32
 
 
 def _parse_charsmap(data: bytes, source: str) -> dict[str, str]:
@@ -67,13 +70,16 @@ def _parse_charsmap(data: bytes, source: str) -> dict[str, str]:
             children.setdefault(p, []).append(i)
         stack = [(base[0], b"")]
         visited = 0
+        # SentencePiece's have about 200 thousand paths of a few bytes (8 bytes of keys per byte of
+        # the blob); a crafted array could share nodes to make exponentially many, or loop
+        budget = _CHARSMAP_KEY_BYTES * len(data) + (1 << 20)
         while stack:
             pos, key = stack.pop()
             visited += 1
-            # SentencePiece's have about 200 thousand paths of a few bytes; a crafted array could
-            # share nodes to make exponentially many, or loop
-            if len(key) >= 256 or visited > _CHARSMAP_PATHS:
-                raise TokenizerError(f"{bad} (more than {_CHARSMAP_PATHS} keys, or a key of more than 255 bytes)")
+            budget -= len(key)
+            if len(key) >= 256 or visited > _CHARSMAP_PATHS or budget < 0:
+                raise TokenizerError(f"{bad} (more than {_CHARSMAP_PATHS} keys, a key of more than 255 bytes, "
+                                     f"or more than {_CHARSMAP_KEY_BYTES} bytes of keys per byte of the map)")
             for i in children.get(pos, ()):
                 k = key + bytes((i ^ pos,))
                 nxt = i ^ base[i]
@@ -161,21 +167,12 @@ class _Ugm:
         import numpy as np
 
         self.unk = tok.unk
+        self._source = tok.source
         self._unk_text = tok._texts[tok.unk] if tok.unk is not None else None
         self.merge_spaces = tok.remove_extra_whitespaces
         self.space_prefix = tok.add_space_prefix
-        raw = md.get("tokenizer.ggml.precompiled_charsmap")
-        cmap: dict[str, str] = {}
-        if raw is not None and len(raw):
-            if isinstance(raw, (bytes, bytearray)):
-                data = bytes(raw)
-            else:
-                try:
-                    data = np.asarray(raw).astype(np.uint8).tobytes()
-                except (TypeError, ValueError):
-                    raise TokenizerError(f"{tok.source}: tokenizer.ggml.precompiled_charsmap must be an array "
-                                         f"of bytes") from None
-            cmap = _parse_charsmap(data, tok.source)
+        data = meta_bytes(md, "tokenizer.ggml.precompiled_charsmap", tok.source)
+        cmap: dict[str, str] = _parse_charsmap(data, tok.source) if data is not None else {}
         self.cmap = cmap
         # a key can only start where its first character is a one-character key, or where the next
         # character is the second of a longer key: the scan looks only there
@@ -243,7 +240,7 @@ class _Ugm:
 
         # the engine's unknown id: the extra entry when the vocabulary has none (found and refused)
         self._unk_engine = self.unk if self.unk is not None else n
-        model = Unigram(vocab, unk_id=self._unk_engine, byte_fallback=False)
+        model = _engine_model(self._source, "UGM", Unigram, vocab, unk_id=self._unk_engine, byte_fallback=False)
         # its cache would keep every text it searched, long ones too; _by_word keeps the short words
         model._resize_cache(0)
         self.hf = _HFTokenizer(model)
