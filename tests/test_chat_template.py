@@ -564,7 +564,7 @@ HOSTILE = {
     "slice_filter": ("{{ [1]|slice(10**9)|list }}", "size", "slice"),
     "batch_filter": ("{{ [1]|batch(10**9, 0)|list }}", "size", "batch"),
     "list_of_generated": ("{{ range(100000)|map('center', 100000)|list }}", "size", "list"),
-    "sum_of_lists": ("{{ ([[0] * 100] * 10000)|sum(start=[])|length }}", "steps", "max_steps"),
+    "sum_of_lists": ("{{ ([[0] * 10] * 10000)|sum(start=[])|length }}", "steps", "max_steps"),
     "scan_in_loop": ("{% set l = range(100000)|list %}{% for i in range(100000) %}{% if -1 in l %}{% endif %}"
                      "{% endfor %}", "steps", "max_steps"),
     # sandbox escapes: forbidden the moment they are touched

@@ -37,16 +37,32 @@ where it is known, at which template line:
   operators, membership tests by the length scanned, and values by their size;
 * output of more than ``max_output`` characters, or any value the template builds that is
   larger than ``max_output`` plus the size of the inputs (a string's length; a container's
-  elements counted through nested containers, so ``[[s] * 1000] * 1000`` counts a million
-  ``s``, which is what printing it would cost). The operations that could build such a
-  value in one go (``'a' * n``, ``x ** n``, ``'%9999999d' % 1``, ``'a'.center(n)``,
-  ``|indent(n)``, ``|join``, block output collected in macros, ...) are checked before they
-  run, so memory stays bounded too.
+  elements counted through nested containers, 8 more each for the reference, so
+  ``[[s] * 1000] * 1000`` counts a million ``s``, which is what printing it would cost);
+* values held at once (one per ``{% set %}``, list element, macro frame or block buffer)
+  that add up to more than twice that limit;
+* turning into text anything but what a template can build: strings, numbers, booleans,
+  None, undefined values, and lists, tuples, dicts, sets, dict views, ranges and namespaces
+  of those. A function, method, class, generator, loop, macro or helper object (whose text
+  would be an internal name and a memory address) is refused (kind ``"forbidden"``) in
+  output, ``~``, ``%``, ``str.format``, string filters and ``raise_exception``'s message;
+* inputs that contain themselves or nest deeper than :data:`MAX_INPUT_DEPTH` (kind
+  ``"input"``).
+
+Every operation that can build a value much larger than its operands (``str.format`` and
+``format_map``, ``%``, ``*``, ``+``, ``**``, ``join``, ``replace``, padding, ``expandtabs``,
+``split``, case mappings, ``encode``, ``dict.fromkeys``, the ``format``, ``join``, ``indent``,
+``center``, ``wordwrap``, ``escape``, ``urlize``, ``urlencode``, ``list``, ``batch``,
+``slice``, ``pprint``, ``string``, ``tojson``, ``lipsum``, ``range``, ...) has its result's
+size estimated from its operands and is refused before it runs (``str.format`` field by
+field), so memory stays bounded by a small multiple of ``max_output`` plus the inputs (and,
+for values below a kilobyte, of the template's length), not only the output.
 
 How: the template is parsed, then rewritten (loops iterate through a step-counting wrapper,
-built values pass a size check) before Jinja compiles it; the sandbox's hooks for calls and
-operators, and every filter, charge the render's budget; block output is collected in
-size-checked buffers.
+built values pass a size check, operands of ``~`` a text check) before Jinja compiles it;
+the sandbox's hooks for calls, operators and ``str.format``, and every filter and test,
+charge the render's budget; large built values are held in a table that a sweep releases
+once nothing else refers to them; block output is collected in size-checked buffers.
 
 Not supported (transformers has them): tools given as Python functions (pass JSON-schema
 dicts), batches of conversations, and the assistant-token mask that ``{% generation %}``
@@ -61,7 +77,6 @@ import functools
 import itertools
 import json
 import re
-import string
 import sys
 import time
 import types
@@ -76,9 +91,15 @@ from jinja2 import nodes
 from jinja2.compiler import CodeGenerator
 from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.runtime import LoopContext
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.sandbox import (
+    ImmutableSandboxedEnvironment,
+    SandboxedEscapeFormatter,
+    SandboxedFormatter,
+    safe_range,
+)
 from jinja2.utils import Namespace
 from jinja2.visitor import NodeTransformer
+from markupsafe import Markup, soft_str
 
 from ggmlpy._core import GGMLValueError
 
@@ -121,6 +142,18 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 #: what Jinja names a template compiled from a string, in code objects and tracebacks
 _TEMPLATE_FILENAME = "<template>"
+#: what a container's element costs on top of its own size: the reference to it (8 bytes),
+#: so that a list of a million tiny strings counts what it occupies
+_ITEM_SIZE = 8
+#: values the template builds of at least this size are held (see _Budget.hold); the number
+#: of smaller ones alive at once is bounded by the template's length and recursion depth
+_HOLD_MIN = 1 << 10
+#: strings of at least this size are counted once per value however often they are reached
+_HOLD_MIN_STRING = 1 << 10
+#: the values a render holds at once add up to at most this many times its value limit
+_HELD_FACTOR = 2
+#: how deeply the inputs (messages, tools, extra variables) may nest
+MAX_INPUT_DEPTH = 128
 
 
 class ChatTemplateError(GGMLValueError):
@@ -128,10 +161,10 @@ class ChatTemplateError(GGMLValueError):
 
     ``kind`` says why: ``"syntax"`` (does not parse or compile), ``"raised"`` (the template
     called ``raise_exception``), ``"forbidden"`` (an attribute or callable the sandbox
-    forbids), ``"load"`` (``include``/``import``/``extends``), ``"steps"``, ``"time"``,
+    forbids, or an object that may not turn into text), ``"load"`` (``include``/``import``/``extends``), ``"steps"``, ``"time"``,
     ``"recursion"``, ``"range"`` (a ``range()`` longer than the sandbox's 100,000 items),
-    ``"size"`` (a value too large), ``"output"`` (output too large),
-    ``"memory"``, ``"continue"`` (``continue_final_message`` could not be honoured) or
+    ``"size"`` (a value, or the values held at once, too large), ``"output"`` (output too
+    large), ``"input"`` (an input contains itself or nests too deeply), ``"memory"``, ``"continue"`` (``continue_final_message`` could not be honoured) or
     ``"error"`` (any other failure while rendering, such as a type error). ``lineno`` is the
     template line the failure happened at, when Jinja reports one.
     """
@@ -167,10 +200,11 @@ class _LoadForbidden(TemplateError):
 class _Budget:
     """Steps, time and value sizes one render may use."""
 
-    __slots__ = ("steps", "max_steps", "max_seconds", "deadline", "next_check", "max_value", "known")
+    __slots__ = ("steps", "max_steps", "max_seconds", "deadline", "next_check", "max_value", "known",
+                 "inputs", "held", "held_size", "buffered", "max_held", "next_sweep")
 
     def __init__(self, max_steps: int, max_seconds: float, max_value: int,
-                 known: dict[int, int] | None = None):
+                 known: dict[int, int] | None = None, inputs: set[int] | None = None):
         self.steps = 0
         self.max_steps = max_steps
         self.max_seconds = max_seconds
@@ -180,6 +214,16 @@ class _Budget:
         #: id -> size of the containers in the render's inputs, so sizing a value that holds
         #: (say) the messages does not walk them again; they stay alive while the render runs
         self.known = known if known is not None else {}
+        #: ids of the inputs' large strings: they are not the template's to account for
+        self.inputs = inputs if inputs is not None else set()
+        #: id -> [value, size]: the large values the template built, held here (so their ids
+        #: stay theirs) until a sweep finds that nothing else refers to them any more
+        self.held: dict[int, list] = {}
+        self.held_size = 0
+        #: characters in block output buffers not yet joined (a macro's output, per frame)
+        self.buffered = 0
+        self.max_held = _HELD_FACTOR * max_value
+        self.next_sweep = self.max_held
 
     def charge(self, n: int = 1) -> None:
         self.steps += n
@@ -197,20 +241,24 @@ class _Budget:
         return _LimitExceeded("size", f"the chat template built {what} larger than the limit of "
                                       f"{self.max_value} (max_output plus the size of the inputs)")
 
-    def size(self, value: Any) -> int:
+    def size(self, value: Any, fresh: bool = False) -> int:
         """The size of ``value`` as the budget counts it: 1 per scalar, 1 + length per string,
-        1 + the sizes of the elements per container (a dict's keys and values both), shared
-        elements counted each time they are reached: that is what printing or comparing the
-        value costs. Each distinct container is walked once (so ``[[s] * 1000] * 1000`` is
-        cheap to size, and found too large), and the walk stops as soon as the total passes
-        ``max_value``."""
-        leaf = self._leaf_size(value)
+        1 + the sizes of the elements per container, plus ``_ITEM_SIZE`` per element (a dict's
+        keys and values both), shared elements counted each time they are reached: that is
+        what printing or comparing the value costs. Each distinct container is walked once (so
+        ``[[s] * 1000] * 1000`` is cheap to size, and found too large), and the walk stops as
+        soon as the total passes ``max_value``.
+
+        ``fresh``: count only what the template allocated for this value: the inputs, the
+        values already held and strings reached twice count nothing (see :meth:`hold`)."""
+        leaf = self._leaf_size(value, fresh, None)
         if leaf is not None:
-            if leaf > self.max_value:
+            if leaf > self.max_value and not fresh:
                 raise self.too_large("a value")
             return leaf
-        limit = self.max_value
+        limit = self.max_value if not fresh else sys.maxsize
         sizes: dict[int, int] = {}   # containers already walked in this call
+        seen: set[int] | None = set() if fresh else None  # large strings already counted
         path: set[int] = {id(value)}  # containers being walked (a namespace can hold itself)
         # depth-first, without recursion: each entry is [container, its children, size so far]
         stack = [[value, _children(value), 1]]
@@ -220,9 +268,11 @@ class _Budget:
             entry = stack[-1]
             for child in entry[1]:
                 walked += 1
-                size = self._leaf_size(child)
+                size = self._leaf_size(child, fresh, seen)
                 if size is None:
                     size = sizes.get(id(child))
+                    if size is not None and fresh:
+                        size = 0  # shared: allocated once
                 if size is None:
                     if id(child) in path:
                         size = 1  # a cycle prints as "..."
@@ -230,7 +280,7 @@ class _Budget:
                         path.add(id(child))
                         stack.append([child, _children(child), 1])
                         break
-                entry[2] += size
+                entry[2] += size + _ITEM_SIZE
                 if entry[2] > limit:
                     self.charge(walked)
                     raise self.too_large("a value")
@@ -239,7 +289,7 @@ class _Budget:
                 path.discard(id(entry[0]))
                 sizes[id(entry[0])] = entry[2]
                 if stack:
-                    stack[-1][2] += entry[2]
+                    stack[-1][2] += entry[2] + _ITEM_SIZE
                     if stack[-1][2] > limit:
                         self.charge(walked)
                         raise self.too_large("a value")
@@ -248,16 +298,25 @@ class _Budget:
         self.charge(walked)
         return total
 
-    def _leaf_size(self, v: Any) -> int | None:
+    def _leaf_size(self, v: Any, fresh: bool, seen: set[int] | None) -> int | None:
         """The size of a scalar, string or input container; None for a container to walk."""
         t = type(v)
         if t is str or t is bytes:
-            return 1 + len(v)
+            n = len(v)
+            if fresh and n >= _HOLD_MIN_STRING:
+                key = id(v)
+                if key in self.held or key in self.inputs or seen is not None and key in seen:
+                    return 0
+                if seen is not None:
+                    seen.add(key)
+            return 1 + n
         if t is int or t is float or t is bool or v is None:
             return 1
         known = self.known.get(id(v))
         if known is not None:
-            return known
+            return 0 if fresh else known
+        if fresh and id(v) in self.held:
+            return 0
         if isinstance(v, (str, bytes, bytearray)):
             return 1 + len(v)
         if isinstance(v, (list, tuple, set, frozenset, MappingView, dict, Namespace)):
@@ -281,13 +340,71 @@ class _Budget:
             self.size(value)
         return value
 
+    def built(self, value: Any) -> Any:
+        """:meth:`check` for a value an operation just built, which is then held (if large)."""
+        t = type(value)
+        if t is str:
+            n = len(value)
+            if n > self.max_value:
+                raise self.too_large("a string")
+            if n >= _CHARS_PER_STEP:
+                self.charge(n // _CHARS_PER_STEP)
+                if n >= _HOLD_MIN and id(value) not in self.inputs:
+                    self.hold(value, n)
+        elif t is int:
+            if value.bit_length() > MAX_INT_BITS:
+                raise _LimitExceeded("size", f"the chat template computed an integer of more "
+                                             f"than {MAX_INT_BITS} bits")
+        elif t is not float and t is not bool and value is not None:
+            if self.size(value) >= _HOLD_MIN:
+                fresh = self.size(value, fresh=True)
+                if fresh >= _HOLD_MIN:
+                    self.hold(value, fresh)
+        return value
+
+    def hold(self, value: Any, size: int) -> None:
+        """Accounts for a large value the template built, for as long as anything refers to it.
+
+        Every value is bounded on its own, but a template can keep many of them alive at once
+        (one per ``{% set %}``, per list element, per macro frame of a recursion). The values
+        held together are bounded by ``max_held``: each large one is kept here, and when the
+        total passes the limit a sweep drops those that nothing but this table refers to."""
+        key = id(value)
+        if key in self.held:
+            return
+        self.held[key] = [value, size]
+        self.held_size += size
+        if self.held_size + self.buffered > self.next_sweep:
+            self.sweep()
+
+    def sweep(self) -> None:
+        held = self.held
+        # newest first: a container built from values goes before them, and its release
+        # releases them
+        for key in reversed(list(held)):
+            if sys.getrefcount(held[key][0]) <= _HELD_REFS:
+                self.held_size -= held.pop(key)[1]
+        self.charge(len(held))
+        if self.held_size + self.buffered > self.max_held:
+            raise _LimitExceeded(
+                "size", f"the chat template holds values of more than {self.max_held} in all "
+                        f"({_HELD_FACTOR} times max_output plus the size of the inputs) at once")
+        # what is held now stays held at least until the next sweep: half the limit between
+        self.next_sweep = self.held_size + self.buffered + self.max_held // 2
+
+    def buffer(self, n: int) -> None:
+        """``n`` characters more (or, negative, fewer) in block output buffers."""
+        self.buffered += n
+        if n > 0 and self.held_size + self.buffered > self.next_sweep:
+            self.sweep()
+
     def materialize(self, iterable: Any) -> list:
         """``list(iterable)``, stopping as soon as the elements are too large together."""
         items = []
         total = 1
         for item in iterable:
             self.charge(_ITER_STEPS)
-            total += self.size(item)
+            total += self.size(item) + _ITEM_SIZE
             if total > self.max_value:
                 raise self.too_large("a list")
             items.append(item)
@@ -333,45 +450,81 @@ class _Budget:
             raise _LimitExceeded("size", f"the chat template computed an integer of more than "
                                          f"{MAX_INT_BITS} bits")
 
-    def check_number_text(self, text: str, what: str) -> None:
-        """Every run of digits in ``text`` (a width or precision in a format) within the limit."""
+    def check_number_text(self, text: str, what: str) -> int:
+        """Every run of digits in ``text`` (a width or precision in a format) within the limit;
+        returns the largest."""
+        largest = 0
         for digits in re.findall(r"\d+", text):
             if len(digits) > 12 or int(digits) > self.max_value:
                 raise self.too_large(what)
+            largest = max(largest, int(digits))
+        return largest
+
+    def check_result(self, size: int, what: str) -> None:
+        """An operation's result, estimated before it is built, within the limit."""
+        if size > self.max_value:
+            raise self.too_large(what)
+
+    # -- text: what str() and repr() of a value give ------------------------------------------
+
+    def text_size(self, value: Any, quoted: bool = False, what: str = "text") -> int:
+        """An upper bound on ``len(str(value))`` (``repr`` with ``quoted``), within the limit.
+
+        Only what a template can build from its inputs turns into text: strings, numbers,
+        booleans, None, undefined values, and lists, tuples, dicts, sets, dict views, ranges
+        and namespaces of those. Anything else (a function, a method, a class, a generator, a
+        loop, a macro, the environment's objects) would print its internal name and a heap
+        address: that is refused, whatever turns it into text."""
+        size = _text_leaf(value, quoted)
+        if size is None:
+            size = self._text_walk(value)
+        if size > self.max_value:
+            raise self.too_large(what)
+        return size
+
+    def _text_walk(self, value: Any) -> int:
+        path: set[int] = {id(value)}
+        stack = [(value, _children(value))]
+        total = _TEXT_CONTAINER
+        walked = 0
+        while stack:
+            container, children = stack[-1]
+            for child in children:
+                walked += 1
+                size = _text_leaf(child, True)
+                if size is None:
+                    if id(child) in path:
+                        size = 5  # "[...]", "{...}"
+                    else:
+                        path.add(id(child))
+                        stack.append((child, _children(child)))
+                        total += _TEXT_CONTAINER + _TEXT_SEPARATOR
+                        break
+                total += size + _TEXT_SEPARATOR
+                if total > self.max_value:
+                    self.charge(walked)
+                    raise self.too_large("text")
+            else:
+                stack.pop()
+                path.discard(id(container))
+        self.charge(walked)
+        return total
 
     def check_printf(self, fmt: Any, args: Any) -> None:
-        """Before ``fmt % args``: widths and precisions, including ``*`` ones taken from args."""
+        """Before ``fmt % args``: the size of the result, from the format's conversions and the
+        arguments they take (widths and precisions, including ``*`` ones)."""
         text = fmt if isinstance(fmt, str) else bytes(fmt).decode("latin-1")
-        star = False
-        for spec in _PRINTF_SPEC.findall(text):
-            if spec == "%%":
-                continue
-            spec = re.sub(r"^%\([^)]*\)", "%", spec)  # a mapping key is no width
-            star = star or "*" in spec
-            self.check_number_text(spec, "a formatted string")
-        if star:
-            for arg in args if isinstance(args, tuple) else (args,):
-                self.check_width(arg, "a formatted string")
-        self.check(args)
+        self.check_result(_printf_size(self, text, args), "a formatted string")
 
-    def check_format(self, fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-        """Before ``fmt.format(*args, **kwargs)``: widths in the format specs, and the arguments
-        when a spec takes its width from them (``'{:{}}'.format(1, 10**9)``)."""
-        nested = False
-        try:
-            fields = list(string.Formatter().parse(fmt))
-        except ValueError:
-            return  # malformed: str.format raises the same error itself
-        for _text, _name, spec, _conversion in fields:
-            if spec:
-                nested = nested or "{" in spec
-                self.check_number_text(spec, "a formatted string")
-        if nested:
-            for arg in (*args, *kwargs.values()):
-                if isinstance(arg, (int, str)):
-                    self.check_number_text(str(arg), "a formatted string")
-        self.check(tuple(args))
-        self.check(dict(kwargs))
+    def check_format_spec(self, value: Any, spec: str, escape: bool) -> int:
+        """Before ``format(value, spec)`` (a ``str.format`` field): an upper bound on its size."""
+        width = self.check_number_text(spec, "a formatted string") if spec else 0
+        size = self.text_size(value, what="a formatted string")
+        if type(value) is float or isinstance(value, int) and width:
+            size += _NUMBER_TEXT  # a precision adds digits: the width bound above covers it
+        if escape:
+            size *= _ESCAPE_GROWTH
+        return size + width
 
 
 def _children(container: Any) -> Iterator[Any]:
@@ -383,7 +536,167 @@ def _children(container: Any) -> Iterator[Any]:
     return iter(container)
 
 
-_PRINTF_SPEC = re.compile(r"%%|%(?:\([^)]*\))?[-#0 +]*(?:\*|\d+)?(?:\.(?:\*|\d+))?")
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+#: the containers whose str() a template may see: they print their elements' repr() only
+_TEXT_CONTAINERS = frozenset({list, tuple, dict, set, frozenset, *_DICT_VIEWS})
+#: per element of a printed container: ", " or ": ", and a tuple's trailing comma
+_TEXT_SEPARATOR = 4
+#: per printed container: brackets and a name ("frozenset({...})", "<Namespace {...}>")
+_TEXT_CONTAINER = 20
+#: digits a float may need before a precision's (1e308 printed in full)
+_NUMBER_TEXT = 320
+#: what HTML escaping can make of one character ("&#34;")
+_ESCAPE_GROWTH = 5
+#: strings are measured for repr() in pieces of this many characters, so the measure is small
+_REPR_CHUNK = 4096
+
+
+def _repr_size(s: str) -> int:
+    """An upper bound on ``len(repr(s))``, without building it whole."""
+    if s.isprintable():
+        return len(s) + 2 + s.count("\\") + s.count("'")
+    # each character's escape does not depend on its neighbours, only on the quote chosen
+    return s.count("'") + sum(len(repr(s[i:i + _REPR_CHUNK]))
+                              for i in range(0, len(s), _REPR_CHUNK))
+
+
+def _text_leaf(v: Any, quoted: bool) -> int | None:
+    """An upper bound on the length of ``str(v)`` (``repr(v)`` if ``quoted``) for a scalar;
+    None for a printable container; SecurityError for anything a template may not print."""
+    t = type(v)
+    if t is str:
+        return _repr_size(v) if quoted else len(v)
+    if t is int:
+        return v.bit_length() * 3 // 10 + 2
+    if t is float or t is bool or v is None:
+        return 24
+    if t is bytes:
+        return 4 * len(v) + 3
+    if t in _TEXT_CONTAINERS:
+        return None
+    if isinstance(v, str):  # Markup, from |safe
+        return _repr_size(v) + 8 if quoted else len(v)
+    if isinstance(v, jinja2.Undefined):
+        return 9  # "" or "Undefined"
+    if t is range:
+        return 40
+    if isinstance(v, Namespace) or isinstance(v, tuple) and (
+            t.__repr__ is tuple.__repr__ or t.__module__ == "jinja2.filters"):
+        return None  # |groupby's named tuples print as tuples
+    raise SecurityError(
+        f"the chat template tried to turn a {t.__name__!r} object into text: only strings, "
+        "numbers, booleans, None, and lists, tuples, dicts and namespaces of them can be printed "
+        "or formatted (any other object would print an internal name and a memory address)")
+
+
+class _NoArgument(Exception):
+    """A % format runs out of arguments: Python's own error follows."""
+
+
+def _printf_size(b: _Budget, text: str, args: Any) -> int:
+    """An upper bound on ``len(text % args)``, parsing the conversions as Python does (a key in
+    parentheses, flags, width, precision, length modifier, conversion type)."""
+    positional = args if isinstance(args, tuple) else (args,)
+    mapping = args if not isinstance(args, (tuple, str)) and hasattr(args, "__getitem__") else None
+    n = len(text)
+    at = 0
+    total = 0
+    i = 0
+
+    def next_arg() -> Any:
+        nonlocal at
+        if at >= len(positional):
+            raise _NoArgument
+        at += 1
+        return positional[at - 1]
+
+    try:
+        while total <= b.max_value:
+            j = text.find("%", i)
+            if j < 0:
+                return total + n - i
+            total += j - i
+            k = j + 1
+            keyed = False
+            arg = None
+            if k < n and text[k] == "(":
+                depth, start = 1, k + 1
+                k += 1
+                while k < n and depth:
+                    depth += {"(": 1, ")": -1}.get(text[k], 0)
+                    k += 1
+                if depth or mapping is None:
+                    return total  # Python refuses it
+                try:
+                    arg = mapping[text[start:k - 1]]
+                except Exception:  # noqa: BLE001 - Python raises the same
+                    return total
+                keyed = True
+            while k < n and text[k] in "-+ #0":
+                k += 1
+            width = 0
+            if k < n and text[k] == "*":
+                star = next_arg()
+                width = abs(star) if isinstance(star, int) else 0
+                k += 1
+            else:
+                start = k
+                while k < n and text[k].isdigit():
+                    k += 1
+                width = int(text[start:k]) if k - start <= 12 and k > start else (
+                    b.max_value + 1 if k > start else 0)
+            precision = None
+            if k < n and text[k] == ".":
+                k += 1
+                if k < n and text[k] == "*":
+                    star = next_arg()
+                    precision = abs(star) if isinstance(star, int) else 0
+                    k += 1
+                else:
+                    start = k
+                    while k < n and text[k].isdigit():
+                        k += 1
+                    precision = int(text[start:k] or 0) if k - start <= 12 else b.max_value + 1
+            b.check_width(width, "a formatted string")
+            b.check_width(precision, "a formatted string")
+            while k < n and text[k] in "hlL":
+                k += 1
+            if k >= n:
+                return total
+            conversion = text[k]
+            i = k + 1
+            if conversion == "%":
+                total += max(width, 1)
+                continue
+            if not keyed:
+                arg = next_arg()
+            total += max(width, _printf_field(b, conversion, arg, precision))
+    except _NoArgument:
+        pass
+    return total
+
+
+def _printf_field(b: _Budget, conversion: str, arg: Any, precision: int | None) -> int:
+    if conversion in "sra":
+        size = b.text_size(arg, quoted=conversion != "s", what="a formatted string")
+        if conversion == "a":
+            size *= 10  # \U0001f600 for one character
+        return size if precision is None or conversion != "s" else min(size, precision)
+    if conversion in "diouxXc":
+        digits = arg.bit_length() // 3 + 3 if isinstance(arg, int) else _NUMBER_TEXT
+        return max(digits, (precision or 0) + 3)
+    if conversion in "eEfFgG":
+        return _NUMBER_TEXT + (6 if precision is None else precision) + 8
+    return 0  # not a conversion: Python raises
+
+def _held_refs() -> int:
+    # what sys.getrefcount says of a value referred to only by a held entry (the entry and
+    # the call's argument), measured here as _Budget.sweep measures it
+    probe = [object(), 0]
+    return sys.getrefcount(probe[0])
+
+
+_HELD_REFS = _held_refs()
 
 _BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar(
     "ggmlpy_chat_template_budget", default=None)
@@ -421,10 +734,19 @@ class _CountedIterable:
 
 
 def _raise_exception(message: Any) -> None:
+    # the message reaches the caller: the same rule as any text the template makes
+    _budget().text_size(message, what="an error message")
     raise _TemplateRaised(str(message))
 
 
+#: the longest format ``strftime_now`` takes (Python expands it character by character first)
+_MAX_STRFTIME = 4096
+
+
 def _strftime_now(fmt: str) -> str:
+    if isinstance(fmt, str) and len(fmt) > _MAX_STRFTIME:
+        raise _LimitExceeded("size", f"strftime_now: a format of more than {_MAX_STRFTIME} "
+                                     "characters")
     # the module-level ``datetime`` is looked up per call, so tests can freeze it
     return datetime.now().strftime(fmt)
 
@@ -474,7 +796,14 @@ class _DictFactory:
         return dict(*args, **kwargs)
 
     def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        _pre_fromkeys(_budget(), *args, **kwargs)
         return dict.fromkeys(*args, **kwargs)
+
+
+def _pre_fromkeys(b: _Budget, iterable: Any = (), value: Any = None, *_: Any, **__: Any) -> None:
+    # one entry per key, each counting the value: refused before the dict exists
+    if isinstance(iterable, Sized):
+        b.check_result(len(iterable) * (2 * _ITEM_SIZE + 1 + b.size(value)), "a dict")
 
 
 def _check_namespace_name(name: Any) -> None:
@@ -516,7 +845,31 @@ class _GenerationExtension(jinja2.ext.Extension):
 
 
 # Filter pre-checks: the filters that can build a value much larger than their input in one
-# call. Each takes the filter's arguments after the value (as the filter declares them).
+# call. Each takes the filter's arguments after the value (as the filter declares them), and
+# runs after the value and arguments passed the text check (so str() of them is bounded).
+
+#: every character Python's str.split() and str.splitlines() may split at
+_WHITESPACE = "".join(c for c in map(chr, range(0x3000 + 1)) if c.isspace())
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+#: wordwrap: characters a textwrap chunk is cut at (whitespace, and hyphens)
+_WRAP_BREAKS = _WHITESPACE + "-"
+#: textwrap cuts an over-long word, and a long run of whitespace, in quadratic time: one step
+#: per this many of (run length)^2 / width
+_WRAP_QUADRATIC = 2048
+
+
+def _count_chars(s: str, chars: str) -> int:
+    return sum(map(s.count, chars))
+
+
+def _pieces(n: int, length: int) -> int:
+    """The size of a list of ``n`` strings of ``length`` characters in all."""
+    return 1 + n * (_ITEM_SIZE + 1) + length
+
+
+def _case_size(s: str) -> int:
+    # case mappings may turn one character into up to three ("ß".upper() == "SS", "ΐ": 3)
+    return len(s) if s.isascii() else 3 * len(s)
 
 
 def _pre_center(b: _Budget, value: Any, width: Any = 80, *_: Any, **__: Any) -> None:
@@ -526,24 +879,39 @@ def _pre_center(b: _Budget, value: Any, width: Any = 80, *_: Any, **__: Any) -> 
 def _pre_indent(b: _Budget, s: Any, width: Any = 4, *_: Any, **__: Any) -> None:
     per_line = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
     b.check_width(per_line, "an indented string")
-    lines = str(s).count("\n") + 1
-    b.check_width(len(str(s)) + lines * per_line, "an indented string")
+    s = str(s)
+    lines = _count_chars(s, _LINE_BREAKS) + 1
+    b.check_width(len(s) + lines * per_line, "an indented string")
 
 
 def _pre_wordwrap(b: _Budget, s: Any, width: Any = 79, break_long_words: Any = True,
                   wrapstring: Any = None, *_: Any, **__: Any) -> None:
-    if isinstance(wrapstring, str) and len(wrapstring) > 1:
-        b.check_width((len(str(s)) + 1) * len(wrapstring), "a wrapped string")
+    s = str(s)
+    if not isinstance(width, int) or width <= 0:
+        return  # textwrap refuses it
+    joins = len(s) // width + _count_chars(s, _WRAP_BREAKS) + _count_chars(s, _LINE_BREAKS) + 1
+    sep = len(wrapstring) if isinstance(wrapstring, str) else 1
+    b.check_width(len(s) + joins * sep, "a wrapped string")
+    # textwrap holds a string per chunk (a word, a space, a piece of a long word) at once
+    b.check_result(_pieces(joins, len(s)), "a wrapped string")
+    # and cuts long words and long runs of whitespace in quadratic time
+    if len(s) > width:
+        runs = re.finditer(rf"\S{{{width + 1},}}|\s{{{_WRAP_QUADRATIC},}}", s)
+        b.charge(sum((m.end() - m.start()) ** 2 // (width * _WRAP_QUADRATIC) for m in runs))
 
 
 def _pre_format(b: _Budget, value: Any, *args: Any, **kwargs: Any) -> None:
     b.check_printf(str(value), kwargs or args)
 
 
-def _pre_join(b: _Budget, value: Any, d: Any = "", *_: Any, **__: Any) -> None:
-    # value is a list here (materialized); its size is checked; the separators are not
-    if isinstance(value, Sequence) and isinstance(d, str):
+def _pre_join(b: _Budget, value: Any, d: Any = "", attribute: Any = None, *_: Any,
+              **__: Any) -> None:
+    # value is a list here (materialized); the text of its items is checked; the separators
+    if isinstance(value, Sequence):
+        d = str(d)
         b.check_width(len(d) * max(len(value) - 1, 0), "a joined string")
+        if attribute is None:
+            b.check_result(len(d) * max(len(value) - 1, 0) + b.text_size(value), "a joined string")
 
 
 def _pre_replace(b: _Budget, s: Any, old: Any, new: Any, count: Any = None, *_: Any,
@@ -571,31 +939,137 @@ def _pre_sum(b: _Budget, iterable: Any, attribute: Any = None, start: Any = 0, *
 
 def _pre_batch(b: _Budget, value: Any, linecount: Any = 1, fill_with: Any = None, *_: Any,
                **__: Any) -> None:
-    if fill_with is not None:
-        b.check_width(linecount, "a batch")
+    if fill_with is not None and isinstance(linecount, int):
+        b.check_width(linecount * (_ITEM_SIZE + 1), "a batch")
 
 
 def _pre_slice(b: _Budget, value: Any, slices: Any = 1, *_: Any, **__: Any) -> None:
-    b.check_width(slices, "a slice")
+    if isinstance(slices, int):
+        b.check_width(slices * (_ITEM_SIZE + 1), "a slice")
 
+
+def _pre_list(b: _Budget, value: Any, *_: Any, **__: Any) -> None:
+    if isinstance(value, str):  # a string per character
+        b.check_result(_pieces(len(value), len(value)), "a list")
+
+
+def _pre_escape(b: _Budget, s: Any, *_: Any, **__: Any) -> None:
+    s = str(s)
+    b.check_result(len(s) + (_ESCAPE_GROWTH - 1) * _count_chars(s, "&<>\"'"), "an escaped string")
+
+
+def _pre_urlize(b: _Budget, s: Any, trim_url_limit: Any = None, nofollow: Any = False,
+                target: Any = None, rel: Any = None, extra_schemes: Any = None, *_: Any,
+                **__: Any) -> None:
+    # each word may become <a href="https://word" rel="... target">word</a>, escaped
+    s = str(s)
+    words = _count_chars(s, _WHITESPACE) + 1
+    extra = sum(len(str(x)) for x in (target, rel) if x is not None)
+    b.check_result(2 * _ESCAPE_GROWTH * len(s) + words * (64 + 2 * extra), "a linked string")
+    b.check_result(_pieces(2 * words, len(s)), "a linked string")
+    b.charge(words * 16)
+
+
+def _pre_urlencode(b: _Budget, value: Any, *_: Any, **__: Any) -> None:
+    # a character is at most 4 bytes of UTF-8, each %XX
+    b.check_result(12 * b.text_size(value), "a URL-encoded string")
+
+
+def _pre_case(b: _Budget, s: Any, *_: Any, **__: Any) -> None:
+    s = str(s)
+    b.check_result(_case_size(s), "a string")
+
+
+def _pre_title(b: _Budget, s: Any, *_: Any, **__: Any) -> None:
+    s = str(s)
+    b.check_result(_case_size(s), "a string")
+    # Jinja's title splits the string at every run of whitespace and brackets first
+    b.check_result(_pieces(2 * _count_chars(s, _WHITESPACE + "-({[<") + 1, len(s)), "a string")
+
+
+def _pre_pprint(b: _Budget, value: Any, *_: Any, **__: Any) -> None:
+    b.check_result(_pprint_size(b, value), "a pretty-printed string")
+
+
+def _pre_xmlattr(b: _Budget, d: Any, *_: Any, **__: Any) -> None:
+    b.check_result(_ESCAPE_GROWTH * b.text_size(d) + 4 * len(d) if isinstance(d, Sized) else 0,
+                   "an attribute string")
+
+
+def _pprint_size(b: _Budget, value: Any) -> int:
+    """An upper bound on ``len(pprint.pformat(value))``: each element may get a line of its
+    own, indented by its depth (and, in a dict, by its key), and a long string a line per
+    word."""
+    leaf = _text_leaf(value, True)
+    if leaf is not None:
+        return 2 * leaf + 2
+    total = 0
+    walked = 0
+    path: set[int] = {id(value)}
+    stack = [(value, _children(value), 1)]
+    while stack:
+        container, children, indent = stack[-1]
+        for child in children:
+            walked += 1
+            size = _text_leaf(child, True)
+            if size is None and id(child) not in path:
+                path.add(id(child))
+                # a dict value is indented by its key; a key is at most the container's text
+                stack.append((child, _children(child), indent + _TEXT_CONTAINER + (
+                    b.text_size(container) if isinstance(container, dict) else 0)))
+                break
+            size = 5 if size is None else size
+            total += (size + _TEXT_SEPARATOR) * (indent + 2)
+            if total > b.max_value:
+                b.charge(walked)
+                return total
+        else:
+            stack.pop()
+            path.discard(id(container))
+    b.charge(walked)
+    return total
+
+
+def _wordcount(s: Any) -> int:
+    """Jinja's ``wordcount``, counting the words without listing them."""
+    return sum(1 for _ in _WORD.finditer(soft_str(s)))
+
+
+_WORD = re.compile(r"\w+")
 
 _FILTER_PRECHECKS: dict[str, Callable[..., None]] = {
     "center": _pre_center, "indent": _pre_indent, "wordwrap": _pre_wordwrap,
     "format": _pre_format, "join": _pre_join, "replace": _pre_replace,
-    "batch": _pre_batch, "slice": _pre_slice, "sum": _pre_sum,
+    "batch": _pre_batch, "slice": _pre_slice, "sum": _pre_sum, "list": _pre_list,
+    "e": _pre_escape, "escape": _pre_escape, "forceescape": _pre_escape,
+    "urlize": _pre_urlize, "urlencode": _pre_urlencode, "upper": _pre_case,
+    "lower": _pre_case, "capitalize": _pre_case, "title": _pre_title, "pprint": _pre_pprint,
+    "xmlattr": _pre_xmlattr,
 }
 
 #: filters that turn an iterator into a list anyway: given an iterator (``x | map(...)``) they
 #: get a list built under the budget instead, which changes nothing else they do
 _FILTER_MATERIALIZE = frozenset({"list", "join", "sum", "sort", "unique", "slice", "groupby"})
 
+#: filters that never turn their value or arguments into text (they select, count, sort or
+#: convert to numbers; tojson refuses what JSON cannot hold). Every other filter's value and
+#: arguments pass the text check first: printable, and bounded as text.
+_NON_TEXT_FILTERS = frozenset({
+    "abs", "attr", "batch", "count", "d", "default", "dictsort", "first", "float", "groupby",
+    "int", "items", "last", "length", "list", "map", "max", "min", "random", "reject",
+    "rejectattr", "reverse", "round", "select", "selectattr", "slice", "sort", "sum", "tojson",
+    "unique",
+})
+
 
 def _wrap_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
-    """``func`` charged one step per call, its value and arguments size-checked, its result too."""
+    """``func`` charged one step per call, its value and arguments size-checked (and, for a
+    filter that makes text of them, text-checked), its result too."""
     # filters marked pass_context / pass_eval_context / pass_environment get that first
     skip = 1 if getattr(func, "jinja_pass_arg", None) is not None else 0
     precheck = _FILTER_PRECHECKS.get(name)
     materialize = name in _FILTER_MATERIALIZE
+    text = name not in _NON_TEXT_FILTERS
 
     @functools.wraps(func)  # keeps jinja_pass_arg, so Jinja still passes the context
     def filter_(*args: Any, **kwargs: Any) -> Any:
@@ -603,29 +1077,47 @@ def _wrap_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         b.charge(_FILTER_STEPS)
         if materialize and len(args) > skip and isinstance(args[skip], Iterator):
             args = (*args[:skip], b.materialize(args[skip]), *args[skip + 1:])
-        for arg in args[skip:]:
+        for arg in itertools.chain(args[skip:], kwargs.values()):
             b.check(arg)
-        for arg in kwargs.values():
-            b.check(arg)
+            if text:
+                b.text_size(arg)
         if precheck is not None:
             precheck(b, *args[skip:], **kwargs)
-        return b.check(func(*args, **kwargs))
+        return b.built(func(*args, **kwargs))
 
     return filter_
 
 
+def _wrap_test(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    """A test charged one step per call; ``in`` by the length scanned, ``lower``/``upper``
+    (which make text of their value) text-checked."""
+
+    @functools.wraps(func)
+    def test_(*args: Any, **kwargs: Any) -> Any:
+        b = _budget()
+        b.charge(_FILTER_STEPS)
+        if name in ("lower", "upper") and args:
+            b.text_size(args[0])
+        elif name == "in" and len(args) > 1:
+            _scan_filter(None, args[1])
+        return func(*args, **kwargs)
+
+    return test_
+
+
 def _check_string_method(b: _Budget, owner: str | bytes, name: str, args: tuple,
-                         kwargs: dict[str, Any]) -> tuple:
-    """Before ``owner.<name>(*args)`` for the str/bytes methods that can grow a string a lot;
-    returns the arguments to call with (``join`` gets its iterable as a list built under the
-    budget)."""
+                         kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Before ``owner.<name>(*args, **kwargs)`` for the str/bytes methods that can grow a
+    string, or make many, a lot; returns the arguments to call with (``join`` gets its
+    iterable as a list built under the budget, ``split`` a bound on its splits)."""
+    is_str = isinstance(owner, str)
     if name in ("center", "ljust", "rjust", "zfill"):
         if args:
             b.check_width(args[0], "a padded string")
     elif name == "expandtabs":
         tabsize = args[0] if args else kwargs.get("tabsize", 8)
         if isinstance(tabsize, int):
-            b.check_width(len(owner) + owner.count(b"\t" if isinstance(owner, bytes) else "\t")
+            b.check_width(len(owner) + owner.count("\t" if is_str else b"\t")
                           * tabsize, "an expanded string")
     elif name == "replace" and len(args) >= 2:
         old, new = args[0], args[1]
@@ -642,7 +1134,44 @@ def _check_string_method(b: _Budget, owner: str | bytes, name: str, args: tuple,
     elif name == "translate" and args and isinstance(args[0], Mapping):
         longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
         b.check_width(len(owner) * longest, "a translated string")
-    return args
+    elif name in ("split", "rsplit"):
+        sep = args[0] if args else kwargs.get("sep")
+        maxsplit = args[1] if len(args) > 1 else kwargs.get("maxsplit", -1)
+        if not isinstance(maxsplit, int):
+            return args, kwargs  # Python refuses it
+        # at most this many pieces fit the limit: split no further than that, and refuse
+        # (after the call, see _check_pieces) a result that reached it
+        most = b.max_value // (_ITEM_SIZE + 1)
+        if isinstance(sep, (str, bytes)) and len(sep):
+            n = owner.count(sep) + 1
+            if 0 <= maxsplit < n:
+                n = maxsplit + 1
+            b.check_result(_pieces(n, len(owner)), "a list of pieces")
+        elif maxsplit < 0 or maxsplit >= most:
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("sep", "maxsplit")}
+            args = (sep, most)
+    elif name == "splitlines":
+        breaks = _count_chars(owner, _LINE_BREAKS) if is_str else owner.count(b"\n") + owner.count(b"\r")
+        b.check_result(_pieces(breaks + 1, len(owner)), "a list of lines")
+    elif name in ("upper", "lower", "title", "capitalize", "swapcase", "casefold"):
+        if is_str:
+            b.check_result(_case_size(owner), "a string")
+    elif name == "encode":
+        # "xmlcharrefreplace" and "backslashreplace" give up to 10 bytes per character
+        b.check_result(10 * len(owner) + 8, "an encoded string")
+    elif name == "hex":
+        b.check_result(3 * len(owner), "a hex string")
+    elif name == "maketrans" and args:
+        b.check_result(_pieces(b.size(args[0]), 0), "a translation table")
+    return args, kwargs
+
+
+def _check_pieces(b: _Budget, name: str, result: Any) -> None:
+    """After ``split``/``rsplit`` bounded by :func:`_check_string_method`: refuse a result
+    that reached the bound (the whole split would not fit)."""
+    if name in ("split", "rsplit") and isinstance(result, list):
+        if len(result) > b.max_value // (_ITEM_SIZE + 1):
+            raise b.too_large("a list of pieces")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -652,19 +1181,26 @@ def _check_string_method(b: _Budget, owner: str | bytes, name: str, args: tuple,
 class _OutputBuffer(list):
     """Where Jinja collects the output of a macro, call block, ``{% set %}`` block, filter block
     or recursive loop before joining it: it stops growing past the value limit, so a block that
-    loops over big distinct strings fails before it holds them all."""
+    loops over big distinct strings fails before it holds them all, and what all the buffers
+    of a render hold at once (one per macro frame of a recursion) counts as held."""
 
-    __slots__ = ("_budget", "_length")
+    __slots__ = ("_budget", "_length", "_counted")
 
     def __init__(self, budget: _Budget):
         super().__init__()
         self._budget = budget
         self._length = 0
+        self._counted = 0  # what this buffer added to budget.buffered
 
     def append(self, item: Any) -> None:
-        self._length += len(item) if isinstance(item, str) else 0
-        if self._length > self._budget.max_value:
-            raise self._budget.too_large("a block of output")
+        if isinstance(item, str):
+            n = len(item)
+            self._length += n
+            if self._length > self._budget.max_value:
+                raise self._budget.too_large("a block of output")
+            if id(item) not in self._budget.held:  # a held string is counted once, there
+                self._counted += n
+                self._budget.buffer(n)
         super().append(item)
 
     def extend(self, items: Any) -> None:
@@ -680,10 +1216,52 @@ class _CodeGenerator(CodeGenerator):
         self.writeline(f"{frame.buffer} = environment.ggmlpy_buffer()")
 
 
+class _BoundedFormatter(SandboxedFormatter):
+    """``str.format`` for templates: the sandbox's formatter (attribute access checked), with
+    each field text-checked and bounded before it is formatted, and the result bounded as it
+    grows, so ``('{0}' * 10000).format(s)`` fails at the field that passes the limit."""
+
+    escape = False
+
+    def __init__(self, env: Any, budget: _Budget, **kwargs: Any):
+        super().__init__(env, **kwargs)
+        self._budget = budget
+        self._total = 0
+
+    def vformat(self, format_string: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        self._total = len(format_string)
+        return super().vformat(format_string, args, kwargs)
+
+    def convert_field(self, value: Any, conversion: str | None) -> Any:
+        if conversion is not None:  # !s, !r, !a: the text is built here
+            size = self._budget.text_size(value, quoted=conversion != "s",
+                                          what="a formatted string")
+            self._budget.check_result(self._total + size * (10 if conversion == "a" else 1),
+                                      "a formatted string")
+        return super().convert_field(value, conversion)
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        b = self._budget
+        b.charge(_FILTER_STEPS)
+        b.check_result(self._total + b.check_format_spec(value, format_spec, self.escape),
+                       "a formatted string")
+        text = super().format_field(value, format_spec)
+        self._total += len(text)
+        b.check_result(self._total, "a formatted string")
+        return text
+
+
+class _BoundedEscapeFormatter(_BoundedFormatter, SandboxedEscapeFormatter):
+    """:class:`_BoundedFormatter` for ``Markup.format`` (which escapes each field)."""
+
+    escape = True
+
+
 class _SandboxEnvironment(ImmutableSandboxedEnvironment):
     """transformers' environment plus the budget: each hook charges steps and checks sizes."""
 
-    # the operators that can build a big value (or a big integer) in one step
+    # the operators that can build a big value (or a big integer) in one step. Unary
+    # operators need no hook: -x, +x and not x make numbers and booleans only.
     intercepted_binops = frozenset({"+", "*", "**", "%"})
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
@@ -692,29 +1270,52 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} "
                             "object is unsafe")
 
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        """``str.format``/``format_map`` (and ``Markup``'s) as the sandbox gives them to
+        templates, through :class:`_BoundedFormatter`."""
+        if (not isinstance(value, (types.MethodType, types.BuiltinMethodType))
+                or value.__name__ not in ("format", "format_map")
+                or not isinstance(value.__self__, str)):
+            return None
+        fmt = value.__self__
+        is_map = value.__name__ == "format_map"
+
+        def format_(*args: Any, **kwargs: Any) -> str:
+            if is_map:
+                if kwargs or len(args) != 1:
+                    raise TypeError("format_map() takes exactly one argument and no keywords")
+                args, kwargs = (), args[0]
+            b = _budget()
+            formatter = (_BoundedEscapeFormatter(self, b, escape=fmt.escape)
+                         if isinstance(fmt, Markup) else _BoundedFormatter(self, b))
+            return type(fmt)(formatter.vformat(fmt, args, kwargs))
+
+        format_.__name__ = format_.__qualname__ = value.__name__
+        return format_
+
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805,B902
         b = _budget()
         b.charge(_CALL_STEPS)
         kind = type(__obj)
+        name = None
         if isinstance(__obj, LoopContext):
             # a recursive loop's ``loop(children)``: count those iterations too
             if args:
                 args = (_CountedIterable(args[0], b), *args[1:])
         elif kind is types.BuiltinMethodType:
             owner = getattr(__obj, "__self__", None)
+            name = __obj.__name__
             if isinstance(owner, (str, bytes)):
-                plain = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}
-                args = _check_string_method(b, owner, __obj.__name__, args, plain)
-        elif kind is types.FunctionType and __obj.__name__ in ("format", "format_map"):
-            # the sandbox's wrapper around str.format (it keeps the method as __wrapped__)
-            fmt = getattr(getattr(__obj, "__wrapped__", None), "__self__", None)
-            if isinstance(fmt, str):
-                plain = {k: v for k, v in kwargs.items() if k not in ("_loop_vars", "_block_vars")}
-                if __obj.__name__ == "format_map" and args and isinstance(args[0], Mapping):
-                    b.check_format(fmt, (), args[0])
-                else:
-                    b.check_format(fmt, args, plain)
-        return b.check(super().call(__context, __obj, *args, **kwargs))
+                internal = {k: v for k, v in kwargs.items() if k in ("_loop_vars", "_block_vars")}
+                plain = {k: v for k, v in kwargs.items() if k not in internal}
+                args, plain = _check_string_method(b, owner, name, args, plain)
+                kwargs = {**plain, **internal}
+            elif name == "fromkeys":  # {}.fromkeys(...)
+                _pre_fromkeys(b, *args, **kwargs)
+        result = super().call(__context, __obj, *args, **kwargs)
+        if name is not None:
+            _check_pieces(b, name, result)
+        return b.built(result)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         b = _budget()
@@ -727,14 +1328,17 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
             b.check_power(left, right)
         elif operator == "%" and isinstance(left, (str, bytes)):
             b.check_printf(left, right)
-        return b.check(self.binop_table[operator](left, right))
+        return b.built(self.binop_table[operator](left, right))
 
     def concat(self, parts: Any) -> str:  # type: ignore[override]
         # joins the output of blocks, macros, {% set %}...{% endset %} and {% filter %}: many
         # small pieces (one per loop iteration) can add up to a huge string
-        if not isinstance(parts, list):
-            parts = list(parts)
         b = _budget()
+        if isinstance(parts, _OutputBuffer):
+            b.buffer(-parts._counted)  # joined: the result is held (if large) as a value
+            parts._counted = 0
+        elif not isinstance(parts, list):
+            parts = list(parts)
         if sum(map(len, parts)) > b.max_value:
             raise b.too_large("a block of output")
         return "".join(parts)
@@ -754,8 +1358,13 @@ class _SandboxEnvironment(ImmutableSandboxedEnvironment):
 
 def _finalize(value: Any) -> Any:
     # every ``{{ expression }}`` passes through here before str(): sizing it first keeps a
-    # value that prints huge (many references to one big string) from being printed at all
-    return _budget().check(value)
+    # value that prints huge (many references to one big string) from being printed at all,
+    # and an object that is not the template's to print (a function: its name and address)
+    b = _budget()
+    b.check(value)
+    if type(value) is not str:
+        b.text_size(value, what="a printed value")
+    return value
 
 
 @jinja2.pass_context  # never folded into a constant at compile time
@@ -765,7 +1374,18 @@ def _loop_filter(context: Any, iterable: Any) -> _CountedIterable:
 
 @jinja2.pass_context
 def _value_filter(context: Any, value: Any) -> Any:
-    return _budget().check(value)
+    # a value just built by a literal or a ``~``
+    return _budget().built(value)
+
+
+@jinja2.pass_context
+def _text_filter(context: Any, value: Any) -> Any:
+    # an operand of ``~``, which str() turns into text next
+    b = _budget()
+    b.check(value)
+    if type(value) is not str:
+        b.text_size(value, what="a concatenation")
+    return value
 
 
 @jinja2.pass_context
@@ -781,6 +1401,7 @@ def _scan_filter(context: Any, value: Any) -> Any:
 #: names of the filters _Instrument inserts: with a space, so no template can spell them
 _LOOP_FILTER = "ggmlpy loop"
 _VALUE_FILTER = "ggmlpy value"
+_TEXT_FILTER = "ggmlpy text"
 _SCAN_FILTER = "ggmlpy scan"
 
 
@@ -788,7 +1409,8 @@ class _Instrument(NodeTransformer):
     """Rewrites a parsed template so the budget sees what the sandbox hooks do not: loop
     iterations (each ``{% for %}`` iterates through a counting wrapper), membership tests
     (``x in big_list`` is charged by the list's length), and values built without a call
-    (``~`` concatenations, list/tuple/dict literals), which get size-checked.
+    (``~`` concatenations, list/tuple/dict literals, slices), which get size-checked (and
+    the operands of ``~`` text-checked).
     The helpers are filters because Jinja compiles a filter to a direct function call, while
     a call goes through the sandbox's checks (ten times slower)."""
 
@@ -808,10 +1430,17 @@ class _Instrument(NodeTransformer):
                 operand.expr = self._wrap(_SCAN_FILTER, operand.expr)
         return node
 
+    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
+        self.generic_visit(node)
+        # Jinja slices without the sandbox's getitem: a slice is a copy, a value built
+        if isinstance(node.arg, nodes.Slice) and getattr(node, "ctx", "load") == "load":
+            return self._wrap(_VALUE_FILTER, node)
+        return node
+
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
-        # each operand is sized before str() turns it into text, the result after joining
-        node.nodes = [self._wrap(_VALUE_FILTER, n) for n in node.nodes]
+        # each operand is text-checked before str() turns it into text, the result after joining
+        node.nodes = [self._wrap(_TEXT_FILTER, n) for n in node.nodes]
         return self._wrap(_VALUE_FILTER, node)
 
     def _literal(self, node: nodes.Expr, items: list[nodes.Node]) -> nodes.Node:
@@ -836,8 +1465,12 @@ def _make_environment() -> _SandboxEnvironment:
     for name, func in list(env.filters.items()):
         env.filters[name] = _wrap_filter(name, func)
     env.filters["tojson"] = _wrap_filter("tojson", _tojson)
+    env.filters["wordcount"] = _wrap_filter("wordcount", _wordcount)
+    for name, func in list(env.tests.items()):
+        env.tests[name] = _wrap_test(name, func)
     env.filters[_LOOP_FILTER] = _loop_filter
     env.filters[_VALUE_FILTER] = _value_filter
+    env.filters[_TEXT_FILTER] = _text_filter
     env.filters[_SCAN_FILTER] = _scan_filter
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -870,48 +1503,110 @@ def _compile(source: str) -> tuple[jinja2.Template, frozenset[str]]:
 # Inputs
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any, where: str) -> Any:
     """``value`` rebuilt from plain JSON-like types, as transformers rebuilds every input: rich
     objects (arrays, images, enums, ...) have methods the sandbox does not know to be
     dangerous. Subclasses of str/int/float become the base type, mappings dicts, dataclasses
     and pydantic models dicts of their fields, numpy scalars Python scalars, and anything else
-    the placeholder ``"<TypeName>"``."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    numpy = sys.modules.get("numpy")  # no numpy imported: no numpy scalar can be here
-    if numpy is not None and isinstance(value, numpy.generic):
-        return _plain(value.item())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{type(value).__name__}>"
+    the placeholder ``"<TypeName>"``. A container met twice is rebuilt once (and shared).
+
+    ``where`` names the input (``"messages"``): a value that contains itself, or nests deeper
+    than :data:`MAX_INPUT_DEPTH`, raises :class:`ChatTemplateError` (kind ``"input"``) saying
+    where."""
+    done: dict[int, Any] = {}
+    originals: list[Any] = []   # keeps the ids in ``done`` theirs (model_dump makes new dicts)
+    path: list[Any] = []        # the keys from ``value`` down to the container being rebuilt
+    active: set[int] = set()    # the containers being rebuilt: met again, a cycle
+
+    def at() -> str:
+        keys = path if where else path[1:]
+        return (where or str(path[0])) + "".join(f"[{k!r}]" for k in keys)[:200]
+
+    def rebuild(v: Any) -> Any:
+        if v is None or type(v) in (str, int, float, bool):
+            return v
+        if isinstance(v, str):
+            return str.__str__(v)
+        if isinstance(v, int):
+            return int.__int__(v)
+        if isinstance(v, float):
+            return float.__float__(v)
+        numpy = sys.modules.get("numpy")  # no numpy imported: no numpy scalar can be here
+        if numpy is not None and isinstance(v, numpy.generic):
+            return rebuild(v.item())
+        key = id(v)
+        if key in done:
+            return done[key]
+        if key in active:
+            raise ChatTemplateError(f"the chat template's input {at()} contains itself",
+                                    kind="input")
+        if isinstance(v, (Mapping, list, tuple)):
+            items = v
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            items = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+        elif callable(getattr(v, "model_dump", None)):
+            items = v.model_dump()
+            if not isinstance(items, Mapping):
+                return rebuild(items)
+        else:
+            return f"<{type(v).__name__}>"
+        if len(path) >= MAX_INPUT_DEPTH:
+            raise ChatTemplateError(f"the chat template's input {at()} nests deeper than "
+                                    f"{MAX_INPUT_DEPTH} levels", kind="input")
+        active.add(key)
+        if isinstance(items, Mapping):
+            out: Any = {}
+            for k, x in items.items():
+                path.append(k)
+                out[rebuild(k)] = rebuild(x)
+                path.pop()
+        else:
+            out = []
+            for i, x in enumerate(items):
+                path.append(i)
+                out.append(rebuild(x))
+                path.pop()
+            if isinstance(items, tuple):
+                out = tuple(out)
+        active.discard(key)
+        done[key] = out
+        originals.append(v)
+        return out
+
+    return rebuild(value)
 
 
-def _measure(value: Any, known: dict[int, int]) -> int:
-    """The budget size of an input (see :meth:`_Budget.size`), recording each container's."""
-    if isinstance(value, (str, bytes)):
-        return 1 + len(value)
-    if isinstance(value, (list, tuple)):
-        size = 1 + sum(_measure(v, known) for v in value)
-    elif isinstance(value, dict):
-        size = 1 + sum(_measure(k, known) + _measure(v, known) for k, v in value.items())
-    else:
-        return 1
-    known[id(value)] = size
-    return size
+def _measure(value: Any, known: dict[int, int], inputs: set[int]) -> tuple[int, int]:
+    """The budget size of an input (see :meth:`_Budget.size`: shared parts counted each time
+    they are reached, what printing it costs) and what it occupies (shared parts counted
+    once); records each container's size, and the ids of its large strings."""
+    distinct = 0
+
+    def measure(v: Any) -> int:
+        nonlocal distinct
+        if isinstance(v, (str, bytes)):
+            if len(v) >= _HOLD_MIN_STRING:
+                if id(v) in inputs:
+                    return 1 + len(v)
+                inputs.add(id(v))
+            distinct += 1 + len(v)
+            return 1 + len(v)
+        size = known.get(id(v))
+        if size is not None:
+            return size
+        if isinstance(v, (list, tuple)):
+            distinct += 1 + _ITEM_SIZE * len(v)
+            size = 1 + sum(measure(x) + _ITEM_SIZE for x in v)
+        elif isinstance(v, dict):
+            distinct += 1 + 2 * _ITEM_SIZE * len(v)
+            size = 1 + sum(measure(k) + measure(x) + 2 * _ITEM_SIZE for k, x in v.items())
+        else:
+            distinct += 1
+            return 1
+        known[id(v)] = size
+        return size
+
+    return measure(value), distinct
 
 
 def _alias_reasoning(message: dict) -> dict:
@@ -930,7 +1625,7 @@ def _prepare_messages(messages: Sequence[Any]) -> list[dict]:
     if len(messages) == 0:
         raise ValueError("cannot apply a chat template to an empty conversation")
     prepared = []
-    for message in _plain(list(messages)):
+    for message in _plain(list(messages), "messages"):
         if not isinstance(message, dict):
             raise TypeError(f"chat messages must be dicts (or dataclasses or pydantic models), "
                             f"got {message!r}")
@@ -1013,8 +1708,10 @@ class ChatTemplate:
         (``enable_thinking=False``, ``unk_token=...``); they override ``bos_token`` and
         ``eos_token``.
 
-        Raises :class:`ChatTemplateError` when the template fails, TypeError/ValueError when
-        the arguments are malformed (not dicts, an empty conversation).
+        Raises :class:`ChatTemplateError` when the template fails (or, kind ``"input"``, when
+        an input contains itself or nests deeper than :data:`MAX_INPUT_DEPTH`),
+        TypeError/ValueError when the arguments are malformed (not dicts, an empty
+        conversation).
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt are not "
@@ -1022,9 +1719,9 @@ class ChatTemplate:
                              "message")
         try:
             chat, tools, documents, extra = self._prepare(messages, tools, documents, kwargs)
-        except RecursionError:
-            raise ValueError("the chat template's inputs are nested too deeply (or contain "
-                             "themselves)") from None
+        except RecursionError:  # e.g. a model_dump that recurses
+            raise ChatTemplateError("the chat template's inputs are nested too deeply",
+                                    kind="input") from None
 
         final = None
         if continue_final_message:
@@ -1048,21 +1745,24 @@ class ChatTemplate:
                 if not isinstance(tool, Mapping):
                     raise TypeError(f"tools must be JSON-schema dicts (Python functions are not "
                                     f"converted), got {tool!r}")
-            tools = _plain(list(tools))
+            tools = _plain(list(tools), "tools")
         if documents is not None:
             for document in documents:
                 if not isinstance(document, Mapping):
                     raise TypeError("documents must be a list of dicts with 'title' and 'text' "
                                     f"keys, got {document!r}")
-            documents = _plain(list(documents))
-        extra = _plain({"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs})
+            documents = _plain(list(documents), "documents")
+        extra = _plain({"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}, "")
         return chat, tools, documents, extra
 
     def _render_bounded(self, variables: dict[str, Any]) -> str:
         known: dict[int, int] = {}
         # (each value measured apart: a temporary list's id could be reused while rendering)
-        input_size = sum(_measure(v, known) for v in variables.values())
-        budget = _Budget(self.max_steps, self.max_seconds, self.max_output + input_size, known)
+        inputs: set[int] = set()
+        # what the inputs occupy: a value may be as large as the output plus that
+        input_size = sum(_measure(v, known, inputs)[1] for v in variables.values())
+        budget = _Budget(self.max_steps, self.max_seconds, self.max_output + input_size, known,
+                         inputs)
         token = _BUDGET.set(budget)
         parts: list[str] = []
         total = 0
