@@ -927,11 +927,12 @@ class Causal:
         from .state import save_seq
         return save_seq(self, seq, file, meta)
 
-    def load_seq(self, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
+    def load_seq(self, seq: int, file, expect_meta: Optional[dict] = None, check=None) -> dict:
         """Replace what ``seq`` holds with a state from :meth:`save_seq`, validated first (``StateError`` or
-        ``KVCacheFull``, nothing changed); returns its meta. See :mod:`ggmlpy.kvcache.state`."""
+        ``KVCacheFull``, nothing changed; ``check(meta, positions)`` may refuse it too); returns its meta.
+        See :mod:`ggmlpy.kvcache.state`."""
         from .state import load_seq
-        return load_seq(self, seq, file, expect_meta)
+        return load_seq(self, seq, file, expect_meta, check)
 
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether ``seq`` can continue at ``pos`` from the stored cells.

@@ -39,12 +39,20 @@ Cells shared with other sequences (a forked prefix) are saved as the sequence's 
 
 Loading
 -------
-:func:`load_seq` validates the whole file first: magic, version, header, the configuration (every key
-but ``memory`` and ``count`` must equal the cache's; for a Wrapper also the layer routing), the exact
-size, the checksum, the positions, ``expect_meta``, and that the cells fit (the sequence's current
-cells, unless shared, count as free). Any problem raises :class:`StateError` (:class:`KVCacheFull`
-when the cells do not fit) and nothing has changed. Then the sequence is cleared, its cells are found
-anywhere with :meth:`Cells.find_free`, the rows written there and the metadata committed last.
+:func:`load_seq` validates the whole file before the first byte of the cache or its cell table changes:
+the magic and version; the header's size (at most :data:`MAX_HEADER` bytes) and JSON nesting (at most
+:data:`MAX_DEPTH` levels), both bounded before it is parsed; its schema (exactly the keys above, each of
+its JSON type and in range: ``count``, sizes and ids non-negative 32-bit integers, ``v_trans`` a
+boolean, ``window``/``memory`` null or positive); the configuration (every key but ``memory`` and
+``count`` must equal the cache's, types included; for a Wrapper also the layer routing); the exact
+size; the checksum; the positions (non-negative, strictly increasing; for a Wrapper every cache's last
+position the same); ``expect_meta`` (equal as JSON: ``1`` is not ``1.0`` nor ``true``); and the
+caller's ``check(meta, positions)``; then that the cells fit (the sequence's current cells, unless
+shared, count as free). Any problem raises :class:`StateError` (:class:`KVCacheFull` when the cells do
+not fit) naming what is wrong, and nothing has changed. Then the sequence is cleared, its cells are
+found anywhere with :meth:`Cells.find_free`, the rows written there (the file is read a second time, its
+positions compared and its rows' CRC-32: a file that changed in between leaves the sequence cleared,
+and says so) and the metadata committed last.
 
 A cache whose sliding window evicts (``memory`` set after ``init``) gets only what it could hold itself
 after a batch ending at the sequence's last position: ``pos >= max(pos) + 1 - memory - max_batch``
@@ -64,8 +72,9 @@ import io
 import json
 import os
 import struct
+import zlib
 from contextlib import contextmanager
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -75,12 +84,19 @@ from ggmlpy._files import replacing
 from .causal import Causal, KVCacheFull
 from .cells import _INT32_MAX, NotSupported
 
-__all__ = ["MAGIC", "VERSION", "StateError", "load_seq", "save_seq"]
+__all__ = ["MAGIC", "MAX_DEPTH", "MAX_HEADER", "VERSION", "StateError", "load_seq", "save_seq"]
 
 #: First bytes of a sequence state file.
 MAGIC = b"GGMLKVSQ"
 #: Format version written; a loader refuses a newer one.
 VERSION = 1
+
+#: Largest header (its JSON, the caller's ``meta`` included) written or read: a runner's record of a
+#: million tokens takes about 7 MiB. Checked before the header is read.
+MAX_HEADER = 16 << 20
+#: Deepest nesting of JSON arrays and objects in the header (its own structure takes 3 levels, a runner's
+#: meta 2 more); checked on the raw bytes before parsing, so no hostile header reaches a recursive parser.
+MAX_DEPTH = 32
 
 _PRE = struct.Struct("<8sII")       # magic, version, header length
 _DIGEST = hashlib.sha256().digest_size
@@ -89,6 +105,11 @@ _FORMAT = "ggmlpy.kvcache.seq"
 # configuration keys that must equal the loading cache's (memory follows init's sizing, count is data)
 _COMPARED = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v", "v_trans", "window",
              "k_row_bytes", "v_row_bytes")
+_INTS = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "k_row_bytes", "v_row_bytes", "count")
+_CACHE_KEYS = frozenset(_INTS + ("type_k", "type_v", "v_trans", "window", "memory"))
+_TOP_KEYS = frozenset(("format", "kind", "seq", "meta", "caches"))
+_MAX_CACHES = 256           # a Wrapper routes layers to a few caches
+_MAX_LAYERS = 1 << 16       # layer_to_cache entries
 
 
 class StateError(GGMLValueError):
@@ -224,8 +245,30 @@ def _meta_json(meta) -> dict:
         raise GGMLTypeError(f"meta must be a dict, got {type(meta).__name__}")
     try:
         return json.loads(json.dumps(meta, allow_nan=False))
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RecursionError) as e:
         raise GGMLTypeError(f"meta must be JSON-serializable: {e}") from None
+
+
+def _too_deep(raw: bytes) -> bool:
+    """Whether JSON text ``raw`` nests arrays and objects deeper than :data:`MAX_DEPTH` (exact for valid
+    JSON; some answer for invalid text, which the parser then refuses), in linear time and bounded memory,
+    without parsing it."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    # drop escaped backslashes, then escaped quotes: every quote left opens or closes a string
+    a = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    depth = inside = 0
+    for i in range(0, a.size, 1 << 20):
+        c = a[i:i + (1 << 20)]
+        # parity of the quotes so far: 1 inside a string (a wrapping uint8 sum keeps the parity)
+        par = (np.cumsum(c == 34, dtype=np.uint8) + inside) & 1
+        d = ((c == 91) | (c == 123)).astype(np.int32) - ((c == 93) | (c == 125))
+        d[par == 1] = 0
+        run = np.cumsum(d) + depth
+        if run.max() > MAX_DEPTH:
+            return True
+        depth, inside = int(run[-1]), int(par[-1])
+    return False
 
 
 def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
@@ -266,6 +309,12 @@ def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
     if routing is not None:
         header["layer_to_cache"] = routing
     head = json.dumps(header, separators=(",", ":")).encode()
+    if len(head) > MAX_HEADER:
+        raise StateError(f"sequence state header would take {len(head)} bytes, more than {MAX_HEADER} "
+                         "(MAX_HEADER): meta is too large")
+    if _too_deep(head):
+        raise StateError(f"sequence state meta is nested deeper than the header allows ({MAX_DEPTH} levels "
+                         "in all, MAX_DEPTH)")
 
     def dump(f) -> int:
         out = _Out(f)
@@ -290,7 +339,8 @@ def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
 
 @contextmanager
 def _source(file):
-    """``(binary file, bytes available from its position, whether they must all be ours)``."""
+    """``(binary file, bytes available from its position or None for a stream, whether they must all be
+    ours)``."""
     if isinstance(file, (str, os.PathLike)):
         with open(file, "rb") as f:
             yield f, os.fstat(f.fileno()).st_size, True
@@ -302,8 +352,23 @@ def _source(file):
         file.seek(start)
         yield file, end - start, False
         return
-    data = file.read()
-    yield io.BytesIO(data), len(data), True
+    yield file, None, True
+
+
+def _slurp(f, head: bytes, n: int) -> io.BytesIO:
+    """A stream's next ``n`` bytes at most (fewer at its end), after ``head``, as a file positioned after
+    ``head``: read in pieces, so a stream shorter than its header says costs what it holds."""
+    out = io.BytesIO()
+    out.write(head)
+    left = n
+    while left:
+        chunk = f.read(min(left, _CHUNK))
+        if not chunk:
+            break
+        out.write(chunk)
+        left -= len(chunk)
+    out.seek(len(head))
+    return out
 
 
 def _read_exact(f, n: int, what: str) -> bytes:
@@ -313,8 +378,22 @@ def _read_exact(f, n: int, what: str) -> bytes:
     return data
 
 
-def _header(f, avail: int) -> tuple[dict, bytes]:
-    """Read and check magic, version and the header's structure; returns ``(header, bytes read)``."""
+def _show(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _is_int(v, lo: int = 0, hi: int = _INT32_MAX) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _header(f, avail: Optional[int]) -> tuple[dict, bytes]:
+    """Read and check magic, version and the header: its size and nesting before parsing, then its schema
+    (every key, its JSON type and range). Returns ``(header, bytes read)``."""
     pre = f.read(_PRE.size)
     if not pre:
         raise StateError("sequence state is empty")
@@ -327,59 +406,115 @@ def _header(f, avail: int) -> tuple[dict, bytes]:
         raise StateError(f"sequence state format version {version} is newer than this ggmlpy reads ({VERSION})")
     if version < 1:
         raise StateError(f"sequence state format version {version} is not a valid version")
-    if size > avail - _PRE.size:
+    if avail is not None and size > avail - _PRE.size:
         raise StateError(f"sequence state truncated: the header needs {size} bytes, "
                          f"{max(0, avail - _PRE.size)} follow")
+    if size > MAX_HEADER:
+        raise StateError(f"sequence state header of {size} bytes is larger than {MAX_HEADER} (MAX_HEADER)")
     raw = _read_exact(f, size, "the header")
+    if _too_deep(raw):
+        raise StateError(f"sequence state header: its JSON nests deeper than {MAX_DEPTH} levels (MAX_DEPTH)")
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise StateError(f"sequence state header is not valid JSON: {e}") from None
-    if not isinstance(header, dict) or header.get("format") != _FORMAT:
-        raise StateError("sequence state header is not a ggmlpy.kvcache.seq header")
-    caches = header.get("caches")
-    if not isinstance(caches, list) or not caches or not all(isinstance(c, dict) for c in caches):
-        raise StateError("sequence state header: 'caches' must be a non-empty list of objects")
-    if not isinstance(header.get("meta"), dict):
-        raise StateError("sequence state header: 'meta' must be an object")
-    ints = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "k_row_bytes", "v_row_bytes", "count")
-    for i, cfg in enumerate(caches):
-        for key in ints:
-            v = cfg.get(key)
-            if type(v) is not int or v < 0 or v > _INT32_MAX:
-                raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {v!r}")
+    _check_schema(header)
     return header, pre + raw
 
 
+def _check_schema(header) -> None:
+    """Every key of the header present, of its JSON type and in range; no other key."""
+    if not isinstance(header, dict) or header.get("format") != _FORMAT:
+        raise StateError("sequence state header is not a ggmlpy.kvcache.seq header")
+    kind = header.get("kind")
+    if kind not in ("Causal", "Wrapper"):
+        raise StateError(f"sequence state header: 'kind' must be 'Causal' or 'Wrapper', not {_show(kind)}")
+    want = _TOP_KEYS | ({"layer_to_cache"} if kind == "Wrapper" else set())
+    if set(header) != want:
+        extra, missing = sorted(set(header) - want), sorted(want - set(header))
+        raise StateError(f"sequence state header: {'unknown keys ' + _show(extra) if extra else ''}"
+                         f"{'; ' if extra and missing else ''}{'missing keys ' + _show(missing) if missing else ''}")
+    if not _is_int(header["seq"]):
+        raise StateError(f"sequence state header: 'seq' must be a sequence id, not {_show(header['seq'])}")
+    if not isinstance(header["meta"], dict):
+        raise StateError("sequence state header: 'meta' must be an object")
+    caches = header["caches"]
+    if not isinstance(caches, list) or not 0 < len(caches) <= _MAX_CACHES \
+            or not all(isinstance(c, dict) for c in caches):
+        raise StateError(f"sequence state header: 'caches' must be a list of 1 to {_MAX_CACHES} objects")
+    if kind == "Wrapper":
+        routing = header["layer_to_cache"]
+        if not isinstance(routing, list) or len(routing) > _MAX_LAYERS \
+                or not all(_is_int(i, 0, len(caches) - 1) for i in routing):
+            raise StateError(f"sequence state header: 'layer_to_cache' must be a list of cache indices, not "
+                             f"{_show(routing)}")
+    for i, cfg in enumerate(caches):
+        if set(cfg) != _CACHE_KEYS:
+            extra, missing = sorted(set(cfg) - _CACHE_KEYS), sorted(_CACHE_KEYS - set(cfg))
+            raise StateError(f"sequence state header: cache {i} has "
+                             f"{'unknown keys ' + _show(extra) if extra else 'no ' + _show(missing)}")
+        for key in _INTS:
+            if not _is_int(cfg[key]):
+                raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {_show(cfg[key])}")
+        for key in ("type_k", "type_v"):
+            if not isinstance(cfg[key], str) or not 0 < len(cfg[key]) <= 32:
+                raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {_show(cfg[key])}")
+        if type(cfg["v_trans"]) is not bool:
+            raise StateError(f"sequence state header: cache {i} has a bad 'v_trans': {_show(cfg['v_trans'])}")
+        for key in ("window", "memory"):
+            if cfg[key] is not None and not _is_int(cfg[key], 1):
+                raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {_show(cfg[key])}")
+
+
 def _check_config(header: dict, kind: str, caches: list, routing) -> None:
-    if header.get("kind") != kind:
-        raise StateError(f"sequence state of a {header.get('kind')!r} cache, loading into a {kind}")
+    if header["kind"] != kind:
+        raise StateError(f"sequence state of a {header['kind']!r} cache, loading into a {kind}")
     saved = header["caches"]
     if len(saved) != len(caches):
         raise StateError(f"sequence state of {len(saved)} caches, this {kind} has {len(caches)}")
-    if routing is not None and header.get("layer_to_cache") != routing:
-        raise StateError(f"sequence state layer routing {header.get('layer_to_cache')} differs from this "
+    if routing is not None and header["layer_to_cache"] != routing:
+        raise StateError(f"sequence state layer routing {_show(header['layer_to_cache'])} differs from this "
                          f"Wrapper's {routing}")
     for i, (cfg, c) in enumerate(zip(saved, caches)):
         mine = _config(c)
-        diff = [f"{k} {cfg.get(k)!r} in the file, {mine[k]!r} here" for k in _COMPARED if cfg.get(k) != mine[k]]
+        # the schema fixed every value's JSON type, so == compares like with like
+        diff = [f"{k} {cfg[k]!r} in the file, {mine[k]!r} here" for k in _COMPARED if cfg[k] != mine[k]]
         if diff:
             where = "" if len(caches) == 1 else f" of cache {i}"
             raise StateError(f"sequence state configuration{where} differs: {'; '.join(diff)}")
 
 
-def _check_meta(meta: dict, expect_meta) -> None:
-    want = _meta_json(expect_meta)
+def _canon(v) -> str:
+    return json.dumps(v, sort_keys=True)
+
+
+def _check_meta(meta: dict, want: dict) -> None:
     for key, value in want.items():
         if key not in meta:
             raise StateError(f"sequence state meta has no {key!r}")
-        if meta[key] != value:
-            got = repr(meta[key])
-            raise StateError(f"sequence state meta {key!r} is {got[:80]}{'...' if len(got) > 80 else ''}, "
-                             f"expected {repr(value)[:80]}")
+        if _canon(meta[key]) != _canon(value):        # as JSON: 1, 1.0 and true differ
+            raise StateError(f"sequence state meta {key!r} is {_show(meta[key])}, expected {_show(value)}")
 
 
-def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
+def _check_positions(positions: list, kind: str) -> None:
+    for i, pos in enumerate(positions):
+        where = "" if len(positions) == 1 else f" of cache {i}"
+        if pos.size and pos.min() < 0:
+            raise StateError(f"sequence state positions{where} must be >= 0, found {int(pos.min())}")
+        if pos.size > 1 and (np.diff(pos) <= 0).any():
+            j = int(np.flatnonzero(np.diff(pos) <= 0)[0])
+            raise StateError(f"sequence state positions{where} must increase: {int(pos[j])} then "
+                             f"{int(pos[j + 1])}")
+    if kind == "Wrapper":
+        # every cache of a Wrapper stores each batch, so all hold the sequence up to the same position
+        last = [int(p[-1]) if p.size else -1 for p in positions]
+        if len(set(last)) > 1:
+            raise StateError(f"sequence state caches end at different positions {last}: they must hold the "
+                             "sequence up to the same one")
+
+
+def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None,
+             check: Optional[Callable[[dict, list], None]] = None) -> dict:
     """Replace what sequence ``seq`` holds in ``cache`` with a state written by :func:`save_seq`.
 
     Parameters
@@ -390,10 +525,15 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
         The sequence to load into (any id; it need not be the saved one).
     file : str, os.PathLike or binary file object
         A path must hold exactly one state. A seekable file object is read from its position and left just
-        after the state (more data may follow); a non-seekable one is read to its end.
+        after the state (more data may follow); a non-seekable one is read up to the size its header
+        declares (at most one byte more, to tell extra data, which is refused).
     expect_meta : dict, optional
-        Entries the file's meta must hold with equal values (e.g. a model fingerprint), checked before
-        anything changes.
+        Entries the file's meta must hold with equal values (as JSON; e.g. a model fingerprint), checked
+        before anything changes.
+    check : callable, optional
+        ``check(meta, positions)``, called once the whole file is validated and before anything changes
+        (``positions``: an ``int64`` array per cache, the saved ones, increasing); it refuses the state
+        by raising (a :class:`StateError` naming what is wrong), and nothing changes.
 
     Returns
     -------
@@ -403,49 +543,56 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
     Raises
     ------
     StateError
-        The file is damaged or truncated, of a newer format, of another configuration, has bad
-        positions, or ``expect_meta`` does not match. Nothing has changed.
+        The file is damaged or truncated, of a newer format, of another configuration, has a malformed
+        header or bad positions, ``expect_meta`` does not match, or ``check`` refused it. Nothing has
+        changed. (Only if the file changes between the validating read and the loading one is the
+        sequence left cleared; the message says so.)
     KVCacheFull
         The sequence's cells do not fit. Nothing has changed.
     """
     kind, caches, routing = _caches(cache)
     cells = [c.cells for c in caches]
     seq = cells[0]._check_seq(seq)
+    want = _meta_json(expect_meta)
+    if check is not None and not callable(check):
+        raise GGMLTypeError(f"check must be callable, got {type(check).__name__}")
     with _source(file) as (f, avail, exact):
         header, head = _header(f, avail)
         _check_config(header, kind, caches, routing)
         saved = header["caches"]
         body = sum(_section_bytes(cfg) for cfg in saved)
         total = len(head) + body + _DIGEST
+        if avail is None:
+            f = _slurp(f, head, total - len(head) + 1)
+            avail = len(f.getbuffer())
         if avail < total or (exact and avail != total):
             raise StateError(f"sequence state {'truncated' if avail < total else 'has extra bytes'}: the header "
                              f"describes {total} bytes, {avail} are there")
         start = f.tell()
-        # pass 1: the checksum over everything, keeping the positions
+        # pass 1: the checksum over everything, keeping the positions (and a CRC-32 of the body, which the
+        # second pass compares: cheaper than hashing again, and enough to see a file changed in between)
         digest = hashlib.sha256(head)
+        crc = 0
         positions = []
         for cfg in saved:
             raw = _read_exact(f, 4 * cfg["count"], "the positions")
             digest.update(raw)
             positions.append(np.frombuffer(raw, "<i4").astype(np.int64))
+            positions[-1].flags.writeable = False        # handed to check(): what pass 2 compares with
             left = _section_bytes(cfg) - len(raw)
             while left:
                 chunk = _read_exact(f, min(left, _CHUNK), "the K/V data")
                 digest.update(chunk)
+                crc = zlib.crc32(chunk, crc)
                 left -= len(chunk)
         if _read_exact(f, _DIGEST, "the checksum") != digest.digest():
             raise StateError("sequence state checksum mismatch: the file is damaged")
         end = f.tell()
-        for i, pos in enumerate(positions):
-            where = "" if len(caches) == 1 else f" of cache {i}"
-            if pos.size and pos.min() < 0:
-                raise StateError(f"sequence state positions{where} must be >= 0, found {int(pos.min())}")
-            if pos.size > 1 and (np.diff(pos) <= 0).any():
-                j = int(np.flatnonzero(np.diff(pos) <= 0)[0])
-                raise StateError(f"sequence state positions{where} must increase: {int(pos[j])} then "
-                                 f"{int(pos[j + 1])}")
+        _check_positions(positions, kind)
         meta = header["meta"]
-        _check_meta(meta, expect_meta)
+        _check_meta(meta, want)
+        if check is not None:
+            check(meta, positions)
         # plan every cache before touching any: the cells kept (a sliding window's memory) and their cell_ids
         plans = []
         for c, cl, pos in zip(caches, cells, positions):
@@ -459,24 +606,35 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None) -> dict:
                 raise KVCacheFull(f"sequence state needs {pos.size - first} cells, {cl.n_cells - trial.used} are "
                                   f"free for sequence {seq} (cache: {cl.n_cells})")
             plans.append((first, cell_ids))
-        # pass 2: the rows, into cells that are free once the sequence is cleared; metadata last
+        # pass 2: the rows, into cells that are free once the sequence is cleared; metadata last. What is
+        # written must be what was checked: the positions are compared, the rows' CRC-32 at the end
         f.seek(start)
+        again = 0
         try:
-            for c, cfg, (first, cell_ids) in zip(caches, saved, plans):
+            for c, cfg, pos, (first, cell_ids) in zip(caches, saved, positions, plans):
                 n = cfg["count"]
-                f.seek(4 * n, io.SEEK_CUR)
+                raw = _read_exact(f, 4 * n, "the positions")
+                if not np.array_equal(np.frombuffer(raw, "<i4"), pos):
+                    raise StateError("its positions differ")
                 for t, trans, es in _layers(c):
                     row = t.type.row_size(t.ne[1] if trans else t.ne[0])
-                    data = np.frombuffer(_read_exact(f, n * row, "the K/V data"), np.uint8)
+                    raw = _read_exact(f, n * row, "the K/V data")
+                    again = zlib.crc32(raw, again)
+                    data = np.frombuffer(raw, np.uint8)
                     if trans:
                         data = data.reshape(t.ne[1], n, es)[:, first:, :].reshape(t.ne[1], (n - first) * es)
                     else:
                         data = data.reshape(n, row)[first:]
                     if cell_ids.size:
                         _write(t, cell_ids, data, trans, es)
-        except BaseException:
+            if again != crc:
+                raise StateError("its data differs")
+        except BaseException as e:
             for cl in cells:        # the sequence's own cells may be half overwritten: drop it
                 cl.clear(seq)
+            if isinstance(e, StateError):
+                raise StateError(f"sequence state changed while it was loaded ({e}); sequence {seq} was "
+                                 "cleared") from None
             raise
         f.seek(end)
     for cl, pos, (first, cell_ids) in zip(cells, positions, plans):

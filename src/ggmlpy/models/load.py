@@ -12,6 +12,7 @@ from ggmlpy.gguf import GGUFReader
 
 from . import llama  # noqa: F401  (registers the llama family)
 from .base import Model, model_class
+from .fingerprint import weights_fingerprint
 
 __all__ = ["load_model"]
 
@@ -106,6 +107,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         reader.close()
         raise
     try:
+        # what a saved KV state must match (Runner.load_state): computed now, from the file as loaded
+        model.weights_fingerprint = weights_fingerprint(reader)
         if mmproj is not None:
             from ggmlpy.vision import load_mmproj
 

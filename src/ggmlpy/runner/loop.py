@@ -494,17 +494,19 @@ class Runner:
                                  f"with load_model(path, mmproj=...) or pass Runner(..., vision=...))")
 
     def _expand_images(self, prompt, images, what: str, parse_special: bool, marker: str = MEDIA_MARKER,
-                       encode=None) -> tuple[list, list, list]:
+                       encode=None, allow_local_files: bool = True) -> tuple[list, list, list]:
         """A prompt's ids with each image's tokens in place (as the processor's ``input_ids``), the
         preprocessed images and their checked pixels (float32 ``(tiles, 3, S, S)`` each). A str prompt has
-        one ``marker`` per image; ``encode`` tokenizes the expanded text (default: :func:`encode_prompt`)."""
+        one ``marker`` per image; ``encode`` tokenizes the expanded text (default: :func:`encode_prompt`).
+        Paths are read only with ``allow_local_files`` (the caller's own ``images=``; not a chat's)."""
         self._need_vision(what)
         if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
             raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
         from ggmlpy.vision.preprocess import PreprocessedImage, image_prompt, preprocess
 
         cfg = self.vision.image_config
-        pre = [im if isinstance(im, PreprocessedImage) else preprocess(im, cfg) for im in images]
+        pre = [im if isinstance(im, PreprocessedImage)
+               else preprocess(im, cfg, allow_local_files=allow_local_files) for im in images]
         pixels = [self.vision.check_pixels(p.pixel_values) for p in pre]
         for px in pixels:
             n = len(px)
@@ -532,9 +534,9 @@ class Runner:
         entries = [self.images.add(px) for px in pixels]
         return place_images(toks, entries, self.image_token, self.vision.config.tokens_per_image, what)
 
-    def _chat(self, messages, what: str, kw: dict) -> tuple[list[int], list]:
+    def _chat(self, messages, what: str, kw: dict, allow_local_files: bool = False) -> tuple[list[int], list]:
         """A chat's prompt ids (image tokens in place) and its preprocessed images (see :meth:`chat_prompt`)."""
-        msgs, images = chat_images(messages, what)
+        msgs, images = chat_images(messages, what, allow_local_files)
         if not images:
             return chat_prompt(self.tokenizer, msgs, **kw), []
         text = chat_text(self.tokenizer, msgs, **kw)
@@ -545,7 +547,8 @@ class Runner:
             raise GGMLValueError(f"{what}: {len(images)} image part(s), but the chat template wrote {n} {ph!r} "
                                  f"(a template that does not render image parts, or {ph!r} in a message's text)")
         toks, pre, _ = self._expand_images(text, images, what, True, marker=ph,
-                                           encode=lambda t: encode_chat(self.tokenizer, t))
+                                           encode=lambda t: encode_chat(self.tokenizer, t),
+                                           allow_local_files=allow_local_files)
         return toks, pre
 
     def _encode(self, entry) -> None:
@@ -811,10 +814,14 @@ class Runner:
                 self.slots.reset(s)
 
     def _fingerprint(self) -> dict:
-        """What a saved state must match to be loaded into this runner: the model's shape and weights' size."""
+        """What a saved state must match to be loaded into this runner: the model's shape and its weights'
+        fingerprint (:mod:`ggmlpy.models.fingerprint`; None for a model without a file)."""
+        from ggmlpy.models.fingerprint import model_fingerprint
+
         m, c = self.model, self.model.config
         return {"arch": c.arch, "desc": m.desc, "n_params": int(m.n_params), "size": int(m.size),
-                "n_vocab": int(m.n_vocab), "n_layer": int(c.n_layer), "n_embd": int(c.n_embd)}
+                "n_vocab": int(m.n_vocab), "n_layer": int(c.n_layer), "n_embd": int(c.n_embd),
+                "weights": model_fingerprint(m)}
 
     def save_state(self, seq: int, path) -> int:
         """Save sequence ``seq``: its cache cells (positions, K/V of every layer) and the tokens they hold.
@@ -822,8 +829,9 @@ class Runner:
         A later :meth:`load_state` (this runner or another over the same model and cache types)
         continues it exactly: the next :meth:`decode` gives the logits it would have given here, and a
         request whose prompt starts with the saved tokens reuses them as its prefix. The format is
-        :mod:`ggmlpy.kvcache.state`'s (checksummed); a path is written atomically. Direct use only
-        (not while requests are served), as :meth:`decode`. Returns the bytes written.
+        :mod:`ggmlpy.kvcache.state`'s (checksummed), with the model's fingerprint (shape and weights) and
+        the tokens in its meta; a path is written atomically. Direct use only (not while requests are
+        served), as :meth:`decode`. Returns the bytes written.
         """
         self._check_open("save_state")
         seq = self._check_seq_id(seq, "save_state")
@@ -831,28 +839,98 @@ class Runner:
             meta = {"model": self._fingerprint(), "tokens": list(self.slots[seq].tokens)}
             return self.cache.save_seq(seq, path, meta=meta)
 
+    def _state_tokens(self, meta: dict, positions: list) -> list:
+        """The token record of a state's ``meta`` (from :meth:`save_state`), validated against this runner:
+        the model fingerprint, every token an id of the vocabulary (or an image row: then the record is
+        dropped, image ids being the saving runner's own), one token per position, positions within the
+        context. Raises StateError naming what is wrong."""
+        from ggmlpy.kvcache import StateError
+
+        if set(meta) != {"model", "tokens"}:
+            raise StateError(f"load_state: the state's meta has keys {repr(sorted(meta))[:100]}, not 'model' and "
+                             "'tokens' (not saved by Runner.save_state)")
+        mine, theirs = self._fingerprint(), meta["model"]
+        if not isinstance(theirs, dict):
+            raise StateError("load_state: the state's model fingerprint is not an object")
+        if "weights" not in theirs and set(theirs) == set(mine) - {"weights"}:
+            raise StateError("load_state: the state was saved by an older ggmlpy, without a weights "
+                             "fingerprint: it cannot be checked against this model's weights; save it again")
+        if set(theirs) != set(mine):
+            raise StateError(f"load_state: the state's model fingerprint has keys {repr(sorted(theirs))[:150]}, "
+                             f"expected {sorted(mine)}")
+        diff = [f"{k} {theirs[k]!r} in the file, {mine[k]!r} here" for k in mine
+                if k != "weights" and (type(theirs[k]) is not type(mine[k]) or theirs[k] != mine[k])]
+        if diff:
+            raise StateError(f"load_state: the state was saved for another model: {'; '.join(diff)[:300]}")
+        if theirs["weights"] != mine["weights"]:
+            got = theirs["weights"]
+            raise StateError(f"load_state: the state belongs to another model of the same shape: its weights "
+                             f"fingerprint {(got[:16] + '...') if isinstance(got, str) else repr(got)[:20]} is "
+                             f"not this model's {str(mine['weights'])[:16]}...")
+        tokens = meta["tokens"]
+        if not isinstance(tokens, list):
+            raise StateError(f"load_state: the state's tokens must be a list, not {type(tokens).__name__}")
+        n_vocab = int(self.model.n_vocab)
+        images = False
+        for i, t in enumerate(tokens):
+            if type(t) is not int or not (0 <= t < n_vocab or -2**31 <= t <= FIRST_IMAGE_ID):
+                raise StateError(f"load_state: the state's token {i} is {repr(t)[:40]}, not a token id of this "
+                                 f"model's vocabulary [0, {n_vocab})")
+            images |= t < 0
+        last = max((int(p[-1]) for p in positions if p.size), default=-1)
+        if last >= self.n_ctx:
+            raise StateError(f"load_state: the state holds position {last}, beyond this runner's context "
+                             f"(n_ctx {self.n_ctx})")
+        if tokens and len(tokens) != last + 1:
+            raise StateError(f"load_state: the state lists {len(tokens)} tokens for positions up to {last}: "
+                             f"it must list one per position from 0, or none")
+        if tokens:
+            # the record says every position 0..last was computed: a cache holds them all, without a gap
+            # (a sliding window's, at least those the next token sees)
+            for i, (c, p) in enumerate(zip(getattr(self.cache, "caches", [self.cache]), positions)):
+                window = getattr(c, "window", None)
+                need = 0 if window is None else max(0, last + 1 - window)
+                if p.size != last + 1 - int(p[0]) or int(p[0]) > need:    # increasing, ending at last
+                    raise StateError(f"load_state: the state's cache {i} holds {p.size} positions from "
+                                     f"{int(p[0])} to {last}, not every one from {need}, as its "
+                                     f"{len(tokens)} tokens say")
+        return [] if images else tokens
+
     def load_state(self, seq: int, path) -> list:
         """Replace what sequence ``seq`` holds with a state from :meth:`save_state` (possibly of another
-        sequence id); returns the tokens it holds (empty when the saver did not know them).
+        sequence id); returns the tokens it holds (empty when the saver did not know them, or they include
+        image rows: their ids are the saving runner's own, so a later prompt never reuses them).
+
+        The whole file is validated before the cache or the slot table changes: its format and checksum
+        (:mod:`ggmlpy.kvcache.state`), the cache configuration, the model (shape and weights fingerprint,
+        :mod:`ggmlpy.models.fingerprint`), the tokens (ids of this model's vocabulary, one per position)
+        and the positions (within ``n_ctx``).
 
         Raises
         ------
         ggmlpy.kvcache.StateError
-            Not a state file, damaged, or saved for another model or cache configuration (types,
-            layout, window); the message says which. Nothing is changed.
+            Not a state file, damaged, of another model (shape or weights) or cache configuration (types,
+            layout, window), saved by an older ggmlpy without a weights fingerprint, or with a token or
+            position this runner cannot hold; the message says which. Nothing is changed.
         ggmlpy.kvcache.KVCacheFull
             The cache has too few free cells for it; nothing is changed.
         """
         self._check_open("load_state")
         seq = self._check_seq_id(seq, "load_state")
         with self._direct("load_state"):
-            meta = self.cache.load_seq(seq, path, expect_meta={"model": self._fingerprint()})
-            tokens = meta.get("tokens")
-            tokens = [int(t) for t in tokens] if isinstance(tokens, list) else []
-            if len(tokens) != self.cache.seq_pos_max(seq) + 1:
-                tokens = []                    # not one token per position from 0: unknown to the slot table
-            self.slots.set_tokens(seq, tokens)
-            return tokens
+            record = []
+
+            def check(meta, positions):
+                record.append(self._state_tokens(meta, positions))
+
+            try:
+                self.cache.load_seq(seq, path, check=check)
+            except BaseException:
+                if self.cache.seq_pos_max(seq) < 0:
+                    self.slots.reset(seq)      # the load failed after clearing the sequence: its record goes too
+                raise
+            self.slots.set_tokens(seq, record[0])
+            return record[0]
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until no request is queued, served or computing; False on timeout."""
@@ -917,7 +995,9 @@ class Runner:
             that produces text needs :attr:`tokenizer`; one that does not behaves exactly as before
             text existed (``text`` None, only the model's EOS ids stop it).
         images : images for a runner with a vision encoder (PIL images, ``uint8`` arrays ``(H, W, 3)``,
-            paths, ``data:`` URLs or encoded bytes, see :func:`ggmlpy.vision.preprocess.load_image`; or
+            paths, ``data:`` URLs or encoded bytes, see :func:`ggmlpy.vision.preprocess.load_image`, read
+            within its bounds; a path is read, being the caller's own argument, unlike one in a chat
+            message, see :meth:`chat_prompt`; or
             :class:`~ggmlpy.vision.preprocess.PreprocessedImage` made with the encoder's ``image_config``),
             in prompt order.
             A str prompt marks each image's place with :data:`MEDIA_MARKER` (``<__media__>``), which
@@ -1019,7 +1099,7 @@ class Runner:
 
     def chat_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
-                    template_kwargs: Optional[dict] = None) -> list[int]:
+                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False) -> list[int]:
         """The prompt ids :meth:`chat` uses for ``messages`` (see :func:`ggmlpy.runner.text.chat_prompt`).
 
         The chat template (the GGUF's, or ``template``) rendered with the messages (and ``tools``,
@@ -1036,27 +1116,39 @@ class Runner:
         (:attr:`VisionModel.image_placeholder`, Gemma 3's ``<start_of_image>``) becomes the image's
         tokens as the model's processor writes them: the ids are the processor's ``input_ids``.
 
+        Messages may carry what someone else wrote (a server relays them), so an image part that names
+        a local file (a path or a ``file://`` URL) is refused unless ``allow_local_files=True``: nothing
+        is read or looked up, and the error is the same whether the file exists or not. A ``data:`` URL,
+        encoded bytes, a PIL image or an array is always taken. (A server built on this keeps the
+        default.) Encoded images are read within :mod:`ggmlpy.vision.preprocess`'s bounds (size,
+        formats, pixels).
+
         Raises
         ------
         TokenizerError
             No tokenizer, or no chat template in the file and none given.
         ChatTemplateError
             The template failed (its own ``raise_exception``, a loop, output over the limits).
+        ImageError
+            (:class:`ggmlpy.vision.preprocess.ImageError`) An image part naming a local file without
+            ``allow_local_files``, or an image that cannot be read or is refused.
         GGMLValueError
             Image parts without a vision encoder, an image part without an image, or a template that
             did not write one placeholder per image.
         """
         return self._chat(messages, "chat_prompt", dict(add_generation_prompt=add_generation_prompt, tools=tools,
-                                                        template=template, template_kwargs=template_kwargs))[0]
+                                                        template=template, template_kwargs=template_kwargs),
+                          allow_local_files)[0]
 
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
-                    template_kwargs: Optional[dict] = None, **kw) -> Handle:
+                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False, **kw) -> Handle:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
         ``messages`` are dicts as transformers' chat templates take them (``{"role": "user",
         "content": "..."}``; roles ``system``, ``user``, ``assistant``, ``tool``); contents with image
-        parts as :meth:`chat_prompt` says. The prompt is :meth:`chat_prompt`; the reply ends at any
+        parts as :meth:`chat_prompt` says (local files only with ``allow_local_files=True``). The
+        prompt is :meth:`chat_prompt`; the reply ends at any
         end-of-generation id of the tokenizer (done reason ``stop``), at a stop string, or at
         ``max_tokens``. Other keywords are :meth:`submit`'s (``max_tokens``, ``sampling``, ``stop``, ...). A
         later chat whose messages start with this one's reuses the cached prompt (the runner's prefix
@@ -1071,7 +1163,8 @@ class Runner:
         kw["detokenize"] = True
         ids, images = self._chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt,
                                                                 tools=tools, template=template,
-                                                                template_kwargs=template_kwargs))
+                                                                template_kwargs=template_kwargs),
+                                 allow_local_files)
         if images:
             if kw.get("images"):
                 raise GGMLValueError("submit_chat: images both in the messages and in images=; give them as "
