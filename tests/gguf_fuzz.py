@@ -39,7 +39,8 @@ file (a head count that divides the width, a gemma3 pooling factor that divides
 the patch grid, other plausible mean/std values) are not made. An error must be a ``ggmlpy.GGMLError`` (or OSError); anything
 else is reported as a failure. Children handle a batch of cases each; the
 parent watches them: a negative return code is an abort (the case is named),
-a case that makes no progress for ``--case-timeout`` seconds (20) is a hang.
+a case that makes no progress for ``--case-timeout`` seconds (20) is a hang
+(the pool of children is ``tests/fuzz_pool.py``, shared with the other fuzzers).
 
 Usage::
 
@@ -60,12 +61,12 @@ import json
 import math
 import os
 import random
-import select
 import struct
-import subprocess
 import sys
 import tempfile
 import time
+
+import fuzz_pool
 
 # --- the GGUF header, parsed in pure Python (positions of every field) -------------------------------
 
@@ -653,7 +654,7 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str, tar
         kind, desc, data, semantic = make_case(blobs[b], hdrs[b], seed, i, target)
         with open(path, "wb") as f:
             f.write(data)
-        print(f"start {i}", flush=True)
+        fuzz_pool.case_start(i)
         res = {"i": i, "base": b, "kind": kind, "desc": desc, "semantic": semantic}
         stage = "read"
         try:
@@ -693,7 +694,7 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str, tar
             res["outcome"] = "bad-exception"
             res["stage"] = stage
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(json.dumps(res), flush=True)
+        fuzz_pool.case_result(res)
     if text is not None:
         text.close()
     try:
@@ -764,42 +765,14 @@ def make_bases(folder: str, target: str = "model") -> list[str]:
     return out
 
 
-class _Batch:
-    """One child process and what the parent knows of it (stderr goes to a file: a full pipe would stall it)."""
-
-    def __init__(self, bases, seed, start, stop, work, target="model"):
-        self.next, self.stop = start, stop
-        self.err = tempfile.TemporaryFile(dir=work)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", __file__, "--child", "--seed", str(seed), "--range",
-             f"{start}:{stop}", "--work", work, "--target", target, *bases],
-            stdout=subprocess.PIPE, stderr=self.err)
-        self.fd = self.proc.stdout.fileno()
-        self.buf = b""
-        self.eof = False
-        self.current = None
-        self.since = time.monotonic()
-
-    def stderr(self) -> str:
-        self.err.seek(0)
-        text = self.err.read().decode(errors="replace")
-        self.err.close()
-        return text[-1500:]
-
-
 def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout: float = 20.0,
         work: str | None = None, start: int = 0, log=None, target: str = "model") -> dict:
     """Run ``cases`` cases (numbered from ``start``) in child processes; returns the summary dict.
 
     ``target``: ``"model"`` (text model files) or ``"mmproj"`` (vision encoder files)."""
     t0 = time.monotonic()
-    own = work is None
-    tmp = tempfile.TemporaryDirectory(prefix="gguf-fuzz-") if own else None
-    work = tmp.name if own else work
-    try:
+    with fuzz_pool.work_dir(work, "gguf-fuzz-") as work:
         bases = make_bases(work, target)
-        todo = [(s, min(s + batch, start + cases)) for s in range(start, start + cases, batch)]
-        running: list[_Batch] = []
         summary = {"target": target, "cases": 0, "loaded": 0, "rejected": 0, "aborts": 0, "hangs": 0,
                    "bad_exceptions": 0, "unnamed_errors": 0, "silent_semantic_loads": 0, "semantic": 0, "semantic_rejected": 0, "by_kind": {},
                    "failures": []}
@@ -829,59 +802,11 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
             if log is not None:
                 log.write(json.dumps(res) + "\n")
 
-        def respawn(b: _Batch, after: int):
-            if after + 1 < b.stop:
-                todo.insert(0, (after + 1, b.stop))
-
-        while todo or running:
-            while todo and len(running) < jobs:
-                running.append(_Batch(bases, seed, *todo.pop(0), work, target))
-            ready, _, _ = select.select([b.fd for b in running], [], [], 0.5)
-            for b in list(running):
-                if b.fd in ready:
-                    chunk = os.read(b.fd, 1 << 16)
-                    b.eof = not chunk
-                    b.buf += chunk
-                while b"\n" in b.buf:
-                    line, b.buf = b.buf.split(b"\n", 1)
-                    if line.startswith(b"start "):
-                        b.current = int(line.split()[1])
-                        b.since = time.monotonic()
-                    elif line.startswith(b"{"):
-                        record(json.loads(line))
-                        b.current = None
-                        b.since = time.monotonic()
-                if b.eof:
-                    rc = b.proc.wait()
-                    b.proc.stdout.close()
-                    err = b.stderr()
-                    running.remove(b)
-                    if b.current is not None:     # died inside a case: an abort (or an unexpected exit)
-                        info = _describe(bases, seed, b.current, target)
-                        record({**info, "outcome": "abort", "error": f"rc={rc} {err}"})
-                        respawn(b, b.current)
-                    elif rc != 0:
-                        summary["failures"].append(f"child for cases {b.next}..{b.stop} exited {rc}: {err}")
-                        summary["aborts"] += 1
-                elif time.monotonic() - b.since > case_timeout:
-                    b.proc.kill()
-                    b.proc.wait()
-                    b.proc.stdout.close()
-                    b.stderr()
-                    running.remove(b)
-                    if b.current is None:
-                        summary["failures"].append(f"child for cases {b.next}..{b.stop} stalled between cases")
-                        summary["hangs"] += 1
-                        continue
-                    info = _describe(bases, seed, b.current, target)
-                    record({**info, "outcome": "hang", "error": f"no result after {case_timeout:g} s"})
-                    respawn(b, b.current)
-        summary["wall_s"] = round(time.monotonic() - t0, 1)
-        summary["failures"] = summary["failures"][:50]
-        return summary
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        fuzz_pool.run_ranges(__file__, fuzz_pool.ranges(start, cases, batch), seed=seed, work=work,
+                             jobs=jobs, case_timeout=case_timeout,
+                             args=["--target", target, *bases], summary=summary, record=record,
+                             describe=lambda i: _describe(bases, seed, i, target))
+        return fuzz_pool.finish(summary, t0)
 
 
 def _describe(bases, seed, i, target="model"):
@@ -892,25 +817,15 @@ def _describe(bases, seed, i, target="model"):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--target", choices=sorted(KINDS), default="model",
                     help="model: text model files; mmproj: vision encoder files")
-    ap.add_argument("--start", type=int, default=0, help="number of the first case")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", type=int, default=1, help="child processes at a time")
-    ap.add_argument("--batch", type=int, default=250, help="cases per child process")
-    ap.add_argument("--case-timeout", type=float, default=20.0)
-    ap.add_argument("--log", help="write every case's result (JSON lines) here")
-    ap.add_argument("--write-case", type=int, help="write case N to --out and describe it, run nothing")
-    ap.add_argument("--out", default="case.gguf")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--range", help=argparse.SUPPRESS)
-    ap.add_argument("--work", help="folder for the base models and case files (default: a temporary one)")
+    fuzz_pool.add_options(ap, cases=300, batch=250, case_timeout=20.0, out="case.gguf",
+                          work_help="folder for the base models and case files (default: a "
+                                    "temporary one)")
     ap.add_argument("bases", nargs="*", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        lo, hi = map(int, a.range.split(":"))
-        run_cases(a.bases, a.seed, lo, hi, a.work, a.target)
+        run_cases(a.bases, a.seed, *fuzz_pool.child_range(a), a.work, a.target)
         return 0
     if a.write_case is not None:
         work = a.work or tempfile.mkdtemp(prefix="gguf-fuzz-")
@@ -921,14 +836,11 @@ def main(argv=None) -> int:
             f.write(data)
         print(json.dumps({"case": a.write_case, "kind": kind, "desc": desc, "semantic": semantic, "out": a.out}))
         return 0
-    log = open(a.log, "w") if a.log else None
-    try:
-        summary = run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log, a.target)
-    finally:
-        if log is not None:
-            log.close()
-    print(json.dumps(summary))
-    return 0 if not summary["failures"] else 1
+
+    def go(log):
+        return run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log, a.target)
+
+    return fuzz_pool.run_main(a.log, go)
 
 
 if __name__ == "__main__":

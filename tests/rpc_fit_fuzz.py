@@ -21,7 +21,8 @@ What must hold in every case (anything else is a failure, named with the case):
 * the process goes on: a model loads and decodes on the CPU after every case with a dead server.
 
 Cases run in a child process; the parent restarts it after an abort (a negative return code: the
-case is named) or a case that makes no progress for ``--case-timeout`` seconds (a hang).
+case is named) or a case that makes no progress for ``--case-timeout`` seconds (a hang), through
+``tests/fuzz_pool.py`` as the other fuzzers do.
 
 Usage::
 
@@ -45,9 +46,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+import fuzz_pool
 
 MIB = 2**20
 #: budgets (MiB) a server gets: nothing, tiny, around one layer (2.0 MiB with the runner below: the
@@ -342,30 +344,18 @@ def run_child(work: str, seed: int, start: int, stop: int, with_stop: bool = Fal
     one = int(open(os.path.join(work, "one_layer")).read())
     for i in range(start, stop):
         case = make_case(seed, i, one, with_stop)
-        print(f"start {i}", flush=True)
+        fuzz_pool.case_start(i)
         res = run_case(path, case)
         res["rss_mib"] = round(rss_mib(), 1)
         res["fds"] = n_fds()
-        print(json.dumps(res), flush=True)
-
-
-def _watch(proc, st: dict, case_timeout: float) -> None:
-    """Kill the child when its current case makes no progress for ``case_timeout`` seconds."""
-    while proc.poll() is None:
-        if st["current"] is not None and time.monotonic() - st["since"] > case_timeout:
-            st["hang"] = True
-            proc.kill()
-            return
-        time.sleep(0.5)
+        fuzz_pool.case_result(res)
 
 
 def run(cases: int, seed: int = 0, case_timeout: float = 180.0, work: str | None = None, log=None,
         stop: bool = False) -> dict:
     """Run ``cases`` cases in child processes (``stop``: with the SIGSTOP scenario); returns the summary."""
     t0 = time.monotonic()
-    tmp = tempfile.TemporaryDirectory(prefix="rpc-fit-fuzz-") if work is None else None
-    work = tmp.name if tmp is not None else work
-    try:
+    with fuzz_pool.work_dir(work, "rpc-fit-fuzz-") as work:
         path = make_model(work)
         one = one_layer_need(path)
         with open(os.path.join(work, "one_layer"), "w") as f:
@@ -374,87 +364,57 @@ def run(cases: int, seed: int = 0, case_timeout: float = 180.0, work: str | None
                          "by_scenario": {}, "fit_errors": 0, "request_errors": 0, "failures": []}
         rss: list[float] = []
         fds: list[int] = []
-        nxt = 0
-        while nxt < cases:
-            err = tempfile.TemporaryFile(dir=work)
-            proc = subprocess.Popen([sys.executable, "-X", "faulthandler", __file__, "--child", "--seed", str(seed),
-                                     "--range", f"{nxt}:{cases}", "--work", work] + ["--stop"] * stop,
-                                    stdout=subprocess.PIPE, stderr=err, text=True)
-            st = {"current": None, "since": time.monotonic(), "hang": False}
-            watchdog = threading.Thread(target=_watch, args=(proc, st, case_timeout), daemon=True)
-            watchdog.start()
-            for line in proc.stdout:
-                if line.startswith("start "):
-                    st["current"], st["since"] = int(line.split()[1]), time.monotonic()
-                elif line.startswith("{"):
-                    r = json.loads(line)
-                    st["current"], st["since"] = None, time.monotonic()
-                    nxt = r["i"] + 1
-                    summary["cases"] += 1
-                    summary[r["outcome"]] += 1
-                    sc = summary["by_scenario"].setdefault(r["scenario"], {})
-                    key = ("fit-error" if str(r.get("fit", "")).startswith("error") else
-                           "request-errors" if "error" in r.get("requests", []) else "served")
-                    sc[key] = sc.get(key, 0) + 1
-                    summary["fit_errors"] += key == "fit-error"
-                    summary["request_errors"] += r.get("requests", []).count("error")
-                    rss.append(r["rss_mib"])
-                    fds.append(r["fds"])
-                    if r["problems"]:
-                        summary["failures"].append(f"case {r['i']} {r['scenario']} {r['mems']}: {r['problems']}")
-                    if log is not None:
-                        log.write(json.dumps(r) + "\n")
-            rc = proc.wait()
-            watchdog.join()
-            current = st["current"]
-            if current is not None:
-                err.seek(0)
-                what = "hang" if st["hang"] else f"abort rc={rc}"
-                summary["hangs" if st["hang"] else "aborts"] += 1
+        # one child runs every case; after an abort or a hang, a new one runs the rest
+        for r in fuzz_pool.results(__file__, fuzz_pool.ranges(0, cases), seed=seed, work=work,
+                                   case_timeout=case_timeout, args=["--stop"] * stop):
+            if isinstance(r, fuzz_pool.Lost):
+                if r.case is None:          # exited non-zero, or stalled, between cases
+                    summary["failures"].append(f"child exited {r.rc}: {r.stderr}"
+                                               if r.outcome == "abort" else r.message)
+                    continue
+                summary[r.outcome + "s"] += 1
                 summary["cases"] += 1
-                summary["failures"].append(f"case {current} {make_case(seed, current, one, stop)}: {what} "
-                                           f"{err.read().decode(errors='replace')[-1500:]}")
-                nxt = current + 1
-            elif rc != 0:
-                err.seek(0)
-                summary["failures"].append(f"child exited {rc}: {err.read().decode(errors='replace')[-1500:]}")
-                break
-            err.close()
+                what = "hang" if r.outcome == "hang" else f"abort rc={r.rc}"
+                summary["failures"].append(f"case {r.case} {make_case(seed, r.case, one, stop)}: "
+                                           f"{what} {r.stderr}")
+                continue
+            summary["cases"] += 1
+            summary[r["outcome"]] += 1
+            sc = summary["by_scenario"].setdefault(r["scenario"], {})
+            key = ("fit-error" if str(r.get("fit", "")).startswith("error") else
+                   "request-errors" if "error" in r.get("requests", []) else "served")
+            sc[key] = sc.get(key, 0) + 1
+            summary["fit_errors"] += key == "fit-error"
+            summary["request_errors"] += r.get("requests", []).count("error")
+            rss.append(r["rss_mib"])
+            fds.append(r["fds"])
+            if r["problems"]:
+                summary["failures"].append(f"case {r['i']} {r['scenario']} {r['mems']}: "
+                                           f"{r['problems']}")
+            if log is not None:
+                log.write(json.dumps(r) + "\n")
         # growth from the first few cases (one-time costs) to the end
         k = min(3, len(rss) - 1)
         summary["rss_mib_first_last"] = [rss[k], rss[-1]] if rss else None
         summary["fds_first_last"] = [fds[k], fds[-1]] if fds else None
-        summary["wall_s"] = round(time.monotonic() - t0, 1)
-        summary["failures"] = summary["failures"][:50]
-        return summary
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        return fuzz_pool.finish(summary, t0)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--case-timeout", type=float, default=180.0)
-    ap.add_argument("--stop", action="store_true", help="add the scenario of a server stopped mid-generation")
-    ap.add_argument("--log", help="write every case's result (JSON lines) here")
-    ap.add_argument("--work", help="folder for the model (default: a temporary one)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--range", help=argparse.SUPPRESS)
+    fuzz_pool.add_options(ap, cases=20, case_timeout=180.0,
+                          work_help="folder for the model (default: a temporary one)")
+    ap.add_argument("--stop", action="store_true",
+                    help="add the scenario of a server stopped mid-generation")
     a = ap.parse_args(argv)
     if a.child:
-        lo, hi = map(int, a.range.split(":"))
-        run_child(a.work, a.seed, lo, hi, a.stop)
+        run_child(a.work, a.seed, *fuzz_pool.child_range(a), a.stop)
         return 0
-    log = open(a.log, "w") if a.log else None
-    try:
-        summary = run(a.cases, a.seed, a.case_timeout, a.work, log, a.stop)
-    finally:
-        if log is not None:
-            log.close()
-    print(json.dumps(summary))
-    return 0 if not summary["failures"] else 1
+
+    def go(log):
+        return run(a.cases, a.seed, a.case_timeout, a.work, log, a.stop)
+
+    return fuzz_pool.run_main(a.log, go)
 
 
 if __name__ == "__main__":

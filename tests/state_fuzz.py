@@ -24,7 +24,8 @@ tokens (every fourth case through a non-seekable stream). A refusal must be a ``
 ``KVCacheFull`` and leave every cache cell, every K/V byte of both sequences and the slot table as they
 were; a load must put exactly the base's rows under sequence 0, leave sequence 1 alone and record the
 file's tokens. Children handle a batch of cases each; the parent watches them: a negative return code
-is an abort (the case is named), a case that makes no progress for ``--case-timeout`` seconds is a hang.
+is an abort (the case is named), a case that makes no progress for ``--case-timeout`` seconds is a hang
+(the pool of children is ``tests/fuzz_pool.py``, shared with the other fuzzers).
 
 Usage::
 
@@ -45,12 +46,12 @@ import io
 import json
 import os
 import random
-import select
 import struct
-import subprocess
 import sys
 import tempfile
 import time
+
+import fuzz_pool
 
 MAGIC = b"GGMLKVSQ"
 PRE = struct.Struct("<8sII")
@@ -542,7 +543,7 @@ def run_cases(work: str, seed: int, start: int, stop: int) -> None:
             rt = rts[b]
             with open(path, "wb") as f:
                 f.write(data)
-            print(f"start {i}", flush=True)
+            fuzz_pool.case_start(i)
             res = {"i": i, "base": b, "kind": kind, "desc": desc, "expect": expect}
             before = snapshot(rt)
             other = seq_rows(rt, 1)
@@ -575,7 +576,7 @@ def run_cases(work: str, seed: int, start: int, stop: int) -> None:
                 res["outcome"] = "bad-exception"
                 res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 fill(rt)
-            print(json.dumps(res), flush=True)
+            fuzz_pool.case_result(res)
     finally:
         for rt in rts:
             rt.close()
@@ -615,29 +616,6 @@ def make_bases(work: str) -> None:
             rt.save_state(1, s)
 
 
-class _Batch:
-    """One child process and what the parent knows of it (stderr goes to a file: a full pipe would stall it)."""
-
-    def __init__(self, seed, start, stop, work):
-        self.stop = stop
-        self.first = start
-        self.err = tempfile.TemporaryFile(dir=work)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-X", "faulthandler", __file__, "--child", "--seed", str(seed), "--range",
-             f"{start}:{stop}", "--work", work], stdout=subprocess.PIPE, stderr=self.err)
-        self.fd = self.proc.stdout.fileno()
-        self.buf = b""
-        self.eof = False
-        self.current = None
-        self.since = time.monotonic()
-
-    def stderr(self) -> str:
-        self.err.seek(0)
-        text = self.err.read().decode(errors="replace")
-        self.err.close()
-        return text[-1500:]
-
-
 def _describe(work: str, seed: int, i: int) -> dict:
     bases = [State(open(p, "rb").read()) for p in base_paths(work)[1]]
     b, kind, desc, _data, expect = make_case(bases, seed, i)
@@ -648,12 +626,8 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 500, case_timeout
         work: str | None = None, start: int = 0, log=None) -> dict:
     """Run ``cases`` cases (numbered from ``start``) in child processes; returns the summary dict."""
     t0 = time.monotonic()
-    tmp = tempfile.TemporaryDirectory(prefix="state-fuzz-") if work is None else None
-    work = tmp.name if tmp is not None else work
-    try:
+    with fuzz_pool.work_dir(work, "state-fuzz-") as work:
         make_bases(work)
-        todo = [(s, min(s + batch, start + cases)) for s in range(start, start + cases, batch)]
-        running: list[_Batch] = []
         summary = {"cases": 0, "loaded": 0, "rejected": 0, "expected_rejects": 0, "expected_loads": 0,
                    "silent_loads": 0, "refused_valid": 0, "changed_on_refusal": 0, "inexact_loads": 0,
                    "aborts": 0, "hangs": 0, "bad_exceptions": 0, "by_kind": {}, "failures": []}
@@ -689,76 +663,20 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 500, case_timeout
             if log is not None:
                 log.write(json.dumps(res) + "\n")
 
-        while todo or running:
-            while todo and len(running) < jobs:
-                running.append(_Batch(seed, *todo.pop(0), work))
-            ready, _, _ = select.select([b.fd for b in running], [], [], 0.5)
-            for b in list(running):
-                if b.fd in ready:
-                    chunk = os.read(b.fd, 1 << 16)
-                    b.eof = not chunk
-                    b.buf += chunk
-                while b"\n" in b.buf:
-                    line, b.buf = b.buf.split(b"\n", 1)
-                    if line.startswith(b"start "):
-                        b.current = int(line.split()[1])
-                        b.since = time.monotonic()
-                    elif line.startswith(b"{"):
-                        record(json.loads(line))
-                        b.current = None
-                        b.since = time.monotonic()
-                if b.eof:
-                    rc = b.proc.wait()
-                    b.proc.stdout.close()
-                    err = b.stderr()
-                    running.remove(b)
-                    if b.current is not None:      # died inside a case: an abort (or an unexpected exit)
-                        record({**_describe(work, seed, b.current), "outcome": "abort", "error": f"rc={rc} {err}"})
-                        if b.current + 1 < b.stop:
-                            todo.insert(0, (b.current + 1, b.stop))
-                    elif rc != 0:
-                        summary["failures"].append(f"child for cases {b.first}..{b.stop} exited {rc}: {err}")
-                        summary["aborts"] += 1
-                elif time.monotonic() - b.since > case_timeout:
-                    b.proc.kill()
-                    b.proc.wait()
-                    b.proc.stdout.close()
-                    b.stderr()
-                    running.remove(b)
-                    if b.current is None:
-                        summary["failures"].append(f"child for cases {b.first}..{b.stop} stalled between cases")
-                        summary["hangs"] += 1
-                        continue
-                    record({**_describe(work, seed, b.current), "outcome": "hang",
-                            "error": f"no result after {case_timeout:g} s"})
-                    if b.current + 1 < b.stop:
-                        todo.insert(0, (b.current + 1, b.stop))
-        summary["wall_s"] = round(time.monotonic() - t0, 1)
-        summary["failures"] = summary["failures"][:50]
-        return summary
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+        fuzz_pool.run_ranges(__file__, fuzz_pool.ranges(start, cases, batch), seed=seed, work=work,
+                             jobs=jobs, case_timeout=case_timeout, summary=summary, record=record,
+                             describe=lambda i: _describe(work, seed, i))
+        return fuzz_pool.finish(summary, t0)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=int, default=300)
-    ap.add_argument("--start", type=int, default=0, help="number of the first case")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--jobs", type=int, default=1, help="child processes at a time")
-    ap.add_argument("--batch", type=int, default=500, help="cases per child process")
-    ap.add_argument("--case-timeout", type=float, default=30.0)
-    ap.add_argument("--log", help="write every case's result (JSON lines) here")
-    ap.add_argument("--write-case", type=int, help="write case N to --out and describe it, run nothing")
-    ap.add_argument("--out", default="case.state")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--range", help=argparse.SUPPRESS)
-    ap.add_argument("--work", help="folder for the base models, states and case files (default: a temporary one)")
+    fuzz_pool.add_options(ap, cases=300, batch=500, case_timeout=30.0, out="case.state",
+                          work_help="folder for the base models, states and case files (default: a "
+                                    "temporary one)")
     a = ap.parse_args(argv)
     if a.child:
-        lo, hi = map(int, a.range.split(":"))
-        run_cases(a.work, a.seed, lo, hi)
+        run_cases(a.work, a.seed, *fuzz_pool.child_range(a))
         return 0
     if a.write_case is not None:
         work = a.work or tempfile.mkdtemp(prefix="state-fuzz-")
@@ -770,14 +688,11 @@ def main(argv=None) -> int:
         print(json.dumps({"case": a.write_case, "base": b, "model": base_paths(work)[0][b], "kind": kind,
                           "desc": desc, "expect": expect, "out": a.out}))
         return 0
-    log = open(a.log, "w") if a.log else None
-    try:
-        summary = run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log)
-    finally:
-        if log is not None:
-            log.close()
-    print(json.dumps(summary))
-    return 0 if not summary["failures"] else 1
+
+    def go(log):
+        return run(a.cases, a.seed, a.jobs, a.batch, a.case_timeout, a.work, a.start, log)
+
+    return fuzz_pool.run_main(a.log, go)
 
 
 if __name__ == "__main__":
