@@ -1,8 +1,8 @@
 """``Context.attn_prefill``: ggmlpy's CPU kernel for a prompt's attention.
 
 Checked against numpy in float64 (``test_attn_decode._reference``) for causal prompts at depth 0
-and deeper, grouped-query heads, K and V of different sizes, row counts and cache lengths that are
-not multiples of the 64-row tiles and 64-position blocks, masks with holes (several sequences in one
+and deeper, grouped-query heads, K and V of different sizes (V sizes that are not multiples of 4 too), row
+counts and cache lengths that are not multiples of the 64-row tiles and 64-position blocks, masks with holes (several sequences in one
 batch), a sliding window, values other than 0 and -inf, rows that see nothing, no mask at all, soft-
 capped scores (gemma2); the
 cache's layout (a cell's heads side by side) and a head-major one; float16 and float32 K/V; the
@@ -49,6 +49,9 @@ CASES = [  # id, n_head, n_head_kv, dk, dv, n_q, n_kv, mask maker
     ("no-mask", 2, 2, 32, 32, 70, 200, lambda rng: None),
     ("head-256", 2, 1, 256, 256, 65, 130, lambda rng: _causal(rng, 65, 130, depth=65)),
     ("sizes-of-8", 2, 1, 8, 24, 70, 90, lambda rng: _causal(rng, 70, 90, depth=20)),   # not multiples of 16: portable
+    # V sizes that end inside the product kernel's 4 rows (issue 33: it wrote past O into the softmax state)
+    ("v-size-21", 3, 1, 13, 21, 70, 150, lambda rng: _causal(rng, 70, 150, depth=60)),
+    ("v-size-6", 2, 2, 5, 6, 65, 200, lambda rng: _causal(rng, 65, 200, depth=100, holes=20)),
 ]
 
 

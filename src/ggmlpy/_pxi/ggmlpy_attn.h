@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
+#include "ggmlpy_cpu.h"            /* ggmlpy_kernels_portable */
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -192,7 +193,8 @@ GGMLPY_AVX2 static void ggmlpy_attn_exp_avx2(float * x, int64_t n, float m) {
 
 #endif
 
-/* 1 where the AVX2 path runs: the CPU has it and the head sizes are multiples of 8 */
+/* 1 where the AVX2 path runs: the CPU has it, the head sizes are multiples of 8 and the portable
+   path is not forced */
 static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
 #if GGMLPY_ATTN_X86
     static int has = -1;
@@ -200,7 +202,7 @@ static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
         __builtin_cpu_init();
         has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");   /* F16C comes with both */
     }
-    return has && dk % 8 == 0 && dv % 8 == 0;
+    return has && !ggmlpy_kernels_portable && dk % 8 == 0 && dv % 8 == 0;
 #else
     (void) dk; (void) dv;
     return 0;

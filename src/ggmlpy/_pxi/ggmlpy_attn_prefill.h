@@ -31,8 +31,9 @@
 #define GGMLPY_PF_BK 64            /* cache positions of a block */
 #define GGMLPY_PF_MAX_D 256        /* largest head size: a thread's tiles live on its stack */
 
-/* A thread's tiles, in floats: Qt (dk x BQ), Kf (BK x dk), Vf (BK x dv), ST (BK x BQ), Ot (dv x BQ),
-   and per row m, l, the correction f. At the largest head size 272 KiB. */
+/* A thread's tiles, in floats: Qt (dk x BQ), Kf (BK x dk), Vf (BK x dv4), ST (BK x BQ), Ot (dv4 x BQ),
+   and per row m, l, the correction f; dv4 is dv rounded up to 4, the rows the product kernel writes
+   at a time (GGMLPY_PF_MAX_D is a multiple of 4). At the largest head size 272 KiB. */
 #define GGMLPY_PF_WORK (GGMLPY_PF_MAX_D * GGMLPY_PF_BQ + 2 * GGMLPY_PF_BK * GGMLPY_PF_MAX_D \
                         + GGMLPY_PF_BK * GGMLPY_PF_BQ + GGMLPY_PF_MAX_D * GGMLPY_PF_BQ + 3 * GGMLPY_PF_BQ)
 
@@ -44,7 +45,7 @@ static int ggmlpy_pf_allow_vector = 1;
 #endif
 
 /* 1 where the AVX-512 kernel runs: the CPU has AVX-512F and both head sizes are multiples of 16, at
-   most GGMLPY_PF_MAX_D */
+   most GGMLPY_PF_MAX_D, and neither switch forces the portable kernel */
 static inline int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) {
 #if GGMLPY_ATTN_X86
     static int has = -1;
@@ -52,8 +53,8 @@ static inline int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) {
         __builtin_cpu_init();
         has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
     }
-    return has && ggmlpy_pf_allow_vector && dk % 16 == 0 && dv % 16 == 0 && dk <= GGMLPY_PF_MAX_D
-           && dv <= GGMLPY_PF_MAX_D;
+    return has && ggmlpy_pf_allow_vector && !ggmlpy_kernels_portable && dk % 16 == 0 && dv % 16 == 0
+           && dk <= GGMLPY_PF_MAX_D && dv <= GGMLPY_PF_MAX_D;
 #else
     (void) dk; (void) dv;
     return 0;
@@ -282,7 +283,7 @@ typedef struct {
     const char * k, * v; size_t k_nb1, v_nb1; int k16, v16;   /* the head's K and V, cells nb1 apart */
     const char * mask; size_t mask_nb1;    /* the tile's first mask row, or NULL */
     const int64_t * lo, * hi;              /* each row's visible span */
-    int64_t nr, dk, dv, span_lo, span_hi;
+    int64_t nr, dk, dv, dv4, span_lo, span_hi;   /* dv4: Vf's row stride and Ot's rows */
     float scale, softcap;                  /* q's scale (divided by softcap where there is one) */
     float * out; size_t out_nb2;           /* the tile's first output row of the head */
 } ggmlpy_pf_tile;
@@ -291,11 +292,13 @@ typedef struct {
 #define GGMLPY_PF_NAME ggmlpy_pf_tile_ref
 #define GGMLPY_PF_ATTR
 #define GGMLPY_PF_FN(name) ggmlpy_pf_##name##_ref
+#define GGMLPY_PF_ANY_DV 1
 #include "ggmlpy_attn_prefill_tile.inc"
 #if GGMLPY_ATTN_X86
 #define GGMLPY_PF_NAME ggmlpy_pf_tile_avx512
 #define GGMLPY_PF_ATTR GGMLPY_AVX512
 #define GGMLPY_PF_FN(name) ggmlpy_pf_##name##_avx512
+#define GGMLPY_PF_ANY_DV 0          /* ggmlpy_pf_vectorized: dv % 16 == 0 */
 #include "ggmlpy_attn_prefill_tile.inc"
 #endif
 
@@ -308,7 +311,7 @@ static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const uint32_t bits = (uint32_t) (uintptr_t) userdata;
     const struct ggml_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2], * mask = dst->src[3];
     const int64_t dk = q->ne[0], n_head = q->ne[1], n_rows = q->ne[2], dv = v->ne[0], n_kv = k->ne[1];
-    const int64_t group = n_head / k->ne[2];
+    const int64_t group = n_head / k->ne[2], dv4 = (dv + 3) & ~(int64_t) 3;
     const int vec = ggmlpy_pf_vectorized(dk, dv);
     const int64_t n_tiles = (n_rows + GGMLPY_PF_BQ - 1) / GGMLPY_PF_BQ, units = n_tiles * n_head;
     float work[GGMLPY_PF_WORK] __attribute__((aligned(64)));
@@ -319,10 +322,13 @@ static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * user
     memcpy(&t.scale, &bits, 4);
     memcpy(&t.softcap, &cap_bits, 4);
     if (t.softcap != 0.0f) t.scale /= t.softcap;
-    t.Qt = work; t.Kf = t.Qt + dk * GGMLPY_PF_BQ; t.Vf = t.Kf + GGMLPY_PF_BK * dk; t.ST = t.Vf + GGMLPY_PF_BK * dv;
-    t.Ot = t.ST + GGMLPY_PF_BK * GGMLPY_PF_BQ; t.m = t.Ot + dv * GGMLPY_PF_BQ; t.l = t.m + GGMLPY_PF_BQ;
+    t.Qt = work; t.Kf = t.Qt + dk * GGMLPY_PF_BQ; t.Vf = t.Kf + GGMLPY_PF_BK * dk; t.ST = t.Vf + GGMLPY_PF_BK * dv4;
+    t.Ot = t.ST + GGMLPY_PF_BK * GGMLPY_PF_BQ; t.m = t.Ot + dv4 * GGMLPY_PF_BQ; t.l = t.m + GGMLPY_PF_BQ;
     t.f = t.l + GGMLPY_PF_BQ;
-    t.lo = lo; t.hi = hi; t.dk = dk; t.dv = dv;
+    t.lo = lo; t.hi = hi; t.dk = dk; t.dv = dv; t.dv4 = dv4;
+    /* the columns of Vf past dv: zeros the row conversions never overwrite, so the product's last
+       4 rows of O^T sum finite values into rows that are never written out */
+    if (dv4 != dv) memset(t.Vf, 0, (size_t) GGMLPY_PF_BK * dv4 * sizeof(float));
     t.q_nb2 = q->nb[2]; t.k_nb1 = k->nb[1]; t.v_nb1 = v->nb[1];
     t.k16 = k->type == GGML_TYPE_F16; t.v16 = v->type == GGML_TYPE_F16;
     t.mask_nb1 = mask ? mask->nb[1] : 0; t.out_nb2 = dst->nb[2];

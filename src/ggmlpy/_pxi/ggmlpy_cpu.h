@@ -16,6 +16,12 @@
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
+/* Process-wide, for tests and benchmarks (_core._kernels_force_portable): 1 sends every kernel of
+   ggmlpy's own (ggmlpy_attn.h, ggmlpy_attn_prefill.h, ggmlpy_gemv.h, ggmlpy_glu.h) down its
+   portable path, as on a CPU without AVX2/AVX-512/VNNI, so one machine tests both paths. Their
+   checks of the CPU (what the models ask before choosing a kernel) then say no. */
+static int ggmlpy_kernels_portable = 0;
+
 #if GGMLPY_BACKEND_DL
 #include <dlfcn.h>
 

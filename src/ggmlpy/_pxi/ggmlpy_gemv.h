@@ -31,7 +31,9 @@
 #define GGMLPY_GEMV_X86 0
 #endif
 
-/* 1 where the CPU runs ggmlpy's VNNI kernels (AVX-512 F/BW/VL with VNNI) */
+/* 1 where the CPU runs ggmlpy's VNNI kernels (AVX-512 F/BW/VL with VNNI) and the portable path is
+   not forced (ggmlpy_kernels_portable: Q8_0 rows then go to ggml's vec_dot, and repacked Q4_0
+   weights, which have no portable kernel of ours, are refused as on a CPU without VNNI) */
 static int ggmlpy_gemv_vnni(void) {
 #if GGMLPY_GEMV_X86
     static int has = -1;
@@ -40,7 +42,7 @@ static int ggmlpy_gemv_vnni(void) {
         has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
               && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     }
-    return has;
+    return has && !ggmlpy_kernels_portable;
 #else
     return 0;
 #endif

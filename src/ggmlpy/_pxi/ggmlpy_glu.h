@@ -24,7 +24,7 @@ static inline int ggmlpy_glu_vectorized(void) {
         __builtin_cpu_init();
         has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
     }
-    return has && ggmlpy_glu_allow_vector;
+    return has && ggmlpy_glu_allow_vector && !ggmlpy_kernels_portable;
 #else
     return 0;
 #endif

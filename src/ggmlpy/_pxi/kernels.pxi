@@ -1,6 +1,38 @@
 # ggmlpy's own CPU kernels (ggml custom ops; the Context methods are in ops.pxi): their headers, the
 # process-wide switches benchmarks and tests turn, and the checks the models ask before choosing them.
 
+cdef extern from "ggmlpy_cpu.h":
+    int ggmlpy_kernels_portable
+
+
+def _kernels_force_portable(force=None):
+    """Whether every own kernel is forced onto its portable path (process-wide); with ``force``, set
+    it and return the previous value. For tests and benchmarks: a CPU with AVX2, AVX-512 and VNNI
+    then runs what a CPU without them runs, so one machine tests both paths.
+
+    Forced, ``attn_decode``, ``attn_prefill`` and ``geglu_tanh`` run their portable C loops for
+    every size, ``mul_mat_vec`` sends Q8_0 rows to ggml's ``vec_dot`` and refuses repacked Q4_0
+    weights (ggml's layout, which has no portable kernel of ours), and every check the models ask
+    before choosing a kernel (``_attn_decode_vectorized``, ``_attn_prefill_vectorized``,
+    ``_geglu_vectorized``, ``_mul_mat_vec_vnni``, ``_mul_mat_vec_ok``) answers as on such a CPU.
+    The per-kernel switches (``_attn_prefill_allow_vector``, ``_geglu_allow_vector``,
+    ``_mul_mat_vec_q8``, ``_mul_mat_vec_repacked``) keep their values. ggml's own kernels (the
+    ``vec_dot`` of each type) are the CPU variant's and do not change.
+
+    Examples
+    --------
+    >>> old = _kernels_force_portable(True)
+    >>> _attn_prefill_vectorized(64, 64)
+    False
+    >>> _kernels_force_portable(old)
+    True
+    """
+    global ggmlpy_kernels_portable
+    cdef bint old = ggmlpy_kernels_portable
+    if force is not None:
+        ggmlpy_kernels_portable = 1 if force else 0
+    return old
+
 cdef extern from "ggmlpy_attn.h":
     g.ggml_tensor * ggmlpy_attn_decode(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k, g.ggml_tensor * v,
                                        g.ggml_tensor * mask, float scale, int n_chunks) nogil
@@ -70,8 +102,9 @@ def _mul_mat_vec_repacked(allow=None):
 
 
 def _mul_mat_vec_vnni():
-    """Whether this CPU runs ``mul_mat_vec``'s VNNI kernels (AVX-512 with VNNI): the one for repacked
-    Q4_0 weights, and the one for Q8_0 rows."""
+    """Whether this CPU runs ``mul_mat_vec``'s VNNI kernels (AVX-512 with VNNI, the portable path not
+    forced: ``_kernels_force_portable``): the one for repacked Q4_0 weights, and the one for Q8_0
+    rows."""
     return bool(ggmlpy_gemv_vnni())
 
 
@@ -144,8 +177,9 @@ def _attn_decode_prefetch(distance=None):
 
 def _attn_prefill_vectorized(int64_t head_dim_k, int64_t head_dim_v):
     """Whether ``Context.attn_prefill`` runs its AVX-512 kernel for these head sizes on this CPU
-    (x86 with AVX-512F and FMA; sizes multiples of 16). Elsewhere it is correct but scalar, slower
-    than ggml's flash attention, and the models do not choose it."""
+    (x86 with AVX-512F and FMA; sizes multiples of 16; neither ``_attn_prefill_allow_vector(False)``
+    nor ``_kernels_force_portable(True)``). Elsewhere it is correct but scalar, slower than ggml's
+    flash attention, and the models do not choose it."""
     return bool(ggmlpy_pf_vectorized(head_dim_k, head_dim_v))
 
 
@@ -161,8 +195,9 @@ def _attn_prefill_allow_vector(allow=None):
 
 def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
     """Whether ``Context.attn_decode`` runs its vectorised kernel for these head sizes on this CPU
-    (x86 with AVX2, FMA and F16C; sizes multiples of 8). Elsewhere it is correct but scalar, slower
-    than ggml's flash attention, and the models do not choose it."""
+    (x86 with AVX2, FMA and F16C; sizes multiples of 8; not ``_kernels_force_portable(True)``).
+    Elsewhere it is correct but scalar, slower than ggml's flash attention, and the models do not
+    choose it."""
     return bool(ggmlpy_attn_use_avx2(head_dim_k, head_dim_v))
 
 
@@ -183,5 +218,6 @@ def _geglu_allow_vector(allow=None):
 
 
 def _geglu_vectorized():
-    """Whether ``geglu_tanh`` runs vectorised here (x86 with AVX-512)."""
+    """Whether ``geglu_tanh`` runs vectorised here (x86 with AVX-512; neither ``_geglu_allow_vector(False)``
+    nor ``_kernels_force_portable(True)``)."""
     return bool(ggmlpy_glu_vectorized())
