@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Iterable, Sequence
@@ -370,6 +373,57 @@ def _table(rows: list[list[str]]) -> str:
 #: (upstream llama.cpp issue #20824). A weight is placed once for all batch sizes, so Q8_0 stays off AMX.
 KNOWN_BAD_WEIGHT_BUFFERS: frozenset[tuple[str, str]] = frozenset({("AMX", "Q8_0")})
 
+#: A child's check that ggml's AMX kernels run here (see :func:`amx_usable`): a tiny Q4_0 model's prompt and
+#: one-token steps with its matrices in the AMX buffer.
+_AMX_CHECK = """
+import sys, tempfile, os, numpy as np
+from ggmlpy.models import load_model
+from ggmlpy.models.synthetic import write_synthetic
+from ggmlpy.runner import Runner
+with tempfile.TemporaryDirectory() as d:
+    m = load_model(write_synthetic(os.path.join(d, "amx.gguf"), "tiny", "Q4_0"))
+    if not any(bt == "AMX" for sizes in m.weights.buffer_sizes().values() for bt in sizes):
+        sys.exit(3)
+    with m, Runner(m, n_ctx=64, n_threads=1) as rt:
+        rt.decode(np.arange(1, 40, dtype=np.int32), seq=0, logits="last")
+        rt.decode([7], seq=0, logits="last")
+"""
+
+_amx_ok: bool | None = None
+_amx_lock = threading.Lock()
+
+
+def amx_usable() -> bool:
+    """Whether ggml's AMX matrix kernels run on this machine; the CPU's ``AMX`` buffer type is used for
+    weights only then.
+
+    Some virtual machines report AMX (CPUID, and the kernel grants the tile permission) yet fault on
+    tile instructions inside ggml's kernels (SIGILL at ``tileloadd``, seen on a Firecracker guest of a
+    Sapphire Rapids host), which would kill the process at its first matrix product. So the first
+    model that could use AMX runs ggml's AMX kernels once in a child process (about a second); the
+    verdict holds for the process and goes to child processes through ``GGMLPY_AMX``, which a user
+    may also set: ``1`` to trust the CPU, ``0`` to never use AMX.
+    """
+    global _amx_ok
+    with _amx_lock:
+        if _amx_ok is None:
+            env = os.environ.get("GGMLPY_AMX")
+            if env in ("0", "1"):
+                _amx_ok = env == "1"
+            else:
+                try:
+                    r = subprocess.run([sys.executable, "-c", _AMX_CHECK], env={**os.environ, "GGMLPY_AMX": "1"},
+                                       stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
+                    _amx_ok = r.returncode == 0
+                except (OSError, subprocess.SubprocessError):
+                    _amx_ok = False
+                if not _amx_ok:
+                    log.warning("ggml's AMX kernels fault on this machine (checked in a child process): "
+                                "weights stay off the AMX buffer type (GGMLPY_AMX=1 overrides)")
+                os.environ["GGMLPY_AMX"] = "1" if _amx_ok else "0"
+        return _amx_ok
+
+
 #: Rows of the activation matrix in the op a weight is tested with (llama.cpp's loader uses 512 too):
 #: large enough that every kernel a buffer type has for a batch is in play.
 _PROBE_BATCH = 512
@@ -392,7 +446,8 @@ class Weights:
     generation, but slower prompts than ggml's tiled kernel for plain weights,
     bench/README.md). Such weights cannot be read back
     (:attr:`ggmlpy.Tensor.is_repacked`). Pairs in
-    :data:`KNOWN_BAD_WEIGHT_BUFFERS` are never used. Every other weight, and
+    :data:`KNOWN_BAD_WEIGHT_BUFFERS` are never used, nor ``AMX`` where
+    :func:`amx_usable` finds ggml's AMX kernels faulting. Every other weight, and
     every weight with ``repack=False``, goes to its device's own memory.
 
     Parameters
@@ -469,7 +524,7 @@ class Weights:
         if extra is None:
             extra = self._extra[dev.name] = dev.extra_buffer_types()
         for bt in extra:
-            if (bt.name, type.name) in KNOWN_BAD_WEIGHT_BUFFERS:
+            if (bt.name, type.name) in KNOWN_BAD_WEIGHT_BUFFERS or (bt.name == "AMX" and not amx_usable()):
                 continue
             probe = Context.for_tensors(4, no_alloc=True)
             try:
