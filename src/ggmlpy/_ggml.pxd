@@ -603,11 +603,13 @@ cdef extern from "gguf.h" nogil:
 cdef extern from "ggmlpy_rpc.h" nogil:
     bint GGMLPY_HAVE_RPC
     bint GGMLPY_RPC_ERRORS
+    bint GGMLPY_RPC_SERVER_LIMITS
     int ggmlpy_rpc_load(const char * dir, char * err, size_t err_size)
     int RPC_PROTO_MAJOR_VERSION
     int RPC_PROTO_MINOR_VERSION
     void ggml_backend_rpc_set_timeout_ms(uint32_t timeout_ms)
     int ggml_backend_rpc_take_error(char * endpoint, size_t endpoint_size)
+    void ggml_backend_rpc_server_set_limits(uint32_t timeout_ms, uint32_t max_clients)
     ggml_backend_reg * ggml_backend_rpc_add_server(const char * endpoint)
     void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads,
                                        size_t n_devices, ggml_backend_dev_t * devices)

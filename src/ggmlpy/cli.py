@@ -31,6 +31,28 @@ def _mem_mib(text: str) -> float:
     return mib
 
 
+def _seconds(text: str) -> float:
+    """An ``rpc-server --timeout`` value: seconds up to a day, 0 for none."""
+    try:
+        s = float(text)
+    except ValueError:
+        s = -1.0
+    if not 0 <= s <= 86400:                        # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds up to 86400, 0 for none (got {text!r})")
+    return s
+
+
+def _clients(text: str) -> int:
+    """An ``rpc-server --max-clients`` value: 0 (no limit) to 1024."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"must be a whole number from 0 (no limit) to 1024 (got {text!r})")
+    return n
+
+
 def _cmd_rpc_server(args: argparse.Namespace) -> int:
     from ggmlpy import _core
 
@@ -49,7 +71,8 @@ def _cmd_rpc_server(args: argparse.Namespace) -> int:
                       for d, mib in zip(devs, mem))
     print(f"ggmlpy rpc-server: serving {names} at {endpoint} (Ctrl-C to stop)", flush=True)
     try:
-        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads, mem=limits)
+        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads, mem=limits, timeout=args.timeout,
+                               max_clients=args.max_clients)
     except (OSError, ValueError) as e:
         print(f"ggmlpy rpc-server: {e}", file=sys.stderr)
         return 1
@@ -382,6 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory each device offers clients, in MiB (decimals allowed): it reports this "
                         "size and refuses allocations beyond it (one for all devices, or one per --device; "
                         "default 0: the device's own memory)")
+    p.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="disconnect a client whose HELLO, or any message once begun, makes no progress for this "
+                        "long (default 30; 0: never). A client may stay idle between messages as long as it likes")
+    p.add_argument("--max-clients", type=_clients, default=4, metavar="N",
+                   help="serve at most N clients at once, each on its own thread; one more is refused within half "
+                        "a second (default 4; 0: no limit)")
     p.set_defaults(func=_cmd_rpc_server)
     return ap
 

@@ -7,6 +7,12 @@
    and bounds socket calls by a timeout. A ggml tree without it (built with
    GGMLPY_GGML_DIR) still works, with the stubs below and upstream's aborts.
 
+   GGMLPY_RPC_SERVER_LIMITS is 1 when ggml carries
+   vendor/ggml/patches/0002-rpc-server-hardening.patch: its server serves each
+   client on a thread of its own, bounds what a client can make it allocate,
+   never aborts on what a client sends, and takes a timeout and a client limit
+   (ggml_backend_rpc_server_set_limits; a stub that does nothing otherwise).
+
    In a portable build (GGMLPY_BACKEND_DL) libggml-rpc is a MODULE the registry
    loads, like the CPU variants: its functions are reached through a table that
    ggmlpy_rpc_load() fills at import (see ggmlpy_cpu.h). */
@@ -35,13 +41,28 @@ static void ggml_backend_rpc_set_timeout_ms(uint32_t timeout_ms) { (void) timeou
 static int ggml_backend_rpc_take_error(char * endpoint, size_t n) { if (n) endpoint[0] = 0; return 0; }
 #endif
 
+#if GGMLPY_HAVE_RPC && defined(GGML_RPC_SERVER_LIMITS)
+#define GGMLPY_RPC_SERVER_LIMITS 1
+#else
+#define GGMLPY_RPC_SERVER_LIMITS 0
+static void ggml_backend_rpc_server_set_limits(uint32_t timeout_ms, uint32_t max_clients) {
+    (void) timeout_ms; (void) max_clients;
+}
+#endif
+
 #if GGMLPY_HAVE_RPC && GGMLPY_BACKEND_DL
 #if GGMLPY_RPC_ERRORS
-#define GGMLPY_RPC_FUNCS(X) X(ggml_backend_rpc_add_server) X(ggml_backend_rpc_start_server) \
-    X(ggml_backend_rpc_set_timeout_ms) X(ggml_backend_rpc_take_error)
+#define GGMLPY_RPC_FUNCS_0001(X) X(ggml_backend_rpc_set_timeout_ms) X(ggml_backend_rpc_take_error)
 #else
-#define GGMLPY_RPC_FUNCS(X) X(ggml_backend_rpc_add_server) X(ggml_backend_rpc_start_server)
+#define GGMLPY_RPC_FUNCS_0001(X)
 #endif
+#if GGMLPY_RPC_SERVER_LIMITS
+#define GGMLPY_RPC_FUNCS_0002(X) X(ggml_backend_rpc_server_set_limits)
+#else
+#define GGMLPY_RPC_FUNCS_0002(X)
+#endif
+#define GGMLPY_RPC_FUNCS(X) X(ggml_backend_rpc_add_server) X(ggml_backend_rpc_start_server) \
+    GGMLPY_RPC_FUNCS_0001(X) GGMLPY_RPC_FUNCS_0002(X)
 static struct { GGMLPY_RPC_FUNCS(GGMLPY_FIELD) } ggmlpy_rpc_fns;
 
 /* Fill the table from the RPC module ggmlpy_cpu_load() had the registry load.
@@ -70,6 +91,9 @@ static int ggmlpy_rpc_load(const char * dir, char * err, size_t err_size) {
 #if GGMLPY_RPC_ERRORS
 #define ggml_backend_rpc_set_timeout_ms (ggmlpy_rpc_fns.ggml_backend_rpc_set_timeout_ms)
 #define ggml_backend_rpc_take_error (ggmlpy_rpc_fns.ggml_backend_rpc_take_error)
+#endif
+#if GGMLPY_RPC_SERVER_LIMITS
+#define ggml_backend_rpc_server_set_limits (ggmlpy_rpc_fns.ggml_backend_rpc_server_set_limits)
 #endif
 
 #else  /* linked, or no RPC at all */

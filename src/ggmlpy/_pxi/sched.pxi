@@ -519,6 +519,9 @@ cdef class Scheduler(_Allocator):
 # Buffer and Scheduler free as usual; _rpc_discard drops a failure met by a
 # call whose result does not matter (device props).
 
+from libc cimport stdio as cstdio
+
+import ipaddress
 import struct
 
 cdef dict _rpc_devices = {}     # endpoint -> [Device]
@@ -714,9 +717,9 @@ def rpc_add_server(str endpoint, float timeout=5.0):
     """Connect to a ggml RPC server at ``host:port`` and return its devices.
 
     The endpoint is normalised to its IPv4 address (ggml keeps one connection
-    per spelling, and a server serves one client at a time). The server must
-    answer ggml's HELLO within ``timeout`` seconds; later calls to it are
-    bounded by ``rpc_get_timeout()``.
+    per spelling; a server without our patch 0002 also serves one client at a
+    time). The server must answer ggml's HELLO within ``timeout`` seconds;
+    later calls to it are bounded by ``rpc_get_timeout()``.
 
     Raises
     ------
@@ -793,11 +796,65 @@ def _rpc_server_budgets(mem, size_t n):
     return [_rpc_server_budget(v, f"mem[{i}]") for i, v in enumerate(mem)]
 
 
-def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_threads=0, mem=None):
+#: ``rpc_start_server``'s defaults: a client whose HELLO, or any message once begun, makes no
+#: progress for this many seconds is disconnected; at most this many clients are served at once.
+RPC_SERVER_TIMEOUT = 30.0
+RPC_SERVER_MAX_CLIENTS = 4
+
+
+cdef void _rpc_server_log_cb(g.ggml_log_level level, const char * text, void * user) noexcept nogil:
+    # ggml's server logs from a thread per client that Python never runs on (the usual hook would
+    # queue those lines until a Python thread logs, which never happens in a server): straight to
+    # stderr, at the level set_log_level chose.
+    global _log_last_level
+    cdef int lvl = level
+    if lvl == g.GGML_LOG_LEVEL_CONT:
+        lvl = _log_last_level
+    else:
+        _log_last_level = lvl
+    if lvl < _log_min_level or text == NULL:
+        return
+    cstdio.fputs(text, cstdio.stderr)
+    cstdio.fflush(cstdio.stderr)
+
+
+def _rpc_server_warning(str addr):
+    """The warning ``rpc_start_server`` prints before it listens on ``addr`` (an IPv4 address), or
+    None for a loopback address: the protocol has no authentication and no encryption."""
+    if ipaddress.ip_address(addr).is_loopback:
+        return None
+    lines = [f"WARNING: the RPC server will listen on {addr}, reachable from other machines.",
+             "ggml's RPC protocol has no authentication and no encryption: anyone who can reach",
+             "this port can use this machine's devices and memory, and read and write what",
+             "clients store there. Serve trusted networks only; 127.0.0.1 keeps it local."]
+    width = max(len(line) for line in lines)
+    bar = "!" * (width + 4)
+    return "\n".join([bar, *(f"! {line.ljust(width)} !" for line in lines), bar])
+
+
+def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_threads=0, mem=None,
+                     timeout=RPC_SERVER_TIMEOUT, max_clients=RPC_SERVER_MAX_CLIENTS):
     """Serve ``devices`` (default: the CPU) over ggml's RPC protocol at ``endpoint``; blocks.
 
     Run it in its own process (``ggmlpy rpc-server``): ggml's server has no
-    stop call, and a malformed request aborts the process hosting it.
+    stop call. The protocol has no authentication and no encryption: a host
+    other than a loopback address prints a warning to stderr first.
+
+    With our patch (``vendor/ggml/patches/0002-rpc-server-hardening.patch``)
+    each client is served on a thread of its own, its calls into the devices
+    taking turns; a client that sends something malformed or too large is
+    disconnected and the server goes on. ``timeout`` (seconds, default 30; 0:
+    none) disconnects a client whose HELLO, or any message once begun, makes no
+    progress for that long (a client may stay idle between messages as long as
+    it likes); ``max_clients`` (default 4; 0: no limit) connections are served
+    at once, one more is closed within half a second (unless one ends
+    meanwhile) with a line on stdout. What a client
+    declares cannot make the server allocate beyond what it needs: a fixed-size
+    request must be exactly its size, tensor data must fit the tensor and a
+    buffer that client allocated (so ``mem`` bounds it) and is copied as it
+    arrives, a graph is at most 64 MiB. Without the patch (a ggml tree given
+    with GGMLPY_GGML_DIR) ``timeout`` and ``max_clients`` do nothing, one
+    client is served at a time and a malformed request can abort the process.
 
     ``mem`` limits the memory a device offers its clients: None (each device
     offers what it has), one byte count for every device, or a list with one
@@ -813,7 +870,7 @@ def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_thread
     OSError
         The port is in use.
     GGMLValueError
-        A malformed endpoint, or a bad ``mem``.
+        A malformed endpoint, or a bad ``mem``, ``timeout`` or ``max_clients``.
     GGMLMemoryError
         A limited device could not be set up (it cannot allocate at all).
     """
@@ -829,6 +886,16 @@ def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_thread
     if not (1 <= len(dl) <= 16):
         _fail("rpc_start_server", "serve 1 to 16 devices")
     budgets = _rpc_server_budgets(mem, len(dl))
+    t = float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else -1.0
+    if not 0 <= t <= 86400:             # also refuses nan
+        raise GGMLValueError(f"rpc_start_server: timeout must be 0 (none) or a number of seconds up to 86400 "
+                             f"(got {timeout!r})")
+    if isinstance(max_clients, bool) or not isinstance(max_clients, int) or not 0 <= max_clients <= 1024:
+        raise GGMLValueError(f"rpc_start_server: max_clients must be 0 (no limit) or a whole number up to 1024 "
+                             f"(got {max_clients!r})")
+    warning = _rpc_server_warning(addr)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((addr, port))      # raises OSError (address in use) before ggml would just return
@@ -849,6 +916,10 @@ def rpc_start_server(str endpoint, devices=None, cache_dir=None, size_t n_thread
         cd = os.fsencode(cache_dir)
         c_cd = cd
     cdef const char * c_ep = ep
+    g.ggml_backend_rpc_server_set_limits(max(1, <uint32_t> (t * 1000.0 + 0.5)) if t > 0 else 0,
+                                         <uint32_t> max_clients)
+    sys.stderr.flush()
+    g.ggml_log_set(_rpc_server_log_cb, NULL)     # for the life of the process: the server never returns
     with nogil:
         g.ggml_backend_rpc_start_server(c_ep, c_cd, n_threads, n, devs)
     raise RuntimeError(f"rpc_start_server: the server at {addr}:{port} stopped (see the messages above)")
