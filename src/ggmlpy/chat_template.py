@@ -343,23 +343,14 @@ class _Budget:
     def built(self, value: Any) -> Any:
         """:meth:`check` for a value an operation just built, which is then held (if large)."""
         t = type(value)
-        if t is str:
-            n = len(value)
-            if n > self.max_value:
-                raise self.too_large("a string")
-            if n >= _CHARS_PER_STEP:
-                self.charge(n // _CHARS_PER_STEP)
-                if n >= _HOLD_MIN and id(value) not in self.inputs:
-                    self.hold(value, n)
-        elif t is int:
-            if value.bit_length() > MAX_INT_BITS:
-                raise _LimitExceeded("size", f"the chat template computed an integer of more "
-                                             f"than {MAX_INT_BITS} bits")
-        elif t is not float and t is not bool and value is not None:
-            if self.size(value) >= _HOLD_MIN:
-                fresh = self.size(value, fresh=True)
-                if fresh >= _HOLD_MIN:
-                    self.hold(value, fresh)
+        if t is str or t is int or t is float or t is bool or value is None:
+            self.check(value)
+            if t is str and len(value) >= _HOLD_MIN and id(value) not in self.inputs:
+                self.hold(value, len(value))
+        elif self.size(value) >= _HOLD_MIN:
+            fresh = self.size(value, fresh=True)
+            if fresh >= _HOLD_MIN:
+                self.hold(value, fresh)
         return value
 
     def hold(self, value: Any, size: int) -> None:
