@@ -424,6 +424,12 @@ def amx_usable() -> bool:
         return _amx_ok
 
 
+def weight_buffer_allowed(buffer_type: str, type: str) -> bool:
+    """Whether weights of ``type`` may go to the extra buffer type ``buffer_type`` (names): not a pair of
+    :data:`KNOWN_BAD_WEIGHT_BUFFERS`, and ``AMX`` only where :func:`amx_usable`."""
+    return (buffer_type, type) not in KNOWN_BAD_WEIGHT_BUFFERS and (buffer_type != "AMX" or amx_usable())
+
+
 #: Rows of the activation matrix in the op a weight is tested with (llama.cpp's loader uses 512 too):
 #: large enough that every kernel a buffer type has for a batch is in play.
 _PROBE_BATCH = 512
@@ -524,7 +530,7 @@ class Weights:
         if extra is None:
             extra = self._extra[dev.name] = dev.extra_buffer_types()
         for bt in extra:
-            if (bt.name, type.name) in KNOWN_BAD_WEIGHT_BUFFERS or (bt.name == "AMX" and not amx_usable()):
+            if not weight_buffer_allowed(bt.name, type.name):
                 continue
             probe = Context.for_tensors(4, no_alloc=True)
             try:

@@ -208,12 +208,12 @@ def measure_bandwidth(n_threads: int, nbytes: int | None = None, reps: int | Non
 def _weight_buffers(type: Type, ne: tuple[int, int], n_cols: int) -> list[Any]:
     """The CPU buffer types a weight of ``type`` and ``ne`` can be multiplied from: plain memory, then each
     extra buffer type (repacked layouts) that takes it, as :class:`ggmlpy.backend` places weights."""
-    from ggmlpy.backend import KNOWN_BAD_WEIGHT_BUFFERS
+    from ggmlpy.backend import weight_buffer_allowed
 
     dev = _core.device("CPU")
     out = [dev.buffer_type()]
     for bt in dev.extra_buffer_types():
-        if (bt.name, type.name) in KNOWN_BAD_WEIGHT_BUFFERS:
+        if not weight_buffer_allowed(bt.name, type.name):
             continue
         probe = _core.Context.for_tensors(4, no_alloc=True)
         try:
