@@ -388,7 +388,7 @@ def _is_int(v, lo: int = 0, hi: int = _INT32_MAX) -> bool:
 
 
 def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+    raise StateError(f"{name} is not a JSON number")   # json.loads passes it on; _header names the header
 
 
 def _header(f, avail: Optional[int]) -> tuple[dict, bytes]:
