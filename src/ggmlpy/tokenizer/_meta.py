@@ -92,22 +92,28 @@ def meta_id(md: dict, key: str, n: int, source: str) -> int | None:
     return v
 
 
-def meta_tokens(md: dict, source: str) -> list[str]:
-    """``tokenizer.ggml.tokens``: a non-empty array of strings, each at most ``_MAX_TOKEN`` characters
-    and with a UTF-8 form (no lone surrogate: a dict may hold one, a file cannot)."""
-    key = "tokenizer.ggml.tokens"
+def _strings(md: dict, key: str, source: str, missing: str) -> list:
+    """``key``'s value as a list of strings (a numpy string or object array taken as its list)."""
     v = md.get(key)
     if v is None:
-        raise _bad(source, key, "is missing")
+        raise _bad(source, key, missing)
     if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "UO":
         v = v.tolist()
     if not isinstance(v, (list, tuple)):
         raise _bad(source, key, f"must be an array of strings, not {_kind(v)}")
-    if not v:
-        raise _bad(source, key, "is empty")
     for i, t in enumerate(v):
         if not isinstance(t, str):
             raise _bad(source, key, f"must be an array of strings; entry {i} is {_kind(t)}")
+    return list(v)
+
+
+def meta_tokens(md: dict, source: str) -> list[str]:
+    """``tokenizer.ggml.tokens``: a non-empty array of strings, each at most ``_MAX_TOKEN`` characters
+    and with a UTF-8 form (no lone surrogate: a dict may hold one, a file cannot)."""
+    key = "tokenizer.ggml.tokens"
+    v = _strings(md, key, source, "is missing")
+    if not v:
+        raise _bad(source, key, "is empty")
     longest = max(map(len, v))
     if longest > _MAX_TOKEN:
         i = next(i for i, t in enumerate(v) if len(t) == longest)
@@ -118,7 +124,7 @@ def meta_tokens(md: dict, source: str) -> list[str]:
     except UnicodeEncodeError:
         i = next(i for i, t in enumerate(v) if not _encodable(t))
         raise _bad(source, key, f"entry {i} ({v[i]!r:.60}) has a lone surrogate; it has no UTF-8 form") from None
-    return list(v)
+    return v
 
 
 def _encodable(t: str) -> bool:
@@ -189,19 +195,11 @@ def meta_merges(md: dict, source: str) -> list[str]:
     """``tokenizer.ggml.merges`` (BPE): strings ``"<left> <right>"``, the space after the first
     character (as llama.cpp splits them)."""
     key = "tokenizer.ggml.merges"
-    v = md.get(key)
-    if v is None:
-        raise _bad(source, key, "is missing (a BPE vocabulary needs its merges)")
-    if isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "UO":
-        v = v.tolist()
-    if not isinstance(v, (list, tuple)):
-        raise _bad(source, key, f"must be an array of strings, not {_kind(v)}")
+    v = _strings(md, key, source, "is missing (a BPE vocabulary needs its merges)")
     for i, m in enumerate(v):
-        if not isinstance(m, str):
-            raise _bad(source, key, f"must be an array of strings; entry {i} is {_kind(m)}")
         if m.find(" ", 1) < 0:
             raise _bad(source, key, f"entry {i} ({m!r:.60}) is not two tokens separated by a space")
-    return list(v)
+    return v
 
 
 def meta_bytes(md: dict, key: str, source: str) -> bytes | None:
