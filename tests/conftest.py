@@ -25,6 +25,11 @@ def _fixed_malloc_trim_threshold() -> None:
 
 _fixed_malloc_trim_threshold()
 
+# Every own kernel wherever it runs (the graphs the tests check must not depend on this machine's
+# timings, nor write its kernels.json); tests/test_kernel_choice.py tests the measured choice, and
+# subprocesses (the CLI's tests) inherit the setting.
+os.environ.setdefault("GGMLPY_KERNELS", "own")
+
 settings.register_profile("dev", max_examples=50, deadline=None)
 settings.register_profile("ci", max_examples=200, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

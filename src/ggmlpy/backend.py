@@ -412,7 +412,7 @@ def amx_usable() -> bool:
                 _amx_ok = env == "1"
             else:
                 try:
-                    r = subprocess.run([sys.executable, "-c", _AMX_CHECK], env={**os.environ, "GGMLPY_AMX": "1"},
+                    r = subprocess.run([sys.executable, "-c", _AMX_CHECK], env={**os.environ, "GGMLPY_AMX": "1", "GGMLPY_KERNELS": "own"},
                                        stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
                     _amx_ok = r.returncode == 0
                 except (OSError, subprocess.SubprocessError):
@@ -795,6 +795,7 @@ class Runtime:
                 self.backends.append(d.init())
             cpu = self.backends[-1]
             n = n_threads if n_threads > 0 else _core.default_n_threads()
+            self.n_threads = n
             if threadpool:
                 cpu.set_threadpool(n, poll=poll)        # also sets the backend's thread count
             else:

@@ -12,9 +12,15 @@ from typing import Optional
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from ggmlpy._system import format_system_info, system_info
+    from ggmlpy.models.calibrate import cached_summary
 
     info = system_info()
-    print(json.dumps(info, indent=2) if args.json else format_system_info(info))
+    info["own_kernels"] = cached_summary()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(format_system_info(info))
+        print("\n".join(info["own_kernels"]))
     return 0
 
 

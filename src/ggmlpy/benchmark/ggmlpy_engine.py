@@ -8,6 +8,7 @@ and its output read.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,9 +42,11 @@ class GgmlpyEngine(Engine):
 
     name = "ggmlpy"
 
-    def __init__(self, rpc: list[str] | None = None) -> None:
+    def __init__(self, rpc: list[str] | None = None, kernels: str | None = None) -> None:
         super().__init__()
         self.rpc = list(rpc or [])           # -rpc servers: "auto" device choice takes only those named
+        self.kernels = kernels               # --kernels: the runners' own-kernel mode
+        self.kernel_notes: dict[str, None] = {}     # each distinct choice's footnote, in order
         self.version = __version__
         self.model: Any = None
         self.rt: Any = None
@@ -91,7 +94,9 @@ class GgmlpyEngine(Engine):
             n_ctx = n_batch = n_ubatch = self._vision(inst).config.tokens_per_image
         self.rt = Runner(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                          n_seq_max=1, n_threads=inst.n_threads, flash_attn=fa,
-                         type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload)
+                         type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload,
+                         kernels=self.kernels)
+        self.kernel_notes.setdefault(f"{Path(inst.model).name}: {self.rt.kernels.describe()}", None)
         self.embeddings = inst.embeddings
 
     def free_context(self) -> None:

@@ -123,6 +123,8 @@ class Printer:
         self.out, self.params, self.gpu, self.build = out, params, gpu, build
         #: Lines the table's footer adds after the build line (``--roofline``: the machine's bounds).
         self.notes: list[str] = []
+        #: The own kernels each model's runners took (the engine's ``kernel_notes``), after the notes.
+        self.kernel_notes: list[str] = []
 
     def header(self) -> None:
         pass
@@ -217,6 +219,7 @@ class MarkdownPrinter(Printer):
         self._write(f"\nbuild: {self.build}\n")
         if self.params.roofline:
             self._write("".join(f"{n}\n" for n in [*self.notes, _ROOFLINE_NOTE]))
+        self._write("".join(f"{n}\n" for n in self.kernel_notes))
 
 
 class CsvPrinter(Printer):

@@ -30,6 +30,8 @@ from typing import Any, Optional
 from ggmlpy import _core
 from ggmlpy._core import Context, GGMLValueError, Tensor, Type
 
+from . import kernels
+
 __all__ = ["GLU", "SWIGLU_OAI", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope", "softcap"]
 
 #: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
@@ -152,11 +154,13 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     kv_k, kv_v, mask = memory.get()
     if flash_attn and on_cpu and sinks is None and _kernel_ok(kv_k, kv_v):
         if n < DECODE_MAX_ROWS and decode_kernel and not logit_softcap \
-                and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]):
+                and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]) \
+                and kernels.use(kernels.attn_site("attn_decode", kv_k, kv_v, n_head)):
             chunks = _decode_chunks(kv_k.ne[1])
             o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
             return ctx.reshape(o, (head_dim * n_head, n))
-        if n >= DECODE_MAX_ROWS and prefill_kernel and _core._attn_prefill_vectorized(kv_k.ne[0], kv_v.ne[0]):
+        if n >= DECODE_MAX_ROWS and prefill_kernel and _core._attn_prefill_vectorized(kv_k.ne[0], kv_v.ne[0]) \
+                and kernels.use(kernels.attn_site("attn_prefill", kv_k, kv_v, n_head)):
             o = ctx.attn_prefill(q, kv_k, kv_v, mask, scale=scale, logit_softcap=logit_softcap)
             return ctx.reshape(o, (head_dim * n_head, n))                              # o: (head_dim, n_head, n)
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (head_dim, n, n_head)
@@ -205,7 +209,7 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     ``blocks.matvec_kernel = False`` turns that off.
     """
     if (matvec_kernel and x.type == Type.F32 and x.ne[1] <= MATVEC_MAX_COLS and x.ne[2] == 1 and x.ne[3] == 1
-            and _core._mul_mat_vec_ok(w, x.ne[1])):
+            and _core._mul_mat_vec_ok(w, x.ne[1]) and kernels.use(kernels.matvec_site(w), w)):
         return ctx.mul_mat_vec(w, x)
     return ctx.mul_mat(w, x)
 
@@ -265,7 +269,8 @@ def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu", on_cpu
     ``blocks.glu_kernel = False`` turns that off.
     """
     fused, split = _glu(act)
-    if act == "gelu" and on_cpu and glu_kernel and _core._geglu_vectorized():
+    if act == "gelu" and on_cpu and glu_kernel and _core._geglu_vectorized() \
+            and kernels.use(kernels.geglu_site(w[prefix + "ffn_down.weight"].ne[0], cur.ne[1])):
         fused, split = Context.geglu_tanh, Context.geglu_tanh
     if prefix + "ffn_gate_up.weight" in w:
         h = fused(ctx, linear(ctx, w[prefix + "ffn_gate_up.weight"], cur))
@@ -335,7 +340,7 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     def experts_of(name, inp):
         exps = w[f"{prefix}{name}.weight"]
         if (matvec_kernel and n <= MATVEC_MAX_COLS
-                and _core._mul_mat_id_vec_ok(exps, inp.ne[1] * inp.ne[2])):
+                and _core._mul_mat_id_vec_ok(exps, inp.ne[1] * inp.ne[2]) and kernels.use(kernels.matvec_site(exps), exps)):
             y = ctx.mul_mat_id_vec(exps, inp, chosen)        # generation: linear()'s schedule for experts
         else:
             y = ctx.mul_mat_id(exps, inp, chosen)                                   # (rows, k, n)

@@ -29,6 +29,10 @@ from ggmlpy._core import (
 )
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import V_TRANS_TYPES, NotSupported
+from ggmlpy.models import kernels
+from ggmlpy.models.calibrate import kernel_choices
+from ggmlpy.models.kernels import KernelChoices
+from ggmlpy.models.kernels import mode as kernel_mode
 from ggmlpy.sampling import SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sequences import InputTooLong, SlotTable, group_sizes, shift_discard, truncate_indices
@@ -126,6 +130,13 @@ class Runner:
         (Gemma 3 ``<image_soft_token>``, Idefics3 ``<image>``).
     image_cache : int
         Encoded images kept, so that a prompt with the same image is not encoded again.
+    kernels : str, optional
+        Where ggmlpy's own CPU kernels (matrix-vector products, attention, GeGLU) replace ggml's ops:
+        ``"measure"`` (default, or ``$GGMLPY_KERNELS``): each is timed against ggml's op on this
+        machine at the sites of this runner's graphs (the model's own weights and shapes, the
+        runner's threads; a second or so for a 1B model, then cached per machine in
+        ``kernels.json``) and taken only where it was faster; ``"own"``: wherever it runs;
+        ``"ggml"``: nowhere. :attr:`kernels` holds the choices (:mod:`ggmlpy.models.kernels`).
 
     Raises
     ------
@@ -149,7 +160,7 @@ class Runner:
                  flash_attn: Optional[bool] = None, type_k: Optional[str] = None, type_v: Optional[str] = None,
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
                  offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None, vision=None,
-                 image_token: Optional[int] = None, image_cache: int = 32) -> None:
+                 image_token: Optional[int] = None, image_cache: int = 32, kernels: Optional[str] = None) -> None:
         if not getattr(model, "loaded", True) and not getattr(self, "_measuring", False):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         # settings not given: those a placement search reserved for (load_model(n_gpu_layers="auto")),
@@ -165,6 +176,7 @@ class Runner:
             if int(v) < 1:
                 raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
         dtype_k, dtype_v, flash_attn = self.check_cache_types(type_k, type_v, flash_attn)
+        self._kernel_mode = kernel_mode(kernels)
         self.model = model
         self.n_ctx = int(n_ctx)
         self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
@@ -201,6 +213,8 @@ class Runner:
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
         self.closed = False
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
+        #: The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`).
+        self.kernels = KernelChoices("own")
         self._tokenizer = tokenizer
         self._tokenizer_lock = threading.Lock()     # the first text request reads it from the file once
         self.vision = vision if vision is not None else getattr(model, "vision", None)
@@ -215,6 +229,7 @@ class Runner:
                               report=self.report, reuse_graphs=self.reuse_graphs)
             self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report, runtime=self.rt)
+            self.kernels = self._choose_kernels()
             self._reserve()
         except BaseException as e:
             self._closing = True
@@ -335,11 +350,7 @@ class Runner:
         keep = []
 
         def build(n: int):
-            plan = self.cache.start_forward(np.zeros(n, np.int64), np.zeros(n, np.int64), reserve=True)
-            # the prompt batch with an image tile in it (the decode batch has no room for one)
-            kw = {"n_embd_rows": self.vision.config.tokens_per_image} \
-                if self.vision is not None and n >= self.vision.config.tokens_per_image else {}
-            b = self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn, **kw)
+            b = self._worst_case_graph(n)
             keep.append(b)
             return b.graph
 
@@ -357,6 +368,34 @@ class Runner:
             # and a plan with a worst-case mask (n_ubatch x cells), which a failure's traceback would keep
             # alive through this frame
             keep.clear()
+
+    def _worst_case_graph(self, n: int):
+        """The forward graph of ``n`` tokens at full context (the reservation's), built under the runner's
+        kernel choices."""
+        plan = self.cache.start_forward(np.zeros(n, np.int64), np.zeros(n, np.int64), reserve=True)
+        # the prompt batch with an image tile in it (the decode batch has no room for one)
+        kw = {"n_embd_rows": self.vision.config.tokens_per_image} \
+            if self.vision is not None and n >= self.vision.config.tokens_per_image else {}
+        with kernels.using(self.kernels):
+            return self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn, **kw)
+
+    def _choose_kernels(self) -> KernelChoices:
+        """Which own kernels the graphs take (:mod:`ggmlpy.models.kernels`): measured on this machine
+        against ggml's ops at the sites of this runner's graphs, or read from the cache of those
+        timings. A runner that only measures memory (:meth:`measure`) takes them all, as before."""
+        if getattr(self, "_measuring", False):
+            return KernelChoices("own", n_threads=self.rt.n_threads)
+
+        def record(recorder) -> None:
+            saved, self.kernels = self.kernels, recorder
+            try:
+                for n in dict.fromkeys((1, self.n_ubatch)):
+                    self._worst_case_graph(n).free()
+            finally:
+                self.kernels = saved
+
+        return kernel_choices(record, self.rt.n_threads, mode=self._kernel_mode, n_ctx=self.n_ctx,
+                              n_expert_used=getattr(self.model.config, "n_expert_used", 1) or 1)
 
     def memory_report(self) -> MemoryReport:
         """Weights, cache and compute graph per device (a :class:`ggmlpy.backend.MemoryReport`)."""
@@ -445,8 +484,13 @@ class Runner:
         kw = {"n_embd_rows": n_img} if n_img else {}
         # A graph of the same shape (tokens, outputs, the cache plan's visible ranges) is reused with new
         # inputs: with the visible range padded, consecutive one-token steps share one graph.
-        built = self.rt.graphs.take((n, n_out, plan.key, embedding, n_img), lambda: self.model.build(
-            self.cache, plan, n, n_out, flash_attn=self.flash_attn, embeddings=embedding, **kw))
+
+        def build():
+            with kernels.using(self.kernels):
+                return self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn,
+                                        embeddings=embedding, **kw)
+
+        built = self.rt.graphs.take((n, n_out, plan.key, embedding, n_img), build)
         # Metadata is committed when the graph exists; the cells are written when it computes. A failed
         # compute clears the sequences involved (see _fail).
         try:

@@ -1,0 +1,419 @@
+"""Measuring ggmlpy's own CPU kernels against ggml's ops on this machine (:func:`kernel_choices`).
+
+A :class:`~ggmlpy.Runner` calls :func:`kernel_choices` before it reserves memory. The sites (see
+:mod:`ggmlpy.models.kernels`) are found by building the model's worst-case prompt and decode graphs
+once under a recorder, so exactly the places a graph would ask about are measured, with the weights it
+would multiply. Each site is timed both ways on the CPU backend with the runner's thread count:
+
+* **matvec / matvec_id**: every weight of the site (every layer's ``attn_q``...; up to
+  :data:`GROUP_BYTES`, which streams from memory as a generated token does) times one vector, in one
+  graph: :meth:`~ggmlpy.Context.mul_mat_vec` against ``mul_mat`` (and the experts' versions, with
+  ``n_expert_used`` distinct experts);
+* **attn_decode**: one query row over a float cache at each depth class's depth
+  (:data:`DECODE_DEPTHS`), as many layers' caches as make :data:`ATTN_BYTES`, against
+  ``flash_attn_ext``;
+* **attn_prefill**: :data:`PREFILL_ROWS` rows over as many cells, causal, against ``flash_attn_ext``;
+* **geglu**: one row and :data:`PREFILL_ROWS` rows of the model's feed-forward width against ``geglu``.
+
+The two graphs of a site run alternately (one warm-up each, then :data:`TIMING` rounds), and each
+keeps its best time: the rule (:func:`ggmlpy.models.kernels.decide`) compares best with best. A 1B
+model's sites take about a second; the timings are cached in ``kernels.json`` beside the
+benchmark's ``roofline.json`` (:func:`ggmlpy.models.synthetic.cache_dir`), one entry per CPU model,
+thread count, ggml build and ggmlpy version, so the next runner on this machine measures only sites
+it has not seen. ``refresh=True`` (``ggmlpy bench --kernels-refresh``) measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ggmlpy import _core
+from ggmlpy._core import Context, GGMLError, Tensor, Type
+from ggmlpy._files import replacing
+from ggmlpy._system import cpu_variant, ggml_commit, ggml_version
+from ggmlpy._version import __version__
+
+from . import blocks, kernels
+from .kernels import KernelChoices, Measurement, Site
+
+__all__ = ["CACHE_FILE", "DECODE_DEPTHS", "GROUP_BYTES", "PREFILL_ROWS", "TIMING", "Recorder", "cached_summary", "forget",
+           "kernel_choices", "machine_key", "measure_site", "read_cache"]
+
+log = logging.getLogger("ggmlpy.kernels")
+
+CACHE_FILE = "kernels.json"
+#: Bumped when the measurement changes: entries of another format are measured again.
+FORMAT = 1
+#: The bytes of weights (or cache) one site's graph reads per run, at most: several times a core's
+#: share of the last-level cache, so the runs stream from memory as generation does.
+GROUP_BYTES = 256 << 20
+#: The bytes of cache the decode attention's graph reads per run, at most (a few layers' worth).
+ATTN_BYTES = 64 << 20
+#: The cache depth each attention depth class is measured at (class 0: up to
+#: :data:`ggmlpy.models.kernels.DEPTH_CLASS_BOUND` cells; class 1: deeper).
+DECODE_DEPTHS = (512, 4096)
+#: Query rows (and cache cells) of the prefill measurement, and the rows of GeGLU's class 1.
+PREFILL_ROWS = 128
+#: Timed rounds of each site (after a warm-up), and the seconds after which no more rounds start once
+#: ``min_rounds`` are done.
+TIMING: dict[str, Any] = {"rounds": 7, "min_rounds": 3, "max_s": 1.0}
+_POLL = 50
+
+
+class Recorder(KernelChoices):
+    """Choices that take every own kernel and note each site asked about, with its weights."""
+
+    def __init__(self) -> None:
+        super().__init__("own")
+        self.sites: dict[Site, dict[int, Tensor]] = {}
+
+    def use(self, site: Site, weight: Optional[Tensor] = None) -> bool:
+        seen = self.sites.setdefault(site, {})
+        if weight is not None:
+            seen.setdefault(id(weight), weight)
+        return True
+
+
+def machine_key(n_threads: int) -> str:
+    """The cache entry's key: CPU model, thread count, ggml build, ggmlpy version."""
+    v = cpu_variant()
+    return (f"{_cpu_model_name()} | {int(n_threads)} threads | ggml {ggml_version()} ({ggml_commit()}), cpu "
+            f"{'native' if v is None else v[0]} | ggmlpy {__version__}")
+
+
+def _cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _default_dir() -> Path:
+    from .synthetic import cache_dir
+
+    return cache_dir()
+
+
+def read_cache(path: Path) -> dict[str, Any]:
+    """The cache file's content (an empty one where it is missing, unreadable or of another format)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("machines"), dict):
+            return data
+    except (OSError, ValueError):
+        pass
+    return {"format": FORMAT, "machines": {}}
+
+
+def _entries(data: dict[str, Any], key: str) -> dict[str, Measurement]:
+    out = {}
+    for site, v in (data["machines"].get(key) or {}).get("sites", {}).items():
+        try:
+            out[site] = Measurement(float(v["own_s"]), float(v["ggml_s"]))
+        except (KeyError, TypeError, ValueError):       # a hand-edited entry: measured again
+            continue
+    return out
+
+
+def _write(path: Path, key: str, n_threads: int, new: dict[str, Measurement]) -> bool:
+    data = read_cache(path)                 # (re-read: another process may have added sites)
+    entry = data["machines"].setdefault(key, {"n_threads": int(n_threads), "sites": {}})
+    entry.setdefault("sites", {})
+    entry["measured_at"] = time.strftime("%Y-%m-%d %H:%M")
+    for site, m in new.items():
+        entry["sites"][site] = {"own_s": m.own_s, "ggml_s": m.ggml_s, "use_own": m.use_own}
+    return _save(path, data)
+
+
+def _save(path: Path, data: dict[str, Any]) -> bool:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(path) as tmp, open(tmp, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+            f.write("\n")
+        return True
+    except OSError as e:
+        log.warning("kernels: could not write %s (%s); measured again next time", path, e)
+        return False
+
+
+def _machine(key: str) -> list[str]:
+    """A cache key without its thread count: the CPU, the build, the version."""
+    parts = key.split(" | ")
+    return parts[:1] + parts[2:]
+
+
+def forget(cache_dir: str | os.PathLike | None = None) -> int:
+    """Drop this machine's timings (every thread count of this CPU, build and version) from the cache, so
+    that the next runners measure again. Returns how many entries were dropped."""
+    path = (Path(cache_dir) if cache_dir is not None else _default_dir()) / CACHE_FILE
+    data = read_cache(path)
+    mine = [k for k in data["machines"] if _machine(k) == _machine(machine_key(0))]
+    for k in mine:
+        del data["machines"][k]
+    if mine:
+        _save(path, data)
+    return len(mine)
+
+
+def cached_summary(cache_dir: str | os.PathLike | None = None) -> list[str]:
+    """What ``ggmlpy info`` prints: the mode, and per thread count this machine's cached choices (the
+    sites where the own kernel won, and where ggml's op did), or how to measure them."""
+    path = (Path(cache_dir) if cache_dir is not None else _default_dir()) / CACHE_FILE
+    m = kernels.mode()
+    lines = [f"own kernels: mode {m} ($GGMLPY_KERNELS; measure: each against ggml's op, the faster taken)"]
+    data = read_cache(path)
+    found = False
+    for key in sorted(data["machines"]):
+        if _machine(key) != _machine(machine_key(0)):
+            continue
+        found = True
+        entries = _entries(data, key)
+        own = sorted(k for k, e in entries.items() if e.use_own)
+        lines.append(f"  {key.split(' | ')[1]} ({data['machines'][key].get('measured_at', '?')}): own at {len(own)} of "
+                     f"{len(entries)} sites")
+        for k, e in sorted(entries.items()):
+            lines.append(f"    {k}: {e.speedup:.2f}x ggml's -> {'own' if e.use_own else 'ggml'}")
+    if not found:
+        lines.append(f"  no timings for this machine yet in {path} (a runner measures its sites when it starts; "
+                     "ggmlpy bench prints them)")
+    return lines
+
+
+def kernel_choices(record: Callable[[Recorder], None], n_threads: int, *, mode: Optional[str] = None,
+                   n_ctx: int = 0, n_expert_used: int = 1, cache_dir: str | os.PathLike | None = None,
+                   refresh: bool = False) -> KernelChoices:
+    """The choices for a runner: its sites measured (or read from the cache) with ``n_threads`` threads.
+
+    Parameters
+    ----------
+    record : callable
+        Builds (and frees) the graphs the runner will build, under the :class:`Recorder` it is given
+        (``with kernels.using(recorder): ...``).
+    n_threads : int
+        The runner's CPU threads.
+    mode : str, optional
+        :func:`ggmlpy.models.kernels.mode`'s (default ``$GGMLPY_KERNELS`` or ``"measure"``); only
+        ``"measure"`` measures anything.
+    n_ctx : int
+        The runner's context: attention's deeper depth class is measured only where it can be reached.
+    n_expert_used : int
+        Experts per token (the experts' sites).
+    cache_dir : path, optional
+        Folder of ``kernels.json`` (default :func:`ggmlpy.models.synthetic.cache_dir`).
+    refresh : bool
+        Measure every site again.
+    """
+    m = kernels.mode(mode)
+    if m != "measure":
+        return KernelChoices(m, n_threads=int(n_threads))
+    rec = Recorder()
+    record(rec)
+    sites = dict(rec.sites)
+    for site in list(sites):
+        if site.op == "attn_decode":                     # both depth classes where the context reaches the second
+            sites.pop(site)
+            for c in range(2 if n_ctx > kernels.DEPTH_CLASS_BOUND else 1):
+                sites.setdefault(Site(site.op, site.type, site.shape[:4] + (c,)), {})
+    path = (Path(cache_dir) if cache_dir is not None else _default_dir()) / CACHE_FILE
+    key = machine_key(n_threads)
+    known = {} if refresh else _entries(read_cache(path), key)
+    todo = [s for s in sites if s.key not in known]
+    new: dict[str, Measurement] = {}
+    t0 = time.perf_counter()
+    if todo:
+        be = _core.backend_init("CPU")
+        try:
+            be.set_threadpool(int(n_threads), poll=_POLL)
+            for site in todo:
+                try:
+                    new[site.key] = measure_site(be, site, list(sites[site].values()), n_expert_used=n_expert_used)
+                except GGMLError as e:       # a site the measurement cannot build: ggml's op is kept there
+                    log.warning("kernels: %s not measured (%s); ggml's op is used there", site.key, e)
+                    new[site.key] = Measurement(math.inf, 1.0)
+        finally:
+            be.free()
+    spent = time.perf_counter() - t0
+    where = str(path)
+    if new:
+        log.info("kernels: measured %d site(s) in %.2f s with %d threads", len(new), spent, n_threads)
+        if not _write(path, key, n_threads, new):
+            where = ""
+    entries = {s.key: new.get(s.key) or known[s.key] for s in sites}
+    return KernelChoices("measure", entries=entries, n_threads=int(n_threads), path=where,
+                         measured_s=spent if new else 0.0)
+
+
+# --------------------------------------------------------------------------- one site
+
+
+def measure_site(be: Any, site: Site, weights: Iterable[Tensor] = (), n_expert_used: int = 1) -> Measurement:
+    """Time ``site``'s own kernel and ggml's op on the CPU backend ``be``: a :class:`Measurement`.
+
+    ``weights`` are the tensors a matrix-vector site multiplies (the model's own); the other sites make
+    their inputs.
+    """
+    builder = {"matvec": _matvec, "matvec_id": _matvec, "attn_decode": _attn, "attn_prefill": _attn,
+               "geglu": _geglu}.get(site.op)
+    if builder is None:
+        raise GGMLError(f"kernels: no measurement for op {site.op!r}")
+    with _Bench(be) as bench:
+        builder(bench, site, list(weights), n_expert_used)
+        return bench.run()
+
+
+class _Bench:
+    """Two graphs (own, ggml) on the CPU backend, their inputs, and what to free."""
+
+    def __init__(self, be: Any) -> None:
+        self.be = be
+        self.owned: list[Any] = []
+        self.buffers: list[Any] = []         # freed after the contexts whose tensors they hold
+        self.graphs: list[Any] = []
+        self.fills: list[Callable[[], None]] = []
+
+    def __enter__(self) -> _Bench:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for o in [*reversed(self.owned), *self.buffers]:
+            o.free()
+
+    def context(self, n_tensors: int) -> Context:
+        ctx = Context.for_tensors(n_tensors, graph_size=max(16, 2 * n_tensors), no_alloc=True)
+        self.owned.append(ctx)
+        return ctx
+
+    def constants(self, ctx: Context) -> None:
+        """Allocate ``ctx``'s tensors (made with no data: caches, inputs shared by both graphs)."""
+        self.buffers.append(_core.alloc_ctx_tensors(ctx, self.be))
+
+    def graph(self, ctx: Context, outputs: list[Tensor]) -> None:
+        gf = ctx.new_graph(max(16, 2 * len(outputs) + 16))
+        for o in outputs:
+            gf.build_forward_expand(o.set_output())
+        ga = _core.Gallocr(self.be.buffer_type)
+        self.owned.append(ga)
+        ga.alloc_graph(gf)
+        self.graphs.append(gf)
+
+    def run(self) -> Measurement:
+        for f in self.fills:
+            f()
+        own, ggml = self.graphs
+        best = [math.inf, math.inf]
+        for gf in (own, ggml):
+            self.be.graph_compute(gf)                  # warm-up: page faults, the pool's start
+        end = time.perf_counter() + float(TIMING["max_s"])
+        for i in range(int(TIMING["rounds"])):
+            if i >= int(TIMING["min_rounds"]) and time.perf_counter() > end:
+                break
+            order = (0, 1) if i % 2 == 0 else (1, 0)   # alternate: neither always runs after the other
+            for j in order:
+                t0 = time.perf_counter()
+                self.be.graph_compute((own, ggml)[j])
+                best[j] = min(best[j], time.perf_counter() - t0)
+        return Measurement(best[0], best[1])
+
+
+def _rng() -> np.random.Generator:
+    return np.random.default_rng(0)
+
+
+def _matvec(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> None:
+    if not weights:
+        raise GGMLError(f"kernels: no weight recorded for {site.key}")
+    group, total = [], 0
+    for w in weights:                                   # up to GROUP_BYTES of the site's weights
+        if group and total + w.nbytes > GROUP_BYTES:
+            break
+        group.append(w)
+        total += w.nbytes
+    k = weights[0].ne[0]
+    experts = site.op == "matvec_id"
+    n_used = max(1, min(int(n_used), weights[0].ne[2])) if experts else 1
+    inputs = bench.context(2)
+    x = inputs.new_tensor(Type.F32, (k, 1, 1) if experts else (k, 1))
+    ids = inputs.new_tensor(Type.I32, (n_used, 1)) if experts else None
+    bench.constants(inputs)
+    x.set(_rng().standard_normal((1, k), dtype=np.float32).reshape(x.shape))
+    if ids is not None:
+        ids.set(_rng().permutation(weights[0].ne[2])[:n_used].astype(np.int32).reshape(ids.shape))
+    for own in (True, False):
+        ctx = bench.context(len(group) + 2)
+        if experts:
+            outs = [ctx.mul_mat_id_vec(w, x, ids) if own else ctx.mul_mat_id(w, x, ids) for w in group]
+        else:
+            outs = [ctx.mul_mat_vec(w, x) if own else ctx.mul_mat(w, x) for w in group]
+        bench.graph(ctx, outs)
+
+
+def _attn(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> None:
+    hd_k, hd_v, n_head, n_head_kv = site.shape[:4]
+    tk, tv = (Type[t] for t in site.type.split("/"))
+    decode = site.op == "attn_decode"
+    n_q = 1 if decode else PREFILL_ROWS
+    depth = DECODE_DEPTHS[site.shape[4]] if decode else PREFILL_ROWS
+    per_layer = depth * n_head_kv * (hd_k * _core.type_size(tk) + hd_v * _core.type_size(tv))
+    copies = max(1, min(16, ATTN_BYTES // max(1, per_layer))) if decode else 1
+    data = bench.context(2 * copies + 2)
+    ks = [data.new_tensor(tk, (hd_k, depth, n_head_kv)) for _ in range(copies)]
+    vs = [data.new_tensor(tv, (hd_v, depth, n_head_kv)) for _ in range(copies)]
+    q = data.new_tensor(Type.F32, (hd_k, n_head, n_q))
+    pad = -(-n_q // 64) * 64
+    mask = data.new_tensor(Type.F16, (depth, pad))
+    bench.constants(data)
+    rng = _rng()
+    for ts in (ks, vs):                                 # one layer's values, copied to every layer
+        a = rng.standard_normal(ts[0].shape, dtype=np.float32).astype(np.float16 if ts[0].type == Type.F16
+                                                                          else np.float32)
+        for t in ts:
+            t.set(a)
+    q.set(rng.standard_normal(q.shape, dtype=np.float32))
+    m = np.zeros((pad, depth), np.float16)
+    if not decode:                                      # a causal prompt over its own cells
+        m[np.triu_indices(pad, 1, depth)] = -np.inf
+    mask.set(m)
+    scale = 1.0 / math.sqrt(hd_k)
+    for own in (True, False):
+        ctx = bench.context(4 * copies + 4)
+        outs = []
+        for kt, vt in zip(ks, vs):
+            if own and decode:
+                outs.append(ctx.attn_decode(q, kt, vt, mask, scale=scale, n_chunks=blocks._decode_chunks(depth)))
+            elif own:
+                outs.append(ctx.attn_prefill(q, kt, vt, mask, scale=scale))
+            else:
+                outs.append(ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), kt, vt, mask, scale=scale))
+        bench.graph(ctx, outs)
+
+
+def _geglu(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> None:
+    n_ff, rows_class = site.shape
+    rows = 1 if rows_class == 0 else PREFILL_ROWS
+    copies = 16
+    data = bench.context(2)
+    g, u = (data.new_tensor(Type.F32, (n_ff, rows)) for _ in range(2))
+    bench.constants(data)
+    rng = _rng()
+    for t in (g, u):
+        t.set(rng.standard_normal(t.shape, dtype=np.float32))
+    for own in (True, False):
+        ctx = bench.context(copies + 2)
+        outs = [ctx.geglu_tanh(g, u) if own else ctx.geglu_split(g, u) for _ in range(copies)]
+        bench.graph(ctx, outs)

@@ -1,0 +1,333 @@
+"""Own kernels chosen by measurement (ggmlpy.models.kernels, ggmlpy.models.calibrate).
+
+The rule and its cache are tested with fake timings (measure_site replaced); one test per op measures
+for real on tiny shapes; the runner's graphs are checked to take an own kernel exactly where the
+(fake) timings said it was faster, and to give the same tokens in every mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import ggmlpy
+from ggmlpy import _core
+from ggmlpy.models import calibrate, kernels, load_model
+from ggmlpy.models.kernels import KernelChoices, Measurement, Site, decide
+from ggmlpy.models.synthetic import write_synthetic
+from ggmlpy.runner import Runner
+
+# --------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("own, ggml, want", [
+    (0.5, 1.0, True), (0.969, 1.0, True), (0.975, 1.0, False), (1.0, 1.0, False), (1.2, 1.0, False),
+    (math.inf, 1.0, False), (0.0, 1.0, False), (float("nan"), 1.0, False), (0.5, math.inf, False),
+    (-1.0, 1.0, False),
+])
+def test_decide_takes_the_own_kernel_only_where_it_measured_margin_faster(own, ggml, want):
+    assert decide(own, ggml) is want
+    assert Measurement(own, ggml).use_own is want
+
+
+def test_choices_by_mode_and_site():
+    fast, slow = Site("matvec", "F16", (64, 128)), Site("matvec", "F16", (128, 64))
+    entries = {fast.key: Measurement(1.0, 2.0), slow.key: Measurement(2.0, 1.0)}
+    measured = KernelChoices("measure", entries=entries)
+    assert measured.use(fast) and not measured.use(slow)
+    assert measured.use(Site("matvec", "Q8_0", (64, 128)))            # not measured: the own kernel
+    assert all(KernelChoices("own", entries=entries).use(s) for s in (fast, slow))
+    assert not any(KernelChoices("ggml", entries=entries).use(s) for s in (fast, slow))
+    lines = measured.summary()
+    assert any(line.startswith("matvec F16 64x128") and line.endswith("-> own") for line in lines)
+    assert any(line.startswith("matvec F16 128x64") and line.endswith("-> ggml") for line in lines)
+    assert "own at 1 of 2 sites" in measured.describe()
+
+
+def test_site_key_round_trips():
+    s = Site("attn_decode", "F16/F16", (128, 128, 32, 8, 1))
+    assert s.key == "attn_decode F16/F16 128x128x32x8x1"
+    assert Site.from_key(s.key) == s
+
+
+def test_mode_reads_the_environment(monkeypatch):
+    monkeypatch.setenv("GGMLPY_KERNELS", "GGML")
+    assert kernels.mode() == "ggml"
+    assert kernels.mode("measure") == "measure"
+    monkeypatch.setenv("GGMLPY_KERNELS", "fastest")
+    with pytest.raises(ggmlpy.GGMLValueError, match=r"\$GGMLPY_KERNELS: 'fastest' is not a kernel mode"):
+        kernels.mode()
+    with pytest.raises(ggmlpy.GGMLValueError, match="kernels: 'x'"):
+        kernels.mode("x")
+
+
+def test_using_is_scoped():
+    assert kernels.current().mode == "own"
+    with kernels.using(KernelChoices("ggml")):
+        assert not kernels.use(Site("matvec", "F16", (1, 1)))
+        with kernels.using(KernelChoices("own")):
+            assert kernels.use(Site("matvec", "F16", (1, 1)))
+        assert kernels.current().mode == "ggml"
+    assert kernels.current().mode == "own"
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+SITES = [Site("matvec", "F16", (64, 128)), Site("matvec", "F16", (128, 64)), Site("geglu", "F32", (128, 0))]
+
+
+class FakeTimer:
+    """measure_site's stand-in: the own kernel faster at the sites in ``fast``; counts the calls."""
+
+    def __init__(self, fast=()):
+        self.fast = {s.key for s in fast}
+        self.calls: list[str] = []
+
+    def __call__(self, be, site, weights=(), n_expert_used=1):
+        self.calls.append(site.key)
+        return Measurement(1.0, 2.0) if site.key in self.fast else Measurement(2.0, 1.0)
+
+
+def _record(sites):
+    def record(rec):
+        with kernels.using(rec):
+            for s in sites:
+                kernels.use(s)
+    return record
+
+
+@pytest.fixture
+def timer(monkeypatch):
+    t = FakeTimer(fast=SITES[:1])
+    monkeypatch.setattr(calibrate, "measure_site", t)
+    return t
+
+
+def test_measured_once_per_machine_then_read_from_the_cache(tmp_path, timer):
+    kc = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    assert sorted(timer.calls) == sorted(s.key for s in SITES)
+    assert [kc.use(s) for s in SITES] == [True, False, False]
+    assert kc.measured_s > 0 and kc.path == str(tmp_path / "kernels.json")
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    entry = data["machines"][calibrate.machine_key(2)]
+    assert entry["sites"][SITES[0].key]["use_own"] is True and entry["n_threads"] == 2
+    timer.calls.clear()
+    again = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    assert timer.calls == [] and again.entries == kc.entries and again.measured_s == 0.0
+    assert str(tmp_path) in again.describe()
+    # a new site: only it is measured, and the file keeps the others
+    extra = Site("matvec", "Q8_0", (256, 64))
+    calibrate.kernel_choices(_record([*SITES, extra]), 2, mode="measure", cache_dir=tmp_path)
+    assert timer.calls == [extra.key]
+    assert len(json.loads((tmp_path / "kernels.json").read_text())["machines"][calibrate.machine_key(2)]["sites"]) == 4
+
+
+def test_the_cache_is_keyed_by_threads_build_and_version(tmp_path, timer, monkeypatch):
+    calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    timer.calls.clear()
+    calibrate.kernel_choices(_record(SITES), 1, mode="measure", cache_dir=tmp_path)
+    assert len(timer.calls) == len(SITES)                       # another thread count
+    for name, value in (("ggml_version", lambda: "9.9.9"), ("ggml_commit", lambda: "abc"),
+                        ("cpu_variant", lambda: ("zen4", "x")), ("__version__", "9.0")):
+        with monkeypatch.context() as m:
+            m.setattr(calibrate, name, value)
+            timer.calls.clear()
+            calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+            assert len(timer.calls) == len(SITES), name
+    with monkeypatch.context() as m:
+        m.setattr(calibrate, "_cpu_model_name", lambda: "Other CPU")
+        timer.calls.clear()
+        calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+        assert len(timer.calls) == len(SITES)
+    timer.calls.clear()
+    calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    assert timer.calls == []                                   # the first entry is still there
+
+
+def test_refresh_measures_again_and_replaces(tmp_path, timer):
+    calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    timer.fast = {SITES[1].key}
+    timer.calls.clear()
+    kc = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path, refresh=True)
+    assert len(timer.calls) == len(SITES)
+    assert [kc.use(s) for s in SITES] == [False, True, False]
+    cached = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    assert [cached.use(s) for s in SITES] == [False, True, False]
+
+
+@pytest.mark.parametrize("content", ["{", "[]", '{"format": 0, "machines": {}}', '{"format": 1, "machines": 3}',
+                                     "BAD_SITE"])
+def test_a_damaged_or_old_cache_is_measured_again(tmp_path, timer, content):
+    path = tmp_path / "kernels.json"
+    if content == "BAD_SITE":
+        content = json.dumps({"format": calibrate.FORMAT, "machines": {calibrate.machine_key(2): {
+            "sites": {SITES[0].key: {"own_s": "fast"}, SITES[1].key: {"own_s": 1.0, "ggml_s": 2.0}}}}})
+    path.write_text(content)
+    kc = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    want = {SITES[0].key, SITES[2].key} if "BAD" in path.read_text() or "fast" in content else {s.key for s in SITES}
+    assert set(timer.calls) >= want
+    assert kc.use(SITES[0]) and not kc.use(SITES[2])
+    assert json.loads(path.read_text())["format"] == calibrate.FORMAT
+
+
+def test_an_unwritable_cache_still_chooses(tmp_path, timer):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    kc = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=blocker / "sub")
+    assert [kc.use(s) for s in SITES] == [True, False, False] and kc.path == ""
+
+
+def test_other_modes_measure_nothing(tmp_path, timer):
+    for m in ("own", "ggml"):
+        kc = calibrate.kernel_choices(_record(SITES), 2, mode=m, cache_dir=tmp_path)
+        assert kc.mode == m and kc.entries == {}
+    assert timer.calls == [] and not (tmp_path / "kernels.json").exists()
+
+
+def test_a_site_that_cannot_be_measured_keeps_ggml(tmp_path, monkeypatch):
+    def fail(be, site, weights=(), n_expert_used=1):
+        raise ggmlpy.GGMLError("no")
+
+    monkeypatch.setattr(calibrate, "measure_site", fail)
+    kc = calibrate.kernel_choices(_record(SITES[:1]), 1, mode="measure", cache_dir=tmp_path)
+    assert not kc.use(SITES[0])
+
+
+def test_attention_decode_is_measured_at_each_reachable_depth_class(tmp_path, timer):
+    s = Site("attn_decode", "F16/F16", (64, 64, 4, 2, 1))
+    calibrate.kernel_choices(_record([s]), 1, mode="measure", cache_dir=tmp_path, n_ctx=512)
+    assert timer.calls == ["attn_decode F16/F16 64x64x4x2x0"]
+    timer.calls.clear()
+    calibrate.kernel_choices(_record([s]), 1, mode="measure", cache_dir=tmp_path / "b", n_ctx=4096)
+    assert sorted(timer.calls) == ["attn_decode F16/F16 64x64x4x2x0", "attn_decode F16/F16 64x64x4x2x1"]
+
+
+# --------------------------------------------------------------------------- real measurements
+
+
+@pytest.fixture
+def cpu():
+    be = _core.backend_init("CPU")
+    be.set_threadpool(2)
+    yield be
+    be.free()
+
+
+def _weights(types_shapes):
+    ctx = ggmlpy.Context.for_tensors(len(types_shapes), no_alloc=True)
+    ts = [ctx.new_tensor(t, ne) for t, ne in types_shapes]
+    buf = _core.alloc_ctx_tensors(ctx, _core.device("CPU").buffer_type())
+    rng = np.random.default_rng(0)
+    for t in ts:
+        t.set(rng.standard_normal(t.shape, dtype=np.float32) * np.float32(0.02))
+    return ctx, buf, ts
+
+
+@pytest.mark.parametrize("site, types_shapes", [
+    (Site("matvec", "F16", (256, 128)), [(ggmlpy.Type.F16, (256, 128))] * 3),
+    (Site("matvec", "Q8_0", (256, 64)), [(ggmlpy.Type.Q8_0, (256, 64))]),
+    (Site("matvec_id", "F16", (128, 64, 4)), [(ggmlpy.Type.F16, (128, 64, 4))]),
+    (Site("attn_decode", "F16/F16", (64, 64, 4, 2, 0)), []),
+    (Site("attn_decode", "F32/F16", (32, 32, 2, 2, 1)), []),
+    (Site("attn_prefill", "F16/F16", (64, 64, 4, 2)), []),
+    (Site("geglu", "F32", (256, 0)), []),
+    (Site("geglu", "F32", (256, 1)), []),
+])
+def test_every_op_is_measured_for_real(cpu, site, types_shapes, monkeypatch):
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    monkeypatch.setattr(calibrate, "ATTN_BYTES", 1 << 20)
+    ctx, buf, ws = _weights(types_shapes) if types_shapes else (None, None, [])
+    try:
+        m = calibrate.measure_site(cpu, site, ws, n_expert_used=2)
+    finally:
+        if ctx is not None:
+            ctx.free()
+            buf.free()
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
+def test_a_matvec_site_without_weights_is_an_error(cpu):
+    with pytest.raises(ggmlpy.GGMLError, match="no weight recorded"):
+        calibrate.measure_site(cpu, Site("matvec", "F16", (64, 64)), [])
+
+
+# --------------------------------------------------------------------------- the runner's graphs
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    return write_synthetic(str(tmp_path_factory.mktemp("k") / "g.gguf"), "tiny", "F16", arch="gemma3")
+
+
+def _custom_ops(runner, n):
+    with kernels.using(runner.kernels):
+        b = runner._worst_case_graph(n)
+    try:
+        return sum(1 for node in b.graph.nodes if node.op == ggmlpy.Op.CUSTOM)
+    finally:
+        b.free()
+
+
+def test_the_runner_takes_own_kernels_only_where_they_measured_faster(tiny_gemma, tmp_path, monkeypatch):
+    monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path))
+    monkeypatch.setenv("GGMLPY_KERNELS", "measure")
+    seen = []
+
+    def timer(be, site, weights=(), n_expert_used=1):
+        seen.append(site)
+        return Measurement(1.0, 2.0) if site.key in faster else Measurement(2.0, 1.0)
+
+    monkeypatch.setattr(calibrate, "measure_site", timer)
+    with load_model(tiny_gemma) as m:
+        faster = set()
+        with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
+            ops = {s.op for s in seen}
+            assert {"matvec", "attn_decode", "attn_prefill", "geglu"} <= ops, ops
+            assert not any(r.kernels.use(s) for s in seen)
+            assert _custom_ops(r, 1) == 0 and _custom_ops(r, 64) == 0
+        # everything measured faster (a new cache folder: measured again)
+        monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path / "fast"))
+        faster = {s.key for s in seen}
+        with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
+            decode_own, prompt_own = _custom_ops(r, 1), _custom_ops(r, 64)
+        assert decode_own > 0 and prompt_own > 0
+        # only the matrix-vector products faster
+        monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path / "mv"))
+        faster = {s.key for s in seen if s.op == "matvec"}
+        with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
+            assert 0 < _custom_ops(r, 1) < decode_own
+            assert _custom_ops(r, 64) == 0                      # a prompt has no matrix-vector product
+
+
+def test_every_mode_generates_the_same_tokens(tiny_gemma, tmp_path, monkeypatch):
+    monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path))
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    prompt = list(range(3, 40))
+    out = {}
+    with load_model(tiny_gemma) as m:
+        for mode in ("own", "ggml", "measure"):
+            monkeypatch.setenv("GGMLPY_KERNELS", mode)
+            with Runner(m, n_ctx=128, n_threads=2) as r:
+                assert r.kernels.mode == mode
+                out[mode] = r.generate(prompt, max_tokens=12).tokens
+    assert out["own"] == out["ggml"] == out["measure"]
+    assert (tmp_path / "kernels.json").exists()
+
+
+def test_forget_drops_this_machines_timings_only(tmp_path, timer):
+    calibrate.kernel_choices(_record(SITES), 1, mode="measure", cache_dir=tmp_path)
+    calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    path = tmp_path / "kernels.json"
+    data = json.loads(path.read_text())
+    data["machines"]["Other CPU | 2 threads | ggml 0.0.0 (x), cpu native | ggmlpy 0.0"] = {"sites": {}}
+    path.write_text(json.dumps(data))
+    assert calibrate.forget(tmp_path) == 2
+    assert list(json.loads(path.read_text())["machines"]) == ["Other CPU | 2 threads | ggml 0.0.0 (x), cpu native | ggmlpy 0.0"]
+    timer.calls.clear()
+    calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    assert len(timer.calls) == len(SITES)
+    assert calibrate.forget(tmp_path / "none") == 0
