@@ -68,24 +68,30 @@ def test_equals_mul_mat(wtype, shape, m):
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
-@pytest.mark.skipif(not _core._mul_mat_vec_vnni(), reason="no AVX-512 VNNI: Q8_0 keeps ggml's vec_dot")
-@pytest.mark.parametrize("shape", [(37, 512), (2304, 768), (1, 32)], ids=["37x512", "2304x768", "1x32"])
+@pytest.mark.skipif(not _core._mul_mat_vec_vnni(), reason="no AVX-512 VNNI: Q8_0 and Q6_K keep ggml's vec_dot")
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("shape", [(37, 512), (2304, 768), (1, 256)], ids=["37x512", "2304x768", "1x256"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_q8_0_vnni_kernel_equals_mul_mat_exactly(shape, m):
-    """Q8_0 rows two at a time in the VNNI kernel: ggml's arithmetic (8 int32 lanes per block, its
-    scale product, its final sum), so mul_mat's values bit for bit, with an odd row count (the lone
-    last row), on 1-3 threads; and the same values with the kernel switched off (ggml's vec_dot)."""
+def test_vnni_row_pair_kernels_equal_mul_mat_exactly(wtype, shape, m):
+    """Q8_0 and Q6_K rows two at a time in the VNNI kernels: ggml's arithmetic (8 int32 lanes per
+    block, its scale product, its final sum), so mul_mat's values bit for bit, with an odd row count
+    (the lone last row), on 1-3 threads; and the same values with the kernel switched off (ggml's
+    vec_dot). Q6_K's weights are scaled by row and column so that its int8 scales take many values,
+    negative ones included."""
+    switch = {"Q8_0": _core._mul_mat_vec_q8, "Q6_K": _core._mul_mat_vec_q6_k}[wtype]
     rng = np.random.default_rng(shape[0] * 7 + m)
     W = rng.standard_normal(shape).astype(np.float32)
-    X = rng.standard_normal((m, shape[1])).astype(np.float32)
-    assert _core._mul_mat_vec_q8()
-    outs, ref = _both("Q8_0", W, X)
+    if wtype == "Q6_K":
+        W *= rng.uniform(0.05, 4.0, (shape[0], 1)).astype(np.float32) * rng.uniform(0.1, 3.0, shape[1]).astype(np.float32)
+    X = rng.standard_normal((m, shape[1])).astype(np.float32) * np.float32(3)
+    assert switch()
+    outs, ref = _both(wtype, W, X)
     assert all(np.array_equal(o, ref) for o in outs)
-    old = _core._mul_mat_vec_q8(False)
+    old = switch(False)
     try:
-        assert np.array_equal(_both("Q8_0", W, X, threads=(2,))[0][0], ref)
+        assert np.array_equal(_both(wtype, W, X, threads=(2,))[0][0], ref)
     finally:
-        _core._mul_mat_vec_q8(old)
+        switch(old)
 
 
 def test_float16_against_numpy():
@@ -98,7 +104,7 @@ def test_float16_against_numpy():
     assert np.abs(outs[0] - ref).max() <= TOL * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("kernel, wtype", [("dot", "F16"), ("q8_0", "Q8_0")])
+@pytest.mark.parametrize("kernel, wtype", [("dot", "F16"), ("q8_0", "Q8_0"), ("q6_k", "Q6_K")])
 @pytest.mark.parametrize("distance", [0, 64, 4096, 65536])
 def test_prefetch_distance_changes_no_value(distance, kernel, wtype):
     rng = np.random.default_rng(1)
@@ -139,16 +145,20 @@ def test_refuses_what_it_cannot_compute(over, exc, words):
             _bad(ctx, **over)
 
 
-@pytest.mark.parametrize("wtype", ["F16", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("wtype", ["F16", "Q8_0", "Q4_0", "Q4_K_M"])
 def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype):
     """Generation through the runner: the logits with the kernel equal those with mul_mat (the same
     dot kernels), and the kernel really ran for the one-token steps; on a repacked weight (a Q4_0
     model's weights are in CPU_REPACK where the CPU has it) only where its VNNI kernel runs."""
+    from dataclasses import replace
+
     from ggmlpy.models import load_model
-    from ggmlpy.models.synthetic import write_synthetic
+    from ggmlpy.models.synthetic import SIZES, write_synthetic
     from ggmlpy.runner import Runner
 
-    model = load_model(write_synthetic(tmp_path / "m.gguf", "tiny", wtype))
+    # K-quants need rows of 256: the tiny shape widened
+    size = replace(SIZES["tiny"], n_embd=256, n_ff=512) if wtype == "Q4_K_M" else "tiny"
+    model = load_model(write_synthetic(tmp_path / "m.gguf", size, wtype))
     taken = []
     real = blocks._core._mul_mat_vec_ok        # asked only when linear() has a few tokens
 
@@ -156,7 +166,7 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
         ok = real(w, m)
         # the repacked layout it has a kernel for: Q4_0 in CPU_REPACK (an AMX buffer holds F16 and
         # Q8_0 weights too, in a layout it cannot read)
-        kind = "rq4" if w.is_repacked and w.type == Type.Q4_0 and w.buffer_type == "CPU_REPACK" else \
+        kind = "rq4" if w.is_repacked and w.type in (Type.Q4_0, Type.Q4_K) and w.buffer_type == "CPU_REPACK" else \
             "other" if w.is_repacked else "plain"
         taken.append((kind, ok))
         return ok
@@ -173,7 +183,8 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
         if on:
             assert taken and all(ok == {"plain": True, "rq4": RQ4, "other": False}[kind] for kind, ok in taken)
             if "AMX" not in EXTRA or not backend.amx_usable():   # where AMX runs, it takes the matrices
-                assert any(ok for _, ok in taken) == (wtype != "Q4_0" or "CPU_REPACK" not in EXTRA or RQ4)
+                assert any(ok for _, ok in taken) == (wtype not in ("Q4_0", "Q4_K_M") or "CPU_REPACK" not in EXTRA
+                                                      or RQ4)
         else:
             assert not taken
         logits[on] = np.stack(steps)
@@ -183,24 +194,27 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
 
 
 def test_weights_it_cannot_read_are_refused():
-    """A repacked weight of a layout it has no kernel for (ggml's own, and a buffer whose tensors the
-    CPU backend runs only in its kernels' ops): refused, the buffer named; the models keep mul_mat
-    for it. Q4_0 with the switch off likewise."""
+    """A repacked weight it does not take (its kernel switched off: a layout it has no kernel for
+    reads the same: ggml's own, in a buffer whose tensors the CPU backend runs only in its kernels'
+    ops): refused, the buffer named; the models keep mul_mat for it."""
     if "CPU_REPACK" not in EXTRA or not AVX2:
         pytest.skip("no CPU_REPACK buffer for Q4_K and Q4_0")
-    for wtype, switch in (("Q4_K", True), ("Q4_0", False)):
+    with pytest.raises(GGMLValueError, match="type must be 'Q4_0' or 'Q4_K'"):
+        _core._mul_mat_vec_repacked(False, type="Q6_K")
+    for wtype in ("Q4_K", "Q4_0"):
         ctx, buf, w = _repack_weight(wtype, np.zeros((16, 256), np.float32), EXTRA["CPU_REPACK"])
-        old = _core._mul_mat_vec_repacked(switch)
+        old = _core._mul_mat_vec_repacked(False, type=wtype)
         try:
             assert w.is_repacked and not _core._mul_mat_vec_ok(w, 1)
             with ggmlpy.Context(1 << 20) as c2:
                 with pytest.raises(GGMLValueError, match="w must be plain rows in host memory.*in CPU_REPACK"):
                     c2.mul_mat_vec(w, c2.new_tensor("F32", (256, 1)))
         finally:
-            _core._mul_mat_vec_repacked(old)
+            _core._mul_mat_vec_repacked(old, type=wtype)
+        assert _core._mul_mat_vec_ok(w, 1) == RQ4         # switched on again: taken where the kernel runs
 
 
-# ---- Q4_0 in ggml's CPU_REPACK layout: the VNNI kernel -------------------------------------------
+# ---- Q4_0 and Q4_K in ggml's CPU_REPACK layout: the VNNI kernels ---------------------------------
 
 def _on_cpu_backend(g, ours, theirs, inputs, threads, shape):
     """g's tensors allocated in a CPU buffer, inputs ((tensor, array) pairs) set, the graph of ours
@@ -233,50 +247,59 @@ def _repacked_both(w, X, threads=(1, 2, 3)):
 
 
 @needs_rq4
-@pytest.mark.parametrize("shape", [(8, 32), (64, 512), (2304, 768), (776, 3072)],
-                         ids=["8x32", "64x512", "2304x768", "776x3072"])
+@pytest.mark.parametrize("wtype, shape", [
+    ("Q4_0", (8, 32)), ("Q4_0", (64, 512)), ("Q4_0", (2304, 768)), ("Q4_0", (776, 3072)),
+    ("Q4_K", (8, 256)), ("Q4_K", (64, 512)), ("Q4_K", (2304, 768)), ("Q4_K", (776, 3072)),
+], ids=lambda v: v if isinstance(v, str) else "x".join(map(str, v)))
 @pytest.mark.parametrize("m", [1, 2, 3])
-def test_repacked_q4_0_equals_mul_mat_exactly(shape, m):
+def test_repacked_equals_mul_mat_exactly(wtype, shape, m):
     """Bit-identical to ggml's repacked mul_mat (the same integer dots, the same float steps in the
     same order), on 1-3 threads (776 rows: 97 groups of 8, split unevenly); and within TOL of the
-    plain layout's mul_mat, whose kernel sums in another order."""
+    plain layout's mul_mat, whose kernel sums in another order. Q4_K's weights are scaled by row
+    and column so that its 6-bit scales and mins take many values."""
     rng = np.random.default_rng(shape[0] + m)
     W = rng.standard_normal(shape).astype(np.float32)
+    if wtype == "Q4_K":
+        W *= rng.uniform(0.1, 3.0, (shape[0], 1)).astype(np.float32) * rng.uniform(0.2, 2.0, shape[1]).astype(np.float32)
+        W += rng.uniform(-1, 1, (shape[0], shape[1] // 32, 1)).repeat(32, axis=2).reshape(shape).astype(np.float32)
     X = rng.standard_normal((m, shape[1])).astype(np.float32)
-    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
     assert w.is_repacked and _core._mul_mat_vec_ok(w, m)
     outs, ref = _repacked_both(w, X)
     assert all(np.array_equal(o, ref) for o in outs)
-    plain = _both("Q4_0", W, X, threads=(2,))[1]
+    plain = _both(wtype, W, X, threads=(2,))[1]
     assert np.abs(outs[0] - plain).max() <= TOL * np.abs(plain).max()
 
 
 @needs_rq4
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 @pytest.mark.parametrize("distance", [0, 64, 16384, 65536])
-def test_repacked_prefetch_distance_changes_no_value(distance):
+def test_repacked_prefetch_distance_changes_no_value(distance, wtype):
     rng = np.random.default_rng(2)
     W = rng.standard_normal((64, 512)).astype(np.float32)
     X = rng.standard_normal((2, 512)).astype(np.float32)
-    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
-    old = _core._mul_mat_vec_prefetch(distance, kernel="q4_0_repacked")
+    ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
+    kernel = wtype.lower() + "_repacked"
+    old = _core._mul_mat_vec_prefetch(distance, kernel=kernel)
     try:
-        assert _core._mul_mat_vec_prefetch(kernel="q4_0_repacked") == distance
+        assert _core._mul_mat_vec_prefetch(kernel=kernel) == distance
         outs, ref = _repacked_both(w, X, threads=(2,))
         assert np.array_equal(outs[0], ref)
     finally:
-        _core._mul_mat_vec_prefetch(old, kernel="q4_0_repacked")
-    assert _core._mul_mat_vec_prefetch(kernel="q4_0_repacked") == old != _core._mul_mat_vec_prefetch()
+        _core._mul_mat_vec_prefetch(old, kernel=kernel)
+    assert _core._mul_mat_vec_prefetch(kernel=kernel) == old != _core._mul_mat_vec_prefetch()
 
 
 @needs_rq4
-def test_repacked_q4_0_takes_at_most_three_vectors():
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
+def test_repacked_takes_at_most_three_vectors(wtype):
     """From 4 vectors on, ggml's mul_mat quantizes them in its GEMM's layout (other values): refused,
     and the models keep mul_mat."""
-    ctx, buf, w = _repack_weight("Q4_0", np.zeros((16, 64), np.float32), EXTRA["CPU_REPACK"])
+    ctx, buf, w = _repack_weight(wtype, np.zeros((16, 256), np.float32), EXTRA["CPU_REPACK"])
     assert [_core._mul_mat_vec_ok(w, m) for m in (1, 3, 4)] == [True, True, False]
     with ggmlpy.Context(1 << 20, no_alloc=True) as c2:
-        with pytest.raises(GGMLValueError, match="a repacked Q4_0 w takes at most 3 vectors.*use mul_mat"):
-            c2.mul_mat_vec(w, c2.new_tensor("F32", (64, 4)))
+        with pytest.raises(GGMLValueError, match="a repacked w takes at most 3 vectors.*use mul_mat"):
+            c2.mul_mat_vec(w, c2.new_tensor("F32", (256, 4)))
 
 
 @needs_rq4
@@ -422,17 +445,18 @@ def _repacked_experts_both(w, X, L, n_used, threads=(1, 2, 3), ids_given=None):
 
 
 @needs_rq4
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 @pytest.mark.parametrize("n_tokens", [1, 2, 4])
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
-def test_repacked_experts_equal_mul_mat_id_exactly(n_tokens, per_slot):
-    """A repacked Q4_0 expert stack (each expert's matrix repacked on its own): ggml's repacked
-    mul_mat_id's values bit for bit, for 1-4 tokens and 1-3 threads."""
+def test_repacked_experts_equal_mul_mat_id_exactly(n_tokens, per_slot, wtype):
+    """A repacked Q4_0 or Q4_K expert stack (each expert's matrix repacked on its own): ggml's
+    repacked mul_mat_id's values bit for bit, for 1-4 tokens and 1-3 threads."""
     rng = np.random.default_rng(20 + n_tokens * 2 + per_slot)
-    k, rows, n_expert, n_used = 256, 40, 6, 3
+    k, rows, n_expert, n_used = 512, 40, 6, 3
     W = rng.standard_normal((n_expert, rows, k)).astype(np.float32)
     X = rng.standard_normal((n_tokens, n_used if per_slot else 1, k)).astype(np.float32)
     L = rng.standard_normal((n_tokens, n_expert)).astype(np.float32)
-    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
     assert w.is_repacked and _core._mul_mat_id_vec_ok(w, n_tokens * X.shape[1])
     assert not _core._mul_mat_vec_ok(w, 1)                     # a stack: mul_mat_vec takes matrices
     outs, ref = _repacked_experts_both(w, X, L, n_used)

@@ -55,6 +55,14 @@ static int ggmlpy_gemv_vnni(void) {
    benchmarks. 1-8 KiB measured alike here; none was slower than ggml (0.94x), 32 KiB no gain. */
 static int64_t ggmlpy_gemv_pfd = 4096;
 
+/* The cache level the kernels' prefetches fill: 0 L1 (T0), 1 L2 (T1); process-wide, for benchmarks. */
+static int ggmlpy_gemv_pf_level = 0;
+
+static inline void ggmlpy_pf(const char * p) {
+    if (ggmlpy_gemv_pf_level) __builtin_prefetch(p, 0, 2);
+    else __builtin_prefetch(p, 0, 3);
+}
+
 /* 1 where w's bytes are plain rows this op can read: in its context's memory or a host buffer (not
    a device's, nor one of the CPU's repacked buffers, which ggml rearranges for its own kernels and
    whose tensors the CPU backend runs only in the ops those kernels implement). */
@@ -87,7 +95,7 @@ static inline void ggmlpy_gemv_dot(const struct ggml_type_traits_cpu * tt, const
                                    const char * q, float * y) {
     const int64_t pfd = ggmlpy_gemv_pfd;
     if (pfd) {
-        for (size_t o = 0; o < span; o += 64) __builtin_prefetch(wr + pfd + o);
+        for (size_t o = 0; o < span; o += 64) ggmlpy_pf(wr + pfd + o);
     }
     tt->vec_dot((int) k, y, 0, wr, 0, q, 0, 1);
 }
@@ -132,7 +140,7 @@ GGMLPY_VNNI static void ggmlpy_q8_rows(const char * w, size_t nb1, int64_t k, in
         const int two = r + 1 < r1;                     /* a lone last row is read twice, stored once */
         const char * wa = w + r * nb1, * wb = two ? wa + nb1 : wa;
         if (pfd) {
-            for (size_t o = 0; o < (two ? 2 : 1) * nb1; o += 64) __builtin_prefetch(wa + pfd + o);
+            for (size_t o = 0; o < (two ? 2 : 1) * nb1; o += 64) ggmlpy_pf(wa + pfd + o);
         }
         __m512 acc[GGMLPY_GEMV_MAX_COLS];
         for (int c = 0; c < m; c++) acc[c] = _mm512_setzero_ps();
@@ -184,6 +192,101 @@ static void ggmlpy_q8_run(const struct ggml_tensor * w, int64_t r0, int64_t r1, 
 }
 #endif
 
+/* ---- Q6_K rows: two at a time in 512-bit VNNI registers ---------------------------------------
+   A Q6_K block (210 bytes per 256 columns: 128 bytes of low nibbles ql, 64 of 2-bit highs qh, 16
+   int8 scales of 16 columns each, a float16 d) times a Q8_K vector. ggml's dot (AVX2, one row)
+   computes slower than memory delivers: the head of a Q4_K_M model (Q6_K, 128k rows) read at 13 GB/s
+   on 2 threads. This kernel does rows r and r + 1 in the two halves of each register with ggml's
+   own arithmetic: per 256 columns, 8 chunks of 32 bytes (the 6-bit values as ggml assembles them,
+   unsigned: value + 32), each 32-bit lane L of a chunk the dot of its bytes 4L..4L+3 (vpdpbusd)
+   times the scale of its 16 bytes, summed over the chunks, minus 32 x (sums of 16 vector bytes x
+   scale) in ggml's lanes; into 8 float lanes as fmadd(d_y * d_w, float(lane), acc), summed at the end
+   as hsum_float_8: ggml's values exactly (its int16 products cannot saturate: 63 x 127 x 2). */
+
+#define GGMLPY_Q6K_BYTES 210
+#define GGMLPY_Q8K_BYTES 292            /* a Q8_K block: float d, 256 int8, 16 int16 sums */
+
+/* Process-wide: 0 keeps Q6_K weights on ggml's vec_dot under the schedule (tests, benchmarks). */
+static int ggmlpy_q6k_allow = 1;
+
+/* Bytes ahead of the row pair being read that the Q6_K kernel prefetches (0: none). */
+static int64_t ggmlpy_q6k_pfd = 8192;
+
+#if GGMLPY_GEMV_X86
+/* 32 bytes of row a and 32 of row b in one register */
+GGMLPY_VNNI static inline __m512i ggmlpy_pair(const char * a, const char * b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) a)),
+                              _mm256_loadu_si256((const __m256i *) b), 1);
+}
+
+/* Rows [r0, r1) of the Q6_K weight w (rows nb1 bytes apart, k columns) against m Q8_K vectors xq (xrow
+   bytes apart) into dst's columns (dnb1 bytes apart). */
+GGMLPY_VNNI static void ggmlpy_q6k_rows(const char * w, size_t nb1, int64_t k, int64_t r0, int64_t r1, const char * xq,
+                                        size_t xrow, int m, char * dst, size_t dnb1) {
+    const int64_t nb = k / 256, pfd = ggmlpy_q6k_pfd;
+    const __m512i m3 = _mm512_set1_epi8(3), m12 = _mm512_set1_epi8(12), m15 = _mm512_set1_epi8(15);
+    const __m512i m48 = _mm512_set1_epi8(48), mc0 = _mm512_set1_epi8((char) 0xC0);
+    /* chunk c's scales for lanes 0-3 and 4-7 of each half: row a's 2c and 2c + 1, then row b's */
+    __m512i sidx[8];
+    for (int c = 0; c < 8; c++) {
+        int32_t idx[16];
+        for (int l = 0; l < 16; l++) idx[l] = (l >= 8 ? 16 : 0) + 2 * c + ((l % 8) >= 4);
+        sidx[c] = _mm512_loadu_si512(idx);
+    }
+    for (int64_t r = r0; r < r1; r += 2) {
+        const int two = r + 1 < r1;                     /* a lone last row is read twice, stored once */
+        const char * wa = w + r * nb1, * wb = two ? wa + nb1 : wa;
+        if (pfd) {
+            for (size_t o = 0; o < (two ? 2 : 1) * nb1; o += 64) ggmlpy_pf(wa + pfd + o);
+        }
+        __m512 acc[GGMLPY_GEMV_MAX_COLS];
+        for (int c = 0; c < m; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const char * ba = wa + b * GGMLPY_Q6K_BYTES, * bb = wb + b * GGMLPY_Q6K_BYTES;
+            const __m128i sa = _mm_loadu_si128((const __m128i *) (ba + 192)), sb = _mm_loadu_si128((const __m128i *) (bb + 192));
+            const __m512i sa32 = _mm512_cvtepi8_epi32(sa), sb32 = _mm512_cvtepi8_epi32(sb);
+            const __m512i sc16 = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(sa), sb, 1));
+            __m512i q6[8], sc[8];
+            for (int j = 0; j < 2; j++) {
+                const __m512i l1 = ggmlpy_pair(ba + j * 64, bb + j * 64), l2 = ggmlpy_pair(ba + j * 64 + 32, bb + j * 64 + 32);
+                const __m512i h = ggmlpy_pair(ba + 128 + j * 32, bb + 128 + j * 32);
+                q6[4 * j + 0] = _mm512_or_si512(_mm512_and_si512(l1, m15), _mm512_slli_epi16(_mm512_and_si512(h, m3), 4));
+                q6[4 * j + 1] = _mm512_or_si512(_mm512_and_si512(l2, m15), _mm512_slli_epi16(_mm512_and_si512(h, m12), 2));
+                q6[4 * j + 2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l1, 4), m15), _mm512_and_si512(h, m48));
+                q6[4 * j + 3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l2, 4), m15),
+                                                _mm512_srli_epi16(_mm512_and_si512(h, mc0), 2));
+            }
+            for (int c = 0; c < 8; c++) sc[c] = _mm512_permutex2var_epi32(sa32, sidx[c], sb32);
+            uint16_t ha, hb;
+            memcpy(&ha, ba + 208, 2);
+            memcpy(&hb, bb + 208, 2);
+            const float da = _cvtsh_ss(ha), db = _cvtsh_ss(hb);
+            for (int c = 0; c < m; c++) {
+                const char * y = xq + c * xrow + b * GGMLPY_Q8K_BYTES;
+                float dy;
+                memcpy(&dy, y, 4);
+                __m512i sumi = _mm512_setzero_si512();
+                for (int q = 0; q < 8; q++) {
+                    const __m512i yv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (y + 4 + q * 32)));
+                    sumi = _mm512_add_epi32(sumi, _mm512_mullo_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q6[q], yv),
+                                                                     sc[q]));
+                }
+                const __m512i bs = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *) (y + 260)));
+                sumi = _mm512_sub_epi32(sumi, _mm512_slli_epi32(_mm512_madd_epi16(bs, sc16), 5));
+                const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(dy * da)),
+                                                                     _mm256_castps_pd(_mm256_set1_ps(dy * db)), 1));
+                acc[c] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(sumi), acc[c]);
+            }
+        }
+        for (int c = 0; c < m; c++) {
+            float * y = (float *) (dst + c * dnb1);
+            y[r] = ggmlpy_hsum8(_mm512_castps512_ps256(acc[c]));
+            if (two) y[r + 1] = ggmlpy_hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[c]), 1)));
+        }
+    }
+}
+#endif
+
 /* src[0] w (k, n) rows contiguous, readable (ggmlpy_gemv_readable); src[1] x F32 (k, m) rows
    contiguous, m <= MAX_COLS; dst F32 (n, m). Thread ith takes rows [n * ith / nth, n * (ith + 1) /
    nth) and converts its own copy of the vectors (no barrier needed; k values, against the n * k
@@ -203,6 +306,10 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
 #if GGMLPY_GEMV_X86
     if (w->type == GGML_TYPE_Q8_0 && ggmlpy_q8_allow && ggmlpy_gemv_vnni()) {
         ggmlpy_q8_run(w, r0, r1, xq, xrow, (int) m, dst);
+        return;
+    }
+    if (w->type == GGML_TYPE_Q6_K && ggmlpy_q6k_allow && ggmlpy_gemv_vnni() && xrow == (size_t) (k / 256) * GGMLPY_Q8K_BYTES) {
+        ggmlpy_q6k_rows((const char *) w->data, nb1, k, r0, r1, xq, xrow, (int) m, (char *) dst->data, dst->nb[1]);
         return;
     }
 #endif
@@ -293,12 +400,39 @@ static int ggmlpy_rq4_allow = 1;
 static int64_t ggmlpy_rq4_pfd = 16384;
 
 
-/* 1 where w is a whole Q4_0 weight (a matrix, or a stack of experts' matrices) ggml repacked into
-   the layout above (CPU_REPACK, 8-row groups: the only Q4_0 layout ggml has for an x86 CPU with
-   AVX2) and this CPU runs the kernel */
-static int ggmlpy_gemv_repacked_q4_0(const struct ggml_tensor * w) {
-    if (!ggmlpy_rq4_allow || w->type != GGML_TYPE_Q4_0 || w->view_src != NULL || w->buffer == NULL
-        || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1 || !ggmlpy_gemv_vnni()) {
+/* ---- Q4_K weights in ggml's CPU_REPACK buffer -------------------------------------------------
+   ggml 0.25.3 stores Q4_K weights whose row count is a multiple of 8 (on x86 with AVX2) as
+   block_q4_Kx8: per 8 rows and 256 columns 1152 bytes: the 8 rows' float16 d, then their float16
+   dmin, 96 bytes of 6-bit scales and mins (12 bytes per 32-column sub-block s, packed as a Q4_K block
+   packs its 8, here for the 8 rows), then 1024 nibble bytes: chunk k (0-15) of 64 bytes holds 8 bytes
+   per row, whose low nibbles are columns (k / 4) * 64 + (k % 4) * 8 + 0..7 (sub-block 2 (k / 4)) and
+   high nibbles the same + 32 (sub-block 2 (k / 4) + 1). The vector is Q8_K (float d, 256 int8, 16
+   int16 sums of 16). ggml's one-vector kernel (ggml_gemv_q4_K_8x8_q8_K) is 256-bit AVX2 and computes
+   slower than memory delivers; this one does a chunk's 8 rows in 512-bit registers with VNNI
+   (nibbles are unsigned, vpdpbusd takes them as they are). Its sums are ggml's integers exactly (no
+   int16 saturation in ggml's maddubs path at these sizes), folded into floats as ggml does: per
+   256 columns acc += float(I) * (d_row * d_y) and acc_min += float(M) * (dmin_row * d_y), both
+   fused multiply-adds, the row's value acc - acc_min: ggml's values exactly. */
+
+#define GGMLPY_RQ4K_BLOCK 1152          /* bytes of 8 rows x 256 columns */
+
+/* Process-wide: 0 keeps repacked Q4_K weights on ggml's mul_mat (for tests and benchmarks). */
+static int ggmlpy_rq4k_allow = 1;
+
+/* Bytes ahead of the super-block being read that the Q4_K kernel prefetches (0: none). */
+static int64_t ggmlpy_rq4k_pfd = 16384;
+
+/* 1 where w is a whole Q4_0 or Q4_K weight (a matrix, or a stack of experts' matrices) ggml repacked
+   into the layout above (CPU_REPACK, 8-row groups: the only layout ggml has for these types on an x86
+   CPU with AVX2) and this CPU runs the kernel */
+static int ggmlpy_gemv_repacked(const struct ggml_tensor * w) {
+    if (w->type == GGML_TYPE_Q4_0 ? !ggmlpy_rq4_allow
+        : w->type == GGML_TYPE_Q4_K ? !ggmlpy_rq4k_allow || ggml_type_size(GGML_TYPE_Q8_K) != GGMLPY_Q8K_BYTES
+        : 1) {
+        return 0;
+    }
+    if (w->view_src != NULL || w->buffer == NULL || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1
+        || !ggmlpy_gemv_vnni()) {
         return 0;
     }
     return strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer)), "CPU_REPACK") == 0
@@ -319,9 +453,9 @@ GGMLPY_VNNI static void ggmlpy_rq4_rows(const char * w, int64_t nb, int64_t g0, 
         for (int c = 0; c < m; c++) acc[c] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++, p += GGMLPY_RQ4_BLOCK) {
             if (pfd) {
-                _mm_prefetch(p + pfd, _MM_HINT_T0);
-                _mm_prefetch(p + pfd + 64, _MM_HINT_T0);
-                _mm_prefetch(p + pfd + 128, _MM_HINT_T0);
+                ggmlpy_pf(p + pfd);
+                ggmlpy_pf(p + pfd + 64);
+                ggmlpy_pf(p + pfd + 128);
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
             const __m512i q0 = _mm512_loadu_si512(p + 16), q1 = _mm512_loadu_si512(p + 80);
@@ -365,6 +499,114 @@ static void ggmlpy_rq4_vector(const float * x, int64_t k, char * q, int32_t * ys
 }
 #endif
 
+#if GGMLPY_GEMV_X86
+/* ggml's unpacking of one sub-block's 12 bytes of 6-bit values into 8 scales then 8 mins (bytes) */
+static inline void ggmlpy_q4k_unpack(const uint8_t * packed, uint32_t utmp[4]) {
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    memcpy(utmp, packed, 12);
+    utmp[3] = ((utmp[2] >> 4) & kmask2) | (((utmp[1] >> 6) & kmask3) << 4);
+    const uint32_t uaux = utmp[1] & kmask1;
+    utmp[1] = (utmp[2] & kmask2) | (((utmp[0] >> 6) & kmask3) << 4);
+    utmp[2] = uaux;
+    utmp[0] &= kmask1;
+}
+
+/* Row groups [g0, g1) of the repacked Q4_K weight w (nb super-blocks of 256 columns per group) against
+   m Q8_K vectors xq (xrow bytes apart; bs32[(c * nb + b) * 8 + s] = the sum of vector c's 32 bytes of
+   sub-block s in super-block b), into dst's columns (dnb1 bytes apart). */
+GGMLPY_VNNI static void ggmlpy_rq4k_rows(const char * w, int64_t nb, int64_t g0, int64_t g1, const char * xq,
+                                         size_t xrow, const int32_t * bs32, int m, char * dst, size_t dnb1) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m128i dup = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const int64_t pfd = ggmlpy_rq4k_pfd;
+    for (int64_t gi = g0; gi < g1; gi++) {
+        const char * p = w + gi * nb * GGMLPY_RQ4K_BLOCK;
+        __m256 acc[GGMLPY_RQ4_MAX_COLS], accm[GGMLPY_RQ4_MAX_COLS];
+        for (int c = 0; c < m; c++) acc[c] = accm[c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, p += GGMLPY_RQ4K_BLOCK) {
+            if (pfd) {
+                for (int o = 0; o < GGMLPY_RQ4K_BLOCK; o += 64) ggmlpy_pf(p + pfd + o);
+            }
+            uint32_t utmp[8][4];
+            for (int s = 0; s < 8; s++) ggmlpy_q4k_unpack((const uint8_t *) p + 32 + 12 * s, utmp[s]);
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+            const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 16)));
+            __m512i iacc[GGMLPY_RQ4_MAX_COLS];
+            for (int c = 0; c < m; c++) iacc[c] = _mm512_setzero_si512();
+            const char * qs = p + 128;
+            for (int q = 0; q < 4; q++) {
+                /* row r's scale of sub-blocks 2q (low nibbles) and 2q + 1 (high), in lanes 2r, 2r + 1 */
+                const __m512i sc_lo = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *) utmp[2 * q]), dup));
+                const __m512i sc_hi = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *) utmp[2 * q + 1]), dup));
+                __m512i l[4], h[4];
+                for (int r = 0; r < 4; r++) {
+                    const __m512i raw = _mm512_loadu_si512(qs + (4 * q + r) * 64);
+                    l[r] = _mm512_and_si512(raw, low);
+                    h[r] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                }
+                for (int c = 0; c < m; c++) {
+                    const char * y = xq + c * xrow + b * GGMLPY_Q8K_BYTES + 4 + q * 64;
+                    __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+                    for (int r = 0; r < 4; r++) {
+                        int64_t yl, yh;
+                        memcpy(&yl, y + r * 8, 8);
+                        memcpy(&yh, y + 32 + r * 8, 8);
+                        lo = _mm512_dpbusd_epi32(lo, l[r], _mm512_set1_epi64(yl));
+                        hi = _mm512_dpbusd_epi32(hi, h[r], _mm512_set1_epi64(yh));
+                    }
+                    iacc[c] = _mm512_add_epi32(iacc[c], _mm512_add_epi32(_mm512_mullo_epi32(lo, sc_lo),
+                                                                         _mm512_mullo_epi32(hi, sc_hi)));
+                }
+            }
+            for (int c = 0; c < m; c++) {
+                const __m512i s = _mm512_add_epi32(iacc[c], _mm512_srli_epi64(iacc[c], 32));
+                const __m256i dot = _mm512_cvtepi64_epi32(s);
+                const int32_t * bs = bs32 + (c * nb + b) * 8;
+                __m256i mins = _mm256_setzero_si256();
+                for (int sb = 0; sb < 8; sb++) {
+                    const __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) ((const uint8_t *) utmp[sb] + 8)));
+                    mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(mn, _mm256_set1_epi32(bs[sb])));
+                }
+                float dy;
+                memcpy(&dy, xq + c * xrow + b * GGMLPY_Q8K_BYTES, 4);
+                const __m256 vdy = _mm256_set1_ps(dy);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, vdy), acc[c]);
+                accm[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmw, vdy), accm[c]);
+            }
+        }
+        for (int c = 0; c < m; c++) _mm256_storeu_ps((float *) (dst + c * dnb1) + gi * 8, _mm256_sub_ps(acc[c], accm[c]));
+    }
+}
+
+/* One float32 vector of k into Q8_K at q, as ggml's repacked mul_mat quantizes it for fewer than 4
+   vectors (the type's from_float), and bs32: its 32-byte sums (the kernel's mins term). */
+static void ggmlpy_rq4k_vector(const float * x, int64_t k, char * q, int32_t * bs32) {
+    ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x, q, k);
+    for (int64_t b = 0; b < k / 256; b++) {
+        const char * blk = q + b * GGMLPY_Q8K_BYTES;
+        for (int s = 0; s < 8; s++) {
+            int16_t s0, s1;
+            memcpy(&s0, blk + 260 + 4 * s, 2);
+            memcpy(&s1, blk + 262 + 4 * s, 2);
+            bs32[b * 8 + s] = s0 + s1;
+        }
+    }
+}
+
+/* Either repacked layout: the vector's form for w's type (aux: k / 32 int32 for both) ... */
+static void ggmlpy_rq_vector(enum ggml_type t, const float * x, int64_t k, char * q, int32_t * aux) {
+    if (t == GGML_TYPE_Q4_K) ggmlpy_rq4k_vector(x, k, q, aux);
+    else ggmlpy_rq4_vector(x, k, q, aux);
+}
+
+/* ... and its rows (nb: blocks of 32 columns for Q4_0, super-blocks of 256 for Q4_K) */
+static void ggmlpy_rq_rows(enum ggml_type t, const char * w, int64_t k, int64_t g0, int64_t g1, const char * xq,
+                           size_t xrow, const int32_t * aux, int m, char * dst, size_t dnb1) {
+    if (t == GGML_TYPE_Q4_K) ggmlpy_rq4k_rows(w, k / 256, g0, g1, xq, xrow, aux, m, dst, dnb1);
+    else ggmlpy_rq4_rows(w, k / 32, g0, g1, xq, xrow, aux, m, dst, dnb1);
+}
+#endif
+
 /* src[0] x F32 (k, m) rows contiguous, m <= RQ4_MAX_COLS; userdata the repacked Q4_0 weight w (k,
    n); dst F32 (n, m). Thread ith takes the row groups [G * ith / nth, G * (ith + 1) / nth) of G =
    n / 8 and quantizes its own copy of the vectors, as ggml's mul_mat does (quantize_row_q8_0). */
@@ -372,14 +614,15 @@ static void ggmlpy_gemv_rq4_op(struct ggml_tensor * dst, int ith, int nth, void 
 #if GGMLPY_GEMV_X86
     const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0];
     const int64_t k = w->ne[0], nb = k / 32, groups = w->ne[1] / 8, m = x->ne[1];
-    const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, k);
+    const size_t xrow = ggml_row_size(w->type == GGML_TYPE_Q4_K ? GGML_TYPE_Q8_K : GGML_TYPE_Q8_0, k);
     char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
-    int32_t ys8[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
+    int32_t aux[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
     for (int64_t c = 0; c < m; c++) {
-        ggmlpy_rq4_vector((const float *) ((const char *) x->data + c * x->nb[1]), k, xq + c * xrow, ys8 + c * nb);
+        ggmlpy_rq_vector(w->type, (const float *) ((const char *) x->data + c * x->nb[1]), k, xq + c * xrow,
+                         aux + c * nb);
     }
-    ggmlpy_rq4_rows((const char *) w->data, nb, groups * ith / nth, groups * (ith + 1) / nth, xq, xrow, ys8, (int) m,
-                    (char *) dst->data, dst->nb[1]);
+    ggmlpy_rq_rows(w->type, (const char *) w->data, k, groups * ith / nth, groups * (ith + 1) / nth, xq, xrow, aux,
+                   (int) m, (char *) dst->data, dst->nb[1]);
 #else
     (void) dst; (void) ith; (void) nth; (void) userdata;
 #endif
@@ -399,12 +642,12 @@ static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, vo
     const int64_t xb = x->ne[1], n = x->ne[2], n_used = ids->ne[0];
     const int64_t per_token = n_used * groups, units = n * per_token;
     const int64_t u1 = units * (ith + 1) / nth;
-    const size_t xrow = ggml_row_size(GGML_TYPE_Q8_0, k);
+    const size_t xrow = ggml_row_size(w->type == GGML_TYPE_Q4_K ? GGML_TYPE_Q8_K : GGML_TYPE_Q8_0, k);
     char xq[GGMLPY_GEMV_SCRATCH] __attribute__((aligned(64)));
-    int32_t ys8[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
+    int32_t aux[GGMLPY_GEMV_SCRATCH / GGMLPY_Q8_0_BYTES + 1];
     for (int64_t v = 0; v < n * xb; v++) {
-        ggmlpy_rq4_vector((const float *) ((const char *) x->data + (v % xb) * x->nb[1] + (v / xb) * x->nb[2]), k,
-                          xq + v * xrow, ys8 + v * nb);
+        ggmlpy_rq_vector(w->type, (const float *) ((const char *) x->data + (v % xb) * x->nb[1] + (v / xb) * x->nb[2]),
+                         k, xq + v * xrow, aux + v * nb);
     }
     for (int64_t u = units * ith / nth; u < u1;) {
         const int64_t t = u / per_token, s = (u % per_token) / groups, g0 = u % groups;
@@ -415,7 +658,8 @@ static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, vo
         if (e < 0 || e >= n_expert) {
             for (int64_t r = g0 * 8; r < g1 * 8; r++) ((float *) y)[r] = NAN;
         } else {
-            ggmlpy_rq4_rows((const char *) w->data + e * w->nb[2], nb, g0, g1, xq + v * xrow, xrow, ys8 + v * nb, 1, y, 0);
+            ggmlpy_rq_rows(w->type, (const char *) w->data + e * w->nb[2], k, g0, g1, xq + v * xrow, xrow, aux + v * nb, 1,
+                           y, 0);
         }
         u += g1 - g0;
     }

@@ -52,23 +52,30 @@ cdef extern from "ggmlpy_gemv.h":
     g.ggml_tensor * ggmlpy_mul_mat_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
     g.ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
                                               g.ggml_tensor * ids) nogil
-    int ggmlpy_gemv_repacked_q4_0(const g.ggml_tensor * w) nogil
+    int ggmlpy_gemv_repacked(const g.ggml_tensor * w) nogil
     int ggmlpy_gemv_vnni() nogil
     int ggmlpy_q8_allow
     int64_t ggmlpy_q8_pfd
     int GGMLPY_RQ4_MAX_COLS
     int ggmlpy_rq4_allow
     int64_t ggmlpy_rq4_pfd
+    int ggmlpy_rq4k_allow
+    int64_t ggmlpy_rq4k_pfd
+    int ggmlpy_q6k_allow
+    int ggmlpy_gemv_pf_level
+    int64_t ggmlpy_q6k_pfd
 
 
 def _mul_mat_vec_prefetch(distance=None, kernel="dot"):
     """The bytes ahead that one of ``mul_mat_vec``'s kernels prefetches (0: none): ``"dot"`` (ggml's
-    dot kernels under ggmlpy's schedule), ``"q8_0"`` (the VNNI Q8_0 one) or ``"q4_0_repacked"``; with
-    ``distance``, set it (process-wide) and return the previous value. For benchmarks."""
-    global ggmlpy_gemv_pfd, ggmlpy_q8_pfd, ggmlpy_rq4_pfd
-    if kernel not in ("dot", "q8_0", "q4_0_repacked"):
-        raise GGMLValueError(f"_mul_mat_vec_prefetch: kernel {kernel!r}: expected 'dot', 'q8_0' or 'q4_0_repacked'")
-    cdef int64_t old = ggmlpy_gemv_pfd if kernel == "dot" else ggmlpy_q8_pfd if kernel == "q8_0" else ggmlpy_rq4_pfd
+    dot kernels under ggmlpy's schedule), ``"q8_0"`` and ``"q6_k"`` (the VNNI row-pair kernels),
+    ``"q4_0_repacked"`` or ``"q4_k_repacked"``; with ``distance``, set it (process-wide) and return the
+    previous value. For benchmarks."""
+    global ggmlpy_gemv_pfd, ggmlpy_q8_pfd, ggmlpy_rq4_pfd, ggmlpy_rq4k_pfd, ggmlpy_q6k_pfd
+    kinds = ("dot", "q8_0", "q4_0_repacked", "q4_k_repacked", "q6_k")
+    if kernel not in kinds:
+        raise GGMLValueError(f"_mul_mat_vec_prefetch: kernel {kernel!r}: expected one of {', '.join(kinds)}")
+    cdef int64_t old = (ggmlpy_gemv_pfd, ggmlpy_q8_pfd, ggmlpy_rq4_pfd, ggmlpy_rq4k_pfd, ggmlpy_q6k_pfd)[kinds.index(kernel)]
     if distance is not None:
         if not 0 <= distance <= 1 << 16:
             raise GGMLValueError(f"_mul_mat_vec_prefetch: distance {distance} outside [0, 65536]")
@@ -76,8 +83,12 @@ def _mul_mat_vec_prefetch(distance=None, kernel="dot"):
             ggmlpy_gemv_pfd = distance
         elif kernel == "q8_0":
             ggmlpy_q8_pfd = distance
-        else:
+        elif kernel == "q4_0_repacked":
             ggmlpy_rq4_pfd = distance
+        elif kernel == "q4_k_repacked":
+            ggmlpy_rq4k_pfd = distance
+        else:
+            ggmlpy_q6k_pfd = distance
     return old
 
 
@@ -91,13 +102,19 @@ cdef size_t _gemv_scratch(Tensor w, int64_t n_vectors) noexcept:
     return ggmlpy_gemv_scratch(w.ptr.type, w.ptr.ne[0], n_vectors)
 
 
-def _mul_mat_vec_repacked(allow=None):
-    """Whether ``mul_mat_vec`` takes Q4_0 weights of the CPU's repack buffer (its VNNI kernel); with
-    ``allow``, set it (process-wide) and return the previous value. For tests and benchmarks."""
-    global ggmlpy_rq4_allow
-    cdef int old = ggmlpy_rq4_allow
+def _mul_mat_vec_repacked(allow=None, type="Q4_0"):
+    """Whether ``mul_mat_vec`` takes weights of ``type`` (``"Q4_0"`` or ``"Q4_K"``) in the CPU's repack
+    buffer (its VNNI kernels); with ``allow``, set it (process-wide) and return the previous value. For
+    tests and benchmarks."""
+    global ggmlpy_rq4_allow, ggmlpy_rq4k_allow
+    if type not in ("Q4_0", "Q4_K"):
+        raise GGMLValueError(f"_mul_mat_vec_repacked: type must be 'Q4_0' or 'Q4_K' (got {type!r})")
+    cdef int old = ggmlpy_rq4_allow if type == "Q4_0" else ggmlpy_rq4k_allow
     if allow is not None:
-        ggmlpy_rq4_allow = 1 if allow else 0
+        if type == "Q4_0":
+            ggmlpy_rq4_allow = 1 if allow else 0
+        else:
+            ggmlpy_rq4k_allow = 1 if allow else 0
     return bool(old)
 
 
@@ -106,6 +123,29 @@ def _mul_mat_vec_vnni():
     forced: ``_kernels_force_portable``): the one for repacked Q4_0 weights, and the one for Q8_0
     rows."""
     return bool(ggmlpy_gemv_vnni())
+
+
+def _mul_mat_vec_prefetch_level(level=None):
+    """The cache level ``mul_mat_vec``'s prefetches fill (0: L1, 1: L2); with ``level``, set it
+    (process-wide) and return the previous value. For benchmarks."""
+    global ggmlpy_gemv_pf_level
+    cdef int old = ggmlpy_gemv_pf_level
+    if level is not None:
+        if level not in (0, 1):
+            raise GGMLValueError(f"_mul_mat_vec_prefetch_level: level must be 0 or 1 (got {level!r})")
+        ggmlpy_gemv_pf_level = level
+    return old
+
+
+def _mul_mat_vec_q6_k(allow=None):
+    """Whether ``mul_mat_vec`` runs Q6_K weights through its VNNI kernel where the CPU has it (else
+    ggml's ``vec_dot`` under its schedule); with ``allow``, set it (process-wide) and return the
+    previous value. For tests and benchmarks."""
+    global ggmlpy_q6k_allow
+    cdef int old = ggmlpy_q6k_allow
+    if allow is not None:
+        ggmlpy_q6k_allow = 1 if allow else 0
+    return bool(old)
 
 
 def _mul_mat_vec_q8(allow=None):
@@ -123,7 +163,7 @@ def _mul_mat_vec_ok(Tensor w, int64_t m):
     """Whether ``Context.mul_mat_vec`` takes the weight ``w`` (2 dimensions, plain rows in host
     memory, a type with a CPU dot kernel; or Q4_0 repacked by ggml where this CPU has AVX-512 VNNI,
     up to 3 vectors) for ``m`` vectors within its scratch bound. For the models' choice."""
-    if ggmlpy_gemv_repacked_q4_0(w.ptr):
+    if ggmlpy_gemv_repacked(w.ptr):
         return 1 <= m <= GGMLPY_RQ4_MAX_COLS and w.ptr.ne[2] == 1 and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH
     return (1 <= m <= GGMLPY_GEMV_MAX_COLS and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
             and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH)
@@ -133,7 +173,7 @@ def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
     """The same for ``Context.mul_mat_id_vec`` and the expert stack ``w`` (3 dimensions) with
     ``n_vectors`` input vectors (``b.ne[1] * b.ne[2]``); a repacked Q4_0 stack for any count."""
     return (n_vectors >= 1 and w.ptr.ne[3] == 1
-            and (ggmlpy_gemv_readable(w.ptr) or ggmlpy_gemv_repacked_q4_0(w.ptr))
+            and (ggmlpy_gemv_readable(w.ptr) or ggmlpy_gemv_repacked(w.ptr))
             and _gemv_scratch(w, n_vectors) <= GGMLPY_GEMV_SCRATCH)
 
 

@@ -1314,11 +1314,11 @@ cdef class _ContextOps(_ContextBase):
         host memory (not a device's, nor a repacked buffer: ``is_repacked``); ``x`` f32 ``(k, m)``
         with ``1 <= m <= 4``, rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s.
 
-        One repacked layout is taken too: a Q4_0 ``w`` that ggml's ``CPU_REPACK`` buffer holds in
-        8-row groups (x86 with AVX2), on a CPU with AVX-512 VNNI, for ``m <= 3``. ggml's own kernel
-        for it computes slower than memory delivers; ggmlpy's runs the 8 rows of a block in one
-        512-bit VNNI pass (measured on one Zen 5 core: ~1.5x), with ggml's exact arithmetic, so
-        again ``mul_mat``'s values.
+        Two repacked layouts are taken too: a Q4_0 or Q4_K ``w`` that ggml's ``CPU_REPACK`` buffer
+        holds in 8-row groups (x86 with AVX2), on a CPU with AVX-512 VNNI, for ``m <= 3``. ggml's own
+        kernels for them compute slower than memory delivers; ggmlpy's run the 8 rows of a block in
+        512-bit VNNI passes (Q4_0 on one Zen 5 core: ~1.5x), with ggml's exact arithmetic, so again
+        ``mul_mat``'s values.
         """
         cdef str op = "mul_mat_vec"
         cdef g.ggml_tensor * r
@@ -1330,9 +1330,9 @@ cdef class _ContextOps(_ContextBase):
                 and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
             _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
                   f"1 <= m <= {GGMLPY_GEMV_MAX_COLS}, 2 dimensions)")
-        if ggmlpy_gemv_repacked_q4_0(w.ptr):
+        if ggmlpy_gemv_repacked(w.ptr):
             if x.ptr.ne[1] > GGMLPY_RQ4_MAX_COLS:
-                _fail(op, f"a repacked Q4_0 w takes at most {GGMLPY_RQ4_MAX_COLS} vectors (got w: {_desc(w)}, "
+                _fail(op, f"a repacked w takes at most {GGMLPY_RQ4_MAX_COLS} vectors (got w: {_desc(w)}, "
                       f"x: {_desc(x)}): use mul_mat")
             _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat", repacked=True)
             self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
@@ -1354,7 +1354,7 @@ cdef class _ContextOps(_ContextBase):
         ``mul_mat_id`` converts it. An expert id out of range gives NaN rows instead of ggml's abort.
 
         ``as_`` ``(k, rows, n_expert)`` rows contiguous, plain rows in host memory, a type with a CPU
-        dot kernel (or a Q4_0 stack ggml repacked, as :meth:`mul_mat_vec` takes it, for any token
+        dot kernel (or a Q4_0 or Q4_K stack ggml repacked, as :meth:`mul_mat_vec` takes it, for any token
         count: ggml's repacked ``mul_mat_id`` runs its one-vector kernel per token and slot); ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous, ``n_tokens <= 4``;
         ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous (``top_k``'s view). Result f32 ``(rows, n_used, n_tokens)``.
         """
@@ -1372,7 +1372,7 @@ cdef class _ContextOps(_ContextBase):
             _fail(op, f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
                   f"as_ (k, rows, n_expert), b (k, 1 or n_used, n_tokens), ids (n_used, n_tokens) with contiguous rows, "
                   f"1 <= n_tokens <= {GGMLPY_GEMV_MAX_COLS})")
-        rq4 = ggmlpy_gemv_repacked_q4_0(as_.ptr)
+        rq4 = ggmlpy_gemv_repacked(as_.ptr)
         _gemv_check(op, as_, "as_", b, b.ptr.ne[1] * b.ptr.ne[2], "mul_mat_id", repacked=rq4)
         self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
         if rq4:                     # as_ is no source of the op: _res keeps it alive (see mul_mat_vec)
