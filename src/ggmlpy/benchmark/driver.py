@@ -24,7 +24,8 @@ from ggmlpy._system import ggml_commit, ggml_version
 from ggmlpy._version import __version__
 from ggmlpy.backend import ProgressBar
 from ggmlpy.gguf import GGUFReader
-from ggmlpy.models.synthetic import synthetic_path
+from ggmlpy.models.calibrate import forget as forget_kernel_timings
+from ggmlpy.models.synthetic import SIZES, for_arch, synthetic_path
 
 from .engines import Engine, run_instance
 from .errors import BenchError
@@ -42,13 +43,14 @@ def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
     """The built-in models of ``--synthetic``, ``--type`` and ``--arch``, written to the cache folder where
     missing."""
     paths = []
-    for arch, size, t in itertools.product(p.archs, p.synthetic, p.types):
+    for arch, size, t in itertools.product(p.archs or [None], p.synthetic, p.types):
         path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, create=False, arch=arch)
+        what = f"{for_arch(SIZES[size], arch).arch} {size} {t}"
         if not path.exists():
-            print(f"{PROG}: writing the built-in {arch} {size} {t} model to {path}", file=err, flush=True)
+            print(f"{PROG}: writing the built-in {what} model to {path}", file=err, flush=True)
         t0 = time.perf_counter()
         path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, arch=arch,
-                              progress=ProgressBar(f"writing {arch} {size} {t}", stream=err, unit="params"))
+                              progress=ProgressBar(f"writing {what}", stream=err, unit="params"))
         if time.perf_counter() - t0 > 1:
             print(f"{PROG}: done in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
         paths.append(str(path))
@@ -138,7 +140,9 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             pr.notes = [b.describe() for b in bounds.values()]
         for pr in printers:
             pr.header()
-        engine = engine or GgmlpyEngine(rpc=p.rpc)
+        if p.kernels_refresh:
+            forget_kernel_timings()
+        engine = engine or GgmlpyEngine(rpc=p.rpc, kernels=p.kernels)
         failed = 0
         unsupported: set[tuple[str, str]] = set()
         results: list[Result] = []
@@ -225,6 +229,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             results += row
         engine.close()
         for pr in printers:
+            pr.kernel_notes = list(getattr(engine, "kernel_notes", ()))
             pr.footer()
     finally:
         for peer in peers:

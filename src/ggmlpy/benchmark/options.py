@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ggmlpy._core import GGMLError
-from ggmlpy.models.synthetic import ARCHS, TYPES, parse_size
+from ggmlpy.models.synthetic import ARCHS, PRESETS, TYPES, parse_size
 from ggmlpy.runner import Runner
 
 from .errors import BenchError
@@ -256,7 +256,7 @@ class BenchParams:
     no_warmup: bool = False
     synthetic: list[str] = field(default_factory=lambda: ["110M"])
     types: list[str] = field(default_factory=lambda: ["F16"])
-    archs: list[str] = field(default_factory=lambda: ["llama"])
+    archs: list[str] = field(default_factory=list)       # none given: each size's own (llama, a preset's family)
     cache_dir: str | None = None
     plot: str | None = None
     vs: list[str] = field(default_factory=list)
@@ -265,6 +265,8 @@ class BenchParams:
     list_devices: bool = False
     roofline: bool = False
     roofline_refresh: bool = False
+    kernels: str | None = None
+    kernels_refresh: bool = False
     n_images: list[int] = field(default_factory=list)
     mmproj: list[str] = field(default_factory=list)
 
@@ -307,9 +309,11 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-embd", "--embeddings"), "embeddings", _parse_bools("-embd"),
      "1: measure the embeddings path (hidden states of every token, no output head; default 0)"),
     (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
-     "110M, 1B or a count (default 110M)"),
+     f"110M, 1B (llama2.c and TinyLlama shapes), the real-size presets {', '.join(PRESETS)}, or a count "
+     "(default 110M)"),
     (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
-    (("--arch",), "archs", _split, f"built-in model architecture: {', '.join(ARCHS)} (default llama)"),
+    (("--arch",), "archs", _split, f"built-in model architecture: {', '.join(ARCHS)} (default: the size's "
+     "own, llama for the classic sizes, a preset's family for a preset)"),
 ]
 
 
@@ -365,6 +369,12 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "count and cached in --cache-dir")
     ap.add_argument("--roofline-refresh", action="store_true",
                     help="--roofline, measuring the machine again instead of reading the cache")
+    ap.add_argument("--kernels", default=None, choices=("measure", "own", "ggml"),
+                    help="ggmlpy's own CPU kernels: measure (each against ggml's op on this machine, the faster "
+                         "taken; timings cached in $GGMLPY_CACHE/kernels.json), own (wherever they run), ggml "
+                         "(none); default $GGMLPY_KERNELS or measure. The table's footnote says which ran")
+    ap.add_argument("--kernels-refresh", action="store_true",
+                    help="measure the own kernels again instead of reading the cache")
     return ap
 
 
@@ -424,6 +434,7 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     params.list_devices = args.list_devices
     params.roofline_refresh = args.roofline_refresh
     params.roofline = args.roofline or args.roofline_refresh
+    params.kernels, params.kernels_refresh = args.kernels, args.kernels_refresh
     _validate(params)
     return params
 

@@ -39,7 +39,7 @@ from ggmlpy._core import GGMLValueError
 from ggmlpy._files import replacing
 
 __all__ = [
-    "ARCHS", "SIZES", "TYPES", "SyntheticConfig", "for_arch", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
+    "ARCHS", "PRESETS", "SIZES", "TYPES", "SyntheticConfig", "for_arch", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
     "tensor_specs", "write_synthetic",
 ]
 
@@ -93,11 +93,14 @@ class SyntheticConfig:
     n_ff_exp: int = 0
     sliding_window: int = 0      # gemma3: window of the local layers
     rope_freq_base_swa: float = 10000.0
+    n_embd_head: int = 0         # head size where it is not n_embd / n_head (Qwen3: 128)
+    tied: bool = False           # the output head is token_embd.weight (no output.weight)
+    nominal: float = 0.0         # the parameter count a preset stands for (its name is not a count)
 
     @property
     def head_dim(self) -> int:
         """Size of one attention head."""
-        return self.n_embd // self.n_head
+        return self.n_embd_head or self.n_embd // self.n_head
 
     @property
     def n_params(self) -> int:
@@ -107,6 +110,8 @@ class SyntheticConfig:
     @property
     def nominal_params(self) -> float:
         """The parameter count the name stands for (``110M`` -> 110e6)."""
+        if self.nominal:
+            return self.nominal
         return _size_number(self.name) if self.name != "tiny" else float(self.n_params)
 
 
@@ -118,11 +123,35 @@ SIZES: dict[str, SyntheticConfig] = {
         SyntheticConfig("42M", 512, 8, 8, 8, 1376, 32000, 2048, "llama2.c stories42M"),
         SyntheticConfig("110M", 768, 12, 12, 12, 2048, 32000, 2048, "llama2.c stories110M"),
         SyntheticConfig("1B", 2048, 22, 32, 4, 5632, 32000, 2048, "TinyLlama 1.1B"),
+        # the shapes users run (grouped-query attention, vocabularies of 128k-152k, tied heads), each
+        # in its own family's architecture
+        SyntheticConfig("llama3.2-1B", 2048, 16, 32, 8, 8192, 128256, 131072, "Llama-3.2-1B",
+                        rope_freq_base=500000.0, tied=True, nominal=1.24e9),
+        SyntheticConfig("llama3.2-3B", 3072, 28, 24, 8, 8192, 128256, 131072, "Llama-3.2-3B",
+                        rope_freq_base=500000.0, tied=True, nominal=3.21e9),
+        SyntheticConfig("qwen3-1.7B", 2048, 28, 16, 8, 6144, 151936, 40960, "Qwen3-1.7B", rope_freq_base=1e6,
+                        rms_eps=1e-6, arch="qwen3", n_embd_head=128, tied=True, nominal=1.72e9),
+        SyntheticConfig("qwen3-4B", 2560, 36, 32, 8, 9728, 151936, 40960, "Qwen3-4B", rope_freq_base=1e6,
+                        rms_eps=1e-6, arch="qwen3", n_embd_head=128, tied=True, nominal=4.02e9),
+        SyntheticConfig("qwen3-8B", 4096, 36, 32, 8, 12288, 151936, 40960, "Qwen3-8B", rope_freq_base=1e6,
+                        rms_eps=1e-6, arch="qwen3", n_embd_head=128, nominal=8.19e9),
+        # 24 of Qwen3-30B-A3B's 48 layers (15.6B parameters: Q4_K_M in 9 GB, the whole model would not
+        # leave room on a 24 GB machine); per token it reads what the real model's first half does
+        SyntheticConfig("qwen3-30B-A3B-24L", 2048, 24, 32, 4, 6144, 151936, 40960,
+                        "Qwen3-30B-A3B, 24 of its 48 layers", rope_freq_base=1e6, rms_eps=1e-6, arch="qwen3moe",
+                        n_embd_head=128, n_expert=128, n_expert_used=8, n_ff_exp=768, nominal=15.6e9),
     )
 }
 
-def for_arch(cfg: SyntheticConfig, arch: str) -> SyntheticConfig:
-    """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings."""
+#: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
+#: tables at the sizes users run are measured on.
+PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L")
+
+def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
+    """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
+    ``None`` or the config's own architecture keeps it as it is (a preset's family settings)."""
+    if arch is None or str(arch).lower() == cfg.arch and cfg.name in PRESETS:
+        return cfg
     arch = str(arch).lower()
     if arch not in ARCHS:
         raise GGMLValueError(f"synthetic model architecture {arch!r}: expected one of {', '.join(ARCHS)}")
@@ -229,7 +258,7 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
         if cfg.arch == "gemma3":
             specs.append((b + "post_ffw_norm.weight", (d,), "norm"))
     specs.append(("output_norm.weight", (d,), "norm"))
-    if cfg.arch != "gemma3":                    # gemma ties the output to the embeddings
+    if cfg.arch != "gemma3" and not cfg.tied:   # gemma ties the output to the embeddings
         specs.append(("output.weight", (cfg.n_vocab, d), "matrix"))
     return specs
 
@@ -240,11 +269,12 @@ def _more_bits(layer: int, n_layer: int) -> bool:
     return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
-def matrix_type(type: str, name: str, n_layer: int) -> str:
-    """The ggml type a matrix called ``name`` is written in, for the model type ``type``."""
+def matrix_type(type: str, name: str, n_layer: int, tied: bool = False) -> str:
+    """The ggml type a matrix called ``name`` is written in, for the model type ``type`` (``tied``: the
+    embeddings are the output head, which llama.cpp's Q4_K_M gives Q6_K as it would ``output``)."""
     if type != "Q4_K_M":
         return type
-    if name == "output.weight":
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
         return "Q6_K"
     if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and \
             _more_bits(int(name.split(".")[1]), n_layer):
@@ -283,7 +313,7 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
     ]
-    if a != "llama":                            # (the llama files stay as they were: no format change)
+    if a != "llama" or cfg.n_embd_head:         # (the llama files stay as they were: no format change)
         md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
                (f"{a}.attention.value_length", cfg.head_dim, "UINT32")]
     if cfg.n_expert:
@@ -344,6 +374,7 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     2
     """
     from ggmlpy import gguf
+    from ggmlpy._core import Type, quantize
 
     cfg = size if isinstance(size, SyntheticConfig) else SIZES[parse_size(size)]
     if arch is not None:
@@ -367,7 +398,11 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
         elif type == "F16":
             w.add_tensor(name, _random_matrix(shape, seed, index).astype(np.float16), type="F16")
         else:
-            w.add_tensor(name, _random_matrix(shape, seed, index), type=matrix_type(type, name, cfg.n_layer))
+            # quantized now, not when the file is written: a writer holding every float32 matrix until
+            # then would need 4 bytes per parameter (32 GB for the 8B shape)
+            t = matrix_type(type, name, cfg.n_layer, tied=cfg.tied)
+            w.add_tensor(name, quantize(_random_matrix(shape, seed, index), Type[t]), type=t,
+                         ne=tuple(reversed(shape)))
         done += math.prod(shape)
         if progress is not None:
             progress(done, total)
@@ -401,7 +436,7 @@ def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool
 
 def synthetic_path(size: str = "110M", type: str = "F16", seed: int = 0,
                    cache_dir: str | os.PathLike | None = None, create: bool = True,
-                   progress: Callable[[int, int], None] | None = None, arch: str = "llama") -> Path:
+                   progress: Callable[[int, int], None] | None = None, arch: str | None = None) -> Path:
     """The cached file of a synthetic model, written first if missing.
 
     The file is written to a temporary name in the cache folder and renamed into
