@@ -127,19 +127,22 @@ def test_measured_once_per_machine_then_read_from_the_cache(tmp_path, timer):
 
 
 def test_the_cache_is_keyed_by_threads_build_and_version(tmp_path, timer, monkeypatch):
+    """Another thread count, ggml build, CPU backend variant, ggmlpy version or build of the extension
+    (a kernel changed) measures again; the first entry stays."""
     calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
     timer.calls.clear()
     calibrate.kernel_choices(_record(SITES), 1, mode="measure", cache_dir=tmp_path)
     assert len(timer.calls) == len(SITES)                       # another thread count
     for name, value in (("ggml_version", lambda: "9.9.9"), ("ggml_commit", lambda: "abc"),
-                        ("cpu_variant", lambda: ("zen4", "x")), ("__version__", "9.0")):
+                        ("cpu_variant", lambda: ("zen4", "x")), ("__version__", "9.0"),
+                        ("_build_id", lambda: "rebuilt")):
         with monkeypatch.context() as m:
             m.setattr(calibrate, name, value)
             timer.calls.clear()
             calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
             assert len(timer.calls) == len(SITES), name
     with monkeypatch.context() as m:
-        m.setattr(calibrate, "_cpu_model_name", lambda: "Other CPU")
+        m.setattr(calibrate, "cpu_model_name", lambda: "Other CPU")
         timer.calls.clear()
         calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
         assert len(timer.calls) == len(SITES)
@@ -331,3 +334,15 @@ def test_forget_drops_this_machines_timings_only(tmp_path, timer):
     calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
     assert len(timer.calls) == len(SITES)
     assert calibrate.forget(tmp_path / "none") == 0
+
+
+@pytest.mark.parametrize("machines", [{"KEY": 3}, {"KEY": {"sites": [1, 2]}}, {"KEY": {"sites": {"x": 1}}}])
+def test_a_malformed_entry_is_measured_again_and_replaced(tmp_path, timer, machines):
+    key = calibrate.machine_key(2)
+    (tmp_path / "kernels.json").write_text(json.dumps(
+        {"format": calibrate.FORMAT, "machines": {key if k == "KEY" else k: v for k, v in machines.items()}}))
+    assert any("own at 0 of" in line or "own at" in line for line in calibrate.cached_summary(tmp_path))
+    kc = calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
+    assert len(timer.calls) == len(SITES) and kc.use(SITES[0])
+    entry = json.loads((tmp_path / "kernels.json").read_text())["machines"][key]
+    assert set(entry["sites"]) >= {s.key for s in SITES}

@@ -1,11 +1,14 @@
-"""Writing a file so that a reader never sees half of it."""
+"""Writing a file so that a reader never sees half of it; the per-machine JSON caches."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -26,3 +29,25 @@ def replacing(path: str | os.PathLike) -> Iterator[str]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def read_machine_cache(path: str | os.PathLike, format: int) -> dict[str, Any]:
+    """A JSON cache of per-machine measurements (``{"format": format, "machines": {key: entry}}``: the
+    benchmark's ``roofline.json``, the kernels' ``kernels.json``); an empty one where the file is
+    missing, unreadable or of another format (measured again)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, dict) and data.get("format") == format and isinstance(data.get("machines"), dict):
+            return data
+    except (OSError, ValueError):
+        pass
+    return {"format": format, "machines": {}}
+
+
+def write_machine_cache(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    """Write such a cache whole (its folder made; readers see the old file or the new one)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with replacing(path) as tmp, open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.write("\n")

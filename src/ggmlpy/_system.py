@@ -19,6 +19,19 @@ def ggml_commit() -> str:
     return _core._ggml_version()[1]
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s, else the platform's): a key of the per-machine caches.
+    (The benchmark's llama.cpp worker, which must not load ggmlpy, keeps a copy of its own.)"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_variant() -> tuple[str, str] | None:
     """The CPU backend variant ggml chose at import, in a portable build.
 

@@ -15,6 +15,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from ggmlpy.models.calibrate import cached_summary
 
     info = system_info()
+    if "AMX" in info["cpu_weight_buffers"]:
+        from ggmlpy.backend import amx_usable
+
+        if not amx_usable():        # ggml offers it, its kernels fault here (checked in a child process)
+            info["cpu_weight_buffers"] = [b if b != "AMX" else "AMX (faults on this machine: not used)"
+                                          for b in info["cpu_weight_buffers"]]
     info["own_kernels"] = cached_summary()
     if args.json:
         print(json.dumps(info, indent=2))

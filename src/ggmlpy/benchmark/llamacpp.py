@@ -31,6 +31,7 @@ __all__ = ["LlamaCppEngine"]
 
 
 def _cpu_model_name() -> str:
+    # ggmlpy._system.cpu_model_name's twin: this module must not import ggmlpy (see above)
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

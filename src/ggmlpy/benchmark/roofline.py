@@ -79,7 +79,6 @@ tests placed on a GPU or RPC device get the achieved rates but no percentages.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -93,10 +92,9 @@ import numpy as np
 
 from ggmlpy import _core
 from ggmlpy._core import GGMLError, Type
-from ggmlpy._files import replacing
-from ggmlpy._system import cpu_variant, ggml_commit, ggml_version
+from ggmlpy._files import read_machine_cache, write_machine_cache
+from ggmlpy._system import cpu_model_name, cpu_variant, ggml_commit, ggml_version
 
-from .llamacpp import _cpu_model_name
 from .options import PROG
 from .results import Result
 
@@ -289,7 +287,7 @@ def machine_key(n_threads: int) -> tuple[str, str, str]:
     """(key, CPU model, build) of the cache entry for ``n_threads`` on this machine and this ggml build."""
     v = cpu_variant()
     build = f"ggml {ggml_version()} ({ggml_commit()}), cpu {'native' if v is None else v[0]}"
-    cpu = _cpu_model_name()
+    cpu = cpu_model_name()
     return f"{cpu} | {int(n_threads)} threads | {build}", cpu, build
 
 
@@ -341,21 +339,7 @@ class MachineBounds:
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        if isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("machines"), dict):
-            return data
-    except (OSError, ValueError):
-        pass
-    return {"format": FORMAT, "machines": {}}
-
-
-def _write_cache(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(path) as tmp, open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.write("\n")
+    return read_machine_cache(path, FORMAT)
 
 
 def machine_bounds(n_threads: int, types: Iterable[str] = (), cache_dir: str | os.PathLike | None = None,
@@ -408,7 +392,7 @@ def machine_bounds(n_threads: int, types: Iterable[str] = (), cache_dir: str | o
     data = _read_cache(path)                        # (re-read: another run may have added other entries)
     data["machines"][key] = mb.to_json()
     try:
-        _write_cache(path, data)
+        write_machine_cache(path, data)
     except OSError as e:
         print(f"{PROG}: --roofline: could not write {path} ({e}); measured again next time", file=err, flush=True)
         mb.path = ""
