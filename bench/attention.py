@@ -8,6 +8,8 @@ and the K/V bytes read per second.
     python bench/attention.py                       # 12 layers, 12 heads of 64, 576 cells visible
     python bench/attention.py --visible 2048 --cells 2304 --threads 2 --chunks 1,2,4
     python bench/attention.py --chunks 2 --prefetch 0,2,4,8,16      # the kernel's prefetch distance
+    python bench/attention.py --layers 16 --heads 32 --kv-heads 8 --head-dim 128 --visible 4096 \
+        --cells 4352 --avx2                   # Llama-3.2-1B at depth 4096, both vectorised paths
     python bench/attention.py --prompt 512 --depth 0,512            # a prompt's: attn_prefill
 
 With ``--prompt N`` it times a prompt's attention instead: N causal query rows after ``--depth``
@@ -49,6 +51,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (grouped-query attention; default: --heads)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--cells", type=int, default=768, help="cells in the view (the padded range)")
     ap.add_argument("--visible", type=int, default=576, help="cells the row sees (the rest masked)")
@@ -57,6 +60,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prefetch", default=None,
                     help="comma-separated prefetch distances (cells ahead, 0 = none) to time attn_decode with "
                          "(default: the kernel's own)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="also time attn_decode's AVX2 path where the AVX-512 one runs (same graphs, the path switched)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt", type=int, default=0, help="time a prompt of this many rows (attn_prefill)")
     ap.add_argument("--depth", default="0", help="with --prompt: comma-separated cached positions before it")
@@ -67,15 +72,16 @@ def main(argv=None) -> None:
         return
     rng = np.random.default_rng(0)
     L, H, D, n = a.layers, a.heads, a.head_dim, a.cells
-    ctx = ggmlpy.Context(2 * L * n * H * D * 2 + (64 << 20))
-    caches = [[ctx.from_numpy(rng.standard_normal((n, H * D)).astype(np.float16)) for _ in range(2)] for _ in range(L)]
+    G = a.kv_heads or H
+    ctx = ggmlpy.Context(2 * L * n * G * D * 2 + (64 << 20))
+    caches = [[ctx.from_numpy(rng.standard_normal((n, G * D)).astype(np.float16)) for _ in range(2)] for _ in range(L)]
     q = ctx.from_numpy(rng.standard_normal((1, H, D)).astype(np.float32))
     mask = np.full((1, n), -np.inf, np.float16)
     mask[:, :a.visible] = 0
     m = ctx.from_numpy(mask)
 
     def heads(t):
-        return ctx.view(t, (D, n, H), (t.nb[1], D * 2), 0)
+        return ctx.view(t, (D, n, G), (t.nb[1], D * 2), 0)
 
     graphs = {}
     default_pfd = ggmlpy._core._attn_decode_prefetch()
@@ -87,6 +93,13 @@ def main(argv=None) -> None:
             graphs[name] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=c)
                             for k, v in caches]
             prefetch[name] = d
+    avx2 = {}                         # graph name -> whether it runs with the AVX-512 path off
+    if a.avx2 and ggmlpy._core._attn_decode_avx512(D, D):
+        for name in list(graphs):
+            graphs[name + " AVX2"] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5,
+                                                      n_chunks=int(name.split("=")[1].split()[0])) for k, v in caches]
+            prefetch[name + " AVX2"] = prefetch[name]
+            avx2[name + " AVX2"] = True
     graphs["flash_attn_ext"] = [ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), heads(k), heads(v), m, scale=D ** -0.5)
                                 for k, v in caches]
     graphs = _graphs(ctx, graphs)
@@ -96,12 +109,14 @@ def main(argv=None) -> None:
         for name, gf in graphs.items():
             flush.sum()
             ggmlpy._core._attn_decode_prefetch(prefetch.get(name, default_pfd))
+            ggmlpy._core._attn_decode_allow_avx512(not avx2.get(name, False))
             t0 = time.perf_counter()
             gf.compute(a.threads)
             times[name].append(time.perf_counter() - t0)
     ggmlpy._core._attn_decode_prefetch(default_pfd)
-    kv_bytes = L * a.visible * H * D * 2 * 2
-    print(f"{L} layers, {H} heads of {D}, {a.visible} of {n} cells visible, F16 cache, {a.threads} threads, "
+    ggmlpy._core._attn_decode_allow_avx512(True)
+    kv_bytes = L * a.visible * G * D * 2 * 2
+    print(f"{L} layers, {H} heads ({G} K/V) of {D}, {a.visible} of {n} cells visible, F16 cache, {a.threads} threads, "
           f"cold caches; {kv_bytes / 2**20:.1f} MiB of K/V per token")
     _print_times(times, kv_bytes, "GB/s", 24, 7, 3)
 

@@ -2,7 +2,8 @@
 
 Checked against numpy in float64 (``softmax(scale q.k + mask) v``, grouped heads broadcast) in both
 layouts the kernel reads differently (one head's rows contiguous, and a cache's cells with every
-head side by side), for float16 and float32 K/V, masks with holes, a sliding window's leading run and
+head side by side, by its AVX-512 and its AVX2 path), for float16 and float32 K/V, every group size
+and thread split, NaN and inf in the cells the mask hides, masks with holes, a sliding window's leading run and
 the padding's trailing run, fully masked rows, every chunk count and 1-3 threads; against
 ``flash_attn_ext`` as the models call it; and the runner's logits with the kernel on and off.
 """
@@ -83,10 +84,22 @@ CASES = [  # n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes
 ]
 
 
+@pytest.fixture(params=["heads", "cells", "cells-avx2"])
+def layout(request):
+    """The K/V layout and the path that reads it: one head's rows contiguous, or a cache's cells
+    (on an AVX-512 CPU, head sizes multiples of 16: its AVX-512 kernel; "cells-avx2" turns that
+    off, so one machine checks both). Yields whether the layout is the cache's."""
+    old = _core._attn_decode_allow_avx512(request.param != "cells-avx2")
+    try:
+        yield request.param != "heads"
+    finally:
+        _core._attn_decode_allow_avx512(old)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "h{}/{}-d{}x{}-q{}-kv{}".format(*c[:6]))
 @pytest.mark.parametrize("kv_type", [np.float16, np.float32], ids=["f16", "f32"])
-@pytest.mark.parametrize("cells", [False, True], ids=["heads", "cells"])
-def test_matches_numpy(case, kv_type, cells):
+def test_matches_numpy(case, kv_type, layout):
+    cells = layout
     n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes = case
     rng = np.random.default_rng(hash(case) % 2**32)
     Q = rng.standard_normal((n_q, n_head, dk)).astype(np.float32)
@@ -100,6 +113,55 @@ def test_matches_numpy(case, kv_type, cells):
             out = _run(Q, K, V, M, scale=scale, cells=cells, chunks=chunks, threads=threads, kv_type=kv_type)
             err = np.abs(out - ref).max() / np.abs(ref).max()
             assert err < TOL, (chunks, threads, err)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("head_dim", [16, 48, 128])
+def test_grouped_heads_in_every_thread_split(group, head_dim, layout):
+    """The cache path reads a kv head's row once for the query heads of its group (at most four at a
+    time): every group size, head sizes of one, three and eight 16-float chunks, and thread counts
+    whose split of the heads cuts groups in two (3 threads over 2 kv heads), two positions at a time
+    with an odd last one (n_kv 203)."""
+    n_head_kv, n_kv = 2, 203
+    n_head = n_head_kv * group
+    rng = np.random.default_rng(group * 1000 + head_dim)
+    Q = rng.standard_normal((2, n_head, head_dim)).astype(np.float32)
+    K = rng.standard_normal((n_head_kv, n_kv, head_dim)).astype(np.float16)
+    V = rng.standard_normal((n_head_kv, n_kv, head_dim)).astype(np.float16)
+    M = _mask(rng, 2, n_kv, lead=3, tail=10, holes=9)
+    scale = head_dim ** -0.5
+    ref = _reference(Q, K, V, M, scale)
+    for chunks, threads in ((1, 1), (1, 3), (2, 2), (3, 3), (4, 2)):
+        out = _run(Q, K, V, M, scale=scale, cells=layout, chunks=chunks, threads=threads, kv_type=np.float16)
+        assert np.abs(out - ref).max() / np.abs(ref).max() < TOL, (chunks, threads)
+
+
+@pytest.mark.parametrize("kv_type", [np.float16, np.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("portable", [False, True], ids=["vectorised", "portable"])
+def test_masked_cells_are_never_read_into_the_result(layout, kv_type, portable):
+    """A cell the mask hides may hold anything (a cache's cells no sequence has written): NaN and
+    inf there, in K and in V, inside and at the ends of the visible span, change nothing. ggml's
+    flash attention skips such cells too."""
+    rng = np.random.default_rng(11)
+    Q = rng.standard_normal((2, 8, 32)).astype(np.float32)
+    K = rng.standard_normal((2, 300, 32)).astype(kv_type)
+    V = rng.standard_normal((2, 300, 32)).astype(kv_type)
+    M = np.zeros((2, 300), np.float16)
+    hidden = np.r_[0:5, 70:75, 151, 152, 153, 290:300]
+    M[:, hidden] = -np.inf
+    ref = _reference(Q, K, V, M, 0.2)
+    K[:, hidden[::2]] = np.nan
+    K[:, hidden[1::2]] = np.inf
+    V[:, hidden[::3]] = np.nan
+    V[:, hidden[1::3]] = -np.inf
+    old = _core._kernels_force_portable(portable)
+    try:
+        for chunks in (1, 2, 3):
+            out = _run(Q, K, V, M, scale=0.2, cells=layout, chunks=chunks, threads=2, kv_type=kv_type)
+            assert np.isfinite(out).all(), chunks
+            assert np.abs(out - ref).max() / np.abs(ref).max() < TOL, chunks
+    finally:
+        _core._kernels_force_portable(old)
 
 
 @pytest.mark.parametrize("distance", [0, 1, 8, 64])
@@ -232,14 +294,27 @@ def test_transposed_rows_are_refused():
 
 
 @pytest.mark.skipif(not _core._attn_decode_vectorized(64, 64), reason="no vectorised kernel on this CPU: the models keep flash_attn_ext")
-def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
-    """Generation at depth through the runner: the logits with the kernel equal those with ggml's
-    flash attention (an F32 cache: both exact to float32 rounding), and the kernel really ran."""
+@pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
+def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, avx512):
+    """Generation at depth through the runner: the logits with the kernel (each of its vectorised
+    paths) equal those with ggml's flash attention, and the kernel really ran. F32 weights and cache:
+    both sides exact to float32 rounding (with F16 weights ggml rounds the activations to float16,
+    where a last-bit difference in the attention can move a value by an ulp of float16)."""
+    if avx512 and not _core._attn_decode_avx512(16, 16):
+        pytest.skip("no AVX-512 on this CPU")
+    old = _core._attn_decode_allow_avx512(avx512)
+    try:
+        _runner_logits(tmp_path, monkeypatch)
+    finally:
+        _core._attn_decode_allow_avx512(old)
+
+
+def _runner_logits(tmp_path, monkeypatch):
     from ggmlpy.models import load_model
     from ggmlpy.models.synthetic import write_synthetic
     from ggmlpy.runner import Runner
 
-    path = write_synthetic(tmp_path / "m.gguf", "tiny", "F16")
+    path = write_synthetic(tmp_path / "m.gguf", "tiny", "F32")
     model = load_model(path)
     calls = []
     real = blocks._decode_chunks            # asked only when attention takes attn_decode

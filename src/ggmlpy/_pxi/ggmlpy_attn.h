@@ -11,8 +11,12 @@
    stream, which is what the memory system serves fastest (measured: 110M model, 12 layers at
    depth 576, 2 threads, cold caches: 0.65 ms against 1.0 ms one head at a time, 1.5 ms for ggml's).
 
+   On AVX-512 CPUs a cache is read by a path that converts each K and V row once for all the query
+   heads of its kv head (grouped-query attention), below.
+
    Semantics are flash_attn_ext's without ALiBi, soft-capping or sinks: out = softmax(scale q.k +
-   mask) v, grouped-query heads broadcast, a fully masked row gives zeros. */
+   mask) v, grouped-query heads broadcast, a fully masked row gives zeros, and a cell the mask hides
+   never enters the result whatever its K and V hold (ggml skips such cells too). */
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -29,7 +33,7 @@
 
 #define GGMLPY_ATTN_BLOCK 128        /* positions scored before their V rows are summed */
 #define GGMLPY_ATTN_MAX_DV 1024     /* largest head size: the per-head state lives on the stack */
-#define GGMLPY_ATTN_STACK 8192      /* floats of per-head state and scores on the stack (32 KiB) */
+#define GGMLPY_ATTN_STACK 16384     /* floats of per-head state and scores on the stack (64 KiB: 32 heads of 128) */
 
 static inline float ggmlpy_attn_h2f(ggml_fp16_t h) {
     /* IEEE half to float by bits: no dependence on the CPU's conversion instructions */
@@ -193,6 +197,13 @@ GGMLPY_AVX2 static void ggmlpy_attn_exp_avx2(float * x, int64_t n, float m) {
 
 #endif
 
+/* 0: the AVX-512 path is never taken (process-wide; tests and benchmarks compare the paths) */
+static int ggmlpy_attn_allow_512 = 1;
+
+/* 1 where the cache layout's AVX-512 path runs: the CPU has AVX-512F, the head sizes are multiples
+   of 16, the AVX2 path may run and the switch above allows it */
+static inline int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv);
+
 /* 1 where the AVX2 path runs: the CPU has it, the head sizes are multiples of 8 and the portable
    path is not forced */
 static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
@@ -203,6 +214,20 @@ static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
         has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");   /* F16C comes with both */
     }
     return has && !ggmlpy_kernels_portable && dk % 8 == 0 && dv % 8 == 0;
+#else
+    (void) dk; (void) dv;
+    return 0;
+#endif
+}
+
+static inline int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv) {
+#if GGMLPY_ATTN_X86
+    static int has = -1;
+    if (has < 0) {
+        __builtin_cpu_init();
+        has = __builtin_cpu_supports("avx512f");
+    }
+    return has && ggmlpy_attn_allow_512 && ggmlpy_attn_use_avx2(dk, dv) && dk % 16 == 0 && dv % 16 == 0;
 #else
     (void) dk; (void) dv;
     return 0;
@@ -238,7 +263,10 @@ static int ggmlpy_attn_softmax_step(float * x, int64_t n, const ggml_fp16_t * ma
                                     ggmlpy_attn_state * st, float * acc, int64_t dv, int avx2) {
     float bm = -INFINITY;
     for (int64_t i = 0; i < n; i++) {
-        if (mask) x[i] += ggmlpy_attn_h2f(mask[b0 + i]);
+        if (mask) {                    /* a masked cell's score is -inf whatever its K holds */
+            const float mv = ggmlpy_attn_h2f(mask[b0 + i]);
+            x[i] = mv == -INFINITY ? -INFINITY : x[i] + mv;
+        }
         bm = x[i] > bm ? x[i] : bm;
     }
     if (!ggmlpy_attn_new_max(x, n, bm, st, acc, dv)) return 0;
@@ -291,7 +319,10 @@ GGMLPY_AVX2 static int ggmlpy_attn_softmax_step_avx2(float * x, int64_t n, const
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 v = _mm256_loadu_ps(x + i);
-        if (mf) v = _mm256_add_ps(v, _mm256_loadu_ps(mf + i));
+        if (mf) {                      /* a masked cell's score is -inf whatever its K holds */
+            const __m256 mv = _mm256_loadu_ps(mf + i), ninf = _mm256_set1_ps(-INFINITY);
+            v = _mm256_blendv_ps(_mm256_add_ps(v, mv), ninf, _mm256_cmp_ps(mv, ninf, _CMP_EQ_OQ));
+        }
         _mm256_storeu_ps(x + i, v);
         vmax = _mm256_max_ps(vmax, v);
     }
@@ -302,7 +333,7 @@ GGMLPY_AVX2 static int ggmlpy_attn_softmax_step_avx2(float * x, int64_t n, const
         for (int j = 0; j < 8; j++) bm = t[j] > bm ? t[j] : bm;
     }
     for (; i < n; i++) {
-        if (mf) x[i] += mf[i];
+        if (mf) x[i] = mf[i] == -INFINITY ? -INFINITY : x[i] + mf[i];
         bm = x[i] > bm ? x[i] : bm;
     }
     if (!ggmlpy_attn_new_max(x, n, bm, st, acc, dv)) return 0;
@@ -395,6 +426,297 @@ GGMLPY_AVX2 static void ggmlpy_attn_block_rows_avx2(const ggmlpy_attn_group * g,
         }
     }
 }
+
+/* ---- AVX-512 path for the cache layout, grouped-query heads read once ------------------- */
+/* In a cache, each of a kv head's query heads (4 in Llama-3.2-1B, 3 in 3B) reads the same K and V
+   rows. The AVX2 path above converts a row from float16 once per query head, reduces every score on
+   its own and loads and stores its V sums per cell; at the real-size presets' depths it ran at ~3x
+   the time the bytes take to read. Here a K row is converted once, 16 floats at a time, for up to
+   GGMLPY_ATTN_NQ query heads, four cells at a time, and their 16 scores are reduced together; the
+   V sums keep a batch's columns in registers over the whole block.
+   bench/attention.py against bench/cache_floor.c, Llama-3.2-1B shapes (8 kv heads of 128, group
+   4), 16 layers at depth 4096, 2 threads, cold caches: 52.7 ms (AVX2 path) -> 20.3-22.5 ms here,
+   the floor 14-17 ms; at depth 512 6.9 -> 3.3 ms; the 110M model's (12 heads of 64, no groups)
+   2.0-2.5 -> 1.9-2.0 ms. Tried and slower here: V prefetched into L2 only, and V of the next block
+   spread over the V sums (a prefetch per cell in their inner loop). */
+#define GGMLPY_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
+#define GGMLPY_ATTN_NQ 4                  /* query heads a K or V row is read for at once */
+#define GGMLPY_INLINE512 GGMLPY_AVX512 static inline __attribute__((always_inline))
+
+GGMLPY_INLINE512 __m512 ggmlpy_attn_load16(const char * p, const int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) p)) : _mm512_loadu_ps((const float *) p);
+}
+
+/* r[k] = the sum of v[k]'s 16 lanes, k < 16: a transposing tree (unpack, shuffle, two 128-bit
+   shuffles), 45 instructions for 16 sums */
+GGMLPY_INLINE512 __m512 ggmlpy_attn_hsum16x16(const __m512 * v) {
+    __m512 s2[8], s4[4], s8[2];
+    for (int k = 0; k < 8; k++) {     /* per 128-bit lane: v2k(0+2) v2k+1(0+2) v2k(1+3) v2k+1(1+3) */
+        s2[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    }
+    for (int k = 0; k < 4; k++) {     /* per 128-bit lane: the lane's sums of v4k .. v4k+3 */
+        s4[k] = _mm512_add_ps(_mm512_shuffle_ps(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(s2[2 * k], s2[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int k = 0; k < 2; k++) {     /* lanes: v8k..8k+3 (L0+L1), (L2+L3), v8k+4..8k+7 (L0+L1), (L2+L3) */
+        s8[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * k], s4[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(s4[2 * k], s4[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s8[0], s8[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s8[0], s8[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Scores of NB query heads (q[0..NB), scaled, dk floats each) against the K rows of NP <= 4
+   consecutive cells (k0, k0 + nb1, ...: one kv head's slice of each): sc[h * GGMLPY_ATTN_BLOCK + p].
+   The dk/16 chunks go to S accumulators per (head, cell) so that NB * 4 * S = 16 independent sums
+   hide the FMA latency whatever the group size. */
+GGMLPY_INLINE512 void ggmlpy_attn_qk4(const float * const * q, const char * k0, size_t nb1, int64_t dk,
+                                      const int NB, const int NP, const int f16, float * sc) {
+    const int S = NB == 1 ? 4 : NB == 2 ? 2 : 1;
+    const size_t es = f16 ? 2 : 4;
+    __m512 a[16];
+    for (int t = 0; t < 16; t++) a[t] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dk; d += 16 * S) {
+#pragma GCC unroll 4
+        for (int s = 0; s < S; s++) {
+            if (S > 1 && d + 16 * s >= dk) break;
+            __m512 x[4];
+#pragma GCC unroll 4
+            for (int p = 0; p < NP; p++) x[p] = ggmlpy_attn_load16(k0 + p * nb1 + (d + 16 * s) * es, f16);
+#pragma GCC unroll 4
+            for (int h = 0; h < NB; h++) {
+                const __m512 qv = _mm512_loadu_ps(q[h] + d + 16 * s);
+#pragma GCC unroll 4
+                for (int p = 0; p < NP; p++) a[(h * 4 + p) * S + s] = _mm512_fmadd_ps(qv, x[p], a[(h * 4 + p) * S + s]);
+            }
+        }
+    }
+    if (S > 1) {                      /* (h, p, s) -> (h, p) */
+        for (int t = 0; t < 16 / S; t++) {
+            __m512 u = a[t * S];
+            for (int s = 1; s < S; s++) u = _mm512_add_ps(u, a[t * S + s]);
+            a[t] = u;
+        }
+        for (int t = 16 / S; t < 16; t++) a[t] = _mm512_setzero_ps();
+    }
+    float r[16];
+    _mm512_storeu_ps(r, ggmlpy_attn_hsum16x16(a));
+    for (int h = 0; h < NB; h++) {
+        if (NP == 4) _mm_storeu_ps(sc + h * GGMLPY_ATTN_BLOCK, _mm_loadu_ps(r + h * 4));
+        else for (int p = 0; p < NP; p++) sc[h * GGMLPY_ATTN_BLOCK + p] = r[h * 4 + p];
+    }
+}
+
+/* acc[h][0:dv] += sum_i w[h][i] v_i over a block's n cells for NB query heads, w[h] = sc + h *
+   GGMLPY_ATTN_BLOCK, v_i = v + i * nb1 (one kv head's slice), skipping the cells mf marks -inf (their
+   V may hold anything). 16 * C columns at a time stay in registers over the whole block, so only
+   V is read per cell; NB * C >= 6 sums in flight hide the FMA latency. */
+GGMLPY_INLINE512 void ggmlpy_attn_wv_block(float * const * acc, const float * sc, const char * v, size_t nb1,
+                                           int64_t n, const float * mf, int64_t dv, const int NB, const int f16) {
+    const int C = NB == 1 ? 8 : NB == 2 ? 4 : 2;
+    const size_t es = f16 ? 2 : 4;
+    int64_t d = 0;
+    for (; d + 16 * C <= dv; d += 16 * C) {
+        __m512 a[8];
+        for (int h = 0; h < NB; h++) {
+            for (int c = 0; c < C; c++) a[h * C + c] = _mm512_loadu_ps(acc[h] + d + 16 * c);
+        }
+        const char * r = v + d * es;
+        for (int64_t i = 0; i < n; i++, r += nb1) {
+            if (mf && mf[i] == -INFINITY) continue;
+            __m512 x[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) x[c] = ggmlpy_attn_load16(r + 16 * c * es, f16);
+#pragma GCC unroll 4
+            for (int h = 0; h < NB; h++) {
+                const __m512 w = _mm512_set1_ps(sc[h * GGMLPY_ATTN_BLOCK + i]);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++) a[h * C + c] = _mm512_fmadd_ps(w, x[c], a[h * C + c]);
+            }
+        }
+        for (int h = 0; h < NB; h++) {
+            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[h] + d + 16 * c, a[h * C + c]);
+        }
+    }
+    for (; d < dv; d += 16) {         /* what is left, 16 columns at a time */
+        __m512 a[GGMLPY_ATTN_NQ];
+        for (int h = 0; h < NB; h++) a[h] = _mm512_loadu_ps(acc[h] + d);
+        const char * r = v + d * es;
+        for (int64_t i = 0; i < n; i++, r += nb1) {
+            if (mf && mf[i] == -INFINITY) continue;
+            const __m512 x = ggmlpy_attn_load16(r, f16);
+            for (int h = 0; h < NB; h++) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h * GGMLPY_ATTN_BLOCK + i]), x, a[h]);
+        }
+        for (int h = 0; h < NB; h++) _mm512_storeu_ps(acc[h] + d, a[h]);
+    }
+}
+
+/* exp(x - m) in place, -inf giving exactly 0: ggmlpy_attn_exp_avx2's arithmetic 16 lanes wide */
+GGMLPY_AVX512 static void ggmlpy_attn_exp_512(float * x, int64_t n, float m) {
+    const __m512 vm = _mm512_set1_ps(m), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 ln2hi = _mm512_set1_ps(0.693359375f), ln2lo = _mm512_set1_ps(-2.12194440e-4f);
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __m512 c2 = _mm512_set1_ps(0.5f), c3 = _mm512_set1_ps(1.6666667e-1f), c4 = _mm512_set1_ps(4.1666579e-2f);
+    const __m512 c5 = _mm512_set1_ps(8.3333477e-3f), c6 = _mm512_set1_ps(1.3888949e-3f), c7 = _mm512_set1_ps(1.9841261e-4f);
+    const __m512 one = _mm512_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 t = _mm512_sub_ps(_mm512_loadu_ps(x + i), vm);
+        const __mmask16 live = _mm512_cmp_ps_mask(t, lo, _CMP_GE_OQ);   /* not masked, not below a float */
+        t = _mm512_max_ps(t, lo);
+        const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(k, ln2hi, t);
+        r = _mm512_fnmadd_ps(k, ln2lo, r);
+        __m512 p = _mm512_fmadd_ps(c7, r, c6);
+        p = _mm512_fmadd_ps(p, r, c5);
+        p = _mm512_fmadd_ps(p, r, c4);
+        p = _mm512_fmadd_ps(p, r, c3);
+        p = _mm512_fmadd_ps(p, r, c2);
+        p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, one));
+        const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+        _mm512_storeu_ps(x + i, _mm512_maskz_mul_ps(live, p, _mm512_castsi512_ps(e)));
+    }
+    if (i < n) ggmlpy_attn_exp_avx2(x + i, n - i, m);
+}
+
+/* One head's softmax step over the block's scores x[0:n]: the float32 mask mf added (NULL: none),
+   where it is -inf the score set to -inf whatever K held, then as ggmlpy_attn_softmax_step_avx2. */
+GGMLPY_AVX512 static int ggmlpy_attn_softmax_step_512(float * x, int64_t n, const float * mf, ggmlpy_attn_state * st,
+                                                      float * acc, int64_t dv) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 v = _mm512_loadu_ps(x + i);
+        if (mf) {
+            const __m512 mv = _mm512_loadu_ps(mf + i);
+            v = _mm512_mask_mov_ps(_mm512_add_ps(v, mv), _mm512_cmp_ps_mask(mv, ninf, _CMP_EQ_OQ), ninf);
+        }
+        _mm512_storeu_ps(x + i, v);
+        vmax = _mm512_max_ps(vmax, v);
+    }
+    float bm = _mm512_reduce_max_ps(vmax);
+    for (; i < n; i++) {
+        if (mf) x[i] = mf[i] == -INFINITY ? -INFINITY : x[i] + mf[i];
+        bm = x[i] > bm ? x[i] : bm;
+    }
+    if (!ggmlpy_attn_new_max(x, n, bm, st, acc, dv)) return 0;
+    ggmlpy_attn_exp_512(x, n, st->m);
+    __m512 vs = _mm512_setzero_ps();
+    for (i = 0; i + 16 <= n; i += 16) vs = _mm512_add_ps(vs, _mm512_loadu_ps(x + i));
+    float l = _mm512_reduce_add_ps(vs);
+    for (; i < n; i++) l += x[i];
+    st->l += l;
+    return 1;
+}
+
+/* The thread's heads h0.. h0 + nh cut into batches: at most GGMLPY_ATTN_NQ query heads of one kv
+   head each (a group the thread's range cuts gives a shorter batch) */
+typedef struct { int64_t j0, nb; size_t kof, vof; } ggmlpy_attn_batch;
+
+static int64_t ggmlpy_attn_batches(const ggmlpy_attn_group * g, ggmlpy_attn_batch * out) {
+    int64_t n = 0;
+    for (int64_t j = 0; j < g->nh;) {
+        const int64_t kvh = (g->h0 + j) / g->group, end = (kvh + 1) * g->group - g->h0;
+        int64_t nb = (end < g->nh ? end : g->nh) - j;
+        if (nb > GGMLPY_ATTN_NQ) nb = GGMLPY_ATTN_NQ;
+        out[n].j0 = j;
+        out[n].nb = nb;
+        out[n].kof = (size_t) kvh * g->k_nb2;
+        out[n].vof = (size_t) kvh * g->v_nb2;
+        n++;
+        j += nb;
+    }
+    return n;
+}
+
+/* ggmlpy_attn_qk4 with NB and NP known where it is inlined */
+GGMLPY_INLINE512 void ggmlpy_attn_qk_batch(const float * const * q, const char * k0, size_t nb1, int64_t dk,
+                                           const int nb, const int np, const int f16, float * sc) {
+#define GGMLPY_ATTN_QK_NP(NB) \
+    switch (np) { \
+        case 1: ggmlpy_attn_qk4(q, k0, nb1, dk, NB, 1, f16, sc); break; \
+        case 2: ggmlpy_attn_qk4(q, k0, nb1, dk, NB, 2, f16, sc); break; \
+        case 3: ggmlpy_attn_qk4(q, k0, nb1, dk, NB, 3, f16, sc); break; \
+        default: ggmlpy_attn_qk4(q, k0, nb1, dk, NB, 4, f16, sc); break; \
+    }
+    switch (nb) {
+        case 1: GGMLPY_ATTN_QK_NP(1) break;
+        case 2: GGMLPY_ATTN_QK_NP(2) break;
+        case 3: GGMLPY_ATTN_QK_NP(3) break;
+        default: GGMLPY_ATTN_QK_NP(4) break;
+    }
+#undef GGMLPY_ATTN_QK_NP
+}
+
+/* ggmlpy_attn_block_rows_avx2 for AVX-512 (dk, dv multiples of 16). The scores go cell by cell in
+   address order, four cells at a time, each batch's query heads against its kv head's slice; the
+   K and V spans of the thread's kv heads are prefetched ggmlpy_attn_pfd cells ahead, so that the V
+   sums (a batch's columns over the block's cells, V read strided but from the CPU caches) find V
+   close. K_F16 and V_F16 are constants where it is called: each layout gets its own loops. */
+GGMLPY_INLINE512 void ggmlpy_attn_block_rows_512_t(const ggmlpy_attn_group * g, float * work, int64_t b0, int64_t n,
+                                                   float * sc, const int K_F16, const int V_F16) {
+    const int64_t dk = g->dk, dv = g->dv;
+    ggmlpy_attn_batch bt[GGMLPY_ATTN_STACK / GGMLPY_ATTN_BLOCK];
+    const int64_t nbt = ggmlpy_attn_batches(g, bt);
+    /* bytes of a cell the thread's kv heads span */
+    const size_t k_span = bt[nbt - 1].kof - bt[0].kof + g->k_nb2, v_span = bt[nbt - 1].vof - bt[0].vof + g->v_nb2;
+    const float * qs[GGMLPY_ATTN_STACK / GGMLPY_ATTN_BLOCK];
+    float * accs[GGMLPY_ATTN_STACK / GGMLPY_ATTN_BLOCK];
+    for (int64_t j = 0; j < g->nh; j++) {
+        qs[j] = work + j * g->stride;
+        accs[j] = work + j * g->stride + dk;
+    }
+    const char * kb = g->k + (size_t) b0 * g->k_nb1, * vb = g->v + (size_t) b0 * g->v_nb1;
+    for (int64_t i = 0; i < n; i += 4) {
+        const int np = n - i < 4 ? (int) (n - i) : 4;
+        if (ggmlpy_attn_pfd) {          /* a hint: never faults, past the cache's end included */
+            const char * pk = kb + (size_t) (i + ggmlpy_attn_pfd) * g->k_nb1 + bt[0].kof;
+            const char * pv = vb + (size_t) (i + ggmlpy_attn_pfd) * g->v_nb1 + bt[0].vof;
+            for (int p = 0; p < np; p++) {
+                for (size_t o = 0; o < k_span; o += 64) _mm_prefetch(pk + p * g->k_nb1 + o, _MM_HINT_T0);
+                for (size_t o = 0; o < v_span; o += 64) _mm_prefetch(pv + p * g->v_nb1 + o, _MM_HINT_T0);
+            }
+        }
+        for (int64_t b = 0; b < nbt; b++) {
+            ggmlpy_attn_qk_batch(qs + bt[b].j0, kb + (size_t) i * g->k_nb1 + bt[b].kof, g->k_nb1, dk, (int) bt[b].nb,
+                                 np, K_F16, sc + bt[b].j0 * GGMLPY_ATTN_BLOCK + i);
+        }
+    }
+    float mf[GGMLPY_ATTN_BLOCK];
+    int holes = 0;                    /* masked cells inside the block: the V sums skip them */
+    if (g->mask) {
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(mf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) (g->mask + b0 + i))));
+        for (; i < n; i++) mf[i] = ggmlpy_attn_h2f(g->mask[b0 + i]);
+        for (i = 0; i < n && !holes; i++) holes = mf[i] == -INFINITY;
+    }
+    int live = 0;
+    for (int64_t j = 0; j < g->nh; j++) {
+        live |= ggmlpy_attn_softmax_step_512(sc + j * GGMLPY_ATTN_BLOCK, n, g->mask ? mf : NULL,
+                                             (ggmlpy_attn_state *) (accs[j] + dv), accs[j], dv);
+    }
+    if (!live) return;
+    for (int64_t b = 0; b < nbt; b++) {
+        float * const * acc = accs + bt[b].j0;
+        const float * w = sc + bt[b].j0 * GGMLPY_ATTN_BLOCK, * m = holes ? mf : NULL;
+        const char * v = vb + bt[b].vof;
+        switch (bt[b].nb) {
+            case 1: ggmlpy_attn_wv_block(acc, w, v, g->v_nb1, n, m, dv, 1, V_F16); break;
+            case 2: ggmlpy_attn_wv_block(acc, w, v, g->v_nb1, n, m, dv, 2, V_F16); break;
+            case 3: ggmlpy_attn_wv_block(acc, w, v, g->v_nb1, n, m, dv, 3, V_F16); break;
+            default: ggmlpy_attn_wv_block(acc, w, v, g->v_nb1, n, m, dv, 4, V_F16); break;
+        }
+    }
+}
+
+GGMLPY_AVX512 static void ggmlpy_attn_block_rows_512(const ggmlpy_attn_group * g, float * work, int64_t b0, int64_t n,
+                                                     float * sc) {
+    if (g->k_f16 && g->v_f16) ggmlpy_attn_block_rows_512_t(g, work, b0, n, sc, 1, 1);
+    else if (!g->k_f16 && !g->v_f16) ggmlpy_attn_block_rows_512_t(g, work, b0, n, sc, 0, 0);
+    else if (g->k_f16) ggmlpy_attn_block_rows_512_t(g, work, b0, n, sc, 1, 0);
+    else ggmlpy_attn_block_rows_512_t(g, work, b0, n, sc, 0, 1);
+}
 #endif
 
 /* The op's tensors: src[0] q (dk, n_head, n_rows) F32, rows contiguous; src[1] k (dk, n_kv,
@@ -426,6 +748,7 @@ static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * us
     const int avx2 = ggmlpy_attn_use_avx2(dk, dv);
     /* a cache's cell holds its heads side by side: read it position by position over the heads */
     const int rows = avx2 && k->nb[2] < k->nb[1] && v->nb[2] < v->nb[1];
+    const int rows512 = rows && ggmlpy_attn_use_avx512(dk, dv);
     const int64_t stride = dk + dv + 2;          /* per head: scaled q, acc, state */
     float stack[GGMLPY_ATTN_STACK];
     for (int64_t u = u0; u < u1;) {
@@ -460,6 +783,7 @@ static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * us
         for (int64_t b0 = i0; b0 < i1; b0 += GGMLPY_ATTN_BLOCK) {
             const int64_t n = i1 - b0 < GGMLPY_ATTN_BLOCK ? i1 - b0 : GGMLPY_ATTN_BLOCK;
 #if GGMLPY_ATTN_X86
+            if (rows512) { ggmlpy_attn_block_rows_512(&grp, work, b0, n, sc); continue; }
             if (rows) { ggmlpy_attn_block_rows_avx2(&grp, work, b0, n, sc); continue; }
 #endif
             ggmlpy_attn_block(&grp, work, b0, n, sc);

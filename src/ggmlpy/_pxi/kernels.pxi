@@ -38,6 +38,8 @@ cdef extern from "ggmlpy_attn.h":
                                        g.ggml_tensor * mask, float scale, int n_chunks) nogil
     int GGMLPY_ATTN_MAX_DV
     int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
+    int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv) nogil
+    int ggmlpy_attn_allow_512
     int64_t ggmlpy_attn_pfd
 
 cdef extern from "ggmlpy_gemv.h":
@@ -231,6 +233,24 @@ def _attn_prefill_allow_vector(allow=None):
     if allow is not None:
         ggmlpy_pf_allow_vector = 1 if allow else 0
     return old
+
+
+def _attn_decode_allow_avx512(allow=None):
+    """Whether ``attn_decode`` may read a cache with its AVX-512 kernel (each K and V row converted
+    once for a kv head's query heads) where the CPU has AVX-512F and the head sizes are multiples of
+    16; ``False`` leaves the AVX2 one. With ``allow``, set it (process-wide) and return the previous
+    value. For tests and benchmarks (``bench/attention.py --avx2``)."""
+    global ggmlpy_attn_allow_512
+    cdef bint old = ggmlpy_attn_allow_512
+    if allow is not None:
+        ggmlpy_attn_allow_512 = 1 if allow else 0
+    return old
+
+
+def _attn_decode_avx512(int64_t head_dim_k, int64_t head_dim_v):
+    """Whether ``attn_decode`` reads a cache (every head of a cell side by side) with its AVX-512
+    kernel for these head sizes on this CPU."""
+    return bool(ggmlpy_attn_use_avx512(head_dim_k, head_dim_v))
 
 
 def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):

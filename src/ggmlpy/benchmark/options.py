@@ -311,7 +311,7 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
      f"110M, 1B (llama2.c and TinyLlama shapes), the real-size presets {', '.join(PRESETS)}, or a count "
      "(default 110M)"),
-    (("--type",), "types", _split, "built-in model weight type: F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
+    (("--type",), "types", _split, "built-in model weight type: F32, F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
     (("--arch",), "archs", _split, f"built-in model architecture: {', '.join(ARCHS)} (default: the size's "
      "own, llama for the classic sizes, a preset's family for a preset)"),
 ]

@@ -52,7 +52,7 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}
 #: Weight types the generator writes for the 2-D matrices. ``Q4_K_M`` is llama.cpp's mix of that name:
 #: Q4_K, with Q6_K for ``output`` and for ``attn_v``/``ffn_down`` in the layers that get more bits; its
 #: K-quant blocks need every matrix's row length to be a multiple of 256 (sizes 110M and 1B).
-TYPES = ("F16", "Q8_0", "Q4_0", "Q4_K_M")
+TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 
 #: Standard deviation of the random matrix entries (norm weights are 1).
 WEIGHT_STD = 0.02
@@ -298,7 +298,7 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
          "STRING"),
         ("general.file_type", FILE_TYPES[type], "UINT32"),
     ]
-    if type != "F16":
+    if type not in ("F32", "F16"):
         md.append(("general.quantization_version", 2, "UINT32"))
     a = cfg.arch
     md += [
@@ -349,7 +349,7 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
         Where to write (overwritten).
     size : str or SyntheticConfig
         A size name or parameter count, see :func:`parse_size`, or a shape of one's own.
-    type : {"F16", "Q8_0", "Q4_0", "Q4_K_M"}
+    type : {"F32", "F16", "Q8_0", "Q4_0", "Q4_K_M"}
         Type of the 2-D matrices (``token_embd`` and ``output`` included; for
         ``Q4_K_M`` see :data:`TYPES`); the norm weights are F32.
     seed : int
@@ -395,8 +395,9 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
             w.add_tensor(name, np.ones(shape, np.float32), type="F32")
         elif kind == "router":                  # llama.cpp keeps the expert router in F32
             w.add_tensor(name, _random_matrix(shape, seed, index), type="F32")
-        elif type == "F16":
-            w.add_tensor(name, _random_matrix(shape, seed, index).astype(np.float16), type="F16")
+        elif type in ("F32", "F16"):
+            w.add_tensor(name, _random_matrix(shape, seed, index).astype({"F32": np.float32, "F16": np.float16}[type]),
+                         type=type)
         else:
             # quantized now, not when the file is written: a writer holding every float32 matrix until
             # then would need 4 bytes per parameter (32 GB for the 8B shape)
