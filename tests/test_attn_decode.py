@@ -3,9 +3,9 @@
 Checked against numpy in float64 (``softmax(scale q.k + mask) v``, grouped heads broadcast) in both
 layouts the kernel reads differently (one head's rows contiguous, and a cache's cells with every
 head side by side, by its AVX-512 and its AVX2 path), for float16 and float32 K/V, every group size
-and thread split, NaN and inf in the cells the mask hides, masks with holes, a sliding window's leading run and
-the padding's trailing run, fully masked rows, every chunk count and 1-3 threads; against
-``flash_attn_ext`` as the models call it; and the runner's logits with the kernel on and off.
+and thread split, NaN and inf in the cells the mask hides, masks with holes, a sliding window's
+leading run and the padding's trailing run, fully masked rows, every chunk count and 1-3 threads;
+against ``flash_attn_ext`` as the models call it; and the runner's logits with the kernel on and off.
 """
 
 import numpy as np
@@ -87,8 +87,8 @@ CASES = [  # n_head, n_head_kv, dk, dv, n_q, n_kv, lead, tail, holes
 @pytest.fixture(params=["heads", "cells", "cells-avx2"])
 def layout(request):
     """The K/V layout and the path that reads it: one head's rows contiguous, or a cache's cells
-    (on an AVX-512 CPU, head sizes multiples of 16: its AVX-512 kernel; "cells-avx2" turns that
-    off, so one machine checks both). Yields whether the layout is the cache's."""
+    (on an AVX-512 CPU, grouped heads of sizes multiples of 16: its AVX-512 kernel; "cells-avx2"
+    turns that off, so one machine checks both). Yields whether the layout is the cache's."""
     old = _core._attn_decode_allow_avx512(request.param != "cells-avx2")
     try:
         yield request.param != "heads"

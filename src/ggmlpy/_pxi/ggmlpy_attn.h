@@ -11,8 +11,8 @@
    stream, which is what the memory system serves fastest (measured: 110M model, 12 layers at
    depth 576, 2 threads, cold caches: 0.65 ms against 1.0 ms one head at a time, 1.5 ms for ggml's).
 
-   On AVX-512 CPUs a cache is read by a path that converts each K and V row once for all the query
-   heads of its kv head (grouped-query attention), below.
+   On AVX-512 CPUs a cache with grouped-query heads is read by a path that converts each K and V row
+   once for all the query heads of its kv head, below.
 
    Semantics are flash_attn_ext's without ALiBi, soft-capping or sinks: out = softmax(scale q.k +
    mask) v, grouped-query heads broadcast, a fully masked row gives zeros, and a cell the mask hides
@@ -436,8 +436,9 @@ GGMLPY_AVX2 static void ggmlpy_attn_block_rows_avx2(const ggmlpy_attn_group * g,
    V sums keep a batch's columns in registers over the whole block.
    bench/attention.py against bench/cache_floor.c, Llama-3.2-1B shapes (8 kv heads of 128, group
    4), 16 layers at depth 4096, 2 threads, cold caches: 52.7 ms (AVX2 path) -> 20.3-22.5 ms here,
-   the floor 14-17 ms; at depth 512 6.9 -> 3.3 ms; the 110M model's (12 heads of 64, no groups)
-   2.0-2.5 -> 1.9-2.0 ms. Tried and slower here: V prefetched into L2 only, and V of the next block
+   the floor 14-17 ms; at depth 512 6.9 -> 3.3 ms. Without groups (the 110M model's 12 heads of 64)
+   attention alone 2.0-2.5 -> 1.8-2.0 ms, but its tokens 0.98x: there the AVX2 path stays. Tried
+   and slower here: V prefetched into L2 only, and V of the next block
    spread over the V sums (a prefetch per cell in their inner loop). */
 #define GGMLPY_AVX512 __attribute__((target("avx512f,avx2,fma,f16c")))
 #define GGMLPY_ATTN_NQ 4                  /* query heads a K or V row is read for at once */
@@ -507,48 +508,48 @@ GGMLPY_INLINE512 void ggmlpy_attn_qk4(const float * const * q, const char * k0, 
     }
 }
 
-/* acc[h][0:dv] += sum_i w[h][i] v_i over a block's n cells for NB query heads, w[h] = sc + h *
-   GGMLPY_ATTN_BLOCK, v_i = v + i * nb1 (one kv head's slice), skipping the cells mf marks -inf (their
-   V may hold anything). 16 * C columns at a time stay in registers over the whole block, so only
-   V is read per cell; NB * C >= 6 sums in flight hide the FMA latency. */
+/* acc[h][d0:d0 + 16 C] += sum_i w[h][i] v_i[d0:d0 + 16 C] over a block's n cells for NB query
+   heads, w[h] = sc + h * GGMLPY_ATTN_BLOCK, v_i = v + i * nb1 (one kv head's slice), skipping the
+   cells mf marks -inf (their V may hold anything). The NB * C sums stay in registers over the whole
+   block, so only V is read per cell. */
+GGMLPY_INLINE512 void ggmlpy_attn_wv_cols(float * const * acc, const float * sc, const char * v, size_t nb1,
+                                          int64_t n, const float * mf, int64_t d0, const int NB, const int C,
+                                          const int f16) {
+    const size_t es = f16 ? 2 : 4;
+    __m512 a[8];
+    for (int h = 0; h < NB; h++) {
+        for (int c = 0; c < C; c++) a[h * C + c] = _mm512_loadu_ps(acc[h] + d0 + 16 * c);
+    }
+    const char * r = v + d0 * es;
+    for (int64_t i = 0; i < n; i++, r += nb1) {
+        if (mf && mf[i] == -INFINITY) continue;
+        __m512 x[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) x[c] = ggmlpy_attn_load16(r + 16 * c * es, f16);
+#pragma GCC unroll 4
+        for (int h = 0; h < NB; h++) {
+            const __m512 w = _mm512_set1_ps(sc[h * GGMLPY_ATTN_BLOCK + i]);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) a[h * C + c] = _mm512_fmadd_ps(w, x[c], a[h * C + c]);
+        }
+    }
+    for (int h = 0; h < NB; h++) {
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[h] + d0 + 16 * c, a[h * C + c]);
+    }
+}
+
+/* All dv columns, as wide as NB * C <= 8 sums allow (at least 6 in flight where dv has the columns:
+   that hides the FMA latency), then narrower for what is left */
 GGMLPY_INLINE512 void ggmlpy_attn_wv_block(float * const * acc, const float * sc, const char * v, size_t nb1,
                                            int64_t n, const float * mf, int64_t dv, const int NB, const int f16) {
-    const int C = NB == 1 ? 8 : NB == 2 ? 4 : 2;
-    const size_t es = f16 ? 2 : 4;
+    const int64_t cmax = NB == 1 ? 8 : NB == 2 ? 4 : 2;
     int64_t d = 0;
-    for (; d + 16 * C <= dv; d += 16 * C) {
-        __m512 a[8];
-        for (int h = 0; h < NB; h++) {
-            for (int c = 0; c < C; c++) a[h * C + c] = _mm512_loadu_ps(acc[h] + d + 16 * c);
-        }
-        const char * r = v + d * es;
-        for (int64_t i = 0; i < n; i++, r += nb1) {
-            if (mf && mf[i] == -INFINITY) continue;
-            __m512 x[8];
-#pragma GCC unroll 8
-            for (int c = 0; c < C; c++) x[c] = ggmlpy_attn_load16(r + 16 * c * es, f16);
-#pragma GCC unroll 4
-            for (int h = 0; h < NB; h++) {
-                const __m512 w = _mm512_set1_ps(sc[h * GGMLPY_ATTN_BLOCK + i]);
-#pragma GCC unroll 8
-                for (int c = 0; c < C; c++) a[h * C + c] = _mm512_fmadd_ps(w, x[c], a[h * C + c]);
-            }
-        }
-        for (int h = 0; h < NB; h++) {
-            for (int c = 0; c < C; c++) _mm512_storeu_ps(acc[h] + d + 16 * c, a[h * C + c]);
-        }
+    for (; d + 16 * cmax <= dv; d += 16 * cmax) {
+        ggmlpy_attn_wv_cols(acc, sc, v, nb1, n, mf, d, NB, NB == 1 ? 8 : NB == 2 ? 4 : 2, f16);
     }
-    for (; d < dv; d += 16) {         /* what is left, 16 columns at a time */
-        __m512 a[GGMLPY_ATTN_NQ];
-        for (int h = 0; h < NB; h++) a[h] = _mm512_loadu_ps(acc[h] + d);
-        const char * r = v + d * es;
-        for (int64_t i = 0; i < n; i++, r += nb1) {
-            if (mf && mf[i] == -INFINITY) continue;
-            const __m512 x = ggmlpy_attn_load16(r, f16);
-            for (int h = 0; h < NB; h++) a[h] = _mm512_fmadd_ps(_mm512_set1_ps(sc[h * GGMLPY_ATTN_BLOCK + i]), x, a[h]);
-        }
-        for (int h = 0; h < NB; h++) _mm512_storeu_ps(acc[h] + d, a[h]);
-    }
+    if (NB == 1 && d + 64 <= dv) { ggmlpy_attn_wv_cols(acc, sc, v, nb1, n, mf, d, NB, 4, f16); d += 64; }
+    if (NB <= 2 && d + 32 <= dv) { ggmlpy_attn_wv_cols(acc, sc, v, nb1, n, mf, d, NB, 2, f16); d += 32; }
+    if (d < dv) ggmlpy_attn_wv_cols(acc, sc, v, nb1, n, mf, d, NB, 1, f16);
 }
 
 /* exp(x - m) in place, -inf giving exactly 0: ggmlpy_attn_exp_avx2's arithmetic 16 lanes wide */
@@ -748,7 +749,9 @@ static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * us
     const int avx2 = ggmlpy_attn_use_avx2(dk, dv);
     /* a cache's cell holds its heads side by side: read it position by position over the heads */
     const int rows = avx2 && k->nb[2] < k->nb[1] && v->nb[2] < v->nb[1];
-    const int rows512 = rows && ggmlpy_attn_use_avx512(dk, dv);
+    /* grouped-query heads only: with one query head per kv head nothing is shared, and the 110M
+       model's tokens measured 0.98x the AVX2 path's (2 threads, 8 rounds) */
+    const int rows512 = rows && group > 1 && ggmlpy_attn_use_avx512(dk, dv);
     const int64_t stride = dk + dv + 2;          /* per head: scaled q, acc, state */
     float stack[GGMLPY_ATTN_STACK];
     for (int64_t u = u0; u < u1;) {

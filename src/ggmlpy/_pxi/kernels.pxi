@@ -236,9 +236,9 @@ def _attn_prefill_allow_vector(allow=None):
 
 
 def _attn_decode_allow_avx512(allow=None):
-    """Whether ``attn_decode`` may read a cache with its AVX-512 kernel (each K and V row converted
-    once for a kv head's query heads) where the CPU has AVX-512F and the head sizes are multiples of
-    16; ``False`` leaves the AVX2 one. With ``allow``, set it (process-wide) and return the previous
+    """Whether ``attn_decode`` may read a cache of grouped-query heads with its AVX-512 kernel (each
+    K and V row converted once for a kv head's query heads) where the CPU has AVX-512F and the head
+    sizes are multiples of 16; ``False`` leaves the AVX2 one. With ``allow``, set it (process-wide) and return the previous
     value. For tests and benchmarks (``bench/attention.py --avx2``)."""
     global ggmlpy_attn_allow_512
     cdef bint old = ggmlpy_attn_allow_512
@@ -249,7 +249,8 @@ def _attn_decode_allow_avx512(allow=None):
 
 def _attn_decode_avx512(int64_t head_dim_k, int64_t head_dim_v):
     """Whether ``attn_decode`` reads a cache (every head of a cell side by side) with its AVX-512
-    kernel for these head sizes on this CPU."""
+    kernel for these head sizes on this CPU, where the heads are grouped (several query heads per
+    kv head; without groups the AVX2 kernel runs)."""
     return bool(ggmlpy_attn_use_avx512(head_dim_k, head_dim_v))
 
 
