@@ -8,7 +8,7 @@ and the K/V bytes read per second.
     python bench/attention.py                       # 12 layers, 12 heads of 64, 576 cells visible
     python bench/attention.py --visible 2048 --cells 2304 --threads 2 --chunks 1,2,4
     python bench/attention.py --chunks 2 --prefetch 0,2,4,8,16      # the kernel's prefetch distance
-    python bench/attention.py --layers 16 --heads 32 --kv-heads 8 --head-dim 128 --visible 4096 \
+    python bench/attention.py --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --visible 4096 \
         --cells 4352 --avx2                   # Llama-3.2-1B at depth 4096, both vectorised paths
     python bench/attention.py --prompt 512 --depth 0,512            # a prompt's: attn_prefill
 
@@ -87,17 +87,18 @@ def main(argv=None) -> None:
     default_pfd = ggmlpy._core._attn_decode_prefetch()
     pfds = [default_pfd] if a.prefetch is None else [int(x) for x in a.prefetch.split(",")]
     prefetch = {}                     # graph name -> the prefetch distance it runs with
+    chunks = {}                       # graph name -> its n_chunks
     for c in (int(x) for x in a.chunks.split(",")):
         for d in pfds:
             name = f"attn_decode n_chunks={c}" + (f" pf={d}" if a.prefetch is not None else "")
             graphs[name] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=c)
                             for k, v in caches]
-            prefetch[name] = d
+            prefetch[name], chunks[name] = d, c
     avx2 = {}                         # graph name -> whether it runs with the AVX-512 path off
-    if a.avx2 and ggmlpy._core._attn_decode_avx512(D, D):
+    if a.avx2 and G < H and ggmlpy._core._attn_decode_avx512(D, D):     # the AVX-512 path: grouped heads
         for name in list(graphs):
-            graphs[name + " AVX2"] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5,
-                                                      n_chunks=int(name.split("=")[1].split()[0])) for k, v in caches]
+            graphs[name + " AVX2"] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=chunks[name])
+                                      for k, v in caches]
             prefetch[name + " AVX2"] = prefetch[name]
             avx2[name + " AVX2"] = True
     graphs["flash_attn_ext"] = [ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), heads(k), heads(v), m, scale=D ** -0.5)

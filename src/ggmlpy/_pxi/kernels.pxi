@@ -238,8 +238,8 @@ def _attn_prefill_allow_vector(allow=None):
 def _attn_decode_allow_avx512(allow=None):
     """Whether ``attn_decode`` may read a cache of grouped-query heads with its AVX-512 kernel (each
     K and V row converted once for a kv head's query heads) where the CPU has AVX-512F and the head
-    sizes are multiples of 16; ``False`` leaves the AVX2 one. With ``allow``, set it (process-wide) and return the previous
-    value. For tests and benchmarks (``bench/attention.py --avx2``)."""
+    sizes are multiples of 16; ``False`` leaves the AVX2 one. With ``allow``, set it (process-wide)
+    and return the previous value. For tests and benchmarks (``bench/attention.py --avx2``)."""
     global ggmlpy_attn_allow_512
     cdef bint old = ggmlpy_attn_allow_512
     if allow is not None:
