@@ -46,9 +46,10 @@ def _mask(rng, n_q, n_kv, lead=0, tail=0, holes=0):
     return M
 
 
-def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode"):
-    """attn_decode (or ``op="attn_prefill"``, which has no chunks) on K/V laid out head-major
-    (cells=False) or as a cache (cells=True: ne = (dk * n_head_kv, n_kv), viewed per head)."""
+def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode", softcap=0.0):
+    """attn_decode (or ``op="attn_prefill"``, which has no chunks and takes a ``softcap``) on K/V
+    laid out head-major (cells=False) or as a cache (cells=True: ne = (dk * n_head_kv, n_kv),
+    viewed per head)."""
     n_head_kv, n_kv, dk = K.shape
     dv = V.shape[2]
     with ggmlpy.Context(64 << 20) as ctx:
@@ -64,7 +65,7 @@ def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode"
         if op == "attn_decode":
             o = ctx.attn_decode(q, k, v, m, scale=scale, n_chunks=chunks)
         else:
-            o = ctx.attn_prefill(q, k, v, m, scale=scale)
+            o = ctx.attn_prefill(q, k, v, m, scale=scale, logit_softcap=softcap)
         assert tuple(o.ne[:3]) == (dv, Q.shape[1], Q.shape[0]) and o.type == ggmlpy.Type.F32
         gf = ctx.new_graph()
         gf.build_forward_expand(o)

@@ -145,6 +145,48 @@ def test_large_scores_stay_finite():
     assert np.isfinite(out).all() and np.abs(out - ref).max() < TOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("kv_type", [np.float16, np.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("vector", [True, False], ids=["avx512", "portable"])
+@pytest.mark.parametrize("cap", [0.0, 30.0])
+def test_masked_cells_are_never_read_into_the_result(kv_type, vector, cap):
+    """A cell the mask hides may hold anything (a cache's cells no sequence has written): NaN and
+    inf in K and V of cells every row hides, inside blocks the mask cuts and inside the visible
+    span, change nothing; NaN in K where some rows see the cell leaves the rows that hide it as
+    they were (their scores there are -inf whatever K holds). ggml's flash attention skips such cells too."""
+    if vector and not VECTOR:
+        pytest.skip("no AVX-512 on this CPU")
+    rng = np.random.default_rng(12)
+    n_q, n_head, n_head_kv, d, n_kv, depth = 100, 4, 2, 64, 260, 40
+    Q = rng.standard_normal((n_q, n_head, d)).astype(np.float32)
+    K = rng.standard_normal((n_head_kv, n_kv, d)).astype(kv_type)
+    V = rng.standard_normal((n_head_kv, n_kv, d)).astype(kv_type)
+    M = _causal(rng, n_q, n_kv, depth=depth)
+    hidden = np.r_[0:3, 10:15, 63, 64, 100:104, 139]            # every row hides these
+    M[:, hidden] = -np.inf
+    ref = (_softcapped_reference(Q, K, V, M, 0.125, cap) if cap else _reference(Q, K, V, M, 0.125))
+    K[:, hidden[::2]] = np.nan
+    K[:, hidden[1::2]] = np.inf
+    V[:, hidden[::3]] = np.nan
+    V[:, hidden[1::3]] = -np.inf
+    K[:, 150:] = np.nan                                          # past every row's span
+    V[:, 150:] = np.inf
+    old = _core._attn_prefill_allow_vector(vector)
+    try:
+        for cells in (False, True):
+            out = _run(Q, K, V, M, scale=0.125, cells=cells, chunks=1, threads=2, kv_type=kv_type, op="attn_prefill",
+                       softcap=cap)
+            assert np.isfinite(out).all(), cells
+            assert np.abs(out - ref).max() < TOL * np.abs(ref).max(), cells
+        # a cell rows 0..29 hide and the later rows see: NaN in its K leaves the rows that hide it
+        # as they were (what the later rows get from a NaN they see is not specified)
+        K[:, depth + 30] = np.nan
+        out = _run(Q, K, V, M, scale=0.125, cells=True, chunks=1, threads=2, kv_type=kv_type, op="attn_prefill",
+                   softcap=cap)
+    finally:
+        _core._attn_prefill_allow_vector(old)
+    assert np.abs(out[:30] - ref[:30]).max() < TOL * np.abs(ref).max()
+
+
 def test_agrees_with_flash_attn_ext():
     """The kernel the models take for prompts and the one it replaces give the same attention."""
     rng = np.random.default_rng(3)
