@@ -8,6 +8,8 @@ leading run and the padding's trailing run, fully masked rows, every chunk count
 against ``flash_attn_ext`` as the models call it; and the runner's logits with the kernel on and off.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -46,7 +48,7 @@ def _mask(rng, n_q, n_kv, lead=0, tail=0, holes=0):
     return M
 
 
-def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode", softcap=0.0):
+def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode", softcap=0.0, avx512=True):
     """attn_decode (or ``op="attn_prefill"``, which has no chunks and takes a ``softcap``) on K/V
     laid out head-major (cells=False) or as a cache (cells=True: ne = (dk * n_head_kv, n_kv),
     viewed per head)."""
@@ -63,7 +65,7 @@ def _run(Q, K, V, M, *, scale, cells, chunks, threads, kv_type, op="attn_decode"
             k, v = ctx.from_numpy(K.astype(kv_type)), ctx.from_numpy(V.astype(kv_type))
         q, m = ctx.from_numpy(Q), ctx.from_numpy(M) if M is not None else None
         if op == "attn_decode":
-            o = ctx.attn_decode(q, k, v, m, scale=scale, n_chunks=chunks)
+            o = ctx.attn_decode(q, k, v, m, scale=scale, n_chunks=chunks, avx512=avx512)
         else:
             o = ctx.attn_prefill(q, k, v, m, scale=scale, logit_softcap=softcap)
         assert tuple(o.ne[:3]) == (dv, Q.shape[1], Q.shape[0]) and o.type == ggmlpy.Type.F32
@@ -163,6 +165,30 @@ def test_masked_cells_are_never_read_into_the_result(layout, kv_type, portable):
             assert np.abs(out - ref).max() / np.abs(ref).max() < TOL, chunks
     finally:
         _core._kernels_force_portable(old)
+
+
+@pytest.mark.skipif(not _core._attn_decode_avx512(64, 64), reason="no AVX-512 on this CPU")
+def test_each_node_takes_the_path_it_was_built_with():
+    """``avx512=False`` keeps one node on the AVX2 path (the calibration times both and builds the
+    faster): its values are bit for bit those of the AVX2 path chosen process-wide, ``avx512=True``'s
+    those of the AVX-512 path, and the two paths differ in the last bits (their sums go in other
+    orders), so each comparison would see a node on the wrong path."""
+    rng = np.random.default_rng(21)
+    Q = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    K = rng.standard_normal((2, 300, 64)).astype(np.float16)
+    V = rng.standard_normal((2, 300, 64)).astype(np.float16)
+    M = _mask(rng, 2, 300, 0, 20, 7)
+    run = functools.partial(_run, Q, K, V, M, scale=0.125, cells=True, chunks=2, threads=2, kv_type=np.float16)
+    wide, narrow = run(avx512=True), run(avx512=False)
+    old = _core._attn_decode_allow_avx512(False)
+    try:
+        assert np.array_equal(run(avx512=True), narrow)      # the switch keeps every node on AVX2
+    finally:
+        _core._attn_decode_allow_avx512(old)
+    assert not np.array_equal(wide, narrow)
+    ref = _reference(Q, K, V, M, 0.125)
+    for out in (wide, narrow):
+        assert np.abs(out - ref).max() / np.abs(ref).max() < TOL
 
 
 @pytest.mark.parametrize("distance", [0, 1, 8, 64])

@@ -47,6 +47,26 @@ def test_choices_by_mode_and_site():
     assert "own at 1 of 2 sites" in measured.describe()
 
 
+def test_the_path_is_the_one_that_measured_fastest():
+    """attn_decode has two paths (VARIANTS): a graph takes the measured one; an unmeasured site, another
+    mode or an unknown name (a hand-edited cache) takes the default, an op with one path none."""
+    site = Site("attn_decode", "F16/F16", (64, 64, 32, 8, 1))
+    other = Site("attn_decode", "F16/F16", (64, 64, 32, 8, 0))
+    odd = Site("attn_decode", "F32/F32", (64, 64, 32, 8, 0))
+    mv = Site("matvec", "F16", (64, 128))
+    entries = {site.key: Measurement(1.0, 2.0, "avx2"), other.key: Measurement(1.0, 2.0, "avx512"),
+               odd.key: Measurement(1.0, 2.0, "sse9"), mv.key: Measurement(1.0, 2.0)}
+    kc = KernelChoices("measure", entries=entries)
+    assert kernels.VARIANTS["attn_decode"][0] == "avx512"
+    assert [kc.variant(s) for s in (site, other, odd)] == ["avx2", "avx512", "avx512"]
+    assert kc.variant(Site("attn_decode", "F16/F16", (128, 128, 32, 8, 0))) == "avx512"
+    assert kc.variant(mv) == ""
+    assert KernelChoices("own", entries=entries).variant(site) == "avx512"
+    with kernels.using(kc):
+        assert kernels.variant(site) == "avx2"
+    assert any(line.startswith(site.key) and "own [avx2]" in line for line in kc.summary())
+
+
 def test_site_key_round_trips():
     s = Site("attn_decode", "F16/F16", (128, 128, 32, 8, 1))
     assert s.key == "attn_decode F16/F16 128x128x32x8x1"
@@ -201,6 +221,19 @@ def test_a_site_that_cannot_be_measured_keeps_ggml(tmp_path, monkeypatch):
     assert not kc.use(SITES[0])
 
 
+def test_the_measured_path_is_cached_with_the_timings(tmp_path, monkeypatch):
+    site = Site("attn_decode", "F16/F16", (64, 64, 4, 2, 0))
+    monkeypatch.setattr(calibrate, "measure_site", lambda be, s, w=(), n_expert_used=1: Measurement(1.0, 2.0, "avx2"))
+    kc = calibrate.kernel_choices(_record([site]), 2, mode="measure", cache_dir=tmp_path)
+    assert kc.variant(site) == "avx2"
+    entry = json.loads((tmp_path / "kernels.json").read_text())["machines"][calibrate.machine_key(2)]
+    assert entry["sites"][site.key]["variant"] == "avx2"
+    monkeypatch.setattr(calibrate, "measure_site", None)            # read back, not measured
+    again = calibrate.kernel_choices(_record([site]), 2, mode="measure", cache_dir=tmp_path)
+    assert again.entries == kc.entries and again.variant(site) == "avx2"
+    assert any("-> own [avx2]" in line for line in calibrate.cached_summary(tmp_path))
+
+
 def test_attention_decode_is_measured_at_each_reachable_depth_class(tmp_path, timer):
     s = Site("attn_decode", "F16/F16", (64, 64, 4, 2, 1))
     calibrate.kernel_choices(_record([s]), 1, mode="measure", cache_dir=tmp_path, n_ctx=512)
@@ -251,6 +284,18 @@ def test_every_op_is_measured_for_real(cpu, site, types_shapes, monkeypatch):
         if ctx is not None:
             ctx.free()
             buf.free()
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
+@pytest.mark.parametrize("n_head", [8, 2])
+def test_attention_decode_times_both_paths_where_both_run(cpu, monkeypatch, n_head):
+    """Grouped heads on an AVX-512 CPU: both paths are timed and the faster named; without groups (or
+    AVX-512) there is one path and no name."""
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    monkeypatch.setattr(calibrate, "ATTN_BYTES", 1 << 20)
+    m = calibrate.measure_site(cpu, Site("attn_decode", "F16/F16", (64, 64, n_head, 2, 0)))
+    both = n_head > 2 and _core._attn_decode_avx512(64, 64)
+    assert (m.variant in kernels.VARIANTS["attn_decode"]) if both else m.variant == ""
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 
@@ -305,6 +350,34 @@ def test_the_runner_takes_own_kernels_only_where_they_measured_faster(tiny_gemma
         with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
             assert 0 < _custom_ops(r, 1) < decode_own
             assert _custom_ops(r, 64) == 0                      # a prompt has no matrix-vector product
+
+
+@pytest.mark.skipif(not _core._attn_decode_avx512(16, 16), reason="no AVX-512 on this CPU")
+def test_the_runner_builds_the_path_that_measured_faster(tmp_path, monkeypatch):
+    """The tiny model (4 query heads over 2 kv heads of 16): with the AVX2 path measured faster, a
+    token's logits are bit for bit those with the AVX-512 path switched off process-wide; with the
+    AVX-512 path faster, those with it on. The two paths' logits differ in the last bits, so either
+    comparison fails if the graph took the other path."""
+    path = write_synthetic(str(tmp_path / "m.gguf"), "tiny", "F32")
+    prompt = (np.arange(200, dtype=np.int32) % 100) + 1
+
+    def logits(kernel_mode, variant=None, allow=True):
+        monkeypatch.setenv("GGMLPY_KERNELS", kernel_mode)
+        monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path / f"c-{variant}"))
+        monkeypatch.setattr(calibrate, "measure_site", lambda be, s, w=(), n_expert_used=1:
+                            Measurement(1.0, 2.0, variant if s.op == "attn_decode" else ""))
+        old = _core._attn_decode_allow_avx512(allow)
+        try:
+            with load_model(path) as m, Runner(m, n_ctx=256, n_threads=2, type_k="f32", type_v="f32") as r:
+                r.decode(prompt, seq=0, logits=None)
+                return np.stack([r.decode([5 + i], seq=0, logits="last").copy() for i in range(3)])
+        finally:
+            _core._attn_decode_allow_avx512(old)
+
+    wide, narrow = logits("own"), logits("own", allow=False)
+    assert not np.array_equal(wide, narrow)
+    assert np.array_equal(logits("measure", "avx2"), narrow)
+    assert np.array_equal(logits("measure", "avx512"), wide)
 
 
 def test_every_mode_generates_the_same_tokens(tiny_gemma, tmp_path, monkeypatch):

@@ -723,17 +723,20 @@ GGMLPY_AVX512 static void ggmlpy_attn_block_rows_512(const ggmlpy_attn_group * g
 /* The op's tensors: src[0] q (dk, n_head, n_rows) F32, rows contiguous; src[1] k (dk, n_kv,
    n_head_kv); src[2] v (dv, n_kv, n_head_kv), both F16 or F32 with contiguous rows; src[3] the F16
    mask (>= n_kv, >= n_rows) or absent. dst: (dv, n_head, n_rows) with one chunk; (dv + 2, n_chunks,
-   n_head, n_rows) partials otherwise. The scale and the chunk count travel in the userdata
-   pointer's bits (scale's float bits low, n_chunks high), so nothing has to outlive the graph.
+   n_head, n_rows) partials otherwise. The scale, the chunk count and the path travel in the
+   userdata pointer's bits (scale's float bits low, n_chunks high, the top bit "AVX2 path only"),
+   so nothing has to outlive the graph.
 
    Work is (row, chunk, head) units, heads fastest, split evenly across the threads. A thread does
    the heads it got for one (row, chunk) together, block by block of positions, so it reads each
    cache cell's slice of those heads once and in address order (the cache stores a cell's heads
    side by side: one head at a time would stride through memory). */
-static inline void * ggmlpy_attn_pack(float scale, int32_t n_chunks) {
+static inline void * ggmlpy_attn_pack(float scale, int32_t n_chunks, int avx512) {
     uint32_t bits;
     memcpy(&bits, &scale, 4);
-    return (void *) (uintptr_t) (((uint64_t) (uint32_t) n_chunks << 32) | bits);
+    /* the top bit: 1 keeps this node on the AVX2 path where the AVX-512 one would run (the
+       calibration measures both and the faster is built) */
+    return (void *) (uintptr_t) (((uint64_t) (!avx512) << 63) | ((uint64_t) (uint32_t) n_chunks << 32) | bits);
 }
 
 static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -743,7 +746,7 @@ static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * us
     memcpy(&scale, &bits, 4);
     const struct ggml_tensor * q = dst->src[0], * k = dst->src[1], * v = dst->src[2], * mask = dst->src[3];
     const int64_t dk = q->ne[0], n_head = q->ne[1], n_rows = q->ne[2], dv = v->ne[0], n_kv = k->ne[1];
-    const int64_t group = n_head / k->ne[2], n_chunks = (int64_t) (packed >> 32);
+    const int64_t group = n_head / k->ne[2], n_chunks = (int64_t) ((packed >> 32) & 0x7fffffff);
     const int64_t units = n_rows * n_chunks * n_head;
     const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
     const int avx2 = ggmlpy_attn_use_avx2(dk, dv);
@@ -751,7 +754,7 @@ static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * us
     const int rows = avx2 && k->nb[2] < k->nb[1] && v->nb[2] < v->nb[1];
     /* grouped-query heads only: with one query head per kv head nothing is shared, and the 110M
        model's tokens measured 0.98x the AVX2 path's (2 threads, 8 rounds) */
-    const int rows512 = rows && group > 1 && ggmlpy_attn_use_avx512(dk, dv);
+    const int rows512 = rows && group > 1 && !(packed >> 63) && ggmlpy_attn_use_avx512(dk, dv);
     const int64_t stride = dk + dv + 2;          /* per head: scaled q, acc, state */
     float stack[GGMLPY_ATTN_STACK];
     for (int64_t u = u0; u < u1;) {
@@ -843,16 +846,16 @@ static void ggmlpy_attn_merge_op(struct ggml_tensor * dst, int ith, int nth, voi
    Preconditions are Context.attn_decode's (checked there). NULL when the context is full. */
 static struct ggml_tensor * ggmlpy_attn_decode(struct ggml_context * ctx, struct ggml_tensor * q,
                                                struct ggml_tensor * k, struct ggml_tensor * v,
-                                               struct ggml_tensor * mask, float scale, int n_chunks) {
+                                               struct ggml_tensor * mask, float scale, int n_chunks, int avx512) {
     struct ggml_tensor * args[4] = {q, k, v, mask};
     const int n_args = mask ? 4 : 3;
     const int64_t dv = v->ne[0], n_head = q->ne[1], n_rows = q->ne[2];
     if (n_chunks <= 1) {
         return ggml_custom_4d(ctx, GGML_TYPE_F32, dv, n_head, n_rows, 1, args, n_args, ggmlpy_attn_op,
-                              GGML_N_TASKS_MAX, ggmlpy_attn_pack(scale, 1));
+                              GGML_N_TASKS_MAX, ggmlpy_attn_pack(scale, 1, avx512));
     }
     struct ggml_tensor * part = ggml_custom_4d(ctx, GGML_TYPE_F32, dv + 2, n_chunks, n_head, n_rows, args, n_args,
-                                               ggmlpy_attn_op, GGML_N_TASKS_MAX, ggmlpy_attn_pack(scale, n_chunks));
+                                               ggmlpy_attn_op, GGML_N_TASKS_MAX, ggmlpy_attn_pack(scale, n_chunks, avx512));
     if (part == NULL) return NULL;
     return ggml_custom_4d(ctx, GGML_TYPE_F32, dv, n_head, n_rows, 1, &part, 1, ggmlpy_attn_merge_op,
                           GGML_N_TASKS_MAX, NULL);

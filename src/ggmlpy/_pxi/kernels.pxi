@@ -35,7 +35,7 @@ def _kernels_force_portable(force=None):
 
 cdef extern from "ggmlpy_attn.h":
     g.ggml_tensor * ggmlpy_attn_decode(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k, g.ggml_tensor * v,
-                                       g.ggml_tensor * mask, float scale, int n_chunks) nogil
+                                       g.ggml_tensor * mask, float scale, int n_chunks, int avx512) nogil
     int GGMLPY_ATTN_MAX_DV
     int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) nogil
     int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv) nogil

@@ -1239,7 +1239,8 @@ cdef class _ContextOps(_ContextBase):
             _add_dep(self, sinks)
         return _res(self, r, q, k, v, mask)
 
-    def attn_decode(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, int n_chunks=1):
+    def attn_decode(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, int n_chunks=1,
+                    bint avx512=True):
         """Attention of a few query rows over a float16/float32 KV cache: ``softmax(q k^T * scale + mask) v``.
 
         ggmlpy's own CPU kernel for the generation step (a ggml custom op, so the CPU backend runs it):
@@ -1256,6 +1257,12 @@ cdef class _ContextOps(_ContextBase):
         the positions into that many pieces, done in parallel and merged by a second op (for when
         ``n_head * n_q`` is too few to keep the threads busy). Result f32 ``(head_dim_v, n_head, n_q)``
         as ``flash_attn_ext``'s.
+
+        A cache (each cell's heads side by side) of grouped-query heads is read with AVX-512 where the
+        CPU has it (``_attn_decode_avx512``: each K and V row converted once for its query heads);
+        ``avx512=False`` keeps this node on the AVX2 path. The results agree to float32 rounding;
+        which is faster depends on the CPU, and the runner's calibration measures both
+        (:mod:`ggmlpy.models.calibrate`).
         """
         cdef str op = "attn_decode"
         cdef g.ggml_tensor * r
@@ -1267,7 +1274,8 @@ cdef class _ContextOps(_ContextBase):
         else:
             self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0] + 2, n_chunks, q.ptr.ne[1], q.ptr.ne[2])
                        + _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 2)
-        r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks)
+        r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks,
+                               1 if avx512 else 0)
         return _res(self, r, q, k, v, mask)
 
     def attn_prefill(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, float logit_softcap=0.0):

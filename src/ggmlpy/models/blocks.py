@@ -153,11 +153,12 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
     if flash_attn and on_cpu and sinks is None and _kernel_ok(kv_k, kv_v):
+        site = kernels.attn_site("attn_decode", kv_k, kv_v, n_head)
         if n < DECODE_MAX_ROWS and decode_kernel and not logit_softcap \
-                and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]) \
-                and kernels.use(kernels.attn_site("attn_decode", kv_k, kv_v, n_head)):
+                and _core._attn_decode_vectorized(kv_k.ne[0], kv_v.ne[0]) and kernels.use(site):
             chunks = _decode_chunks(kv_k.ne[1])
-            o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks)    # (head_dim, n_head, n)
+            o = ctx.attn_decode(q, kv_k, kv_v, mask, scale=scale, n_chunks=chunks,
+                                avx512=kernels.variant(site) != "avx2")              # (head_dim, n_head, n)
             return ctx.reshape(o, (head_dim * n_head, n))
         if n >= DECODE_MAX_ROWS and prefill_kernel and _core._attn_prefill_vectorized(kv_k.ne[0], kv_v.ne[0]) \
                 and kernels.use(kernels.attn_site("attn_prefill", kv_k, kv_v, n_head)):

@@ -9,13 +9,15 @@ would multiply. Each site is timed both ways on the CPU backend with the runner'
   :data:`GROUP_BYTES`, which streams from memory as a generated token does) times one vector, in one
   graph: :meth:`~ggmlpy.Context.mul_mat_vec` against ``mul_mat`` (and the experts' versions, with
   ``n_expert_used`` distinct experts);
-* **attn_decode**: one query row over a float cache at each depth class's depth
-  (:data:`DECODE_DEPTHS`), as many layers' caches as make :data:`ATTN_BYTES`, against
-  ``flash_attn_ext``;
+* **attn_decode**: one query row over a float cache (in the cache's layout: a cell's heads side by
+  side) at each depth class's depth (:data:`DECODE_DEPTHS`), as many layers' caches as make
+  :data:`ATTN_BYTES`, against ``flash_attn_ext``; where its AVX-512 path can run (grouped heads, an
+  AVX-512 CPU) the AVX2 path is timed too, and the faster of the two is the own kernel's time and
+  the path the graphs take (:data:`ggmlpy.models.kernels.VARIANTS`);
 * **attn_prefill**: :data:`PREFILL_ROWS` rows over as many cells, causal, against ``flash_attn_ext``;
 * **geglu**: one row and :data:`PREFILL_ROWS` rows of the model's feed-forward width against ``geglu``.
 
-The two graphs of a site run alternately (one warm-up each, then :data:`TIMING` rounds), and each
+The graphs of a site run in turn (one warm-up each, then :data:`TIMING` rounds), and each
 keeps its best time: the rule (:func:`ggmlpy.models.kernels.decide`) compares best with best. The
 110M model's 8 sites take 0.9 s on 2 cores, the Llama-3.2-1B shape's 11 take 2.3 s; the timings are
 cached in ``kernels.json`` beside the benchmark's ``roofline.json``
@@ -52,8 +54,9 @@ __all__ = ["CACHE_FILE", "DECODE_DEPTHS", "GROUP_BYTES", "PREFILL_ROWS", "TIMING
 log = logging.getLogger("ggmlpy.kernels")
 
 CACHE_FILE = "kernels.json"
-#: Bumped when the measurement changes: entries of another format are measured again.
-FORMAT = 1
+#: Bumped when the measurement changes: entries of another format are measured again (2: attention
+#: over the cache's layout, each cell's heads side by side, and attn_decode's paths each timed).
+FORMAT = 2
 #: The bytes of weights (or cache) one site's graph reads per run, at most: several times a core's
 #: share of the last-level cache, so the runs stream from memory as generation does.
 GROUP_BYTES = 256 << 20
@@ -115,7 +118,7 @@ def _entries(data: dict[str, Any], key: str) -> dict[str, Measurement]:
     out = {}
     for site, v in (sites.items() if isinstance(sites, dict) else ()):
         try:
-            out[site] = Measurement(float(v["own_s"]), float(v["ggml_s"]))
+            out[site] = Measurement(float(v["own_s"]), float(v["ggml_s"]), str(v.get("variant", "")))
         except (KeyError, TypeError, ValueError):       # a hand-edited entry: measured again
             continue
     return out
@@ -129,6 +132,8 @@ def _write(path: Path, key: str, n_threads: int, new: dict[str, Measurement]) ->
     entry["measured_at"] = time.strftime("%Y-%m-%d %H:%M")
     for site, m in new.items():
         entry["sites"][site] = {"own_s": m.own_s, "ggml_s": m.ggml_s, "use_own": m.use_own}
+        if m.variant:
+            entry["sites"][site]["variant"] = m.variant
     return _save(path, data)
 
 
@@ -178,7 +183,8 @@ def cached_summary(cache_dir: str | os.PathLike | None = None) -> list[str]:
         when = entry.get("measured_at", "?") if isinstance(entry, dict) else "?"
         lines.append(f"  {key.split(' | ')[1]} ({when}): own at {len(own)} of {len(entries)} sites")
         for k, e in sorted(entries.items()):
-            lines.append(f"    {k}: {e.speedup:.2f}x ggml's -> {'own' if e.use_own else 'ggml'}")
+            path = f" [{e.variant}]" if e.variant else ""
+            lines.append(f"    {k}: {e.speedup:.2f}x ggml's -> {'own' + path if e.use_own else 'ggml'}")
     if not found:
         lines.append(f"  no timings for this machine yet in {path} (a runner measures its sites when it starts; "
                      "ggmlpy bench prints them)")
@@ -268,13 +274,15 @@ def measure_site(be: Any, site: Site, weights: Iterable[Tensor] = (), n_expert_u
 
 
 class _Bench:
-    """Two graphs (own, ggml) on the CPU backend, their inputs, and what to free."""
+    """The site's graphs on the CPU backend (the own kernel's, one per path, then ggml's), their inputs,
+    and what to free."""
 
     def __init__(self, be: Any) -> None:
         self.be = be
         self.owned: list[Any] = []
         self.buffers: list[Any] = []         # freed after the contexts whose tensors they hold
         self.graphs: list[Any] = []
+        self.labels: list[str] = []
         self.fills: list[Callable[[], None]] = []
 
     def __enter__(self) -> _Bench:
@@ -285,7 +293,7 @@ class _Bench:
             o.free()
 
     def context(self, n_tensors: int) -> Context:
-        ctx = Context.for_tensors(n_tensors, graph_size=max(16, 2 * n_tensors), no_alloc=True)
+        ctx = Context.for_tensors(n_tensors, graph_size=8 * n_tensors + 32, no_alloc=True)
         self.owned.append(ctx)
         return ctx
 
@@ -293,32 +301,35 @@ class _Bench:
         """Allocate ``ctx``'s tensors (made with no data: caches, inputs shared by both graphs)."""
         self.buffers.append(_core.alloc_ctx_tensors(ctx, self.be))
 
-    def graph(self, ctx: Context, outputs: list[Tensor]) -> None:
-        gf = ctx.new_graph(max(16, 2 * len(outputs) + 16))
+    def graph(self, ctx: Context, outputs: list[Tensor], label: str = "") -> None:
+        """One of the site's graphs: the own kernel's (``label`` its path where it has several), in the
+        order they are added, then ggml's op's last."""
+        gf = ctx.new_graph(8 * len(outputs) + 32)         # a few nodes per output (views, the merge)
         for o in outputs:
             gf.build_forward_expand(o.set_output())
         ga = _core.Gallocr(self.be.buffer_type)
         self.owned.append(ga)
         ga.alloc_graph(gf)
         self.graphs.append(gf)
+        self.labels.append(label)
 
     def run(self) -> Measurement:
         for f in self.fills:
             f()
-        own, ggml = self.graphs
-        best = [math.inf, math.inf]
-        for gf in (own, ggml):
+        n = len(self.graphs)
+        best = [math.inf] * n
+        for gf in self.graphs:
             self.be.graph_compute(gf)                  # warm-up: page faults, the pool's start
         end = time.perf_counter() + float(TIMING["max_s"])
         for i in range(int(TIMING["rounds"])):
             if i >= int(TIMING["min_rounds"]) and time.perf_counter() > end:
                 break
-            order = (0, 1) if i % 2 == 0 else (1, 0)   # alternate: neither always runs after the other
-            for j in order:
+            for j in [(i + t) % n for t in range(n)]:  # rotated each round: none always runs first
                 t0 = time.perf_counter()
-                self.be.graph_compute((own, ggml)[j])
+                self.be.graph_compute(self.graphs[j])
                 best[j] = min(best[j], time.perf_counter() - t0)
-        return Measurement(best[0], best[1])
+        own = min(range(n - 1), key=lambda j: best[j])
+        return Measurement(best[own], best[-1], self.labels[own] if n > 2 else "")
 
 
 def _rng() -> np.random.Generator:
@@ -362,14 +373,15 @@ def _attn(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> No
     per_layer = depth * n_head_kv * (hd_k * _core.type_size(tk) + hd_v * _core.type_size(tv))
     copies = max(1, min(16, ATTN_BYTES // max(1, per_layer))) if decode else 1
     data = bench.context(2 * copies + 2)
-    ks = [data.new_tensor(tk, (hd_k, depth, n_head_kv)) for _ in range(copies)]
-    vs = [data.new_tensor(tv, (hd_v, depth, n_head_kv)) for _ in range(copies)]
+    # the cache's layout: a cell's heads side by side (the kernels read it cell by cell)
+    kc = [data.new_tensor(tk, (hd_k * n_head_kv, depth)) for _ in range(copies)]
+    vc = [data.new_tensor(tv, (hd_v * n_head_kv, depth)) for _ in range(copies)]
     q = data.new_tensor(Type.F32, (hd_k, n_head, n_q))
     pad = -(-n_q // 64) * 64
     mask = data.new_tensor(Type.F16, (depth, pad))
     bench.constants(data)
     rng = _rng()
-    for ts in (ks, vs):                                 # one layer's values, copied to every layer
+    for ts in (kc, vc):                                 # one layer's values, copied to every layer
         a = rng.standard_normal(ts[0].shape, dtype=np.float32).astype(np.float16 if ts[0].type == Type.F16
                                                                           else np.float32)
         for t in ts:
@@ -380,17 +392,23 @@ def _attn(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> No
         m[np.triu_indices(pad, 1, depth)] = -np.inf
     mask.set(m)
     scale = 1.0 / math.sqrt(hd_k)
-    for own in (True, False):
-        ctx = bench.context(4 * copies + 4)
+    # attn_decode's AVX-512 path runs only for grouped heads on an AVX-512 CPU: there both are timed
+    paths = kernels.VARIANTS["attn_decode"] if decode and n_head > n_head_kv \
+        and _core._attn_decode_avx512(hd_k, hd_v) else ("",)
+    for path in (*paths, None):                        # the own kernel's paths, then ggml's op
+        ctx = bench.context(6 * copies + 4)
         outs = []
-        for kt, vt in zip(ks, vs):
-            if own and decode:
-                outs.append(ctx.attn_decode(q, kt, vt, mask, scale=scale, n_chunks=blocks._decode_chunks(depth)))
-            elif own:
-                outs.append(ctx.attn_prefill(q, kt, vt, mask, scale=scale))
+        for kt, vt in zip(kc, vc):
+            k = ctx.view(kt, (hd_k, depth, n_head_kv), (kt.nb[1], hd_k * kt.nb[0]), 0)
+            v = ctx.view(vt, (hd_v, depth, n_head_kv), (vt.nb[1], hd_v * vt.nb[0]), 0)
+            if path is None:
+                outs.append(ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), k, v, mask, scale=scale))
+            elif decode:
+                outs.append(ctx.attn_decode(q, k, v, mask, scale=scale, n_chunks=blocks._decode_chunks(depth),
+                                            avx512=path != "avx2"))
             else:
-                outs.append(ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), kt, vt, mask, scale=scale))
-        bench.graph(ctx, outs)
+                outs.append(ctx.attn_prefill(q, k, v, mask, scale=scale))
+        bench.graph(ctx, outs, path or "")
 
 
 def _geglu(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> None:

@@ -48,8 +48,8 @@ from typing import Optional
 
 from ggmlpy._core import GGMLValueError, Tensor
 
-__all__ = ["MARGIN", "MODES", "KernelChoices", "Measurement", "Site", "attn_site", "current", "decide", "geglu_site",
-           "matvec_site", "mode", "use", "using", "weight_type"]
+__all__ = ["MARGIN", "MODES", "VARIANTS", "KernelChoices", "Measurement", "Site", "attn_site", "current", "decide",
+           "geglu_site", "matvec_site", "mode", "use", "using", "variant", "weight_type"]
 
 #: The modes of :func:`mode`.
 MODES = ("measure", "own", "ggml")
@@ -66,6 +66,12 @@ OPS = {
     "attn_prefill": "flash_attn_ext",   # Context.attn_prefill: a prompt's rows
     "geglu": "geglu",                   # Context.geglu_tanh
 }
+
+#: The own kernel's paths a site may measure, per op (the first is the default, taken where none was
+#: measured): ``attn_decode``'s AVX-512 path converts each K and V row once for all its query heads,
+#: its AVX2 path once per head but with half-width registers, which some CPUs (256-bit datapaths)
+#: may run as fast.
+VARIANTS = {"attn_decode": ("avx512", "avx2")}
 
 #: Attention's depth classes: a decode over at most this many cache cells is in class 0, else class 1
 #: (measured at the depths of :data:`ggmlpy.models.calibrate.DECODE_DEPTHS`).
@@ -124,10 +130,16 @@ class Site:
 
 @dataclass(frozen=True)
 class Measurement:
-    """The two timings of a site (seconds, the best of the runs) and the choice they make."""
+    """The two timings of a site (seconds, the best of the runs) and the choice they make.
+
+    Where the own kernel has several paths for one site (``attn_decode`` over a cache of grouped
+    heads on a CPU with AVX-512: :data:`VARIANTS`), each is timed, ``own_s`` is the fastest's and
+    ``variant`` names it; ``""`` where there is one path.
+    """
 
     own_s: float
     ggml_s: float
+    variant: str = ""
 
     @property
     def use_own(self) -> bool:
@@ -161,6 +173,13 @@ class KernelChoices:
         m = self.entries.get(site.key)
         return True if m is None else m.use_own
 
+    def variant(self, site: Site) -> str:
+        """The own kernel's path the graph takes at ``site`` (one of :data:`VARIANTS`' for its op): the
+        one that measured fastest, else the op's first; ``""`` for an op with one path."""
+        paths = VARIANTS.get(site.op, ("",))
+        m = self.entries.get(site.key) if self.mode == "measure" else None
+        return m.variant if m is not None and m.variant in paths else paths[0]
+
     def summary(self) -> list[str]:
         """One line per measured site: the site, the two times, the ratio, the choice."""
         if self.mode != "measure":
@@ -168,7 +187,8 @@ class KernelChoices:
                     f"(mode {self.mode!r}, not measured)"]
         lines = []
         for key, m in sorted(self.entries.items()):
-            lines.append(f"{key}: own {m.own_s * 1e3:.3f} ms, ggml {m.ggml_s * 1e3:.3f} ms ({m.speedup:.2f}x) "
+            path = f" [{m.variant}]" if m.variant else ""
+            lines.append(f"{key}: own{path} {m.own_s * 1e3:.3f} ms, ggml {m.ggml_s * 1e3:.3f} ms ({m.speedup:.2f}x) "
                          f"-> {'own' if m.use_own else 'ggml'}")
         return lines
 
@@ -208,6 +228,11 @@ def use(site: Site, weight: Optional[Tensor] = None) -> bool:
     """Whether a graph built now takes the own kernel at ``site`` (:func:`current`'s choice); ``weight``
     is the weight a matrix-vector site multiplies."""
     return current().use(site, weight)
+
+
+def variant(site: Site) -> str:
+    """The own kernel's path a graph built now takes at ``site`` (:meth:`KernelChoices.variant`)."""
+    return current().variant(site)
 
 
 def weight_type(w: Tensor) -> str:
