@@ -61,7 +61,7 @@ def main(argv=None) -> None:
                     help="comma-separated prefetch distances (cells ahead, 0 = none) to time attn_decode with "
                          "(default: the kernel's own)")
     ap.add_argument("--avx2", action="store_true",
-                    help="also time attn_decode's AVX2 path where the AVX-512 one runs (same graphs, the path switched)")
+                    help="also time attn_decode's AVX2 path where the AVX-512 one runs (the same nodes built with avx512=False)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt", type=int, default=0, help="time a prompt of this many rows (attn_prefill)")
     ap.add_argument("--depth", default="0", help="with --prompt: comma-separated cached positions before it")
@@ -94,13 +94,11 @@ def main(argv=None) -> None:
             graphs[name] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=c)
                             for k, v in caches]
             prefetch[name], chunks[name] = d, c
-    avx2 = {}                         # graph name -> whether it runs with the AVX-512 path off
     if a.avx2 and G < H and ggmlpy._core._attn_decode_avx512(D, D):     # the AVX-512 path: grouped heads
         for name in list(graphs):
-            graphs[name + " AVX2"] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=chunks[name])
-                                      for k, v in caches]
+            graphs[name + " AVX2"] = [ctx.attn_decode(q, heads(k), heads(v), m, scale=D ** -0.5, n_chunks=chunks[name],
+                                                      avx512=False) for k, v in caches]
             prefetch[name + " AVX2"] = prefetch[name]
-            avx2[name + " AVX2"] = True
     graphs["flash_attn_ext"] = [ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), heads(k), heads(v), m, scale=D ** -0.5)
                                 for k, v in caches]
     graphs = _graphs(ctx, graphs)
@@ -110,12 +108,10 @@ def main(argv=None) -> None:
         for name, gf in graphs.items():
             flush.sum()
             ggmlpy._core._attn_decode_prefetch(prefetch.get(name, default_pfd))
-            ggmlpy._core._attn_decode_allow_avx512(not avx2.get(name, False))
             t0 = time.perf_counter()
             gf.compute(a.threads)
             times[name].append(time.perf_counter() - t0)
     ggmlpy._core._attn_decode_prefetch(default_pfd)
-    ggmlpy._core._attn_decode_allow_avx512(True)
     kv_bytes = L * a.visible * G * D * 2 * 2
     print(f"{L} layers, {H} heads ({G} K/V) of {D}, {a.visible} of {n} cells visible, F16 cache, {a.threads} threads, "
           f"cold caches; {kv_bytes / 2**20:.1f} MiB of K/V per token")
