@@ -314,6 +314,9 @@ def test_markdown_columns_and_footnote():
     assert pp[-4:-2] == ["", ""] and float(pp[-2]) > 0 and float(pp[-1]) > 0
     assert tg[-2:] == ["", ""] and float(tg[-4]) > 0
     assert any(line.startswith("roofline, 1 thread: memory 10.0 GB/s") for line in lines)
+    assert "reading alone" not in b.describe()                 # bounds without the two figures
+    b.bandwidth.update(gemv_gbps=6.5, copy_gbps=10.0)
+    assert "over 0 MiB; reading alone 6.5, copy 10.0)" in b.describe()
     plain = bm.format_results(rs, "md", bm.BenchParams(n_threads=[1]))
     assert "GB/s" not in plain and "roofline" not in plain
 
