@@ -1,12 +1,10 @@
-"""CUDA: what any build says when CUDA is asked for, and (marked gpu) CUDA against numpy and the CPU.
+"""CUDA: what any build says when CUDA is asked for, and how the CUDA libraries are found.
 
-The unmarked tests run on every build and machine: a CPU-only build must say
-CUDA is not compiled in and give the rebuild command; a CUDA build on a
-machine without a GPU must say the backend is there but found no device. The
-``gpu`` tests run with ``--run-gpu`` or ``GGMLPY_TEST_GPU=1`` on a machine with
-an NVIDIA GPU and a CUDA build (README.md, "CUDA build"); on a CPU-only build
-they fail with the rebuild command instead of skipping, since asking for them
-means a GPU run was intended.
+These run on every build and machine: a CPU-only build must say CUDA is not
+compiled in and give the rebuild command; a CUDA build on a machine without a
+GPU must say the backend is there but found no device. The device suite (ops,
+the scheduler, models on the device against the CPU) is ``test_device.py``'s,
+run for every non-CPU device present (CUDA0, Vulkan0...) with ``--run-gpu``.
 """
 
 from __future__ import annotations
@@ -16,9 +14,7 @@ import re
 import sys
 import warnings
 
-import numpy as np
 import pytest
-from helpers import sched_model
 
 import ggmlpy as gp
 from ggmlpy import _core as c
@@ -37,6 +33,8 @@ def _expect_unavailable():
 
 
 no_device = pytest.mark.skipif(HAS_DEVICE, reason="a CUDA device is present")
+no_accelerator = pytest.mark.skipif(any(d.type != "CPU" for d in c.devices()),
+                                    reason="an accelerator is present (test_device.py's suite)")
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +89,7 @@ def test_load_model_on_cuda_is_a_clear_error_and_closes_the_file(tiny_model_path
         assert all(d.type == "CPU" for d in m.placement.devices())
 
 
-@no_device
+@no_accelerator
 def test_n_gpu_layers_without_an_accelerator_warns(tiny_model_path):
     # as llama.cpp ("--gpu-layers option will be ignored"): said, not an error (llama-bench's -ngl 99 runs on a CPU)
     with pytest.warns(UserWarning, match=r"n_gpu_layers=2 .*no accelerator"):
@@ -101,13 +99,6 @@ def test_n_gpu_layers_without_an_accelerator_warns(tiny_model_path):
         warnings.simplefilter("error")
         bk.split_layers(4, bk.choose_devices("auto"), n_gpu_layers=-1)   # the default says nothing
         bk.split_layers(4, bk.choose_devices("auto"), n_gpu_layers=0)
-
-
-def test_other_missing_backends_name_their_flag():
-    with pytest.raises(gp.BackendUnavailable, match=r"Vulkan0: this build of ggmlpy has no VULKAN backend.*GGML_VULKAN=on"):
-        c.device("Vulkan0")
-    with pytest.raises(gp.BackendUnavailable, match=r"NPU7: no such device \(devices: .*CPU\)$"):
-        c.device("NPU7")
 
 
 # --------------------------------------------------------------------------- finding NVIDIA's libraries
@@ -212,107 +203,3 @@ def test_cuda_toolkit_script_completes_a_wheel_layout(tmp_path):
     assert lines == [f"export CUDACXX={root / 'bin' / 'nvcc'}", f"export CUDAToolkit_ROOT={root}"]
     with pytest.raises(SystemExit, match="no libcudart"):
         cuda_toolkit.complete(tmp_path / "elsewhere")
-
-
-# --------------------------------------------------------------------------- on a GPU (--run-gpu)
-
-@pytest.fixture(scope="module")
-def cuda():
-    # BackendUnavailable here (a CPU-only build, or no GPU) fails the test with the reason: gpu
-    # tests only run when asked for, so a missing GPU is a finding, not a skip.
-    return c.backend_init("CUDA0")
-
-
-def _compute_on(be, build, inputs):
-    """Build a graph with ``build(ctx, *leaves)``, allocate it on ``be``, set ``inputs``, return the output."""
-    ctx = gp.Context.for_tensors(64, graph_size=256, no_alloc=True)
-    leaves = [ctx.new_tensor(t, tuple(reversed(a.shape))).set_input() for a, t in inputs]
-    y = build(ctx, *leaves).set_output()
-    gf = ctx.new_graph(256)
-    gf.build_forward_expand(y)
-    ga = c.Gallocr(be.buffer_type)
-    ga.alloc_graph(gf)
-    for leaf, (a, t) in zip(leaves, inputs):
-        leaf.set(a if t != gp.Type.Q8_0 else gp.quantize(a, gp.Type.Q8_0))
-    be.graph_compute(gf)
-    return y.get()
-
-
-OPS = {
-    "add": (lambda ctx, a, b: ctx.add(a, b), lambda a, b: a + b, [((4, 33), "f32"), ((1, 33), "f32")], 1e-6),
-    "mul_mat_f32": (lambda ctx, w, x: ctx.mul_mat(w, x), lambda w, x: x @ w.T,
-                    [((64, 96), "f32"), ((7, 96), "f32")], 1e-4),
-    "mul_mat_f16": (lambda ctx, w, x: ctx.mul_mat(w, x), lambda w, x: x @ w.T,
-                    [((64, 96), "f16"), ((7, 96), "f32")], 1e-2),
-    "soft_max": (lambda ctx, a: ctx.soft_max(a), lambda a: np.exp(a - a.max(-1, keepdims=True))
-                 / np.exp(a - a.max(-1, keepdims=True)).sum(-1, keepdims=True), [((5, 40), "f32")], 1e-5),
-    "rms_norm": (lambda ctx, a: ctx.rms_norm(a, 1e-6), lambda a: a / np.sqrt((a * a).mean(-1, keepdims=True) + 1e-6),
-                 [((6, 64), "f32")], 1e-5),
-    "silu": (lambda ctx, a: ctx.silu(a), lambda a: a / (1 + np.exp(-a)), [((3, 50), "f32")], 1e-5),
-}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("op", sorted(OPS))
-def test_op_on_cuda_matches_numpy(cuda, op):
-    build, ref, shapes, tol = OPS[op]
-    rng = np.random.default_rng(1)
-    types = {"f32": (np.float32, gp.Type.F32), "f16": (np.float16, gp.Type.F16)}
-    inputs = [(rng.standard_normal(s).astype(types[t][0]), types[t][1]) for s, t in shapes]
-    got = _compute_on(cuda, build, inputs)
-    want = ref(*[a.astype(np.float32) for a, _ in inputs])
-    np.testing.assert_allclose(got.reshape(want.shape), want, rtol=tol, atol=tol)
-    # and the CPU backend agrees on the same graph
-    cpu = _compute_on(c.backend_init("CPU"), build, inputs)
-    np.testing.assert_allclose(got, cpu, rtol=tol, atol=tol)
-
-
-@pytest.mark.gpu
-def test_cuda_device_is_reported(cuda):
-    dev = c.device("CUDA0")
-    free_b, total_b = dev.memory()
-    assert dev.type == "GPU" and 0 < free_b <= total_b
-    assert not dev.buffer_type().is_host and dev.host_buffer_type().is_host
-    assert any(d["backend"] == "CUDA" for d in gp.system_info()["devices"])
-    assert bk.choose_devices("auto")[0] == dev
-
-
-@pytest.mark.gpu
-def test_scheduler_splits_a_graph_over_cuda_and_cpu(cuda):
-    cpu = c.backend_init("CPU")
-    rng = np.random.default_rng(2)
-    ws, build, ref = sched_model([cuda, cpu], rng, dim=32, scale=6.0)   # first weight in GPU memory, second host
-    for w, _, _, m in ws:
-        np.testing.assert_array_equal(w.get(), m)           # read back from GPU memory too
-    s = c.Scheduler([cuda, cpu], graph_size=256)
-    for n in (16, 1, 5):
-        ctx, x, y, gf = build(n)
-        s.alloc_graph(gf)
-        X = rng.standard_normal((n, 32)).astype(np.float32)
-        x.set(X)
-        s.compute(gf)
-        np.testing.assert_allclose(y.get().reshape(n, 32), ref(X), rtol=1e-4, atol=1e-4)
-        assert s.n_splits >= 1
-    assert s.buffer_size(cuda) > 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_gpu_layers", [-1, 1])
-@pytest.mark.parametrize("flash_attn", [False, True])
-def test_tiny_model_decode_on_cuda_matches_cpu(cuda, tiny_model_path, n_gpu_layers, flash_attn):
-    from ggmlpy.models import load_model
-    from ggmlpy.runner import Runner
-
-    prompt = [1, 15, 27, 3, 99, 4, 8]
-    logits = {}
-    for devs in ("cpu", ["CUDA0"]):
-        with load_model(tiny_model_path, devices=devs, n_gpu_layers=n_gpu_layers) as m:
-            if devs != "cpu":
-                assert any(d.name == "CUDA0" for d in m.placement.layers)
-            with Runner(m, n_ctx=64, flash_attn=flash_attn, type_k="f32", type_v="f32") as rt:
-                rows = [rt.decode(prompt)] + [rt.decode([t]) for t in (5, 6, 7)]
-            logits[str(devs)] = np.concatenate(rows)
-    a, b = logits["cpu"], logits["['CUDA0']"]
-    assert np.isfinite(b).all()
-    np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max())
-    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75

@@ -113,8 +113,26 @@ def format_system_info(info: dict | None = None) -> str:
     # otherwise only show as a missing row.
     for b in info["backends"]:
         if b not in ("CPU", "RPC") and not any(d["backend"] == b for d in info["devices"]):
-            lines.append(f"  ({b}: compiled in, no device found)")
+            lines.append(f"  ({b}: compiled in, no device found{_hidden_hint(b)})")
+    for d in info["devices"]:
+        if d["backend"] == "Vulkan" and any(w in d["description"].lower() for w in _SOFTWARE_VULKAN):
+            lines.append(f"  ({d['name']} is a software device (Mesa's lavapipe): it runs on the CPU's cores, "
+                         "a correctness check far slower than the CPU backend)")
     return "\n".join(lines)
+
+
+#: Words in a Vulkan device's description that mark Mesa's software driver (lavapipe; its device
+#: calls itself llvmpipe).
+_SOFTWARE_VULKAN = ("llvmpipe", "lavapipe")
+
+
+def _hidden_hint(backend: str) -> str:
+    """Why a compiled-in backend may list no device although the machine has one: ggml's Vulkan
+    backend skips CPU-type (software) devices unless ``GGML_VK_VISIBLE_DEVICES`` names them."""
+    if backend == "Vulkan" and not os.environ.get("GGML_VK_VISIBLE_DEVICES"):
+        return ("; ggml hides software Vulkan devices such as Mesa's lavapipe: "
+                "GGML_VK_VISIBLE_DEVICES=0 shows the first")
+    return ""
 
 
 def _variant_text(v) -> str:

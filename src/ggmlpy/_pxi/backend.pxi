@@ -37,6 +37,8 @@ def _unavailable(str what):
     reg = next((r for r in regs if r.upper() == key or _BUILD_FLAG.get(r.upper(), 0) == flag), None)
     if flag is not None and reg is not None:
         hint = {"CUDA": " (is its driver installed and the GPU visible: nvidia-smi, CUDA_VISIBLE_DEVICES?)",
+                "VULKAN": " (is a Vulkan driver installed: vulkaninfo? ggml hides software devices such as "
+                          "Mesa's lavapipe unless GGML_VK_VISIBLE_DEVICES names them)",
                 "RPC": " (rpc_add_server('host:port') adds a server's devices)"}.get(key, "")
         return BackendUnavailable(f"{what}: no such device: the {reg} backend is compiled in but found "
                                   f"{_n_devices(reg)} device(s){hint}; devices: {have}")
