@@ -265,3 +265,16 @@ def free_port() -> int:
         if port not in _PORTS_GIVEN:
             _PORTS_GIVEN.add(port)
             return port
+
+
+def exact_geglu(ctx, gate, up):
+    """``gelu_tanh(gate) * up`` from exact F32 ops (ggml's GELU reads an F16 table)."""
+    inner = ctx.scale(ctx.mul(gate, ctx.scale_bias(ctx.sqr(gate), 0.044715, 1.0)), 0.7978845608028654)
+    return ctx.mul(ctx.mul(ctx.scale(gate, 0.5), ctx.scale_bias(ctx.tanh(inner), 1.0, 1.0)), up)
+
+
+def exact_geglu_fused(ctx, a):
+    n, rows = a.ne[0] // 2, a.ne[1]
+    gate = ctx.cont(ctx.view(a, (n, rows), (a.nb[1],), 0))
+    up = ctx.cont(ctx.view(a, (n, rows), (a.nb[1],), n * a.nb[0]))
+    return exact_geglu(ctx, gate, up)

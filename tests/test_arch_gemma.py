@@ -26,7 +26,7 @@ gemma3     1.1e-3 / 4.8e-4 (both paths)  1.1e-3 / 4.8e-4; flash 1.2e-3*  1.8e-6
 do not.) Without flash attention ggmlpy's logits equal llama.cpp's to the last digit. The error is
 ggml's: its CPU GELU reads an F16 table indexed by the input rounded to F16 (``GGML_GELU_FP16``),
 about 1e-3 relative per activation, where PyTorch computes tanh-GELU in F32. With the same gated
-feed-forward built from exact ops instead (:func:`_exact_geglu`) the error falls to 1.5e-6 / 1.8e-6,
+feed-forward built from exact ops instead (:func:`helpers.exact_geglu`) the error falls to 1.5e-6 / 1.8e-6,
 as tight as llama3's; :func:`test_the_error_is_ggmls_f16_gelu` keeps that proof.
 """
 
@@ -42,6 +42,7 @@ transformers = pytest.importorskip("transformers") if not os.environ.get("CI") e
 spm = pytest.importorskip("sentencepiece") if not os.environ.get("CI") else __import__("sentencepiece")
 
 import hf_convert  # noqa: E402
+from helpers import exact_geglu, exact_geglu_fused  # noqa: E402
 from test_models_converted import TEXT, errors, hf_logits  # noqa: E402
 from test_models_load import rewrite  # noqa: E402
 
@@ -216,23 +217,10 @@ def test_token_by_token_matches_transformers(converted, flash):
     check(converted, got, converted.ref(converted.tokens))
 
 
-def _exact_geglu(ctx, gate, up):
-    """``gelu_tanh(gate) * up`` from exact F32 ops (ggml's GELU reads an F16 table)."""
-    inner = ctx.scale(ctx.mul(gate, ctx.scale_bias(ctx.sqr(gate), 0.044715, 1.0)), 0.7978845608028654)
-    return ctx.mul(ctx.mul(ctx.scale(gate, 0.5), ctx.scale_bias(ctx.tanh(inner), 1.0, 1.0)), up)
-
-
-def _exact_geglu_fused(ctx, a):
-    n, rows = a.ne[0] // 2, a.ne[1]
-    gate = ctx.cont(ctx.view(a, (n, rows), (a.nb[1],), 0))
-    up = ctx.cont(ctx.view(a, (n, rows), (a.nb[1],), n * a.nb[0]))
-    return _exact_geglu(ctx, gate, up)
-
-
 def test_the_error_is_ggmls_f16_gelu(converted, monkeypatch):
     """Where the ~1e-3 comes from: with the GELU computed exactly the logits match to 1e-5, as for the
     architectures without GELU."""
-    monkeypatch.setitem(blocks.GLU, "gelu", (_exact_geglu_fused, _exact_geglu))
+    monkeypatch.setitem(blocks.GLU, "gelu", (exact_geglu_fused, exact_geglu))
     model, rt = converted.runner(flash_attn=False)
     with model, rt:
         got = rt.decode(converted.tokens, logits="all")

@@ -18,14 +18,20 @@ Tolerances are per backend, and what differs between backends is stated here rat
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
-from helpers import sched_model
+from helpers import exact_geglu, exact_geglu_fused, sched_model
+from test_arch_rpc import ARCH_PARAMS, CASES, NEXT, PROMPT, SECOND, _layer_kv, _session
+from test_arch_rpc import files as arch_files  # noqa: F401  (a fixture: each architecture's F32 file)
 
 import ggmlpy as gp
 from ggmlpy import _core as c
 from ggmlpy import backend as bk
 from ggmlpy._system import format_system_info
+from ggmlpy.models import blocks, load_model
+from ggmlpy.runner import Runner
 
 #: Non-CPU devices ggml lists on this build and machine (RPC devices are added by hand, not listed).
 ACCELS = [d.name for d in c.devices() if d.type != "CPU" and not d.name.upper().startswith("RPC")]
@@ -197,9 +203,6 @@ def test_scheduler_splits_a_graph_over_the_device_and_the_cpu(accel):
 @pytest.mark.parametrize("n_gpu_layers", [-1, 1])
 @pytest.mark.parametrize("flash_attn", [False, True])
 def test_tiny_model_decode_matches_cpu(accel, tiny_model_path, n_gpu_layers, flash_attn):
-    from ggmlpy.models import load_model
-    from ggmlpy.runner import Runner
-
     name, _ = accel
     prompt = [1, 15, 27, 3, 99, 4, 8]
     logits = {}
@@ -214,3 +217,208 @@ def test_tiny_model_decode_matches_cpu(accel, tiny_model_path, n_gpu_layers, fla
     assert np.isfinite(b).all()
     np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max())
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
+
+
+# --------------------------------------------------------------------------- models on each device (--run-gpu)
+#
+# test_arch_rpc's architectures and runner session (a prompt in one batch, single steps, two sequences in
+# one batch, a context shift, a graph taken from the pool again), here with the last layers on the
+# device, or every layer and the output head ("all"), against the CPU alone.
+
+#: max over positions of max |device - cpu| / max |cpu| for the F32 models of test_arch_rpc (F32 cache),
+#: per backend, with GELU from exact ops on both sides (:func:`helpers.exact_geglu`; ggml's CPU GELU
+#: reads an F16 table). Measured, worst step: Vulkan on lavapipe 2.3e-4 (olmo2) to 1.7e-3 (gemma2) with 2
+#: to 4 layers on the device, 4.1e-3 with gemma3's 13 (the shaders' float32 sums in their own order:
+#: the difference grows with the layers); CUDA on an H100 ... .
+MODEL_TOL = {"CUDA": 2e-3, "Vulkan": 1e-2, "Metal": 1e-2}
+
+
+def _model_tol(name: str) -> float:
+    return MODEL_TOL.get(_backend_of(name), 2e-3)
+
+
+def _rel_err(got: np.ndarray, ref: np.ndarray) -> float:
+    assert got.shape == ref.shape and np.isfinite(got).all()
+    return float((np.abs(got - ref).max(-1) / np.abs(ref).max(-1)).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["split", "all"])
+@pytest.mark.parametrize("arch", ARCH_PARAMS)
+def test_architecture_on_the_device_matches_cpu(accel, arch_files, arch, where, monkeypatch):  # noqa: F811
+    """Each architecture with its last layers on the device (test_arch_rpc's split), or with every layer
+    and the output head there (the input's get_rows stays on the CPU), gives the CPU's logits at every
+    step of the session; the weights and each layer's K/V are in the device's memory where the layer is."""
+    monkeypatch.setitem(blocks.GLU, "gelu", (exact_geglu_fused, exact_geglu))
+    name, _ = accel
+    path = arch_files(arch)
+    ngl, flash = CASES[arch]
+    ngl = ngl if where == "split" else 999
+    with load_model(path) as model:
+        ref = _session(model, flash)
+    with load_model(path, devices=[name], n_gpu_layers=ngl) as model:
+        n = model.config.n_layer
+        p = model.placement
+        on_dev = set(range(n - min(ngl, n), n))
+        assert [i for i, d in enumerate(p.layers) if d.name == name] == sorted(on_dev)
+        assert p.output.name == (name if ngl > n else "CPU") and p.input.type == "CPU"
+        weights = model.report.devices[name].weights
+        assert {g for g, b in weights.items() if b} == on_dev | ({"output"} if ngl > n else set())
+
+        def check(rt):
+            for i in range(n):
+                assert all(t.is_host == (i not in on_dev) for t in _layer_kv(rt.cache, i)), i
+
+        got = _session(model, flash, check)
+    worst = {step: _rel_err(got[step], r) for step, r in ref.items()}
+    assert max(worst.values()) <= _model_tol(name), worst
+    for step, r in ref.items():
+        assert (got[step].argmax(-1) == r.argmax(-1)).mean() >= 0.9, step
+
+
+@pytest.fixture(scope="module")
+def cache_model_path(tmp_path_factory):
+    """A tiny llama, F32, with heads of 32 (a multiple of the quantized cache types' blocks)."""
+    from dataclasses import replace
+
+    from test_arch_rpc import _f32_copy
+
+    from ggmlpy.models.synthetic import SIZES, write_synthetic
+
+    out = tmp_path_factory.mktemp("cache")
+    cfg = replace(SIZES["tiny"], n_head=2, n_head_kv=1)
+    return _f32_copy(write_synthetic(out / "f16.gguf", cfg, "F16", seed=5), out / "f32.gguf")
+
+
+#: the cache types tried on the device, and how far their logits may be from the CPU's with the same
+#: types (both quantize K and V the same way, round to nearest; a rounding that falls the other way on one
+#: side moves a value by one step: q4_0's steps are 1/8 of a block's largest value)
+CACHE_TYPES = {("f16", "f16"): 1e-2, ("q8_0", "q8_0"): 2e-2, ("q4_0", "q4_0"): 1e-1}
+
+
+def _cache_session(model, type_k, type_v, state_path) -> dict:
+    """Two sequences, a hole removed from the first and the cache defragmented, the first saved, cleared and
+    loaded again; the logits at each step and the logits the loaded state continues with."""
+    out = {}
+    with Runner(model, n_ctx=64, n_seq_max=2, type_k=type_k, type_v=type_v, flash_attn=True) as rt:
+        out["prompt"] = rt.decode(PROMPT, logits="all")
+        out["second"] = rt.decode(SECOND, seq=1, logits="all")
+        rt.cache.remove(0, 3, 9)                   # a hole in seq 0's cells, its later positions shifted
+        rt.cache.remove(1, 4)                      # and seq 1's tail: cells free between live ones
+        assert rt.cache.fragmentation() > 0
+        moves = rt.cache.defrag()
+        assert moves and rt.cache.fragmentation() == 0
+        out["after defrag"] = np.concatenate([rt.decode([NEXT]), rt.decode([NEXT, 7], seq=1, logits="all")])
+        rt.save_state(0, state_path)
+        out["continued"] = rt.decode([11])
+        rt.clear(0)
+        rt.load_state(0, state_path)
+        out["loaded"] = rt.decode([11])
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("types", list(CACHE_TYPES), ids="/".join)
+def test_cache_on_the_device(accel, cache_model_path, types, tmp_path):
+    """The cache in device memory, of each type: sequences, removal with a shift, defragmentation (F16
+    rows moved by a graph on the device, quantized ones through the host: KVCache.defrag), a state saved
+    and loaded back, against the same session on the CPU; and a state saved from the device loads into a
+    CPU runner."""
+    name, _ = accel
+    path = cache_model_path
+    with load_model(path) as model:
+        ref = _cache_session(model, *types, tmp_path / "cpu.state")
+    with load_model(path, devices=[name], n_gpu_layers=999) as model:
+        got = _cache_session(model, *types, tmp_path / "dev.state")
+    # the state loaded back continues as before it was saved, within rounding: its cells land after the
+    # other sequence's, and attention sums them in another order (2e-7 of the logits' scale on the CPU;
+    # 6e-4 on lavapipe, whose flash attention accumulates in f16)
+    for out, tol in ((ref, 1e-5), (got, _model_tol(name))):
+        np.testing.assert_allclose(out["loaded"], out["continued"], rtol=0, atol=tol * np.abs(out["continued"]).max())
+    tol = CACHE_TYPES[types]
+    worst = {step: _rel_err(got[step], r) for step, r in ref.items()}
+    assert max(worst.values()) <= tol, worst
+    # the device's state file, loaded by the CPU: the CPU's continuation within the same tolerance
+    with load_model(path) as model, Runner(model, n_ctx=64, n_seq_max=2, type_k=types[0], type_v=types[1],
+                                           flash_attn=True) as rt:
+        rt.load_state(0, tmp_path / "dev.state")
+        assert _rel_err(rt.decode([11]), ref["continued"]) <= tol
+
+
+@pytest.mark.gpu
+def test_auto_layers_fit_the_device(accel, arch_files):  # noqa: F811
+    """``n_gpu_layers="auto"`` puts every layer on the device when the device has room, and with its
+    memory capped below the model's weights splits the layers between the device and the CPU, keeping
+    the device's weights and cache within the cap; either way the logits are the CPU's."""
+    name, _ = accel
+    path = arch_files("llama")
+    with load_model(path) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        ref = rt.decode(PROMPT, logits="all")
+    free_b, _total = c.device(name).memory()
+    with load_model(path, devices=[name], n_gpu_layers="auto", n_ctx=64) as model:
+        n = model.config.n_layer
+        assert all(d.name == name for d in model.placement.layers)
+        assert model.report.devices[name].self_total <= free_b
+        with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+            assert _rel_err(rt.decode(PROMPT, logits="all"), ref) <= _model_tol(name)
+            full = rt.memory_report().devices[name].self_total
+        per_layer = model.report.devices[name].weights[0]
+    cap = full - (n // 2) * per_layer             # room for the weights of about half the layers
+    with load_model(path, devices=[name], n_gpu_layers="auto", n_ctx=64, memory={name: cap},
+                    margin={name: 0}) as model:
+        on_dev = [i for i, d in enumerate(model.placement.layers) if d.name == name]
+        assert 0 < len(on_dev) < n and on_dev == list(range(n - len(on_dev), n))
+        with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+            assert rt.memory_report().devices[name].self_total <= cap
+            assert _rel_err(rt.decode(PROMPT, logits="all"), ref) <= _model_tol(name)
+
+
+@pytest.mark.gpu
+def test_bench_on_the_device(accel, capsys):
+    """``ggmlpy bench -ngl 99 -dev <device>`` runs a built-in model there and says so in its records."""
+    import json
+
+    from ggmlpy import cli
+
+    name, _ = accel
+    assert cli.main(["bench", "--synthetic", "tiny", "-ngl", "99", "-dev", name, "-p", "16", "-n", "4",
+                     "-r", "1", "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["n_prompt"], r["n_gen"]) for r in rows] == [(16, 0), (0, 4)]
+    for r in rows:
+        assert r["n_gpu_layers"] == 99 and r["devices"] == name and r["avg_ts"] > 0
+        assert _backend_of(name) in r["backends"]
+
+
+@pytest.mark.gpu
+@pytest.mark.hf
+@pytest.mark.parametrize("family", ["gemma3", "idefics3"])
+def test_vision_encoder_on_the_device(accel, family, tmp_path, monkeypatch):
+    """With every layer on the device the vision encoder is there too (on the output layer's device):
+    its weights in the device's memory report, its image features and a prompt's logits with an image
+    those of the CPU, and transformers' (test_vision's references)."""
+    if not os.environ.get("CI"):
+        pytest.importorskip("torch")
+    import vision_helpers as vh
+
+    name, _ = accel
+    monkeypatch.setitem(blocks.GLU, "gelu", (exact_geglu_fused, exact_geglu))
+    fx = vh.make(family, tmp_path)
+    img = vh.sample_image(90, 120, seed=5)
+    inp = vh.hf_inputs(fx, ["Describe", img, "this please"])
+    ids = [int(t) for t in inp["input_ids"]]
+    out = {}
+    for devs in ("cpu", name):
+        kw = {"devices": [devs], "n_gpu_layers": 999} if devs != "cpu" else {}
+        with load_model(fx.text_path, mmproj=fx.mmproj_path, **kw) as model, \
+                Runner(model, n_ctx=256, type_k="f32", type_v="f32") as rt:
+            if devs != "cpu":
+                weights = rt.memory_report().devices[name].weights
+                assert weights["vision"] == model.vision.size > 0
+                assert not rt.memory_report().devices["CPU"].weights.get("vision")
+            out[devs] = rt.encode_image(img), rt.decode(ids, logits="all", images=[img])
+    ref = vh.logits(fx, ids, inp["pixel_values"])
+    tol = _model_tol(name)
+    assert _rel_err(out[name][0], out["cpu"][0]) <= tol
+    assert _rel_err(out[name][1], out["cpu"][1]) <= tol
+    assert _rel_err(out[name][1], ref) <= tol

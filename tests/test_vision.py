@@ -26,7 +26,7 @@ import pytest
 pytest.importorskip("torch")
 vh = pytest.importorskip("vision_helpers")
 
-from test_arch_gemma import _exact_geglu, _exact_geglu_fused  # noqa: E402
+from helpers import exact_geglu, exact_geglu_fused  # noqa: E402
 
 from ggmlpy._core import GGMLTypeError, GGMLValueError  # noqa: E402
 from ggmlpy.models import blocks, load_model  # noqa: E402
@@ -128,7 +128,7 @@ def test_logits_match_hf(fixtures, family, monkeypatch):
     ref = vh.logits(fx, ids, inp["pixel_values"])
     tol = TOL
     if family == "gemma3":
-        monkeypatch.setitem(blocks.GLU, "gelu", (_exact_geglu_fused, _exact_geglu))
+        monkeypatch.setitem(blocks.GLU, "gelu", (exact_geglu_fused, exact_geglu))
     model, rt = _runner(fx)
     with model, rt:
         got = rt.decode(ids, logits="all", images=[img])
@@ -314,7 +314,7 @@ def test_chat_with_images_matches_hf(fixtures, family, tmp_path, monkeypatch):
              _chat_messages({"type": "image", "image": a}, {"type": "image", "path": str(path)}),
              _chat_messages({"type": "image_url", "image_url": {"url": url}}, {"type": "image", "url": path.as_uri()})]
     if family == "gemma3":
-        monkeypatch.setitem(blocks.GLU, "gelu", (_exact_geglu_fused, _exact_geglu))
+        monkeypatch.setitem(blocks.GLU, "gelu", (exact_geglu_fused, exact_geglu))
     model, rt = _runner(fx, n_ctx=512)
     with model, rt:
         for msgs in forms:   # the messages name local files: the caller allows them

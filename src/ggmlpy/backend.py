@@ -858,6 +858,13 @@ class Runtime:
             log.info("%s compute buffer size = %.2f MiB", d.name, self.reserved[d.name] / 2**20)
         return dict(self.reserved)
 
+    def pin(self, pins) -> None:
+        """Keep each ``(node, device)`` of a graph on that device's backend (until the graph is freed):
+        for a node ggml's scheduler would otherwise give its neighbours' device."""
+        for node, dev in pins:
+            i = next(i for i, d in enumerate(self.devices) if d.name == dev.name)
+            self.sched.set_tensor_backend(node, self.backends[i])
+
     def run(self, graph: Graph, fill: Callable[[], None] | None = None) -> None:
         """Allocate ``graph`` through the scheduler (unless it keeps an allocation), ``fill()`` its
         inputs, compute it."""

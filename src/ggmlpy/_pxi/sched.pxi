@@ -211,9 +211,14 @@ cdef class Scheduler(_Allocator):
         self._restore()
         g.ggml_backend_sched_reset(self.ptr)
         self.allocated = None
-        for t, b in self.assigned.values():
+        stale = []
+        for key, (t, b) in self.assigned.items():
             if t.gen == t.ctx.gen:
                 g.ggml_backend_sched_set_tensor_backend(self.ptr, t.ptr, b.ptr)
+            else:
+                stale.append(key)     # its graph was freed: forget it (a runner pins nodes of every graph)
+        for key in stale:
+            del self.assigned[key]
 
     def reserve(self, Graph graph not None):
         """Allocate compute buffers big enough for ``graph`` (a worst case); later graphs within it never allocate.

@@ -25,6 +25,7 @@ from ggmlpy._core import (
     Type,
     _kv_plan_one,
     graph_overhead,
+    is_quantized,
     tensor_overhead,
 )
 
@@ -884,6 +885,12 @@ class Causal:
         nodes per layer), batched into graphs of at most about ``max_nodes``
         nodes (at least one move per graph). The metadata is committed after
         all copies were computed. Returns the moves made.
+
+        Quantized K or V in device memory move through the host instead (read,
+        then written, a move at a time): ggml's Vulkan backend copies a view of
+        quantized rows to the wrong place (0.25.3: a q8_0 view of rows 5-6 onto
+        rows 1-2 overwrote row 0 and left row 2), and a graph that is wrong on
+        one backend is not worth the few moves a defragmentation makes.
         """
         cells = self.cells
         moves = cells.defrag_plan()
@@ -892,15 +899,23 @@ class Causal:
         self._require_maintainable("defragmentation")
         if self.runtime is not None:           # a graph must fit the scheduler
             max_nodes = min(int(max_nodes), self.runtime.graph_size // 2)
-        per_move = 6 * self.n_layers
-        batch = max(1, (int(max_nodes) - 2 * self.n_layers) // per_move)
-        for i in range(0, len(moves), batch):
+        tensors = (*self.keys, *self.values)
+        by_host = [t for t in tensors if not t.is_host and is_quantized(t.type)
+                   and not (self.v_trans and any(t is v for v in self.values))]
+        in_graph = [t for t in tensors if not any(t is h for h in by_host)]
+        for t in by_host:                          # rows are whole blocks: plain byte ranges
+            row = t.nb[1]
+            for src, dst, n in moves:
+                t.set_bytes(t.get_bytes(src * row, n * row), dst * row)
+        per_move = 3 * len(in_graph)
+        batch = max(1, (int(max_nodes) - 2 * self.n_layers) // max(per_move, 1))
+        for i in range(0, len(moves) if in_graph else 0, batch):
             group = moves[i:i + batch]
             nodes = len(group) * per_move + 2 * self.n_layers + 16
 
             def build(ctx, gf, group=group):
                 for src, dst, n in group:
-                    for t in (*self.keys, *self.values):
+                    for t in in_graph:
                         row = t.nb[1]
                         if self.v_trans and any(t is v for v in self.values):
                             # cells are columns: n elements of every channel row

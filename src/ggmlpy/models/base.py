@@ -19,7 +19,7 @@ Architectures register themselves by ``general.architecture`` (:func:`register`)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import numpy as np
@@ -53,6 +53,8 @@ class BuiltGraph:
     key: tuple = ()
     embd: Optional[Tensor] = None        # input embeddings of some rows (an image's), ne = (n_embd, k)
     embd_rows: Optional[Tensor] = None   # which rows they replace, I64 ne = (k,)
+    #: ``(node, device)``: nodes the scheduler must compute on that device (:meth:`Runtime.pin`)
+    pins: list = field(default_factory=list)
 
     def set_inputs(self, tokens, positions, plan, out_ids, embd=None) -> None:
         """Fill the inputs: token ids, positions, the output rows, the cache's own from ``plan``, and for

@@ -896,6 +896,10 @@ class DecoderModel(WeightLoader):
         built = BuiltGraph(ctx, gf, tokens, pos, memory, out_ids, out, n, n_out)
         if n_embd_rows:
             built.embd, built.embd_rows = kw["embd"]
+            # set_rows writes into the token embeddings, computed on the input's device; left alone,
+            # ggml's scheduler gives it the next layer's device, which then writes into memory it does
+            # not own (a segfault in ggml-vulkan with every layer on a Vulkan device)
+            built.pins = [(gf.get_tensor("inp_embd_set"), self.placement.input)]
         return built
 
     def embed_tokens(self, ctx: Context, tokens: Tensor, embd: Optional[tuple] = None,
@@ -908,6 +912,7 @@ class DecoderModel(WeightLoader):
             x = ctx.scale(x, scale)
         if embd is not None:
             x = ctx.set_rows(x, embd[0], embd[1])
+            x.name = "inp_embd_set"    # pinned to the input's device: build()
         return x
 
     def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,

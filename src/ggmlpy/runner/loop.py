@@ -487,8 +487,10 @@ class Runner:
 
         def build():
             with kernels.using(self.kernels):
-                return self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn,
-                                        embeddings=embedding, **kw)
+                b = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn,
+                                     embeddings=embedding, **kw)
+            self.rt.pin(b.pins)
+            return b
 
         built = self.rt.graphs.take((n, n_out, plan.key, embedding, n_img), build)
         # Metadata is committed when the graph exists; the cells are written when it computes. A failed
@@ -871,7 +873,9 @@ class Runner:
         """Save sequence ``seq``: its cache cells (positions, K/V of every layer) and the tokens they hold.
 
         A later :meth:`load_state` (this runner or another over the same model and cache types)
-        continues it exactly: the next :meth:`decode` gives the logits it would have given here, and a
+        continues it: the next :meth:`decode` gives the logits it would have given here (bit for bit
+        where the loaded cells land where they were; elsewhere, after another sequence's cells say,
+        attention sums them in another order, within float rounding), and a
         request whose prompt starts with the saved tokens reuses them as its prefix. The format is
         :mod:`ggmlpy.kvcache.state`'s (checksummed), with the model's fingerprint (shape and weights) and
         the tokens in its meta; a path is written atomically. Direct use only (not while requests are
