@@ -49,6 +49,27 @@ def test_negative_only_where_allowed():
     assert parse_args(["-m", "x.gguf", "-ngl", "-1,99"]).n_gpu_layers == [-1, 99]
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["-ot", "exps=CPU"], r"-ot exps=CPU: not supported .*tensor overrides"),
+    (["--override-tensor", "blk\\.1\\.=CPU"], r"-ot .*: not supported .*whole layers"),
+    (["-ncmoe", "4"], r"-ncmoe 4: not supported .*experts"),
+    (["-sm", "row"], r"-sm row: .*row splits"),
+    (["-sm", "layer,none"], r"-sm none: "),
+    (["-ts", "3/1"], r"-ts 3/1: .*proportions"),
+    (["-mg", "1"], r"-mg 1: "),
+    (["-nopo", "1"], r"-nopo 1: .*offload"),
+    (["--no-host", "1"], r"--no-host 1: "),
+])
+def test_placement_options_are_parsed_and_refused_with_the_reason(argv, words):
+    """llama-bench's placement options are options here too (``-ot`` was read as ``-o t``): the values
+    that mean ggmlpy's one placement pass, any other is refused before anything runs, with the reason."""
+    with pytest.raises(BenchError, match=words):
+        parse_args(["-m", "x.gguf", *argv])
+    p = parse_args(["-m", "x.gguf", "-ot", "none", "-ncmoe", "0", "-sm", "layer", "-ts", "0", "-mg", "0",
+                    "-nopo", "0", "--no-host", "0", "-o", "json"])
+    assert p.output == "json"
+
+
 def test_defaults_are_llama_bench_defaults():
     p = parse_args(["-m", "x.gguf"])
     assert (p.n_prompt, p.n_gen, p.n_pg, p.n_depth) == ([512], [128], [], [0])

@@ -317,6 +317,33 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
 ]
 
 
+#: llama-bench's placement options: (option names, the values meaning ggmlpy's one placement, why others
+#: are refused). They are parsed (so ``-ot`` is never read as ``-o t``) and checked before anything runs.
+PLACEMENT_OPTIONS = [
+    (("-ot", "--override-tensor"), ("none",),
+     "tensor overrides (weights by name to a device) are not implemented: ggmlpy places whole layers "
+     "(-ngl, -dev)"),
+    (("-ncmoe", "--n-cpu-moe"), ("0",),
+     "keeping some layers' experts on the CPU is not implemented: ggmlpy places whole layers (-ngl)"),
+    (("-sm", "--split-mode"), ("layer",),
+     "ggmlpy splits by layer only (row splits need ggml's CUDA split buffers; none: use -dev with one device)"),
+    (("-ts", "--tensor-split"), ("0", "0.00"),
+     "proportions per device are not implemented: layers fill the devices in order (-ngl, or -ngl auto "
+     "by free memory)"),
+    (("-mg", "--main-gpu"), ("0",), "only meaningful with -sm none or row, which are refused"),
+    (("-nopo", "--no-op-offload"), ("0",),
+     "turning off ggml's offload of large CPU-weight products to the device is not exposed yet"),
+    (("--no-host",), ("0",), "ggmlpy allocates no host buffer types to bypass"),
+]
+
+
+def _check_placement(option: str, values: list[str], accepted: tuple, why: str) -> None:
+    for v in values:
+        for item in _split(v):
+            if item.strip().lower() not in accepted:
+                raise BenchError(f"{option} {item}: not supported by ggmlpy's bench: {why}")
+
+
 class _Swept(argparse.Action):
     """Collects every list option in command-line order (two options may fill one list: -lm and -mmp)."""
 
@@ -337,6 +364,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     for i, (opts, _attr, _, help_) in enumerate(_LIST_OPTIONS):
         ap.add_argument(*opts, dest=str(i), action=_Swept, metavar="V", help=help_)
     ap.set_defaults(swept=[])
+    for i, (opts, accepted, _why) in enumerate(PLACEMENT_OPTIONS):
+        ap.add_argument(*opts, dest=f"placement{i}", action="append", default=[], metavar="V",
+                        help=f"llama-bench's placement option; only {' or '.join(accepted)} (others are refused "
+                             "with the reason)")
     ap.add_argument("-r", "--repetitions", dest="reps", type=int, default=5,
                     help="timed repetitions per test (default 5)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -416,6 +447,8 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     ([64, 128, 256], [16], [1, 2])
     """
     args = build_parser().parse_args(_normalize_argv(list(sys.argv[1:] if argv is None else argv)))
+    for i, (opts, accepted, why) in enumerate(PLACEMENT_OPTIONS):
+        _check_placement(opts[0], getattr(args, f"placement{i}"), accepted, why)
     params = BenchParams()
     swept: dict[str, list] = {}
     for i, text in args.swept:
