@@ -57,7 +57,6 @@ def test_negative_only_where_allowed():
     (["-sm", "layer,none"], r"-sm none: "),
     (["-ts", "3/1"], r"-ts 3/1: .*proportions"),
     (["-mg", "1"], r"-mg 1: "),
-    (["-nopo", "1"], r"-nopo 1: .*offload"),
     (["--no-host", "1"], r"--no-host 1: "),
 ])
 def test_placement_options_are_parsed_and_refused_with_the_reason(argv, words):
@@ -66,8 +65,9 @@ def test_placement_options_are_parsed_and_refused_with_the_reason(argv, words):
     with pytest.raises(BenchError, match=words):
         parse_args(["-m", "x.gguf", *argv])
     p = parse_args(["-m", "x.gguf", "-ot", "none", "-ncmoe", "0", "-sm", "layer", "-ts", "0", "-mg", "0",
-                    "-nopo", "0", "--no-host", "0", "-o", "json"])
-    assert p.output == "json"
+                    "--no-host", "0", "-o", "json", "-nopo", "1,0"])
+    assert p.output == "json" and p.no_op_offload == [True, False]
+    assert [i.no_op_offload for i in bm.make_instances(p)] == [True, True, False, False]   # pp and tg each
 
 
 def test_defaults_are_llama_bench_defaults():

@@ -290,6 +290,23 @@ def cache_model_path(tmp_path_factory):
     return _f32_copy(write_synthetic(out / "f16.gguf", cfg, "F16", seed=5), out / "f32.gguf")
 
 
+@pytest.mark.gpu
+def test_op_offload_takes_host_weight_products_to_the_device(accel, tiny_model_path):
+    """With a layer's weights in host memory, ggml's scheduler computes its prompt's products on the
+    device (more splits, a bigger device compute buffer); ``op_offload=False`` (bench ``-nopo 1``) keeps
+    them where the weights are. The logits agree."""
+    name, _ = accel
+    out = {}
+    with load_model(tiny_model_path, devices=[name], n_gpu_layers=1) as model:
+        for offload in (True, False):
+            with Runner(model, n_ctx=128, op_offload=offload, type_k="f32", type_v="f32") as rt:
+                out[offload] = (rt.rt.stats["pp"][1], rt.rt.buffer_sizes()[name],
+                                rt.decode(list(range(1, 65)), logits="all"))
+    assert out[True][0] > out[False][0] and out[True][1] > out[False][1], (out[True][:2], out[False][:2])
+    a, b = out[False][2], out[True][2]
+    np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max())
+
+
 #: the cache types tried on the device, and how far their logits may be from the CPU's with the same
 #: types (both quantize K and V the same way, round to nearest; a rounding that falls the other way on one
 #: side moves a value by one step: q4_0's steps are 1/8 of a block's largest value)

@@ -95,6 +95,7 @@ class GgmlpyEngine(Engine):
         self.rt = Runner(self.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_ubatch,
                          n_seq_max=1, n_threads=inst.n_threads, flash_attn=fa,
                          type_k=inst.type_k, type_v=inst.type_v, offload_kqv=not inst.no_kv_offload,
+                         op_offload=not inst.no_op_offload,
                          kernels=self.kernels)
         self.kernel_notes.setdefault(f"{Path(inst.model).name}: {self.rt.kernels.describe()}", None)
         self.embeddings = inst.embeddings

@@ -144,6 +144,8 @@ class LlamaCppEngine(Engine):
         if hasattr(cp, "swa_full"):
             cp.swa_full = False
         cp.offload_kqv = not inst.no_kv_offload
+        if hasattr(cp, "op_offload"):
+            cp.op_offload = not inst.no_op_offload
         cp.embeddings = inst.embeddings
         init = self._fn("llama_init_from_model", "llama_new_context_with_model")
         self.ctx = init(self.model, cp)

@@ -244,6 +244,7 @@ class BenchParams:
     flash_attn: list[int] = field(default_factory=lambda: [-1])
     load_mode: list[str] = field(default_factory=lambda: ["mmap"])
     no_kv_offload: list[bool] = field(default_factory=lambda: [False])
+    no_op_offload: list[bool] = field(default_factory=lambda: [False])
     embeddings: list[bool] = field(default_factory=lambda: [False])
     repack: list[bool] = field(default_factory=lambda: [True])
     reps: int = 5
@@ -298,6 +299,8 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-dev", "--device"), "devices", _parse_devices,
      "devices, '/'-separated (auto, none = CPU only; default auto)"),
     (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),
+    (("-nopo", "--no-op-offload"), "no_op_offload", _parse_bools("-nopo"),
+     "1: every op where its weights are (no offload of host-weight products to a device; default 0)"),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", _parse_bools("-nkvo"),
      "1: keep the KV cache in host memory when layers run on another device (default 0)"),
     (("-lm", "--load-mode"), "load_mode", _parse_load_modes,
@@ -331,8 +334,6 @@ PLACEMENT_OPTIONS = [
      "proportions per device are not implemented: layers fill the devices in order (-ngl, or -ngl auto "
      "by free memory)"),
     (("-mg", "--main-gpu"), ("0",), "only meaningful with -sm none or row, which are refused"),
-    (("-nopo", "--no-op-offload"), ("0",),
-     "turning off ggml's offload of large CPU-weight products to the device is not exposed yet"),
     (("--no-host",), ("0",), "ggmlpy allocates no host buffer types to bypass"),
 ]
 
@@ -555,9 +556,9 @@ def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Inst
     images = [n for n in p.n_images if n > 0]
     out = []
     # llama-bench's nesting: model parameters outermost
-    for (k, m), ngl, lm, dev, rpk in itertools.product(enumerate(models), p.n_gpu_layers, p.load_mode, p.devices,
-                                                       p.repack):
-        model = dict(model=m, n_gpu_layers=ngl, devices=dev, load_mode=lm, repack=rpk)
+    for (k, m), ngl, lm, dev, rpk, nopo in itertools.product(enumerate(models), p.n_gpu_layers, p.load_mode,
+                                                             p.devices, p.repack, p.no_op_offload):
+        model = dict(model=m, n_gpu_layers=ngl, devices=dev, load_mode=lm, repack=rpk, no_op_offload=nopo)
         for embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
                 p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
                 p.n_threads, p.n_depth):

@@ -44,6 +44,7 @@ class Instance:
     flash_attn: int = -1
     load_mode: str = "mmap"
     no_kv_offload: bool = False
+    no_op_offload: bool = False
     embeddings: bool = False
     repack: bool = True
     #: images encoded per repetition (an ``img`` test; 0 for token tests)
@@ -167,7 +168,7 @@ class Result:
             "n_cpu_moe": 0, "split_mode": "layer", "main_gpu": 0, "no_kv_offload": i.no_kv_offload,
             "flash_attn": i.flash_attn, "devices": i.devices, "tensor_split": "0.00",
             "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": i.embeddings,
-            "no_op_offload": 0, "no_host": False, "repack": i.repack, "fit_target": 0, "fit_min_ctx": 0,
+            "no_op_offload": int(i.no_op_offload), "no_host": False, "repack": i.repack, "fit_target": 0, "fit_min_ctx": 0,
             "n_prompt": i.n_prompt, "n_gen": i.n_gen, "n_depth": i.n_depth,
             "test_time": self.test_time, "avg_ns": self.avg_ns, "stddev_ns": self.stddev_ns,
             "avg_ts": self.avg_ts, "stddev_ts": self.stddev_ts,

@@ -94,6 +94,11 @@ class Runner:
         (llama-bench's list); they may differ. Without flash attention V must
         be ``f32``, ``f16`` or ``bf16`` (see :meth:`check_cache_types`); a
         quantized type needs a head size that is a multiple of its block (32).
+    op_offload : bool
+        Let ggml's scheduler compute a product whose weight is in host memory on an accelerator when
+        the batch is large enough for the copy to pay (default, as llama.cpp's ``op_offload``); False
+        computes every op where its weights are (llama-bench's ``-nopo 1``). Without an accelerator
+        both are the same.
     offload_kqv : bool
         Keep each layer's K/V cache on that layer's device (default, as
         llama.cpp's ``offload_kqv``), or, when False, every layer's cache in
@@ -160,7 +165,8 @@ class Runner:
                  flash_attn: Optional[bool] = None, type_k: Optional[str] = None, type_v: Optional[str] = None,
                  pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
                  offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None, vision=None,
-                 image_token: Optional[int] = None, image_cache: int = 32, kernels: Optional[str] = None) -> None:
+                 image_token: Optional[int] = None, image_cache: int = 32, kernels: Optional[str] = None,
+                 op_offload: bool = True) -> None:
         if not getattr(model, "loaded", True) and not getattr(self, "_measuring", False):
             raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
         # settings not given: those a placement search reserved for (load_model(n_gpu_layers="auto")),
@@ -226,7 +232,7 @@ class Runner:
         try:
             self._check_host_memory()
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
-                              report=self.report, reuse_graphs=self.reuse_graphs)
+                              report=self.report, reuse_graphs=self.reuse_graphs, op_offload=op_offload)
             self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report, runtime=self.rt)
             self.kernels = self._choose_kernels()
