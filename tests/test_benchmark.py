@@ -53,21 +53,25 @@ def test_negative_only_where_allowed():
     (["-ot", "exps=CPU"], r"-ot exps=CPU: not supported .*tensor overrides"),
     (["--override-tensor", "blk\\.1\\.=CPU"], r"-ot .*: not supported .*whole layers"),
     (["-ncmoe", "4"], r"-ncmoe 4: not supported .*experts"),
-    (["-sm", "row"], r"-sm row: .*row splits"),
-    (["-sm", "layer,none"], r"-sm none: "),
-    (["-ts", "3/1"], r"-ts 3/1: .*proportions"),
-    (["-mg", "1"], r"-mg 1: "),
+    (["-sm", "layer,row"], r"-sm row: not supported .*row splits"),
+    (["-sm", "rows"], r"invalid -sm value 'rows'"),
+    (["-ts", "3/x"], r"invalid -ts value '3/x'"),
+    (["-ts", "1/-1"], r"invalid -ts value '1/-1': .*>= 0"),
     (["--no-host", "1"], r"--no-host 1: "),
 ])
 def test_placement_options_are_parsed_and_refused_with_the_reason(argv, words):
-    """llama-bench's placement options are options here too (``-ot`` was read as ``-o t``): the values
-    that mean ggmlpy's one placement pass, any other is refused before anything runs, with the reason."""
+    """llama-bench's placement options are options here too (``-ot`` was read as ``-o t``): ``-sm layer|none``,
+    ``-mg``, ``-ts`` and ``-nopo`` sweep like llama-bench's (test_fit.py runs them over RPC servers); the
+    others take only the value that means ggmlpy's placement, any other is refused before anything runs,
+    with the reason."""
     with pytest.raises(BenchError, match=words):
         parse_args(["-m", "x.gguf", *argv])
-    p = parse_args(["-m", "x.gguf", "-ot", "none", "-ncmoe", "0", "-sm", "layer", "-ts", "0", "-mg", "0",
-                    "--no-host", "0", "-o", "json", "-nopo", "1,0"])
+    p = parse_args(["-m", "x.gguf", "-ot", "none", "-ncmoe", "0", "-sm", "layer,none", "-ts", "0,3/1", "-mg", "0",
+                    "--no-host", "0", "-o", "json", "-nopo", "1,0", "-n", "0"])
     assert p.output == "json" and p.no_op_offload == [True, False]
-    assert [i.no_op_offload for i in bm.make_instances(p)] == [True, True, False, False]   # pp and tg each
+    assert (p.split_mode, p.main_gpu, p.tensor_split) == (["layer", "none"], [0], [(), (3.0, 1.0)])
+    got = [(i.split_mode, i.tensor_split, i.no_op_offload) for i in bm.make_instances(p)]
+    assert got == [(sm, ts, nopo) for sm in ("layer", "none") for ts in ((), (3.0, 1.0)) for nopo in (True, False)]
 
 
 def test_defaults_are_llama_bench_defaults():

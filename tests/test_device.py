@@ -25,6 +25,7 @@ import pytest
 from helpers import exact_geglu, exact_geglu_fused, sched_model
 from test_arch_rpc import ARCH_PARAMS, CASES, NEXT, PROMPT, SECOND, _layer_kv, _session
 from test_arch_rpc import files as arch_files  # noqa: F401  (a fixture: each architecture's F32 file)
+from test_core_backend import rpc_server  # noqa: F401  (a fixture: an RPC server on loopback)
 
 import ggmlpy as gp
 from ggmlpy import _core as c
@@ -305,6 +306,24 @@ def test_op_offload_takes_host_weight_products_to_the_device(accel, tiny_model_p
     assert out[True][0] > out[False][0] and out[True][1] > out[False][1], (out[True][:2], out[False][:2])
     a, b = out[False][2], out[True][2]
     np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.rpc
+def test_layers_split_between_the_device_and_an_rpc_server(accel, arch_files, rpc_server):  # noqa: F811
+    """``tensor_split`` over the device and an RPC server (llama.cpp's ``-ts``): the layers divided in
+    the proportions given, the logits the CPU's."""
+    name, _ = accel
+    path = arch_files("llama")
+    with load_model(path) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        ref = rt.decode(PROMPT, logits="all")
+    for split, want in (([1, 1], [0, 0, 1, 1]), ([3, 1], [0, 0, 0, 1])):
+        with load_model(path, devices=[name], rpc=[rpc_server], n_gpu_layers=-1, tensor_split=split) as model:
+            names = [d.name for d in model.placement.layers]
+            assert names[0] == name and names[-1].startswith("RPC")
+            assert names == [(name, names[-1])[w] for w in want]
+            with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+                assert _rel_err(rt.decode(PROMPT, logits="all"), ref) <= _model_tol(name)
 
 
 #: the cache types tried on the device, and how far their logits may be from the CPU's with the same

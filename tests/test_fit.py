@@ -216,3 +216,35 @@ def test_bench_ngl_auto():
     assert md.returncode == 0, md.stderr
     cells = [[c.strip() for c in line.split("|")] for line in md.stdout.splitlines() if "pp16" in line]
     assert [row[5] for row in cells] == ["auto", "0"]
+
+
+def test_tensor_split_and_split_mode_none(model_path, servers, capsys):
+    """``load_model(tensor_split=)`` divides the offloaded layers among the accelerators in the given
+    proportions (llama.cpp's ``-ts``); the bench's ``-ts``, ``-sm none`` and ``-mg`` place the same way
+    and say so in their records."""
+    import json
+
+    from ggmlpy import cli
+    from ggmlpy.backend import choose_devices
+
+    eps = servers[:2]
+    a, b = [d.name for d in choose_devices("auto", rpc=eps)][:2]
+    with load_model(model_path, devices="auto", rpc=eps, n_gpu_layers=4, tensor_split=[3, 1]) as m:
+        assert [d.name for d in m.placement.layers] == ["CPU", "CPU", a, a, a, b]
+    with load_model(model_path, devices="auto", rpc=eps, n_gpu_layers=4, tensor_split=[1, 1]) as m:
+        assert [d.name for d in m.placement.layers] == ["CPU", "CPU", a, a, b, b]
+    with pytest.raises(GGMLValueError, match="need 2 non-negative proportions"):
+        load_model(model_path, devices="auto", rpc=eps, n_gpu_layers=4, tensor_split=[1, 1, 1])
+    with pytest.raises(GGMLValueError, match="tensor_split and n_gpu_layers='auto'"):
+        load_model(model_path, devices="auto", rpc=eps, n_gpu_layers="auto", tensor_split=[1, 1])
+
+    argv = ["bench", "-m", model_path, "-rpc", ",".join(eps), "-ngl", "2", "-p", "8", "-n", "0", "-r", "1",
+            "-o", "json", "--no-warmup"]
+    assert cli.main([*argv, "-ts", "1/3", "-sm", "layer"]) == 0
+    assert cli.main([*argv, "-sm", "none", "-mg", "1"]) == 0
+    assert cli.main([*argv, "-sm", "none", "-mg", "2"]) != 0            # two accelerators: 0 and 1
+    out = capsys.readouterr()
+    rows = [r for chunk in out.out.split("\n]") if chunk.strip() for r in json.loads(chunk + "\n]")]
+    assert [(r["split_mode"], r["main_gpu"], r["tensor_split"], r["backends"]) for r in rows] == \
+        [("layer", 0, "1.00/3.00", "RPC"), ("none", 1, "0.00", "RPC")]
+    assert "-mg 2: there are 2 accelerators" in out.err

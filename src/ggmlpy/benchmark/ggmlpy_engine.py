@@ -16,6 +16,7 @@ import numpy as np
 from ggmlpy._core import devices as _devices
 from ggmlpy._system import ggml_commit
 from ggmlpy._version import __version__
+from ggmlpy.backend import choose_devices
 from ggmlpy.models import load_model
 from ggmlpy.runner import Runner
 
@@ -64,12 +65,23 @@ class GgmlpyEngine(Engine):
     def load(self, inst: Instance) -> None:
         devices: Any = {"auto": "auto", "none": "cpu"}.get(inst.devices, inst.devices.split("/"))
         kw: dict[str, Any] = {"n_gpu_layers": inst.n_gpu_layers}
+        rpc = self.rpc
+        if inst.split_mode == "none":
+            # llama.cpp's -sm none: every offloaded layer on the one accelerator -mg names
+            accels = [d for d in choose_devices(devices, rpc=self.rpc) if d.type != "CPU"]
+            if not 0 <= inst.main_gpu < max(len(accels), 1):
+                raise BenchError(f"-mg {inst.main_gpu}: there are {len(accels)} accelerators "
+                                 f"({', '.join(d.name for d in accels) or 'none'})")
+            devices = [accels[inst.main_gpu].name] if accels else "cpu"
+            rpc = ()                # the servers are added; naming them again would add every one
         if inst.n_gpu_layers == AUTO_NGL:
             # fitted to this test's runner (Instance.model_key reloads for another one)
             kw = {"n_gpu_layers": "auto", "n_ctx": inst.n_ctx, "n_batch": inst.n_batch, "n_ubatch": inst.n_ubatch,
                   "type_k": inst.type_k, "type_v": inst.type_v,
                   "flash_attn": None if inst.flash_attn < 0 else bool(inst.flash_attn)}
-        self.model = load_model(inst.model, devices=devices, rpc=self.rpc, mmap=inst.load_mode == "mmap",
+        if inst.tensor_split:
+            kw["tensor_split"] = list(inst.tensor_split)
+        self.model = load_model(inst.model, devices=devices, rpc=rpc, mmap=inst.load_mode == "mmap",
                                 repack=inst.repack, mmproj=inst.mmproj or None, **kw)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),

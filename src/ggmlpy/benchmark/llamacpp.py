@@ -96,6 +96,11 @@ class LlamaCppEngine(Engine):
                             "mmap": getattr(ll, "LLAMA_LOAD_MODE_MMAP", 1)}[inst.load_mode]
         else:
             mp.use_mmap = inst.load_mode == "mmap"
+        mp.split_mode = {"none": 0, "layer": 1}[inst.split_mode]     # llama.cpp's enum llama_split_mode
+        mp.main_gpu = inst.main_gpu
+        if inst.tensor_split:
+            self._tensor_split = (ctypes.c_float * len(inst.tensor_split))(*inst.tensor_split)  # alive while loading
+            mp.tensor_split = self._tensor_split
         if hasattr(mp, "use_extra_bufts"):
             mp.use_extra_bufts = inst.repack
         elif not inst.repack:

@@ -181,6 +181,34 @@ def _parse_devices(text: str) -> list[str]:
     return out
 
 
+def _parse_split_mode(text: str) -> list[str]:
+    out = []
+    for v in _split(text):
+        v = v.strip().lower()
+        if v == "row":
+            raise BenchError("-sm row: not supported by ggmlpy's bench: ggmlpy splits by layer (row splits need "
+                             "ggml's CUDA split buffers)")
+        if v not in ("layer", "none"):
+            raise BenchError(f"invalid -sm value {v!r}: expected layer or none")
+        out.append(v)
+    return out
+
+
+def _parse_tensor_split(text: str) -> list[tuple]:
+    """llama-bench's ``-ts``: per configuration, '/'-separated proportions per accelerator (``3/1``);
+    ``0`` is the default split (by free memory), stored as ()."""
+    out = []
+    for combo in _split(text):
+        try:
+            props = tuple(float(x) for x in combo.split("/"))
+        except ValueError:
+            raise BenchError(f"invalid -ts value {combo!r}: expected proportions such as 3/1") from None
+        if any(not (p >= 0) or p == float("inf") for p in props):
+            raise BenchError(f"invalid -ts value {combo!r}: proportions must be finite and >= 0")
+        out.append(() if not any(props) else props)
+    return out
+
+
 def _parse_pg(text: str) -> tuple[int, int]:
     parts = text.split(",")
     if len(parts) != 2:
@@ -245,6 +273,9 @@ class BenchParams:
     load_mode: list[str] = field(default_factory=lambda: ["mmap"])
     no_kv_offload: list[bool] = field(default_factory=lambda: [False])
     no_op_offload: list[bool] = field(default_factory=lambda: [False])
+    split_mode: list[str] = field(default_factory=lambda: ["layer"])
+    main_gpu: list[int] = field(default_factory=lambda: [0])
+    tensor_split: list[tuple] = field(default_factory=lambda: [()])
     embeddings: list[bool] = field(default_factory=lambda: [False])
     repack: list[bool] = field(default_factory=lambda: [True])
     reps: int = 5
@@ -299,6 +330,11 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-dev", "--device"), "devices", _parse_devices,
      "devices, '/'-separated (auto, none = CPU only; default auto)"),
     (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),
+    (("-sm", "--split-mode"), "split_mode", _parse_split_mode,
+     "layer: the offloaded layers divided among the accelerators; none: all on the -mg one (default layer)"),
+    (("-mg", "--main-gpu"), "main_gpu", parse_int_range, "the accelerator -sm none uses, by index (default 0)"),
+    (("-ts", "--tensor-split"), "tensor_split", _parse_tensor_split,
+     "proportions of the offloaded layers per accelerator, '/'-separated (3/1); 0: by free memory (default)"),
     (("-nopo", "--no-op-offload"), "no_op_offload", _parse_bools("-nopo"),
      "1: every op where its weights are (no offload of host-weight products to a device; default 0)"),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", _parse_bools("-nkvo"),
@@ -328,12 +364,6 @@ PLACEMENT_OPTIONS = [
      "(-ngl, -dev)"),
     (("-ncmoe", "--n-cpu-moe"), ("0",),
      "keeping some layers' experts on the CPU is not implemented: ggmlpy places whole layers (-ngl)"),
-    (("-sm", "--split-mode"), ("layer",),
-     "ggmlpy splits by layer only (row splits need ggml's CUDA split buffers; none: use -dev with one device)"),
-    (("-ts", "--tensor-split"), ("0", "0.00"),
-     "proportions per device are not implemented: layers fill the devices in order (-ngl, or -ngl auto "
-     "by free memory)"),
-    (("-mg", "--main-gpu"), ("0",), "only meaningful with -sm none or row, which are refused"),
     (("--no-host",), ("0",), "ggmlpy allocates no host buffer types to bypass"),
 ]
 
@@ -556,9 +586,11 @@ def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Inst
     images = [n for n in p.n_images if n > 0]
     out = []
     # llama-bench's nesting: model parameters outermost
-    for (k, m), ngl, lm, dev, rpk, nopo in itertools.product(enumerate(models), p.n_gpu_layers, p.load_mode,
-                                                             p.devices, p.repack, p.no_op_offload):
-        model = dict(model=m, n_gpu_layers=ngl, devices=dev, load_mode=lm, repack=rpk, no_op_offload=nopo)
+    for (k, m), ngl, sm, mg, ts, lm, dev, rpk, nopo in itertools.product(
+            enumerate(models), p.n_gpu_layers, p.split_mode, p.main_gpu, p.tensor_split, p.load_mode, p.devices,
+            p.repack, p.no_op_offload):
+        model = dict(model=m, n_gpu_layers=ngl, split_mode=sm, main_gpu=mg, tensor_split=ts, devices=dev,
+                     load_mode=lm, repack=rpk, no_op_offload=nopo)
         for embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
                 p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
                 p.n_threads, p.n_depth):

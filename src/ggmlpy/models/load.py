@@ -23,7 +23,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
                fuse: bool = True, mmproj: Optional[str | os.PathLike] = None, placement: Optional[Placement] = None,
                *, n_ctx: int | str = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
                n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
-               margin: Optional[int | dict] = None, memory: Optional[dict] = None) -> Model:
+               margin: Optional[int | dict] = None, memory: Optional[dict] = None,
+               tensor_split: Optional[Sequence[float]] = None) -> Model:
     """Open a GGUF file, pick its architecture's model class, place and allocate its weights, and load them.
 
     Parameters
@@ -47,6 +48,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     margin : with ``"auto"``, bytes left free on each device (an int, or a dict by device name); default
         10 % of each device's memory, at most 512 MiB
     memory : with ``"auto"``, a cap in bytes per device name (``{"CPU": 8 << 30}``) below its free memory
+    tensor_split : the proportions of the offloaded layers per accelerator, in ``devices`` order
+        (llama.cpp's ``--tensor-split``, e.g. ``[3, 1]``); default: by each one's free memory. Not with
+        ``n_gpu_layers="auto"``.
     progress : ``progress(done_bytes, total_bytes)`` while loading (e.g. ``backend.ProgressBar()``)
     rpc : RPC server endpoints to add
     load : False to stop after allocation (the memory report is then available; call ``model.load()``)
@@ -81,6 +85,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         allocated).
     """
     if isinstance(n_gpu_layers, str):
+        if tensor_split is not None:
+            raise GGMLValueError("load_model: tensor_split and n_gpu_layers='auto' together; give one (the fit "
+                                 "divides the layers by each device's free memory)")
         if n_gpu_layers != "auto":
             raise GGMLValueError(f"load_model: n_gpu_layers must be an integer or 'auto' (got {n_gpu_layers!r})")
         if placement is not None:
@@ -99,7 +106,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         n_layer = cls.read_config(reader, str(path)).n_layer      # the placement needs the layer count first
         if placement is None:
             devs = choose_devices(devices, rpc=rpc)
-            placement = split_layers(n_layer, devs, n_gpu_layers)
+            placement = split_layers(n_layer, devs, n_gpu_layers,
+                                     "memory" if tensor_split is None else list(tensor_split))
         elif placement.n_layers != n_layer:
             raise GGMLValueError(f"load_model: the placement has {placement.n_layers} layers, {path} has {n_layer}")
         model = cls(reader, placement, repack=repack, fuse=fuse)
