@@ -118,6 +118,10 @@ def test_run_and_chat_errors_are_one_line(path, tmp_path, capsys):
         (["run", "-m", path, "-p", "x", "--stop", ""], 1, "empty stop string"),
         (["run", "-m", path], 2, "a prompt is needed"),
         (["run", "-m", path, "-p", "x", "--system", "s"], 2, "--system is for --chat"),
+        (["run", "-m", path, "-p", "x", "-ot", "exps=CPU"], 1, "-ot exps=CPU: tensor overrides are not implemented"),
+        (["run", "-m", path, "-p", "x", "-ncmoe", "3"], 1, "-ncmoe 3: keeping some layers' experts"),
+        (["run", "-m", path, "-p", "x", "-sm", "row"], 1, "-sm row: ggmlpy splits by layer"),
+        (["run", "-m", path, "-p", "x", "-ts", "3,x"], 1, "-ts 3,x: expected proportions"),
     ]
     for argv, code, message in cases:
         assert cli.main([*argv, "-dev", "cpu"]) == code, argv

@@ -176,6 +176,8 @@ def split_layers(n_layers: int, devs: Sequence[Device], n_gpu_layers: int = -1,
             weights = [1.0] * len(accel)
         else:
             raise GGMLValueError(f"split_layers: split must be 'memory', 'count' or a list (got {split!r})")
+    elif not accel:
+        weights = []                # nothing to divide (the n_gpu_layers warning above says why)
     else:
         weights = list(split)
         if len(weights) != len(accel) or any(w < 0 for w in weights) or not sum(weights) > 0:

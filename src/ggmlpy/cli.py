@@ -122,17 +122,39 @@ def _lenient(stream) -> None:
 
 def _open_runner(args: argparse.Namespace):
     """Load ``args.model`` and start a Runner over it (one sequence), with the tokenizer checked first."""
+    from ggmlpy._core import GGMLValueError
+    from ggmlpy.backend import choose_devices
     from ggmlpy.models import load_model
     from ggmlpy.runner import Runner
 
     devices = args.device.split(",") if "," in args.device else args.device
-    model = load_model(args.model, devices=devices, n_gpu_layers=args.n_gpu_layers)
+    if args.override_tensor not in (None, "none"):
+        raise GGMLValueError(f"-ot {args.override_tensor}: tensor overrides are not implemented: ggmlpy places "
+                             "whole layers (-ngl, -dev, -ts)")
+    if args.n_cpu_moe:
+        raise GGMLValueError(f"-ncmoe {args.n_cpu_moe}: keeping some layers' experts on the CPU is not "
+                             "implemented: ggmlpy places whole layers (-ngl)")
+    if args.split_mode == "row":
+        raise GGMLValueError("-sm row: ggmlpy splits by layer (row splits need ggml's CUDA split buffers)")
+    kw = {}
+    if args.tensor_split:
+        try:
+            kw["tensor_split"] = [float(x) for x in args.tensor_split.replace("/", ",").split(",")]
+        except ValueError:
+            raise GGMLValueError(f"-ts {args.tensor_split}: expected proportions such as 3,1") from None
+    if args.split_mode == "none":
+        accels = [d for d in choose_devices(devices) if d.type != "CPU"]
+        if accels and not 0 <= args.main_gpu < len(accels):
+            raise GGMLValueError(f"-mg {args.main_gpu}: there are {len(accels)} accelerators "
+                                 f"({', '.join(d.name for d in accels)})")
+        devices = [accels[args.main_gpu].name] if accels else "cpu"
+    model = load_model(args.model, devices=devices, n_gpu_layers=args.n_gpu_layers, **kw)
     try:
         n_ctx = args.ctx_size
         if n_ctx <= 0:
             n_ctx = min(4096, int(getattr(model.config, "n_ctx_train", 4096) or 4096))
         rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
-                    n_threads=args.threads)
+                    n_threads=args.threads, op_offload=not args.no_op_offload)
     except BaseException:
         model.close()
         raise
@@ -370,6 +392,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
                    help="layers on accelerators (default -1: all, when there is one)")
     p.add_argument("-dev", "--device", default="auto", help="devices: auto (default), cpu, or names (comma list)")
+    p.add_argument("-sm", "--split-mode", default="layer", choices=("layer", "none", "row"),
+                   help="layer: the offloaded layers divided among the accelerators (default); none: all on the "
+                        "-mg one; row: refused (ggml's CUDA split buffers)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="N0,N1,...",
+                   help="proportions of the offloaded layers per accelerator (default: by free memory)")
+    p.add_argument("-mg", "--main-gpu", type=int, default=0, help="the accelerator -sm none uses (default 0)")
+    p.add_argument("-nopo", "--no-op-offload", action="store_true",
+                   help="compute every op where its weights are (no offload of host-weight products)")
+    p.add_argument("-ot", "--override-tensor", default=None, metavar="PATTERN=DEVICE",
+                   help="refused: tensor overrides are not implemented (ggmlpy places whole layers)")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0,
+                   help="refused unless 0: experts kept on the CPU are not implemented (ggmlpy places whole layers)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1: off)")
