@@ -56,6 +56,10 @@ class Instance:
     #: the mmproj GGUF file of the vision encoder (image tests only; "" otherwise)
     mmproj: str = ""
 
+    def __post_init__(self) -> None:
+        # a tuple (hashable, comparable) also when it comes back from JSON as a list (worker, --resume)
+        object.__setattr__(self, "tensor_split", tuple(self.tensor_split))
+
     @property
     def n_ctx(self) -> int:
         """Context size of the test (llama-bench: prompt + generation + depth)."""
