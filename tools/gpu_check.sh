@@ -112,7 +112,7 @@ if [ ! -f vendor/ggml/src/CMakeLists.txt ]; then
 fi
 B0=$(date +%s)
 if want build && [ "$CAN_BUILD" -eq 1 ]; then
-    CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) CUDACXX=$NVCC timeout "$BUILD_LIMIT" \
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} CUDACXX=$NVCC timeout "$BUILD_LIMIT" \
         "$PY" -m pip install --no-build-isolation --no-deps --no-index --no-cache-dir -v \
         -C build-dir="$BUILD_DIR" \
         -C cmake.define.GGML_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$ARCH" \
@@ -122,7 +122,7 @@ if want build && [ "$CAN_BUILD" -eq 1 ]; then
     [ $rc -eq 0 ] || { tail -60 "$OUT/build.tmp"; fail "the build (exit $rc; 124: over BUILD_LIMIT=$BUILD_LIMIT s)" 6; }
 fi
 B1=$(date +%s)
-note "- build: $((B1 - B0)) s (pip install, $(nproc) jobs, -DCMAKE_CUDA_ARCHITECTURES=$ARCH, FA kernels for f16/q8_0/q4_0 K/V)"
+note "- build: $((B1 - B0)) s (pip install, ${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} jobs, -DCMAKE_CUDA_ARCHITECTURES=$ARCH, FA kernels for f16/q8_0/q4_0 K/V)"
 NINJA_LOG=$(ls "$BUILD_DIR"/.ninja_log 2>/dev/null || true)
 if [ -n "$NINJA_LOG" ]; then
     # the slowest compile steps (start, end in ms)
