@@ -56,7 +56,7 @@ Group = Union[str, int]
 
 __all__ = [
     "DeviceMemory", "MemoryReport", "Placement", "ProgressBar", "Runtime", "Weights", "choose_devices",
-    "devices", "split_layers",
+    "devices", "main_accelerator", "split_layers",
 ]
 
 
@@ -104,6 +104,18 @@ def choose_devices(spec: str | Sequence[str] = "auto", rpc: Iterable[str] = ()) 
         if d not in out and d != cpu:
             out.append(d)
     return out + [cpu]
+
+
+def main_accelerator(spec: str | Sequence[str] = "auto", index: int = 0, rpc: Iterable[str] = ()) -> list[str] | str:
+    """The command lines' ``-sm none -mg INDEX`` (llama.cpp's split mode none): the ``index``-th
+    accelerator of :func:`choose_devices` takes every offloaded layer. Returns the ``devices`` argument
+    for :func:`ggmlpy.models.load_model`: that device's name in a list, or ``"cpu"`` when there is no
+    accelerator (then ``index`` must be 0)."""
+    accels = [d for d in choose_devices(spec, rpc=rpc) if d.type != "CPU"]
+    if not 0 <= index < max(len(accels), 1):
+        raise GGMLValueError(f"-mg {index}: there are {len(accels)} accelerators "
+                             f"({', '.join(d.name for d in accels) or 'none'})")
+    return [accels[index].name] if accels else "cpu"
 
 
 @dataclass

@@ -123,7 +123,7 @@ def _lenient(stream) -> None:
 def _open_runner(args: argparse.Namespace):
     """Load ``args.model`` and start a Runner over it (one sequence), with the tokenizer checked first."""
     from ggmlpy._core import GGMLValueError
-    from ggmlpy.backend import choose_devices
+    from ggmlpy.backend import main_accelerator
     from ggmlpy.models import load_model
     from ggmlpy.runner import Runner
 
@@ -143,11 +143,7 @@ def _open_runner(args: argparse.Namespace):
         except ValueError:
             raise GGMLValueError(f"-ts {args.tensor_split}: expected proportions such as 3,1") from None
     if args.split_mode == "none":
-        accels = [d for d in choose_devices(devices) if d.type != "CPU"]
-        if accels and not 0 <= args.main_gpu < len(accels):
-            raise GGMLValueError(f"-mg {args.main_gpu}: there are {len(accels)} accelerators "
-                                 f"({', '.join(d.name for d in accels)})")
-        devices = [accels[args.main_gpu].name] if accels else "cpu"
+        devices = main_accelerator(devices, args.main_gpu)
     model = load_model(args.model, devices=devices, n_gpu_layers=args.n_gpu_layers, **kw)
     try:
         n_ctx = args.ctx_size

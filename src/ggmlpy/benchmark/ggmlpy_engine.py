@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
+from ggmlpy._core import GGMLValueError
 from ggmlpy._core import devices as _devices
 from ggmlpy._system import ggml_commit
 from ggmlpy._version import __version__
-from ggmlpy.backend import choose_devices
+from ggmlpy.backend import main_accelerator
 from ggmlpy.models import load_model
 from ggmlpy.runner import Runner
 
@@ -68,11 +69,10 @@ class GgmlpyEngine(Engine):
         rpc = self.rpc
         if inst.split_mode == "none":
             # llama.cpp's -sm none: every offloaded layer on the one accelerator -mg names
-            accels = [d for d in choose_devices(devices, rpc=self.rpc) if d.type != "CPU"]
-            if not 0 <= inst.main_gpu < max(len(accels), 1):
-                raise BenchError(f"-mg {inst.main_gpu}: there are {len(accels)} accelerators "
-                                 f"({', '.join(d.name for d in accels) or 'none'})")
-            devices = [accels[inst.main_gpu].name] if accels else "cpu"
+            try:
+                devices = main_accelerator(devices, inst.main_gpu, rpc=self.rpc)
+            except GGMLValueError as e:
+                raise BenchError(str(e)) from None
             rpc = ()                # the servers are added; naming them again would add every one
         if inst.n_gpu_layers == AUTO_NGL:
             # fitted to this test's runner (Instance.model_key reloads for another one)

@@ -85,11 +85,11 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         allocated).
     """
     if isinstance(n_gpu_layers, str):
+        if n_gpu_layers != "auto":
+            raise GGMLValueError(f"load_model: n_gpu_layers must be an integer or 'auto' (got {n_gpu_layers!r})")
         if tensor_split is not None:
             raise GGMLValueError("load_model: tensor_split and n_gpu_layers='auto' together; give one (the fit "
                                  "divides the layers by each device's free memory)")
-        if n_gpu_layers != "auto":
-            raise GGMLValueError(f"load_model: n_gpu_layers must be an integer or 'auto' (got {n_gpu_layers!r})")
         if placement is not None:
             raise GGMLValueError("load_model: placement and n_gpu_layers='auto' together; give one")
         if not load:
