@@ -8,7 +8,8 @@ fail with the reason instead of skipping, since asking for them means a device r
 
 Tolerances are per backend, and what differs between backends is stated here rather than skipped:
 
-* CUDA: its f32 products go through cuBLAS (TF32 off), within 1e-4 of numpy;
+* CUDA: ggml-cuda sets its cuBLAS handles to TF32 tensor-op math (``common.cuh``), so f32 products
+  carry float19 inputs: 2e-3 relative measured on an H200 for a 96-wide product, so 5e-3;
 * Vulkan: its shaders sum float32 products in their own order: 6.6e-4 measured on lavapipe for the
   scheduler's two-layer graph, so 2e-3;
 * everywhere: a model's logits against the CPU run within 2e-2 of their scale (float16 weights and
@@ -38,7 +39,7 @@ from ggmlpy.runner import Runner
 ACCELS = [d.name for d in c.devices() if d.type != "CPU" and not d.name.upper().startswith("RPC")]
 
 #: Absolute and relative tolerance of an op against numpy, per backend (module docstring).
-OP_TOL = {"CUDA": 1e-4, "Vulkan": 2e-3, "Metal": 1e-3}
+OP_TOL = {"CUDA": 5e-3, "Vulkan": 2e-3, "Metal": 1e-3}
 
 
 def _backend_of(name: str) -> str:
@@ -230,9 +231,10 @@ def test_tiny_model_decode_matches_cpu(accel, tiny_model_path, n_gpu_layers, fla
 #: per backend, with GELU from exact ops on both sides (:func:`helpers.exact_geglu`; ggml's CPU GELU
 #: reads an F16 table). Measured, worst step: Vulkan on lavapipe 2.3e-4 (olmo2) to 1.7e-3 (gemma2) with 2
 #: to 4 layers on the device, 4.1e-3 with gemma3's 13 (the shaders' float32 sums in their own order:
-#: the difference grows with the layers). CUDA and Metal: not yet measured (no GPU has run the suite;
-#: tools/gpu_check.sh will), CUDA's bound set from its F32 products through cuBLAS (OP_TOL).
-MODEL_TOL = {"CUDA": 2e-3, "Vulkan": 1e-2, "Metal": 1e-2}
+#: the difference grows with the layers). CUDA on an H200 (tools/gpu_check.sh, 2026-11-28): every
+#: architecture within 2e-3 but gemma3 (2.07e-3) and gemma2 (2.40e-3) with every layer there (its
+#: products in TF32, OP_TOL). Metal: not yet measured.
+MODEL_TOL = {"CUDA": 5e-3, "Vulkan": 1e-2, "Metal": 1e-2}
 
 
 def _model_tol(name: str) -> float:
@@ -295,8 +297,9 @@ def cache_model_path(tmp_path_factory):
 @pytest.mark.gpu
 def test_op_offload_takes_host_weight_products_to_the_device(accel, tiny_model_path):
     """With a layer's weights in host memory, ggml's scheduler computes its prompt's products on the
-    device (more splits, a bigger device compute buffer); ``op_offload=False`` (bench ``-nopo 1``) keeps
-    them where the weights are. The logits agree."""
+    device (more splits); ``op_offload=False`` (bench ``-nopo 1``) keeps them where the weights are. The
+    logits agree. (The device's compute buffer grows with offloading on Vulkan; on CUDA it measured the
+    same either way, so only "not smaller" holds for every backend.)"""
     name, _ = accel
     out = {}
     with load_model(tiny_model_path, devices=[name], n_gpu_layers=1) as model:
@@ -304,7 +307,7 @@ def test_op_offload_takes_host_weight_products_to_the_device(accel, tiny_model_p
             with Runner(model, n_ctx=128, op_offload=offload, type_k="f32", type_v="f32") as rt:
                 out[offload] = (rt.rt.stats["pp"][1], rt.rt.buffer_sizes()[name],
                                 rt.decode(list(range(1, 65)), logits="all"))
-    assert out[True][0] > out[False][0] and out[True][1] > out[False][1], (out[True][:2], out[False][:2])
+    assert out[True][0] > out[False][0] and out[True][1] >= out[False][1], (out[True][:2], out[False][:2])
     a, b = out[False][2], out[True][2]
     np.testing.assert_allclose(b, a, rtol=2e-2, atol=2e-2 * np.abs(a).max())
 
@@ -450,8 +453,11 @@ def test_vision_encoder_on_the_device(accel, family, tmp_path, monkeypatch):
         with load_model(fx.text_path, mmproj=fx.mmproj_path, **kw) as model, \
                 Runner(model, n_ctx=256, type_k="f32", type_v="f32") as rt:
             if devs != "cpu":
+                # what the device reserves for the encoder's tensors (CUDA pads some rows: more than
+                # the file's bytes, model.vision.size)
                 weights = rt.memory_report().devices[name].weights
-                assert weights["vision"] == model.vision.size > 0
+                assert weights["vision"] == sum(model.vision.weights.buffer_sizes()[name].values())
+                assert weights["vision"] >= model.vision.size > 0
                 assert not rt.memory_report().devices["CPU"].weights.get("vision")
             out[devs] = rt.encode_image(img), rt.decode(ids, logits="all", images=[img])
     ref = vh.logits(fx, ids, inp["pixel_values"])
