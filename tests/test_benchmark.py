@@ -50,9 +50,9 @@ def test_negative_only_where_allowed():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["-ot", "exps=CPU"], r"-ot exps=CPU: not supported .*tensor overrides"),
-    (["--override-tensor", "blk\\.1\\.=CPU"], r"-ot .*: not supported .*whole layers"),
-    (["-ncmoe", "4"], r"-ncmoe 4: not supported .*experts"),
+    (["-ot", "exps"], r"invalid -ot value 'exps': expected PATTERN=DEVICE"),
+    (["--override-tensor", "a=CPU;b(=CPU"], r"invalid -ot value 'b\(=CPU': 'b\(' is not a regular expression"),
+    (["-ncmoe", "-1"], r"range"),
     (["-sm", "layer,row"], r"-sm row: not supported .*row splits"),
     (["-sm", "rows"], r"invalid -sm value 'rows'"),
     (["-ts", "3/x"], r"invalid -ts value '3/x'"),
@@ -60,10 +60,10 @@ def test_negative_only_where_allowed():
     (["--no-host", "1"], r"--no-host 1: "),
 ])
 def test_placement_options_are_parsed_and_refused_with_the_reason(argv, words):
-    """llama-bench's placement options are options here too (``-ot`` was read as ``-o t``): ``-sm layer|none``,
-    ``-mg``, ``-ts`` and ``-nopo`` sweep like llama-bench's (test_fit.py runs them over RPC servers); the
-    others take only the value that means ggmlpy's placement, any other is refused before anything runs,
-    with the reason."""
+    """llama-bench's placement options are options here too (``-ot`` was read as ``-o t``): ``-ot``,
+    ``-ncmoe``, ``-sm layer|none``, ``-mg``, ``-ts`` and ``-nopo`` sweep like llama-bench's (test_fit.py and
+    test_overrides.py run them over RPC servers); ``--no-host`` takes only the value that means ggmlpy's
+    placement, any other is refused before anything runs, with the reason."""
     with pytest.raises(BenchError, match=words):
         parse_args(["-m", "x.gguf", *argv])
     p = parse_args(["-m", "x.gguf", "-ot", "none", "-ncmoe", "0", "-sm", "layer,none", "-ts", "0,3/1", "-mg", "0",
@@ -72,6 +72,15 @@ def test_placement_options_are_parsed_and_refused_with_the_reason(argv, words):
     assert (p.split_mode, p.main_gpu, p.tensor_split) == (["layer", "none"], [0], [(), (3.0, 1.0)])
     got = [(i.split_mode, i.tensor_split, i.no_op_offload) for i in bm.make_instances(p)]
     assert got == [(sm, ts, nopo) for sm in ("layer", "none") for ts in ((), (3.0, 1.0)) for nopo in (True, False)]
+    # -ot: configurations ','-separated, overrides ';'-separated within one (llama-bench's syntax)
+    p = parse_args(["-m", "x.gguf", "-ot", "exps=CPU;attn_.*=Vulkan0,none,", "-ncmoe", "0-2", "-n", "0"])
+    assert p.tensor_buft_overrides == ["exps=CPU;attn_.*=Vulkan0", "none", "none"] and p.n_cpu_moe == [0, 1, 2]
+    insts = bm.make_instances(p)
+    assert [(i.n_cpu_moe, i.tensor_buft_overrides) for i in insts] == \
+        [(n, ot) for n in (0, 1, 2) for ot in ("exps=CPU;attn_.*=Vulkan0", "none", "none")]
+    assert len({i.model_key() for i in insts}) == 6          # each placement loads the model anew
+    rec = _result(n_cpu_moe=1, tensor_buft_overrides=insts[3].tensor_buft_overrides).record()
+    assert (rec["n_cpu_moe"], rec["tensor_buft_overrides"]) == (1, "exps=CPU;attn_.*=Vulkan0")
 
 
 def test_defaults_are_llama_bench_defaults():

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from text_helpers import llama_chat_gguf
+from test_core_backend import rpc_server  # noqa: F401  (a fixture: an RPC server on loopback)
 
 from ggmlpy import cli
 from ggmlpy.runner import DoneReason, Runner
@@ -118,8 +119,10 @@ def test_run_and_chat_errors_are_one_line(path, tmp_path, capsys):
         (["run", "-m", path, "-p", "x", "--stop", ""], 1, "empty stop string"),
         (["run", "-m", path], 2, "a prompt is needed"),
         (["run", "-m", path, "-p", "x", "--system", "s"], 2, "--system is for --chat"),
-        (["run", "-m", path, "-p", "x", "-ot", "exps=CPU"], 1, "-ot exps=CPU: tensor overrides are not implemented"),
-        (["run", "-m", path, "-p", "x", "-ncmoe", "3"], 1, "-ncmoe 3: keeping some layers' experts"),
+        (["run", "-m", path, "-p", "x", "-ot", "exps"], 1, "'exps' is not PATTERN=DEVICE"),
+        (["run", "-m", path, "-p", "x", "-ot", "exps=GPU9"], 1, "unknown device or buffer type 'GPU9'"),
+        (["run", "-m", path, "-p", "x", "-ot", "exps(=CPU"], 1, "pattern 'exps(' is not a regular expression"),
+        (["run", "-m", path, "-p", "x", "-ncmoe", "-1"], 1, "-ncmoe -1: must be >= 0"),
         (["run", "-m", path, "-p", "x", "-sm", "row"], 1, "-sm row: ggmlpy splits by layer"),
         (["run", "-m", path, "-p", "x", "-ts", "3,x"], 1, "-ts 3,x: expected proportions"),
     ]
@@ -297,3 +300,33 @@ def test_stats_line_counts_what_was_evaluated():
     assert STATS.fullmatch(line)
     assert "0.00 t/s" in cli._stats_line(Completion(eval_count=1, prompt_eval_count=1, done_reason="cancel"))
 
+
+
+@pytest.mark.rpc
+def test_run_places_weights_by_name_on_a_server(path, rpc_server, monkeypatch, capsys):  # noqa: F811
+    """``ggmlpy run -rpc EP -ngl 99 -ot ... -cmoe``: the overrides reach load_model (the feed-forward
+    weights stay in host memory, everything else on the server) and the reply is the one the same
+    placement gives through the Python API."""
+    from ggmlpy import models
+
+    kw = {"devices": "auto", "rpc": [rpc_server], "n_gpu_layers": 99, "tensor_overrides": "ffn_=CPU"}
+    with models.load_model(path, **kw) as m, Runner(m, n_ctx=256, n_threads=2) as r:
+        want = r.generate(PROMPT, max_tokens=12, sampling=GREEDY, shift=False).text
+    seen = []
+    load = models.load_model
+
+    def spy(*a, **k):
+        model = load(*a, **k)
+        seen.append((k, dict(model.weights.overridden)))
+        return model
+
+    monkeypatch.setattr(models, "load_model", spy)
+    argv = ["run", "-m", path, "-p", PROMPT, "-n", "12", "-c", "256", "-t", "2", "--temp", "0", "-rpc", rpc_server,
+            "-ngl", "99", "-ot", "ffn_(gate|up)=CPU", "-ot", "ffn_down=cpu", "-cmoe"]
+    with pytest.warns(UserWarning, match="this llama model has no expert weights"):       # -cmoe
+        assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert out == want + "\n"
+    (k, overridden), = seen
+    assert k["tensor_overrides"] == "ffn_(gate|up)=CPU,ffn_down=cpu" and k["n_cpu_moe"] >= 1 << 30
+    assert overridden and all(("ffn_" in n) and d == "CPU" for n, d in overridden.items())

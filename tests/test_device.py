@@ -280,6 +280,26 @@ def test_architecture_on_the_device_matches_cpu(accel, arch_files, arch, where, 
         assert (got[step].argmax(-1) == r.argmax(-1)).mean() >= 0.9, step
 
 
+@pytest.mark.gpu
+def test_experts_of_the_first_layers_stay_on_the_cpu(accel, arch_files):  # noqa: F811
+    """``n_cpu_moe=1`` (llama.cpp's ``-ncmoe 1``) with every layer on the device: layer 0's experts in host
+    memory and in the CPU's memory report, the rest on the device; the scheduler computes those expert
+    products on the CPU (or offloads a prompt's); the logits are the CPU run's."""
+    name, _ = accel
+    path = arch_files("qwen3moe")
+    with load_model(path) as model:
+        ref = _session(model, False)
+    with load_model(path, devices=[name], n_gpu_layers=999, n_cpu_moe=1) as model:
+        moved = {n for n in model.weights.tensors if n.startswith("blk.0.ffn_") and "_exps." in n}
+        assert len(moved) == 3 and model.weights.overridden == dict.fromkeys(moved, "CPU")
+        for n, (t, _) in model.weights.tensors.items():
+            assert t.is_host == (n in moved or n == "token_embd.weight"), n
+        assert model.report.devices["CPU"].weights[0] == sum(model.weights[n].nbytes for n in moved)
+        got = _session(model, False)
+    worst = {step: _rel_err(got[step], r) for step, r in ref.items()}
+    assert max(worst.values()) <= _model_tol(name), worst
+
+
 @pytest.fixture(scope="module")
 def cache_model_path(tmp_path_factory):
     """A tiny llama, F32, with heads of 32 (a multiple of the quantized cache types' blocks)."""

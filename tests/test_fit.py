@@ -115,7 +115,7 @@ def test_equals_brute_force(model_path, servers):
     from ggmlpy.gguf import GGUFReader
 
     with GGUFReader(model_path) as r:
-        tb = _tensor_bytes(r, CFG.n_layer)
+        tb, _ = _tensor_bytes(r, CFG.n_layer)
     s = _Search(model_path, devs, CFG.n_layer, tb, budgets, {}, {k: v for k, v in RUNNER.items() if k != "n_ctx"}
                 | {"flash_attn": True})
     n_units = CFG.n_layer + 1
@@ -248,3 +248,33 @@ def test_tensor_split_and_split_mode_none(model_path, servers, capsys):
     assert [(r["split_mode"], r["main_gpu"], r["tensor_split"], r["backends"]) for r in rows] == \
         [("layer", 0, "1.00/3.00", "RPC"), ("none", 1, "0.00", "RPC")]
     assert "-mg 2: there are 2 accelerators" in out.err
+
+
+def test_fit_leaves_room_for_what_overrides_keep_elsewhere(model_path, servers):
+    """With the feed-forward weights kept on the CPU (``tensor_overrides="ffn_=CPU"``, llama.cpp's -ot),
+    a layer's weights on the server are 0.5 MiB instead of 1.25: the search counts only what moves with
+    a layer (its first candidate already offers more layers than without the override), so the 5 MiB
+    server ends with more layers (4 of 6 against 2), within its budget, and the overridden weights are
+    in the CPU's report. The logits are the CPU's."""
+    ep = servers[:1]
+    with load_model(model_path) as cpu_model, Runner(cpu_model, **RUNNER) as rt:
+        ref = rt.decode(PROMPT, logits="all")
+    with _fit(model_path, ep) as plain:
+        name = next(d.name for d in plain.placement.devices() if d.type != "CPU")
+        (before,) = _counts(plain, [name])
+        first = plain.fit.steps[0].counts
+    with _fit(model_path, ep, tensor_overrides="ffn_=CPU") as model:
+        (after,) = _counts(model, [name])
+        assert after > before, (before, after)
+        assert model.fit.steps[0].counts > first, (model.fit.steps[0].counts, first)
+        assert model.fit.steps[-1].ok and "ffn_=CPU" in model.fit.placement.summary()
+        on_server = {i for i, d in enumerate(model.placement.layers) if d.name == name}
+        ffn = {n: t.nbytes for n, (t, g) in model.weights.tensors.items() if "ffn_" in n}
+        assert set(model.weights.overridden) == {n for n in ffn if int(n.split(".")[1]) in on_server}
+        with Runner(model) as rt:
+            rep = rt.memory_report()
+            assert rep.devices[name].self_total <= model.fit.budgets[name]
+            assert sum(rep.devices["CPU"].weights[i] for i in on_server) == \
+                sum(v for n, v in ffn.items() if int(n.split(".")[1]) in on_server)
+            got = rt.decode(PROMPT, logits="all")
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4 * np.abs(ref).max())

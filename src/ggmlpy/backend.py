@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -56,7 +57,7 @@ Group = Union[str, int]
 
 __all__ = [
     "DeviceMemory", "MemoryReport", "Placement", "ProgressBar", "Runtime", "Weights", "choose_devices",
-    "devices", "main_accelerator", "split_layers",
+    "devices", "main_accelerator", "n_cpu_moe_overrides", "parse_tensor_overrides", "split_layers",
 ]
 
 
@@ -118,13 +119,84 @@ def main_accelerator(spec: str | Sequence[str] = "auto", index: int = 0, rpc: It
     return [accels[index].name] if accels else "cpu"
 
 
+def _override_device(name: str, option: str) -> Device:
+    """The device a tensor override names: a device (``CPU``, ``Vulkan0``, ``RPC0``) or its buffer type's
+    name (llama.cpp's ``-ot`` takes those: ``CUDA0``, ``RPC0[host:port]``), any case."""
+    want = name.strip().lower()
+    for d in devices():
+        if want in (d.name.lower(), d.buffer_type().name.lower()):
+            return d
+    names = ", ".join(d.name for d in devices())
+    raise GGMLValueError(f"{option}: unknown device or buffer type {name.strip()!r} (this process has: {names}; "
+                         f"an RPC server's device exists once -rpc adds it)")
+
+
+def parse_tensor_overrides(spec: str | Sequence[str | tuple[str, str | Device]] | None,
+                           option: str = "tensor_overrides") -> tuple[tuple[str, Device], ...]:
+    """Tensor overrides as llama.cpp's ``-ot``/``--override-tensor``: ``PATTERN=DEVICE``, comma-separated in
+    a string (``"ffn_.*_exps=CPU,attn=Vulkan0"``), or a list of such strings or ``(pattern, device)`` pairs.
+
+    A weight whose name (or, for a fused weight, a part's file name) matches ``PATTERN`` (a regular
+    expression, searched as llama.cpp does) goes to ``DEVICE`` instead of its layer's device; the first
+    match wins. The device is a device name or its buffer type's name, case-insensitive. Returns
+    ``((pattern, Device), ...)``; every pattern is compiled and every device looked up first, so a bad one
+    is refused before anything is allocated (:class:`~ggmlpy.GGMLValueError` naming it).
+    """
+    if spec is None:
+        return ()
+    items = [x for x in spec.split(",") if x.strip()] if isinstance(spec, str) else list(spec)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            pattern, eq, dev = item.partition("=")
+            if not eq or not pattern or not dev.strip():
+                raise GGMLValueError(f"{option}: {item!r} is not PATTERN=DEVICE (e.g. 'ffn_.*_exps=CPU')")
+        else:
+            pattern, dev = item
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise GGMLValueError(f"{option}: pattern {pattern!r} is not a regular expression: {e}") from None
+        out.append((pattern, dev if isinstance(dev, Device) else _override_device(str(dev), option)))
+    return tuple(out)
+
+
+#: The override :func:`n_cpu_moe_overrides` makes for layer ``{}`` (llama.cpp's, for --n-cpu-moe).
+N_CPU_MOE_PATTERN = r"blk\.{}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def n_cpu_moe_overrides(n: int, n_layers: int) -> tuple[tuple[str, Device], ...]:
+    """llama.cpp's ``--n-cpu-moe N``: the expert weights (``ffn_{up,down,gate,gate_up}_exps`` and their
+    biases) of the first ``n`` of ``n_layers`` layers stay on the CPU, as overrides
+    (:func:`parse_tensor_overrides`), one per layer. ``n >= n_layers``: every layer (``--cpu-moe``)."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise GGMLValueError(f"n_cpu_moe must be an integer >= 0 (got {n!r})")
+    cpu = _core.device("CPU")
+    return tuple((N_CPU_MOE_PATTERN.format(i), cpu) for i in range(min(int(n), n_layers)))
+
+
 @dataclass
 class Placement:
-    """Which device holds each layer group: input (CPU), layers ``0..n_layers-1``, output."""
+    """Which device holds each layer group: input (CPU), layers ``0..n_layers-1``, output; and the tensor
+    overrides (:func:`parse_tensor_overrides`): weights by name on another device than their group's."""
 
     layers: list[Device]
     output: Device
     input: Device
+    #: ``((pattern, Device), ...)``: the first pattern found in a weight's name sends it to its device
+    overrides: tuple = ()
+
+    def override_of(self, names: Sequence[str]) -> Device | None:
+        """The device the first override matching any of ``names`` names (None: no override)."""
+        for pattern, dev in self.overrides:
+            if any(re.search(pattern, n) for n in names):
+                return dev
+        return None
+
+    def device_for(self, group: Group, names: Sequence[str] = ()) -> Device:
+        """Where a weight of ``group`` named ``names`` goes: its override's device, else the group's."""
+        dev = self.override_of(names) if self.overrides else None
+        return dev if dev is not None else self.device_of(group)
 
     @property
     def n_layers(self) -> int:
@@ -144,7 +216,7 @@ class Placement:
     def devices(self) -> list[Device]:
         """The distinct devices used, in scheduler order (CPU last)."""
         seen: list[Device] = []
-        for d in [*self.layers, self.output, self.input]:
+        for d in [*self.layers, self.output, self.input, *(dev for _, dev in self.overrides)]:
             if d not in seen:
                 seen.append(d)
         return sorted(seen, key=lambda d: d.type == "CPU")
@@ -155,7 +227,12 @@ class Placement:
         for d in self.layers:
             counts[d.name] = counts.get(d.name, 0) + 1
         parts = [f"{n} on {name}" for name, n in counts.items()]
-        return f"{self.n_layers} layers: {', '.join(parts)}; output on {self.output.name}"
+        ot = ""
+        if self.overrides:          # (n_cpu_moe makes one per layer: counted, not listed, beyond a few)
+            listed = ", ".join(f"{p}={d.name}" for p, d in self.overrides)
+            ot = f"; tensor overrides {listed}" if len(self.overrides) <= 3 else \
+                f"; {len(self.overrides)} tensor overrides"
+        return f"{self.n_layers} layers: {', '.join(parts)}; output on {self.output.name}{ot}"
 
 
 def split_layers(n_layers: int, devs: Sequence[Device], n_gpu_layers: int = -1,
@@ -479,11 +556,21 @@ class Weights:
         Where weight bytes are recorded (a new one by default).
     repack : bool
         Use the devices' extra buffer types for the weights they support.
+    overrides : bool
+        Apply the placement's tensor overrides (a vision encoder's weights do not: llama.cpp's ``-ot``
+        applies to the text model only).
+
+    Attributes
+    ----------
+    overridden : dict of str to str
+        Each weight a tensor override placed, and its device's name.
     """
 
     def __init__(self, placement: Placement, max_tensors: int, report: MemoryReport | None = None,
-                 repack: bool = True):
+                 repack: bool = True, overrides: bool = True):
         self.placement = placement
+        self.overrides = bool(overrides)
+        self.overridden: dict[str, str] = {}
         self.report = report if report is not None else MemoryReport(placement.n_layers)
         self.repack = bool(repack)
         # one context and one buffer per (device, buffer type)
@@ -498,8 +585,11 @@ class Weights:
         self.allocated = False
         self._recorded: list[tuple] = []      # (device, group, buffer type, bytes) put in the report
 
-    def add(self, name: str, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None) -> Tensor:
-        """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``.
+    def add(self, name: str, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None,
+            names: Sequence[str] | None = None) -> Tensor:
+        """Create tensor ``name`` (ggml ``ne`` order) on the device of layer group ``group``, or where a
+        tensor override matching one of ``names`` (default: ``name``; a fused weight's parts; ``()``
+        for none) sends it.
 
         ``op`` says how the model reads it: ``"mul_mat"`` (as the first operand
         of a matrix product, and nothing else) or ``"mul_mat_id"`` (a 3-d stack
@@ -512,8 +602,10 @@ class Weights:
             raise GGMLValueError(f"weights_add: tensor {name!r} exists already")
         if op not in (None, "mul_mat", "mul_mat_id"):
             raise GGMLValueError(f"weights_add: op must be None, 'mul_mat' or 'mul_mat_id' (got {op!r})")
-        dev = self.placement.device_of(group)
+        dev = self._device(group, (name,) if names is None else names)
         bt = self._buffer_type(dev, Type[type.upper()] if isinstance(type, str) else Type(type), tuple(ne), op)
+        if dev != self.placement.device_of(group):
+            self.overridden[name] = dev.name
         key = (dev.name, bt.name)
         ctx = self._ctx.get(key)
         if ctx is None:
@@ -524,9 +616,13 @@ class Weights:
         self._key[name] = key
         return t
 
-    def where(self, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None) -> tuple[str, str]:
+    def _device(self, group: Group, names: Sequence[str]) -> Device:
+        return self.placement.device_for(group, names) if self.overrides else self.placement.device_of(group)
+
+    def where(self, type: Type | str, ne: Sequence[int], group: Group, op: str | None = None,
+              names: Sequence[str] = ()) -> tuple[str, str]:
         """The (device, buffer type) names that :meth:`add` with these arguments would place a tensor in."""
-        dev = self.placement.device_of(group)
+        dev = self._device(group, names)
         return dev.name, self._buffer_type(dev, Type[type.upper()] if isinstance(type, str) else Type(type),
                                            tuple(ne), op).name
 

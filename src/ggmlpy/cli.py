@@ -128,22 +128,21 @@ def _open_runner(args: argparse.Namespace):
     from ggmlpy.runner import Runner
 
     devices = args.device.split(",") if "," in args.device else args.device
-    if args.override_tensor not in (None, "none"):
-        raise GGMLValueError(f"-ot {args.override_tensor}: tensor overrides are not implemented: ggmlpy places "
-                             "whole layers (-ngl, -dev, -ts)")
-    if args.n_cpu_moe:
-        raise GGMLValueError(f"-ncmoe {args.n_cpu_moe}: keeping some layers' experts on the CPU is not "
-                             "implemented: ggmlpy places whole layers (-ngl)")
     if args.split_mode == "row":
         raise GGMLValueError("-sm row: ggmlpy splits by layer (row splits need ggml's CUDA split buffers)")
-    kw = {}
+    if args.n_cpu_moe < 0:
+        raise GGMLValueError(f"-ncmoe {args.n_cpu_moe}: must be >= 0")
+    kw = {"rpc": args.rpc.split(",") if args.rpc else (),
+          "n_cpu_moe": 1 << 30 if args.cpu_moe else args.n_cpu_moe}
+    if args.override_tensor:
+        kw["tensor_overrides"] = ",".join(args.override_tensor)
     if args.tensor_split:
         try:
             kw["tensor_split"] = [float(x) for x in args.tensor_split.replace("/", ",").split(",")]
         except ValueError:
             raise GGMLValueError(f"-ts {args.tensor_split}: expected proportions such as 3,1") from None
     if args.split_mode == "none":
-        devices = main_accelerator(devices, args.main_gpu)
+        devices = main_accelerator(devices, args.main_gpu, rpc=kw["rpc"])
     model = load_model(args.model, devices=devices, n_gpu_layers=args.n_gpu_layers, **kw)
     try:
         n_ctx = args.ctx_size
@@ -396,10 +395,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-mg", "--main-gpu", type=int, default=0, help="the accelerator -sm none uses (default 0)")
     p.add_argument("-nopo", "--no-op-offload", action="store_true",
                    help="compute every op where its weights are (no offload of host-weight products)")
-    p.add_argument("-ot", "--override-tensor", default=None, metavar="PATTERN=DEVICE",
-                   help="refused: tensor overrides are not implemented (ggmlpy places whole layers)")
-    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0,
-                   help="refused unless 0: experts kept on the CPU are not implemented (ggmlpy places whole layers)")
+    p.add_argument("-ot", "--override-tensor", action="append", metavar="PATTERN=DEVICE,...",
+                   help="weights whose names match PATTERN (a regular expression) on DEVICE (a device or buffer type "
+                        "name), e.g. 'ffn_.*_exps=CPU'; repeatable")
+    p.add_argument("-ncmoe", "--n-cpu-moe", type=int, default=0, metavar="N",
+                   help="keep the expert weights of the first N layers on the CPU (default 0)")
+    p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep every layer's expert weights on the CPU")
+    p.add_argument("-rpc", "--rpc", default=None, metavar="HOST:PORT,...",
+                   help="add ggml RPC servers (their devices join -dev auto)")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1: off)")

@@ -17,7 +17,7 @@ from ggmlpy._core import GGMLValueError
 from ggmlpy._core import devices as _devices
 from ggmlpy._system import ggml_commit
 from ggmlpy._version import __version__
-from ggmlpy.backend import main_accelerator
+from ggmlpy.backend import choose_devices, main_accelerator, parse_tensor_overrides
 from ggmlpy.models import load_model
 from ggmlpy.runner import Runner
 
@@ -81,8 +81,14 @@ class GgmlpyEngine(Engine):
                   "flash_attn": None if inst.flash_attn < 0 else bool(inst.flash_attn)}
         if inst.tensor_split:
             kw["tensor_split"] = list(inst.tensor_split)
+        if inst.tensor_buft_overrides != "none":
+            try:        # (after the RPC servers are added: an override may name their devices)
+                choose_devices("cpu", rpc=rpc)
+                kw["tensor_overrides"] = parse_tensor_overrides(inst.tensor_buft_overrides.split(";"), "-ot")
+            except GGMLValueError as e:
+                raise BenchError(str(e)) from None
         self.model = load_model(inst.model, devices=devices, rpc=rpc, mmap=inst.load_mode == "mmap",
-                                repack=inst.repack, mmproj=inst.mmproj or None, **kw)
+                                repack=inst.repack, mmproj=inst.mmproj or None, n_cpu_moe=inst.n_cpu_moe, **kw)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}

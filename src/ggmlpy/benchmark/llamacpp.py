@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import os
 import platform
 from typing import Any, Callable
 
@@ -40,6 +41,15 @@ def _cpu_model_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+#: llama-bench's --n-cpu-moe override per layer (ggmlpy.backend.N_CPU_MOE_PATTERN's twin: no ggmlpy here)
+_N_CPU_MOE_PATTERN = r"blk\.{}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+class _BuftOverride(ctypes.Structure):
+    """llama.cpp's ``struct llama_model_tensor_buft_override``."""
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
 
 
 class LlamaCppEngine(Engine):
@@ -101,6 +111,7 @@ class LlamaCppEngine(Engine):
         if inst.tensor_split:
             self._tensor_split = (ctypes.c_float * len(inst.tensor_split))(*inst.tensor_split)  # alive while loading
             mp.tensor_split = self._tensor_split
+        self._set_overrides(mp, inst)
         if hasattr(mp, "use_extra_bufts"):
             mp.use_extra_bufts = inst.repack
         elif not inst.repack:
@@ -120,6 +131,39 @@ class LlamaCppEngine(Engine):
                      "size": int(ll.llama_model_size(self.model)),
                      "n_params": int(ll.llama_model_n_params(self.model)),
                      "n_vocab": int(n_vocab), "backends": "GPU" if gpu else "CPU"}
+
+    def _set_overrides(self, mp: Any, inst: Instance) -> None:
+        """``-ot`` and ``-ncmoe`` as llama-bench sets them: ``tensor_buft_overrides``, an array of (pattern,
+        buffer type) ended by a null pair, the buffer types looked up by name (a device's own buffer type,
+        as llama-bench lists them; ggmlpy also takes the device's name: the same for CPU, CUDA0, Vulkan0)."""
+        pairs = []
+        if inst.tensor_buft_overrides != "none":
+            pairs = [tuple(x.split("=", 1)) for x in inst.tensor_buft_overrides.split(";")]
+        pairs += [(_N_CPU_MOE_PATTERN.format(i), "CPU") for i in range(min(inst.n_cpu_moe, 1024))]
+        if not pairs:
+            return
+        if not hasattr(mp, "tensor_buft_overrides"):
+            raise UnsupportedTest(f"llama_cpp {self.version} takes no tensor overrides")
+        # llama-cpp-python binds no ggml_backend_* function; its libggml (loaded with libllama) has them
+        ggml = ctypes.CDLL(os.path.join(os.path.dirname(self.ll.__file__), "lib", "libggml.so"))
+        for f, res, args in (("ggml_backend_dev_count", ctypes.c_size_t, []),
+                             ("ggml_backend_dev_get", ctypes.c_void_p, [ctypes.c_size_t]),
+                             ("ggml_backend_dev_buffer_type", ctypes.c_void_p, [ctypes.c_void_p]),
+                             ("ggml_backend_buft_name", ctypes.c_char_p, [ctypes.c_void_p])):
+            getattr(ggml, f).restype, getattr(ggml, f).argtypes = res, args
+        bufts = {}
+        for i in range(ggml.ggml_backend_dev_count()):
+            buft = ggml.ggml_backend_dev_buffer_type(ggml.ggml_backend_dev_get(i))
+            if buft:
+                bufts[ggml.ggml_backend_buft_name(buft).decode().lower()] = buft
+        arr = (_BuftOverride * (len(pairs) + 1))()
+        for k, (pattern, name) in enumerate(pairs):
+            if name.strip().lower() not in bufts:
+                raise BenchError(f"-ot {pattern}={name}: llama.cpp has no buffer type {name!r} "
+                                 f"(it has: {', '.join(sorted(bufts))})")
+            arr[k].pattern, arr[k].buft = pattern.encode(), bufts[name.strip().lower()]
+        self._overrides = arr            # alive while the model loads (llama.cpp reads it then)
+        mp.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
 
     def unload(self) -> None:
         self.free_context()

@@ -194,6 +194,28 @@ def _parse_split_mode(text: str) -> list[str]:
     return out
 
 
+def _parse_overrides(text: str) -> list[str]:
+    """llama-bench's ``-ot``: configurations separated by ``,``, each ``PATTERN=DEVICE`` items separated by
+    ``;`` (``"exps=CPU;attn=CUDA0,none"``); ``none`` or an empty one is no override. The patterns are
+    checked here (the devices when the model loads: an RPC server's exist only then)."""
+    out = []
+    for combo in text.split(","):
+        items = [x for x in combo.split(";") if x.strip()]
+        if not items or combo.strip().lower() == "none":
+            out.append("none")
+            continue
+        for item in items:
+            pattern, eq, dev = item.partition("=")
+            if not eq or not pattern or not dev.strip():
+                raise BenchError(f"invalid -ot value {item!r}: expected PATTERN=DEVICE (e.g. ffn_.*_exps=CPU)")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise BenchError(f"invalid -ot value {item!r}: {pattern!r} is not a regular expression ({e})") from None
+        out.append(";".join(items))
+    return out
+
+
 def _parse_tensor_split(text: str) -> list[tuple]:
     """llama-bench's ``-ts``: per configuration, '/'-separated proportions per accelerator (``3/1``);
     ``0`` is the default split (by free memory), stored as ()."""
@@ -276,6 +298,8 @@ class BenchParams:
     split_mode: list[str] = field(default_factory=lambda: ["layer"])
     main_gpu: list[int] = field(default_factory=lambda: [0])
     tensor_split: list[tuple] = field(default_factory=lambda: [()])
+    n_cpu_moe: list[int] = field(default_factory=lambda: [0])
+    tensor_buft_overrides: list[str] = field(default_factory=lambda: ["none"])
     embeddings: list[bool] = field(default_factory=lambda: [False])
     repack: list[bool] = field(default_factory=lambda: [True])
     reps: int = 5
@@ -335,6 +359,11 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-mg", "--main-gpu"), "main_gpu", parse_int_range, "the accelerator -sm none uses, by index (default 0)"),
     (("-ts", "--tensor-split"), "tensor_split", _parse_tensor_split,
      "proportions of the offloaded layers per accelerator, '/'-separated (3/1); 0: by free memory (default)"),
+    (("-ot", "--override-tensor", "--override-tensors"), "tensor_buft_overrides", _parse_overrides,
+     "weights by name on a device: PATTERN=DEVICE items ';'-separated, configurations ','-separated "
+     "(exps=CPU;attn=Vulkan0,none); default none"),
+    (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", parse_int_range,
+     "the first N layers' expert weights on the CPU (default 0)"),
     (("-nopo", "--no-op-offload"), "no_op_offload", _parse_bools("-nopo"),
      "1: every op where its weights are (no offload of host-weight products to a device; default 0)"),
     (("-nkvo", "--no-kv-offload"), "no_kv_offload", _parse_bools("-nkvo"),
@@ -359,11 +388,6 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
 #: llama-bench's placement options: (option names, the values meaning ggmlpy's one placement, why others
 #: are refused). They are parsed (so ``-ot`` is never read as ``-o t``) and checked before anything runs.
 PLACEMENT_OPTIONS = [
-    (("-ot", "--override-tensor"), ("none",),
-     "tensor overrides (weights by name to a device) are not implemented: ggmlpy places whole layers "
-     "(-ngl, -dev)"),
-    (("-ncmoe", "--n-cpu-moe"), ("0",),
-     "keeping some layers' experts on the CPU is not implemented: ggmlpy places whole layers (-ngl)"),
     (("--no-host",), ("0",), "ggmlpy allocates no host buffer types to bypass"),
 ]
 
@@ -586,11 +610,11 @@ def make_instances(p: BenchParams, models: list[str] | None = None) -> list[Inst
     images = [n for n in p.n_images if n > 0]
     out = []
     # llama-bench's nesting: model parameters outermost
-    for (k, m), ngl, sm, mg, ts, lm, dev, rpk, nopo in itertools.product(
-            enumerate(models), p.n_gpu_layers, p.split_mode, p.main_gpu, p.tensor_split, p.load_mode, p.devices,
-            p.repack, p.no_op_offload):
-        model = dict(model=m, n_gpu_layers=ngl, split_mode=sm, main_gpu=mg, tensor_split=ts, devices=dev,
-                     load_mode=lm, repack=rpk, no_op_offload=nopo)
+    for (k, m), ngl, ncmoe, sm, mg, ts, ot, lm, dev, rpk, nopo in itertools.product(
+            enumerate(models), p.n_gpu_layers, p.n_cpu_moe, p.split_mode, p.main_gpu, p.tensor_split,
+            p.tensor_buft_overrides, p.load_mode, p.devices, p.repack, p.no_op_offload):
+        model = dict(model=m, n_gpu_layers=ngl, n_cpu_moe=ncmoe, split_mode=sm, main_gpu=mg, tensor_split=ts,
+                     tensor_buft_overrides=ot, devices=dev, load_mode=lm, repack=rpk, no_op_offload=nopo)
         for embd, nb, nub, tk, tv, nkvo, fa, nt, nd in itertools.product(
                 p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload, p.flash_attn,
                 p.n_threads, p.n_depth):

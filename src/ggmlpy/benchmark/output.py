@@ -106,6 +106,7 @@ def _md_width(name: str) -> int:
 _MD_DISPLAY = {"n_gpu_layers": "ngl", "n_threads": "threads", "flash_attn": "fa", "devices": "dev",
                "no_kv_offload": "nkvo", "no_op_offload": "nopo",
                "split_mode": "sm", "main_gpu": "mg", "tensor_split": "ts", "load_mode": "lm", "embeddings": "embd",
+               "tensor_buft_overrides": "ot",
                **{f: h for f, h, _, _ in _ROOFLINE_MD}}
 
 
@@ -153,7 +154,7 @@ class MarkdownPrinter(Printer):
             fields.append("n_gpu_layers")
         if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
             fields.append("n_threads")
-        for name in ("split_mode", "main_gpu", "tensor_split", "n_batch", "n_ubatch", "type_k", "type_v",
+        for name in ("n_cpu_moe", "split_mode", "main_gpu", "tensor_split", "tensor_buft_overrides", "n_batch", "n_ubatch", "type_k", "type_v",
                      "no_kv_offload", "no_op_offload", "flash_attn", "devices",
                      "load_mode", "embeddings", "repack"):
             if len(getattr(p, name)) > 1 or getattr(p, name) != getattr(d, name):

@@ -49,6 +49,10 @@ class Instance:
     main_gpu: int = 0
     #: proportions per accelerator (-ts); () for the default split by free memory
     tensor_split: tuple = ()
+    #: the first layers whose experts stay on the CPU (-ncmoe)
+    n_cpu_moe: int = 0
+    #: tensor overrides (-ot), llama-bench's ``PATTERN=DEVICE;...``, or "none"
+    tensor_buft_overrides: str = "none"
     embeddings: bool = False
     repack: bool = True
     #: images encoded per repetition (an ``img`` test; 0 for token tests)
@@ -83,7 +87,7 @@ class Instance:
         """What decides whether the model must be reloaded between two tests (the mmproj: whether it is
         loaded with a vision encoder, and which)."""
         key = (self.model, self.n_gpu_layers, self.load_mode, self.devices, self.repack, self.mmproj,
-               self.split_mode, self.main_gpu, self.tensor_split)
+               self.split_mode, self.main_gpu, self.tensor_split, self.n_cpu_moe, self.tensor_buft_overrides)
         if self.n_gpu_layers == AUTO_NGL:
             # the placement is fitted to this test's context, batches and cache types
             key += (self.n_ctx, self.n_batch, self.n_ubatch, self.type_k, self.type_v, self.flash_attn)
@@ -174,9 +178,9 @@ class Result:
             "n_batch": i.n_batch, "n_ubatch": i.n_ubatch, "n_threads": i.n_threads,
             "cpu_mask": "0x0", "cpu_strict": False, "poll": 50,
             "type_k": i.type_k, "type_v": i.type_v, "n_gpu_layers": i.n_gpu_layers,
-            "n_cpu_moe": 0, "split_mode": i.split_mode, "main_gpu": i.main_gpu, "no_kv_offload": i.no_kv_offload,
+            "n_cpu_moe": i.n_cpu_moe, "split_mode": i.split_mode, "main_gpu": i.main_gpu, "no_kv_offload": i.no_kv_offload,
             "flash_attn": i.flash_attn, "devices": i.devices, "tensor_split": "/".join(f"{x:.2f}" for x in i.tensor_split) or "0.00",
-            "tensor_buft_overrides": "none", "load_mode": self.load_mode, "embeddings": i.embeddings,
+            "tensor_buft_overrides": i.tensor_buft_overrides, "load_mode": self.load_mode, "embeddings": i.embeddings,
             "no_op_offload": int(i.no_op_offload), "no_host": False, "repack": i.repack, "fit_target": 0, "fit_min_ctx": 0,
             "n_prompt": i.n_prompt, "n_gen": i.n_gen, "n_depth": i.n_depth,
             "test_time": self.test_time, "avg_ns": self.avg_ns, "stddev_ns": self.stddev_ns,

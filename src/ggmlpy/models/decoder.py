@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
@@ -30,7 +31,7 @@ from typing import Any, Callable, ClassVar, Optional
 import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
-from ggmlpy.backend import MemoryReport, Placement, Weights, choose_devices, split_layers
+from ggmlpy.backend import N_CPU_MOE_PATTERN, MemoryReport, Placement, Weights, choose_devices, split_layers
 from ggmlpy.gguf import (
     _REQUIRED,
     GGUFError,
@@ -620,10 +621,12 @@ class DecoderModel(WeightLoader):
                 self._check(reader, name, ne, types)
             used = {e[0] for e in expected}
             for name, ne, group, _types, op in self._fuse(reader, expected) if fuse else expected:
-                self.weights.add(name, reader.tensor_info(self.fused.get(name, (name,))[0]).type, ne, group, op=op)
+                parts = self.fused.get(name, (name,))
+                self.weights.add(name, reader.tensor_info(parts[0]).type, ne, group, op=op, names=parts)
             self._copy_tied_head(reader)
             self._copy_to_layer_devices(reader, self.LAYER_SHARED)
             check_all_used(reader, self.path, used, cfg.arch, cfg.n_layer)
+            self._warn_idle_overrides()
             self.weights.allocate()
         except BaseException:
             self.weights.close()
@@ -740,6 +743,23 @@ class DecoderModel(WeightLoader):
         if self.has_rope_freqs:
             yield "rope_freqs.weight", (c.rope_dim // 2,), "input", (Type.F32,), None
 
+    def _warn_idle_overrides(self) -> None:
+        """A tensor override that matches none of the file's weights is most likely a typo (llama.cpp
+        ignores it silently)."""
+        if not self.placement.overrides:
+            return
+        names = [n for name in self.weights.tensors for n in self.fused.get(name, (name,))]
+        idle = [p for p, _ in self.placement.overrides if not any(re.search(p, n) for n in names)]
+        ncmoe = {N_CPU_MOE_PATTERN.format(i) for i in range(self.config.n_layer)}
+        if any(p in ncmoe for p in idle) and not any("_exps" in n for n in names):
+            warnings.warn(f"{self.path}: n_cpu_moe (--cpu-moe, -ncmoe): this {self.config.arch} model has no expert "
+                          f"weights", stacklevel=4)
+        idle = [p for p in idle if p not in ncmoe]       # (a layer without experts: nothing to keep, as llama.cpp)
+        if idle:
+            more = f" and {len(idle) - 3} more" if len(idle) > 3 else ""
+            warnings.warn(f"{self.path}: tensor override pattern(s) {', '.join(idle[:3])}{more} match no weight "
+                          f"of this {self.config.arch} model", stacklevel=4)
+
     def _copy_tied_head(self, reader) -> None:
         """With tied embeddings, give the head its own copy of ``token_embd.weight`` where the product
         would run elsewhere: on another device, or from an extra buffer type (a repacked Q4_0 head is
@@ -749,7 +769,8 @@ class DecoderModel(WeightLoader):
             return
         c = self.config
         ne, t = (c.n_embd, c.n_vocab), reader.tensor_info("token_embd.weight").type
-        if self.weights.where(t, ne, "output", "mul_mat") == self.weights.where(t, ne, "input"):
+        if (self.weights.where(t, ne, "output", "mul_mat", names=("output.weight",))
+                == self.weights.where(t, ne, "input", names=("token_embd.weight",))):
             return
         self.weights.add("output.weight", t, ne, "output", op="mul_mat")
         self.fused["output.weight"] = ("token_embd.weight",)
@@ -771,7 +792,7 @@ class DecoderModel(WeightLoader):
                 if dev == home or dev in self._on_device.get(name, {}):
                     continue
                 copy = f"{name}@{dev}"
-                self.weights.add(copy, t.type, (t.ne[0],), il)          # RoPE factors are vectors
+                self.weights.add(copy, t.type, (t.ne[0],), il, names=())  # vectors; a copy is never overridden
                 self.fused[copy] = (name,)
                 self.copies.add(copy)
                 self._on_device.setdefault(name, {})[dev] = copy
@@ -779,8 +800,9 @@ class DecoderModel(WeightLoader):
     def _fuse(self, reader, expected: list) -> list:
         """``expected`` with each layer's fusable weights (and biases) replaced by their concatenation.
 
-        Parts fuse when each is present and all have one type (their rows are as wide, checked against
-        the hyperparameters already); biases only where their weights fused, as the graph adds the fused
+        Parts fuse when each is present, all have one type (their rows are as wide, checked against
+        the hyperparameters already) and no tensor override sends them to different devices; biases only
+        where their weights fused, as the graph adds the fused
         bias to the fused product. The fused tensor takes the first part's place and is recorded in
         :attr:`fused`.
         """
@@ -797,6 +819,8 @@ class DecoderModel(WeightLoader):
                 names = [f"{pre}.{q}.{kind}" for q in parts]
                 if (all(n in by_name for n in names)
                         and len({reader.tensor_info(n).type for n in names}) == 1     # not Q4_K_M's Q6_K attn_v
+                        # parts a tensor override sends to different devices stay apart
+                        and len({self.placement.device_for(group, (n,)) for n in names}) == 1
                         and (kind == "weight" or f"{pre}.{fused}.weight" in self.fused)):
                     rows = [by_name[n][1][-1] for n in names]
                     fname = f"{pre}.{fused}.{kind}"

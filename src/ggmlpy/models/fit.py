@@ -36,7 +36,7 @@ from typing import Any, Optional, Union
 from ggmlpy import _core
 from ggmlpy._core import Device, GGMLMemoryError, GGMLValueError
 
-from ..backend import MemoryReport, Placement, choose_devices
+from ..backend import MemoryReport, Placement, choose_devices, n_cpu_moe_overrides
 
 log = logging.getLogger("ggmlpy")
 
@@ -128,7 +128,7 @@ class _Search:
     """The state of one search: devices, budgets, sizes measured so far, tries."""
 
     def __init__(self, path, devs: list[Device], n_layer: int, tensor_bytes: dict, budgets: dict[str, int],
-                 load_kw: dict, runner_kw: dict) -> None:
+                 load_kw: dict, runner_kw: dict, overrides: tuple = (), overridden: Optional[dict] = None) -> None:
         self.path = path
         self.cpu = _core.device("CPU")
         self.accel = [d for d in devs if d != self.cpu]
@@ -141,6 +141,10 @@ class _Search:
         # sizes: weights per unit (from the file's tensor table, then measured), cache per unit, graph
         # per (device, holds the output)
         self.weights: dict[Unit, int] = dict(tensor_bytes)
+        #: tensor overrides: the placement's, and the bytes of each unit they send to each device
+        #: ``{(unit, device name): bytes}`` (from the file's table): those never move with the unit
+        self.overrides = overrides
+        self.overridden = dict(overridden or {})
         self.cache: dict[Unit, int] = {}
         self.graph: dict[tuple[str, bool], int] = {}
         self.caps: dict[tuple[int, int], int] = {}
@@ -165,7 +169,8 @@ class _Search:
         k = 0
         for i, d in enumerate(self.accel):
             cap = self.caps.get((i, k), len(self.units))
-            used, c = 0, 0
+            # what overrides put on this device whatever its layers
+            used, c = sum(v for (_, dn), v in self.overridden.items() if dn == d.name), 0
             while k + c < len(self.units) and c < cap:
                 u = self.units[k + c]
                 if used + self._size(u) + self._graph(d, u == "output") > self.budgets[d.name]:
@@ -187,7 +192,7 @@ class _Search:
                 else:
                     layers[u] = d
             k += c
-        return Placement(layers=layers, output=output, input=self.cpu)
+        return Placement(layers=layers, output=output, input=self.cpu, overrides=self.overrides)
 
     # -------------------------------------------------------------- tries
 
@@ -246,8 +251,9 @@ class _Search:
             for g, v in m.weights.items():
                 # the vision encoder goes with the output layer (Placement.device_of("vision"))
                 u: Optional[Unit] = "output" if g == "vision" else None if g == "input" else g
-                if u is not None:
-                    units[u] = units.get(u, 0) + v
+                if u is None or m.name != placement.device_of(g).name:
+                    continue            # a tensor override's bytes: they stay where it puts them
+                units[u] = units.get(u, 0) + v - self.overridden.get((u, m.name), 0)
             for g, v in m.cache.items():
                 if v:
                     self.cache[g] = v
@@ -298,9 +304,11 @@ class _Search:
         return best, best_step if best_step is not None else self.steps[-1]
 
 
-def _tensor_bytes(reader, n_layer: int) -> dict[Unit, int]:
-    """Weight bytes per unit from the file's tensor table (the first estimate, before any try)."""
+def _tensor_bytes(reader, n_layer: int, placement: Optional[Placement] = None) -> tuple[dict, dict]:
+    """Weight bytes per unit from the file's tensor table (the first estimate, before any try), without
+    the tensors ``placement``'s overrides send elsewhere; and those, ``{(unit, device name): bytes}``."""
     out: dict[Unit, int] = {}
+    moved: dict[tuple[Unit, str], int] = {}
     for t in reader.tensors:
         name = t.name
         if name.startswith("blk."):
@@ -314,8 +322,12 @@ def _tensor_bytes(reader, n_layer: int) -> dict[Unit, int]:
             u = "output"
         else:
             continue
-        out[u] = out.get(u, 0) + int(t.nbytes)
-    return out
+        dev = placement.override_of((name,)) if placement is not None and placement.overrides else None
+        if dev is not None:
+            moved[(u, dev.name)] = moved.get((u, dev.name), 0) + int(t.nbytes)
+        else:
+            out[u] = out.get(u, 0) + int(t.nbytes)
+    return out, moved
 
 
 def _budgets(devs: Sequence[Device], margin, memory) -> dict[str, int]:
@@ -340,10 +352,13 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
               n_ctx: Union[int, str] = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
               n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
               margin: Union[None, int, dict] = None, memory: Optional[dict] = None, load_kw: Optional[dict] = None,
-              progress=None, check_tensors: bool = False, mmap: bool = False) -> Any:
+              progress=None, check_tensors: bool = False, mmap: bool = False, overrides: tuple = (),
+              n_cpu_moe: int = 0) -> Any:
     """Choose a placement by trying allocations (see the module), then load the model on it.
 
-    Called by :func:`~ggmlpy.models.load_model` with ``n_gpu_layers="auto"``; the parameters are its.
+    Called by :func:`~ggmlpy.models.load_model` with ``n_gpu_layers="auto"``; the parameters are its
+    (``overrides``: its tensor overrides, parsed, :func:`~ggmlpy.backend.parse_tensor_overrides`; every
+    try keeps them and ``n_cpu_moe``'s, and the tensors they move are not counted with their layer).
 
     Returns
     -------
@@ -368,7 +383,10 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
     tk, tv, fa = Runner.check_cache_types(type_k, type_v, flash_attn)
     with GGUFReader(path) as reader:
         cfg = model_class(reader.metadata.get("general.architecture"), str(path)).read_config(reader, str(path))
-        tensor_bytes = _tensor_bytes(reader, cfg.n_layer)
+        cpu = _core.device("CPU")
+        overrides = tuple(overrides) + n_cpu_moe_overrides(n_cpu_moe, cfg.n_layer)
+        tensor_bytes, overridden = _tensor_bytes(reader, cfg.n_layer,
+                                                 Placement(layers=[], output=cpu, input=cpu, overrides=overrides))
     if auto_ctx:
         if int(n_ctx_min) < 1:
             raise GGMLValueError(f"load_model: n_ctx_min must be >= 1 (got {n_ctx_min})")
@@ -381,7 +399,8 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
     budgets = _budgets(devs, margin, memory)
     runner_kw = {"n_seq_max": int(n_seq_max), "n_batch": int(n_batch), "n_ubatch": int(n_ubatch),
                  "type_k": type_k, "type_v": type_v, "flash_attn": fa}
-    s = _Search(path, devs, cfg.n_layer, tensor_bytes, budgets, dict(load_kw or {}), runner_kw)
+    s = _Search(path, devs, cfg.n_layer, tensor_bytes, budgets, dict(load_kw or {}), runner_kw, overrides,
+                overridden)
     # the first estimate of the cache: K and V rows of every cell (no window, no padding); tries measure it
     row = getattr(cfg, "n_head_kv", 0) * getattr(cfg, "head_dim", 0)
     if row:

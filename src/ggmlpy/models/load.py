@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Callable, Optional
 
 from ggmlpy._core import GGMLValueError
-from ggmlpy.backend import Placement, choose_devices, split_layers
+from ggmlpy.backend import Placement, choose_devices, n_cpu_moe_overrides, parse_tensor_overrides, split_layers
 from ggmlpy.gguf import GGUFReader
 
 from . import llama  # noqa: F401  (registers the llama family)
@@ -24,7 +25,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
                *, n_ctx: int | str = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
                n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
                margin: Optional[int | dict] = None, memory: Optional[dict] = None,
-               tensor_split: Optional[Sequence[float]] = None) -> Model:
+               tensor_split: Optional[Sequence[float]] = None,
+               tensor_overrides: Optional[str | Sequence] = None, n_cpu_moe: int = 0) -> Model:
     """Open a GGUF file, pick its architecture's model class, place and allocate its weights, and load them.
 
     Parameters
@@ -51,6 +53,16 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     tensor_split : the proportions of the offloaded layers per accelerator, in ``devices`` order
         (llama.cpp's ``--tensor-split``, e.g. ``[3, 1]``); default: by each one's free memory. Not with
         ``n_gpu_layers="auto"``.
+    tensor_overrides : weights by name on another device than their layer's, as llama.cpp's ``-ot``:
+        ``"PATTERN=DEVICE,..."`` or a list of ``"PATTERN=DEVICE"`` / ``(pattern, device)``, e.g.
+        ``"ffn_.*_exps=CPU"`` keeps a MoE's experts on the CPU with its layers on the GPU (ggml's scheduler
+        runs each product where its weight is, or takes a prompt's to the GPU: op offload). Regular
+        expressions searched in the file's tensor names; the first match wins
+        (:func:`~ggmlpy.backend.parse_tensor_overrides`). The memory report counts those weights on
+        their device (``model.weights.overridden`` lists them) and ``"auto"`` fits around them. A
+        pattern that matches no weight is warned about.
+    n_cpu_moe : keep the expert weights of the first ``n_cpu_moe`` layers on the CPU (llama.cpp's
+        ``--n-cpu-moe``; overrides after ``tensor_overrides``)
     progress : ``progress(done_bytes, total_bytes)`` while loading (e.g. ``backend.ProgressBar()``)
     rpc : RPC server endpoints to add
     load : False to stop after allocation (the memory report is then available; call ``model.load()``)
@@ -84,6 +96,11 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         placement fits (the message lists the tries, ``.report`` is the last one's; nothing stays
         allocated).
     """
+    overrides = ()
+    if tensor_overrides is not None:
+        choose_devices(devices, rpc=rpc)        # RPC servers first: an override may name their devices
+        overrides = parse_tensor_overrides(tensor_overrides)
+    n_cpu_moe_overrides(n_cpu_moe, 0)           # its value checked before anything is read
     if isinstance(n_gpu_layers, str):
         if n_gpu_layers != "auto":
             raise GGMLValueError(f"load_model: n_gpu_layers must be an integer or 'auto' (got {n_gpu_layers!r})")
@@ -99,7 +116,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
         return fit_model(path, devices=devices, rpc=rpc, n_ctx=n_ctx, n_ctx_min=n_ctx_min, n_seq_max=n_seq_max,
                          n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
                          margin=margin, memory=memory, progress=progress, check_tensors=check_tensors, mmap=mmap,
-                         load_kw={"repack": repack, "fuse": fuse, "mmproj": mmproj})
+                         load_kw={"repack": repack, "fuse": fuse, "mmproj": mmproj}, overrides=overrides,
+                         n_cpu_moe=n_cpu_moe)
     reader = GGUFReader(path)
     try:
         cls = model_class(reader.metadata.get("general.architecture"), str(path))
@@ -110,6 +128,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
                                      "memory" if tensor_split is None else list(tensor_split))
         elif placement.n_layers != n_layer:
             raise GGMLValueError(f"load_model: the placement has {placement.n_layers} layers, {path} has {n_layer}")
+        overrides += n_cpu_moe_overrides(n_cpu_moe, n_layer)
+        if overrides:
+            placement = replace(placement, overrides=placement.overrides + overrides)
         model = cls(reader, placement, repack=repack, fuse=fuse)
     except BaseException:
         reader.close()

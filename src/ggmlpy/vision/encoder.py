@@ -266,7 +266,9 @@ class VisionModel(WeightLoader):
         self.max_tiles = grid * grid + 1 if grid > 1 else 1
         expected = list(self._expected())
         self.fused: dict[str, tuple[str, ...]] = {}
-        self.weights = Weights(placement, max_tensors=len(expected) + 4, report=report, repack=False)
+        # (the text model's tensor overrides are not the encoder's: llama.cpp's -ot skips the mmproj too)
+        self.weights = Weights(placement, max_tensors=len(expected) + 4, report=report, repack=False,
+                               overrides=False)
         self.report = self.weights.report
         try:
             for name, ne, types in expected:
