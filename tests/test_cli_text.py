@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
-from text_helpers import llama_chat_gguf
 from test_core_backend import rpc_server  # noqa: F401  (a fixture: an RPC server on loopback)
+from text_helpers import llama_chat_gguf
 
 from ggmlpy import cli
 from ggmlpy.runner import DoneReason, Runner

@@ -31,7 +31,14 @@ from typing import Any, Callable, ClassVar, Optional
 import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
-from ggmlpy.backend import N_CPU_MOE_PATTERN, MemoryReport, Placement, Weights, choose_devices, split_layers
+from ggmlpy.backend import (
+    N_CPU_MOE_PATTERN,
+    MemoryReport,
+    Placement,
+    Weights,
+    choose_devices,
+    split_layers,
+)
 from ggmlpy.gguf import (
     _REQUIRED,
     GGUFError,

@@ -8,7 +8,13 @@ from dataclasses import replace
 from typing import Callable, Optional
 
 from ggmlpy._core import GGMLValueError
-from ggmlpy.backend import Placement, choose_devices, n_cpu_moe_overrides, parse_tensor_overrides, split_layers
+from ggmlpy.backend import (
+    Placement,
+    choose_devices,
+    n_cpu_moe_overrides,
+    parse_tensor_overrides,
+    split_layers,
+)
 from ggmlpy.gguf import GGUFReader
 
 from . import llama  # noqa: F401  (registers the llama family)
