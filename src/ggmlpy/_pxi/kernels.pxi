@@ -1,7 +1,8 @@
-# ggmlpy's own CPU kernels (ggml custom ops; the Context methods are in ops.pxi): their headers, the
+# ggmlpy's own CPU kernels (ggml custom ops; the Context methods are in ops.pxi; the C is in _c/kernels,
+# built as libggmlpy_c): their declarations (kernels.h), the
 # process-wide switches benchmarks and tests turn, and the checks the models ask before choosing them.
 
-cdef extern from "ggmlpy_cpu.h":
+cdef extern from "kernels.h":
     int ggmlpy_kernels_portable
 
 
@@ -33,7 +34,7 @@ def _kernels_force_portable(force=None):
         ggmlpy_kernels_portable = 1 if force else 0
     return old
 
-cdef extern from "ggmlpy_attn.h":
+cdef extern from "kernels.h":
     g.ggml_tensor * ggmlpy_attn_decode(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k, g.ggml_tensor * v,
                                        g.ggml_tensor * mask, float scale, int n_chunks, int avx512) nogil
     int GGMLPY_ATTN_MAX_DV
@@ -42,7 +43,7 @@ cdef extern from "ggmlpy_attn.h":
     int ggmlpy_attn_allow_512
     int64_t ggmlpy_attn_pfd
 
-cdef extern from "ggmlpy_gemv.h":
+cdef extern from "kernels.h":
     g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
     g.ggml_tensor * ggmlpy_mul_mat_id_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
                                           g.ggml_tensor * ids) nogil
@@ -197,7 +198,7 @@ cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, st
     return 0
 
 
-cdef extern from "ggmlpy_attn_prefill.h":
+cdef extern from "kernels.h":
     g.ggml_tensor * ggmlpy_attn_prefill(g.ggml_context * ctx, g.ggml_tensor * q, g.ggml_tensor * k,
                                         g.ggml_tensor * v, g.ggml_tensor * mask, float scale, float softcap) nogil
     int GGMLPY_PF_MAX_D
@@ -262,7 +263,7 @@ def _attn_decode_vectorized(int64_t head_dim_k, int64_t head_dim_v):
     return bool(ggmlpy_attn_use_avx2(head_dim_k, head_dim_v))
 
 
-cdef extern from "ggmlpy_glu.h":
+cdef extern from "kernels.h":
     g.ggml_tensor * ggmlpy_geglu_tanh(g.ggml_context * ctx, g.ggml_tensor * a, g.ggml_tensor * b) nogil
     int ggmlpy_glu_allow_vector
     int ggmlpy_glu_vectorized() nogil

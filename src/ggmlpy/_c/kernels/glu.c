@@ -6,28 +6,23 @@
    Here gelu_tanh(x) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3) (the same function as
    0.5 x (1 + tanh u), transformers' gelu_pytorch_tanh), with the sigmoid from exp(-|2u|) so the
    exponential stays in its accurate range; in float32 throughout, 16 values at a time with AVX-512. */
-#pragma once
 #include <math.h>
 #include <stdint.h>
 #include "ggml.h"
-#include "ggmlpy_attn_prefill.h"      /* GGMLPY_AVX512, ggmlpy_pf_exp512 (exp for x <= 0) */
+#include "simd.h"
+#include "kernels.h"
+
+#if GGMLPY_X86
+#define GGMLPY_AVX512 GGMLPY_AVX512_FMA
+#endif
 
 #define GGMLPY_GLU_CHUNK 256          /* values a unit of work holds */
 
 /* Process-wide: 0 forces the portable loop where the vectorised one would run (for tests). */
-static int ggmlpy_glu_allow_vector = 1;
+int ggmlpy_glu_allow_vector = 1;
 
-static inline int ggmlpy_glu_vectorized(void) {
-#if GGMLPY_ATTN_X86
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-    }
-    return has && ggmlpy_glu_allow_vector && !ggmlpy_kernels_portable;
-#else
-    return 0;
-#endif
+int ggmlpy_glu_vectorized(void) {
+    return ggmlpy_cpu_has(GGMLPY_CPU_AVX512_FMA) && ggmlpy_glu_allow_vector && !ggmlpy_kernels_portable;
 }
 
 static inline float ggmlpy_gelu_tanh(float x) {
@@ -40,7 +35,7 @@ static void ggmlpy_geglu_ref(const float * x, const float * g, float * y, int64_
     for (int64_t i = 0; i < n; i++) y[i] = ggmlpy_gelu_tanh(x[i]) * g[i];
 }
 
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
 GGMLPY_AVX512 static void ggmlpy_geglu_avx512(const float * x, const float * g, float * y, int64_t n) {
     const __m512 c = _mm512_set1_ps(1.5957691216057308f), c3 = _mm512_set1_ps(0.044715f), one = _mm512_set1_ps(1.0f);
     const __m512i sign = _mm512_set1_epi32((int) 0x80000000u);
@@ -74,7 +69,7 @@ static void ggmlpy_geglu_op(struct ggml_tensor * dst, int ith, int nth, void * u
         const float * x = b ? (const float *) a->data + r * n + c0 : (const float *) a->data + r * 2 * n + c0;
         const float * g = b ? (const float *) b->data + r * n + c0 : x + n;
         float * y = (float *) dst->data + r * n + c0;
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
         if (vec) { ggmlpy_geglu_avx512(x, g, y, len); continue; }
 #endif
         (void) vec;
@@ -82,7 +77,7 @@ static void ggmlpy_geglu_op(struct ggml_tensor * dst, int ith, int nth, void * u
     }
 }
 
-static struct ggml_tensor * ggmlpy_geglu_tanh(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b) {
+struct ggml_tensor * ggmlpy_geglu_tanh(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b) {
     struct ggml_tensor * args[2] = {a, b};
     const int64_t n = b ? a->ne[0] : a->ne[0] / 2;
     return ggml_custom_4d(ctx, GGML_TYPE_F32, n, a->ne[1], a->ne[2], a->ne[3], args, b ? 2 : 1, ggmlpy_geglu_op,

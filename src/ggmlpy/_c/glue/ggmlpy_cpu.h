@@ -9,23 +9,29 @@
    are then reached through a table of pointers that ggmlpy_cpu_load() fills from the
    module the registry kept; the macros below send ggml's names to the table, so the
    Cython code is the same in both builds. Nothing may call them before the table is
-   filled: _core fills it first thing at import (_install_hooks in errors.pxi). */
+   filled: _core fills it first thing at import (_install_hooks in errors.pxi). The table's storage
+   and the loader are in ggmlpy_cpu.c (in libggmlpy_c), so _core and the kernels share one table. */
 #pragma once
 #include <stddef.h>
-#include <stdio.h>
 #include "ggml-backend.h"
 #include "ggml-cpu.h"
 
-/* Process-wide, for tests and benchmarks (_core._kernels_force_portable): 1 sends every kernel of
-   ggmlpy's own (ggmlpy_attn.h, ggmlpy_attn_prefill.h, ggmlpy_gemv.h, ggmlpy_glu.h) down its
-   portable path, as on a CPU without AVX2/AVX-512/VNNI, so one machine tests both paths. Their
-   checks of the CPU (what the models ask before choosing a kernel) then say no. */
-static int ggmlpy_kernels_portable = 0;
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Load every backend in dir (a portable build: ggml scores the CPU variants and keeps the best) and
+   fill the table from the CPU module. 0 on success, else -1 with a message in err. Native: 0. */
+int ggmlpy_cpu_load(const char * dir, char * err, size_t err_size);
+/* Where the chosen CPU variant was found; "" in a native build or before loading. */
+const char * ggmlpy_cpu_path(void);
 
 #if GGMLPY_BACKEND_DL
-#include <dlfcn.h>
+/* The module holding a registered backend (ggmlpy_rpc.h finds libggml-rpc with it). */
+void * ggmlpy_dl_module_of(ggml_backend_reg_t reg, char * path, size_t path_size);
 
-/* Every ggml-cpu.h function _ggml.pxd declares (ggml_threadpool_params_default lives in ggml-base). */
+/* Every ggml-cpu.h function _ggml.pxd and the kernels call (ggml_threadpool_params_default lives in
+   ggml-base). */
 #define GGMLPY_CPU_FUNCS(X) \
     X(ggml_threadpool_new) X(ggml_threadpool_free) X(ggml_graph_plan) X(ggml_graph_compute) \
     X(ggml_backend_cpu_init) X(ggml_backend_is_cpu) X(ggml_backend_cpu_set_n_threads) X(ggml_backend_cpu_set_threadpool) \
@@ -38,47 +44,8 @@ static int ggmlpy_kernels_portable = 0;
 
 /* __typeof__ takes each pointer's type from ggml's own declaration: no signature is restated. */
 #define GGMLPY_FIELD(name) __typeof__(&name) name;
-static struct { GGMLPY_CPU_FUNCS(GGMLPY_FIELD) } ggmlpy_cpu_fns;
-
-/* Where the chosen variant was found; "" until loaded. */
-static char ggmlpy_cpu_path_buf[4096];
-
-/* The module holding a registered backend, opened again (it is loaded already: RTLD_NOLOAD
-   only takes a reference) so its exported symbols can be looked up. dladdr finds the file
-   from any address inside it; the reg struct is a static of that module. */
-static void * ggmlpy_dl_module_of(ggml_backend_reg_t reg, char * path, size_t path_size) {
-    Dl_info info;
-    if (reg == NULL || !dladdr((const void *) reg, &info) || info.dli_fname == NULL) {
-        return NULL;
-    }
-    snprintf(path, path_size, "%s", info.dli_fname);
-    return dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);
-}
-
-/* Load every backend in dir (ggml scores the CPU variants and keeps the best) and fill the
-   table from the CPU module. 0 on success, else -1 with a message in err. */
-static int ggmlpy_cpu_load(const char * dir, char * err, size_t err_size) {
-    void * h;
-    ggml_backend_load_all_from_path(dir);
-    h = ggmlpy_dl_module_of(ggml_backend_reg_by_name("CPU"), ggmlpy_cpu_path_buf, sizeof ggmlpy_cpu_path_buf);
-    if (h == NULL) {
-        ggmlpy_cpu_path_buf[0] = 0;
-        snprintf(err, err_size, "no CPU backend could be loaded from %s: a portable build needs its "
-                 "libggml-cpu-<variant>.so files there, one of which this CPU must support", dir);
-        return -1;
-    }
-#define GGMLPY_LOOKUP(name) \
-    *(void **) (&ggmlpy_cpu_fns.name) = dlsym(h, #name); \
-    if (ggmlpy_cpu_fns.name == NULL) { \
-        snprintf(err, err_size, "%s lacks %s: it is not a CPU backend of this ggml", ggmlpy_cpu_path_buf, #name); \
-        return -1; \
-    }
-    GGMLPY_CPU_FUNCS(GGMLPY_LOOKUP)
-#undef GGMLPY_LOOKUP
-    return 0;
-}
-
-static const char * ggmlpy_cpu_path(void) { return ggmlpy_cpu_path_buf; }
+struct ggmlpy_cpu_fns_t { GGMLPY_CPU_FUNCS(GGMLPY_FIELD) };
+extern struct ggmlpy_cpu_fns_t ggmlpy_cpu_fns;
 
 #define ggml_threadpool_new (ggmlpy_cpu_fns.ggml_threadpool_new)
 #define ggml_threadpool_free (ggmlpy_cpu_fns.ggml_threadpool_free)
@@ -106,12 +73,8 @@ static const char * ggmlpy_cpu_path(void) { return ggmlpy_cpu_path_buf; }
 #define ggml_cpu_has_llamafile (ggmlpy_cpu_fns.ggml_cpu_has_llamafile)
 #define ggml_get_type_traits_cpu (ggmlpy_cpu_fns.ggml_get_type_traits_cpu)
 
-#else  /* native: ggml-cpu is linked */
+#endif
 
-static int ggmlpy_cpu_load(const char * dir, char * err, size_t err_size) {
-    (void) dir; (void) err; (void) err_size;
-    return 0;
+#ifdef __cplusplus
 }
-static const char * ggmlpy_cpu_path(void) { return ""; }
-
 #endif

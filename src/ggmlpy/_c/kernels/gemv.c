@@ -15,48 +15,33 @@
    Q8_0 dots on float32 vectors, four rows at a time. As fast for F16, slower for Q8_0 on one thread
    (converting int8 weights to float costs more than ggml's integer dot), and with other values than
    mul_mat's; dropped. */
-#pragma once
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
 #include "ggml-backend.h"
-#include "ggmlpy_cpu.h"
+#include "ggmlpy_cpu.h"             /* ggml-cpu.h (a table of it in a portable build) */
+#include "simd.h"
+#include "kernels.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GGMLPY_GEMV_X86 1
+#if GGMLPY_X86
 #define GGMLPY_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
-#else
-#define GGMLPY_GEMV_X86 0
 #endif
 
 /* 1 where the CPU runs ggmlpy's VNNI kernels (AVX-512 F/BW/VL with VNNI) and the portable path is
    not forced (ggmlpy_kernels_portable: Q8_0 rows then go to ggml's vec_dot, and repacked Q4_0
    weights, which have no portable kernel of ours, are refused as on a CPU without VNNI) */
-static int ggmlpy_gemv_vnni(void) {
-#if GGMLPY_GEMV_X86
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-              && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-    }
-    return has && !ggmlpy_kernels_portable;
-#else
-    return 0;
-#endif
+int ggmlpy_gemv_vnni(void) {
+    return ggmlpy_cpu_has(GGMLPY_CPU_VNNI512) && !ggmlpy_kernels_portable;
 }
 
-#define GGMLPY_GEMV_MAX_COLS 4          /* vectors per call: a batch of up to 4 tokens */
-#define GGMLPY_GEMV_SCRATCH 65536       /* bytes of a thread's copy of the vectors in the dot type */
 
 /* Bytes ahead of the row being read that the kernel prefetches (0: none); process-wide, for
    benchmarks. 1-8 KiB measured alike here; none was slower than ggml (0.94x), 32 KiB no gain. */
-static int64_t ggmlpy_gemv_pfd = 4096;
+int64_t ggmlpy_gemv_pfd = 4096;
 
 /* The cache level the kernels' prefetches fill: 0 L1 (T0), 1 L2 (T1); process-wide, for benchmarks. */
-static int ggmlpy_gemv_pf_level = 0;
+int ggmlpy_gemv_pf_level = 0;
 
 static inline void ggmlpy_pf(const char * p) {
     if (ggmlpy_gemv_pf_level) __builtin_prefetch(p, 0, 2);
@@ -66,14 +51,14 @@ static inline void ggmlpy_pf(const char * p) {
 /* 1 where w's bytes are plain rows this op can read: in its context's memory or a host buffer (not
    a device's, nor one of the CPU's repacked buffers, which ggml rearranges for its own kernels and
    whose tensors the CPU backend runs only in the ops those kernels implement). */
-static int ggmlpy_gemv_readable(const struct ggml_tensor * w) {
+int ggmlpy_gemv_readable(const struct ggml_tensor * w) {
     const struct ggml_backend_buffer * b = w->buffer ? w->buffer : (w->view_src ? w->view_src->buffer : NULL);
     return b == NULL || ggml_backend_buffer_is_host((ggml_backend_buffer_t) b);
 }
 
 /* Bytes m vectors of k take in the dot type of w's type, or (size_t) -1 where the type has no CPU
    dot kernel (or no conversion into its dot type). */
-static size_t ggmlpy_gemv_scratch(enum ggml_type type, int64_t k, int64_t m) {
+size_t ggmlpy_gemv_scratch(enum ggml_type type, int64_t k, int64_t m) {
     const struct ggml_type_traits_cpu * tt = ggml_get_type_traits_cpu(type);
     if (tt == NULL || tt->vec_dot == NULL) return (size_t) -1;
     if (tt->vec_dot_type != GGML_TYPE_F32 && ggml_get_type_traits_cpu(tt->vec_dot_type)->from_float == NULL) {
@@ -109,17 +94,17 @@ static inline void ggmlpy_gemv_dot(const struct ggml_type_traits_cpu * tt, const
    the end as ggml's hsum_float_8 does: ggml's values exactly. */
 
 /* Process-wide: 0 keeps Q8_0 weights on ggml's vec_dot (for tests and benchmarks). */
-static int ggmlpy_q8_allow = 1;
+int ggmlpy_q8_allow = 1;
 
 /* Bytes ahead of the row pair being read that this kernel prefetches (0: none). bench/matvec.py,
    110M Q8_0 matrices, 1 / 2 threads against ggml's mul_mat: none 0.41x / 0.68x (the two rows'
    streams alone defeat the hardware prefetchers), 4 KiB 1.12x / 1.41x, 8 KiB 1.26x / 1.42x,
    16 KiB 1.24x / 1.35x. */
-static int64_t ggmlpy_q8_pfd = 8192;
+int64_t ggmlpy_q8_pfd = 8192;
 
 #define GGMLPY_Q8_0_BYTES 34            /* a Q8_0 block: float16 scale, 32 int8 */
 
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
 /* ggml's hsum_float_8 */
 GGMLPY_VNNI static inline float ggmlpy_hsum8(__m256 x) {
     __m128 r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
@@ -208,12 +193,12 @@ static void ggmlpy_q8_run(const struct ggml_tensor * w, int64_t r0, int64_t r1, 
 #define GGMLPY_Q8K_BYTES 292            /* a Q8_K block: float d, 256 int8, 16 int16 sums */
 
 /* Process-wide: 0 keeps Q6_K weights on ggml's vec_dot under the schedule (tests, benchmarks). */
-static int ggmlpy_q6k_allow = 1;
+int ggmlpy_q6k_allow = 1;
 
 /* Bytes ahead of the row pair being read that the Q6_K kernel prefetches (0: none). */
-static int64_t ggmlpy_q6k_pfd = 8192;
+int64_t ggmlpy_q6k_pfd = 8192;
 
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
 /* 32 bytes of row a and 32 of row b in one register */
 GGMLPY_VNNI static inline __m512i ggmlpy_pair(const char * a, const char * b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *) a)),
@@ -304,7 +289,7 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
     for (int64_t c = 0; c < m; c++) {
         ggmlpy_gemv_convert(vt, (const float *) ((const char *) x->data + c * x->nb[1]), xq + c * xrow, k, xrow);
     }
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
     if (w->type == GGML_TYPE_Q8_0 && ggmlpy_q8_allow && ggmlpy_gemv_vnni()) {
         ggmlpy_q8_run(w, r0, r1, xq, xrow, (int) m, dst);
         return;
@@ -357,14 +342,14 @@ static void ggmlpy_gemv_id_op(struct ggml_tensor * dst, int ith, int nth, void *
     }
 }
 
-static struct ggml_tensor * ggmlpy_mul_mat_id_vec(struct ggml_context * ctx, struct ggml_tensor * w,
+struct ggml_tensor * ggmlpy_mul_mat_id_vec(struct ggml_context * ctx, struct ggml_tensor * w,
                                                   struct ggml_tensor * x, struct ggml_tensor * ids) {
     struct ggml_tensor * args[3] = {w, x, ids};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 3, ggmlpy_gemv_id_op,
                           GGML_N_TASKS_MAX, NULL);
 }
 
-static struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w,
+struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w,
                                                struct ggml_tensor * x) {
     struct ggml_tensor * args[2] = {w, x};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, ggmlpy_gemv_op, GGML_N_TASKS_MAX, NULL);
@@ -388,17 +373,16 @@ static struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct
    not one of the op's sources: the op gets it as its userdata and reads its bytes at compute time
    (the weights do not change while graphs run, and ggmlpy keeps the Tensor alive with the result). */
 
-#define GGMLPY_RQ4_MAX_COLS 3
 #define GGMLPY_RQ4_BLOCK 144            /* bytes of 8 rows x 32 columns */
 
 
 /* Process-wide: 0 keeps repacked weights on ggml's mul_mat (for tests and benchmarks). */
-static int ggmlpy_rq4_allow = 1;
+int ggmlpy_rq4_allow = 1;
 
 /* Bytes ahead of the block being read that this kernel prefetches (0: none). It reads faster than
    the dot kernels above, so it wants the lines further ahead: 110M Q4_0 model, tokens per second on
    1 / 2 threads: none 478 / 735, 4 KiB 569 / 845, 16 KiB 715 / 851, 32-48 KiB no further gain. */
-static int64_t ggmlpy_rq4_pfd = 16384;
+int64_t ggmlpy_rq4_pfd = 16384;
 
 
 /* ---- Q4_K weights in ggml's CPU_REPACK buffer -------------------------------------------------
@@ -418,15 +402,15 @@ static int64_t ggmlpy_rq4_pfd = 16384;
 #define GGMLPY_RQ4K_BLOCK 1152          /* bytes of 8 rows x 256 columns */
 
 /* Process-wide: 0 keeps repacked Q4_K weights on ggml's mul_mat (for tests and benchmarks). */
-static int ggmlpy_rq4k_allow = 1;
+int ggmlpy_rq4k_allow = 1;
 
 /* Bytes ahead of the super-block being read that the Q4_K kernel prefetches (0: none). */
-static int64_t ggmlpy_rq4k_pfd = 16384;
+int64_t ggmlpy_rq4k_pfd = 16384;
 
 /* 1 where w is a whole Q4_0 or Q4_K weight (a matrix, or a stack of experts' matrices) ggml repacked
    into the layout above (CPU_REPACK, 8-row groups: the only layout ggml has for these types on an x86
    CPU with AVX2) and this CPU runs the kernel */
-static int ggmlpy_gemv_repacked(const struct ggml_tensor * w) {
+int ggmlpy_gemv_repacked(const struct ggml_tensor * w) {
     if (w->type == GGML_TYPE_Q4_0 ? !ggmlpy_rq4_allow
         : w->type == GGML_TYPE_Q4_K ? !ggmlpy_rq4k_allow || ggml_type_size(GGML_TYPE_Q8_K) != GGMLPY_Q8K_BYTES
         : 1) {
@@ -440,7 +424,7 @@ static int ggmlpy_gemv_repacked(const struct ggml_tensor * w) {
            && ggml_cpu_has_avx2();
 }
 
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
 /* Row groups [g0, g1) of the repacked weight w (nb blocks of 32 columns per group) against m Q8_0
    vectors xq (xrow bytes apart; ys8[c * nb + b] = 8 * the sum of vector c's bytes in block b), into
    dst's columns (dnb1 bytes apart). */
@@ -488,7 +472,7 @@ GGMLPY_VNNI static void ggmlpy_rq4_rows(const char * w, int64_t nb, int64_t g0, 
 
 /* One float32 vector of k into Q8_0 at q, as ggml's mul_mat quantizes it (quantize_row_q8_0), and
    ys8[b] = 8 * the sum of its bytes in block b (the kernel's correction for unsigned nibbles). */
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
 static void ggmlpy_rq4_vector(const float * x, int64_t k, char * q, int32_t * ys8) {
     ggml_get_type_traits_cpu(GGML_TYPE_Q8_0)->from_float(x, q, k);
     for (int64_t b = 0; b < k / 32; b++) {
@@ -500,7 +484,7 @@ static void ggmlpy_rq4_vector(const float * x, int64_t k, char * q, int32_t * ys
 }
 #endif
 
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
 /* ggml's unpacking of one sub-block's 12 bytes of 6-bit values into 8 scales then 8 mins (bytes) */
 static inline void ggmlpy_q4k_unpack(const uint8_t * packed, uint32_t utmp[4]) {
     const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
@@ -612,7 +596,7 @@ static void ggmlpy_rq_rows(enum ggml_type t, const char * w, int64_t k, int64_t 
    n); dst F32 (n, m). Thread ith takes the row groups [G * ith / nth, G * (ith + 1) / nth) of G =
    n / 8 and quantizes its own copy of the vectors, as ggml's mul_mat does (quantize_row_q8_0). */
 static void ggmlpy_gemv_rq4_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
     const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0];
     const int64_t k = w->ne[0], nb = k / 32, groups = w->ne[1] / 8, m = x->ne[1];
     const size_t xrow = ggml_row_size(w->type == GGML_TYPE_Q4_K ? GGML_TYPE_Q8_K : GGML_TYPE_Q8_0, k);
@@ -637,7 +621,7 @@ static void ggmlpy_gemv_rq4_op(struct ggml_tensor * dst, int ith, int nth, void 
    the count, on vectors quantized as here: the same values for any n. An id outside [0, n_expert)
    gives NaN rows. */
 static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-#if GGMLPY_GEMV_X86
+#if GGMLPY_X86
     const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0], * ids = dst->src[1];
     const int64_t k = w->ne[0], nb = k / 32, groups = w->ne[1] / 8, n_expert = w->ne[2];
     const int64_t xb = x->ne[1], n = x->ne[2], n_used = ids->ne[0];
@@ -669,14 +653,14 @@ static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, vo
 #endif
 }
 
-static struct ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,
+struct ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,
                                                       struct ggml_tensor * x, struct ggml_tensor * ids) {
     struct ggml_tensor * args[2] = {x, ids};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 2, ggmlpy_gemv_rq4_id_op,
                           GGML_N_TASKS_MAX, w);
 }
 
-static struct ggml_tensor * ggmlpy_mul_mat_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,
+struct ggml_tensor * ggmlpy_mul_mat_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,
                                                    struct ggml_tensor * x) {
     struct ggml_tensor * args[1] = {x};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 1, ggmlpy_gemv_rq4_op, GGML_N_TASKS_MAX,

@@ -19,6 +19,7 @@
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include "ggml-backend.h"
 #include "ggmlpy_cpu.h"
 #if GGMLPY_HAVE_RPC

@@ -35,6 +35,10 @@
 
    The structs live for the life of the process (ggml's server never returns
    and keeps pointers to them). */
+/* ggml internals used here (check them when the ggml pin moves, ggml-backend-impl.h): the device,
+   buffer type, buffer and event interfaces (struct ggml_backend_device_i, ggml_backend_buffer_type_i,
+   ggml_backend_buffer_i's free_buffer), and the context, device, buft and reg fields of the device,
+   buffer type, buffer and backend structs. */
 #ifndef GGMLPY_BUDGET_H
 #define GGMLPY_BUDGET_H
 

@@ -7,6 +7,9 @@
    the common expand (one new node) needs a fast path; and the checks made
    before an allocation or a compute look at every node or every index, a loop
    too slow through Python objects. */
+/* ggml internals read here (check them when the ggml pin moves): struct ggml_cgraph's size, n_nodes,
+   n_leafs, nodes, leafs, use_counts and visited_hash_set (.size, .used, .keys); ggml_hash_find,
+   ggml_hash_contains, ggml_bitset_get/set (ggml-impl.h). */
 #ifndef GGMLPY_GRAPH_H
 #define GGMLPY_GRAPH_H
 

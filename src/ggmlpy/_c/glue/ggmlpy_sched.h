@@ -1,6 +1,8 @@
 /* C helpers of Scheduler (sched.pxi): loops over a graph's nodes (a struct
    only ggml's internal ggml-impl.h shows), around what ggml's scheduler does
    to the caller's graph. */
+/* ggml internals read here (check them when the ggml pin moves): struct ggml_cgraph's n_nodes,
+   n_leafs, nodes and leafs (ggml-impl.h). */
 #ifndef GGMLPY_SCHED_H
 #define GGMLPY_SCHED_H
 

@@ -17,42 +17,17 @@
    Semantics are flash_attn_ext's without ALiBi, soft-capping or sinks: out = softmax(scale q.k +
    mask) v, grouped-query heads broadcast, a fully masked row gives zeros, and a cell the mask hides
    never enters the result whatever its K and V hold (ggml skips such cells too). */
-#pragma once
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
-#include "ggmlpy_cpu.h"            /* ggmlpy_kernels_portable */
+#include "simd.h"
+#include "kernels.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GGMLPY_ATTN_X86 1
-#else
-#define GGMLPY_ATTN_X86 0
-#endif
 
 #define GGMLPY_ATTN_BLOCK 128        /* positions scored before their V rows are summed */
-#define GGMLPY_ATTN_MAX_DV 1024     /* largest head size: the per-head state lives on the stack */
 #define GGMLPY_ATTN_STACK 16384     /* floats of per-head state and scores on the stack (64 KiB: 32 heads of 128) */
 
-static inline float ggmlpy_attn_h2f(ggml_fp16_t h) {
-    /* IEEE half to float by bits: no dependence on the CPU's conversion instructions */
-    uint32_t sign = (uint32_t) (h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else {                                   /* subnormal half: normalise */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        bits = sign | ((uint32_t) (112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
 
 /* ---- portable path ---------------------------------------------------------------------- */
 
@@ -89,11 +64,10 @@ static void ggmlpy_attn_exp_ref(float * x, int64_t n, float m) {
 
 /* How many cells ahead the rows path prefetches the K and V it reads next (0: none); a variable so
    bench/attention.py can compare distances in one process. */
-static int64_t ggmlpy_attn_pfd = 8;
+int64_t ggmlpy_attn_pfd = 8;
 
 /* ---- AVX2 + FMA + F16C path ------------------------------------------------------------- */
-#if GGMLPY_ATTN_X86
-#define GGMLPY_AVX2 __attribute__((target("avx2,fma,f16c")))
+#if GGMLPY_X86
 
 GGMLPY_AVX2 static inline __m256 ggmlpy_attn_load8(const char * p, int f16) {
     return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p)) : _mm256_loadu_ps((const float *) p);
@@ -165,73 +139,23 @@ GGMLPY_AVX2 static void ggmlpy_attn_vsum_avx2(const float * w, const char * v, s
     }
 }
 
-/* exp(x - m) in place; -inf (masked) gives exactly 0. A Cody-Waite reduction and a degree-6
-   polynomial: within 2 ulp of expf over the range a softmax sees (x - m <= 0). */
-GGMLPY_AVX2 static void ggmlpy_attn_exp_avx2(float * x, int64_t n, float m) {
-    const __m256 vm = _mm256_set1_ps(m), log2e = _mm256_set1_ps(1.44269504088896341f);
-    const __m256 ln2hi = _mm256_set1_ps(0.693359375f), ln2lo = _mm256_set1_ps(-2.12194440e-4f);
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    const __m256 c2 = _mm256_set1_ps(0.5f), c3 = _mm256_set1_ps(1.6666667e-1f), c4 = _mm256_set1_ps(4.1666579e-2f);
-    const __m256 c5 = _mm256_set1_ps(8.3333477e-3f), c6 = _mm256_set1_ps(1.3888949e-3f), c7 = _mm256_set1_ps(1.9841261e-4f);
-    const __m256 one = _mm256_set1_ps(1.0f);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 t = _mm256_sub_ps(_mm256_loadu_ps(x + i), vm);
-        const __m256 dead = _mm256_cmp_ps(t, lo, _CMP_LT_OQ);      /* masked, or too small for a float */
-        t = _mm256_max_ps(t, lo);
-        const __m256 k = _mm256_round_ps(_mm256_mul_ps(t, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m256 r = _mm256_fnmadd_ps(k, ln2hi, t);
-        r = _mm256_fnmadd_ps(k, ln2lo, r);
-        __m256 p = _mm256_fmadd_ps(c7, r, c6);
-        p = _mm256_fmadd_ps(p, r, c5);
-        p = _mm256_fmadd_ps(p, r, c4);
-        p = _mm256_fmadd_ps(p, r, c3);
-        p = _mm256_fmadd_ps(p, r, c2);
-        p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, one));
-        const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-        p = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-        _mm256_storeu_ps(x + i, _mm256_andnot_ps(dead, p));
-    }
-    for (; i < n; i++) x[i] = x[i] == -INFINITY ? 0.0f : expf(x[i] - m);
-}
 
 #endif
 
 /* 0: the AVX-512 path is never taken (process-wide; tests and benchmarks compare the paths) */
-static int ggmlpy_attn_allow_512 = 1;
-
-/* 1 where the cache layout's AVX-512 path runs: the CPU has AVX-512F, the head sizes are multiples
-   of 16, the AVX2 path may run and the switch above allows it */
-static inline int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv);
+int ggmlpy_attn_allow_512 = 1;
 
 /* 1 where the AVX2 path runs: the CPU has it, the head sizes are multiples of 8 and the portable
    path is not forced */
-static inline int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
-#if GGMLPY_ATTN_X86
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");   /* F16C comes with both */
-    }
-    return has && !ggmlpy_kernels_portable && dk % 8 == 0 && dv % 8 == 0;
-#else
-    (void) dk; (void) dv;
-    return 0;
-#endif
+int ggmlpy_attn_use_avx2(int64_t dk, int64_t dv) {
+    return ggmlpy_cpu_has(GGMLPY_CPU_AVX2) && !ggmlpy_kernels_portable && dk % 8 == 0 && dv % 8 == 0;
 }
 
-static inline int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv) {
-#if GGMLPY_ATTN_X86
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512f");
-    }
-    return has && ggmlpy_attn_allow_512 && ggmlpy_attn_use_avx2(dk, dv) && dk % 16 == 0 && dv % 16 == 0;
-#else
-    (void) dk; (void) dv;
-    return 0;
-#endif
+/* 1 where the cache layout's AVX-512 path runs: the CPU has AVX-512F, the head sizes are multiples
+   of 16, the AVX2 path may run and the switch above allows it */
+int ggmlpy_attn_use_avx512(int64_t dk, int64_t dv) {
+    return ggmlpy_cpu_has(GGMLPY_CPU_AVX512F) && ggmlpy_attn_allow_512 && ggmlpy_attn_use_avx2(dk, dv)
+           && dk % 16 == 0 && dv % 16 == 0;
 }
 
 /* The running softmax of one (row, head): m the largest score so far, l the sum of exp(score - m),
@@ -270,7 +194,7 @@ static int ggmlpy_attn_softmax_step(float * x, int64_t n, const ggml_fp16_t * ma
         bm = x[i] > bm ? x[i] : bm;
     }
     if (!ggmlpy_attn_new_max(x, n, bm, st, acc, dv)) return 0;
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
     if (avx2) ggmlpy_attn_exp_avx2(x, n, st->m); else
 #endif
     ggmlpy_attn_exp_ref(x, n, st->m);
@@ -297,19 +221,19 @@ static void ggmlpy_attn_block(const ggmlpy_attn_group * g, float * work, int64_t
         const float * q = work + j * g->stride;
         float * acc = work + j * g->stride + g->dk;
         ggmlpy_attn_state * st = (ggmlpy_attn_state *) (acc + g->dv);
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
         if (g->avx2) ggmlpy_attn_scores_avx2(q, k, g->k_nb1, g->k_f16, g->dk, b0, n, sc); else
 #endif
         ggmlpy_attn_scores_ref(q, k, g->k_nb1, g->k_f16, g->dk, b0, n, sc);
         if (!ggmlpy_attn_softmax_step(sc, n, g->mask, b0, st, acc, g->dv, g->avx2)) continue;
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
         if (g->avx2) ggmlpy_attn_vsum_avx2(sc, v, g->v_nb1, g->v_f16, g->dv, b0, n, acc); else
 #endif
         ggmlpy_attn_vsum_ref(sc, v, g->v_nb1, g->v_f16, g->dv, b0, n, acc);
     }
 }
 
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
 /* ggmlpy_attn_softmax_step for the rows path: the block's mask already in float32 (mf, converted
    once for all the heads; NULL: none), the add, the maximum and the sum vectorised. The same
    arithmetic per value; l's sum in another order. */
@@ -659,6 +583,7 @@ GGMLPY_INLINE512 void ggmlpy_attn_block_rows_512_t(const ggmlpy_attn_group * g, 
                                                    float * sc, const int K_F16, const int V_F16) {
     const int64_t dk = g->dk, dv = g->dv;
     ggmlpy_attn_batch bt[GGMLPY_ATTN_STACK / GGMLPY_ATTN_BLOCK];
+    memset(bt, 0, sizeof bt[0]);       /* (a thread has one batch at least; gcc cannot tell) */
     const int64_t nbt = ggmlpy_attn_batches(g, bt);
     /* bytes of a cell the thread's kv heads span */
     const size_t k_span = bt[nbt - 1].kof - bt[0].kof + g->k_nb2, v_span = bt[nbt - 1].vof - bt[0].vof + g->v_nb2;
@@ -788,7 +713,7 @@ static void ggmlpy_attn_op(struct ggml_tensor * dst, int ith, int nth, void * us
             mrow, dk, dv, group, h0, nh, stride, avx2};
         for (int64_t b0 = i0; b0 < i1; b0 += GGMLPY_ATTN_BLOCK) {
             const int64_t n = i1 - b0 < GGMLPY_ATTN_BLOCK ? i1 - b0 : GGMLPY_ATTN_BLOCK;
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
             if (rows512) { ggmlpy_attn_block_rows_512(&grp, work, b0, n, sc); continue; }
             if (rows) { ggmlpy_attn_block_rows_avx2(&grp, work, b0, n, sc); continue; }
 #endif
@@ -844,7 +769,7 @@ static void ggmlpy_attn_merge_op(struct ggml_tensor * dst, int ith, int nth, voi
 
 /* The graph nodes: the attention op, and the merge when the positions are cut into chunks.
    Preconditions are Context.attn_decode's (checked there). NULL when the context is full. */
-static struct ggml_tensor * ggmlpy_attn_decode(struct ggml_context * ctx, struct ggml_tensor * q,
+struct ggml_tensor * ggmlpy_attn_decode(struct ggml_context * ctx, struct ggml_tensor * q,
                                                struct ggml_tensor * k, struct ggml_tensor * v,
                                                struct ggml_tensor * mask, float scale, int n_chunks, int avx512) {
     struct ggml_tensor * args[4] = {q, k, v, mask};

@@ -1,5 +1,5 @@
 /* Attention of a prompt's query rows over a float16 or float32 KV cache, as a ggml custom op
-   (Context.attn_prefill): the prompt's attention, where ggmlpy_attn.h does the generation step's.
+   (Context.attn_prefill): the prompt's attention, where attn_decode.c does the generation step's.
 
    Why: ggml's CPU flash attention does a prompt row by row (a 64-wide dot per position, an
    online-softmax step, a multiply-add per position), so a 512-token prompt of a 110M model spends
@@ -20,16 +20,15 @@
    float16 and sums V in float16 when the cache is float16): out = softmax(s + mask) v with s =
    scale q.k, or softcap * tanh(scale q.k / softcap) (gemma2), grouped-query heads broadcast, a
    fully masked row gives zeros. */
-#pragma once
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "ggml.h"
-#include "ggmlpy_attn.h"
+#include "simd.h"
+#include "kernels.h"
 
 #define GGMLPY_PF_BQ 64            /* query rows of a tile (the B rows of the kernel: 4 vectors of 16) */
 #define GGMLPY_PF_BK 64            /* cache positions of a block */
-#define GGMLPY_PF_MAX_D 256        /* largest head size: a thread's tiles live on its stack */
 
 /* A thread's tiles, in floats: Qt (dk x BQ), Kf (BK x dk), Vf (BK x dv4), ST (BK x BQ), Ot (dv4 x BQ),
    and per row m, l, the correction f; dv4 is dv rounded up to 4, the rows the product kernel writes
@@ -38,27 +37,17 @@
                         + GGMLPY_PF_BK * GGMLPY_PF_BQ + GGMLPY_PF_MAX_D * GGMLPY_PF_BQ + 3 * GGMLPY_PF_BQ)
 
 /* Process-wide: 0 forces the portable kernel where the vectorised one would run (for tests). */
-static int ggmlpy_pf_allow_vector = 1;
+int ggmlpy_pf_allow_vector = 1;
 
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
 #define GGMLPY_AVX512 __attribute__((target("avx512f,fma,f16c")))
 #endif
 
 /* 1 where the AVX-512 kernel runs: the CPU has AVX-512F and both head sizes are multiples of 16, at
    most GGMLPY_PF_MAX_D, and neither switch forces the portable kernel */
-static inline int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) {
-#if GGMLPY_ATTN_X86
-    static int has = -1;
-    if (has < 0) {
-        __builtin_cpu_init();
-        has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
-    }
-    return has && ggmlpy_pf_allow_vector && !ggmlpy_kernels_portable && dk % 16 == 0 && dv % 16 == 0
-           && dk <= GGMLPY_PF_MAX_D && dv <= GGMLPY_PF_MAX_D;
-#else
-    (void) dk; (void) dv;
-    return 0;
-#endif
+int ggmlpy_pf_vectorized(int64_t dk, int64_t dv) {
+    return ggmlpy_cpu_has(GGMLPY_CPU_AVX512_FMA) && ggmlpy_pf_allow_vector && !ggmlpy_kernels_portable
+           && dk % 16 == 0 && dv % 16 == 0 && dk <= GGMLPY_PF_MAX_D && dv <= GGMLPY_PF_MAX_D;
 }
 
 /* ---- the product kernel ------------------------------------------------------------------
@@ -78,7 +67,7 @@ static inline void ggmlpy_pf_mk_ref(float * C, int64_t ldc, int acc, const float
     }
 }
 
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
 GGMLPY_AVX512 static inline void ggmlpy_pf_mk_avx512(float * C, int64_t ldc, int acc, const float * a, int64_t ars,
                                               int64_t ats, const float * B, int64_t T) {
     __m512 c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33;
@@ -134,22 +123,6 @@ GGMLPY_AVX512 static inline void ggmlpy_pf_row_avx512(float * dst, const char * 
    running maximum moved, P = exp(S - m) in place (a masked -inf gives exactly 0), l and the
    correction f = exp(m_old - m_new) by which the caller scales O. exp is ggmlpy_attn_exp_avx2's
    (Cody-Waite, degree 6; within 2 ulp of expf for x - m <= 0) with AVX-512's scalef. */
-GGMLPY_AVX512 static inline __m512 ggmlpy_pf_exp512(__m512 t) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 live = _mm512_cmp_ps_mask(t, lo, _CMP_GE_OQ);     /* -inf and NaN-free underflow die */
-    t = _mm512_max_ps(t, lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9841261e-4f), r, _mm512_set1_ps(1.3888949e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333477e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666579e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
-}
 
 /* Soft-capping of the block's scores, in place: s -> cap * tanh(s) (the scores were scaled by 1/cap
    with q), tanh from exp(-2|s|), which keeps the exp in its accurate range (x <= 0). */
@@ -293,13 +266,13 @@ typedef struct {
 #define GGMLPY_PF_ATTR
 #define GGMLPY_PF_FN(name) ggmlpy_pf_##name##_ref
 #define GGMLPY_PF_ANY_DV 1
-#include "ggmlpy_attn_prefill_tile.inc"
-#if GGMLPY_ATTN_X86
+#include "attn_prefill_tile.inc"
+#if GGMLPY_X86
 #define GGMLPY_PF_NAME ggmlpy_pf_tile_avx512
 #define GGMLPY_PF_ATTR GGMLPY_AVX512
 #define GGMLPY_PF_FN(name) ggmlpy_pf_##name##_avx512
 #define GGMLPY_PF_ANY_DV 0          /* ggmlpy_pf_vectorized: dv % 16 == 0 */
-#include "ggmlpy_attn_prefill_tile.inc"
+#include "attn_prefill_tile.inc"
 #endif
 
 /* The op's tensors are attn_decode's: src[0] q (dk, n_head, n_rows) F32, rows contiguous; src[1] k
@@ -355,7 +328,7 @@ static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * user
                 }
             }
         }
-#if GGMLPY_ATTN_X86
+#if GGMLPY_X86
         if (vec) { ggmlpy_pf_tile_avx512(&t); continue; }
 #endif
         (void) vec;
@@ -365,7 +338,7 @@ static void ggmlpy_pf_op(struct ggml_tensor * dst, int ith, int nth, void * user
 
 /* The graph node; preconditions are Context.attn_prefill's (checked there). NULL when the context
    is full. */
-static struct ggml_tensor * ggmlpy_attn_prefill(struct ggml_context * ctx, struct ggml_tensor * q,
+struct ggml_tensor * ggmlpy_attn_prefill(struct ggml_context * ctx, struct ggml_tensor * q,
                                                 struct ggml_tensor * k, struct ggml_tensor * v,
                                                 struct ggml_tensor * mask, float scale, float softcap) {
     struct ggml_tensor * args[4] = {q, k, v, mask};
