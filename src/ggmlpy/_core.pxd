@@ -36,14 +36,18 @@ cdef class _ContextBase:                # context.pxi
 
 
 cdef class _ContextOps(_ContextBase):   # ops.pxi
-    cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1
-
-
-cdef class _ContextNN(_ContextOps):     # nn.pxi
     pass
 
 
-cdef class Context(_ContextNN):         # context.pxi: the public class
+cdef class _ContextNN(_ContextOps):     # ops_nn.pxi
+    pass
+
+
+cdef class _ContextKernels(_ContextNN):     # kernels.pxi
+    cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1
+
+
+cdef class Context(_ContextKernels):    # context.pxi: the public class
     pass
 
 

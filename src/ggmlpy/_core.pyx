@@ -38,9 +38,9 @@ include "_pxi/debug.pxi"         # live-object counters
 include "_pxi/validate.pxi"      # precondition checks shared by every op
 include "_pxi/context.pxi"       # Context: the arena tensors live in; fields, lifetime, tensor creation
 include "_pxi/tensor.pxi"        # Tensor: metadata, numpy bridge, buffer protocol, DLPack
-include "_pxi/kernels.pxi"       # ggmlpy's own CPU kernels: headers, switches, the models' checks
 include "_pxi/ops.pxi"           # Context's op methods (base _ContextOps), in ggml.h order
-include "_pxi/nn.pxi"            # Context's op methods, part 2 (base _ContextNN): conv, pool, pad, generators; new_graph
+include "_pxi/ops_nn.pxi"        # Context's op methods, part 2 (base _ContextNN): conv, pool, pad, generators; new_graph
+include "_pxi/kernels.pxi"       # ggmlpy's own CPU kernels (base _ContextKernels): ops, switches, the models' checks
 include "_pxi/graph.pxi"         # Graph build and CPU compute
 include "_pxi/backend.pxi"       # devices, backends, buffer types, buffers, graph allocator
 include "_pxi/sched.pxi"         # scheduler, RPC

@@ -8,9 +8,11 @@
 #
 #   _ContextBase  context.pxi  fields, lifetime, tensor creation; the type the
 #                              rest of _core holds a context by (Tensor.ctx, ...)
-#   _ContextOps   ops.pxi      op methods, in ggml.h order
-#   _ContextNN    nn.pxi       convolution, pooling, padding, generators; new_graph
-#   Context       context.pxi  the public class: its docstring, nothing more
+#   _ContextOps     ops.pxi      op methods, in ggml.h order (part 1)
+#   _ContextNN      ops_nn.pxi   convolution, pooling, padding, generators; new_graph
+#   _ContextKernels kernels.pxi  ggmlpy's own CPU kernels (attn_decode, attn_prefill,
+#                                mul_mat_vec, mul_mat_id_vec, geglu_tanh)
+#   Context         context.pxi  the public class: its docstring, nothing more
 #
 # Context comes first below though its bases are defined after it (here and in
 # later files): Cython sets up extension types base first, whatever their order
@@ -24,7 +26,7 @@ cdef size_t _TENSOR_OBJ_SIZE = g.ggml_tensor_overhead() + g.GGML_MEM_ALIGN
 
 
 @cython.no_gc_clear
-cdef class Context(_ContextNN):
+cdef class Context(_ContextKernels):
     """A ggml context: a fixed-size arena for tensors and graphs.
 
     Every op method (``ctx.add(a, b)``, ``ctx.mul_mat(a, b)``...) creates its

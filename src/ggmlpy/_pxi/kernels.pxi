@@ -283,3 +283,216 @@ def _geglu_vectorized():
     """Whether ``geglu_tanh`` runs vectorised here (x86 with AVX-512; neither ``_geglu_allow_vector(False)``
     nor ``_kernels_force_portable(True)``)."""
     return bool(ggmlpy_glu_vectorized())
+
+
+@cython.no_gc_clear
+cdef class _ContextKernels(_ContextNN):
+    """Op methods of Context, part 3: ggmlpy's own CPU kernels (ggml custom ops that only the CPU
+    backend runs): attention of a few rows and of a prompt over a cache, matrix times a few vectors,
+    GeGLU. The last base of Context (context.pxi says why it is a chain)."""
+
+    def geglu_tanh(self, Tensor a, Tensor b=None):
+        """``gelu(x1) * x2`` over the halves of each row, or with ``b`` ``gelu(a) * b``: GELU's tanh
+        form (transformers' ``gelu_pytorch_tanh``) evaluated in float32 for every value.
+
+        ggmlpy's CPU kernel (a ggml custom op: the CPU backend runs it, no other). ggml's
+        :meth:`geglu` reads GELU from a float16 table one value at a time (relative errors up to
+        ~5e-4, and ten times slower than its vectorised :meth:`swiglu`); this one computes
+        ``x * sigmoid(2u)``, ``u = sqrt(2/pi) (x + 0.044715 x^3)``, 16 values at a time with AVX-512
+        (a 512 x 2048 prompt's rows on one thread: ~0.2 against 2.1 ms), within a few float32 ulps.
+
+        ``a`` f32, contiguous, ``ne[0]`` even without ``b``; ``b`` f32, contiguous, ``a``'s shape.
+        The result has ``ne[0] / 2`` (without ``b``) or ``a``'s shape.
+        """
+        cdef str op = "geglu_tanh"
+        cdef int64_t n
+        self._ensure_op(op)
+        _arg(a, op, "a")
+        _types(a, op, "a", M_F32)
+        _contig(a, op, "a")
+        if b is None:
+            if a.ptr.ne[0] % 2:
+                _fail(op, f"a.ne[0] must be even (got a: {_desc(a)})")
+            n = a.ptr.ne[0] // 2
+        else:
+            _arg(b, op, "b")
+            _types(b, op, "b", M_F32)
+            _contig(b, op, "b")
+            _same_shape(a, b, op, "a", "b")
+            n = a.ptr.ne[0]
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, n, a.ptr.ne[1], a.ptr.ne[2], a.ptr.ne[3]), 1)
+        return _res(self, ggmlpy_geglu_tanh(self.ptr, a.ptr, b.ptr if b is not None else NULL), a, b)
+
+    def attn_decode(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, int n_chunks=1,
+                    bint avx512=True):
+        """Attention of a few query rows over a float16/float32 KV cache: ``softmax(q k^T * scale + mask) v``.
+
+        ggmlpy's own CPU kernel for the generation step (a ggml custom op, so the CPU backend runs it):
+        ggml's CPU ``flash_attn_ext`` visits the cache one position at a time, which at depth costs a
+        generated token more than reading its K/V; this scores a block of positions at once, takes one
+        vectorised exp and sums the V rows in float32. Same result as ``flash_attn_ext`` without
+        ALiBi, soft-capping or sinks (a fully masked row gives zeros); meant for few rows (for prompts,
+        ``flash_attn_ext``'s tiled kernel is faster).
+
+        Shapes (ggml order): ``q`` f32 ``(head_dim, n_head, n_q)`` (not permuted: as RoPE returns it;
+        rows contiguous, other strides free); ``k`` ``(head_dim, n_kv, n_head_kv)`` and ``v``
+        ``(head_dim_v, n_kv, n_head_kv)``, f16 or f32, rows contiguous, ``n_head`` a multiple of
+        ``n_head_kv``; ``mask`` f16 ``(>= n_kv, >= n_q)``, shared by the heads. ``n_chunks`` > 1 cuts
+        the positions into that many pieces, done in parallel and merged by a second op (for when
+        ``n_head * n_q`` is too few to keep the threads busy). Result f32 ``(head_dim_v, n_head, n_q)``
+        as ``flash_attn_ext``'s.
+
+        A cache (each cell's heads side by side) of grouped-query heads is read with AVX-512 where the
+        CPU has it (``_attn_decode_avx512``: each K and V row converted once for its query heads);
+        ``avx512=False`` keeps this node on the AVX2 path. The results agree to float32 rounding;
+        which is faster depends on the CPU, and the runner's calibration measures both
+        (:mod:`ggmlpy.models.calibrate`).
+        """
+        cdef str op = "attn_decode"
+        cdef g.ggml_tensor * r
+        self._attn_check(op, q, k, v, mask, GGMLPY_ATTN_MAX_DV)
+        if not (1 <= n_chunks <= max(1, k.ptr.ne[1])):
+            _fail(op, f"n_chunks must be in 1..n_kv = {k.ptr.ne[1]} (got {n_chunks})")
+        if n_chunks == 1:
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
+        else:
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0] + 2, n_chunks, q.ptr.ne[1], q.ptr.ne[2])
+                       + _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 2)
+        r = ggmlpy_attn_decode(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale, n_chunks,
+                               1 if avx512 else 0)
+        return _res(self, r, q, k, v, mask)
+
+    def attn_prefill(self, Tensor q, Tensor k, Tensor v, Tensor mask=None, float scale=1.0, float logit_softcap=0.0):
+        """Attention of a prompt's query rows over a float16/float32 KV cache: ``softmax(q k^T * scale + mask) v``.
+
+        ggmlpy's own CPU kernel for prompts (a ggml custom op): tiles of 64 query rows of a head meet
+        blocks of 64 positions as two small float32 matrix products with an online softmax between
+        them; blocks the mask hides from the whole tile (a causal prompt's upper triangle) are
+        skipped. ggml's CPU ``flash_attn_ext`` does a prompt row by row. Same result as
+        ``flash_attn_ext`` without ALiBi or sinks (a fully masked row gives zeros), computed in
+        float32 throughout (ggml rounds ``q`` to float16 for a float16 cache); ``logit_softcap``
+        caps the scaled scores to ``logit_softcap * tanh(s / logit_softcap)`` before the mask, as
+        ``flash_attn_ext``'s does (gemma2).
+
+        Arguments as :meth:`attn_decode`'s (``q`` f32 ``(head_dim, n_head, n_q)``, rows contiguous;
+        ``k``/``v`` f16 or f32 ``(head_dim, n_kv, n_head_kv)``; ``mask`` f16 ``(>= n_kv, >= n_q)``),
+        head sizes at most 256. Result f32 ``(head_dim_v, n_head, n_q)``. Vectorised with AVX-512
+        (head sizes multiples of 16, see ``_attn_prefill_vectorized``); elsewhere portable C.
+        """
+        cdef str op = "attn_prefill"
+        cdef g.ggml_tensor * r
+        self._attn_check(op, q, k, v, mask, GGMLPY_PF_MAX_D)
+        if not (logit_softcap >= 0.0 and logit_softcap < float("inf")):
+            _fail(op, f"logit_softcap must be 0 (none) or a positive finite cap (got {logit_softcap})")
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, v.ptr.ne[0], q.ptr.ne[1], q.ptr.ne[2], 1), 1)
+        r = ggmlpy_attn_prefill(self.ptr, q.ptr, k.ptr, v.ptr, mask.ptr if mask is not None else NULL, scale,
+                                logit_softcap)
+        return _res(self, r, q, k, v, mask)
+
+    def mul_mat_vec(self, Tensor w, Tensor x):
+        """``mul_mat(w, x)`` for a few float32 vectors: the generation step's product, ``mul_mat``'s values.
+
+        ggmlpy's schedule for ggml's own CPU dot kernels (a ggml custom op): each thread reads one
+        contiguous run of ``w``'s rows and prefetches the lines ahead of the row it is on, and
+        every column of ``x`` in the same pass; ggml's ``mul_mat`` hands out small chunks of rows
+        from a shared counter, so the memory system sees no long stream (measured on the 110M
+        model's matrices, 2 threads: F16 1.12-1.15x, Q8_0 1.31x, Q6_K 1.47x). The vectors are
+        converted to the kernel's type as ``mul_mat`` converts them, each row's dot is the type's
+        ``vec_dot``: the same values. On a CPU with AVX-512 VNNI, Q8_0 rows go two at a time through
+        a kernel of ggmlpy's own with ggml's arithmetic (the same values again; one thread 1.26x
+        ggml's ``mul_mat`` where its ``vec_dot`` under this schedule gave 1.06x).
+
+        ``w`` ``(k, n)``, 2 dimensions, rows contiguous, a type with a CPU dot kernel, plain rows in
+        host memory (not a device's, nor a repacked buffer: ``is_repacked``); ``x`` f32 ``(k, m)``
+        with ``1 <= m <= 4``, rows contiguous. Result f32 ``(n, m)`` as ``mul_mat``'s.
+
+        Two repacked layouts are taken too: a Q4_0 or Q4_K ``w`` that ggml's ``CPU_REPACK`` buffer
+        holds in 8-row groups (x86 with AVX2), on a CPU with AVX-512 VNNI, for ``m <= 3``. ggml's own
+        kernels for them compute slower than memory delivers; ggmlpy's run the 8 rows of a block in
+        512-bit VNNI passes (Q4_0 on one Zen 5 core: ~1.5x), with ggml's exact arithmetic, so again
+        ``mul_mat``'s values.
+        """
+        cdef str op = "mul_mat_vec"
+        cdef g.ggml_tensor * r
+        self._ensure_op(op)
+        _arg(w, op, "w"); _arg(x, op, "x")
+        _types(x, op, "x", M_F32)
+        _rows_contig(w, op, "w"); _rows_contig(x, op, "x")
+        if not (x.ptr.ne[0] == w.ptr.ne[0] and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and x.ptr.ne[2] == 1
+                and x.ptr.ne[3] == 1 and 1 <= x.ptr.ne[1] <= GGMLPY_GEMV_MAX_COLS):
+            _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
+                  f"1 <= m <= {GGMLPY_GEMV_MAX_COLS}, 2 dimensions)")
+        if ggmlpy_gemv_repacked(w.ptr):
+            if x.ptr.ne[1] > GGMLPY_RQ4_MAX_COLS:
+                _fail(op, f"a repacked w takes at most {GGMLPY_RQ4_MAX_COLS} vectors (got w: {_desc(w)}, "
+                      f"x: {_desc(x)}): use mul_mat")
+            _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat", repacked=True)
+            self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
+            # w is no source of the op (the CPU backend refuses custom ops on repacked tensors): _res
+            # keeps its Tensor, and so its context, alive with the result
+            r = ggmlpy_mul_mat_vec_rq4(self.ptr, w.ptr, x.ptr)
+            return _res(self, r, w, x)
+        _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat")
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
+        r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)
+        return _res(self, r, w, x)
+
+    def mul_mat_id_vec(self, Tensor as_, Tensor b, Tensor ids):
+        """``mul_mat_id(as_, b, ids)`` for at most 4 tokens: a few tokens' chosen experts, ``mul_mat_id``'s values.
+
+        :meth:`mul_mat_vec`'s schedule for the experts: the (token, slot, row) units are cut into one
+        contiguous run per thread, which streams through the rows of its experts with prefetches
+        ahead, and each row's dot is ggml's kernel for the type on the vector converted as
+        ``mul_mat_id`` converts it. An expert id out of range gives NaN rows instead of ggml's abort.
+
+        ``as_`` ``(k, rows, n_expert)`` rows contiguous, plain rows in host memory, a type with a CPU
+        dot kernel (or a Q4_0 or Q4_K stack ggml repacked, as :meth:`mul_mat_vec` takes it, for any token
+        count: ggml's repacked ``mul_mat_id`` runs its one-vector kernel per token and slot); ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous, ``n_tokens <= 4``;
+        ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous (``top_k``'s view). Result f32 ``(rows, n_used, n_tokens)``.
+        """
+        cdef str op = "mul_mat_id_vec"
+        cdef bint rq4
+        self._ensure_op(op)
+        _arg(as_, op, "as_"); _arg(b, op, "b"); _arg(ids, op, "ids")
+        _types(b, op, "b", M_F32)
+        _types(ids, op, "ids", M_I32)
+        _rows_contig(as_, op, "as_"); _rows_contig(b, op, "b")
+        if not (as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1
+                and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0]
+                and (b.ptr.ne[1] == 1 or b.ptr.ne[1] == ids.ptr.ne[0]) and 1 <= b.ptr.ne[2] <= GGMLPY_GEMV_MAX_COLS
+                and ids.ptr.nb[0] == 4):
+            _fail(op, f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
+                  f"as_ (k, rows, n_expert), b (k, 1 or n_used, n_tokens), ids (n_used, n_tokens) with contiguous rows, "
+                  f"1 <= n_tokens <= {GGMLPY_GEMV_MAX_COLS})")
+        rq4 = ggmlpy_gemv_repacked(as_.ptr)
+        _gemv_check(op, as_, "as_", b, b.ptr.ne[1] * b.ptr.ne[2], "mul_mat_id", repacked=rq4)
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
+        if rq4:                     # as_ is no source of the op: _res keeps it alive (see mul_mat_vec)
+            return _res(self, ggmlpy_mul_mat_id_vec_rq4(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
+        return _res(self, ggmlpy_mul_mat_id_vec(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
+
+    cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
+        """attn_decode's and attn_prefill's preconditions: types, contiguous rows, matching shapes."""
+        self._ensure_op(op)
+        _arg(q, op, "q"); _arg(k, op, "k"); _arg(v, op, "v")
+        _types(q, op, "q", M_F32)
+        _types(k, op, "k", M_F32_F16)
+        _types(v, op, "v", M_F32_F16)
+        _rows_contig(q, op, "q"); _rows_contig(k, op, "k"); _rows_contig(v, op, "v")
+        _nonzero_dims(k, op, "k", 2)
+        if not (k.ptr.ne[0] == q.ptr.ne[0] and q.ptr.ne[1] % k.ptr.ne[2] == 0 and v.ptr.ne[1] == k.ptr.ne[1]
+                and v.ptr.ne[2] == k.ptr.ne[2] and q.ptr.ne[3] == 1 and k.ptr.ne[3] == 1 and v.ptr.ne[3] == 1):
+            _fail(op, f"shapes do not match (got q: {_desc(q)}, k: {_desc(k)}, v: {_desc(v)}; expected q (head_dim, "
+                  f"n_head, n_q), k (head_dim, n_kv, n_head_kv), v (head_dim_v, n_kv, n_head_kv), n_head % n_head_kv "
+                  f"== 0, 3 dimensions)")
+        if not (q.ptr.ne[0] <= max_d and v.ptr.ne[0] <= max_d):
+            _fail(op, f"head sizes above {max_d} are not supported (got q: {_desc(q)}, v: {_desc(v)})")
+        if mask is not None:
+            _arg(mask, op, "mask")
+            _types(mask, op, "mask", M_F16)
+            _rows_contig(mask, op, "mask")
+            if not (mask.ptr.ne[0] >= k.ptr.ne[1] and mask.ptr.ne[1] >= q.ptr.ne[2] and mask.ptr.ne[2] == 1
+                    and mask.ptr.ne[3] == 1):
+                _fail(op, f"mask does not fit (got k: {_desc(k)}, q: {_desc(q)}, mask: {_desc(mask)}; expected "
+                      f"mask (>= n_kv, >= n_q) shared by the heads)")
+        return 0

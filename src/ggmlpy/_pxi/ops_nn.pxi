@@ -1,6 +1,7 @@
-# nn.pxi: _ContextNN, the rest of Context's op methods (convolution, pooling,
-# resizing, padding, generators) and graph creation: the last base of Context,
-# which context.pxi defines (see there why it is made of several classes).
+# ops_nn.pxi: _ContextNN, Context's op methods of ggml.h, part 2 (convolution,
+# pooling, resizing, padding, generators) and graph creation; kernels.pxi adds
+# ggmlpy's own ops on top, and context.pxi defines Context (see there why it is
+# made of several classes).
 
 
 cdef int64_t _conv_out(int64_t ins, int64_t ks, int64_t s, int64_t p, int64_t d) noexcept:
