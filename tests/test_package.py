@@ -379,3 +379,32 @@ def test_sdist_builds_a_wheel_offline(tmp_path):
         names = z.namelist()
     assert any(n.startswith("ggmlpy/_core.") for n in names)
     assert {"ggmlpy/libggml.so", "ggmlpy/libggml-base.so", "ggmlpy/libggml-cpu.so"} <= set(names)
+
+
+@pytest.mark.skipif(not shutil.which("readelf"), reason="readelf (binutils) reads the libraries' rpath")
+def test_build_wheel_checks_a_variant_wheel_for_its_backend_library(tmp_path, monkeypatch):
+    """tools/build_wheel.py --backend: a variant wheel must hold its backend's library, finding
+    libggml-base beside it; a Vulkan build refuses first when its build packages are missing."""
+    import zipfile
+
+    import ggmlpy
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import build_wheel as bw
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    lib = Path(ggmlpy._core.__file__).with_name("libggml-rpc.so")      # an $ORIGIN-rpath library of this build
+    whl = tmp_path / "ggmlpy-0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.write(lib, "ggmlpy/libggml-vulkan.so")
+    assert bw.check_wheel(whl, "vulkan", portable=False) == []
+    with pytest.raises(SystemExit, match="ggmlpy/libggml-cuda.so missing"):
+        bw.check_wheel(whl, "cuda", portable=False)
+    with pytest.raises(SystemExit, match="not a portable build"):
+        bw.check_wheel(whl, "vulkan")
+    monkeypatch.setattr(bw.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bw, "VULKAN_PACKAGES", (("libvulkan-dev", "/nonexistent/vulkan.h"), ("glslc", "glslc")))
+    with pytest.raises(SystemExit, match="--backend vulkan needs: apt-get install libvulkan-dev glslc"):
+        bw.check_build_tools("vulkan")
+    bw.check_build_tools("cpu")
