@@ -42,7 +42,7 @@ from ggmlpy.gguf import MetadataError, MetadataTypeError  # noqa: E402
 from ggmlpy.models import LlamaModel, UnknownArchitecture, load_model  # noqa: E402
 from ggmlpy.models.qwen3 import Qwen3Model  # noqa: E402
 from ggmlpy.runner import DoneReason, Runner  # noqa: E402
-from ggmlpy.sequences import shift_discard  # noqa: E402
+from ggmlpy.runner.slots import shift_discard  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

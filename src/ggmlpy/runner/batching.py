@@ -14,9 +14,8 @@ from typing import Optional
 
 import numpy as np
 
-from ggmlpy.sequences import group_sizes
-
 from .requests import _Request
+from .slots import group_sizes
 
 __all__ = ["split_ubatches"]
 

@@ -28,14 +28,13 @@ from ggmlpy._core import (
     Type,
 )
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
-from ggmlpy.kvcache import V_TRANS_TYPES, NotSupported
+from ggmlpy.kvcache import V_TRANS_TYPES
 from ggmlpy.models import kernels
 from ggmlpy.models.calibrate import kernel_choices
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
 from ggmlpy.sampling import SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
-from ggmlpy.sequences import InputTooLong, SlotTable, group_sizes, shift_discard, truncate_indices
 
 from .batching import (
     _NO_ROWS,
@@ -50,6 +49,7 @@ from .batching import (
 )
 from .images import FIRST_IMAGE_ID, MEDIA_MARKER, ImageStore, chat_images, chunk_spans, place_images
 from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
+from .slots import InputTooLong, SlotTable, group_sizes, shift_discard, truncate_indices
 from .text import TextStream, chat_prompt, chat_text, encode_chat, encode_prompt, split_stops
 
 __all__ = ["Runner"]
@@ -218,7 +218,7 @@ class Runner:
         self.batch_sizes: deque = deque(maxlen=256)   # micro-batch sizes of recent batches (diagnostics)
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
         self.closed = False
-        self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache)
+        self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache, cache=self.cache)
         #: The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`).
         self.kernels = KernelChoices("own")
         self._tokenizer = tokenizer
@@ -814,8 +814,7 @@ class Runner:
                 ub.built.free()
                 ub.built = None
             for s in seqs:
-                self.cache.clear(s)
-                self.slots.reset(s)        # the record follows the cache it describes
+                self.slots.clear(s)
             raise
 
     def _run_direct(self, ubatches, seqs, embedding, appended=None) -> Optional[np.ndarray]:
@@ -861,9 +860,7 @@ class Runner:
         if seq is not None:
             seq = self._check_seq_id(seq, "clear")
         with self._direct("clear"):
-            self.cache.clear(seq)
-            for s in range(self.n_seq_max) if seq is None else [seq]:
-                self.slots.reset(s)
+            self.slots.clear(seq)
 
     def _fingerprint(self) -> dict:
         """What a saved state must match to be loaded into this runner: the model's shape and its weights'
@@ -890,8 +887,7 @@ class Runner:
         self._check_open("save_state")
         seq = self._check_seq_id(seq, "save_state")
         with self._direct("save_state"):
-            meta = {"model": self._fingerprint(), "tokens": list(self.slots[seq].tokens)}
-            return self.cache.save_seq(seq, path, meta=meta)
+            return self.slots.save(seq, path, {"model": self._fingerprint()})
 
     def _state_tokens(self, meta: dict, positions: list) -> list:
         """The token record of a state's ``meta`` (from :meth:`save_state`), validated against this runner:
@@ -972,19 +968,7 @@ class Runner:
         self._check_open("load_state")
         seq = self._check_seq_id(seq, "load_state")
         with self._direct("load_state"):
-            record = []
-
-            def check(meta, positions):
-                record.append(self._state_tokens(meta, positions))
-
-            try:
-                self.cache.load_seq(seq, path, check=check)
-            except BaseException:
-                if self.cache.seq_pos_max(seq) < 0:
-                    self.slots.reset(seq)      # the load failed after clearing the sequence: its record goes too
-                raise
-            self.slots.set_tokens(seq, record[0])
-            return record[0]
+            return self.slots.restore(seq, path, self._state_tokens)
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:
         """Wait until no request is queued, served or computing; False on timeout."""
@@ -1275,33 +1259,9 @@ class Runner:
             self.n_defrags += 1
 
     def _load_slot(self, req: _Request) -> None:
-        """Pick a slot (prefix reuse), trim the cache to the reusable prefix, queue the rest."""
-        lp = self.slots.load(req.prompt, cache_prompt=not req.embedding, same_batch=req.same_batch)
-        slot, n_past = lp.slot, lp.n_past
+        """Take a slot (prefix reuse, the cache trimmed to it) and queue the rest of the prompt."""
+        slot, n_past = self.slots.load_slot(req.prompt, cache_prompt=not req.embedding, same_batch=req.same_batch)
         req.slot = slot
-        try:
-            fork = lp.fork_from is not None and n_past > 0
-            if fork:
-                self.cache.clear(slot)
-                self.cache.copy_prefix(lp.fork_from, slot, n_past)
-            if n_past > 0 and not self.cache.can_resume(slot, n_past):
-                n_past = 0                       # e.g. a sliding window evicted what the prompt needs
-            if n_past == 0:
-                self.cache.clear(slot)
-            elif not fork:
-                try:
-                    self.cache.remove(slot, n_past, None)
-                except NotSupported:
-                    self.cache.clear(slot)
-                    n_past = 0
-        except BaseException:
-            self.cache.clear(slot)
-            self.slots.reset(slot)
-            self.slots.release(slot)
-            req.slot = None
-            raise
-        if n_past < lp.n_past:
-            self.slots.rewind(lp, n_past)
         req.record = self.slots[slot]
         req.pending = deque(as_units(req.prompt[n_past:], req.same_batch[n_past:]))
         req.n_prompt_left = len(req.prompt) - n_past
@@ -1337,10 +1297,8 @@ class Runner:
             if req.slot is not None:
                 if self._active.get(req.slot) is req:
                     del self._active[req.slot]
-                if error is not None and not self.closed:
-                    self.cache.clear(req.slot)
-                    self.slots.reset(req.slot)
-                self.slots.release(req.slot)
+                # a failed request's sequence may hold half-written cells (none to clear once closed)
+                self.slots.free(req.slot, failed=error is not None and not self.closed)
         except Exception as e:
             log.exception("runner: freeing the slot of a finished request failed")
             if r.error is None:
@@ -1358,17 +1316,10 @@ class Runner:
         req.result.n_shifts += 1
         if discard <= 0:
             return
-        try:
-            self.cache.remove(req.slot, keep, keep + discard)
-            self.slots.remove(req.slot, keep, keep + discard)
-        except NotSupported:
-            # the cache cannot shift (no shift_fn, shared cells): re-process what is kept
-            kept = rec.tokens[:keep] + rec.tokens[keep + discard:]
-            kept_sb = rec.same_batch[:keep] + rec.same_batch[keep + discard:]
-            self.cache.clear(req.slot)
-            self.slots.reset(req.slot)
-            req.pending.extendleft(reversed(as_units(kept, kept_sb)))
-            req.n_prompt_left += len(kept)
+        redo = self.slots.shift(req.slot, keep, discard)
+        if redo is not None:               # the cache could not shift: what it kept is computed again
+            req.pending.extendleft(reversed(as_units(*redo)))
+            req.n_prompt_left += len(redo[0])
 
     def _form_batch(self, wait_prev) -> Optional[_Batch]:
         """Fill a batch round-robin from ``_next_seq`` (lock held); None when nothing is pending.
