@@ -134,7 +134,8 @@ def test_logits_match_hf(fixtures, family, monkeypatch):
         got = rt.decode(ids, logits="all", images=[img])
         assert _err(got, ref) < tol
         # a text prompt: the marker becomes what the processor writes, the same ids
-        text_ids, sb = rt._with_images("Describe<__media__>this please", [img], "test", True)
+        p = rt.inputs.prompt("Describe<__media__>this please", "test", images=[img])
+        text_ids, sb = p.ids, p.same_batch
         assert [t if t >= 0 else fx.image_token_id for t in text_ids] == ids
         assert sum(1 for x in sb if x) == len(vh.pixel_values(fx, [img]))
         # then generation steps, one token at a time, against the whole sequence in transformers

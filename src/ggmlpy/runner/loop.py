@@ -23,7 +23,6 @@ from ggmlpy._core import (
     ClosedError,
     GGMLError,
     GGMLMemoryError,
-    GGMLTypeError,
     GGMLValueError,
     Type,
 )
@@ -47,10 +46,11 @@ from .batching import (
     as_units,
     split_ubatches,
 )
-from .images import FIRST_IMAGE_ID, MEDIA_MARKER, ImageStore, chat_images, chunk_spans, place_images
+from .images import FIRST_IMAGE_ID, ImageStore, chunk_spans
+from .inputs import Inputs, Prompt
 from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
-from .slots import InputTooLong, SlotTable, group_sizes, shift_discard, truncate_indices
-from .text import TextStream, chat_prompt, chat_text, encode_chat, encode_prompt, split_stops
+from .slots import InputTooLong, SlotTable, shift_discard, truncate_indices
+from .text import TextStream, split_stops
 
 __all__ = ["Runner"]
 
@@ -221,14 +221,12 @@ class Runner:
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache, cache=self.cache)
         #: The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`).
         self.kernels = KernelChoices("own")
-        self._tokenizer = tokenizer
-        self._tokenizer_lock = threading.Lock()     # the first text request reads it from the file once
         self.vision = vision if vision is not None else getattr(model, "vision", None)
-        self.images: Optional[ImageStore] = None
-        self._image_token = image_token
         if self.vision is not None:
             self._check_vision(self.vision)
-            self.images = ImageStore(self.vision.config.tokens_per_image, keep=image_cache)
+        #: The input side: the tokenizer, the image store, the prompt checks (:mod:`.inputs`).
+        self.inputs = Inputs(model, self.n_ubatch, tokenizer, self.vision, image_token, image_cache)
+        self.images: Optional[ImageStore] = self.inputs.images
         try:
             self._check_host_memory()
             self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
@@ -422,43 +420,9 @@ class Runner:
             The model's file has no tokenizer (``tokenizer.ggml.model`` missing or ``"none"``, as in
             the synthetic models), or one this library cannot read.
         """
-        tok = self._tokenizer
-        if tok is not None:
-            return tok
-        with self._tokenizer_lock:
-            if self._tokenizer is None:
-                self._tokenizer = self._model_tokenizer()
-            return self._tokenizer
-
-    def _model_tokenizer(self):
-        try:
-            return self.model.tokenizer
-        except AttributeError:
-            pass
-        # a model class without the property: read the vocabulary from its file
-        path = getattr(self.model, "path", None)
-        if path is None:
-            raise GGMLValueError("runner: the model has no tokenizer and no file to read one from; pass "
-                                 "Runner(..., tokenizer=Tokenizer.from_gguf(path)) or token ids")
-        from ggmlpy.tokenizer import Tokenizer
-
-        return Tokenizer.from_gguf(path)
+        return self.inputs.tokenizer
 
     # ------------------------------------------------------------------ validation
-
-    def _check_tokens(self, tokens, what: str) -> np.ndarray:
-        arr = np.asarray(tokens)
-        if arr.ndim != 1:
-            raise GGMLValueError(f"{what}: tokens must be a 1-D sequence (got shape {arr.shape})")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise GGMLValueError(f"{what}: token ids must be integers (got {arr.dtype})")
-        arr = arr.astype(np.int64)
-        bad = (arr < 0) | (arr >= self.n_vocab)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise GGMLValueError(f"{what}: token id {int(arr[i])} at index {i} is outside the vocabulary "
-                                 f"[0, {self.n_vocab})")
-        return arr
 
     def _check_seq_id(self, seq, what: str) -> int:
         s = int(seq)
@@ -531,77 +495,7 @@ class Runner:
     @property
     def image_token(self) -> int:
         """The token id that marks an image tile's place in a token-id prompt (see the class)."""
-        if self._image_token is None:
-            text = self.vision.image_token_text if self.vision is not None else None
-            tid = self.tokenizer.token_id(text) if text else None
-            if tid is None:
-                raise GGMLValueError(f"runner: the vocabulary has no image token {text!r}; pass Runner(..., "
-                                     f"image_token=ID)")
-            self._image_token = int(tid)
-        return self._image_token
-
-    def _need_vision(self, what: str) -> None:
-        if self.vision is None:
-            raise GGMLValueError(f"{what}: images given, but this runner has no vision encoder (load the model "
-                                 f"with load_model(path, mmproj=...) or pass Runner(..., vision=...))")
-
-    def _expand_images(self, prompt, images, what: str, parse_special: bool, marker: str = MEDIA_MARKER,
-                       encode=None, allow_local_files: bool = True) -> tuple[list, list, list]:
-        """A prompt's ids with each image's tokens in place (as the processor's ``input_ids``), the
-        preprocessed images and their checked pixels (float32 ``(tiles, 3, S, S)`` each). A str prompt has
-        one ``marker`` per image; ``encode`` tokenizes the expanded text (default: :func:`encode_prompt`).
-        Paths are read only with ``allow_local_files`` (the caller's own ``images=``; not a chat's)."""
-        self._need_vision(what)
-        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
-            raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
-        from ggmlpy.vision.preprocess import PreprocessedImage, image_prompt, preprocess
-
-        cfg = self.vision.image_config
-        pre = [im if isinstance(im, PreprocessedImage)
-               else preprocess(im, cfg, allow_local_files=allow_local_files) for im in images]
-        pixels = [self.vision.check_pixels(p.pixel_values) for p in pre]
-        for px in pixels:
-            n = len(px)
-            if n > self.vision.max_tiles:
-                # only a PreprocessedImage made with other settings gets here: preprocess bounds the tiles
-                raise GGMLValueError(f"{what}: an image of {n} tiles; this encoder's images have at most "
-                                     f"{self.vision.max_tiles} (what the runner reserved for), preprocess it with "
-                                     f"the encoder's image_config")
-        if isinstance(prompt, str):
-            n_mark = prompt.count(marker)
-            if n_mark != len(pre):
-                raise GGMLValueError(f"{what}: {len(pre)} image(s) but the prompt has {n_mark} {marker} "
-                                     f"marker(s)")
-            parts = prompt.split(marker)
-            text = parts[0] + "".join(image_prompt(p, cfg) + rest for p, rest in zip(pre, parts[1:]))
-            if encode is None:
-                prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special)
-            else:
-                prompt = encode(text)
-        return self._check_tokens(prompt, what).tolist(), pre, pixels
-
-    def _with_images(self, prompt, images, what: str, parse_special: bool) -> tuple[list, list]:
-        """A prompt with images: its token ids (image rows as their ids) and same-batch markers."""
-        toks, _, pixels = self._expand_images(prompt, images, what, parse_special)
-        entries = [self.images.add(px) for px in pixels]
-        return place_images(toks, entries, self.image_token, self.vision.config.tokens_per_image, what)
-
-    def _chat(self, messages, what: str, kw: dict, allow_local_files: bool = False) -> tuple[list[int], list]:
-        """A chat's prompt ids (image tokens in place) and its preprocessed images (see :meth:`chat_prompt`)."""
-        msgs, images = chat_images(messages, what, allow_local_files)
-        if not images:
-            return chat_prompt(self.tokenizer, msgs, **kw), []
-        text = chat_text(self.tokenizer, msgs, **kw)
-        self._need_vision(what)
-        ph = self.vision.image_placeholder
-        n = text.count(ph)
-        if n != len(images):
-            raise GGMLValueError(f"{what}: {len(images)} image part(s), but the chat template wrote {n} {ph!r} "
-                                 f"(a template that does not render image parts, or {ph!r} in a message's text)")
-        toks, pre, _ = self._expand_images(text, images, what, True, marker=ph,
-                                           encode=lambda t: encode_chat(self.tokenizer, t),
-                                           allow_local_files=allow_local_files)
-        return toks, pre
+        return self.inputs.image_token
 
     def _encode(self, entry) -> None:
         """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""
@@ -630,7 +524,7 @@ class Runner:
             No vision encoder, a bad image, one over the reservation's tile bound, or requests being
             served (like :meth:`decode`, for direct use).
         """
-        _, _, (tiles,) = self._expand_images([], [image], "encode_image", True)
+        tiles = self.inputs.pixels(image, "encode_image")
         with self._direct("encode_image"):
             return self._encode_tiles(tiles)
 
@@ -668,17 +562,17 @@ class Runner:
         one_row = type(logits) is str and logits in ("last", "all")
         tied = None
         if images is not None and len(images):
-            toks_l, sb = self._with_images(tokens, images, "decode", True)
-            toks = np.asarray(toks_l, np.int64)
+            p = self.inputs.prompt(tokens, "decode", images=images)
+            toks = np.asarray(p.ids, np.int32)
             tied = np.zeros(len(toks), bool)
-            for i, k in enumerate(sb):
+            for i, k in enumerate(p.same_batch):
                 tied[i + 1:i + 1 + k] = True
         else:
             if positions is None and (one_row or logits is None or logits is False):
-                tok = self._one_token(tokens)
+                tok = self.inputs.one_token(tokens)
                 if tok is not None:             # one generation step: scalars instead of arrays
                     return self._decode_one(tok, seq, logits is not None and logits is not False, bool(embeddings))
-            toks = self._check_tokens(tokens, "decode")
+            toks = self.inputs.check_tokens(tokens, "decode")
         n = len(toks)
         if n == 0:
             raise GGMLValueError("decode: empty batch")
@@ -710,19 +604,6 @@ class Runner:
                                     [seq],
                                     embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
                                     if positions is None else None)
-
-    def _one_token(self, tokens) -> Optional[int]:
-        """The id of a batch of one valid token id (a list, tuple or 1-D array), else None."""
-        if isinstance(tokens, np.ndarray):
-            if tokens.shape != (1,):
-                return None
-        elif type(tokens) not in (list, tuple) or len(tokens) != 1:
-            return None
-        t = tokens[0]
-        if type(t) is not int and not isinstance(t, np.integer):
-            return None                     # bools, floats...: the general path says what is wrong
-        t = int(t)
-        return t if 0 <= t < self.model.n_vocab else None
 
     def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
         # One generation step, the hot path of token-by-token decoding: what decode() + _run_direct do
@@ -838,7 +719,7 @@ class Runner:
         ``logits`` is a boolean mask (or indices) of the rows to return, in order.
         """
         self._check_open("decode_batch")
-        toks = self._check_tokens(tokens, "decode_batch")
+        toks = self.inputs.check_tokens(tokens, "decode_batch")
         pos = np.asarray(positions, dtype=np.int64)
         seqs = np.asarray(seq_ids, dtype=np.int64)
         if not (toks.shape == pos.shape == seqs.shape) or toks.size == 0:
@@ -1058,28 +939,29 @@ class Runner:
             ends with done reason ``cancel``.
         """
         self._check_open("submit")
+        text = self._text_options(stop, detokenize, embedding, isinstance(prompt, str))
+        p = self.inputs.prompt(prompt, "submit", images=images, same_batch=same_batch, parse_special=parse_special)
+        return self._queue(p, text, max_tokens=max_tokens, sampling=sampling, n_keep=n_keep, shift=shift,
+                           truncate=truncate, embedding=embedding, pooling=pooling, normalize=normalize)
+
+    def _text_options(self, stop, detokenize: Optional[bool], embedding: bool, str_prompt: bool) -> tuple:
+        """A request's stop ids and stop strings, and the tokenizer of the text it produces (None: no text)."""
         stop_ids, stop_texts = split_stops(stop, "submit")
         if detokenize is None:
-            detokenize = not embedding and (isinstance(prompt, str) or bool(stop_texts))
+            detokenize = not embedding and (str_prompt or bool(stop_texts))
         elif stop_texts and not detokenize:
             raise GGMLValueError("submit: stop strings need the generated text; detokenize=False leaves it out")
         if embedding and stop_texts:
             raise GGMLValueError("submit: an embedding request generates nothing to stop (stop strings given)")
-        detokenize = bool(detokenize) and not embedding
-        tok = None
-        if isinstance(prompt, str) or detokenize:
-            tok = self.tokenizer
-        if images is not None and len(images):
-            toks_l, sb = self._with_images(prompt, images, "submit", parse_special)
-            if same_batch is not None:
-                raise GGMLValueError("submit: same_batch and images together; the images set the groups")
-            toks = np.asarray(toks_l, np.int64)
-        else:
-            if isinstance(prompt, str):
-                prompt = encode_prompt(tok, prompt, parse_special=parse_special)
-            toks = self._check_tokens(prompt, "submit")
-            sb = None if same_batch is None else [int(x) for x in same_batch]
-        if toks.size == 0:
+        return stop_ids, stop_texts, self.tokenizer if detokenize and not embedding else None
+
+    def _queue(self, prompt: Prompt, text: tuple, *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
+               n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
+               pooling: str = "mean", normalize: bool = True) -> Handle:
+        """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context)."""
+        stop_ids, stop_texts, tok = text
+        ids, sb = prompt.ids, prompt.same_batch
+        if not ids:
             raise GGMLValueError("submit: empty prompt")
         if pooling not in ("mean", "cls", "last"):
             raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
@@ -1088,35 +970,29 @@ class Runner:
             raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
                                  f"full) (got {max_tokens})")
         params = sampling if sampling is not None else SamplingParams()
-        toks_l = toks.tolist()
         if sb is None:
-            sb = [0] * len(toks_l)
-        else:
-            try:
-                longest = max(group_sizes(sb, len(toks_l)))
-            except GGMLError as e:
-                raise GGMLValueError(f"submit: {e}") from None
-            if longest > self.n_ubatch:
-                raise GGMLValueError(f"submit: a same_batch group of {longest} inputs exceeds n_ubatch "
-                                     f"{self.n_ubatch}")
-        n_keep = len(toks_l) if n_keep < 0 else int(n_keep)
+            sb = [0] * len(ids)
+        n_keep = len(ids) if n_keep < 0 else int(n_keep)
         n_keep = min(n_keep, self.n_ctx - 1)
         if embedding:
-            if len(toks_l) > self.n_ctx:
-                raise InputTooLong(f"input too long: {len(toks_l)} tokens for an embedding with context "
-                                   f"{self.n_ctx}")
-        elif len(toks_l) > self.n_ctx:
-            keep_idx = truncate_indices(len(toks_l), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
-            toks_l = [toks_l[i] for i in keep_idx]
+            if len(ids) > self.n_ctx:
+                raise InputTooLong(f"input too long: {len(ids)} tokens for an embedding with context {self.n_ctx}")
+        elif len(ids) > self.n_ctx:
+            keep_idx = truncate_indices(len(ids), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
+            ids = [ids[i] for i in keep_idx]
             sb = [sb[i] for i in keep_idx]
         stop_ids += tuple(self.model.config.eos_token_ids)
-        if detokenize:
+        if tok is not None:
             stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
-        req = _Request(toks_l, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
-        if detokenize:
+        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
+        if tok is not None:
             # a detokenizer of its own: it holds the bytes of a character not yet complete
             req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
             req.result.text = ""
+        self._enqueue(req)
+        return Handle(self, req)
+
+    def _enqueue(self, req: _Request) -> None:
         with self._lock:
             # checked again under the lock: close() sets _closing under it, so a request is either
             # refused here or seen by whoever ends the requests (the loop, or close() itself)
@@ -1126,7 +1002,6 @@ class Runner:
             self._waiting.append(req)
             self._ensure_loop()
             self._lock.notify_all()
-        return Handle(self, req)
 
     def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
         """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`).
@@ -1174,9 +1049,9 @@ class Runner:
             Image parts without a vision encoder, an image part without an image, or a template that
             did not write one placeholder per image.
         """
-        return self._chat(messages, "chat_prompt", dict(add_generation_prompt=add_generation_prompt, tools=tools,
-                                                        template=template, template_kwargs=template_kwargs),
-                          allow_local_files)[0]
+        return self.inputs.chat_ids(messages, "chat_prompt", dict(add_generation_prompt=add_generation_prompt,
+                                                                  tools=tools, template=template,
+                                                                  template_kwargs=template_kwargs), allow_local_files)
 
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
@@ -1198,17 +1073,13 @@ class Runner:
         """
         if "detokenize" in kw and not kw["detokenize"]:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
-        kw["detokenize"] = True
-        ids, images = self._chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt,
-                                                                tools=tools, template=template,
-                                                                template_kwargs=template_kwargs),
-                                 allow_local_files)
-        if images:
-            if kw.get("images"):
-                raise GGMLValueError("submit_chat: images both in the messages and in images=; give them as "
-                                     "image parts of the messages")
-            kw["images"] = images
-        return self.submit(ids, **kw)
+        kw.pop("detokenize", None)
+        kw.pop("parse_special", None)        # the chat's text is the template's: its special tokens are parsed
+        self._check_open("submit_chat")
+        p = self.inputs.chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt, tools=tools,
+                                                           template=template, template_kwargs=template_kwargs),
+                             allow_local_files, images=kw.pop("images", ()), same_batch=kw.pop("same_batch", None))
+        return self._queue(p, self._text_options(kw.pop("stop", ()), True, kw.get("embedding", False), True), **kw)
 
     def chat(self, messages: Sequence[dict], **kw) -> Completion:
         """Submit a chat and wait: the assistant's reply as a :class:`Completion` (``.text``); see
@@ -1409,8 +1280,9 @@ class Runner:
         if not toks:
             return None
         self._next_seq = resume if resume is not None else rows_seq[-1] + 1
+        # the one change of container on a token's way: the batch's rows become the graph's int32 input
         tok_a = np.array([0 if isinstance(t, _Placeholder) and t.value is None else int(t) for t in toks],
-                         dtype=np.int64)
+                         dtype=np.int32)
         ubs = split_ubatches(self.n_ubatch, tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want),
                           np.asarray(tied, bool))
         starts = np.cumsum([0] + [len(ub.tokens) for ub in ubs])
