@@ -357,6 +357,34 @@ def test_chat_image_errors(fixtures):
             rt.chat_prompt(good, template=template)
 
 
+def test_a_chat_prepares_its_images_once(fixtures, monkeypatch):
+    """A chat's prompt is prepared once: each image part preprocessed and its pixels checked once (the chat
+    path used to go back through submit, which did both again), then encoded by the encoder's own route
+    (VisionModel.run) on the runner's runtime, once per distinct image."""
+    import importlib
+
+    pp = importlib.import_module("ggmlpy.vision.preprocess")    # (ggmlpy.vision.preprocess is also a function)
+    fx = fixtures["idefics3"]
+    template = CHAT_TEMPLATES["idefics3"]
+    msgs = _chat_messages({"type": "image", "image": vh.sample_image(64, 64, seed=6)},
+                          {"type": "image", "image": vh.sample_image(64, 64, seed=7)})
+    model, rt = _runner(fx, n_ctx=512)
+    with model, rt:
+        calls = {"preprocess": 0, "check_pixels": 0, "run": 0}
+
+        def counted(name, real):
+            def f(*a, **kw):
+                calls[name] += 1
+                return real(*a, **kw)
+            return f
+
+        monkeypatch.setattr(pp, "preprocess", counted("preprocess", pp.preprocess))
+        for name in ("check_pixels", "run"):
+            monkeypatch.setattr(type(model.vision), name, counted(name, getattr(type(model.vision), name)))
+        assert rt.chat(msgs, template=template, max_tokens=1).done_reason in ("length", "stop")
+        assert calls == {"preprocess": 2, "check_pixels": 2, "run": 2}
+
+
 def test_no_image_exceeds_the_reservation(fixtures):
     """The reservation holds the largest image: any size or shape the processor takes stays within
     max_tiles (idefics3 resizes to its longest edge), and runs with no reallocation; a preprocessed image

@@ -28,8 +28,6 @@ from ggmlpy._core import (
 )
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import V_TRANS_TYPES
-from ggmlpy.models import kernels
-from ggmlpy.models.calibrate import kernel_choices
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
 from ggmlpy.sampling import SamplingParams
@@ -46,10 +44,11 @@ from .batching import (
     as_units,
     split_ubatches,
 )
-from .images import FIRST_IMAGE_ID, ImageStore, chunk_spans
+from .images import FIRST_IMAGE_ID, ImageStore
 from .inputs import Inputs, Prompt
 from .requests import Completion, DoneReason, Handle, TokenEvent, _Request
 from .slots import InputTooLong, SlotTable, shift_discard, truncate_indices
+from .step import Step
 from .text import TextStream, split_stops
 
 __all__ = ["Runner"]
@@ -219,8 +218,7 @@ class Runner:
         self.overlap_s = 0.0                  # graph building hidden behind compute (pipeline)
         self.closed = False
         self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache, cache=self.cache)
-        #: The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`).
-        self.kernels = KernelChoices("own")
+        self.step: Optional[Step] = None      # the graphs: made once the runtime exists
         self.vision = vision if vision is not None else getattr(model, "vision", None)
         if self.vision is not None:
             self._check_vision(self.vision)
@@ -233,8 +231,11 @@ class Runner:
                               report=self.report, reuse_graphs=self.reuse_graphs, op_offload=op_offload)
             self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report, runtime=self.rt)
-            self.kernels = self._choose_kernels()
-            self._reserve()
+            self.step = Step(model, self.cache, self.rt, flash_attn=self.flash_attn, vision=self.vision,
+                             images=self.images)
+            self.step.choose_kernels(self._kernel_mode, self.n_ubatch, self.n_ctx,
+                                     measuring=getattr(self, "_measuring", False))
+            self.step.reserve(self.n_ubatch, min(self.n_seq_max, self.n_ubatch))
         except BaseException as e:
             self._closing = True
             try:
@@ -350,56 +351,10 @@ class Runner:
             raise GGMLValueError(f"runner: an image takes {vc.tokens_per_image} tokens, more than n_ubatch "
                                  f"{self.n_ubatch}; it must fit in one micro-batch")
 
-    def _reserve(self) -> None:
-        keep = []
-
-        def build(n: int):
-            b = self._worst_case_graph(n)
-            keep.append(b)
-            return b.graph
-
-        def build_image():
-            b = self.vision.build(self.vision.max_tiles)
-            keep.append(b)
-            return b.graph
-
-        extra = [("vision", build_image)] if self.vision is not None else []
-        try:
-            self.rt.reserve(build, n_prompt=self.n_ubatch, n_decode=min(self.n_seq_max, self.n_ubatch), extra=extra)
-        finally:
-            for b in keep:             # on failure too: each holds a graph context
-                b.free()
-            # and a plan with a worst-case mask (n_ubatch x cells), which a failure's traceback would keep
-            # alive through this frame
-            keep.clear()
-
-    def _worst_case_graph(self, n: int):
-        """The forward graph of ``n`` tokens at full context (the reservation's), built under the runner's
-        kernel choices."""
-        plan = self.cache.start_forward(np.zeros(n, np.int64), np.zeros(n, np.int64), reserve=True)
-        # the prompt batch with an image tile in it (the decode batch has no room for one)
-        kw = {"n_embd_rows": self.vision.config.tokens_per_image} \
-            if self.vision is not None and n >= self.vision.config.tokens_per_image else {}
-        with kernels.using(self.kernels):
-            return self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn, **kw)
-
-    def _choose_kernels(self) -> KernelChoices:
-        """Which own kernels the graphs take (:mod:`ggmlpy.models.kernels`): measured on this machine
-        against ggml's ops at the sites of this runner's graphs, or read from the cache of those
-        timings. A runner that only measures memory (:meth:`measure`) takes them all, as before."""
-        if getattr(self, "_measuring", False):
-            return KernelChoices("own", n_threads=self.rt.n_threads)
-
-        def record(recorder) -> None:
-            saved, self.kernels = self.kernels, recorder
-            try:
-                for n in dict.fromkeys((1, self.n_ubatch)):
-                    self._worst_case_graph(n).free()
-            finally:
-                self.kernels = saved
-
-        return kernel_choices(record, self.rt.n_threads, mode=self._kernel_mode, n_ctx=self.n_ctx,
-                              n_expert_used=getattr(self.model.config, "n_expert_used", 1) or 1)
+    @property
+    def kernels(self) -> KernelChoices:
+        """The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`)."""
+        return self.step.kernels if self.step is not None else KernelChoices("own")
 
     def memory_report(self) -> MemoryReport:
         """Weights, cache and compute graph per device (a :class:`ggmlpy.backend.MemoryReport`)."""
@@ -436,79 +391,17 @@ class Runner:
     @property
     def graphs_built(self) -> int:
         """Forward graphs built so far (not taken from the runtime's pool)."""
-        return self.rt.graphs.built if self.rt is not None else 0
-
-    def _build(self, ub: _UBatch, embedding: bool) -> None:
-        """Plan the cache for a micro-batch, commit its metadata and build its graph."""
-        n = len(ub.tokens)
-        n_out = max(1, len(ub.out_rows))
-        n_img = 0
-        if self.images is not None and ub.tokens.min() <= FIRST_IMAGE_ID:
-            # image rows: their embeddings replace the tokens'; Gemma 3's attend both ways within an image
-            n_img = int(np.count_nonzero(ub.tokens <= FIRST_IMAGE_ID))
-            spans = chunk_spans(ub.tokens, self.vision.config.tokens_per_image, self.images) \
-                if self.vision.bidirectional else None
-            plan = self.cache.start_forward(ub.positions, ub.seqs, spans=spans)
-        else:
-            plan = self.cache.start_forward(ub.positions, ub.seqs)
-        kw = {"n_embd_rows": n_img} if n_img else {}
-        # A graph of the same shape (tokens, outputs, the cache plan's visible ranges) is reused with new
-        # inputs: with the visible range padded, consecutive one-token steps share one graph.
-
-        def build():
-            with kernels.using(self.kernels):
-                b = self.model.build(self.cache, plan, n, n_out, flash_attn=self.flash_attn,
-                                     embeddings=embedding, **kw)
-            self.rt.pin(b.pins)
-            return b
-
-        built = self.rt.graphs.take((n, n_out, plan.key, embedding, n_img), build)
-        # Metadata is committed when the graph exists; the cells are written when it computes. A failed
-        # compute clears the sequences involved (see _fail).
-        try:
-            self.cache.apply(plan)
-        except BaseException:
-            built.free()
-            raise
-        ub.plan, ub.built = plan, built
+        return self.step.graphs_built if self.step is not None and self.rt is not None else 0
 
     def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
-        """Allocate, fill the inputs, compute; the wanted output rows as numpy (rows, n_out_dim)."""
-        b = ub.built
-        out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
-        if getattr(b, "embd", None) is not None:
-            rows = np.flatnonzero(ub.tokens <= FIRST_IMAGE_ID)
-            ids = ub.tokens[rows]
-            for entry in self.images.missing(ids):
-                self._encode(entry)
-            embd = (self.images.rows(ids), rows)
-            toks = np.where(ub.tokens < 0, 0, ub.tokens)
-            self.rt.run(b.graph, lambda: b.set_inputs(toks, ub.positions, ub.plan, out_rows, embd))
-        else:
-            self.rt.run(b.graph, lambda: b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows))
-        ub.plan = None          # its mask is uploaded: the micro-batches of a batch must not all hold one
-        res = b.output.get() if len(ub.out_rows) else None
-        ub.built = None
-        self.rt.graphs.give(b)
-        return None if res is None else res.reshape(len(out_rows), -1)
+        """Compute a built micro-batch (:meth:`Step.compute`): the one call the loop's compute thread and
+        the direct calls make into the step's compute."""
+        return self.step.compute(ub)
 
     @property
     def image_token(self) -> int:
         """The token id that marks an image tile's place in a token-id prompt (see the class)."""
         return self.inputs.image_token
-
-    def _encode(self, entry) -> None:
-        """Compute an image's embeddings through this runner's scheduler (the thread that computes)."""
-        self.images.set_embd(entry, self._encode_tiles(entry.tiles))
-
-    def _encode_tiles(self, tiles: np.ndarray) -> np.ndarray:
-        g = self.vision.build(len(tiles))
-        try:
-            self.rt.run(g.graph, lambda: g.set_inputs(tiles))
-            out = np.asarray(g.output.get(), dtype=np.float32)
-        finally:
-            g.free()
-        return out.reshape(-1, self.vision.config.n_embd_text)
 
     def encode_image(self, image) -> np.ndarray:
         """An image's embeddings as the text model receives them: ``float32[rows, n_embd]``, the rows of its
@@ -526,7 +419,7 @@ class Runner:
         """
         tiles = self.inputs.pixels(image, "encode_image")
         with self._direct("encode_image"):
-            return self._encode_tiles(tiles)
+            return self.step.encode(tiles)
 
     def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
                embeddings: bool = False, images: Sequence = ()) -> Optional[np.ndarray]:
@@ -688,7 +581,7 @@ class Runner:
         """Build and compute one micro-batch of direct use; on failure, whatever part of the batch
         reached the cache is undone for the sequences ``seqs``, as for a failed compute."""
         try:
-            self._build(ub, embedding)
+            self.step.build(ub, embedding)
             return self._compute(ub)
         except BaseException:
             if ub.built is not None:
@@ -1474,7 +1367,7 @@ class Runner:
             t0 = time.perf_counter()
             try:
                 for ub in batch.ubatches:
-                    self._build(ub, batch.embedding)
+                    self.step.build(ub, batch.embedding)
             except Exception as e:     # handed to the batch: _complete ends its requests with it
                 batch.error = e
             if prev is not None and prev.done is not None and not prev.done.is_set():
