@@ -16,7 +16,7 @@ from ggmlpy._core import GGMLError
 from ggmlpy.sampling import Logprobs, Sampler
 
 if TYPE_CHECKING:
-    from .loop import Runner
+    from .runner import Runner
 
 __all__ = ["Completion", "DoneReason", "Handle", "RequestTimeout", "RunnerError", "TokenEvent"]
 
