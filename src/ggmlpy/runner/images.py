@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -105,11 +105,6 @@ class ImageStore:
                                  f"this runner knows")
         return entries, rows
 
-    def missing(self, token_ids: np.ndarray) -> list[ImageEntry]:
-        """The entries of these image rows whose embeddings are not computed (each once)."""
-        entries, _ = self.locate(token_ids)
-        return list({id(e): e for e in entries if e.embd is None}.values())
-
     def set_embd(self, e: ImageEntry, embd: np.ndarray) -> None:
         """Store an image's embeddings; the least recently used beyond ``keep`` are dropped."""
         with self._lock:
@@ -121,8 +116,10 @@ class ImageStore:
                 _, old = self._encoded.popitem(last=False)
                 old.embd = None
 
-    def rows(self, token_ids: np.ndarray) -> np.ndarray:
-        """The embedding rows of image row ids, in order: float32 ``(len(token_ids), n_embd_text)``."""
+    def rows(self, token_ids: np.ndarray, encode: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+        """The embedding rows of image row ids, in order: float32 ``(len(token_ids), n_embd_text)``. An image
+        not encoded yet (or whose embeddings were dropped) is encoded first by ``encode(tiles) -> rows``
+        (the runner's step, on the compute thread), and kept."""
         entries, rows = self.locate(token_ids)
         out = []
         a = 0
@@ -131,7 +128,10 @@ class ImageStore:
                 e = entries[a]
                 embd = e.embd
                 if embd is None:
-                    raise GGMLValueError(f"image row {int(token_ids[a])}: its image is not encoded")
+                    if encode is None:
+                        raise GGMLValueError(f"image row {int(token_ids[a])}: its image is not encoded")
+                    embd = encode(e.tiles)
+                    self.set_embd(e, embd)
                 out.append(embd[rows[a:b]])
                 with self._lock:
                     if e.key in self._encoded:

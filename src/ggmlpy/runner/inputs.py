@@ -119,6 +119,14 @@ class Inputs:
                                  f"[0, {self.n_vocab})")
         return wide.astype(np.int32)
 
+    def ids(self, tokens, what: str) -> list[int]:
+        """Token ids as a list of ints, each checked to be an id of the vocabulary (a list of ints is
+        checked as it is, without a round trip through an array)."""
+        if type(tokens) in (list, tuple) and all(type(t) is int for t in tokens) \
+                and (not tokens or (min(tokens) >= 0 and max(tokens) < self.n_vocab)):
+            return list(tokens)
+        return self.check_tokens(tokens, what).tolist()
+
     def one_token(self, tokens) -> Optional[int]:
         """The id of a batch of one valid token id (a list, tuple or 1-D array), else None: the
         generation step's check, without an array."""
@@ -145,7 +153,7 @@ class Inputs:
             return self._place(ids, pixels, what)
         if isinstance(prompt, str):
             prompt = encode_prompt(self.tokenizer, prompt, parse_special=parse_special)
-        ids = self.check_tokens(prompt, what).tolist()
+        ids = self.ids(prompt, what)
         if same_batch is None:
             return Prompt(ids)
         sb = [int(x) for x in same_batch]
@@ -232,7 +240,7 @@ class Inputs:
             text = parts[0] + "".join(image_prompt(p, cfg) + rest for p, rest in zip(pre, parts[1:]))
             prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special) if encode is None \
                 else encode(text)
-        return self.check_tokens(prompt, what).tolist(), pixels
+        return self.ids(prompt, what), pixels
 
     def _place(self, ids: list[int], pixels: list[np.ndarray], what: str) -> Prompt:
         """Checked ids and pixels -> a Prompt: each image in the store, its rows where its tokens were."""

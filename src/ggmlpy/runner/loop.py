@@ -32,7 +32,7 @@ import numpy as np
 from ggmlpy._core import ClosedError, GGMLValueError
 from ggmlpy.sampling import logprobs as _logprobs
 
-from .batching import _Batch, _drop_graphs, _Member, _Placeholder, split_ubatches
+from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch, split_ubatches
 from .requests import DoneReason, TokenEvent, _Request
 from .slots import group_sizes, shift_discard
 
@@ -48,8 +48,7 @@ class RequestLoop:
     the batch in flight (:meth:`_init_loop`), all under ``_lock`` (a Condition), and it decides who
     uses the cache and the scheduler: the loop while requests are served, else one direct call at a
     time (:meth:`_direct`). It uses of the runner: the settings ``n_ctx``, ``n_batch``, ``n_ubatch``,
-    ``n_seq_max``, ``pipeline``, ``defrag_thold``; ``slots``, ``cache``, ``step``; ``_compute(ub)``
-    and ``closed``.
+    ``n_seq_max``, ``pipeline``, ``defrag_thold``; ``slots``, ``cache``, ``step`` and ``closed``.
     """
 
     def _init_loop(self) -> None:
@@ -354,6 +353,11 @@ class RequestLoop:
                 self._work(batch)
             finally:
                 batch.done.set()          # the loop waits on it: set on every path
+
+    def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
+        """Compute one built micro-batch (:meth:`Step.compute <ggmlpy.runner.step.Step.compute>`): the
+        loop's compute thread and the direct calls both come through here."""
+        return self.step.compute(ub)
 
     def _work(self, batch: _Batch) -> None:
         try:

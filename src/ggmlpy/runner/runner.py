@@ -324,11 +324,6 @@ class Runner(RequestLoop):
         """Times the compute buffers grew past the start-up reservation (0 when it covered every graph)."""
         return self.rt.reallocations if self.rt is not None else 0
 
-    def _compute(self, ub: _UBatch) -> Optional[np.ndarray]:
-        """Compute a built micro-batch (:meth:`Step.compute`): the one call the loop's compute thread and
-        the direct calls make into the step's compute."""
-        return self.step.compute(ub)
-
     @property
     def image_token(self) -> int:
         """The token id that marks an image tile's place in a token-id prompt (see the class)."""

@@ -102,10 +102,7 @@ class Step:
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
         if getattr(b, "embd", None) is not None:
             rows = np.flatnonzero(ub.tokens <= FIRST_IMAGE_ID)
-            ids = ub.tokens[rows]
-            for entry in self.images.missing(ids):
-                self.images.set_embd(entry, self.encode(entry.tiles))
-            embd = (self.images.rows(ids), rows)
+            embd = (self.images.rows(ub.tokens[rows], self.encode), rows)     # images encoded on first use
             toks = np.where(ub.tokens < 0, 0, ub.tokens)
             self.rt.run(b.graph, lambda: b.set_inputs(toks, ub.positions, ub.plan, out_rows, embd))
         else:
