@@ -9,7 +9,8 @@ Inside the runner each row of a chunk is a token id below ``-1``, unique to (ima
 ``-(2 + base + row)`` where the :class:`ImageStore` gives each distinct image (by the hash of its
 pixels) a ``base``. The ids go through the token records unchanged, so prefix reuse compares images
 by content, as Ollama compares the multimodal hash, and a same-batch group keeps each chunk whole in
-one micro-batch. The embeddings are computed on first use through the runner's scheduler (the compute
+one micro-batch. :mod:`.inputs` puts them in a prompt (:func:`~.inputs.place_images`). The embeddings
+are computed on first use (:meth:`ImageStore.rows` with the runner step's encoder, on the compute
 thread) and kept, a bounded number of images, so a prompt prefix with the same image is not encoded
 again.
 """
