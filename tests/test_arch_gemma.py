@@ -51,7 +51,7 @@ from ggmlpy.gguf import MetadataError  # noqa: E402
 from ggmlpy.kvcache import Causal, Wrapper  # noqa: E402
 from ggmlpy.models import UnknownArchitecture, blocks, load_model  # noqa: E402
 from ggmlpy.runner import Runner  # noqa: E402
-from ggmlpy.sequences import shift_discard  # noqa: E402
+from ggmlpy.runner.slots import shift_discard  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

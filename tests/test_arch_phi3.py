@@ -211,7 +211,7 @@ def test_context_shift_equals_from_scratch(one_layer, flash):
 def test_runner_shift_and_prefix_reuse(one_layer):
     """The runner's own context shift (generation past n_ctx) and a reused prefix give what a fresh run
     gives."""
-    from ggmlpy.sequences import shift_discard
+    from ggmlpy.runner.slots import shift_discard
 
     prompt, n_ctx, keep = one_layer.tokens[:6], 24, 2
     with load_model(one_layer.path()) as model:

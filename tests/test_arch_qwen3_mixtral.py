@@ -42,7 +42,7 @@ from ggmlpy.gguf import MetadataError, MetadataTypeError  # noqa: E402
 from ggmlpy.models import LlamaModel, UnknownArchitecture, load_model  # noqa: E402
 from ggmlpy.models.qwen3 import Qwen3Model  # noqa: E402
 from ggmlpy.runner import DoneReason, Runner  # noqa: E402
-from ggmlpy.sequences import shift_discard  # noqa: E402
+from ggmlpy.runner.slots import shift_discard  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -184,7 +184,7 @@ def test_requests_batched_generate_as_transformers(conv):
         hs = [rt.submit(p, max_tokens=6) for p in prompts]
         got = [h.result() for h in hs]
         assert [3] in rt.batch_sizes, rt.batch_sizes          # a step with one token of each request
-        assert rt.rt.reallocations == 0                       # the start-up reservation covered routing too
+        assert rt.reallocations == 0                       # the start-up reservation covered routing too
     for p, r in zip(prompts, got):
         want = hf_greedy(conv.hf, p, 6)
         assert r.tokens == want[:len(r.tokens)] and (len(r.tokens) == 6 or r.done_reason == DoneReason.STOP)

@@ -34,7 +34,7 @@ import pytest
 from helpers import run_child
 
 from ggmlpy import GGMLValueError
-from ggmlpy.runner.images import chat_images
+from ggmlpy.runner.inputs import chat_images
 from ggmlpy.vision.preprocess import ImageError, load_image
 
 # the module (ggmlpy.vision's attribute "preprocess" is the function of that name)

@@ -314,7 +314,7 @@ def tiny_gemma(tmp_path_factory):
 
 def _custom_ops(runner, n):
     with kernels.using(runner.kernels):
-        b = runner._worst_case_graph(n)
+        b = runner.step.worst_case_graph(n)
     try:
         return sum(1 for node in b.graph.nodes if node.op == ggmlpy.Op.CUSTOM)
     finally:

@@ -58,7 +58,7 @@ def test_pipelined_equals_sequential(model, n_seq):
             outs[pipeline] = [h.result().tokens for h in hs]
             if pipeline:
                 assert rt.n_batches > 20
-            assert rt.rt.reallocations == 0           # the start-up reservation covered every batch
+            assert rt.reallocations == 0           # the start-up reservation covered every batch
     assert outs[True] == outs[False]
 
 

@@ -350,7 +350,7 @@ def test_huge_context_fails_early_with_a_memory_report(model, monkeypatch):
     """n_ctx=2**24: the worst-case mask alone is 512 x 2**24 cells; the start fails before allocating the
     cache, with GGMLMemoryError and the report (the old code ran for seconds, then numpy's bare
     MemoryError)."""
-    import ggmlpy.runner.loop as runner_mod
+    import ggmlpy.runner.runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "_available_host_memory", lambda: 8 << 30)
     with pytest.raises(ggmlpy.GGMLMemoryError, match="n_ctx=16777216") as ei:
@@ -406,7 +406,7 @@ def test_failed_runner_start_gives_memory_back(model, monkeypatch):
 def test_cache_too_large_for_the_device_fails_cleanly_and_gives_memory_back(model, monkeypatch):
     """Host check passed (patched), the device refuses the 256 GiB cache: GGMLMemoryError with the report marking
     the cache allocation failed; nothing stays allocated (RSS flat over 4 failures)."""
-    import ggmlpy.runner.loop as runner_mod
+    import ggmlpy.runner.runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "_available_host_memory", lambda: 1 << 50)
 

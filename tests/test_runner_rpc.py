@@ -47,7 +47,7 @@ def test_rpc_split_equals_cpu(tmp_path, rpc_server):  # noqa: F811
             rt.cache._shift = lambda cells, offset: (shifts.append(offset), real_shift(cells, offset))
             r = rt.generate(PROMPT, max_tokens=25, n_keep=2)
             assert r.n_shifts == 1 and len(r.tokens) == 25 and len(shifts) == 1 and shifts[0] < 0
-            assert rt.rt.reallocations == 0
+            assert rt.reallocations == 0
     # the same request on the CPU alone (its cache shifted on the CPU) gave the same tokens
     assert r.tokens == ref_gen
 

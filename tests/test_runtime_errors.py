@@ -18,7 +18,7 @@ from helpers import free_port
 import ggmlpy
 from ggmlpy import GGMLError, GGMLTypeError, GGMLValueError
 
-RUNTIME_MODULES = ["ggmlpy.runner", "ggmlpy.sequences", "ggmlpy.sampling", "ggmlpy.kvcache", "ggmlpy.backend",
+RUNTIME_MODULES = ["ggmlpy.runner", "ggmlpy.runner.slots", "ggmlpy.sampling", "ggmlpy.kvcache", "ggmlpy.backend",
                    "ggmlpy.benchmark", "ggmlpy.models", "ggmlpy.cli"]
 
 
@@ -37,7 +37,7 @@ def test_runtime_exceptions_keep_their_builtin_base():
     from ggmlpy.benchmark import BenchError, PeerUnavailable
     from ggmlpy.kvcache import CacheStateError, KVCacheFull, NotSupported
     from ggmlpy.runner import RunnerError
-    from ggmlpy.sequences import InputTooLong, NoFreeSlot, SlotIndexError
+    from ggmlpy.runner.slots import InputTooLong, NoFreeSlot, SlotIndexError
 
     expected = {NotSupported: RuntimeError, KVCacheFull: RuntimeError, CacheStateError: RuntimeError,
                 RunnerError: RuntimeError, NoFreeSlot: RuntimeError, InputTooLong: ValueError,
@@ -48,8 +48,8 @@ def test_runtime_exceptions_keep_their_builtin_base():
 
 def _cases():
     from ggmlpy.kvcache import Causal, Cells, Encoder
+    from ggmlpy.runner.slots import SlotTable, shift_discard, truncate_indices
     from ggmlpy.sampling import Sampler, SamplingParams, logprobs
-    from ggmlpy.sequences import SlotTable, shift_discard, truncate_indices
 
     cells = Cells(8, 2)
     return [

@@ -1,4 +1,4 @@
-"""Truncation, context shift and cache-slot choice (ggmlpy.sequences): no ggml.
+"""Truncation, context shift and cache-slot choice (ggmlpy.runner.slots): no ggml.
 
 The ShiftDiscard, FindCacheSlot, LoadCacheSlot, ShiftCacheSlot and CountCommon
 vectors are Ollama's (``runner/ollamarunner/cache_test.go``, the engine as of
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggmlpy.sequences import (
+from ggmlpy.runner.slots import (
     InputTooLong,
     LoadPlan,
     NoFreeSlot,
@@ -660,3 +660,108 @@ def test_record_keeps_markers_with_tokens():
     assert t[0].tokens == [2]                     # nothing half-recorded
     with pytest.raises(ValueError, match="markers"):
         t.set_tokens(0, [1, 2], [0])
+
+
+# --------------------------------------------------------------------------- slot <-> cache
+
+
+class FakeCache:
+    """What a SlotTable calls on a cache, recorded; positions per sequence as lists of tokens."""
+
+    def __init__(self, n, shift=True, resume=True):
+        self.seqs = [[] for _ in range(n)]
+        self.calls = []
+        self.shift, self.resume = shift, resume
+
+    def clear(self, seq=None):
+        self.calls.append(("clear", seq))
+        for s in range(len(self.seqs)) if seq is None else [seq]:
+            self.seqs[s] = []
+
+    def remove(self, seq, begin, end=None):
+        from ggmlpy.kvcache import NotSupported
+
+        self.calls.append(("remove", seq, begin, end))
+        if end is not None and not self.shift:
+            raise NotSupported("no shift")
+        del self.seqs[seq][begin:end]
+
+    def copy_prefix(self, src, dst, n):
+        self.calls.append(("copy_prefix", src, dst, n))
+        self.seqs[dst] = self.seqs[src][:n]
+
+    def can_resume(self, seq, pos):
+        return self.resume
+
+    def seq_pos_max(self, seq):
+        return len(self.seqs[seq]) - 1
+
+
+def _filled(n, multi, **kw):
+    cache = FakeCache(n, **kw)
+    t = SlotTable(n, multi_user=multi, clock=FakeClock(), cache=cache)
+    return t, cache
+
+
+def test_load_slot_trims_the_cache_to_the_reused_prefix():
+    t, cache = _filled(2, False)
+    t.committed(0, [1, 2, 3, 4])
+    cache.seqs[0] = [1, 2, 3, 4]
+    assert t.load_slot([1, 2, 9]) == (0, 2)
+    assert cache.seqs[0] == [1, 2] and t[0].tokens == [1, 2] and t[0].in_use
+    assert cache.calls == [("remove", 0, 2, None)]
+
+
+def test_load_slot_forks_a_busy_prefix_and_falls_back_when_the_cache_cannot_resume():
+    t, cache = _filled(2, True)
+    t.committed(0, [1, 2, 3])
+    cache.seqs[0] = [1, 2, 3]
+    t[0].in_use = True
+    assert t.load_slot([1, 2, 7]) == (1, 2)
+    assert cache.seqs[1] == [1, 2] and ("copy_prefix", 0, 1, 2) in cache.calls
+    t.release(1)
+    cache.resume = False                         # a window evicted what the prompt needs: start over
+    t.reset(1)
+    t.committed(1, [5, 6])
+    cache.seqs[1] = [5, 6]
+    assert t.load_slot([5, 6, 8])[1] == 0
+    assert t[1].tokens == [] and cache.seqs[1] == []
+
+
+def test_load_slot_failure_clears_and_releases_the_slot():
+    t, cache = _filled(1, False)
+
+    def broken(*a):
+        raise KeyError("injected")
+
+    cache.can_resume = broken
+    t.committed(0, [1, 2])
+    with pytest.raises(KeyError):
+        t.load_slot([1, 2, 3])
+    assert not t[0].in_use and t[0].tokens == [] and cache.calls[-1] == ("clear", 0)
+
+
+@pytest.mark.parametrize("can_shift", [True, False])
+def test_shift_moves_cache_and_record_together(can_shift):
+    t, cache = _filled(1, False, shift=can_shift)
+    t.committed(0, [1, 2, 3, 4, 5], markers(5, {3: 1}))
+    cache.seqs[0] = [1, 2, 3, 4, 5]
+    redo = t.shift(0, 1, 2)
+    if can_shift:
+        assert redo is None and t[0].tokens == cache.seqs[0] == [1, 4, 5] and t[0].same_batch == [0, 1, 0]
+    else:                                         # cleared; the kept tokens come back to be computed again
+        assert redo == ([1, 4, 5], [0, 1, 0]) and t[0].tokens == cache.seqs[0] == []
+
+
+def test_clear_and_free_touch_cache_and_record_together():
+    t, cache = _filled(2, False)
+    for s in (0, 1):
+        t.load_slot([s + 1])
+        t.committed(s, [s + 1])
+        cache.seqs[s] = [s + 1]
+    t.free(0)
+    assert not t[0].in_use and t[0].tokens == cache.seqs[0] == [1]       # kept for reuse
+    t.free(1, failed=True)
+    assert not t[1].in_use and t[1].tokens == cache.seqs[1] == []
+    t.clear()
+    assert t[0].tokens == cache.seqs[0] == [] and cache.calls[-1] == ("clear", None)

@@ -134,7 +134,8 @@ def test_logits_match_hf(fixtures, family, monkeypatch):
         got = rt.decode(ids, logits="all", images=[img])
         assert _err(got, ref) < tol
         # a text prompt: the marker becomes what the processor writes, the same ids
-        text_ids, sb = rt._with_images("Describe<__media__>this please", [img], "test", True)
+        p = rt.inputs.prompt("Describe<__media__>this please", "test", images=[img])
+        text_ids, sb = p.ids, p.same_batch
         assert [t if t >= 0 else fx.image_token_id for t in text_ids] == ids
         assert sum(1 for x in sb if x) == len(vh.pixel_values(fx, [img]))
         # then generation steps, one token at a time, against the whole sequence in transformers
@@ -192,7 +193,7 @@ def test_generate_reuses_encoding_and_prefix(fixtures):
         c = rt.generate(ids, images=[other], max_tokens=3)
         assert rt.images.n_encoded == 2
         assert c.n_cached < ids.index(fx.image_token_id) + 1
-        assert rt.rt.reallocations == 0          # the reservation covered the image batches
+        assert rt.reallocations == 0          # the reservation covered the image batches
     ref = vh.logits(fx, ids, inp["pixel_values"])
     assert a.tokens[0] == int(np.argmax(ref[-1]))
 
@@ -207,11 +208,15 @@ def test_memory_report_has_vision(fixtures):
         assert sum(v for k, v in dev["weights"].items() if k != "vision") >= model.size
         assert dev["graph"] > 0
         assert model.vision.max_tiles == 5          # a 2 x 2 grid and the global image
-        # the largest image batch was reserved: what its graph needs, as measured on its own
+        # the largest image batch was reserved: what its graph needs, as measured on a scheduler of its own
+        from ggmlpy.backend import Runtime
+
         g = model.vision.build(model.vision.max_tiles)
+        own = Runtime(model.placement.devices(), graph_size=2 * model.graph_size())
         try:
-            need = rt.rt.sched.reserve_size(g.graph)["CPU"]
+            need = own.sched.reserve_size(g.graph)["CPU"]
         finally:
+            own.close()
             g.free()
         assert dev["graphs"]["vision"] == need > 0
         assert dev["graph"] >= max(dev["graphs"].values())
@@ -356,6 +361,34 @@ def test_chat_image_errors(fixtures):
             rt.chat_prompt(good, template=template)
 
 
+def test_a_chat_prepares_its_images_once(fixtures, monkeypatch):
+    """A chat's prompt is prepared once: each image part preprocessed and its pixels checked once (the chat
+    path used to go back through submit, which did both again), then encoded by the encoder's own route
+    (VisionModel.run) on the runner's runtime, once per distinct image."""
+    import importlib
+
+    pp = importlib.import_module("ggmlpy.vision.preprocess")    # (ggmlpy.vision.preprocess is also a function)
+    fx = fixtures["idefics3"]
+    template = CHAT_TEMPLATES["idefics3"]
+    msgs = _chat_messages({"type": "image", "image": vh.sample_image(64, 64, seed=6)},
+                          {"type": "image", "image": vh.sample_image(64, 64, seed=7)})
+    model, rt = _runner(fx, n_ctx=512)
+    with model, rt:
+        calls = {"preprocess": 0, "check_pixels": 0, "run": 0}
+
+        def counted(name, real):
+            def f(*a, **kw):
+                calls[name] += 1
+                return real(*a, **kw)
+            return f
+
+        monkeypatch.setattr(pp, "preprocess", counted("preprocess", pp.preprocess))
+        for name in ("check_pixels", "run"):
+            monkeypatch.setattr(type(model.vision), name, counted(name, getattr(type(model.vision), name)))
+        assert rt.chat(msgs, template=template, max_tokens=1).done_reason in ("length", "stop")
+        assert calls == {"preprocess": 2, "check_pixels": 2, "run": 2}
+
+
 def test_no_image_exceeds_the_reservation(fixtures):
     """The reservation holds the largest image: any size or shape the processor takes stays within
     max_tiles (idefics3 resizes to its longest edge), and runs with no reallocation; a preprocessed image
@@ -370,7 +403,7 @@ def test_no_image_exceeds_the_reservation(fixtures):
             pre = preprocess(vh.sample_image(h, w, seed=h), model.vision.image_config)
             assert len(pre.pixel_values) <= cap
             assert rt.generate("a <__media__> b", images=[pre], max_tokens=1).done_reason in ("length", "stop")
-        assert rt.rt.reallocations == 0
+        assert rt.reallocations == 0
         tile = pre.pixel_values[0]
         with pytest.raises(GGMLValueError, match=f"at most {cap}"):
             rt.generate("a <__media__> b", images=[PreprocessedImage([tile] * (cap + 1))], max_tokens=1)

@@ -32,6 +32,22 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def available_host_memory() -> int | None:
+    """Bytes of host memory the machine has available now (Linux ``MemAvailable``; cgroup limits are not read),
+    or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def cpu_variant() -> tuple[str, str] | None:
     """The CPU backend variant ggml chose at import, in a portable build.
 

@@ -14,8 +14,6 @@ from typing import Optional
 
 import numpy as np
 
-from ggmlpy.sequences import group_sizes
-
 from .requests import _Request
 
 __all__ = ["split_ubatches"]
@@ -78,15 +76,6 @@ class _Placeholder:
 
     def __repr__(self) -> str:
         return f"<sampled token {self.value}>"
-
-
-def as_units(tokens: list, same_batch: list) -> list:
-    """Inputs as the loop queues them: a token, or a same-batch group as one tuple (never split)."""
-    units, a = [], 0
-    for k in group_sizes(same_batch, len(tokens)):
-        units.append(tokens[a] if k == 1 else tuple(tokens[a:a + k]))
-        a += k
-    return units
 
 
 def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None) -> list:

@@ -9,7 +9,8 @@ Inside the runner each row of a chunk is a token id below ``-1``, unique to (ima
 ``-(2 + base + row)`` where the :class:`ImageStore` gives each distinct image (by the hash of its
 pixels) a ``base``. The ids go through the token records unchanged, so prefix reuse compares images
 by content, as Ollama compares the multimodal hash, and a same-batch group keeps each chunk whole in
-one micro-batch. The embeddings are computed on first use through the runner's scheduler (the compute
+one micro-batch. :mod:`.inputs` puts them in a prompt (:func:`~.inputs.place_images`). The embeddings
+are computed on first use (:meth:`ImageStore.rows` with the runner step's encoder, on the compute
 thread) and kept, a bounded number of images, so a prompt prefix with the same image is not encoded
 again.
 """
@@ -19,15 +20,13 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from ggmlpy._core import GGMLValueError
 
-__all__ = ["FIRST_IMAGE_ID", "MEDIA_MARKER", "ImageEntry", "ImageStore", "chat_images", "chunk_spans",
-           "place_images"]
+__all__ = ["FIRST_IMAGE_ID", "MEDIA_MARKER", "ImageEntry", "ImageStore", "chunk_spans"]
 
 #: where an image goes in a text prompt (llama.cpp's ``mtmd`` default marker)
 MEDIA_MARKER = "<__media__>"
@@ -107,11 +106,6 @@ class ImageStore:
                                  f"this runner knows")
         return entries, rows
 
-    def missing(self, token_ids: np.ndarray) -> list[ImageEntry]:
-        """The entries of these image rows whose embeddings are not computed (each once)."""
-        entries, _ = self.locate(token_ids)
-        return list({id(e): e for e in entries if e.embd is None}.values())
-
     def set_embd(self, e: ImageEntry, embd: np.ndarray) -> None:
         """Store an image's embeddings; the least recently used beyond ``keep`` are dropped."""
         with self._lock:
@@ -123,8 +117,10 @@ class ImageStore:
                 _, old = self._encoded.popitem(last=False)
                 old.embd = None
 
-    def rows(self, token_ids: np.ndarray) -> np.ndarray:
-        """The embedding rows of image row ids, in order: float32 ``(len(token_ids), n_embd_text)``."""
+    def rows(self, token_ids: np.ndarray, encode: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
+        """The embedding rows of image row ids, in order: float32 ``(len(token_ids), n_embd_text)``. An image
+        not encoded yet (or whose embeddings were dropped) is encoded first by ``encode(tiles) -> rows``
+        (the runner's step, on the compute thread), and kept."""
         entries, rows = self.locate(token_ids)
         out = []
         a = 0
@@ -133,53 +129,16 @@ class ImageStore:
                 e = entries[a]
                 embd = e.embd
                 if embd is None:
-                    raise GGMLValueError(f"image row {int(token_ids[a])}: its image is not encoded")
+                    if encode is None:
+                        raise GGMLValueError(f"image row {int(token_ids[a])}: its image is not encoded")
+                    embd = encode(e.tiles)
+                    self.set_embd(e, embd)
                 out.append(embd[rows[a:b]])
                 with self._lock:
                     if e.key in self._encoded:
                         self._encoded.move_to_end(e.key)
                 a = b
         return np.concatenate(out)
-
-
-def place_images(tokens: Sequence[int], entries: Sequence[ImageEntry], image_token: int, rows_per_tile: int,
-                 what: str = "submit") -> tuple[list[int], list[int]]:
-    """Put the images' rows where the prompt has its runs of ``image_token``; also the same-batch markers.
-
-    Each run of the image token id is one chunk (tile) of ``rows_per_tile`` rows, taken in order from
-    the images' tiles. Returns ``(tokens, same_batch)``.
-
-    Raises
-    ------
-    GGMLValueError
-        A run of another length, or fewer or more runs than the images have tiles.
-    """
-    toks = [int(t) for t in tokens]
-    chunks = [(e, i * rows_per_tile) for e in entries for i in range(e.n_rows // rows_per_tile)]
-    out, sb = list(toks), [0] * len(toks)
-    i, k, n = 0, 0, len(toks)
-    while i < n:
-        if toks[i] != image_token:
-            i += 1
-            continue
-        j = i
-        while j < n and toks[j] == image_token:
-            j += 1
-        if k >= len(chunks):
-            raise GGMLValueError(f"{what}: the prompt has more image placeholders than the {len(entries)} image(s) "
-                                 f"fill ({len(chunks)} tile(s) of {rows_per_tile} image tokens)")
-        if j - i != rows_per_tile:
-            raise GGMLValueError(f"{what}: a run of {j - i} image tokens (id {image_token}) at index {i}; each image "
-                                 f"tile takes exactly {rows_per_tile}")
-        e, first = chunks[k]
-        out[i:j] = e.ids(first, rows_per_tile)
-        sb[i] = rows_per_tile - 1
-        k += 1
-        i = j
-    if k != len(chunks):
-        raise GGMLValueError(f"{what}: {len(entries)} image(s) ({len(chunks)} tile(s)) but the prompt has {k} image "
-                             f"placeholder run(s) of {rows_per_tile} image tokens (id {image_token})")
-    return out, sb
 
 
 def chunk_spans(tokens: np.ndarray, rows_per_tile: int, store: ImageStore) -> list[tuple[int, int]]:
@@ -193,56 +152,3 @@ def chunk_spans(tokens: np.ndarray, rows_per_tile: int, store: ImageStore) -> li
     first = at[start]
     last = np.r_[at[np.flatnonzero(start)[1:] - 1], at[-1]] + 1
     return list(zip(first.tolist(), last.tolist()))
-
-
-def chat_images(messages: Sequence, what: str, allow_local_files: bool = False) -> tuple[list, list]:
-    """The images of a chat's messages, in order, and the messages with each image part as ``{"type": "image"}``.
-
-    Image parts as transformers' processors take them (``{"type": "image", "image": ...}``, or ``"url"`` /
-    ``"path"`` instead of ``"image"``) and as OpenAI's chat API sends them (``{"type": "image_url",
-    "image_url": {"url": ...}}``); the value is anything :func:`ggmlpy.vision.preprocess.load_image` reads
-    (a ``data:`` URL too). Chat templates written for vision models render ``{"type": "image"}`` as the
-    model's image placeholder. Messages without image parts are returned as they are.
-
-    Messages may come from someone other than the caller (a server relays them), so an image part that
-    names a local file (a path or a ``file://`` URL) is refused here, before anything is read or looked
-    up, unless ``allow_local_files`` (the same error whether the file exists or not); see
-    :func:`ggmlpy.vision.preprocess.check_source`.
-
-    Raises
-    ------
-    GGMLValueError
-        An image part without an image.
-    ggmlpy.vision.preprocess.ImageError
-        An image part naming a local file while ``allow_local_files`` is false.
-    """
-    out: list = []
-    images: list[Any] = []
-    for m in messages:
-        content = m.get("content") if isinstance(m, Mapping) else None
-        if isinstance(content, (str, bytes)) or not isinstance(content, Sequence):
-            out.append(m)
-            continue
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, Mapping) else None
-            if kind == "image":
-                src = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
-            elif kind == "image_url":
-                src = part.get("image_url")
-                if isinstance(src, Mapping):
-                    src = src.get("url")
-            else:
-                parts.append(part)
-                continue
-            if src is None:
-                raise GGMLValueError(f"{what}: an {kind} part without an image (give it 'image', 'url' or 'path'; "
-                                     f"OpenAI's form is {{'type': 'image_url', 'image_url': {{'url': ...}}}})")
-            if not allow_local_files:
-                from ggmlpy.vision.preprocess import check_source
-
-                check_source(src, allow_local_files=False, what=what)
-            images.append(src)
-            parts.append({"type": "image"})
-        out.append({**m, "content": parts})
-    return out, images

@@ -16,7 +16,7 @@ from ggmlpy._core import GGMLError
 from ggmlpy.sampling import Logprobs, Sampler
 
 if TYPE_CHECKING:
-    from .loop import Runner
+    from .runner import Runner
 
 __all__ = ["Completion", "DoneReason", "Handle", "RequestTimeout", "RunnerError", "TokenEvent"]
 
@@ -132,8 +132,8 @@ class _Request:
 
     def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
                  same_batch):
-        self.prompt = list(prompt)
-        self.same_batch = list(same_batch)   # per prompt input: how many following inputs share its batch
+        self.prompt = prompt                 # list[int]: the prepared prompt (runner.inputs.Prompt.ids)
+        self.same_batch = same_batch         # per prompt input: how many following inputs share its batch
         self.params = params
         self.sampler = None if embedding else Sampler(params)
         self.max_tokens = max_tokens

@@ -416,19 +416,24 @@ class VisionModel(WeightLoader):
             float32 ``(n, tokens_per_image, n_embd_text)``.
         """
         pixels = self.check_pixels(pixels)
-        n = pixels.shape[0]
         own = runtime is None
         rt = Runtime([self.device], graph_size=2 * self.graph_size()) if own else runtime
         try:
-            g = self.build(n)
-            try:
-                rt.run(g.graph, lambda: g.set_inputs(pixels))
-                out = g.output.get()
-            finally:
-                g.free()
+            return self.run(pixels, rt)
         finally:
             if own:
                 rt.close()
+
+    def run(self, pixels: np.ndarray, runtime: Runtime) -> np.ndarray:
+        """:meth:`encode` of pixels already checked (:meth:`check_pixels`) on ``runtime``: the one route
+        from pixels to embeddings, which a runner's step takes too."""
+        n = pixels.shape[0]
+        g = self.build(n)
+        try:
+            runtime.run(g.graph, lambda: g.set_inputs(pixels))
+            out = g.output.get()
+        finally:
+            g.free()
         return np.asarray(out, dtype=np.float32).reshape(n, self.config.tokens_per_image, self.config.n_embd_text)
 
     def check_pixels(self, pixels) -> np.ndarray:

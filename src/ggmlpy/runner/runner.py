@@ -1,0 +1,795 @@
+"""The :class:`Runner`: a model with its cache and runtime, its public API, and its start and close.
+
+The runner owns what one model needs to serve requests and direct calls: the cache (the model's
+recipe), the runtime over the model's devices, the :class:`~.step.Step` that computes a micro-batch
+with them, the :class:`~.slots.SlotTable` of what each cache sequence holds, and the
+:class:`~.inputs.Inputs` that prepare prompts. The request loop is its base class
+(:class:`~.loop.RequestLoop`). Details of every setting and option: ``docs/runner.md``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import numpy as np
+
+from ggmlpy._core import (
+    GGMLError,
+    GGMLMemoryError,
+    GGMLValueError,
+    Type,
+)
+from ggmlpy._system import available_host_memory as _available_host_memory
+from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
+from ggmlpy.kvcache import V_TRANS_TYPES
+from ggmlpy.models.kernels import KernelChoices
+from ggmlpy.models.kernels import mode as kernel_mode
+from ggmlpy.sampling import SamplingParams
+
+from .batching import _NO_ROWS, _ROW0, _UBatch, split_ubatches
+from .images import ImageStore
+from .inputs import Inputs, Prompt
+from .loop import RequestLoop
+from .requests import Completion, Handle, _Request
+from .slots import InputTooLong, SlotTable, truncate_indices
+from .state import check_state, fingerprint
+from .step import Step
+from .text import TextStream, split_stops
+
+__all__ = ["Runner"]
+
+log = logging.getLogger("ggmlpy")
+
+# llama-bench's cache types; each needs a ggml CPU row writer (set_rows) and, for flash attention, a K dot
+# product and a V to-float conversion, which all of these have
+_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
+                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
+
+
+#: the constructor's defaults for settings a fitted model may give instead
+_DEFAULTS = {"n_ctx": 2048, "n_batch": 512, "n_ubatch": 512, "n_seq_max": 1, "type_k": "f16", "type_v": "f16"}
+
+
+class Runner(RequestLoop):
+    """A model plus its cache, scheduler and request loop.
+
+    Parameters
+    ----------
+    model
+        A loaded model (:func:`ggmlpy.models.load_model`).
+    n_ctx : int
+        Context per sequence (default 2048).
+    n_batch, n_ubatch : int
+        Tokens per logical batch and per computed micro-batch (default 512 each; at most ``n_ctx``).
+    n_seq_max : int
+        Sequences served at once (default 1).
+    n_threads : int
+        CPU threads (0: all cores).
+    flash_attn : bool, optional
+        Attention by ``flash_attn_ext`` (default) or ``mul_mat`` + ``soft_max_ext``.
+    type_k, type_v : str
+        K and V cache types (default ``f16``; see :meth:`check_cache_types`).
+    pipeline : bool, optional
+        Build the next batch while the current one computes (default: when an accelerator computes).
+    multi_user_cache, reuse_graphs, offload_kqv, op_offload, defrag_thold
+        Ollama's and llama.cpp's switches of those names (defaults on, and 0.1).
+    tokenizer, vision : optional
+        Default the model's (``model.tokenizer``; ``load_model(..., mmproj=...)``).
+    image_token : int, optional
+        The id marking an image tile in a token-id prompt (default the vocabulary's).
+    image_cache : int
+        Encoded images kept for reuse (default 32).
+    kernels : str, optional
+        ``"measure"`` (default), ``"own"`` or ``"ggml"``: where ggmlpy's own CPU kernels replace ggml's
+        ops (:attr:`kernels` holds the choices).
+
+    Settings not given take those a placement search reserved for (``model.fit.runner_kwargs``), else
+    the defaults. Each is described in full in ``docs/runner.md``.
+
+    Raises
+    ------
+    GGMLMemoryError
+        The cache, the compute buffers or the host arrays do not fit (``.report`` says what was
+        needed); nothing stays allocated.
+
+    Notes
+    -----
+    :meth:`submit`, :meth:`generate` and :meth:`embed` may be called from any thread; the direct calls
+    (:meth:`decode`, :meth:`decode_batch`, :meth:`clear`, the state) run one at a time while no request
+    is served; :meth:`close` may be called from any thread at any time, after which every call raises
+    :class:`~ggmlpy.ClosedError`.
+    """
+
+    def __init__(self, model, n_ctx: Optional[int] = None, n_batch: Optional[int] = None,
+                 n_ubatch: Optional[int] = None, n_seq_max: Optional[int] = None, n_threads: int = 0,
+                 flash_attn: Optional[bool] = None, type_k: Optional[str] = None, type_v: Optional[str] = None,
+                 pipeline: Optional[bool] = None, multi_user_cache: bool = True, reuse_graphs: bool = True,
+                 offload_kqv: bool = True, defrag_thold: Optional[float] = 0.1, tokenizer=None, vision=None,
+                 image_token: Optional[int] = None, image_cache: int = 32, kernels: Optional[str] = None,
+                 op_offload: bool = True) -> None:
+        if not getattr(model, "loaded", True) and not getattr(self, "_measuring", False):
+            raise GGMLValueError("runner: the model's weights are not loaded (call model.load())")
+        # settings not given: those a placement search reserved for (load_model(n_gpu_layers="auto")),
+        # else the defaults
+        fitted = getattr(getattr(model, "fit", None), "runner_kwargs", None) or {}
+        given = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "n_seq_max": n_seq_max,
+                 "type_k": type_k, "type_v": type_v}
+        v = {k: x if x is not None else fitted.get(k, _DEFAULTS[k]) for k, x in given.items()}
+        n_ctx, n_batch, n_ubatch, n_seq_max, type_k, type_v = (v[k] for k in given)
+        if flash_attn is None:
+            flash_attn = fitted.get("flash_attn")
+        for name, v in (("n_ctx", n_ctx), ("n_batch", n_batch), ("n_ubatch", n_ubatch), ("n_seq_max", n_seq_max)):
+            if int(v) < 1:
+                raise GGMLValueError(f"runner: {name} must be >= 1 (got {v})")
+        dtype_k, dtype_v, flash_attn = self.check_cache_types(type_k, type_v, flash_attn)
+        kmode = kernel_mode(kernels)          # checked before anything is allocated
+        self.model = model
+        self.n_ctx = int(n_ctx)
+        self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
+        self.n_ubatch = min(int(n_ubatch), self.n_batch)
+        self.n_seq_max = int(n_seq_max)
+        self.flash_attn = bool(flash_attn)
+        self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
+        self.offload_kqv = bool(offload_kqv)
+        if pipeline is None:
+            pipeline = any(d.type != "CPU" for d in model.placement.devices())
+        self.pipeline = bool(pipeline)
+        self.cache = model.new_cache(dtype_k, dtype_v, flash_attn=self.flash_attn)    # the model's recipe
+        self.report: MemoryReport = model.report
+        # Every piece of state close() looks at exists before anything is allocated, so that a failed
+        # start frees through the same path as close().
+        self.rt = None
+        self._closed_event = threading.Event()
+        self._init_loop()
+        self.reuse_graphs = bool(reuse_graphs)
+        self.defrag_thold = None if defrag_thold is None or defrag_thold < 0 else float(defrag_thold)
+        self.closed = False
+        self.slots = SlotTable(self.n_seq_max, multi_user=multi_user_cache, cache=self.cache)
+        self.step: Optional[Step] = None      # the graphs: made once the runtime exists
+        self.vision = vision if vision is not None else getattr(model, "vision", None)
+        if self.vision is not None:
+            self._check_vision(self.vision)
+        #: The input side: the tokenizer, the image store, the prompt checks (:mod:`.inputs`).
+        self.inputs = Inputs(model, self.n_ubatch, tokenizer, self.vision, image_token, image_cache)
+        self.images: Optional[ImageStore] = self.inputs.images
+        try:
+            self._check_host_memory()
+            self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
+                              report=self.report, reuse_graphs=self.reuse_graphs, op_offload=op_offload)
+            self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
+                            report=self.report, runtime=self.rt)
+            self.step = Step(model, self.cache, self.rt, flash_attn=self.flash_attn, vision=self.vision,
+                             images=self.images)
+            self.step.choose_kernels(kmode, self.n_ubatch, self.n_ctx,
+                                     measuring=getattr(self, "_measuring", False))
+            self.step.reserve(self.n_ubatch, min(self.n_seq_max, self.n_ubatch))
+        except BaseException as e:
+            self._closing = True
+            try:
+                self._free()
+            except Exception:                # the start's own error is the one to report
+                log.exception("runner: cleanup after a failed start failed too")
+            if isinstance(e, MemoryError) and not isinstance(e, GGMLError):
+                # numpy (host arrays sized from n_ctx) ran out: the same error as a device allocation
+                raise GGMLMemoryError(f"runner: host memory ran out while reserving for n_ctx={self.n_ctx}, "
+                                      f"n_seq_max={self.n_seq_max}, n_ubatch={self.n_ubatch} ({e})\n{self.report}",
+                                      self.report) from e
+            raise
+
+    @classmethod
+    def measure(cls, model, **kw) -> MemoryReport:
+        """What a runner with these settings allocates on ``model``, then freed: a copy of the memory report.
+
+        The cache and the worst-case graphs are allocated and reserved as by the constructor (``kw`` are
+        its parameters), on a model whose weights need only be allocated (``load_model(..., load=False)``:
+        no data read), then freed. ``load_model(..., n_gpu_layers="auto")`` tries placements with it.
+
+        Raises
+        ------
+        GGMLMemoryError
+            As the constructor (``.report`` says what each device needed).
+        """
+        self = cls.__new__(cls)
+        self._measuring = True
+        self.__init__(model, **kw)
+        try:
+            return copy.deepcopy(self.report)
+        finally:
+            self.close()
+
+    @staticmethod
+    def check_cache_types(type_k: str = "f16", type_v: str = "f16",
+                          flash_attn: Optional[bool] = None) -> tuple[Type, Type, bool]:
+        """Check a K/V cache type pair against the attention path, as the constructor does.
+
+        Parameters
+        ----------
+        type_k, type_v : str
+            Cache type names (see the class parameters).
+        flash_attn : bool, optional
+            None resolves to True (flash attention), as in the constructor.
+
+        Returns
+        -------
+        (Type, Type, bool)
+            The K type, the V type and whether flash attention is used.
+
+        Raises
+        ------
+        GGMLValueError
+            An unknown type, or a V type the ``mul_mat`` path cannot use
+            (quantized: it stores V transposed, one element per row, which a
+            quantized block cannot be; llama.cpp requires flash attention for a
+            quantized V cache too). A quantized K works on both paths.
+
+        Examples
+        --------
+        >>> Runner.check_cache_types("q8_0", "f16", flash_attn=False)
+        (<Type.Q8_0: 8>, <Type.F16: 1>, False)
+        """
+        tk, tv = str(type_k).lower(), str(type_v).lower()
+        for what, t in (("type_k", tk), ("type_v", tv)):
+            if t not in _CACHE_TYPES:
+                raise GGMLValueError(f"runner: {what} {t!r} is not a cache type; expected one of "
+                                     f"{', '.join(_CACHE_TYPES)}")
+        dtype_k, dtype_v = _CACHE_TYPES[tk], _CACHE_TYPES[tv]
+        fa = True if flash_attn is None else bool(flash_attn)
+        if not fa and dtype_v not in V_TRANS_TYPES:
+            raise GGMLValueError(f"runner: a {tv} V cache needs flash attention (flash_attn=True): without it V is "
+                                 "stored transposed, which a quantized type cannot be (type_v f32, f16 or bf16 "
+                                 "works without flash attention; a quantized type_k does)")
+        return dtype_k, dtype_v, fa
+
+    def _cache_placement(self) -> Placement:
+        """The model's placement for the cache, or every layer on the CPU without KV offload."""
+        placement = self.model.placement
+        if self.offload_kqv:
+            return placement
+        cpu = choose_devices("cpu")[-1]
+        return Placement(layers=[cpu] * placement.n_layers, output=cpu, input=cpu)
+
+    def host_bytes(self) -> int:
+        """Host memory this runner needs for what is sized from the context (an upper estimate, in bytes):
+        the cache's :meth:`~ggmlpy.kvcache.Causal.host_bytes` at ``n_ctx``, ``n_seq_max`` and ``n_ubatch``
+        (the worst-case batch's mask and cell metadata, and the K/V of layers on the CPU)."""
+        return self.cache.host_bytes(self.n_ctx, self.n_seq_max, self.n_ubatch, self._cache_placement())
+
+    def _check_host_memory(self) -> None:
+        """Fail before allocating anything when the host arrays cannot fit (GGMLMemoryError with the report)."""
+        need = self.host_bytes()
+        avail = _available_host_memory()
+        if avail is not None and need > avail:
+            raise GGMLMemoryError(
+                f"runner: n_ctx={self.n_ctx} with n_seq_max={self.n_seq_max} and n_ubatch={self.n_ubatch} needs "
+                f"about {need / 2**30:.2f} GiB of host memory for the K/V cache on the CPU and the attention "
+                f"mask and cache metadata of the worst-case batch, but {avail / 2**30:.2f} GiB are available; lower n_ctx, n_seq_max or "
+                f"n_ubatch\n{self.report}", self.report)
+
+    def _check_vision(self, vision) -> None:
+        vc = vision.config
+        if not getattr(self.model, "EMBD_INPUT", False):
+            raise GGMLValueError(f"runner: {self.model.config.arch} models take no image embeddings")
+        if vc.n_embd_text != self.model.config.n_embd:
+            raise GGMLValueError(f"runner: the vision encoder projects to {vc.n_embd_text} values, the text model's "
+                                 f"embeddings have {self.model.config.n_embd} (a projector of another model?)")
+        if vc.tokens_per_image > self.n_ubatch:
+            raise GGMLValueError(f"runner: an image takes {vc.tokens_per_image} tokens, more than n_ubatch "
+                                 f"{self.n_ubatch}; it must fit in one micro-batch")
+
+    @property
+    def kernels(self) -> KernelChoices:
+        """The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`)."""
+        return self.step.kernels if self.step is not None else KernelChoices("own")
+
+    def memory_report(self) -> MemoryReport:
+        """Weights, cache and compute graph per device (a :class:`ggmlpy.backend.MemoryReport`)."""
+        return self.report
+
+    @property
+    def n_vocab(self) -> int:
+        return self.model.n_vocab
+
+    @property
+    def tokenizer(self):
+        """The :class:`~ggmlpy.tokenizer.Tokenizer` of text requests: the one given to the constructor,
+        else the model's (read from its GGUF file on first use, then kept).
+
+        Raises
+        ------
+        TokenizerError (a GGMLValueError)
+            The model's file has no tokenizer (``tokenizer.ggml.model`` missing or ``"none"``, as in
+            the synthetic models), or one this library cannot read.
+        """
+        return self.inputs.tokenizer
+
+    def _check_seq_id(self, seq, what: str) -> int:
+        s = int(seq)
+        if not 0 <= s < self.n_seq_max:
+            raise GGMLValueError(f"{what}: sequence {s} is out of range: this runner serves n_seq_max="
+                                 f"{self.n_seq_max} sequences (0..{self.n_seq_max - 1})")
+        return s
+
+    @property
+    def graphs_built(self) -> int:
+        """Forward graphs built so far (not taken from the runtime's pool)."""
+        return self.step.graphs_built if self.step is not None and self.rt is not None else 0
+
+    @property
+    def reallocations(self) -> int:
+        """Times the compute buffers grew past the start-up reservation (0 when it covered every graph)."""
+        return self.rt.reallocations if self.rt is not None else 0
+
+    @property
+    def image_token(self) -> int:
+        """The token id that marks an image tile's place in a token-id prompt (see the class)."""
+        return self.inputs.image_token
+
+    def encode_image(self, image) -> np.ndarray:
+        """An image's embeddings as the text model receives them: ``float32[rows, n_embd]``, the rows of its
+        tiles in order (what replaces its image tokens in a prompt); computed now, synchronously, through
+        this runner's scheduler, and not kept (prompts keep theirs, see :meth:`submit`).
+
+        ``image`` is anything ``images=`` takes (a :class:`~ggmlpy.vision.preprocess.PreprocessedImage`
+        skips the preprocessing, as ``ggmlpy bench -i`` times it).
+
+        Raises
+        ------
+        GGMLValueError
+            No vision encoder, a bad image, one over the reservation's tile bound, or requests being
+            served (like :meth:`decode`, for direct use).
+        """
+        tiles = self.inputs.pixels(image, "encode_image")
+        with self._direct("encode_image"):
+            return self.step.encode(tiles)
+
+    def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
+               embeddings: bool = False, images: Sequence = ()) -> Optional[np.ndarray]:
+        """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
+
+        Positions continue from what the cache holds for ``seq`` unless
+        given. The tokens are computed in micro-batches of ``n_ubatch``.
+
+        Parameters
+        ----------
+        logits : ``"last"`` (default), ``"all"``, ``None``/False, or a list of indices into ``tokens``
+            The rows to output.
+        embeddings : bool
+            Output those rows' final-normed hidden states (the graph
+            :meth:`embed` uses, without the output head) instead of logits.
+
+        Returns
+        -------
+        numpy.ndarray ``float32[n_rows, n_vocab]`` (``[n_rows, n_embd]`` with
+        ``embeddings``) of the requested rows, or None.
+
+        Raises
+        ------
+        GGMLValueError
+            Token ids outside the vocabulary, a sequence id out of range,
+            positions at or past ``n_ctx``, or requests being served.
+        ClosedError
+            The runner is closed (a close() from another thread waits for a
+            decode already computing).
+        """
+        self._check_open("decode")
+        seq = self._check_seq_id(seq, "decode")
+        one_row = type(logits) is str and logits in ("last", "all")
+        tied = None
+        if images is not None and len(images):
+            p = self.inputs.prompt(tokens, "decode", images=images)
+            toks = np.asarray(p.ids, np.int32)
+            tied = np.zeros(len(toks), bool)
+            for i, k in enumerate(p.same_batch):
+                tied[i + 1:i + 1 + k] = True
+        else:
+            if positions is None and (one_row or logits is None or logits is False):
+                tok = self.inputs.one_token(tokens)
+                if tok is not None:             # one generation step: scalars instead of arrays
+                    return self._decode_one(tok, seq, logits is not None and logits is not False, bool(embeddings))
+            toks = self.inputs.check_tokens(tokens, "decode")
+        n = len(toks)
+        if n == 0:
+            raise GGMLValueError("decode: empty batch")
+        if positions is not None:
+            pos = np.asarray(positions, dtype=np.int64)
+            if pos.shape != toks.shape:
+                raise GGMLValueError(f"decode: {len(pos)} positions for {n} tokens")
+        want = np.zeros(n, dtype=bool)
+        if isinstance(logits, str):
+            if logits == "last":
+                want[-1] = True
+            elif logits == "all":
+                want[:] = True
+            else:
+                raise GGMLValueError(f"decode: logits must be 'last', 'all', None or indices (got {logits!r})")
+        elif logits is not None and logits is not False:
+            idx = np.asarray(logits, dtype=np.int64)
+            if idx.size and (idx.min() < -n or idx.max() >= n):
+                raise GGMLValueError(f"decode: logits indices out of range for {n} tokens")
+            want[idx] = True
+        with self._direct("decode"):
+            if positions is None:             # read under _direct: the cache is alive and no one else writes
+                start = self.cache.seq_pos_max(seq) + 1
+                pos = np.arange(start, start + n, dtype=np.int64)
+            if pos.min() < 0 or pos.max() >= self.n_ctx:
+                raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
+                                     f"context [0, {self.n_ctx}) of sequence {seq}")
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want, tied),
+                                    [seq],
+                                    embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
+                                    if positions is None else None)
+
+    def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
+        # One generation step, the hot path of token-by-token decoding: what decode() + _run_direct do
+        # for one token, without the batch checks, micro-batch splitting or a generator context manager
+        # (each step runs on caches the weight sweep has just emptied, so every call saved counts).
+        self._direct_enter("decode")
+        try:
+            p = self.cache.seq_pos_max(seq) + 1
+            if p >= self.n_ctx:
+                raise GGMLValueError(f"decode: positions {p}..{p} are outside the context [0, {self.n_ctx}) of "
+                                     f"sequence {seq}")
+            ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
+                         _ROW0 if want else _NO_ROWS)
+            r = self._run_ubatch(ub, embedding, (seq,))
+            self._record_direct((seq,), (p, (tok,)))
+            return r
+        finally:
+            self._direct_exit()
+
+    def _record_direct(self, seqs, appended) -> None:
+        """After a direct batch: the slot of ``seqs[0]`` records ``appended = (first position, tokens)``
+        when they continued what it holds; otherwise the slots of ``seqs`` are dropped (a request
+        re-processes them)."""
+        if appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]:
+            self.slots.committed(seqs[0], appended[1])
+        else:
+            for s in seqs:
+                self.slots.reset(s)
+        self.n_batches += 1
+
+    def _run_ubatch(self, ub: _UBatch, embedding: bool, seqs) -> Optional[np.ndarray]:
+        """Build and compute one micro-batch of direct use; on failure, whatever part of the batch
+        reached the cache is undone for the sequences ``seqs``, as for a failed compute."""
+        try:
+            self.step.build(ub, embedding)
+            return self._compute(ub)
+        except BaseException:
+            if ub.built is not None:
+                ub.built.free()
+                ub.built = None
+            for s in seqs:
+                self.slots.clear(s)
+            raise
+
+    def _run_direct(self, ubatches, seqs, embedding, appended=None) -> Optional[np.ndarray]:
+        """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated.
+
+        ``appended`` is ``(first position, tokens)`` when one sequence's tokens continued it: its slot's
+        token record grows with them (so a request can reuse them as a prefix); otherwise the slots'
+        records are dropped (a request re-processes them).
+        """
+        rows = []
+        for ub in ubatches:
+            r = self._run_ubatch(ub, embedding, seqs)
+            if r is not None:
+                rows.append(r)
+        self._record_direct(seqs, appended)
+        return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
+
+    def decode_batch(self, tokens, positions, seq_ids, logits) -> np.ndarray:
+        """Compute one batch of several sequences: ``tokens``, ``positions``, ``seq_ids`` per row.
+
+        ``logits`` is a boolean mask (or indices) of the rows to return, in order.
+        """
+        self._check_open("decode_batch")
+        toks = self.inputs.check_tokens(tokens, "decode_batch")
+        pos = np.asarray(positions, dtype=np.int64)
+        seqs = np.asarray(seq_ids, dtype=np.int64)
+        if not (toks.shape == pos.shape == seqs.shape) or toks.size == 0:
+            raise GGMLValueError(f"decode_batch: tokens, positions and seq_ids need one equal, non-zero length "
+                                 f"(got {toks.size}, {pos.size}, {seqs.size})")
+        for s in np.unique(seqs):
+            self._check_seq_id(s, "decode_batch")
+        if pos.min() < 0 or pos.max() >= self.n_ctx:
+            raise GGMLValueError(f"decode_batch: positions must be in [0, {self.n_ctx})")
+        want = np.zeros(toks.size, dtype=bool)
+        want[np.asarray(logits)] = True
+        with self._direct("decode_batch"):
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want), [int(s) for s in np.unique(seqs)],
+                                    embedding=False)
+
+    def clear(self, seq: Optional[int] = None) -> None:
+        """Forget one sequence's cache contents, or everything's (not while requests are served)."""
+        self._check_open("clear")
+        if seq is not None:
+            seq = self._check_seq_id(seq, "clear")
+        with self._direct("clear"):
+            self.slots.clear(seq)
+
+    def save_state(self, seq: int, path) -> int:
+        """Save sequence ``seq``: its cache cells (positions, K/V of every layer) and the tokens they hold.
+
+        A later :meth:`load_state` (this runner or another over the same model and cache types)
+        continues it: the next :meth:`decode` gives the logits it would have given here (within float
+        rounding where the cells land elsewhere), and a prompt starting with the saved tokens reuses
+        them. The format is :mod:`ggmlpy.kvcache.state`'s, with the model's fingerprint and the tokens
+        in its meta (:mod:`.state`); a path is written atomically. Direct use only, as :meth:`decode`.
+        Returns the bytes written.
+        """
+        self._check_open("save_state")
+        seq = self._check_seq_id(seq, "save_state")
+        with self._direct("save_state"):
+            return self.slots.save(seq, path, {"model": fingerprint(self.model)})
+
+    def load_state(self, seq: int, path) -> list:
+        """Replace what sequence ``seq`` holds with a state from :meth:`save_state` (possibly of another
+        sequence id); returns the tokens it holds (empty when the saver did not know them, or they include
+        image rows: their ids are the saving runner's own, so a later prompt never reuses them).
+
+        The whole file is validated before the cache or the slot table changes: its format and checksum
+        (:mod:`ggmlpy.kvcache.state`), the cache configuration, the model (shape and weights fingerprint,
+        :mod:`ggmlpy.models.fingerprint`), the tokens (ids of this model's vocabulary, one per position)
+        and the positions (within ``n_ctx``).
+
+        Raises
+        ------
+        ggmlpy.kvcache.StateError
+            Not a state file, damaged, of another model (shape or weights) or cache configuration (types,
+            layout, window), saved by an older ggmlpy without a weights fingerprint, or with a token or
+            position this runner cannot hold; the message says which. Nothing is changed.
+        ggmlpy.kvcache.KVCacheFull
+            The cache has too few free cells for it; nothing is changed.
+        """
+        self._check_open("load_state")
+        seq = self._check_seq_id(seq, "load_state")
+        with self._direct("load_state"):
+            return self.slots.restore(seq, path, lambda meta, positions: check_state(
+                meta, positions, self.model, self.cache, self.n_ctx))
+
+    def wait_idle(self, timeout: Optional[float] = None) -> bool:
+        """Wait until no request is queued, served or computing; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._active or self._waiting or self._inflight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    def seq_len(self, seq: int) -> int:
+        """Tokens the cache holds for ``seq``."""
+        seq = self._check_seq_id(seq, "seq_len")
+        with self._lock:          # close() frees the cache under the same lock
+            self._check_open("seq_len")
+            return self.cache.seq_pos_max(seq) + 1
+
+    def submit(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+               sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
+               shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
+               normalize: bool = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+               detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
+        """Queue a request (thread-safe) and return its :class:`Handle`.
+
+        Parameters
+        ----------
+        prompt : str or token ids
+            A str is encoded by :attr:`tokenizer` (:func:`~ggmlpy.runner.text.encode_prompt`).
+        max_tokens : int
+            Tokens to generate; ``-1`` no limit, ``-2`` until the context is full.
+        sampling : SamplingParams, optional
+            Default greedy.
+        stop : token ids and str
+            What ends the generation besides EOS (and, for text, the tokenizer's end-of-generation ids).
+        n_keep, shift, truncate
+            Tokens kept on a context shift (-1: the prompt); shift when full (else ``length``); cut a
+            prompt longer than ``n_ctx`` (else :class:`InputTooLong`).
+        embedding, pooling, normalize
+            Return the pooled (``mean``, ``cls``, ``last``) final hidden state instead of generating.
+        same_batch : list of int, optional
+            Per prompt token, how many following tokens must share its micro-batch.
+        parse_special : bool
+            A str prompt's special-token texts become those tokens (default).
+        detokenize : bool, optional
+            Produce text (default: for a str prompt or a stop string).
+        images : list
+            Images, in prompt order, for a runner with a vision encoder: a str prompt marks each with
+            ``<__media__>``, a token-id prompt with a run of :attr:`image_token` per tile.
+
+        Each is described in full in ``docs/runner.md``.
+
+        Raises
+        ------
+        GGMLValueError, InputTooLong
+            A bad prompt, image or option (the message says which).
+        GGMLTypeError
+            A stop that is neither an int nor a str.
+        ClosedError
+            The runner is closed (a request accepted before that ends with done reason ``cancel``).
+        """
+        self._check_open("submit")
+        text = self._text_options(stop, detokenize, embedding, isinstance(prompt, str))
+        p = self.inputs.prompt(prompt, "submit", images=images, same_batch=same_batch, parse_special=parse_special)
+        return self._queue(p, text, max_tokens=max_tokens, sampling=sampling, n_keep=n_keep, shift=shift,
+                           truncate=truncate, embedding=embedding, pooling=pooling, normalize=normalize)
+
+    def _text_options(self, stop, detokenize: Optional[bool], embedding: bool, str_prompt: bool) -> tuple:
+        """A request's stop ids and stop strings, and the tokenizer of the text it produces (None: no text)."""
+        stop_ids, stop_texts = split_stops(stop, "submit")
+        if detokenize is None:
+            detokenize = not embedding and (str_prompt or bool(stop_texts))
+        elif stop_texts and not detokenize:
+            raise GGMLValueError("submit: stop strings need the generated text; detokenize=False leaves it out")
+        if embedding and stop_texts:
+            raise GGMLValueError("submit: an embedding request generates nothing to stop (stop strings given)")
+        return stop_ids, stop_texts, self.tokenizer if detokenize and not embedding else None
+
+    def _queue(self, prompt: Prompt, text: tuple, *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
+               n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
+               pooling: str = "mean", normalize: bool = True) -> Handle:
+        """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context)."""
+        stop_ids, stop_texts, tok = text
+        ids, sb = prompt.ids, prompt.same_batch
+        if not ids:
+            raise GGMLValueError("submit: empty prompt")
+        if pooling not in ("mean", "cls", "last"):
+            raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
+        max_tokens = int(max_tokens)
+        if not embedding and (max_tokens == 0 or max_tokens < -2):
+            raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
+                                 f"full) (got {max_tokens})")
+        params = sampling if sampling is not None else SamplingParams()
+        if sb is None:
+            sb = [0] * len(ids)
+        n_keep = len(ids) if n_keep < 0 else int(n_keep)
+        n_keep = min(n_keep, self.n_ctx - 1)
+        if embedding:
+            if len(ids) > self.n_ctx:
+                raise InputTooLong(f"input too long: {len(ids)} tokens for an embedding with context {self.n_ctx}")
+        elif len(ids) > self.n_ctx:
+            keep_idx = truncate_indices(len(ids), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
+            ids = [ids[i] for i in keep_idx]
+            sb = [sb[i] for i in keep_idx]
+        stop_ids += tuple(self.model.config.eos_token_ids)
+        if tok is not None:
+            stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
+        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
+        if tok is not None:
+            # a detokenizer of its own: it holds the bytes of a character not yet complete
+            req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
+            req.result.text = ""
+        self._enqueue(req)
+        return Handle(self, req)
+
+    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
+        """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`).
+
+        A str prompt gives the generated text in ``Completion.text``.
+        """
+        return self.submit(prompt, **kw).result()
+
+    def chat_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False) -> list[int]:
+        """The prompt ids :meth:`chat` uses for ``messages``: the chat template (the GGUF's, or
+        ``template``) rendered and tokenized with exactly one BOS (:func:`~ggmlpy.runner.text.chat_prompt`).
+
+        A message's ``content`` may hold image parts (``{"type": "image", "image": ...}`` or OpenAI's
+        ``{"type": "image_url", ...}``); their tokens are written as the model's processor writes them.
+        An image part naming a local file is refused unless ``allow_local_files=True`` (messages may
+        come from someone else). Details in ``docs/runner.md``.
+
+        Raises
+        ------
+        TokenizerError
+            No tokenizer, or no chat template in the file and none given.
+        ChatTemplateError
+            The template failed (its own ``raise_exception``, a loop, output over the limits).
+        ImageError
+            (:class:`ggmlpy.vision.preprocess.ImageError`) An image part naming a local file without
+            ``allow_local_files``, or an image that cannot be read or is refused.
+        GGMLValueError
+            Image parts without a vision encoder, an image part without an image, or a template that
+            did not write one placeholder per image.
+        """
+        return self.inputs.chat_ids(messages, "chat_prompt", dict(add_generation_prompt=add_generation_prompt,
+                                                                  tools=tools, template=template,
+                                                                  template_kwargs=template_kwargs), allow_local_files)
+
+    def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                    tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False, **kw) -> Handle:
+        """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
+
+        The prompt is :meth:`chat_prompt`'s; other keywords are :meth:`submit`'s. A later chat whose
+        messages start with this one's reuses the cached prompt, images compared by content.
+
+        Raises
+        ------
+        As :meth:`chat_prompt` and :meth:`submit`.
+        """
+        if "detokenize" in kw and not kw["detokenize"]:
+            raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
+        kw.pop("detokenize", None)
+        kw.pop("parse_special", None)        # the chat's text is the template's: its special tokens are parsed
+        self._check_open("submit_chat")
+        p = self.inputs.chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt, tools=tools,
+                                                           template=template, template_kwargs=template_kwargs),
+                             allow_local_files, images=kw.pop("images", ()), same_batch=kw.pop("same_batch", None))
+        return self._queue(p, self._text_options(kw.pop("stop", ()), True, kw.get("embedding", False), True), **kw)
+
+    def chat(self, messages: Sequence[dict], **kw) -> Completion:
+        """Submit a chat and wait: the assistant's reply as a :class:`Completion` (``.text``); see
+        :meth:`submit_chat`.
+
+        Examples
+        --------
+        ``rt.chat([{"role": "user", "content": "Hi"}], max_tokens=64).text``
+        """
+        return self.submit_chat(messages, **kw).result()
+
+    def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
+        """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch
+        (a str is encoded as :meth:`submit` does)."""
+        r = self.submit(tokens, embedding=True, pooling=pooling, normalize=normalize).result()
+        return r.embedding
+
+    def close(self) -> None:
+        """Stop serving and free the cache, the scheduler and the graphs.
+
+        Requests not finished end with done reason ``cancel`` (a batch
+        computing is completed first); a direct :meth:`decode` (or
+        :meth:`decode_batch`, :meth:`clear`) running in another thread is
+        waited for. When close() returns, every handle is done, no thread of
+        the runner is alive, and every later call raises
+        :class:`~ggmlpy.ClosedError`. Safe to call more than once, and from
+        several threads (all return once the runner is closed).
+        """
+        with self._lock:
+            first = not self._closing
+            self._closing = True
+            self._lock.notify_all()
+        if not first:
+            if threading.current_thread() not in (self._thread, self._worker):
+                self._closed_event.wait()
+            return
+        try:
+            self._stop_loop()
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        """Stop the compute thread and free graphs, scheduler and cache (each once, every one tried)."""
+        errors = []
+        self._stop_worker()
+        try:
+            with self._lock:
+                self.closed = True
+                steps = []
+                if self.rt is not None:
+                    steps.append(self.rt.close)      # with the graphs it pooled
+                steps.append(self.cache.close)
+                for step in steps:
+                    try:
+                        step()
+                    except Exception as e:
+                        errors.append(e)
+                self.rt = None
+        finally:
+            self._closed_event.set()          # a second close() never waits forever
+        for e in errors[1:]:
+            log.error("runner: another error while freeing: %r", e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
