@@ -18,7 +18,7 @@ from helpers import free_port
 import ggmlpy
 from ggmlpy import GGMLError, GGMLTypeError, GGMLValueError
 
-RUNTIME_MODULES = ["ggmlpy.runner", "ggmlpy.sequences", "ggmlpy.sampling", "ggmlpy.kvcache", "ggmlpy.backend",
+RUNTIME_MODULES = ["ggmlpy.runner", "ggmlpy.sequences", "ggmlpy.sampling", "ggmlpy.kvcache", "ggmlpy.backend", "ggmlpy.weights",
                    "ggmlpy.benchmark", "ggmlpy.models", "ggmlpy.cli"]
 
 
