@@ -660,18 +660,18 @@ def test_vs_llama_cpp_for_real(tmp_path, capsys):
 
 def test_mmp_decides_how_ggmlpy_reads_the_weights(tmp_path, monkeypatch):
     """-mmp 1 (-lm mmap) loads through a memory map of the file, -mmp 0 (-lm none) with read(2)."""
-    import ggmlpy.models.decoder as decoder_mod  # DecoderModel.load opens the file
+    import ggmlpy.weights as weights_mod  # WeightLoader.load opens the file
     from ggmlpy import gguf
 
     opened = []
-    real = decoder_mod.open_data
+    real = weights_mod.open_data
 
     def spy(path, mmap=False):
         f = real(path, mmap=mmap)
         opened.append(type(f))
         return f
 
-    monkeypatch.setattr(decoder_mod, "open_data", spy)
+    monkeypatch.setattr(weights_mod, "open_data", spy)
     out = io.StringIO()
     code, results = bm.run(parse_args(["--synthetic", "tiny", "-p", "8", "-n", "0", "-r", "1", "-t", "1",
                                        "-mmp", "0,1", "-o", "json", "--cache-dir", str(tmp_path)]),

@@ -10,6 +10,7 @@ import pytest
 import ggmlpy as gp
 from ggmlpy import _core
 from ggmlpy import backend as bk
+from ggmlpy import weights as wt
 from ggmlpy.models import load_model
 from ggmlpy.models.synthetic import write_synthetic
 from ggmlpy.runner import Runner
@@ -216,8 +217,8 @@ def test_repack_false_keeps_every_weight_in_plain_memory():
 def test_known_bad_pairs_stay_on_plain_memory(monkeypatch):
     # The Sapphire Rapids AMX + Q8_0 crash cannot be reproduced on every CPU; the guard that keeps it
     # away is the same for any pair, so prove it with the pair this CPU does repack.
-    assert ("AMX", "Q8_0") in bk.KNOWN_BAD_WEIGHT_BUFFERS
-    monkeypatch.setattr(bk, "KNOWN_BAD_WEIGHT_BUFFERS", bk.KNOWN_BAD_WEIGHT_BUFFERS | {("CPU_REPACK", "Q4_0")})
+    assert ("AMX", "Q8_0") in bk.KNOWN_BAD_WEIGHT_BUFFERS            # still importable from backend
+    monkeypatch.setattr(wt, "KNOWN_BAD_WEIGHT_BUFFERS", wt.KNOWN_BAD_WEIGHT_BUFFERS | {("CPU_REPACK", "Q4_0")})
     w = _weights(repack=True, types=("Q4_0",))
     w.allocate()
     try:
@@ -406,10 +407,10 @@ def test_amx_verdict_from_the_environment(monkeypatch):
     # GGMLPY_AMX decides without a check (children inherit the parent's verdict); "0" keeps every weight
     # off AMX on a CPU that offers it
     for value, want in (("0", False), ("1", True)):
-        monkeypatch.setattr(bk, "_amx_ok", None)
+        monkeypatch.setattr(wt, "_amx_ok", None)
         monkeypatch.setenv("GGMLPY_AMX", value)
         assert bk.amx_usable() is want
-    monkeypatch.setattr(bk, "_amx_ok", None)
+    monkeypatch.setattr(wt, "_amx_ok", None)
     monkeypatch.setenv("GGMLPY_AMX", "0")
     w = _weights(repack=True, types=("Q4_0", "Q4_0"))
     w.allocate()
@@ -427,6 +428,6 @@ def test_a_q4_0_model_computes_wherever_ggml_offers_amx(tmp_path):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "GGMLPY_AMX"}
-    r = subprocess.run([sys.executable, "-c", bk._AMX_CHECK.replace("sys.exit(3)", "pass")], env=env,
+    r = subprocess.run([sys.executable, "-c", wt._AMX_CHECK.replace("sys.exit(3)", "pass")], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

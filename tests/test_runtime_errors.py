@@ -19,6 +19,7 @@ import ggmlpy
 from ggmlpy import GGMLError, GGMLTypeError, GGMLValueError
 
 RUNTIME_MODULES = ["ggmlpy.runner", "ggmlpy.runner.slots", "ggmlpy.sampling", "ggmlpy.kvcache", "ggmlpy.backend",
+                   "ggmlpy.weights",
                    "ggmlpy.benchmark", "ggmlpy.models", "ggmlpy.cli"]
 
 

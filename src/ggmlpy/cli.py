@@ -16,7 +16,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     info = system_info()
     if "AMX" in info["cpu_weight_buffers"]:
-        from ggmlpy.backend import amx_usable
+        from ggmlpy.weights import amx_usable
 
         if not amx_usable():        # ggml offers it, its kernels fault here (checked in a child process)
             info["cpu_weight_buffers"] = [b if b != "AMX" else "AMX (faults on this machine: not used)"

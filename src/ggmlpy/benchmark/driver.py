@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TextIO
 
 from ggmlpy._core import GGMLError, devices, rpc_add_server
+from ggmlpy._progress import ProgressBar
 from ggmlpy._system import ggml_commit, ggml_version
 from ggmlpy._version import __version__
-from ggmlpy.backend import ProgressBar
 from ggmlpy.gguf import GGUFReader
 from ggmlpy.models.calibrate import forget as forget_kernel_timings
 from ggmlpy.models.synthetic import SIZES, for_arch, synthetic_path

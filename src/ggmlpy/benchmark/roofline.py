@@ -206,7 +206,7 @@ def measure_bandwidth(n_threads: int, nbytes: int | None = None, reps: int | Non
 def _weight_buffers(type: Type, ne: tuple[int, int], n_cols: int) -> list[Any]:
     """The CPU buffer types a weight of ``type`` and ``ne`` can be multiplied from: plain memory, then each
     extra buffer type (repacked layouts) that takes it, as :class:`ggmlpy.backend` places weights."""
-    from ggmlpy.backend import weight_buffer_allowed
+    from ggmlpy.weights import weight_buffer_allowed
 
     dev = _core.device("CPU")
     out = [dev.buffer_type()]

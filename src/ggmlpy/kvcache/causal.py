@@ -28,6 +28,7 @@ from ggmlpy._core import (
     is_quantized,
     tensor_overhead,
 )
+from ggmlpy.memory import MemoryReport
 
 from .cells import _INT32_MAX, CacheStateError, Cells, NotSupported, _int_array
 
@@ -334,7 +335,7 @@ class Causal:
 
         With ``placement`` (a :class:`ggmlpy.backend.Placement`), each layer's
         K/V live in a buffer on that layer's device and their bytes are
-        recorded in ``report`` (a :class:`ggmlpy.backend.MemoryReport`) as
+        recorded in ``report`` (a :class:`ggmlpy.memory.MemoryReport`) as
         cache; otherwise they are host memory. Shift and defragmentation
         compute through ``runtime`` (a :class:`ggmlpy.backend.Runtime` over the
         cache's devices), so they run wherever the cache lives; without one
@@ -421,7 +422,6 @@ class Causal:
     def _init_placed(self, n: int, v_ne, placement, report, layers: list) -> None:
         # One no_alloc context and one buffer per device, as the weights do.
         from ggmlpy import _core
-        from ggmlpy.backend import MemoryReport
 
         if report is None:
             report = MemoryReport(placement.n_layers)

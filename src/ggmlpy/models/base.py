@@ -101,7 +101,7 @@ class Model(Protocol):
 
     config: Any              # the architecture's hyperparameters (``n_layer``, ``eos_token_ids`` ...)
     placement: Any           # ggmlpy.backend.Placement: the device of each layer
-    report: Any              # ggmlpy.backend.MemoryReport: weights per device and layer
+    report: Any              # ggmlpy.memory.MemoryReport: weights per device and layer
     n_vocab: int
     desc: str                # llama-bench's model description, e.g. "llama 110M F16"
     size: int

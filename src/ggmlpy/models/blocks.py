@@ -5,7 +5,7 @@ Each block is a plain function of a :class:`~ggmlpy.Context` and tensors that ad
 and returns the result; nothing here holds state. Tensors are in ggml's ``ne`` order: activations
 are ``ne = (n_embd, n)`` for ``n`` tokens, heads ``ne = (head_dim, n_head, n)``. Blocks that read
 weights by name take ``w``, any mapping from GGUF tensor names to tensors that supports ``in``
-(:class:`ggmlpy.backend.Weights`, or a dict in tests), and ``prefix``, the layer's ``"blk.{i}."``;
+(:class:`ggmlpy.weights.Weights`, or a dict in tests), and ``prefix``, the layer's ``"blk.{i}."``;
 they accept the file's separate weights and the fused ones
 :class:`~ggmlpy.models.decoder.DecoderModel` makes (``attn_qkv``, ``ffn_gate_up``).
 

@@ -26,30 +26,23 @@ import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor, Type
-from ggmlpy.backend import (
-    N_CPU_MOE_PATTERN,
-    MemoryReport,
-    Placement,
-    Weights,
-    choose_devices,
-    split_layers,
-)
-from ggmlpy.gguf import (
-    _REQUIRED,
-    GGUFError,
-    MetadataError,
-    MetadataTypeError,
-    meta_float,
-    meta_int,
-    meta_str,
-    open_data,
-)
+from ggmlpy.backend import N_CPU_MOE_PATTERN, Placement, choose_devices, split_layers
+from ggmlpy.gguf import MetadataError, MetadataTypeError
 from ggmlpy.kvcache import Causal, Wrapper
+from ggmlpy.memory import MemoryReport
+from ggmlpy.weights import (
+    MetaReader,
+    MissingTensor,
+    WeightLoader,
+    Weights,
+    check_all_used,
+    check_tensor,
+)
 
 from . import blocks
 from .base import BuiltGraph, UnknownArchitecture
@@ -64,10 +57,6 @@ _FTYPE_NAMES = {0: "all F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_
                 15: "Q4_K - Medium", 16: "Q5_K - Small", 17: "Q5_K - Medium", 18: "Q6_K", 32: "BF16"}
 
 
-class MissingTensor(GGMLValueError):
-    """A tensor the architecture needs is not in the file, or has the wrong shape or type."""
-
-
 # Sane bounds on hyperparameters, checked before anything is sized from them (a hostile file must not
 # make the loader allocate or loop by its numbers). Generous: ten times what large public models use.
 _MAX_LAYERS = 4096
@@ -78,60 +67,6 @@ _MAX_CTX = 1 << 27          # token positions are I32; the longest trained conte
 
 
 # ---------------------------------------------------------------------------------------------- config
-
-
-class MetaReader:
-    """Checked reads of one file's metadata for architecture ``arch``.
-
-    A key is relative to the architecture (``"block_count"`` reads ``{arch}.block_count``) unless it
-    starts with ``general.`` or ``tokenizer.``. Every error names the full key and the file.
-
-    Examples
-    --------
-    >>> m = MetaReader({"general.architecture": "llama", "llama.block_count": 2}, "llama", "m.gguf")
-    >>> m.geti("block_count", lo=1), m.getf("rope.freq_base", 10000.0)
-    (2, 10000.0)
-    >>> m.geti("embedding_length")
-    Traceback (most recent call last):
-    ...
-    ggmlpy.gguf.MetadataError: m.gguf: metadata 'llama.embedding_length': is missing
-    """
-
-    #: Keys llama.cpp also takes as an array (one value per layer). The layers built here are uniform,
-    #: so such an array must hold one value.
-    PER_LAYER = frozenset({"attention.head_count", "attention.head_count_kv", "feed_forward_length"})
-
-    def __init__(self, md: Any, arch: str, path: str = "") -> None:
-        self.md, self.arch, self.path = md, arch, path
-
-    def key(self, key: str) -> str:
-        """The full key: ``{arch}.{key}``, or ``key`` itself for ``general.*`` and ``tokenizer.*``."""
-        return key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
-
-    def __contains__(self, key: str) -> bool:
-        return self.key(key) in self.md
-
-    def geti(self, key: str, default: Any = _REQUIRED, lo: Optional[int] = None, hi: Optional[int] = None) -> Any:
-        """Integer ``key`` in ``[lo, hi]``, or ``default`` when absent (no default: required).
-
-        Raises
-        ------
-        ggmlpy.gguf.MetadataError, ggmlpy.gguf.MetadataTypeError
-            Missing, out of range, or not an integer.
-        """
-        return meta_int(self.md, self.key(key), default, lo=lo, hi=hi, path=self.path,
-                        per_layer=key in self.PER_LAYER)
-
-    def getf(self, key: str, default: Any = _REQUIRED, lo: Optional[float] = None, hi: Optional[float] = None,
-             lo_open: bool = False) -> Any:
-        """Finite real ``key`` in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``), or ``default``; raises as
-        :meth:`geti`."""
-        return meta_float(self.md, self.key(key), default, lo=lo, hi=hi, lo_open=lo_open, path=self.path,
-                          per_layer=key in self.PER_LAYER)
-
-    def gets(self, key: str, default: Any = _REQUIRED) -> Any:
-        """String ``key``, or ``default``; raises as :meth:`geti`."""
-        return meta_str(self.md, self.key(key), default, path=self.path)
 
 
 @dataclass(frozen=True)
@@ -352,198 +287,6 @@ def read_routing(m: MetaReader, arch: str, built: dict, norm_default: bool) -> b
     return bool(norm)
 
 
-def check_expert_shapes(reader, cfg, path: str, ff_key: str) -> None:
-    """Check the expert count and width (from ``ff_key``) against layer 0's router and gate experts.
-
-    Raises
-    ------
-    MetadataError
-        Naming the key whose value the tensor's shape contradicts.
-    """
-    a = cfg.arch
-    for key, want, tname, dim in ((f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_inp.weight", 1),
-                                  (ff_key, cfg.n_ff_exp, "blk.0.ffn_gate_exps.weight", 1),
-                                  (f"{a}.expert_count", cfg.n_expert, "blk.0.ffn_gate_exps.weight", 2)):
-        ne = reader.tensor_info(tname).ne if tname in reader else None
-        if ne is not None and len(ne) > dim and ne[dim] != want:
-            raise MetadataError(path, key, f"the metadata gives {want}, but {tname} has ne={tuple(ne)}")
-
-
-def check_tensor(reader, path: str, needed_by: str, name: str, ne: tuple, types) -> None:
-    """Tensor ``name`` of an open file is there, of shape ``ne`` (trailing 1s aside) and of one of ``types``
-    (None: any float or quantized type); else :class:`MissingTensor` naming it and ``needed_by``."""
-    if name not in reader:
-        raise MissingTensor(f"{path}: tensor {name!r} is missing ({needed_by} needs it)")
-    info = reader.tensor_info(name)
-    got = tuple(info.ne) + (1,) * (len(ne) - len(info.ne))
-    if got[:len(ne)] != tuple(ne) or any(d != 1 for d in got[len(ne):]):
-        raise MissingTensor(f"{path}: tensor {name!r} has ne={tuple(info.ne)}, expected {tuple(ne)}")
-    if info.type in (Type.I8, Type.I16, Type.I32, Type.I64):
-        # no matrix op takes integer weights; ggml would refuse the graph much later
-        raise MissingTensor(f"{path}: tensor {name!r} is {info.type.name}: weights must be float or quantized")
-    if types is not None and info.type not in types:
-        raise MissingTensor(f"{path}: tensor {name!r} is {info.type.name}, expected "
-                            f"{'/'.join(t.name for t in types)}")
-
-
-def check_all_used(reader, path: str, used, user: str, n_layer: int) -> None:
-    """Every tensor of the file is in ``used``; else :class:`GGUFError`: one left over means the
-    hyperparameters (block_count, a missing bias ...) do not describe the file, and ``user`` would run
-    without that weight."""
-    unused = [t.name for t in reader.tensors if t.name not in used]
-    if unused:
-        raise GGUFError(f"{path}: {len(unused)} tensor(s) of the file are not used by {user} with these "
-                        f"hyperparameters (block_count {n_layer}): "
-                        f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}")
-
-
-class WeightLoader:
-    """Reading a model's weights from its GGUF file into the tensors :class:`~ggmlpy.backend.Weights` made.
-
-    Used by :class:`DecoderModel` and the vision encoders (:mod:`ggmlpy.vision`); the class needs
-    ``path``, ``size`` (bytes to store), ``weights``, ``fused`` (a stored tensor made of several of the
-    file's, in order), ``converted`` and ``_reader`` (the open :class:`~ggmlpy.gguf.GGUFReader`), and sets ``loaded``.
-    """
-
-    path: str
-    size: int
-    weights: Weights
-    fused: dict
-    _reader: Any
-    loaded: bool
-    #: weights stored in another form than the file's: name -> f(the file's values as a float array in
-    #: numpy order) -> what to store (read only; a class sets its own)
-    converted: dict = {}
-    _closed: bool = False
-
-    def close(self) -> None:
-        """Free the weights (and close the file reader); safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        self.weights.close()
-        close = getattr(self._reader, "close", None)
-        if close is not None:
-            close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def load(self, progress: Optional[Callable[[int, int], None]] = None, check_tensors: bool = False,
-             mmap: bool = False) -> None:
-        """Read every tensor's data from the file into its buffer.
-
-        With ``mmap`` the data is copied out of a memory map of the file (see
-        :class:`ggmlpy.gguf.MappedFile`) instead of read with ``read(2)``.
-
-        Host tensors are filled with ``readinto`` straight into their memory
-        (no intermediate copy, so peak RSS stays near the model's size); device
-        tensors are written in chunks. ``progress(done_bytes, total_bytes)``
-        is called as data arrives.
-
-        A few rows of every tensor are decoded first and must be finite, with
-        magnitudes some model could have (see :func:`_check_sample`): NaN/inf
-        weights, and F16 data re-labelled as BF16 at typical weight scales
-        (median |w| below about 0.2; the two types have the same size, so the
-        file's layout cannot show it), are an error, not garbage output. The
-        other direction (BF16 read as F16) and re-labelled quantized types of
-        the same block size are not detected. ``check_tensors=True`` checks every row for non-finite values
-        too (as llama.cpp's ``--check-tensors``; it decodes the whole model, so
-        it costs about one more pass over the data).
-
-        Raises
-        ------
-        GGUFError
-            Implausible or non-finite data (names the tensor, and the row with ``check_tensors``).
-        GGMLValueError, MissingTensor
-            The file ends inside a tensor, or a tensor's size disagrees with its type and shape.
-        """
-        total = self.size
-        done = 0
-        chunk = 16 << 20
-        with open_data(self.path, mmap=mmap) as f:
-            for name, (t, _grp) in self.weights.tensors.items():
-                convert = self.converted.get(name)
-                if convert is not None:
-                    # stored in another form than the file's (a small weight, read whole)
-                    info = self._reader.tensor_info(name)
-                    _check_sample(f, info, self.path)
-                    f.seek(info.offset)
-                    raw = f.read(info.nbytes)
-                    if len(raw) != info.nbytes:
-                        raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
-                    t.set(convert(_decode(raw, info.type, info.ne[0]).reshape(tuple(reversed(info.ne)))))
-                    done += t.nbytes
-                    continue
-                # a fused weight is its parts' bytes one after the other (rows of the same width)
-                infos = [self._reader.tensor_info(n) for n in self.fused.get(name, (name,))]
-                if sum(i.nbytes for i in infos) != t.nbytes:
-                    raise MissingTensor(f"{self.path}: tensor {name!r} holds {sum(i.nbytes for i in infos)} bytes, "
-                                        f"expected {t.nbytes}")
-                for info in infos:
-                    _check_sample(f, info, self.path)
-                if t.is_host:
-                    dst = memoryview(t.numpy()).cast("B")
-                    off = 0
-                    for info in infos:
-                        self._read_into(f, info, dst[off:off + info.nbytes], check_tensors, chunk,
-                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
-                        off += info.nbytes
-                    del dst
-                elif t.is_repacked or len(infos) > 1:
-                    # a repacked weight is written in one piece (ggml converts it whole); a fused one is put
-                    # together first
-                    buf = bytearray(t.nbytes)
-                    off = 0
-                    for info in infos:
-                        self._read_into(f, info, memoryview(buf)[off:off + info.nbytes], check_tensors, chunk,
-                                        None if progress is None else lambda n, o=done + off: progress(o + n, total))
-                        off += info.nbytes
-                    t.set_bytes(buf, 0)
-                    del buf
-                else:
-                    # whole rows, so each piece can be checked
-                    info = infos[0]
-                    rs = info.type.row_size(info.ne[0]) or 1
-                    step = max(rs, chunk // rs * rs)
-                    buf = bytearray(min(step, t.nbytes))
-                    f.seek(info.offset)
-                    pos = 0
-                    while pos < t.nbytes:
-                        view = memoryview(buf)[:min(step, t.nbytes - pos)]
-                        n = f.readinto(view)
-                        if n != len(view):
-                            raise GGMLValueError(f"{self.path}: file ends inside tensor {name!r}")
-                        if check_tensors:
-                            _check_finite_rows(view, info, pos // rs, rs, chunk, self.path)
-                        t.set_bytes(view, pos)
-                        pos += n
-                        if progress is not None:
-                            progress(done + pos, total)
-                done += t.nbytes
-                if progress is not None:
-                    progress(done, total)
-        self.loaded = True
-
-    def _read_into(self, f, info, dst: memoryview, check_tensors: bool, chunk: int,
-                   progress: Optional[Callable[[int], None]]) -> None:
-        """Read tensor ``info``'s bytes from ``f`` straight into ``dst`` (``progress(bytes so far)``)."""
-        f.seek(info.offset)
-        pos = 0
-        while pos < info.nbytes:
-            n = f.readinto(dst[pos:pos + chunk])
-            if not n:
-                raise GGMLValueError(f"{self.path}: file ends inside tensor {info.name!r}")
-            pos += n
-            if progress is not None:
-                progress(pos)
-        if check_tensors:
-            _check_finite_rows(dst, info, 0, info.type.row_size(info.ne[0]) or 1, chunk, self.path)
-
-
 class DecoderModel(WeightLoader):
     """A decoder from a GGUF file: weights on their devices, loading, and the frame of the graph.
 
@@ -558,7 +301,7 @@ class DecoderModel(WeightLoader):
         Which device holds each layer; default: everything on the CPU.
     repack : bool
         Put the matrix weights in the devices' extra buffer types where ggml supports them (CPU_REPACK,
-        AMX...: faster prompts; the weights can then not be read back). See :class:`ggmlpy.backend.Weights`.
+        AMX...: faster prompts; the weights can then not be read back). See :class:`ggmlpy.weights.Weights`.
     fuse : bool
         Concatenate each layer's Q, K and V weights into one ``attn_qkv`` matrix and its gate and up
         weights into one ``ffn_gate_up`` matrix (biases likewise) when the parts share a type
@@ -570,8 +313,8 @@ class DecoderModel(WeightLoader):
     Attributes
     ----------
     config : DecoderConfig
-    weights : ggmlpy.backend.Weights
-    report : ggmlpy.backend.MemoryReport
+    weights : ggmlpy.weights.Weights
+    report : ggmlpy.memory.MemoryReport
         Weight bytes per device and layer (cache and graph are added by the runner).
     desc : str
         llama-bench's model description, e.g. ``"llama 110M F16"``.
@@ -1038,84 +781,6 @@ class PreNormDecoder(DecoderModel):
             x = ctx.add(x, self._ffn(ctx, p, cur))
         return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
 
-
-# ---------------------------------------------------------------------------------------------- data checks
-
-# Weights of any trained or freshly initialised model have a typical magnitude within these bounds;
-# data of another type read as F16/BF16/F32 lands far outside (F16 weights of ~0.02 read as BF16 are ~1e-16).
-_PLAUSIBLE_MAGNITUDE = (1e-8, 1e8)
-_SAMPLE_ROWS = 4
-
-
-def _decode(raw, t: Type, ne0: int) -> np.ndarray:
-    """Whole rows of type ``t`` as a flat float array."""
-    if t.numpy_dtype is not None:                 # F32, F16, F64
-        return np.frombuffer(raw, t.numpy_dtype)
-    if t == Type.BF16:
-        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-    from ggmlpy import dequantize
-
-    return dequantize(raw, t, ne0).reshape(-1)
-
-
-def _check_finite_rows(data, info, first_row: int, row_size: int, chunk: int, path: str) -> None:
-    """:func:`_check_finite` over ``data`` (whole rows from ``first_row``) in pieces of about ``chunk`` bytes,
-    so the float32 copy a check makes stays that small whatever the tensor's size."""
-    step = max(row_size, chunk // row_size * row_size)
-    for at in range(0, len(data), step):
-        _check_finite(data[at:at + step], info, first_row + at // row_size, path)
-
-
-def _check_finite(raw, info, first_row: int, path: str) -> None:
-    """Every value of the whole rows in ``raw`` (starting at row ``first_row`` of ``info``) is finite."""
-    t = info.type
-    if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
-        return
-    ne0 = info.ne[0]
-    v = _decode(raw, t, ne0)
-    bad = np.flatnonzero(~np.isfinite(v))
-    if bad.size:
-        raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({bad.size} in rows "
-                        f"from {first_row}; the first at row {first_row + bad[0] // ne0}, column {bad[0] % ne0}: "
-                        f"{v[bad[0]]}): the data is corrupt")
-
-
-def _check_sample(f, info, path: str) -> None:
-    """Decode a few rows of tensor ``info`` from the open file ``f`` and check they are plausible weights.
-
-    Checked: every value is finite (NaN/inf weights, or quantized blocks with NaN/inf scales, turn every
-    output into garbage), and the median magnitude of the non-zero values lies in ``_PLAUSIBLE_MAGNITUDE``.
-    Integer tensors are not checked. Rows: the first, the last and some between (cheap: a few KiB each).
-    """
-    t = info.type
-    if t.numpy_dtype is not None and t.numpy_dtype.kind in "iu":
-        return
-    ne0 = info.ne[0]
-    rs = t.row_size(ne0)
-    n_rows = info.nbytes // rs if rs else 0
-    if not n_rows:
-        return
-    picks = sorted({(n_rows - 1) * k // (_SAMPLE_ROWS - 1) for k in range(_SAMPLE_ROWS)})
-    vals = []
-    for r in picks:
-        f.seek(info.offset + r * rs)
-        raw = f.read(rs)
-        if len(raw) != rs:
-            raise GGMLValueError(f"{path}: file ends inside tensor {info.name!r}")
-        vals.append(_decode(raw, t, ne0))
-    v = np.concatenate(vals).astype(np.float64)
-    bad = ~np.isfinite(v)
-    if bad.any():
-        raise GGUFError(f"{path}: tensor {info.name!r} ({t.name}) holds non-finite values ({int(bad.sum())} of "
-                        f"{v.size} sampled, e.g. {v[bad][0]}): the data is corrupt")
-    nz = np.abs(v[v != 0])
-    if nz.size:
-        med = float(np.median(nz))
-        lo, hi = _PLAUSIBLE_MAGNITUDE
-        if not lo <= med <= hi:
-            raise GGUFError(f"{path}: tensor {info.name!r} does not look like {t.name} data: the median magnitude "
-                            f"of its sampled values is {med:.3g}, outside [{lo:g}, {hi:g}] (data of another type "
-                            "labelled as this one?)")
 
 
 class LocalGlobalDecoder(DecoderModel):

@@ -43,10 +43,11 @@ import numpy as np
 
 from ggmlpy._core import Context, RopeType, Tensor
 from ggmlpy.gguf import MetadataError, MetadataTypeError
+from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_LAYERS, DecoderConfig, LocalGlobalDecoder, MetaReader
+from .decoder import _MAX_LAYERS, DecoderConfig, LocalGlobalDecoder
 
 __all__ = ["GemmaConfig", "GemmaModel"]
 

@@ -53,6 +53,7 @@ from typing import Any, Optional
 
 from ggmlpy._core import Context, RopeType, Tensor, Type
 from ggmlpy.gguf import MetadataError, meta_int
+from ggmlpy.weights import MetaReader, check_expert_shapes
 
 from . import blocks
 from .base import register
@@ -61,8 +62,6 @@ from .decoder import (
     _MAX_EMBD,
     DecoderConfig,
     LocalGlobalDecoder,
-    MetaReader,
-    check_expert_shapes,
     read_routing,
 )
 from .gemma import GemmaConfig

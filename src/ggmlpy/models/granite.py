@@ -29,10 +29,11 @@ import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor
 from ggmlpy.gguf import MetadataTypeError
+from ggmlpy.weights import MetaReader, MissingTensor
 
 from . import blocks
 from .base import register
-from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
+from .decoder import DecoderConfig, DecoderModel
 
 __all__ = ["GraniteConfig", "GraniteModel"]
 

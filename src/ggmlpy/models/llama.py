@@ -27,17 +27,11 @@ from typing import Any, ClassVar, Optional
 
 from ggmlpy._core import Context, RopeType, Tensor
 from ggmlpy.gguf import MetadataError, meta_int
+from ggmlpy.weights import MetaReader, MissingTensor, check_expert_shapes
 
 from . import blocks
 from .base import UnknownArchitecture, register
-from .decoder import (
-    DecoderConfig,
-    MetaReader,
-    MissingTensor,
-    PreNormDecoder,
-    check_expert_shapes,
-    read_routing,
-)
+from .decoder import DecoderConfig, PreNormDecoder, read_routing
 
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from ggmlpy._core import Context, GGMLValueError, RopeType, Tensor
+from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import DecoderConfig, DecoderModel, MetaReader
+from .decoder import DecoderConfig, DecoderModel
 
 __all__ = ["Olmo2Config", "Olmo2Model"]
 

@@ -35,10 +35,11 @@ from typing import Any, Optional
 
 from ggmlpy._core import Context, RopeType, Tensor, Type
 from ggmlpy.kvcache import Causal
+from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import DecoderConfig, MetaReader, PreNormDecoder
+from .decoder import DecoderConfig, PreNormDecoder
 
 __all__ = ["ContextCache", "Phi3Config", "Phi3Model"]
 

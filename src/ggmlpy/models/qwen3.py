@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 from ggmlpy._core import Context, RopeType, Tensor
 from ggmlpy.gguf import meta_int
+from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_EMBD, MetaReader
+from .decoder import _MAX_EMBD
 from .llama import LlamaConfig, LlamaModel
 
 __all__ = ["Qwen3Config", "Qwen3Model"]

@@ -31,10 +31,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ggmlpy._core import Context, GGMLValueError, PoolOp, Tensor, Type
-from ggmlpy.backend import Placement, Runtime, Weights
+from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
+from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
-from ..models.decoder import MetaReader, WeightLoader, check_all_used, check_tensor
 from .preprocess import IDEFICS3_MAX_IMAGE_SIZE, ImageConfig
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
@@ -227,13 +227,13 @@ class VisionModel(WeightLoader):
     placement : ggmlpy.backend.Placement, optional
         The text model's placement: the encoder goes where its output layer is (group ``"vision"``).
         Default: the CPU.
-    report : ggmlpy.backend.MemoryReport, optional
+    report : ggmlpy.memory.MemoryReport, optional
         Where the weights are recorded (the text model's report, so that one report shows both).
 
     Attributes
     ----------
     config : VisionConfig
-    weights : ggmlpy.backend.Weights
+    weights : ggmlpy.weights.Weights
     size, n_params : int
         Bytes and number of weight values.
     """

@@ -1,0 +1,196 @@
+"""Memory per device and per purpose: :class:`MemoryReport` and its rows, :class:`DeviceMemory`.
+
+What every device holds (weights, KV cache, compute graph; per layer group and per buffer type) and
+whether each allocation succeeded, after llama.cpp's memory breakdown. The weights
+(:class:`ggmlpy.weights.Weights`), the caches (:mod:`ggmlpy.kvcache`) and the scheduler's reservation
+(:meth:`ggmlpy.backend.Runtime.reserve`) record into one report; a failed allocation raises
+:class:`~ggmlpy.GGMLMemoryError` carrying it. Re-exported by :mod:`ggmlpy.backend`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from ggmlpy._core import Device
+
+#: A layer group: ``"input"`` (embeddings, always on the CPU), a layer index, or ``"output"``.
+Group = Union[str, int]
+
+__all__ = ["DeviceMemory", "Group", "MemoryReport"]
+
+
+@dataclass
+class DeviceMemory:
+    """What one device holds: bytes per layer group for weights and cache, the compute graph, and outcomes."""
+
+    name: str
+    description: str
+    n_layers: int
+    weights: dict[Group, int] = field(default_factory=dict)
+    cache: dict[Group, int] = field(default_factory=dict)
+    #: weight bytes per buffer type (``"CPU"``, ``"CPU_REPACK"``...)
+    weight_buffers: dict[str, int] = field(default_factory=dict)
+    graph: int = 0
+    #: what each reserved graph needs here (``pp``, ``tg``, ``vision``...); the compute buffer holds the largest
+    graphs: dict[str, int] = field(default_factory=dict)
+    weights_ok: bool | None = None       # None: not attempted
+    cache_ok: bool | None = None
+    graph_ok: bool | None = None
+    free: int = 0
+    total: int = 0
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    @property
+    def cache_total(self) -> int:
+        return sum(self.cache.values())
+
+    @property
+    def self_total(self) -> int:
+        """model + context + compute, in llama.cpp's words."""
+        return self.weights_total + self.cache_total + self.graph
+
+    @property
+    def unaccounted(self) -> int:
+        """``total - free - self``, signed: memory in use on the device that this report does not explain.
+
+        Positive: other processes, the driver, this process's other allocations.
+        Negative: the report counts more than the device shows as used. That is
+        normal on the CPU device, whose ``free`` is the system's available
+        memory: ggml's host buffers are reserved but their pages are only
+        taken when first written, so untouched parts of the cache and compute
+        buffers still look free; it also happens when ``free`` was read before
+        an allocation (the figures are read when each part is recorded).
+        """
+        return self.total - self.free - self.self_total
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "description": self.description,
+            "weights": {str(k): v for k, v in self.weights.items()},
+            "cache": {str(k): v for k, v in self.cache.items()},
+            "weight_buffers": dict(self.weight_buffers),
+            "graph": self.graph, "graphs": dict(self.graphs),
+            "weights_total": self.weights_total, "cache_total": self.cache_total,
+            "self": self.self_total, "free": self.free, "total": self.total, "unaccounted": self.unaccounted,
+            "allocated": {"weights": self.weights_ok, "cache": self.cache_ok, "graph": self.graph_ok},
+        }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def _status(ok: bool | None) -> str:
+    return {None: "", True: "", False: " FAILED"}[ok]
+
+
+class MemoryReport:
+    """Memory per device and per purpose (weights, KV cache, compute graph), per layer.
+
+    ``str(report)`` is an aligned table in MiB with one row per device and a
+    llama.cpp-style breakdown ``total = free + (self = model + context +
+    compute) + unaccounted``; :meth:`to_dict` / :meth:`to_json` give the same
+    numbers. A device whose allocation failed still shows what it needed.
+    ``unaccounted`` may be negative (see :attr:`DeviceMemory.unaccounted`); the
+    table then says why in a note.
+    """
+
+    def __init__(self, n_layers: int = 0):
+        self.n_layers = n_layers
+        self.devices: dict[str, DeviceMemory] = {}
+        #: how the placement was chosen (``load_model(..., n_gpu_layers="auto")``: a FitResult), else None
+        self.fit: Any = None
+
+    def device(self, dev: Device) -> DeviceMemory:
+        m = self.devices.get(dev.name)
+        if m is None:
+            m = self.devices[dev.name] = DeviceMemory(dev.name, dev.description, self.n_layers)
+        m.free, m.total = dev.memory()
+        return m
+
+    def add_weights(self, dev: Device, group: Group, nbytes: int) -> None:
+        m = self.device(dev)
+        m.weights[group] = m.weights.get(group, 0) + int(nbytes)
+
+    def add_cache(self, dev: Device, group: Group, nbytes: int) -> None:
+        m = self.device(dev)
+        m.cache[group] = m.cache.get(group, 0) + int(nbytes)
+
+    def set_graph(self, dev: Device, nbytes: int, ok: bool = True) -> None:
+        m = self.device(dev)
+        m.graph = int(nbytes)
+        m.graph_ok = ok
+
+    def note_graph(self, dev: Device, label: str, nbytes: int) -> None:
+        """Record what the graph ``label`` needs on ``dev`` (the largest of its reservations)."""
+        m = self.device(dev)
+        m.graphs[label] = max(m.graphs.get(label, 0), int(nbytes))
+
+    @property
+    def total(self) -> int:
+        return sum(m.self_total for m in self.devices.values())
+
+    def to_dict(self) -> dict:
+        out = {"n_layers": self.n_layers, "devices": {k: m.to_dict() for k, m in self.devices.items()},
+               "total": self.total}
+        if self.fit is not None:
+            out["fit"] = self.fit.to_dict()
+        return out
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def layer_table(self) -> str:
+        """Weights and cache per layer group and device, in MiB."""
+        groups: list[Group] = ["input", *range(self.n_layers), "output"]
+        names = list(self.devices)
+        rows = [["layer", *[f"{n} weights" for n in names], *[f"{n} cache" for n in names]]]
+        for gname in groups:
+            w = [self.devices[n].weights.get(gname, 0) for n in names]
+            cch = [self.devices[n].cache.get(gname, 0) for n in names]
+            if any(w) or any(cch):
+                rows.append([str(gname), *map(_mib, w), *map(_mib, cch)])
+        return _table(rows)
+
+    def __str__(self) -> str:
+        rows = [["device", "weights", "cache", "graph", "self", "free", "total"]]
+        for m in self.devices.values():
+            rows.append([m.name, _mib(m.weights_total) + _status(m.weights_ok), _mib(m.cache_total) + _status(m.cache_ok),
+                         _mib(m.graph) + _status(m.graph_ok), _mib(m.self_total), _mib(m.free), _mib(m.total)])
+        rows.append(["total", _mib(sum(m.weights_total for m in self.devices.values())),
+                     _mib(sum(m.cache_total for m in self.devices.values())),
+                     _mib(sum(m.graph for m in self.devices.values())), _mib(self.total), "", ""])
+        lines = ["memory [MiB]", _table(rows), "", "memory breakdown [MiB] | total = free + (self = model + context + "
+                 "compute) + unaccounted"]
+        for m in self.devices.values():
+            lines.append(f"  - {m.name} ({m.description}) | {_mib(m.total)} = {_mib(m.free)} + ({_mib(m.self_total)} = "
+                         f"{_mib(m.weights_total)} + {_mib(m.cache_total)} + {_mib(m.graph)}) + {_mib(m.unaccounted)}"
+                         + (" *" if m.unaccounted < 0 else ""))
+        if any(m.unaccounted < 0 for m in self.devices.values()):
+            lines.append("  * unaccounted < 0: this report counts more than the device shows as used; host "
+                         "buffers take\n    their pages only when first written (untouched cache and compute "
+                         "memory still\n    looks free), or free memory was read before an allocation")
+        vision = [m for m in self.devices.values() if "vision" in m.weights or "vision" in m.graphs]
+        if vision:
+            # in the figures above too: the encoder's weights are in "weights", its graph shares the compute buffer
+            rows = [["device", "weights", "graph"]]
+            rows += [[m.name, _mib(m.weights.get("vision", 0)), _mib(m.graphs.get("vision", 0))] for m in vision]
+            lines += ["", "vision encoder [MiB] (included above; its graph shares the compute buffer)", _table(rows)]
+        if self.fit is not None:
+            lines += ["", str(self.fit)]
+        return "\n".join(lines)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for j, r in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
