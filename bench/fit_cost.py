@@ -24,9 +24,16 @@ from ggmlpy.backend import choose_devices
 from ggmlpy.gguf import GGUFReader
 from ggmlpy.models import load_model
 from ggmlpy.models import synthetic as syn
-from ggmlpy.models.fit import _budgets, _Search, _tensor_bytes
+from ggmlpy.runner.fit import _budgets, _Search, _tensor_bytes
 
 RUNNER = {"n_ctx": 512, "n_batch": 128, "n_ubatch": 128, "type_k": "f16", "type_v": "f16"}
+
+
+def _opener(path):
+    """What load_model gives the fit's search: the model opened on a placement, nothing read."""
+    from ggmlpy.load import load_model
+
+    return lambda placement: load_model(path, placement=placement, load=False)
 
 
 def _server(mem: str) -> tuple[subprocess.Popen, str]:
@@ -67,7 +74,7 @@ def main() -> None:
                 devs = choose_devices("auto", rpc=eps)
                 with GGUFReader(path) as r:
                     tb = _tensor_bytes(r, cfg.n_layer)
-                s = _Search(path, devs, cfg.n_layer, tb, _budgets(devs, 0, None), {},
+                s = _Search(path, devs, cfg.n_layer, tb, _budgets(devs, 0, None), _opener(path),
                             {**{k: v for k, v in RUNNER.items() if k != "n_ctx"}, "n_seq_max": 1, "flash_attn": True})
                 t0 = time.perf_counter()
                 model, step, _ = s.attempt(counts, RUNNER["n_ctx"])

@@ -73,6 +73,13 @@ RPC_TIMEOUT = 2.0
 REQUEST_TIMEOUT = 60.0
 
 
+def _opener(path):
+    """What load_model gives the fit's search: the model opened on a placement, nothing read."""
+    from ggmlpy.load import load_model
+
+    return lambda placement: load_model(path, placement=placement, load=False)
+
+
 def model_config():
     from ggmlpy.models import synthetic as syn
 
@@ -151,7 +158,7 @@ def one_layer_need(path: str) -> int:
     """Bytes one layer (the last) of the model needs on a server with :data:`RUNNER`, by one try."""
     from ggmlpy import _core
     from ggmlpy.gguf import GGUFReader
-    from ggmlpy.models.fit import _budgets, _Search, _tensor_bytes
+    from ggmlpy.runner.fit import _budgets, _Search, _tensor_bytes
 
     procs = start_servers([16])
     try:
@@ -161,7 +168,7 @@ def one_layer_need(path: str) -> int:
         with GGUFReader(path) as r:
             tb = _tensor_bytes(r, n_layer)
         rk = {k: v for k, v in RUNNER.items() if k != "n_ctx"} | {"flash_attn": True}
-        s = _Search(path, devs, n_layer, tb, _budgets(devs, 0, None), {}, rk)
+        s = _Search(path, devs, n_layer, tb, _budgets(devs, 0, None), _opener(path), rk)
         model, step, _ = s.attempt((1,), RUNNER["n_ctx"])
         model.close()
         return step.needs[dev.name]

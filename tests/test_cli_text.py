@@ -307,20 +307,20 @@ def test_run_places_weights_by_name_on_a_server(path, rpc_server, monkeypatch, c
     """``ggmlpy run -rpc EP -ngl 99 -ot ... -cmoe``: the overrides reach load_model (the feed-forward
     weights stay in host memory, everything else on the server) and the reply is the one the same
     placement gives through the Python API."""
-    from ggmlpy import models
+    from ggmlpy import load as loading
 
     kw = {"devices": "auto", "rpc": [rpc_server], "n_gpu_layers": 99, "tensor_overrides": "ffn_=CPU"}
-    with models.load_model(path, **kw) as m, Runner(m, n_ctx=256, n_threads=2) as r:
+    with loading.load_model(path, **kw) as m, Runner(m, n_ctx=256, n_threads=2) as r:
         want = r.generate(PROMPT, max_tokens=12, sampling=GREEDY, shift=False).text
     seen = []
-    load = models.load_model
+    load = loading.load_model
 
     def spy(*a, **k):
         model = load(*a, **k)
         seen.append((k, dict(model.weights.overridden)))
         return model
 
-    monkeypatch.setattr(models, "load_model", spy)
+    monkeypatch.setattr(loading, "load_model", spy)
     argv = ["run", "-m", path, "-p", PROMPT, "-n", "12", "-c", "256", "-t", "2", "--temp", "0", "-rpc", rpc_server,
             "-ngl", "99", "-ot", "ffn_(gate|up)=CPU", "-ot", "ffn_down=cpu", "-cmoe"]
     with pytest.warns(UserWarning, match="this llama model has no expert weights"):       # -cmoe

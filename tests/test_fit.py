@@ -1,4 +1,4 @@
-"""Fitting a model to the devices' memory (``load_model(..., n_gpu_layers="auto")``, ggmlpy.models.fit)
+"""Fitting a model to the devices' memory (``load_model(..., n_gpu_layers="auto")``, ggmlpy.runner.fit)
 on loopback RPC servers that advertise, and hold to, small memory sizes (``ggmlpy rpc-server --mem``),
 and the CPU: every layer placed within each device's budget, the placement equal to the best found by
 trying every split, logits equal to the CPU's, and failures that leave nothing behind."""
@@ -19,8 +19,8 @@ from ggmlpy import _core
 from ggmlpy._core import GGMLMemoryError, GGMLValueError
 from ggmlpy.models import load_model
 from ggmlpy.models import synthetic as syn
-from ggmlpy.models.fit import _budgets, _Search, _tensor_bytes
 from ggmlpy.runner import Runner
+from ggmlpy.runner.fit import _budgets, _Search, _tensor_bytes
 
 pytestmark = [pytest.mark.rpc]
 
@@ -62,6 +62,13 @@ def servers():
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return str(syn.write_synthetic(tmp_path_factory.mktemp("fit") / "fit.gguf", CFG, "F16", seed=3))
+
+
+def _opener(path):
+    """What load_model gives the fit's search: the model opened on a placement, nothing read."""
+    from ggmlpy.load import load_model
+
+    return lambda placement: load_model(path, placement=placement, load=False)
 
 
 def _fit(path, eps, **kw):
@@ -116,7 +123,7 @@ def test_equals_brute_force(model_path, servers):
 
     with GGUFReader(model_path) as r:
         tb, _ = _tensor_bytes(r, CFG.n_layer)
-    s = _Search(model_path, devs, CFG.n_layer, tb, budgets, {}, {k: v for k, v in RUNNER.items() if k != "n_ctx"}
+    s = _Search(model_path, devs, CFG.n_layer, tb, budgets, _opener(model_path), {k: v for k, v in RUNNER.items() if k != "n_ctx"}
                 | {"flash_attn": True})
     n_units = CFG.n_layer + 1
     feasible = []

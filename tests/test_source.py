@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 
 def test_stubs_match_the_extension():
@@ -40,3 +41,70 @@ def test_only_core_touches_the_c_boundary():
 def test_pxi_files_stay_small():
     for path in (ROOT / "src/ggmlpy/_pxi").glob("*.pxi"):
         assert len(path.read_text().splitlines()) <= 1500, f"{path.name} is over 1500 lines: split it by concept"
+
+
+#: The floors of src/ggmlpy, lowest first: a module imports only from its own floor or below (function-local
+#: imports included). docs/architecture.md describes the rooms.
+FLOORS = [
+    ["_core", "_libs", "_system", "_version", "_files", "_progress"],
+    ["gguf", "memory"],
+    ["backend"],
+    ["weights"],
+    ["kvcache"],
+    ["tokenizer", "chat_template"],
+    ["models"],
+    ["vision"],
+    ["sampling"],
+    ["runner", "sequences"],
+    ["load"],
+    ["benchmark"],
+    ["cli", "__main__", "__init__"],
+]
+#: The upward imports allowed, each a lazy re-export kept for callers of the old place (a module
+#: __getattr__: nothing runs it at import): (module, imported room).
+UPWARD_REEXPORTS = {("ggmlpy.backend", "weights"), ("ggmlpy.models", "load")}
+
+
+def _imports(path: Path, module: str):
+    """(line, imported module) for every import of ggmlpy in ``path``, at any depth."""
+    import ast
+
+    pkg = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    src = SRC / "ggmlpy"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "ggmlpy":
+                # `from ggmlpy import gguf` names a module; `from ggmlpy import GGMLError` the package's face
+                for a in node.names:
+                    sub = (src / a.name).is_dir() or any((src / (a.name + e)).exists() for e in (".py", ".pyx"))
+                    yield node.lineno, f"ggmlpy.{a.name}" if sub else "ggmlpy"
+            else:
+                yield node.lineno, target
+
+
+def test_imports_never_run_up_a_floor():
+    floor = {room: i for i, rooms in enumerate(FLOORS) for room in rooms}
+
+    def room(mod: str) -> str:
+        return mod.split(".")[1] if "." in mod else "__init__"
+
+    bad = []
+    for path in sorted((SRC / "ggmlpy").rglob("*.py")):
+        module = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        here = room(module)
+        assert here in floor, f"{module}: a room no floor lists (add it to FLOORS)"
+        for line, target in _imports(path, module):
+            if not target.startswith("ggmlpy"):
+                continue
+            to = room(target)
+            assert to in floor, f"{module}:{line} imports {target}: a room no floor lists"
+            if floor[to] > floor[here] and (module, to) not in UPWARD_REEXPORTS:
+                bad.append(f"{module}:{line} imports {target} ({here} is floor {floor[here]}, {to} floor {floor[to]})")
+    assert not bad, "imports up a floor:\n" + "\n".join(bad)

@@ -124,7 +124,7 @@ def _open_runner(args: argparse.Namespace):
     """Load ``args.model`` and start a Runner over it (one sequence), with the tokenizer checked first."""
     from ggmlpy._core import GGMLValueError
     from ggmlpy.backend import main_accelerator
-    from ggmlpy.models import load_model
+    from ggmlpy.load import load_model
     from ggmlpy.runner import Runner
 
     devices = args.device.split(",") if "," in args.device else args.device

@@ -18,7 +18,7 @@ from ggmlpy._core import devices as _devices
 from ggmlpy._system import ggml_commit
 from ggmlpy._version import __version__
 from ggmlpy.backend import choose_devices, main_accelerator, parse_tensor_overrides
-from ggmlpy.models import load_model
+from ggmlpy.load import load_model
 from ggmlpy.runner import Runner
 
 from .engines import Engine

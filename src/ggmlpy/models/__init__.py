@@ -17,7 +17,7 @@ report exists before any data is read) and then loads the data with progress.
   sliding-window layers through a :class:`~ggmlpy.kvcache.Wrapper` cache), :mod:`~ggmlpy.models.gptoss`
   (gpt-oss: attention sinks, biased experts, alternating window layers), :mod:`~ggmlpy.models.phi3`,
   :mod:`~ggmlpy.models.olmo2`, :mod:`~ggmlpy.models.granite`;
-* :mod:`~ggmlpy.models.load`: :func:`load_model`;
+* :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
 
@@ -35,7 +35,16 @@ from .base import (
 )
 from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
 from .llama import LlamaConfig, LlamaModel
-from .load import load_model
+
+
+def __getattr__(name: str):
+    # ggmlpy.models.load_model, as before: load_model lives a floor up (ggmlpy.load: it opens the vision
+    # encoder and runs the fit, which measures with a runner), so it is imported only when asked for
+    if name == "load_model":
+        from ggmlpy.load import load_model
+
+        return load_model
+    raise AttributeError(f"module 'ggmlpy.models' has no attribute {name!r}")
 
 __all__ = ["ARCHITECTURES", "BuiltGraph", "Cache", "DecoderConfig", "DecoderModel", "LlamaConfig", "LlamaModel",
            "MetaReader", "MissingTensor", "Model", "UnknownArchitecture", "load_model", "model_class", "register"]

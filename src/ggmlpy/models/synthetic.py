@@ -419,7 +419,8 @@ def cache_dir() -> Path:
 
 def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
     # (the architecture is in the file name)
-    from ggmlpy import GGMLError, gguf
+    from ggmlpy import gguf
+    from ggmlpy._core import GGMLError
 
     try:
         r = gguf.GGUFReader(str(path))

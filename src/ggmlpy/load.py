@@ -16,10 +16,8 @@ from ggmlpy.backend import (
     split_layers,
 )
 from ggmlpy.gguf import GGUFReader
-
-from . import llama  # noqa: F401  (registers the llama family)
-from .base import Model, model_class
-from .fingerprint import weights_fingerprint
+from ggmlpy.models import Model, model_class
+from ggmlpy.models.fingerprint import weights_fingerprint
 
 __all__ = ["load_model"]
 
@@ -40,7 +38,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     path : the GGUF file
     devices : ``"cpu"``, ``"auto"`` or device names (see :func:`ggmlpy.backend.choose_devices`)
     n_gpu_layers : how many of the last layers go to accelerators (-1: all), or ``"auto"``: as many as
-        fit, found by trying allocations (:mod:`ggmlpy.models.fit`): each try allocates the weights (no
+        fit, found by trying allocations (:mod:`ggmlpy.runner.fit`): each try allocates the weights (no
         data read), the KV cache and the worst-case graphs of a runner with ``n_ctx``, ``n_seq_max``,
         ``n_batch``, ``n_ubatch``, ``type_k``, ``type_v``, ``flash_attn`` on every device, and reads what
         each device needed; the devices are filled in order (``devices``: local GPUs, then RPC servers,
@@ -117,12 +115,13 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
             raise GGMLValueError("load_model: placement and n_gpu_layers='auto' together; give one")
         if not load:
             raise GGMLValueError("load_model: n_gpu_layers='auto' loads the model (load=False given)")
-        from .fit import fit_model
+        from ggmlpy.runner.fit import fit_model
 
         return fit_model(path, devices=devices, rpc=rpc, n_ctx=n_ctx, n_ctx_min=n_ctx_min, n_seq_max=n_seq_max,
                          n_batch=n_batch, n_ubatch=n_ubatch, type_k=type_k, type_v=type_v, flash_attn=flash_attn,
                          margin=margin, memory=memory, progress=progress, check_tensors=check_tensors, mmap=mmap,
-                         load_kw={"repack": repack, "fuse": fuse, "mmproj": mmproj}, overrides=overrides,
+                         open_model=lambda p: load_model(path, placement=p, load=False, repack=repack, fuse=fuse,
+                                                         mmproj=mmproj), overrides=overrides,
                          n_cpu_moe=n_cpu_moe)
     reader = GGUFReader(path)
     try:

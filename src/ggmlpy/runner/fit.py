@@ -31,12 +31,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from ggmlpy import _core
 from ggmlpy._core import Device, GGMLMemoryError, GGMLValueError
-
-from ..backend import MemoryReport, Placement, choose_devices, n_cpu_moe_overrides
+from ggmlpy.backend import Placement, choose_devices, n_cpu_moe_overrides
+from ggmlpy.memory import MemoryReport
 
 log = logging.getLogger("ggmlpy")
 
@@ -128,7 +128,8 @@ class _Search:
     """The state of one search: devices, budgets, sizes measured so far, tries."""
 
     def __init__(self, path, devs: list[Device], n_layer: int, tensor_bytes: dict, budgets: dict[str, int],
-                 load_kw: dict, runner_kw: dict, overrides: tuple = (), overridden: Optional[dict] = None) -> None:
+                 open_model: Callable[[Placement], Any], runner_kw: dict, overrides: tuple = (),
+                 overridden: Optional[dict] = None) -> None:
         self.path = path
         self.cpu = _core.device("CPU")
         self.accel = [d for d in devs if d != self.cpu]
@@ -136,7 +137,9 @@ class _Search:
         #: offload order: the last layer first, the output after every layer
         self.units: list[Unit] = [*range(n_layer - 1, -1, -1), "output"]
         self.budgets = budgets
-        self.load_kw = load_kw
+        #: opens the model on a placement, weights allocated, no data read (load_model's, passed down: it
+        #: lives a floor above this module)
+        self.open_model = open_model
         self.runner_kw = runner_kw
         # sizes: weights per unit (from the file's tensor table, then measured), cache per unit, graph
         # per (device, holds the output)
@@ -198,9 +201,7 @@ class _Search:
 
     def attempt(self, counts: tuple[int, ...], n_ctx: int):
         """One allocation pass; returns (the model with its weights allocated, or None, the step)."""
-        from ggmlpy.runner import Runner
-
-        from .load import load_model
+        from ggmlpy.runner.runner import Runner
 
         placement = self.placement(counts)
         t0 = time.perf_counter()
@@ -208,7 +209,7 @@ class _Search:
         report: Optional[MemoryReport] = None
         failed = ""
         try:
-            model = load_model(self.path, placement=placement, load=False, **self.load_kw)
+            model = self.open_model(placement)
             report = Runner.measure(model, **{**self.runner_kw, "n_ctx": n_ctx})
         except GGMLMemoryError as e:
             report = e.report if isinstance(e.report, MemoryReport) else (model.report if model else None)
@@ -351,12 +352,13 @@ def _budgets(devs: Sequence[Device], margin, memory) -> dict[str, int]:
 def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequence[str] = (),
               n_ctx: Union[int, str] = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
               n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
-              margin: Union[None, int, dict] = None, memory: Optional[dict] = None, load_kw: Optional[dict] = None,
+              margin: Union[None, int, dict] = None, memory: Optional[dict] = None,
+              open_model: Optional[Callable[[Placement], Any]] = None,
               progress=None, check_tensors: bool = False, mmap: bool = False, overrides: tuple = (),
               n_cpu_moe: int = 0) -> Any:
     """Choose a placement by trying allocations (see the module), then load the model on it.
 
-    Called by :func:`~ggmlpy.models.load_model` with ``n_gpu_layers="auto"``; the parameters are its
+    Called by :func:`~ggmlpy.load.load_model` with ``n_gpu_layers="auto"``; the parameters are its
     (``overrides``: its tensor overrides, parsed, :func:`~ggmlpy.backend.parse_tensor_overrides`; every
     try keeps them and ``n_cpu_moe``'s, and the tensors they move are not counted with their layer).
 
@@ -372,9 +374,8 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
         message has the last try's report and the steps, ``.report`` the report. Nothing stays allocated.
     """
     from ggmlpy.gguf import GGUFReader
-    from ggmlpy.runner import Runner
-
-    from .base import model_class
+    from ggmlpy.models import model_class
+    from ggmlpy.runner.runner import Runner
 
     t0 = time.perf_counter()
     auto_ctx = isinstance(n_ctx, str)
@@ -399,7 +400,9 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
     budgets = _budgets(devs, margin, memory)
     runner_kw = {"n_seq_max": int(n_seq_max), "n_batch": int(n_batch), "n_ubatch": int(n_ubatch),
                  "type_k": type_k, "type_v": type_v, "flash_attn": fa}
-    s = _Search(path, devs, cfg.n_layer, tensor_bytes, budgets, dict(load_kw or {}), runner_kw, overrides,
+    if open_model is None:
+        raise GGMLValueError("fit_model: open_model is required (load_model passes it)")
+    s = _Search(path, devs, cfg.n_layer, tensor_bytes, budgets, open_model, runner_kw, overrides,
                 overridden)
     # the first estimate of the cache: K and V rows of every cell (no window, no padding); tries measure it
     row = getattr(cfg, "n_head_kv", 0) * getattr(cfg, "head_dim", 0)
