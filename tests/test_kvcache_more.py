@@ -1,7 +1,7 @@
 """Tests for the extended KV caches in ggmlpy.kvcache.
 
 Transposed V storage (Ollama's ``PermutedV``), non-causal
-spans, the memory-saving sliding window, the Wrapper and the Encoder cache.
+spans, the memory-saving sliding window and the Wrapper.
 Scenarios follow Ollama's ``kvcache/causal_test.go`` (padding 1, K = V).
 """
 
@@ -13,7 +13,7 @@ from kv_helpers import _cache, _expand_put, _flat, _m, _step, _vnp  # noqa: F401
 
 import ggmlpy
 from ggmlpy import Type
-from ggmlpy.kvcache import Causal, Encoder, KVCacheFull, NotSupported, Wrapper
+from ggmlpy.kvcache import Causal, KVCacheFull, NotSupported, Wrapper
 
 X = -np.inf
 
@@ -477,115 +477,3 @@ def test_wrapper_copy_prefix_clear_and_apply():
     assert swa.seq_pos_max(0) == full.seq_pos_max(0) == -1 and full.seq_pos_max(1) == 2
     w.clear()
     assert swa.cells.used == full.cells.used == 0
-
-
-# ---------------------------------------------------------------- 5. Encoder
-
-
-def _enc_put(enc, plan, ks, vs):
-    with ggmlpy.Context(1 << 20) as ctx:
-        gf = ctx.new_graph(64)
-        for layer, (k, v) in enumerate(zip(ks, vs)):
-            _expand_put(ctx, gf, enc, layer, plan, k, v)
-        gf.compute(1)
-
-
-def _enc_get(enc, layer):
-    with ggmlpy.Context(1 << 16) as ctx:
-        k, v, mask = enc.get(ctx, layer, None)
-        return k.get().copy(), v.get().copy(), mask
-
-
-@pytest.mark.parametrize("dtype", [None, Type.F16])
-def test_encoder_store_once_and_get(dtype):
-    rng = np.random.default_rng(0)
-    enc = Encoder(2, dtype)
-    enc.init(16, 1, 8)
-    ks = [rng.standard_normal((5, 2, 4)).astype(np.float32) for _ in range(2)]
-    vs = [rng.standard_normal((5, 2, 4)).astype(np.float32) for _ in range(2)]
-    assert not enc.encoder_cached
-    plan = enc.start_forward([0, 1, 2, 3], [0] * 4)
-    _enc_put(enc, plan, ks, vs)
-    enc.apply(plan)
-    assert enc.encoder_cached and enc.encoder_pos == 3
-    tol = 0 if dtype is None else 1e-2
-    for layer in range(2):
-        k, v, mask = _enc_get(enc, layer)
-        assert mask is None and enc.keys[layer].ne[:3] == (4, 2, 5)
-        np.testing.assert_allclose(k.reshape(ks[layer].shape), ks[layer], atol=tol)
-        np.testing.assert_allclose(v.reshape(vs[layer].shape), vs[layer], atol=tol)
-    # later batches only read: storage untouched, still cached
-    plan = enc.start_forward([4], [0])
-    enc.apply(plan)
-    assert enc.encoder_cached and enc.encoder_pos == 3
-    k, _, _ = _enc_get(enc, 0)
-    np.testing.assert_allclose(k.reshape(ks[0].shape), ks[0], atol=tol)
-    enc.close()
-
-
-def test_encoder_reserve_remove_and_limits():
-    enc = Encoder(1)
-    with pytest.raises(ValueError):
-        enc.init(16, 2, 8)
-    enc.init(16, 1, 8)
-    with pytest.raises(RuntimeError):
-        _enc_get(enc, 0)
-    x = np.ones((3, 1, 4), np.float32)
-    plan = enc.start_forward([5], [0], reserve=True)
-    _enc_put(enc, plan, [x], [x])
-    enc.apply(plan)
-    assert not enc.encoder_cached  # a reserve pass caches nothing
-    plan = enc.start_forward([5, 6], [0, 0])
-    _enc_put(enc, plan, [x], [2 * x])
-    enc.apply(plan)
-    assert enc.encoder_cached and enc.encoder_pos == 6
-    assert enc.can_resume(0, 100)
-    enc.remove(0, 0, 6)  # does not cover the encoder position
-    assert enc.encoder_cached
-    enc.remove(0, 6)
-    assert not enc.encoder_cached
-    with pytest.raises(NotSupported):
-        enc.copy_prefix(0, 1, 2)
-    with pytest.raises(ValueError):
-        enc.start_forward([0], [1])
-
-
-def test_views_refuse_put_and_get_before_set_layer():
-    enc, causal = Encoder(1), Causal(1, 4, 4, Type.F32)
-    enc.init(8, 1, 4)
-    causal.init(8, 1, 4)
-    with ggmlpy.Context(1 << 20) as ctx:
-        t = ctx.new_tensor(Type.F32, (4, 1, 1))
-        for c in (enc, causal):
-            fw = c.forward(ctx, c.start_forward([0], [0]))
-            with pytest.raises(ggmlpy.GGMLValueError, match="set_layer"):
-                fw.put(t, t)
-            with pytest.raises(ggmlpy.GGMLValueError, match="set_layer"):
-                fw.get()
-
-
-def test_encoder_in_wrapper():
-    enc = Encoder(1)
-    self_attn = Causal(1, 4, 4, Type.F32)
-    w = Wrapper([self_attn, enc], [0, 1])
-    w.init(8, 1, 4)
-    plan = w.start_forward([0, 1], [0, 0])
-    x = np.arange(8, dtype=np.float32).reshape(2, 1, 4)
-    with ggmlpy.Context(1 << 20) as ctx:
-        t = ctx.new_tensor(Type.F32, (4, 1, 2))
-        t.set(x)
-        gf = ctx.new_graph(64)
-        for layer in range(2):
-            for r in w.put(ctx, layer, plan, t, t):
-                gf.build_forward_expand(r)
-        k, v, mask = w.get(ctx, 1, plan)
-        assert mask is None
-        gf.compute(1)
-    w.apply(plan)
-    assert enc.encoder_cached and self_attn.cells.used == 2
-    assert np.array_equal(enc.keys[0].get().reshape(2, 1, 4), x)
-    assert enc.encoder_pos == 1  # the batch's last position
-    w.remove(0, 2)
-    assert enc.encoder_cached and self_attn.seq_pos_max(0) == 1
-    w.remove(0, 1)
-    assert not enc.encoder_cached and self_attn.seq_pos_max(0) == 0

@@ -24,9 +24,7 @@ from ggmlpy import backend as bk
 from ggmlpy.kvcache import (
     CacheStateError,
     Causal,
-    Encoder,
     KVCacheFull,
-    NotSupported,
     StateError,
     Wrapper,
 )
@@ -508,10 +506,6 @@ def test_wrapper_round_trip_section_per_cache():
                     [0, 1, 0])
         w.init(16, 3, 8)
         w.load_seq(0, io.BytesIO(b.getvalue()))
-    enc = Wrapper([Causal(1, E, E, Type.F16, n_head_kv=NH), Encoder(1)], [0, 1])
-    enc.init(16, 1, 8)
-    with pytest.raises(NotSupported, match="Encoder"):
-        enc.save_seq(0, io.BytesIO())
 
 
 def test_wrapper_load_is_all_or_nothing_when_one_cache_is_full():

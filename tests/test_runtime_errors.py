@@ -48,7 +48,7 @@ def test_runtime_exceptions_keep_their_builtin_base():
 
 
 def _cases():
-    from ggmlpy.kvcache import Causal, Cells, Encoder
+    from ggmlpy.kvcache import Causal, Cells
     from ggmlpy.runner.slots import SlotTable, shift_discard, truncate_indices
     from ggmlpy.sampling import Sampler, SamplingParams, logprobs
 
@@ -61,7 +61,6 @@ def _cases():
         ("Causal bad sizes", lambda: Causal(0, 8, 8), GGMLValueError),
         ("Causal shift_fn not callable", lambda: Causal(1, 8, 8, shift_fn=3), GGMLTypeError),
         ("Causal not initialised", lambda: Causal(1, 8, 8).start_forward([0], [0]), GGMLError),
-        ("Encoder two sequences", lambda: Encoder(1).init(16, 2, 8), GGMLValueError),
         ("SamplingParams temperature", lambda: SamplingParams(temperature=-1), GGMLValueError),
         ("SamplingParams top_p", lambda: SamplingParams(top_p=0), GGMLValueError),
         ("Sampler params type", lambda: Sampler({"temperature": 1}), GGMLTypeError),

@@ -6,8 +6,8 @@
   the layers' devices, batch plans (:class:`ForwardPlan`), masks, shift and
   defragmentation;
 * :mod:`~ggmlpy.kvcache.composite`: :class:`Wrapper` (layers routed to
-  several caches, for interleaved sliding-window models) and
-  :class:`Encoder` (K/V stored once per input);
+  several caches, for interleaved sliding-window models; an encoder's cache,
+  K/V stored once per input, comes back with the first encoder-decoder model);
 * :mod:`~ggmlpy.kvcache.state`: save and load one sequence's K/V
   (``cache.save_seq`` / ``cache.load_seq``, :class:`StateError`).
 
@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
 from .cells import CacheStateError, Cells, NotSupported
-from .composite import Encoder, EncoderForward, EncoderPlan, Wrapper, WrapperForward, WrapperPlan
+from .composite import Wrapper, WrapperForward, WrapperPlan
 from .state import StateError
 
-__all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Encoder", "EncoderForward", "EncoderPlan", "Forward",
-           "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]
+__all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]
