@@ -924,3 +924,12 @@ def test_vs_llama_cpp_in_rounds_with_repack(tmp_path, capsys):
     for r in recs:
         assert len(r["samples_ns"]) == 2                          # one repetition in each of 2 rounds
     assert all(r["ratio_vs_llama_cpp"] > 0 for r in recs if r["engine"] == "ggmlpy")
+
+
+def test_the_llama_cpp_peer_reads_the_cache_types_as_ggmlpy_does():
+    """The peer's ggml_type values (its module imports nothing from ggmlpy) are kvcache.CACHE_TYPES's."""
+    from ggmlpy.benchmark.llamacpp import LlamaCppEngine
+    from ggmlpy.kvcache import CACHE_TYPES
+
+    assert LlamaCppEngine._GGML_TYPES == {name: int(t) for name, t in CACHE_TYPES.items()}
+    assert bm.CACHE_TYPES == tuple(CACHE_TYPES)

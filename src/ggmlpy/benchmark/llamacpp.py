@@ -56,6 +56,7 @@ class LlamaCppEngine(Engine):
     """llama.cpp through llama-cpp-python's low-level API (run only in a worker process)."""
 
     name = "llama.cpp"
+    # ggml_type's values for the cache types (ggmlpy.kvcache.CACHE_TYPES's names; not imported: no ggmlpy here)
     _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
                    "iq4_nl": 20, "bf16": 30}
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ggmlpy._core import GGMLError
+from ggmlpy.kvcache import CACHE_TYPES as _KV_CACHE_TYPES
 from ggmlpy.models.synthetic import ARCHS, PRESETS, TYPES, parse_size
 from ggmlpy.runner import Runner
 
@@ -30,7 +31,7 @@ PROG = "ggmlpy bench"
 
 
 #: Cache types llama-bench accepts (ggml type names).
-CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
+CACHE_TYPES = tuple(_KV_CACHE_TYPES)      # the names, from ggmlpy.kvcache's one table
 #: Load modes (-lm) ggmlpy's loader has: read(2) into the buffers, or copy out of a memory map.
 LOAD_MODES = ("none", "mmap")
 OUTPUTS = ("md", "csv", "json", "jsonl", "sql", "none")

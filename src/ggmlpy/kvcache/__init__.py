@@ -17,9 +17,17 @@ names a cache class.
 
 from __future__ import annotations
 
+from ggmlpy._core import Type
+
 from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
 from .cells import CacheStateError, Cells, NotSupported
 from .composite import Wrapper, WrapperForward, WrapperPlan
 from .state import StateError
 
-__all__ = ["V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]
+#: The cache types by llama.cpp's names (its -ctk/-ctv values): the one table the runner and the bench
+#: read. Each has a ggml CPU row writer (set_rows) and, for flash attention, a K dot product and a V
+#: to-float conversion.
+CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
+               "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
+
+__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]

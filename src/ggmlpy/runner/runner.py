@@ -26,7 +26,7 @@ from ggmlpy._core import (
 )
 from ggmlpy._system import available_host_memory as _available_host_memory
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
-from ggmlpy.kvcache import V_TRANS_TYPES
+from ggmlpy.kvcache import CACHE_TYPES, V_TRANS_TYPES
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
 from ggmlpy.sampling import SamplingParams
@@ -45,10 +45,6 @@ __all__ = ["Runner"]
 
 log = logging.getLogger("ggmlpy")
 
-# llama-bench's cache types; each needs a ggml CPU row writer (set_rows) and, for flash attention, a K dot
-# product and a V to-float conversion, which all of these have
-_CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
-                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
 
 #: the constructor's defaults for settings a fitted model may give instead
@@ -234,10 +230,10 @@ class Runner(RequestLoop):
         """
         tk, tv = str(type_k).lower(), str(type_v).lower()
         for what, t in (("type_k", tk), ("type_v", tv)):
-            if t not in _CACHE_TYPES:
+            if t not in CACHE_TYPES:
                 raise GGMLValueError(f"runner: {what} {t!r} is not a cache type; expected one of "
-                                     f"{', '.join(_CACHE_TYPES)}")
-        dtype_k, dtype_v = _CACHE_TYPES[tk], _CACHE_TYPES[tv]
+                                     f"{', '.join(CACHE_TYPES)}")
+        dtype_k, dtype_v = CACHE_TYPES[tk], CACHE_TYPES[tv]
         fa = True if flash_attn is None else bool(flash_attn)
         if not fa and dtype_v not in V_TRANS_TYPES:
             raise GGMLValueError(f"runner: a {tv} V cache needs flash attention (flash_attn=True): without it V is "
