@@ -17,12 +17,57 @@ names a cache class.
 
 from __future__ import annotations
 
-from ggmlpy._core import Type
+from collections.abc import Callable
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from ggmlpy._core import Context, Type
 
 from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
 from .cells import CacheStateError, Cells, NotSupported
 from .composite import Wrapper, WrapperForward, WrapperPlan
 from .state import StateError
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """What the runner calls on the cache a model made (``model.new_cache``; Ollama's ``kvcache.Cache``).
+    :class:`Causal` and :class:`Wrapper` are the two there are."""
+
+    # Allocate room for capacity cells per sequence, n_seq_max sequences, max_batch tokens per batch
+    # (on the devices of the model's layers; the memory report gets what each took).
+    def init(self, capacity: int, n_seq_max: int, max_batch: int, **kw) -> None: ...
+    # What init would take in host memory (before trying it: the runner's check of the host's room).
+    def host_bytes(self, capacity: int, n_seq_max: int, max_batch: int, placement: Any = None) -> int: ...
+    # Find cells for a batch's tokens (position and sequences each); a plan, nothing written yet.
+    # reserve: a worst-case plan for sizing graphs, no cells taken.
+    def start_forward(self, positions, seq_ids, reserve: bool = False) -> Any: ...
+    # A graph's view of the cache for a plan: per layer the K/V writes and views, the mask; it fills
+    # its own inputs.
+    def forward(self, ctx: Context, plan: Any) -> Any: ...
+    # The plan's cells now hold its tokens (after the graph ran).
+    def apply(self, plan: Any) -> None: ...
+    # Forget positions [begin, end) of a sequence (end None: to its end).
+    def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None: ...
+    # Let dst share src's first length positions (prefix reuse across sequences).
+    def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
+    # Whether a sequence can go on from pos (a window cache may have dropped what pos needs).
+    def can_resume(self, seq: int, pos: int) -> bool: ...
+    # The highest position a sequence holds, -1 for none.
+    def seq_pos_max(self, seq: int) -> int: ...
+    # One sequence's K/V and meta to a file; bytes written.
+    def save_seq(self, seq: int, file: Any, meta: Optional[dict] = None) -> int: ...
+    # A sequence back from a file, checked all first (nothing changes on a refused file); its meta.
+    def load_seq(self, seq: int, file: Any, expect_meta: Optional[dict] = None,
+                 check: Optional[Callable[[dict, list], None]] = None) -> dict: ...
+    # 1 - used / (last live cell + 1): how much of the span in use is holes (0 when compact).
+    def fragmentation(self) -> float: ...
+    # Compact the live cells to the front, moving their K/V rows; the moves made (runs of cells).
+    def defrag(self) -> list: ...
+    # Forget one sequence, or everything (seq None).
+    def clear(self, seq: Optional[int] = None) -> None: ...
+    # Free the buffers; safe twice.
+    def close(self) -> None: ...
+
 
 #: The cache types by llama.cpp's names (its -ctk/-ctv values): the one table the runner and the bench
 #: read. Each has a ggml CPU row writer (set_rows) and, for flash attention, a K dot product and a V
@@ -30,4 +75,4 @@ from .state import StateError
 CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
-__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]
+__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "Cache", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]

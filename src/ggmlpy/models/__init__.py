@@ -4,7 +4,7 @@
 for its ``general.architecture``, creates and places the weights (the memory
 report exists before any data is read) and then loads the data with progress.
 
-* :mod:`~ggmlpy.models.base`: the :class:`Model` and :class:`Cache` protocols,
+* :mod:`~ggmlpy.models.base`: the :class:`Model` protocol (and :class:`~ggmlpy.kvcache.Cache`, re-exported),
   :class:`BuiltGraph`, the registry (:data:`ARCHITECTURES`, :func:`register`);
 * :mod:`~ggmlpy.models.decoder`: what every GGUF decoder shares: :class:`DecoderConfig` (hyperparameters
   read through a checking :class:`MetaReader`) and :class:`DecoderModel` (weights checked, fused,
