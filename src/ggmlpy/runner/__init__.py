@@ -20,7 +20,9 @@ One job per module:
 * :mod:`.batching`: batches and micro-batches; :mod:`.step`: one micro-batch computed (plan, graph,
   apply, fill, run), the reservation, the image encode;
 * :mod:`.requests`: what a caller holds (:class:`Handle`, :class:`TokenEvent`, :class:`Completion`);
-  :mod:`.images`: the image store; :mod:`.state`: a saved sequence's meta and its checks.
+  :mod:`.images`: the image store; :mod:`.state`: a saved sequence's meta and its checks;
+* :mod:`.fit`: the placement search of ``load_model(..., n_gpu_layers="auto")``, by measuring what a
+  runner would reserve on each candidate placement.
 
 ``docs/runner.md`` describes every setting and option, and the walk of a token and of an image.
 """
