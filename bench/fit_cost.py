@@ -73,7 +73,7 @@ def main() -> None:
                 # one allocation pass on the chosen placement, the same work as one try
                 devs = choose_devices("auto", rpc=eps)
                 with GGUFReader(path) as r:
-                    tb = _tensor_bytes(r, cfg.n_layer)
+                    tb, _ = _tensor_bytes(r, cfg.n_layer)
                 s = _Search(path, devs, cfg.n_layer, tb, _budgets(devs, 0, None), _opener(path),
                             {**{k: v for k, v in RUNNER.items() if k != "n_ctx"}, "n_seq_max": 1, "flash_attn": True})
                 t0 = time.perf_counter()

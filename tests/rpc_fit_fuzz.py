@@ -166,7 +166,7 @@ def one_layer_need(path: str) -> int:
         devs = [dev, _core.device("CPU")]
         n_layer = model_config().n_layer
         with GGUFReader(path) as r:
-            tb = _tensor_bytes(r, n_layer)
+            tb, _ = _tensor_bytes(r, n_layer)
         rk = {k: v for k, v in RUNNER.items() if k != "n_ctx"} | {"flash_attn": True}
         s = _Search(path, devs, n_layer, tb, _budgets(devs, 0, None), _opener(path), rk)
         model, step, _ = s.attempt((1,), RUNNER["n_ctx"])
