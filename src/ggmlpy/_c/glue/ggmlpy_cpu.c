@@ -1,4 +1,5 @@
 /* The CPU backend's function table of a portable build, and its loader (see ggmlpy_cpu.h). */
+#define _GNU_SOURCE                 /* dladdr and Dl_info (glibc declares them only then) */
 #include <stdio.h>
 #include "ggmlpy_cpu.h"
 
