@@ -214,7 +214,7 @@ def test_thousands_of_cancelled_requests_leak_nothing(model, pipeline):
 
 
 def test_error_in_one_request_fails_only_that_request(model, monkeypatch):
-    import ggmlpy.runner.requests as runner_mod  # where a request makes its sampler
+    import ggmlpy.runner.loop as runner_mod  # where a request makes its sampler
 
     class Failing(runner_mod.Sampler):
         def sample(self, logits):

@@ -367,7 +367,7 @@ def test_a_chat_prepares_its_images_once(fixtures, monkeypatch):
     (VisionModel.run) on the runner's runtime, once per distinct image."""
     import importlib
 
-    pp = importlib.import_module("ggmlpy.vision.preprocess")    # (ggmlpy.vision.preprocess is also a function)
+    enc = importlib.import_module("ggmlpy.vision.encoder")    # where VisionModel.prepare finds preprocess
     fx = fixtures["idefics3"]
     template = CHAT_TEMPLATES["idefics3"]
     msgs = _chat_messages({"type": "image", "image": vh.sample_image(64, 64, seed=6)},
@@ -382,7 +382,7 @@ def test_a_chat_prepares_its_images_once(fixtures, monkeypatch):
                 return real(*a, **kw)
             return f
 
-        monkeypatch.setattr(pp, "preprocess", counted("preprocess", pp.preprocess))
+        monkeypatch.setattr(enc, "preprocess", counted("preprocess", enc.preprocess))
         for name in ("check_pixels", "run"):
             monkeypatch.setattr(type(model.vision), name, counted(name, getattr(type(model.vision), name)))
         assert rt.chat(msgs, template=template, max_tokens=1).done_reason in ("length", "stop")

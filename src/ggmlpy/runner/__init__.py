@@ -17,7 +17,7 @@ One job per module:
 * :mod:`.loop`: the request loop: admit, form a batch, launch, complete, pipelining;
 * :mod:`.slots`: the slot table, the record of what each cache sequence holds, which makes the cache
   calls that change it;
-* :mod:`.batching`: batches and micro-batches; :mod:`.step`: one micro-batch computed (plan, graph,
+* :mod:`.batching`: the batch and micro-batch records; :mod:`.step`: one micro-batch computed (plan, graph,
   apply, fill, run), the reservation, the image encode;
 * :mod:`.requests`: what a caller holds (:class:`Handle`, :class:`TokenEvent`, :class:`Completion`);
   :mod:`.images`: the image store; :mod:`.state`: a saved sequence's meta and its checks;

@@ -1,8 +1,8 @@
-"""Batches and micro-batches: what the loop computes in one step, and the same-batch groups rules.
+"""Batches and micro-batches: the records of what the loop computes in one step.
 
-A logical batch of up to ``n_batch`` rows (several sequences, round-robin) is cut into micro-batches
-(:class:`_UBatch`) of at most ``n_ubatch`` rows; a same-batch group (Ollama's ``SameBatch``: e.g. an
-image's embeddings) is never cut. A :class:`_Placeholder` stands for a token still being sampled from
+A logical batch (:class:`_Batch`) of up to ``n_batch`` rows (several sequences, round-robin) is cut by
+the loop (:func:`~.loop.split_ubatches`) into micro-batches (:class:`_UBatch`) of at most ``n_ubatch``
+rows; a same-batch group (Ollama's ``SameBatch``: e.g. an image's embeddings) is never cut. A :class:`_Placeholder` stands for a token still being sampled from
 the batch computing (pipelining).
 """
 
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from .requests import _Request
+if TYPE_CHECKING:
+    from .loop import _Request
 
-__all__ = ["split_ubatches"]
+__all__: list = []
 
 
 _ROW0 = np.zeros(1, np.int32)             # out_rows of a one-token micro-batch: its only row
@@ -76,27 +77,6 @@ class _Placeholder:
 
     def __repr__(self) -> str:
         return f"<sampled token {self.value}>"
-
-
-def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None) -> list:
-    """Cut one logical batch into :class:`_UBatch` es of at most ``n_ubatch`` rows.
-
-    ``tied[i]`` marks a row that must stay with the row before it (a
-    same-batch group): a cut moves back to the group's start.
-    """
-    out = []
-    a, n = 0, len(tokens)
-    while a < n:
-        b = min(a + n_ubatch, n)
-        if tied is not None and b < n:
-            c = b
-            while c > a and tied[c]:
-                c -= 1
-            if c > a:
-                b = c
-        out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(want[a:b])))
-        a = b
-    return out
 
 
 def _drop_graphs(batch: _Batch) -> None:

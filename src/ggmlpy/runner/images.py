@@ -46,11 +46,6 @@ class ImageEntry:
         self.n_rows = len(tiles) * rows_per_tile
         self.embd: Optional[np.ndarray] = None   # float32 (n_rows, n_embd_text)
 
-    def ids(self, first_row: int, n: int) -> list[int]:
-        """The token ids of rows ``first_row .. first_row + n - 1``."""
-        a = FIRST_IMAGE_ID - self.base - first_row
-        return list(range(a, a - n, -1))
-
 
 class ImageStore:
     """The images a runner has seen: ids by content, embeddings kept for the ``keep`` most recent.
@@ -69,8 +64,9 @@ class ImageStore:
         self._lock = threading.Lock()
         self.n_encoded = 0                      # images encoded so far (diagnostics, tests)
 
-    def add(self, tiles: np.ndarray) -> ImageEntry:
-        """The entry of an image with these preprocessed tiles (a new one, or the one seen before)."""
+    def add(self, tiles: np.ndarray) -> list[int]:
+        """The row ids of an image with these preprocessed tiles (a new entry, or the one seen before):
+        ``tokens_per_image`` per tile, in order."""
         tiles = np.ascontiguousarray(tiles, dtype=np.float32)
         h = hashlib.blake2b(repr(tiles.shape).encode(), digest_size=16)
         h.update(memoryview(tiles).cast("B"))
@@ -85,7 +81,8 @@ class ImageStore:
                 self._entries.append(e)
             else:
                 e.tiles = tiles                  # kept for a re-encoding after its embeddings were dropped
-            return e
+        a = FIRST_IMAGE_ID - e.base
+        return list(range(a, a - e.n_rows, -1))
 
     def locate(self, token_ids) -> tuple[list[ImageEntry], np.ndarray]:
         """The entry of each image row id and the row within it (one search for all of them).
@@ -119,8 +116,9 @@ class ImageStore:
 
     def rows(self, token_ids: np.ndarray, encode: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> np.ndarray:
         """The embedding rows of image row ids, in order: float32 ``(len(token_ids), n_embd_text)``. An image
-        not encoded yet (or whose embeddings were dropped) is encoded first by ``encode(tiles) -> rows``
-        (the runner's step, on the compute thread), and kept."""
+        not encoded yet (or whose embeddings were dropped) is encoded first by ``encode(tiles)`` (the
+        vision encoder's :meth:`~ggmlpy.vision.VisionModel.run` on the runner's runtime, on the compute
+        thread; its output read as rows), and kept."""
         entries, rows = self.locate(token_ids)
         out = []
         a = 0
@@ -131,7 +129,7 @@ class ImageStore:
                 if embd is None:
                     if encode is None:
                         raise GGMLValueError(f"image row {int(token_ids[a])}: its image is not encoded")
-                    embd = encode(e.tiles)
+                    embd = np.asarray(encode(e.tiles), np.float32).reshape(e.n_rows, -1)
                     self.set_embd(e, embd)
                 out.append(embd[rows[a:b]])
                 with self._lock:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ggmlpy._core import GGMLError, GGMLTypeError, GGMLValueError
 
-from .images import MEDIA_MARKER, ImageEntry, ImageStore
+from .images import MEDIA_MARKER, ImageStore
 from .slots import group_sizes
 from .text import chat_prompt, chat_text, encode_chat, encode_prompt
 
@@ -219,41 +219,32 @@ class Inputs:
         self._need_vision(what)
         if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
             raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
-        from ggmlpy.vision.preprocess import PreprocessedImage, image_prompt, preprocess
-
-        cfg = self.vision.image_config
-        pre = [im if isinstance(im, PreprocessedImage)
-               else preprocess(im, cfg, allow_local_files=allow_local_files) for im in images]
-        pixels = [self.vision.check_pixels(p.pixel_values) for p in pre]
-        for px in pixels:
-            if len(px) > self.vision.max_tiles:
-                # only a PreprocessedImage made with other settings gets here: preprocess bounds the tiles
-                raise GGMLValueError(f"{what}: an image of {len(px)} tiles; this encoder's images have at most "
-                                     f"{self.vision.max_tiles} (what the runner reserved for), preprocess it with "
-                                     f"the encoder's image_config")
+        prepared = [self.vision.prepare(im, what, allow_local_files) for im in images]
+        pixels = [px for px, _ in prepared]
         if isinstance(prompt, str):
             n_mark = prompt.count(marker)
-            if n_mark != len(pre):
-                raise GGMLValueError(f"{what}: {len(pre)} image(s) but the prompt has {n_mark} {marker} "
+            if n_mark != len(prepared):
+                raise GGMLValueError(f"{what}: {len(prepared)} image(s) but the prompt has {n_mark} {marker} "
                                      f"marker(s)")
             parts = prompt.split(marker)
-            text = parts[0] + "".join(image_prompt(p, cfg) + rest for p, rest in zip(pre, parts[1:]))
+            text = parts[0] + "".join(t + rest for (_, t), rest in zip(prepared, parts[1:]))
             prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special) if encode is None \
                 else encode(text)
         return self.ids(prompt, what), pixels
 
     def _place(self, ids: list[int], pixels: list[np.ndarray], what: str) -> Prompt:
         """Checked ids and pixels -> a Prompt: each image in the store, its rows where its tokens were."""
-        entries = [self.images.add(px) for px in pixels]
-        return Prompt(*place_images(ids, entries, self.image_token, self.vision.config.tokens_per_image, what))
+        rows = [self.images.add(px) for px in pixels]
+        return Prompt(*place_images(ids, rows, self.image_token, self.vision.config.tokens_per_image, what))
 
 
-def place_images(tokens: Sequence[int], entries: Sequence[ImageEntry], image_token: int, rows_per_tile: int,
+def place_images(tokens: Sequence[int], images: Sequence[list[int]], image_token: int, rows_per_tile: int,
                  what: str = "submit") -> tuple[list[int], list[int]]:
     """Put the images' rows where the prompt has its runs of ``image_token``; also the same-batch markers.
 
-    Each run of the image token id is one chunk (tile) of ``rows_per_tile`` rows, taken in order from
-    the images' tiles. Returns ``(tokens, same_batch)``.
+    ``images`` holds each image's row ids (:meth:`~.images.ImageStore.add`). Each run of the image token
+    id is one chunk (tile) of ``rows_per_tile`` rows, taken in order from the images' tiles. Returns
+    ``(tokens, same_batch)``.
 
     Raises
     ------
@@ -261,7 +252,7 @@ def place_images(tokens: Sequence[int], entries: Sequence[ImageEntry], image_tok
         A run of another length, or fewer or more runs than the images have tiles.
     """
     toks = [int(t) for t in tokens]
-    chunks = [(e, i * rows_per_tile) for e in entries for i in range(e.n_rows // rows_per_tile)]
+    chunks = [r[i:i + rows_per_tile] for r in images for i in range(0, len(r), rows_per_tile)]
     out, sb = list(toks), [0] * len(toks)
     i, k, n = 0, 0, len(toks)
     while i < n:
@@ -272,18 +263,17 @@ def place_images(tokens: Sequence[int], entries: Sequence[ImageEntry], image_tok
         while j < n and toks[j] == image_token:
             j += 1
         if k >= len(chunks):
-            raise GGMLValueError(f"{what}: the prompt has more image placeholders than the {len(entries)} image(s) "
+            raise GGMLValueError(f"{what}: the prompt has more image placeholders than the {len(images)} image(s) "
                                  f"fill ({len(chunks)} tile(s) of {rows_per_tile} image tokens)")
         if j - i != rows_per_tile:
             raise GGMLValueError(f"{what}: a run of {j - i} image tokens (id {image_token}) at index {i}; each image "
                                  f"tile takes exactly {rows_per_tile}")
-        e, first = chunks[k]
-        out[i:j] = e.ids(first, rows_per_tile)
+        out[i:j] = chunks[k]
         sb[i] = rows_per_tile - 1
         k += 1
         i = j
     if k != len(chunks):
-        raise GGMLValueError(f"{what}: {len(entries)} image(s) ({len(chunks)} tile(s)) but the prompt has {k} image "
+        raise GGMLValueError(f"{what}: {len(images)} image(s) ({len(chunks)} tile(s)) but the prompt has {k} image "
                              f"placeholder run(s) of {rows_per_tile} image tokens (id {image_token})")
     return out, sb
 

@@ -4,7 +4,7 @@
 loop works on the runner's state). One thread (``ggmlpy-runner``) runs :meth:`~RequestLoop._round` over
 and over: waiting requests take a slot (:meth:`~ggmlpy.runner.slots.SlotTable.load_slot`: prefix
 reuse, the cache trimmed to it), a batch is filled round-robin across the active sequences up to
-``n_batch`` inputs and cut into micro-batches (:mod:`.batching`), each built by the runner's
+``n_batch`` inputs and cut into micro-batches (:func:`split_ubatches`), each built by the runner's
 :class:`~ggmlpy.runner.step.Step`, then computed, and each sequence's output sampled, streamed and
 fed back as its next input (:mod:`.requests`).
 
@@ -30,15 +30,48 @@ from typing import Optional
 import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLValueError
+from ggmlpy.sampling import Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 
-from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch, split_ubatches
-from .requests import DoneReason, TokenEvent, _Request
-from .slots import group_sizes, shift_discard
+from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch
+from .inputs import Prompt
+from .requests import Completion, DoneReason, Handle, TokenEvent
+from .slots import InputTooLong, group_sizes, shift_discard, truncate_indices
+from .text import TextStream
 
 __all__ = ["RequestLoop"]
 
 log = logging.getLogger("ggmlpy")
+
+
+class _Request:
+    """A request being served (the loop's private state)."""
+
+    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
+                 same_batch):
+        self.prompt = prompt                 # list[int]: the prepared prompt (runner.inputs.Prompt.ids)
+        self.same_batch = same_batch         # per prompt input: how many following inputs share its batch
+        self.params = params
+        self.sampler = None if embedding else Sampler(params)
+        self.max_tokens = max_tokens
+        self.stop = frozenset(int(t) for t in stop)
+        self.n_keep = n_keep
+        self.shift = shift
+        self.embedding = embedding
+        self.pooling = pooling
+        self.normalize = normalize
+        self.slot: Optional[int] = None
+        self.record = None               # the SlotTable's Slot: the one record of what the cache holds
+        self.pending: deque = deque()    # inputs not yet in the cache: tokens, a same-batch group as a tuple
+        self.n_prompt_left = 0           # prompt tokens in `pending` (no sampling while > 0)
+        self.events: queue.Queue = queue.Queue()
+        self.finished = threading.Event()
+        self.cancelled = False
+        self.result = Completion()
+        self.t_start: Optional[float] = None
+        self.t_first: Optional[float] = None
+        self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
+        self.text = None                 # text.TextStream of a request that produces text
 
 
 class RequestLoop:
@@ -119,6 +152,43 @@ class RequestLoop:
             yield
         finally:
             self._direct_exit()
+
+    def _queue(self, prompt: Prompt, text: tuple, *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
+               n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
+               pooling: str = "mean", normalize: bool = True) -> Handle:
+        """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context)."""
+        stop_ids, stop_texts, tok = text
+        ids, sb = prompt.ids, prompt.same_batch
+        if not ids:
+            raise GGMLValueError("submit: empty prompt")
+        if pooling not in ("mean", "cls", "last"):
+            raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
+        max_tokens = int(max_tokens)
+        if not embedding and (max_tokens == 0 or max_tokens < -2):
+            raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
+                                 f"full) (got {max_tokens})")
+        params = sampling if sampling is not None else SamplingParams()
+        if sb is None:
+            sb = [0] * len(ids)
+        n_keep = len(ids) if n_keep < 0 else int(n_keep)
+        n_keep = min(n_keep, self.n_ctx - 1)
+        if embedding:
+            if len(ids) > self.n_ctx:
+                raise InputTooLong(f"input too long: {len(ids)} tokens for an embedding with context {self.n_ctx}")
+        elif len(ids) > self.n_ctx:
+            keep_idx = truncate_indices(len(ids), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
+            ids = [ids[i] for i in keep_idx]
+            sb = [sb[i] for i in keep_idx]
+        stop_ids += tuple(self.model.config.eos_token_ids)
+        if tok is not None:
+            stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
+        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
+        if tok is not None:
+            # a detokenizer of its own: it holds the bytes of a character not yet complete
+            req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
+            req.result.text = ""
+        self._enqueue(req)
+        return Handle(self, req)
 
     def _enqueue(self, req: _Request) -> None:
         """Queue a request for the loop (starting the loop thread if needed)."""
@@ -550,6 +620,27 @@ class RequestLoop:
             self._jobs.put(None)
             if w is not threading.current_thread():
                 w.join()
+
+
+def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None) -> list:
+    """Cut one logical batch into :class:`_UBatch` es of at most ``n_ubatch`` rows.
+
+    ``tied[i]`` marks a row that must stay with the row before it (a
+    same-batch group): a cut moves back to the group's start.
+    """
+    out = []
+    a, n = 0, len(tokens)
+    while a < n:
+        b = min(a + n_ubatch, n)
+        if tied is not None and b < n:
+            c = b
+            while c > a and tied[c]:
+                c -= 1
+            if c > a:
+                b = c
+        out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(want[a:b])))
+        a = b
+    return out
 
 
 def as_units(tokens: list, same_batch: list) -> list:

@@ -1,11 +1,8 @@
 """What a caller holds of a request: its :class:`Handle`, the streamed :class:`TokenEvent` s, the final
-:class:`Completion`; and the loop's private record of it (``_Request``)."""
+:class:`Completion` (the loop's private record of a request is ``loop._Request``)."""
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
@@ -13,9 +10,10 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from ggmlpy._core import GGMLError
-from ggmlpy.sampling import Logprobs, Sampler
+from ggmlpy.sampling import Logprobs
 
 if TYPE_CHECKING:
+    from .loop import _Request
     from .runner import Runner
 
 __all__ = ["Completion", "DoneReason", "Handle", "RequestTimeout", "RunnerError", "TokenEvent"]
@@ -125,33 +123,3 @@ class Handle:
         if r.done_reason == DoneReason.ERROR:
             raise RunnerError(f"request failed: {r.error}") from r.error
         return r
-
-
-class _Request:
-    """A request being served (the loop's private state)."""
-
-    def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
-                 same_batch):
-        self.prompt = prompt                 # list[int]: the prepared prompt (runner.inputs.Prompt.ids)
-        self.same_batch = same_batch         # per prompt input: how many following inputs share its batch
-        self.params = params
-        self.sampler = None if embedding else Sampler(params)
-        self.max_tokens = max_tokens
-        self.stop = frozenset(int(t) for t in stop)
-        self.n_keep = n_keep
-        self.shift = shift
-        self.embedding = embedding
-        self.pooling = pooling
-        self.normalize = normalize
-        self.slot: Optional[int] = None
-        self.record = None               # the SlotTable's Slot: the one record of what the cache holds
-        self.pending: deque = deque()    # inputs not yet in the cache: tokens, a same-batch group as a tuple
-        self.n_prompt_left = 0           # prompt tokens in `pending` (no sampling while > 0)
-        self.events: queue.Queue = queue.Queue()
-        self.finished = threading.Event()
-        self.cancelled = False
-        self.result = Completion()
-        self.t_start: Optional[float] = None
-        self.t_first: Optional[float] = None
-        self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
-        self.text = None                 # text.TextStream of a request that produces text

@@ -31,15 +31,15 @@ from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
 from ggmlpy.sampling import SamplingParams
 
-from .batching import _NO_ROWS, _ROW0, _UBatch, split_ubatches
+from .batching import _NO_ROWS, _ROW0, _UBatch
 from .images import ImageStore
-from .inputs import Inputs, Prompt
-from .loop import RequestLoop
-from .requests import Completion, Handle, _Request
-from .slots import InputTooLong, SlotTable, truncate_indices
+from .inputs import Inputs
+from .loop import RequestLoop, split_ubatches
+from .requests import Completion, Handle
+from .slots import SlotTable
 from .state import check_state, fingerprint
 from .step import Step
-from .text import TextStream, split_stops
+from .text import split_stops
 
 __all__ = ["Runner"]
 
@@ -625,43 +625,6 @@ class Runner(RequestLoop):
         if embedding and stop_texts:
             raise GGMLValueError("submit: an embedding request generates nothing to stop (stop strings given)")
         return stop_ids, stop_texts, self.tokenizer if detokenize and not embedding else None
-
-    def _queue(self, prompt: Prompt, text: tuple, *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
-               n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
-               pooling: str = "mean", normalize: bool = True) -> Handle:
-        """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context)."""
-        stop_ids, stop_texts, tok = text
-        ids, sb = prompt.ids, prompt.same_batch
-        if not ids:
-            raise GGMLValueError("submit: empty prompt")
-        if pooling not in ("mean", "cls", "last"):
-            raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
-        max_tokens = int(max_tokens)
-        if not embedding and (max_tokens == 0 or max_tokens < -2):
-            raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
-                                 f"full) (got {max_tokens})")
-        params = sampling if sampling is not None else SamplingParams()
-        if sb is None:
-            sb = [0] * len(ids)
-        n_keep = len(ids) if n_keep < 0 else int(n_keep)
-        n_keep = min(n_keep, self.n_ctx - 1)
-        if embedding:
-            if len(ids) > self.n_ctx:
-                raise InputTooLong(f"input too long: {len(ids)} tokens for an embedding with context {self.n_ctx}")
-        elif len(ids) > self.n_ctx:
-            keep_idx = truncate_indices(len(ids), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
-            ids = [ids[i] for i in keep_idx]
-            sb = [sb[i] for i in keep_idx]
-        stop_ids += tuple(self.model.config.eos_token_ids)
-        if tok is not None:
-            stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
-        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
-        if tok is not None:
-            # a detokenizer of its own: it holds the bytes of a character not yet complete
-            req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
-            req.result.text = ""
-        self._enqueue(req)
-        return Handle(self, req)
 
     def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
         """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`).

@@ -3,8 +3,8 @@
 :class:`Step` is where a runner's graphs are made and computed: the per-micro-batch step the request
 loop and the direct calls share (:meth:`Step.build`, then :meth:`Step.compute`), the worst-case
 reservation at start (:meth:`Step.reserve`), the choice of ggmlpy's own kernels for those graphs
-(:meth:`Step.choose_kernels`), and the encoding of an image whose rows a micro-batch needs
-(:meth:`Step.encode`, the vision encoder's own route on the runner's runtime).
+(:meth:`Step.choose_kernels`), and the encoding of an image (the vision encoder's own route on the
+runner's runtime: for a micro-batch's image rows, and :meth:`Step.encode` for a direct call).
 
 Everything computes through the runtime's one route (:meth:`ggmlpy.backend.Runtime.run`); forward
 graphs are taken from and given back to its pool, keyed by their shape.
@@ -12,6 +12,7 @@ graphs are taken from and given back to its pool, keyed by their shape.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import numpy as np
@@ -102,7 +103,9 @@ class Step:
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
         if getattr(b, "embd", None) is not None:
             rows = np.flatnonzero(ub.tokens <= FIRST_IMAGE_ID)
-            embd = (self.images.rows(ub.tokens[rows], self.encode), rows)     # images encoded on first use
+            # images encoded on first use, straight through the encoder's one route
+            encode = functools.partial(self.vision.run, runtime=self.rt)
+            embd = (self.images.rows(ub.tokens[rows], encode), rows)
             toks = np.where(ub.tokens < 0, 0, ub.tokens)
             self.rt.run(b.graph, lambda: b.set_inputs(toks, ub.positions, ub.plan, out_rows, embd))
         else:

@@ -35,7 +35,13 @@ from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
-from .preprocess import IDEFICS3_MAX_IMAGE_SIZE, ImageConfig
+from .preprocess import (
+    IDEFICS3_MAX_IMAGE_SIZE,
+    ImageConfig,
+    PreprocessedImage,
+    image_prompt,
+    preprocess,
+)
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
 
@@ -435,6 +441,28 @@ class VisionModel(WeightLoader):
         finally:
             g.free()
         return np.asarray(out, dtype=np.float32).reshape(n, self.config.tokens_per_image, self.config.n_embd_text)
+
+    def prepare(self, image, what: str = "prepare", allow_local_files: bool = True) -> tuple[np.ndarray, str]:
+        """One image for a prompt: its checked pixels (float32 ``(tiles, 3, S, S)``) and the text its
+        processor writes in its place (:func:`~ggmlpy.vision.preprocess.image_prompt`).
+
+        ``image`` is anything :func:`~ggmlpy.vision.preprocess.preprocess` reads (paths only with
+        ``allow_local_files``), or a :class:`~ggmlpy.vision.preprocess.PreprocessedImage`.
+
+        Raises
+        ------
+        GGMLValueError
+            An unreadable image, bad pixels, or more tiles than this encoder's images have.
+        """
+        pre = image if isinstance(image, PreprocessedImage) else \
+            preprocess(image, self.image_config, allow_local_files=allow_local_files)
+        pixels = self.check_pixels(pre.pixel_values)
+        if len(pixels) > self.max_tiles:
+            # only a PreprocessedImage made with other settings gets here: preprocess bounds the tiles
+            raise GGMLValueError(f"{what}: an image of {len(pixels)} tiles; this encoder's images have at most "
+                                 f"{self.max_tiles} (what the runner reserved for), preprocess it with "
+                                 f"the encoder's image_config")
+        return pixels, image_prompt(pre, self.image_config)
 
     def check_pixels(self, pixels) -> np.ndarray:
         """``pixels`` as float32 ``(n, 3, S, S)``, or a clear error naming the shape expected."""
