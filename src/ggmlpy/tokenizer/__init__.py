@@ -905,7 +905,7 @@ class Tokenizer:
                             tools: Sequence[dict] | None = None, template: str | None = None,
                             **kwargs: Any) -> str:
         """Render ``messages`` with the file's chat template (``tokenizer.chat_template``), sandboxed
-        (see :mod:`ggmlpy.chat_template`); ``template`` overrides the file's.
+        (see :mod:`ggmlpy.tokenizer.chat_template`); ``template`` overrides the file's.
 
         Raises
         ------
@@ -914,7 +914,7 @@ class Tokenizer:
         ChatTemplateError
             The template failed (its own ``raise_exception``, a loop or output over the limits).
         """
-        from ggmlpy.chat_template import ChatTemplate
+        from .chat_template import ChatTemplate
 
         src = template if template is not None else self.chat_template
         if src is None:
