@@ -652,13 +652,14 @@ def test_chat_template_error_is_a_value_error():
         {"role": "user", "content": "é"}]
 
 
-def test_the_old_module_gives_the_same_names():
+def test_the_old_module_and_the_tokenizer_package_give_the_same_names():
     # ggmlpy.chat_template is where the renderer lived before it moved into the tokenizer package
     import ggmlpy.chat_template as old
+    import ggmlpy.tokenizer as face
     from ggmlpy.tokenizer import _limits
     from ggmlpy.tokenizer import chat_template as new
 
-    assert old.ChatTemplate is new.ChatTemplate is ChatTemplate
-    assert old.ChatTemplateError is new.ChatTemplateError is ChatTemplateError
+    assert old.ChatTemplate is new.ChatTemplate is face.ChatTemplate is ChatTemplate
+    assert old.ChatTemplateError is new.ChatTemplateError is face.ChatTemplateError is ChatTemplateError
     assert (old.MAX_INPUT_DEPTH, old.DEFAULT_MAX_STEPS, old.DEFAULT_MAX_SECONDS, old.MAX_INT_BITS) == (
         new.MAX_INPUT_DEPTH, new.DEFAULT_MAX_STEPS, new.DEFAULT_MAX_SECONDS, _limits.MAX_INT_BITS)
