@@ -1,4 +1,4 @@
-"""ggmlpy.chat_template: real models' chat templates against transformers, and hostile templates.
+"""ggmlpy.tokenizer.chat_template: real models' chat templates against transformers, and hostile templates.
 
 * Every template of llama.cpp's ``models/templates/*.jinja`` (70 real models, from the llama-cpp-python
   sdist tests/hf_convert.py fetches) renders a handful of conversations (plain, multi-turn,
@@ -32,8 +32,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_convert  # noqa: E402
 
-from ggmlpy import chat_template  # noqa: E402
-from ggmlpy.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
+from ggmlpy.tokenizer import _sandbox  # noqa: E402
+from ggmlpy.tokenizer.chat_template import ChatTemplate, ChatTemplateError  # noqa: E402
 
 #: llama.cpp's models/templates/*.jinja (checked against the files by the first test)
 TEMPLATES = [
@@ -157,7 +157,7 @@ class _FrozenDatetime(datetime.datetime):
 @pytest.fixture
 def frozen_now(monkeypatch):
     """Both renderers' strftime_now see FROZEN_NOW."""
-    monkeypatch.setattr(chat_template, "datetime", _FrozenDatetime)
+    monkeypatch.setattr(_sandbox, "datetime", _FrozenDatetime)
     utils = _need("transformers.utils.chat_template_utils")
     monkeypatch.setattr(utils, "datetime", _FrozenDatetime)
 
@@ -650,3 +650,16 @@ def test_chat_template_error_is_a_value_error():
         ChatTemplate(b"{{ x }}")  # type: ignore[arg-type]
     assert json.loads(ChatTemplate("{{ messages|tojson }}").render([{"role": "user", "content": "é"}])) == [
         {"role": "user", "content": "é"}]
+
+
+def test_the_old_module_and_the_tokenizer_package_give_the_same_names():
+    # ggmlpy.chat_template is where the renderer lived before it moved into the tokenizer package
+    import ggmlpy.chat_template as old
+    import ggmlpy.tokenizer as face
+    from ggmlpy.tokenizer import _limits
+    from ggmlpy.tokenizer import chat_template as new
+
+    assert old.ChatTemplate is new.ChatTemplate is face.ChatTemplate is ChatTemplate
+    assert old.ChatTemplateError is new.ChatTemplateError is face.ChatTemplateError is ChatTemplateError
+    assert (old.MAX_INPUT_DEPTH, old.DEFAULT_MAX_STEPS, old.DEFAULT_MAX_SECONDS, old.MAX_INT_BITS) == (
+        new.MAX_INPUT_DEPTH, new.DEFAULT_MAX_STEPS, new.DEFAULT_MAX_SECONDS, _limits.MAX_INT_BITS)

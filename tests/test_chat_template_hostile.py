@@ -1,4 +1,4 @@
-"""ggmlpy.chat_template against hostile templates and inputs, round 3 (issue 33, item 3).
+"""ggmlpy.tokenizer.chat_template against hostile templates and inputs, round 3 (issue 33, item 3).
 
 * Every operation that can grow a value (``str.format``, ``%``, ``join``, ``replace``, ``*``,
   ``+``, padding, string filters, ``list``/``batch``/``slice``, ``split``, ``dict.fromkeys``, ...)
@@ -23,7 +23,7 @@ import textwrap
 import jinja2.sandbox
 import pytest
 
-from ggmlpy.chat_template import MAX_INPUT_DEPTH, ChatTemplate, ChatTemplateError
+from ggmlpy.tokenizer.chat_template import MAX_INPUT_DEPTH, ChatTemplate, ChatTemplateError
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -105,7 +105,7 @@ def _run_table(cases: dict[str, tuple[str, str, str]]) -> tuple[list[dict], floa
     cases added to the interpreter (after a warm-up render)."""
     script = textwrap.dedent("""
         import json, resource, sys
-        from ggmlpy.chat_template import ChatTemplate, ChatTemplateError
+        from ggmlpy.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 
         def peak_mib():
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

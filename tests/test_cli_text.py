@@ -33,7 +33,7 @@ COMMON = ["-c", "256", "-t", "2", "-dev", "cpu", "--temp", "0"]
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     pytest.importorskip("ggmlpy.tokenizer")
-    pytest.importorskip("ggmlpy.chat_template")
+    pytest.importorskip("ggmlpy.tokenizer.chat_template")
     return str(llama_chat_gguf(tmp_path_factory))
 
 

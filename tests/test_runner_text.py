@@ -440,7 +440,7 @@ def test_real_stop_strings(real):
 @pytest.mark.hf
 @pytest.mark.parametrize("template", [None, CHATML_TEMPLATE])
 def test_real_chat_prompt_and_reply(real, template):
-    pytest.importorskip("ggmlpy.chat_template")
+    pytest.importorskip("ggmlpy.tokenizer.chat_template")
     tok = real.tokenizer
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
     ids = real.chat_prompt(msgs, template=template)
@@ -459,7 +459,7 @@ def test_real_chat_prompt_and_reply(real, template):
 
 @pytest.mark.hf
 def test_real_chat_turns_reuse_the_cached_prefix(real):
-    pytest.importorskip("ggmlpy.chat_template")
+    pytest.importorskip("ggmlpy.tokenizer.chat_template")
     history = [{"role": "user", "content": "Hello there."}]
     p1 = real.chat_prompt(history)
     r1 = real.chat(history, max_tokens=16)

@@ -51,7 +51,7 @@ FLOORS = [
     ["backend"],
     ["weights"],
     ["kvcache"],
-    ["tokenizer", "chat_template"],
+    ["tokenizer", "chat_template"],           # chat_template: the old path of tokenizer.chat_template, re-exported
     ["models"],
     ["vision"],
     ["sampling"],

@@ -206,7 +206,7 @@ def test_every_known_pre_tokenizer_builds_and_round_trips():
     """Each ``tokenizer.ggml.pre`` llama.cpp knows (and this table holds) compiles in the engine and
     keeps byte-level text whole (the vocabulary is GPT-2's; only the splitting differs)."""
     from ggmlpy.gguf import GGUFReader
-    from ggmlpy.tokenizer import _PRE_TOKENIZERS
+    from ggmlpy.tokenizer._bpe import _PRE_TOKENIZERS
 
     with GGUFReader(hf_convert.vocab_file("gpt-2")) as r:
         md = dict(r.metadata)

@@ -1,5 +1,6 @@
 """What the tokenizer kinds share: the error, token types and attributes, the special-token texts
-llama.cpp recognises, limits and checks of the text."""
+llama.cpp recognises, limits and checks of the text, and decoding's byte rules (llama.cpp's clean-up of
+spaces, where UTF-8 text is whole)."""
 
 from __future__ import annotations
 
@@ -138,3 +139,71 @@ def _engine_model(source: str, what: str, make, *args, **kwargs):
         if isinstance(e, (KeyboardInterrupt, SystemExit, MemoryError)):
             raise
         raise TokenizerError(f"{source}: the tokenizer engine cannot build this {what} vocabulary: {e}") from None
+
+
+# --- decoding: bytes to text ------------------------------------------------------------------------
+
+
+def _clean_spaces(data: bytes) -> bytes:
+    """llama.cpp's clean_up_tokenization_spaces, three passes over the bytes: no space before
+    ``? ! . ,``; `` ' `` loses both spaces; no space before ``'s 'm 're 've`` (kept before ``'t 'd 'll``)."""
+    if b" " not in data:
+        return data
+    b = bytearray(data)
+    # pass 1
+    out = bytearray(b[:1])
+    for i in range(1, len(b)):
+        x = b[i]
+        if b[i - 1] == 0x20 and x in b"?!.,":
+            out.pop()
+        out.append(x)
+    b = out
+    # pass 2: " ' " -> "'" (llama.cpp blanks the second space, so it cannot start another match)
+    out = bytearray(b[:1])
+    prev = b[0] if b else 0
+    i, n = 1, len(b)
+    while i < n:
+        x = b[i]
+        if x == 0x27 and i + 1 < n and prev == 0x20 and b[i + 1] == 0x20:
+            out.pop()
+            out.append(x)
+            prev = 0
+            i += 2
+            continue
+        out.append(x)
+        prev = x
+        i += 1
+    b = out
+    # pass 3
+    out = bytearray(b[:1])
+    n = len(b)
+    for i in range(1, n):
+        x = b[i]
+        if b[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            x1 = b[i + 1]
+            if x1 in b"sm" or (i + 2 < n and bytes(b[i + 1:i + 3]) in (b"re", b"ve")):
+                out.pop()
+        out.append(x)
+    return bytes(out)
+
+
+def _complete_utf8(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` that does not end inside a UTF-8 character that could
+    still be completed (invalid bytes count as complete: they decode to U+FFFD now)."""
+    n = len(data)
+    # a character is at most 4 bytes: look back at most 3 for an unfinished lead byte
+    for back in range(1, min(4, n + 1)):
+        b = data[n - back]
+        if b & 0xC0 == 0x80:       # continuation byte: keep looking for its lead
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        if need > back:
+            # an unfinished lead: hold it if the bytes so far could start a valid character
+            try:
+                data[n - back:].decode("utf-8")
+            except UnicodeDecodeError as e:
+                if e.reason == "unexpected end of data":
+                    return n - back
+            return n
+        return n
+    return n

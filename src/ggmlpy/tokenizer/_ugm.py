@@ -19,7 +19,7 @@ from ._common import (
 from ._meta import meta_bytes
 
 if TYPE_CHECKING:
-    from . import Tokenizer
+    from .vocab import Tokenizer
 
 # --- UGM (T5-style Unigram, llama.cpp's llm_tokenizer_ugm) ----------------------------------------------
 
