@@ -35,7 +35,8 @@ from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
-from .preprocess import IDEFICS3_MAX_IMAGE_SIZE, ImageConfig
+from .image_config import ImageConfig
+from .resize import IDEFICS3_MAX_IMAGE_SIZE
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
 
