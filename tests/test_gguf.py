@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import ggmlpy
 import ggmlpy.gguf as ggguf
+import ggmlpy.gguf.writer as gguf_writer
 from ggmlpy import Type, _core
 from ggmlpy.gguf import GGUFError, GGUFReader, GGUFWriter, ValueType
 
@@ -266,7 +267,7 @@ def test_raw_encoded_tensors_and_conversions(tmp_path):
 
 def test_conversion_in_slices_gives_the_same_bytes(tmp_path, monkeypatch):
     # The writer encodes a few rows at a time; force many slices.
-    monkeypatch.setattr(ggguf, "_CHUNK_BYTES", 300)
+    monkeypatch.setattr(gguf_writer, "_CHUNK_BYTES", 300)     # where _Pending.pieces reads it
     x = np.random.default_rng(4).standard_normal((5, 3, 64)).astype(np.float32)
     path = tmp_path / "sl.gguf"
     with GGUFWriter(path) as w:
@@ -683,4 +684,4 @@ def test_module_is_the_public_face():
     assert issubclass(GGUFError, ValueError) and issubclass(GGUFError, ggmlpy.GGMLError)
     assert [int(v) for v in VT] == list(range(13))
     assert [v.name for v in VT] == [v.name for v in gguf_py.GGUFValueType]
-    assert os.path.basename(ggguf.__file__) == "gguf.py"
+    assert ggguf.__file__.endswith(os.path.join("ggmlpy", "gguf", "__init__.py"))

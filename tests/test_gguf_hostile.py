@@ -1,5 +1,5 @@
 """Hostile or corrupt GGUF metadata: every edit below loaded silently, ran for minutes, or raised an
-unnamed ValueError before the checks in gguf.py / models/llama.py; each must now be a clear error that
+unnamed ValueError before the checks in ggmlpy.gguf / models/llama.py; each must now be a clear error that
 names the file and the key (or tensor), raised before anything is sized from the bad value.
 
 The edits are made on the bytes of a real file (tests/gguf_fuzz.py's Header), so the file is otherwise

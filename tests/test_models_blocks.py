@@ -1,4 +1,4 @@
-"""models/blocks.py against numpy on small tensors, and the decoder base (models/decoder.py): its
+"""models/blocks.py against numpy on small tensors, and the decoder base (models/config.py, models/decoder.py): its
 metadata reader, its config hooks and the errors a subclass gets for free."""
 
 from __future__ import annotations

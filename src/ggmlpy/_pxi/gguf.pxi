@@ -5,7 +5,7 @@
 # ggml's context before returning; `_gguf_meta` serializes a header for a
 # writer that streams the tensor data itself. The public reader and writer
 # (type inference, memory-mapped tensor data, the file itself) are
-# ggmlpy/gguf.py.
+# the package ggmlpy/gguf/.
 #
 # gguf.cpp aborts the process (GGML_ASSERT / GGML_ABORT) instead of failing on:
 #   - any getter with a key or tensor id out of range, or the wrong getter for

@@ -3,8 +3,10 @@
 * :mod:`~ggmlpy.kvcache.cells`: :class:`Cells`, which position of which
   sequences each cache row (cell) holds: numpy bookkeeping, no tensors;
 * :mod:`~ggmlpy.kvcache.causal`: :class:`Causal`, per-layer K/V storage on
-  the layers' devices, batch plans (:class:`ForwardPlan`), masks, shift and
-  defragmentation;
+  the layers' devices, shift and defragmentation;
+* :mod:`~ggmlpy.kvcache.forward`: a batch through a :class:`Causal`: its plan
+  (:class:`ForwardPlan`: cells, visible range, mask) and commit, and one
+  graph's view of the cache (:class:`Forward`);
 * :mod:`~ggmlpy.kvcache.composite`: :class:`Wrapper` (layers routed to
   several caches, for interleaved sliding-window models; an encoder's cache,
   K/V stored once per input, comes back with the first encoder-decoder model);
@@ -22,9 +24,10 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 from ggmlpy._core import Context, Type
 
-from .causal import V_TRANS_TYPES, Causal, Forward, ForwardPlan, KVCacheFull
+from .causal import V_TRANS_TYPES, Causal
 from .cells import CacheStateError, Cells, NotSupported
 from .composite import Wrapper, WrapperForward, WrapperPlan
+from .forward import Forward, ForwardPlan, KVCacheFull
 from .state import StateError
 
 

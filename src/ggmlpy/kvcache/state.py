@@ -81,8 +81,9 @@ import numpy as np
 from ggmlpy._core import GGMLTypeError, GGMLValueError, Tensor
 from ggmlpy._files import replacing
 
-from .causal import Causal, KVCacheFull
+from .causal import Causal
 from .cells import _INT32_MAX, NotSupported
+from .forward import KVCacheFull
 
 __all__ = ["MAGIC", "MAX_DEPTH", "MAX_HEADER", "VERSION", "StateError", "load_seq", "save_seq"]
 

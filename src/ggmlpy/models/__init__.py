@@ -6,9 +6,11 @@ report exists before any data is read) and then loads the data with progress.
 
 * :mod:`~ggmlpy.models.base`: the :class:`Model` protocol (and :class:`~ggmlpy.kvcache.Cache`, re-exported),
   :class:`BuiltGraph`, the registry (:data:`ARCHITECTURES`, :func:`register`);
-* :mod:`~ggmlpy.models.decoder`: what every GGUF decoder shares: :class:`DecoderConfig` (hyperparameters
-  read through a checking :class:`MetaReader`) and :class:`DecoderModel` (weights checked, fused,
-  placed and loaded; the graph's inputs);
+* :mod:`~ggmlpy.models.config`: :class:`DecoderConfig`, the hyperparameters every GGUF decoder reads
+  (through a checking :class:`MetaReader`), and the parts of reading them architectures share;
+* :mod:`~ggmlpy.models.decoder`: what every GGUF decoder model shares: :class:`DecoderModel` (weights
+  checked, fused, placed and loaded; the graph's inputs; the cache recipe) and its two frames,
+  ``PreNormDecoder`` and ``LocalGlobalDecoder``;
 * :mod:`~ggmlpy.models.blocks`: the graph functions architectures compose (norms, RoPE, Q/K/V,
   attention through the cache, gated and mixture-of-experts feed-forward, output head);
 * one module per architecture family, each a :class:`DecoderModel` registered with :func:`register`:
@@ -33,7 +35,8 @@ from .base import (
            model_class,
            register,
 )
-from .decoder import DecoderConfig, DecoderModel, MetaReader, MissingTensor
+from .config import DecoderConfig
+from .decoder import DecoderModel, MetaReader, MissingTensor
 from .llama import LlamaConfig, LlamaModel
 
 

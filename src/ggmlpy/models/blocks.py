@@ -54,7 +54,7 @@ def norm(ctx: Context, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
 def rope(ctx: Context, x: Tensor, pos: Tensor, cfg: Any, freq_factors: Optional[Tensor] = None) -> Tensor:
     """Rotary embedding of ``x`` (``ne = (head_dim, n_head, n)``) at the I32 positions ``pos`` (``ne = (n,)``).
 
-    ``cfg`` holds the settings, as :class:`~ggmlpy.models.decoder.DecoderConfig` names them
+    ``cfg`` holds the settings, as :class:`~ggmlpy.models.config.DecoderConfig` names them
     (``rope_dim``, ``rope_mode``, ``n_ctx_orig``, ``rope_base``, ``rope_freq_scale``,
     ``rope_ext_factor``, ``rope_attn_factor``); ``freq_factors`` divides each frequency
     (``rope_freqs.weight``, ``ne = (rope_dim / 2,)``).

@@ -47,7 +47,8 @@ from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_LAYERS, DecoderConfig, LocalGlobalDecoder
+from .config import _MAX_LAYERS, DecoderConfig
+from .decoder import LocalGlobalDecoder
 
 __all__ = ["GemmaConfig", "GemmaModel"]
 
@@ -58,7 +59,7 @@ _GEMMA = {"gemma2": (2, 46), "gemma3": (6, 62)}
 
 @dataclass(frozen=True)
 class GemmaConfig(DecoderConfig):
-    """Hyperparameters of gemma2 and gemma3 files (see :class:`~ggmlpy.models.decoder.DecoderConfig`
+    """Hyperparameters of gemma2 and gemma3 files (see :class:`~ggmlpy.models.config.DecoderConfig`
     and the module docstring).
 
     Attributes

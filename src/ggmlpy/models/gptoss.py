@@ -57,13 +57,8 @@ from ggmlpy.weights import MetaReader, check_expert_shapes
 
 from . import blocks
 from .base import register
-from .decoder import (
-    _MAX_CTX,
-    _MAX_EMBD,
-    DecoderConfig,
-    LocalGlobalDecoder,
-    read_routing,
-)
+from .config import _MAX_CTX, _MAX_EMBD, DecoderConfig, read_routing
+from .decoder import LocalGlobalDecoder
 from .gemma import GemmaConfig
 
 __all__ = ["GptOssConfig", "GptOssModel"]
@@ -92,7 +87,7 @@ _YARN_KEYS_BUILT = {
 
 @dataclass(frozen=True)
 class GptOssConfig(DecoderConfig):
-    """Hyperparameters of gpt-oss files (see :class:`~ggmlpy.models.decoder.DecoderConfig` and the module
+    """Hyperparameters of gpt-oss files (see :class:`~ggmlpy.models.config.DecoderConfig` and the module
     docstring).
 
     Attributes

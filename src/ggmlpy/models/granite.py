@@ -33,14 +33,15 @@ from ggmlpy.weights import MetaReader, MissingTensor
 
 from . import blocks
 from .base import register
-from .decoder import DecoderConfig, DecoderModel
+from .config import DecoderConfig
+from .decoder import DecoderModel
 
 __all__ = ["GraniteConfig", "GraniteModel"]
 
 
 @dataclass(frozen=True)
 class GraniteConfig(DecoderConfig):
-    """Hyperparameters of granite files (see :class:`~ggmlpy.models.decoder.DecoderConfig`).
+    """Hyperparameters of granite files (see :class:`~ggmlpy.models.config.DecoderConfig`).
 
     ``embedding_scale`` and ``residual_scale`` are 1.0 and ``attention_scale`` None where the file
     leaves them unset (or 0).

@@ -31,7 +31,8 @@ from ggmlpy.weights import MetaReader, MissingTensor, check_expert_shapes
 
 from . import blocks
 from .base import UnknownArchitecture, register
-from .decoder import DecoderConfig, PreNormDecoder, read_routing
+from .config import DecoderConfig, read_routing
+from .decoder import PreNormDecoder
 
 __all__ = ["LlamaConfig", "LlamaModel", "MissingTensor"]
 

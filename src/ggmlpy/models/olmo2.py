@@ -24,14 +24,15 @@ from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import DecoderConfig, DecoderModel
+from .config import DecoderConfig
+from .decoder import DecoderModel
 
 __all__ = ["Olmo2Config", "Olmo2Model"]
 
 
 @dataclass(frozen=True)
 class Olmo2Config(DecoderConfig):
-    """Hyperparameters of olmo2 files (see :class:`~ggmlpy.models.decoder.DecoderConfig`)."""
+    """Hyperparameters of olmo2 files (see :class:`~ggmlpy.models.config.DecoderConfig`)."""
 
     ROPE_TYPES = {"olmo2": RopeType.NEOX}
 

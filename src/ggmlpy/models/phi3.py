@@ -39,14 +39,15 @@ from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import DecoderConfig, PreNormDecoder
+from .config import DecoderConfig
+from .decoder import PreNormDecoder
 
 __all__ = ["ContextCache", "Phi3Config", "Phi3Model"]
 
 
 @dataclass(frozen=True)
 class Phi3Config(DecoderConfig):
-    """Hyperparameters of phi3 files (see :class:`~ggmlpy.models.decoder.DecoderConfig`).
+    """Hyperparameters of phi3 files (see :class:`~ggmlpy.models.config.DecoderConfig`).
 
     ``rope_attn_factor`` is ``rope.scaling.attn_factor`` whatever the scaling type (llama.cpp multiplies
     RoPE by it for every type; phi3 files carry LongRoPE's attention factor there). ``rope.scaling.type``

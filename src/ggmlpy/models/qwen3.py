@@ -24,7 +24,7 @@ from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .decoder import _MAX_EMBD
+from .config import _MAX_EMBD
 from .llama import LlamaConfig, LlamaModel
 
 __all__ = ["Qwen3Config", "Qwen3Model"]

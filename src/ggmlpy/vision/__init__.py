@@ -1,5 +1,7 @@
-"""Images in: preprocessing as the models' Hugging Face processors do it (:mod:`~ggmlpy.vision.preprocess`)
-and the vision encoders of mmproj GGUF files (:mod:`~ggmlpy.vision.encoder`)."""
+"""Images in: preprocessing as the models' Hugging Face processors do it (:mod:`~ggmlpy.vision.preprocess`,
+the entry points, over :mod:`~ggmlpy.vision.decode`, :mod:`~ggmlpy.vision.image_config`,
+:mod:`~ggmlpy.vision.resize` and :mod:`~ggmlpy.vision.prompt`) and the vision encoders of mmproj GGUF
+files (:mod:`~ggmlpy.vision.encoder`)."""
 
 from .encoder import PROJECTORS, VisionConfig, VisionModel, load_mmproj
 from .preprocess import (

@@ -35,13 +35,10 @@ from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
-from .preprocess import (
-    IDEFICS3_MAX_IMAGE_SIZE,
-    ImageConfig,
-    PreprocessedImage,
-    image_prompt,
-    preprocess,
-)
+from .image_config import ImageConfig
+from .preprocess import preprocess
+from .prompt import image_prompt
+from .resize import IDEFICS3_MAX_IMAGE_SIZE, PreprocessedImage
 
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
 

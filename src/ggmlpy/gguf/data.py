@@ -1,0 +1,94 @@
+"""Reading tensor data in bulk: :func:`open_data` gives a plain unbuffered file or a :class:`MappedFile`
+(reads copied from a memory map, llama.cpp's ``mmap`` load mode), with the same file interface."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+
+from ggmlpy._core import GGUFError
+
+
+class MappedFile(io.RawIOBase):
+    """A read-only, seekable file object that reads through a memory map of the file.
+
+    ``read``/``readinto`` copy from the mapping, so the data comes from the
+    page cache by page faults rather than by ``read(2)`` calls: llama.cpp's
+    ``mmap`` load mode for weights that are copied into their buffers. The
+    mapping lives until :meth:`close`.
+
+    Warnings
+    --------
+    Touching a page past the end of a file that shrank after it was mapped
+    kills the process with SIGBUS, which Python cannot catch. The file's size
+    is checked before every read (a read past the current end raises
+    :class:`GGUFError`), which leaves only a truncation *during* one read's
+    copy; read files that another process may rewrite with ``open_data(path,
+    mmap=False)``.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__()
+        self.name = os.fspath(path)
+        self._f = open(self.name, "rb", buffering=0)
+        try:
+            self._size = os.fstat(self._f.fileno()).st_size
+            # mmap refuses an empty file; there is nothing to read from one anyway
+            self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if self._size else None
+        except BaseException:
+            self._f.close()
+            raise
+        self._view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
+        self._pos = 0
+        if self._mm is not None and hasattr(self._mm, "madvise") and hasattr(mmap, "MADV_SEQUENTIAL"):
+            with contextlib.suppress(OSError):       # a hint for readahead, nothing depends on it
+                self._mm.madvise(mmap.MADV_SEQUENTIAL)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._checkClosed()
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}.get(whence)
+        if base is None:
+            raise ValueError(f"seek: invalid whence {whence}")
+        if base + offset < 0:
+            raise ValueError(f"seek: negative position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        self._checkClosed()
+        return self._pos
+
+    def readinto(self, b) -> int:
+        self._checkClosed()
+        dst = memoryview(b).cast("B")
+        n = max(0, min(len(dst), self._size - self._pos))
+        if n and os.fstat(self._f.fileno()).st_size < self._pos + n:
+            raise GGUFError(f"{self.name}: the file shrank below {self._pos + n} bytes while it was mapped "
+                            "(rewritten by another process?); not reading it")
+        dst[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        if not self.closed:
+            self._view.release()
+            if self._mm is not None:
+                self._mm.close()
+            self._f.close()
+        super().close()
+
+
+def open_data(path: str | os.PathLike, mmap: bool = False) -> io.RawIOBase:
+    """A binary file object for reading tensor data: a plain unbuffered file, or a :class:`MappedFile`.
+
+    Both offer ``seek``, ``read`` and ``readinto`` and close with ``with``.
+    """
+    return MappedFile(path) if mmap else open(os.fspath(path), "rb", buffering=0)
