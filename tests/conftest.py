@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# The tests mirror src/ggmlpy in folders (core/, kvcache/, models/, ...); the helpers they share stay here
+# at tests/. There is no __init__.py: pytest imports each test file as a top-level module named after its
+# file (so test file names are unique across folders) and puts this folder on sys.path for this
+# conftest, which is how ``import helpers`` works. Some tests import another test module by name
+# (``from test_core_backend import rpc_server``, device/test_device.py runs models/test_arch_rpc.py's
+# sessions): every test folder goes on sys.path here too, so such an import works the same whether one
+# file, one folder or the whole suite runs.
+_TESTS = Path(__file__).resolve().parent
+for _folder in sorted(p for p in _TESTS.iterdir() if p.is_dir() and any(p.glob("test_*.py"))):
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 def _fixed_malloc_trim_threshold() -> None:
@@ -26,7 +40,7 @@ def _fixed_malloc_trim_threshold() -> None:
 _fixed_malloc_trim_threshold()
 
 # Every own kernel wherever it runs (the graphs the tests check must not depend on this machine's
-# timings, nor write its kernels.json); tests/test_kernel_choice.py tests the measured choice, and
+# timings, nor write its kernels.json); tests/models/test_kernel_choice.py tests the measured choice, and
 # subprocesses (the CLI's tests) inherit the setting.
 os.environ.setdefault("GGMLPY_KERNELS", "own")
 

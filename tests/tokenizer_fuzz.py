@@ -6,7 +6,7 @@ counted as bad and the script exits 1.
 
     python tests/tokenizer_fuzz.py          # 21,080 cases; prints the counts
 
-The same metadata reader is fuzzed at random by tests/test_tokenizer_hostile.py (hypothesis).
+The same metadata reader is fuzzed at random by tests/tokenizer/test_tokenizer_hostile.py (hypothesis).
 """
 import logging
 import math

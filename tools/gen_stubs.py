@@ -2,7 +2,7 @@
 
 The extension is compiled with ``embedsignature``, so every function's first
 docstring line is its Python signature; this script turns those into a stub
-file, adding return types from a small table. tests/test_source.py checks the
+file, adding return types from a small table. tests/project/test_source.py checks the
 committed stub equals a fresh generation, so stubs cannot drift from the code.
 
     python tools/gen_stubs.py [--check]

@@ -157,11 +157,11 @@ fi
 # --------------------------------------------------------------------------- the device suite
 if want tests; then
 step "device suite on $DEVICE"
-GGMLPY_TEST_GPU=1 PYTHONUNBUFFERED=1 timeout "$TEST_LIMIT" "$PY" -m pytest tests/test_device.py tests/test_cuda.py \
+GGMLPY_TEST_GPU=1 PYTHONUNBUFFERED=1 timeout "$TEST_LIMIT" "$PY" -m pytest tests/device \
     -q -p no:cacheprovider -rfEs --durations=10 --junitxml="$OUT/junit.xml" > "$OUT/tests.txt" 2>&1
 rc=$?
 tail -40 "$OUT/tests.txt"
-note "- device suite (tests/test_device.py, tests/test_cuda.py, GGMLPY_TEST_GPU=1): $(grep -E '(passed|failed|error)' "$OUT/tests.txt" | tail -1)"
+note "- device suite (tests/device/: test_device.py, test_cuda.py, GGMLPY_TEST_GPU=1): $(grep -E '(passed|failed|error)' "$OUT/tests.txt" | tail -1)"
 [ $rc -eq 0 ] || fail "the device suite (exit $rc; 124: over TEST_LIMIT=$TEST_LIMIT s)" 8
 fi
 

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for hf_convert
 import hf_convert  # noqa: E402
 
 from ggmlpy.tokenizer import TokenAttr, Tokenizer, TokenizerError, TokenType  # noqa: E402
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
+GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
 #: every vocabulary ggmlpy reads (all of llama.cpp's, nomic-bert-moe the one UGM among them)
 VOCABS = sorted(GOLDEN["vocabs"])
 #: vocabularies with llama.cpp's reference tokenizations (.inp/.out)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for helpers
 from helpers import run_child  # noqa: E402
 
 from ggmlpy.gguf import GGUFWriter, ValueType  # noqa: E402

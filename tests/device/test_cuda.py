@@ -184,7 +184,7 @@ def test_import_core_leaves_other_import_errors_alone(monkeypatch):
 
 
 def test_cuda_toolkit_script_completes_a_wheel_layout(tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tools"))
     try:
         import cuda_toolkit
     finally:

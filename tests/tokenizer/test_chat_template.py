@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/, for hf_convert
 import hf_convert  # noqa: E402
 
 from ggmlpy.tokenizer import _sandbox  # noqa: E402

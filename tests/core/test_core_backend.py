@@ -33,7 +33,7 @@ def test_devices_and_cpu_backend():
     with pytest.raises(gp.GGMLValueError, match="n_threads"):
         be.set_n_threads(0)
     if not any(d.name == "CUDA0" for d in devs):
-        # the message differs between a CPU-only and a CUDA build: tests/test_cuda.py checks both
+        # the message differs between a CPU-only and a CUDA build: tests/device/test_cuda.py checks both
         with pytest.raises(gp.BackendUnavailable, match="CUDA0: "):
             c.device("CUDA0")
 

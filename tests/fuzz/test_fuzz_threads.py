@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-DRIVER = Path(__file__).with_name("fuzz_threads.py")
+DRIVER = Path(__file__).resolve().parents[1] / "fuzz_threads.py"
 
 
 @pytest.mark.fuzz

@@ -51,7 +51,7 @@ def test_readme_runner_example_runs(tmp_path, capsys):
 
     from ggmlpy.models.synthetic import write_synthetic
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "load_model" in b]
     assert len(blocks) == 1
     path = write_synthetic(tmp_path / "tiny.gguf", size="tiny", type="F16")
@@ -65,7 +65,7 @@ def _readme_blocks():
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     return re.findall(r"```python\n(.*?)```", readme, re.S)
 
 

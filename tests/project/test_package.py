@@ -21,7 +21,7 @@ import pytest
 import ggmlpy
 from ggmlpy import _core
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_versions():

@@ -125,7 +125,7 @@ def test_server_stopped_mid_generation_times_out(model_path):
     0001). In a child, bounded: before that back-off it took many minutes."""
     try:
         out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", STOPPED, model_path], capture_output=True,
-                             text=True, timeout=60, cwd=os.path.dirname(os.path.abspath(__file__)))
+                             text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     except subprocess.TimeoutExpired:
         pytest.fail("the request on the stopped server did not end within 60 s")
     assert out.returncode == 0, out.stderr[-2000:]

@@ -461,7 +461,7 @@ common = dict(seed=st.integers(0, 2**32 - 1), threads=st.integers(1, 4), portabl
 
 def _bounded(n):
     """The profile's example count (tests/conftest.py: dev 50, ci 200), at most n; a long run sets it
-    with GGMLPY_KERNEL_CASES (``GGMLPY_KERNEL_CASES=2000 pytest tests/test_own_kernels_exhaustive.py
+    with GGMLPY_KERNEL_CASES (``GGMLPY_KERNEL_CASES=2000 pytest tests/core/test_own_kernels_exhaustive.py
     -k hypothesis``)."""
     cases = os.environ.get("GGMLPY_KERNEL_CASES")
     return settings(max_examples=int(cases) if cases else min(n, settings().max_examples), deadline=None)

@@ -40,7 +40,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-DRIVER = Path(__file__).with_name("fuzz_driver.py")
+DRIVER = Path(__file__).resolve().parents[1] / "fuzz_driver.py"
 CASES = int(os.environ.get("GGMLPY_FUZZ_CASES", "50"))
 CALLS = int(os.environ.get("GGMLPY_FUZZ_CALLS", "300"))
 AVOID = os.environ.get("GGMLPY_FUZZ_AVOID", "")
@@ -72,7 +72,7 @@ def run_program(seed: int, log_dir: Path, calls: int = CALLS, avoid: str = AVOID
     if avoid:
         cmd += ["--avoid", avoid]
     rerun = (f"GGMLPY_FUZZ_SEED={seed} GGMLPY_FUZZ_CALLS={calls}"
-             f"{' GGMLPY_FUZZ_AVOID=' + avoid if avoid else ''} pytest {Path(__file__).name}")
+             f"{' GGMLPY_FUZZ_AVOID=' + avoid if avoid else ''} pytest tests/fuzz/{Path(__file__).name}")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:

@@ -1,0 +1,248 @@
+"""Tests for ggmlpy.kvcache.Causal's options: transposed V storage (Ollama's ``PermutedV``), non-causal
+spans and the memory-saving sliding window: what the cache stores, its masks, and attention computed
+through it against numpy. The Wrapper has its own file, test_kvcache_wrapper.py.
+
+Scenarios follow Ollama's ``kvcache/causal_test.go`` (padding 1, K = V).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kv_helpers import _cache, _flat, _m, _step
+
+import ggmlpy
+from ggmlpy import Type
+from ggmlpy.kvcache import Causal, KVCacheFull
+
+X = -np.inf
+
+
+# ---------------------------------------------------------------- 1. transposed V
+
+VT = pytest.mark.parametrize("v_trans", [False, True])
+
+
+@VT
+@pytest.mark.parametrize("dtype", [Type.F32, Type.F16])
+def test_store_v_trans(v_trans, dtype):
+    c = _cache(16, 1, 8, dtype, head_dim=2, n_head_kv=3, v_trans=v_trans)
+    want_ne = (c.n_cells, 6) if v_trans else (6, c.n_cells)
+    assert c.values[0].ne[:2] == want_ne
+    x = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+    k, v, mask, plan = _step(c, [0, 1, 2, 3], [0] * 4, x, -x)
+    assert np.array_equal(k, x.transpose(1, 0, 2)) and np.array_equal(v, -x.transpose(1, 0, 2))
+    assert np.array_equal(mask, _m("oxxx", "ooxx", "ooox", "oooo"))
+    y = np.full((1, 3, 2), 100, dtype=np.float32)
+    k, v, mask, plan = _step(c, [4], [0], y, 2 * y)
+    assert np.array_equal(v, np.concatenate([-x, 2 * y]).transpose(1, 0, 2))
+    assert np.array_equal(mask, _m("ooooo"))
+
+
+@VT
+def test_sequences_v_trans(v_trans):
+    c = _cache(8, 2, 8, v_trans=v_trans)
+    _, v, mask, _ = _step(c, [0, 0, 1, 1, 2], [0, 1, 0, 1, 0])
+    assert _flat(v) == [1, 1, 2, 2, 3]
+    _, v, mask, plan = _step(c, [3, 2], [0, 1])
+    assert plan.cell_ids.tolist() == [5, 6]
+    assert _flat(v) == [1, 1, 2, 2, 3, 4, 3]
+    assert np.array_equal(mask, _m("oxoxoox", "xoxoxxo"))
+    # a sub-range starting past cell 0: seq 1 only
+    c2 = _cache(8, 2, 8, v_trans=v_trans)
+    _step(c2, [0, 1], [0, 0])
+    _, v, _, plan = _step(c2, [0, 1], [1, 1])
+    assert (plan.lo, plan.hi) == (2, 4) and _flat(v) == [1, 2]
+
+
+@VT
+def test_swa_v_trans(v_trans):
+    c = _cache(16, 1, 4, window=1, v_trans=v_trans)
+    _step(c, [0, 1, 2, 3], [0] * 4)
+    k, v, mask, plan = _step(c, [4, 5], [0, 0])
+    assert _flat(k) == _flat(v) == [5, 6, 3, 4]
+    assert np.array_equal(mask, _m("oxxo", "ooxx"))
+
+
+@VT
+def test_defrag_v_trans(v_trans):
+    x2 = np.arange(4 * 2 * 2, dtype=np.float32).reshape(4, 2, 2) + 50
+    c2 = _cache(8, 2, 8, head_dim=2, n_head_kv=2, v_trans=v_trans)
+    _step(c2, [0, 0, 1, 1], [0, 1, 0, 1], x2, -x2)
+    c2.clear(0)           # holes at 0 and 2
+    moves = c2.defrag()   # cell 3 moves into the hole at 0
+    assert moves == [(3, 0, 1)] and c2.fragmentation() == 0.0
+    k, v, _, _ = _step(c2, [2], [1], np.zeros((1, 2, 2), np.float32), np.zeros((1, 2, 2), np.float32))
+    assert np.array_equal(k[:, :2], x2[[3, 1]].transpose(1, 0, 2))
+    assert np.array_equal(v[:, :2], -x2[[3, 1]].transpose(1, 0, 2))
+
+
+def test_v_trans_rejects_quantized():
+    with pytest.raises(ValueError):
+        Causal(1, 64, 64, Type.Q8_0, v_trans=True)
+
+
+def _reference(q, hist, positions, seqs, scale, group, window=None, except_rows=()):
+    n, n_head, d = q.shape
+    out = np.zeros_like(q)
+    for i, (p, s) in enumerate(zip(positions, seqs)):
+        items = [(pp, kk, vv) for pp, kk, vv in hist[s]
+                 if (pp <= p or i in except_rows)
+                 and (window is None or pp >= p - window)]
+        ks = np.stack([it[1] for it in items])
+        vs = np.stack([it[2] for it in items])
+        for h in range(n_head):
+            logits = ks[:, h // group] @ q[i, h] * scale
+            w = np.exp(logits - logits.max())
+            out[i, h] = (w / w.sum()) @ vs[:, h // group]
+    return out
+
+
+def _attention_run(c, steps, d, n_head, n_head_kv, seed=1, ref_kw=None, fwd_kw=None):
+    rng = np.random.default_rng(seed)
+    scale = 1 / np.sqrt(d)
+    hist = {s: [] for s in range(c.cells.n_seq_max)}
+    rnd = (lambda a: a.astype(np.float16).astype(np.float32)) if c.dtype == Type.F16 else (lambda a: a)
+    for j, (positions, seqs) in enumerate(steps):
+        n = len(positions)
+        q = rng.standard_normal((n, n_head, d)).astype(np.float32)
+        k = rng.standard_normal((n, n_head_kv, d)).astype(np.float32)
+        v = rng.standard_normal((n, n_head_kv, d)).astype(np.float32)
+        for i, (p, s) in enumerate(zip(positions, seqs)):
+            hist[s].append((p, rnd(k[i]), rnd(v[i])))
+        kw = (fwd_kw or {}).get(j, {})
+        plan = c.start_forward(positions, seqs, **kw)
+        with ggmlpy.Context(1 << 22) as ctx:
+            qt = ctx.new_tensor(Type.F32, (d, n_head, n))
+            qt.set(q)
+            kt = ctx.new_tensor(Type.F32, (d, n_head_kv, n))
+            kt.set(k)
+            vt = ctx.new_tensor(Type.F32, (d, n_head_kv, n))
+            vt.set(v)
+            gf = ctx.new_graph(128)
+            for t in c.put(ctx, 0, plan, kt, vt):
+                gf.build_forward_expand(t)
+            kv, vv, mask = c.get(ctx, 0, plan, mask_type=Type.F32)
+            qp = ctx.permute(qt, 0, 2, 1, 3)               # (d, n, n_head)
+            kq = ctx.mul_mat(kv, qp)                        # (n_kv, n, n_head)
+            kq = ctx.soft_max_ext(kq, mask, float(scale))
+            if not c.v_trans:
+                vv = ctx.cont(ctx.permute(vv, 1, 0, 2, 3))  # (n_kv, d, n_head_kv)
+            else:
+                assert vv.ne[:3] == (plan.n_kv, d, n_head_kv)
+            o = ctx.mul_mat(vv, kq)                         # (d, n, n_head)
+            o = ctx.cont(ctx.permute(o, 0, 2, 1, 3))        # (d, n_head, n)
+            gf.build_forward_expand(o)
+            gf.compute(2)
+            got = o.get().reshape(n, n_head, d)
+        c.apply(plan)
+        rk = dict(ref_kw or {})
+        if "except_rows" in kw:
+            rk["except_rows"] = set(kw["except_rows"])
+        want = _reference(q, hist, positions, seqs, scale, n_head // n_head_kv, **rk)
+        np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+@VT
+@pytest.mark.parametrize("dtype", [Type.F32, Type.F16])
+def test_mul_mat_attention_over_two_sequences(v_trans, dtype):
+    c = _cache(16, 2, 8, dtype, head_dim=8, n_head_kv=2, v_trans=v_trans)
+    steps = [([0, 0, 1, 1, 2], [0, 1, 0, 1, 0]), ([3, 2, 3], [0, 1, 1]), ([4, 5, 4], [0, 0, 1])]
+    _attention_run(c, steps, 8, 4, 2)
+
+
+# ---------------------------------------------------------------- 2. non-causal spans
+
+
+@VT
+def test_non_causal_span(v_trans):
+    c = _cache(16, 2, 8, v_trans=v_trans)
+    _step(c, [0, 1], [0, 0])
+    # seq 0 continues with a bidirectional span at batch rows 1..2 (pos 3, 4); seq 1 interleaved
+    _, _, mask, plan = _step(c, [2, 3, 4, 5, 0], [0, 0, 0, 0, 1], except_rows=[1, 2])
+    assert plan.cell_ids.tolist() == [2, 3, 4, 5, 6]
+    assert np.array_equal(mask, _m(
+        "oooxxxx",    # pos 2: causal
+        "oooooox",    # pos 3: sees 4 and 5 too (own sequence, this batch)
+        "oooooox",    # pos 4: likewise
+        "oooooox",    # pos 5: causal, sees everything before
+        "xxxxxxo",    # seq 1: isolated
+    ))
+    # the exemption is per batch: the next batch is causal again
+    _, _, mask, _ = _step(c, [6, 1], [0, 1], except_rows=[])
+    assert np.array_equal(mask, _m("ooooooxox", "xxxxxxoxo"))
+    with pytest.raises(ValueError):
+        c.start_forward([7], [0], except_rows=[3])
+
+
+def test_non_causal_span_keeps_window():
+    w = _cache(16, 1, 8, window=1)
+    _, _, mask, _ = _step(w, [0, 1, 2, 3], [0] * 4, except_rows=[1])
+    assert np.array_equal(mask, _m("oxxx", "oooo", "xoox", "xxoo"))
+
+
+@VT
+def test_attention_windowed_and_non_causal(v_trans):
+    c = _cache(16, 2, 8, Type.F16, head_dim=8, n_head_kv=2, v_trans=v_trans, window=3)
+    steps = [([0, 0, 1, 1, 2], [0, 1, 0, 1, 0]), ([3, 2, 3, 4], [0, 1, 1, 1]), ([4, 5, 5], [0, 0, 1])]
+    _attention_run(c, steps, 8, 4, 2, ref_kw={"window": 3}, fwd_kw={1: {"except_rows": [1, 2]}})
+
+
+# ---------------------------------------------------------------- 3. windowed memory
+
+
+@VT
+def test_swa_mem(v_trans):
+    # Ollama TestSWAMem: window 1, memory 3
+    c = _cache(16, 1, 4, window=1, memory=3, v_trans=v_trans)
+    assert (c.memory, c.n_cells) == (3, 7)
+    k, v, mask, _ = _step(c, [0, 1, 2, 3], [0] * 4)
+    assert np.array_equal(mask, _m("oxxx", "ooxx", "xoox", "xxoo"))
+    k, v, mask, plan = _step(c, [4, 5], [0, 0])
+    assert plan.trim == {0: 4} and plan.cell_ids.tolist() == [0, 4]
+    assert _flat(k) == _flat(v) == [5, 2, 3, 4, 6]  # pos 0 evicted, 1..3 kept but masked
+    assert np.array_equal(mask, _m("oxxox", "oxxxo"))
+    assert (c.seq_pos_min(0), c.seq_pos_max(0)) == (1, 5)
+
+
+def test_swa_mem_sizing_and_validation():
+    assert _cache(16, 1, 4, window=2, memory=5).memory == 5
+    assert _cache(16, 2, 4, window=2, memory=2).memory == 3  # several sequences: window + 1
+    assert _cache(16, 2, 4, window=2, memory=5).memory == 5
+    c = _cache(4, 1, 4, window=2, memory=8)  # memory >= capacity: unlimited
+    assert (c.memory, c.n_cells) == (None, 4)
+    assert _cache(16, 1, 4, window=2, memory=0).memory == 2  # 0 means the window
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, window=4, memory=3)
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, memory=3)
+    with pytest.raises(ValueError):
+        Causal(1, 4, 4, Type.F32, window=4, memory=-1)
+
+
+@pytest.mark.parametrize("memory, want", [
+    (None, [True] + [False] * 4 + [True] * 2),      # Ollama TestCanResume (window 4)
+    (5, [True] + [False] * 5 + [True] * 2),         # Ollama TestCanResumeSWAMem (window 4, memory 5)
+])
+def test_can_resume_windowed(memory, want):
+    c = _cache(16, 1, 8, window=4, memory=memory)
+    first = list(range(7)) if memory else list(range(5))
+    _step(c, first, [0] * len(first))
+    assert all(c.can_resume(0, p) for p in range(len(first) + 1))
+    _step(c, [len(first)], [0])
+    got = [c.can_resume(0, p) for p in range(len(want))]
+    assert got == want
+    assert not c.can_resume(0, len(first) + 2)  # past the last stored position + 1
+
+
+def test_swa_mem_evicts_idle_sequence_and_fills():
+    c = _cache(16, 2, 2, window=1, memory=2)
+    assert (c.memory, c.n_cells) == (2, 6)
+    _step(c, [0, 1], [0, 0])
+    _step(c, [0, 1], [1, 1])
+    _step(c, [2, 3], [0, 0])  # lowest 2: seq 0 keeps pos >= 0; seq 1 idle at 2 keeps >= 0
+    assert c.cells.used == 6
+    _, _, _, plan = _step(c, [4, 5], [0, 0])  # seq 0 drops pos < 2, frees two cells
+    assert plan.cell_ids.tolist() == [0, 1]
+    with pytest.raises(KVCacheFull):
+        c.start_forward([2, 3, 4], [1, 1, 1])
