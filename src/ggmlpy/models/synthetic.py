@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from ggmlpy._cache import cache_dir
 from ggmlpy._core import GGMLValueError
 from ggmlpy._files import replacing
 
@@ -409,12 +410,6 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
             progress(done, total)
     w.write()
     return path
-
-
-def cache_dir() -> Path:
-    """Where synthetic models are cached: ``$GGMLPY_CACHE`` or ``~/.cache/ggmlpy``."""
-    env = os.environ.get("GGMLPY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "ggmlpy"
 
 
 def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
