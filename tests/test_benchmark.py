@@ -183,8 +183,13 @@ def test_synthetic_sizes():
     from ggmlpy.models.synthetic import SIZES, parse_size
 
     assert parse_size("110M") == "110M" and parse_size("tiny") == "tiny"
-    assert parse_size("0.1B") == "110M" and parse_size("1.1b") == "1B" and parse_size("20M") == "15M"
-    assert parse_size("1M") == "tiny"
+    assert parse_size("0.1B") == "110M" and parse_size("1.1b") == "1B" and parse_size("134M") == "110M"
+    assert parse_size("8B") == "qwen3-8B" and parse_size("3b") == "llama3.2-3B"
+    # a count that names no built-in size is refused, not replaced by the nearest (7B was the 8B shape,
+    # 20M the 15M one): the message lists the sizes with the parameters each writes
+    for text in ("7B", "20M", "1M", "30B"):
+        with pytest.raises(ValueError, match=f"'{text}' is not built in; .*110M \\(134M\\)"):
+            parse_size(text)
     c = SIZES["110M"]
     assert (c.n_embd, c.n_layer, c.n_head, c.n_ff, c.n_vocab) == (768, 12, 12, 2048, 32000)
     with pytest.raises(ValueError):
