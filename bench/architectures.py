@@ -4,8 +4,8 @@ For every architecture a random-weight transformers model of about 100M paramete
 layers) is converted by llama.cpp's own ``convert_hf_to_gguf.py`` (tests/hf_convert.py fetches it) to
 F16, and from that file a Q4_0 one is written (every matrix Q4_0, as ``llama-quantize --pure``).
 Both go through ``ggmlpy bench --vs llama.cpp`` (interleaved rounds, pp512 and tg128), and the ratios
-are printed as one table. The files are kept in ``$GGMLPY_CACHE/bench-arch`` (default
-``~/.cache/ggmlpy``): a second run benchmarks at once.
+are printed as one table. The files are kept in ``bench-arch`` of ggmlpy's cache folder (``ggmlpy cache
+path``): a second run benchmarks at once.
 
 Needs what the converter tests need (torch, transformers, sentencepiece, pytest for tests/hf_convert.py)
 and llama-cpp-python for the peer::

@@ -1,5 +1,12 @@
-"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat`` and
-``ggmlpy rpc-server``."""
+"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat``,
+``ggmlpy cache`` and ``ggmlpy rpc-server``.
+
+Every subcommand answers a mistake the same way (:mod:`ggmlpy._cliargs`): one line naming the flag,
+``ggmlpy <command>: error: -t 0: must be at least 1``, exit status 2 for a usage error (reported before
+anything runs), 1 for a failure at run time (a model file that is missing, a folder or not GGUF; memory;
+a device), 130 for Ctrl-C, 141 when the reader of the output went away; ``--debug`` (or
+``GGMLPY_DEBUG=1``) adds the traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,41 @@ import argparse
 import json
 import sys
 import traceback
+import warnings
 from typing import Optional
+
+from ggmlpy._cliargs import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ArgParser,
+    UsageError,
+    at_least,
+    debug_requested,
+    gpu_layers_note,
+    model_file,
+    one_line_warnings,
+    override_problem,
+)
+
+
+def version_text() -> str:
+    """``ggmlpy --version``: ggmlpy's version, ggml's and the commit of the ggml source it was built from."""
+    from ggmlpy._system import ggml_commit, ggml_version
+    from ggmlpy._version import __version__
+
+    return f"ggmlpy {__version__} (ggml {ggml_version()}, commit {ggml_commit()})"
+
+
+class _Version(argparse.Action):
+    """``--version``, with the text made only when asked for (it loads ggml)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -83,7 +124,7 @@ def _cmd_rpc_server(args: argparse.Namespace) -> int:
                       for d, mib in zip(devs, mem))
     print(f"ggmlpy rpc-server: serving {names} at {endpoint} (Ctrl-C to stop)", flush=True)
     try:
-        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads, mem=limits, timeout=args.timeout,
+        _core.rpc_start_server(endpoint, devs, args.cache_dir, args.threads or 0, mem=limits, timeout=args.timeout,
                                max_clients=args.max_clients)
     except (OSError, ValueError) as e:
         print(f"ggmlpy rpc-server: {e}", file=sys.stderr)
@@ -103,9 +144,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 #: ``ggmlpy chat``'s help, for ``/?``
 _CHAT_HELP = """Available commands:
-  /clear   forget the conversation (the system prompt stays)
-  /bye     exit (also Ctrl-D)
-  /?       this help
+  /image PATH  attach an image to the next message (a model started with --mmproj)
+  /clear       forget the conversation (the system prompt stays)
+  /bye         exit (also Ctrl-D)
+  /?           this help
 Ctrl-C stops a reply and returns to the prompt; the reply is not kept (as Ollama)."""
 
 
@@ -120,36 +162,116 @@ def _lenient(stream) -> None:
             pass
 
 
-def _open_runner(args: argparse.Namespace):
-    """Load ``args.model`` and start a Runner over it (one sequence), with the tokenizer checked first."""
-    from ggmlpy._core import GGMLValueError
+def _check_model_args(args: argparse.Namespace) -> None:
+    """``run``'s and ``chat``'s values, checked before anything is loaded; each error names its flag (as
+    ``ggmlpy bench`` words it) and is a :class:`UsageError` (exit status 2)."""
+    if args.n_predict == 0 or args.n_predict < -1:
+        raise UsageError(f"-n {args.n_predict}: must be at least 1, or -1 (until the end of generation or a "
+                         f"full context)")
+    checks = [("-c", args.ctx_size, 0, "0: the model's training context, at most 4096"),
+              ("-b", args.batch_size, 1, ""), ("-mg", args.main_gpu, 0, ""), ("-ncmoe", args.n_cpu_moe, 0, ""),
+              ("--temp", args.temp, 0, "0: greedy"), ("--top-k", args.top_k, 0, "0: off"),
+              ("--min-p", args.min_p, 0, "0: off")]
+    if args.threads is not None:
+        checks.append(("-t", args.threads, 1, "default: all cores"))
+    for flag, value, lo, note in checks:
+        msg = at_least(flag, value, lo, note)
+        if msg:
+            raise UsageError(msg)
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: must be more than 0 and at most 1 (1: off)")
+    if args.min_p > 1:
+        raise UsageError(f"--min-p {args.min_p}: must be at most 1")
+    ngl = args.n_gpu_layers
+    if ngl.lower() == "auto":
+        args.n_gpu_layers = "auto"
+    else:
+        try:
+            args.n_gpu_layers = int(ngl)
+        except ValueError:
+            raise UsageError(f"-ngl {ngl}: expected a number of layers, -1 (all) or auto") from None
+        if args.n_gpu_layers < -1:
+            raise UsageError(f"-ngl {ngl}: must be at least -1 (-1: all layers), or auto")
+    if args.split_mode == "row":
+        raise UsageError("-sm row: not supported: ggmlpy splits by layer (row splits need ggml's CUDA split "
+                         "buffers)")
+    if args.tensor_split:
+        try:
+            props = [float(x) for x in args.tensor_split.replace("/", ",").split(",")]
+        except ValueError:
+            raise UsageError(f"invalid -ts value {args.tensor_split!r}: expected proportions such as 3,1") from None
+        if any(not (x >= 0) or x == float("inf") for x in props):
+            raise UsageError(f"invalid -ts value {args.tensor_split!r}: proportions must be finite and >= 0")
+        args.tensor_split = props
+    for text in args.override_tensor or ():
+        for item in text.split(","):
+            msg = override_problem(item)
+            if msg:
+                raise UsageError(msg)
+    from ggmlpy.benchmark.options import cache_types_problem
+
+    fa = {"on": 1, "off": 0, "auto": -1}[args.flash_attn]
+    msg = cache_types_problem(args.cache_type_k or "f16", args.cache_type_v or "f16", fa)
+    if msg:
+        raise UsageError(msg)
+    if args.image and not args.mmproj:
+        raise UsageError("--image needs the model's vision encoder: --mmproj FILE (the mmproj GGUF)")
+
+
+def _train_ctx(path: str) -> int:
+    """The training context a GGUF's header gives (``<arch>.context_length``), 4096 when it gives none."""
+    from ggmlpy.gguf import GGUFReader
+
+    with GGUFReader(path) as r:
+        arch = r.metadata.get("general.architecture", "")
+        value = r.metadata.get(f"{arch}.context_length")
+    return int(value) if isinstance(value, int) and value > 0 else 4096
+
+
+def _load_images(paths, what: str = "--image") -> list:
+    """The images of ``--image``/``/image`` paths, read now (RGB PIL images): a file that is missing or not
+    an image is an error before the model is asked anything."""
+    from ggmlpy.vision.preprocess import load_image
+
+    return [load_image(p) for p in paths]
+
+
+def _open_runner(args: argparse.Namespace, prog: str):
+    """Load ``args.model`` (with ``--mmproj``) and start a Runner over it (one sequence), with the
+    tokenizer checked first."""
     from ggmlpy.backend import main_accelerator
     from ggmlpy.load import load_model
     from ggmlpy.runner import Runner
 
+    path = model_file(args.model, "-m")
+    mmproj = model_file(args.mmproj, "--mmproj") if args.mmproj else None
     devices = args.device.split(",") if "," in args.device else args.device
-    if args.split_mode == "row":
-        raise GGMLValueError("-sm row: ggmlpy splits by layer (row splits need ggml's CUDA split buffers)")
-    if args.n_cpu_moe < 0:
-        raise GGMLValueError(f"-ncmoe {args.n_cpu_moe}: must be >= 0")
     kw = {"rpc": args.rpc.split(",") if args.rpc else (),
           "n_cpu_moe": 1 << 30 if args.cpu_moe else args.n_cpu_moe}
+    if isinstance(args.n_gpu_layers, int):
+        note = gpu_layers_note(args.n_gpu_layers, args.device, kw["rpc"])
+        if note:
+            print(f"{prog}: note: {note}", file=sys.stderr)
     if args.override_tensor:
         kw["tensor_overrides"] = ",".join(args.override_tensor)
     if args.tensor_split:
-        try:
-            kw["tensor_split"] = [float(x) for x in args.tensor_split.replace("/", ",").split(",")]
-        except ValueError:
-            raise GGMLValueError(f"-ts {args.tensor_split}: expected proportions such as 3,1") from None
+        kw["tensor_split"] = args.tensor_split
     if args.split_mode == "none":
         devices = main_accelerator(devices, args.main_gpu, rpc=kw["rpc"])
-    model = load_model(args.model, devices=devices, n_gpu_layers=args.n_gpu_layers, **kw)
+    fa = {"on": True, "off": False, "auto": None}[args.flash_attn]
+    n_ctx = args.ctx_size
+    if args.n_gpu_layers == "auto":
+        # the placement search sizes the weights around this runner's cache and graphs
+        n_ctx = n_ctx or min(4096, _train_ctx(path))
+        kw.update(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
+                  type_k=args.cache_type_k or "f16", type_v=args.cache_type_v or "f16", flash_attn=fa)
+    model = load_model(path, devices=devices, n_gpu_layers=args.n_gpu_layers, mmproj=mmproj, **kw)
     try:
-        n_ctx = args.ctx_size
         if n_ctx <= 0:
             n_ctx = min(4096, int(getattr(model.config, "n_ctx_train", 4096) or 4096))
         rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
-                    n_threads=args.threads, op_offload=not args.no_op_offload)
+                    n_threads=args.threads or 0, op_offload=not args.no_op_offload, flash_attn=fa,
+                    type_k=args.cache_type_k, type_v=args.cache_type_v)
     except BaseException:
         model.close()
         raise
@@ -233,13 +355,19 @@ def _stream(handle, out) -> bool:
         return False
 
 
+def _with_images(text: str, images: list):
+    """A chat message's content: ``text`` after its images' parts (most vision models want the image
+    first, as llama.cpp's ``llama-mtmd-cli`` puts it), or ``text`` itself when there are none."""
+    if not images:
+        return text
+    return [*({"type": "image", "image": im} for im in images), {"type": "text", "text": text}]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.prompt is None and args.file is None:
-        print("ggmlpy run: error: a prompt is needed: -p PROMPT or -f FILE ('-' for stdin)", file=sys.stderr)
-        return 2
+        raise UsageError("a prompt is needed: -p PROMPT or -f FILE ('-' for stdin)")
     if args.system is not None and not args.chat:
-        print("ggmlpy run: error: --system is for --chat", file=sys.stderr)
-        return 2
+        raise UsageError("--system is for --chat")
     out = sys.stdout
     _lenient(out)
     _lenient(sys.stdin)
@@ -250,25 +378,37 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         prompt = _read_text(args.file, "-f")
     template = _template(args)
-    model, rt = _open_runner(args)
+    images = _load_images(args.image or ())
+    model, rt = _open_runner(args, "ggmlpy run")
     try:
         kw = dict(max_tokens=args.n_predict, sampling=_sampling(args), stop=tuple(args.stop or ()), shift=False)
         if args.chat:
             _check_chat_template(rt, template)
             messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
-                [{"role": "user", "content": prompt}]
+                [{"role": "user", "content": _with_images(prompt, images)}]
             handle = rt.submit_chat(messages, template=template, **kw)
         else:
+            if images:
+                from ggmlpy.runner.images import MEDIA_MARKER
+
+                # llama-mtmd-cli's rule: a prompt without markers gets one per image, before its text
+                if MEDIA_MARKER not in prompt:
+                    prompt = MEDIA_MARKER * len(images) + prompt
+                kw["images"] = images
             handle = rt.submit(prompt, parse_special=not args.no_parse_special, **kw)
         finished = _stream(handle, out)
         r = handle.result()
         out.write("\n")
         out.flush()
         print(_stats_line(r), file=sys.stderr)
-        return 0 if finished else 130
+        return 0 if finished else EXIT_INTERRUPTED
     finally:
         rt.close()
         model.close()
+
+
+def _has_images(messages: list) -> bool:
+    return any(isinstance(m.get("content"), list) for m in messages)
 
 
 def _chat_turn(rt, history: list, args, template: Optional[str], out):
@@ -289,9 +429,12 @@ def _chat_turn(rt, history: list, args, template: Optional[str], out):
         raise GGMLValueError(f"the message takes {len(ids)} tokens, more than the context of {rt.n_ctx} "
                              f"(-c) leaves room for")
     handle = None
+    kw = dict(max_tokens=args.n_predict, sampling=_sampling(args), stop=tuple(args.stop or ()), shift=False)
     try:
-        handle = rt.submit(ids, detokenize=True, max_tokens=args.n_predict, sampling=_sampling(args),
-                           stop=tuple(args.stop or ()), shift=False)
+        if _has_images(messages):        # the images go with the messages (token ids alone would lose them)
+            handle = rt.submit_chat(messages, template=template, **kw)
+        else:
+            handle = rt.submit(ids, detokenize=True, **kw)
         if not _stream(handle, out):
             return None
         r = handle.result()
@@ -299,25 +442,27 @@ def _chat_turn(rt, history: list, args, template: Optional[str], out):
         if handle is not None:
             _cancel(handle)
         return None
-    if args.verbose:
-        print(_stats_line(r), file=sys.stderr)
     return r
 
 
 def chat_repl(rt, args: argparse.Namespace, history: list, template: Optional[str] = None, out=None,
-              read=input) -> int:
+              read=input, images: Optional[list] = None) -> int:
     """``ggmlpy chat``'s loop over a started runner: read a line, answer it, until ``/bye`` or Ctrl-D.
 
     ``history`` (a list of messages, the system prompt first if any) grows by each user message and
     each finished reply. Ctrl-C during a reply cancels it and returns to the prompt: as Ollama does,
     the user's message stays in the history and the partial reply is dropped. Ctrl-C at the prompt
     prints how to exit. An error in one turn (the template failed, the message alone is longer than
-    the context) is printed and the message dropped; the chat goes on. Returns the exit status (0).
+    the context) is printed and the message dropped; the chat goes on. ``/image PATH`` (as in
+    llama.cpp's ``llama-mtmd-cli``) reads an image now and attaches it to the next message, as do
+    ``images`` (``--image``) to the first. With ``--verbose`` the speed of each reply is printed on a
+    line of its own after it. Returns the exit status (0).
     """
     from ggmlpy import GGMLError
 
     out = sys.stdout if out is None else out
     system = [m for m in history[:1] if m.get("role") == "system"]
+    pending = list(images or ())
     while True:
         try:
             line = read(">>> ")
@@ -332,19 +477,23 @@ def chat_repl(rt, args: argparse.Namespace, history: list, template: Optional[st
         if not text:
             continue
         if text.startswith("/"):
-            cmd = text.split()[0]
+            cmd, _, rest = text.partition(" ")
             if cmd in ("/bye", "/exit"):
                 return 0
             if cmd == "/clear":
                 history[:] = system
+                pending.clear()
                 out.write("Cleared session context\n")
             elif cmd in ("/?", "/help"):
                 out.write(_CHAT_HELP + "\n")
+            elif cmd == "/image":
+                out.flush()
+                _attach(rt, rest.strip(), pending, out)
             else:
                 out.write(f"Unknown command '{cmd}'. Type /? for help\n")
             out.flush()
             continue
-        history.append({"role": "user", "content": line})
+        history.append({"role": "user", "content": _with_images(line, pending)})
         try:
             r = _chat_turn(rt, history, args, template, out)
         except GGMLError as e:
@@ -355,10 +504,35 @@ def chat_repl(rt, args: argparse.Namespace, history: list, template: Optional[st
             out.flush()
             print(f"error: {_one_line(e)}", file=sys.stderr)
             continue
+        pending.clear()                         # sent (the message keeps them)
         if r is not None:
             history.append({"role": "assistant", "content": r.text})
-        out.write("\n\n" if r is not None else "\n")
+        out.write("\n")
         out.flush()
+        if r is not None:
+            if args.verbose:                    # on a line of its own, after the reply's
+                print(_stats_line(r), file=sys.stderr, flush=True)
+            out.write("\n")
+            out.flush()
+
+
+def _attach(rt, path: str, pending: list, out) -> None:
+    """``/image PATH``: read the image now and keep it for the next message; a problem is one line."""
+    from ggmlpy import GGMLError
+
+    if not path:
+        print("error: /image needs a file: /image PATH", file=sys.stderr)
+    elif getattr(rt, "vision", None) is None:
+        print("error: this model has no vision encoder: start the chat with --mmproj FILE", file=sys.stderr)
+    else:
+        try:
+            pending += _load_images([path], "/image")
+        except (GGMLError, OSError) as e:
+            from ggmlpy.benchmark import _one_line
+
+            print(f"error: {_one_line(e)}", file=sys.stderr)
+            return
+        out.write(f"{path} image loaded (sent with your next message)\n")
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -366,11 +540,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     template = _template(args)
     _lenient(sys.stdout)
     _lenient(sys.stdin)
-    model, rt = _open_runner(args)
+    images = _load_images(args.image or ())
+    model, rt = _open_runner(args, "ggmlpy chat")
     try:
         _check_chat_template(rt, template)
         history = [{"role": "system", "content": args.system}] if args.system is not None else []
-        return chat_repl(rt, args, history, template)
+        return chat_repl(rt, args, history, template, images=images)
     finally:
         rt.close()
         model.close()
@@ -383,9 +558,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=0,
                    help="context size (default 0: the model's training context, at most 4096)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
-    p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
-                   help="layers on accelerators (default -1: all, when there is one)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-ngl", "--n-gpu-layers", default="-1", metavar="N|auto",
+                   help="layers on accelerators (default -1: all, when there is one); auto: as many as fit with "
+                        "this context (-c), found by trying allocations")
     p.add_argument("-dev", "--device", default="auto", help="devices: auto (default), cpu, or names (comma list)")
     p.add_argument("-sm", "--split-mode", default="layer", choices=("layer", "none", "row"),
                    help="layer: the offloaded layers divided among the accelerators (default); none: all on the "
@@ -403,6 +579,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep every layer's expert weights on the CPU")
     p.add_argument("-rpc", "--rpc", default=None, metavar="HOST:PORT,...",
                    help="add ggml RPC servers (their devices join -dev auto)")
+    p.add_argument("-ctk", "--cache-type-k", default=None, metavar="TYPE",
+                   help="K cache type: f32, f16, bf16, q8_0, q4_0, q4_1, iq4_nl, q5_0, q5_1 (default f16)")
+    p.add_argument("-ctv", "--cache-type-v", default=None, metavar="TYPE",
+                   help="V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)")
+    p.add_argument("-fa", "--flash-attn", default="auto", choices=("on", "off", "auto"),
+                   help="flash attention (default auto)")
+    p.add_argument("--mmproj", default=None, metavar="FILE",
+                   help="the model's vision encoder (an mmproj GGUF): the model then takes images")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj")
     p.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
     p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1: off)")
@@ -415,11 +601,71 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="Jinja chat template to use instead of the model's")
 
 
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    """``ggmlpy cache [list|path|clear [--yes]]``: the folder of ggmlpy's own files, what is in it, and
+    removing it (only ggmlpy's entries; anything else there is listed and left alone)."""
+    from ggmlpy._cache import cache_dir, cache_dir_source, cache_entries, clear_cache
+
+    folder = cache_dir()
+    if args.action == "path":
+        print(folder)
+        return 0
+    entries = cache_entries(folder)
+    own = [e for e in entries if e.own]
+    total = sum(e.size for e in own)
+    if args.action == "list":
+        source = {"GGMLPY_CACHE": "from $GGMLPY_CACHE", "XDG_CACHE_HOME": "from $XDG_CACHE_HOME",
+                  "default": "the default; $GGMLPY_CACHE or $XDG_CACHE_HOME move it"}[cache_dir_source()]
+        print(f"{folder} ({source})")
+        if not entries:
+            print("  empty: nothing written yet")
+            return 0
+        width = max(len(e.path.name) + (1 if e.path.is_dir() else 0) for e in entries)
+        for e in entries:
+            name = e.path.name + ("/" if e.path.is_dir() else "")
+            print(f"  {_human(e.size):>10}  {name:<{width}}  {e.what}")
+        print(f"  {_human(total):>10}  total of ggmlpy's {len(own)} entr{'y' if len(own) == 1 else 'ies'} "
+              f"(ggmlpy cache clear removes them)")
+        return 0
+    # clear
+    if not own:
+        print(f"nothing of ggmlpy's to remove in {folder}")
+        return 0
+    what = f"{len(own)} entr{'y' if len(own) == 1 else 'ies'} ({_human(total)}) from {folder}"
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"this removes {what}; add --yes (there is no terminal to ask)")
+        try:
+            answer = input(f"Remove {what}? [y/N] ")
+        except EOFError:
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing removed")
+            return 0
+    n, size = clear_cache(folder)
+    print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({_human(size)}) from {folder}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, text "
-                                 "generation and chat, RPC server")
-    sub = ap.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="versions, CPU features, compiled backends and devices")
+    ap = ArgParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, text generation and chat, "
+                   "its cache folder, RPC server")
+    ap.add_argument("--version", action=_Version, help="print ggmlpy's, ggml's version and ggml's commit, and exit")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, **kw)
+        p.add_argument("--debug", action="store_true", help="print the traceback of an error")
+        return p
+
+    p = command("info", help="versions, CPU features, compiled backends and devices")
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("bench", add_help=False,
@@ -427,7 +673,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(ggmlpy bench -h)")
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_cmd_bench)
-    p = sub.add_parser("run", help="complete a prompt, printing the text as it is generated, then the speed")
+    p = command("run", help="complete a prompt, printing the text as it is generated, then the speed")
     p.add_argument("-p", "--prompt", default=None, help="the prompt")
     p.add_argument("-f", "--file", default=None, help="read the prompt from FILE ('-': stdin)")
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message through the chat "
@@ -436,14 +682,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read special-token texts in the prompt (<|im_start|>) as plain text")
     _add_model_args(p)
     p.set_defaults(func=_cmd_run)
-    p = sub.add_parser("chat", help="interactive chat in the terminal (/? for commands, Ctrl-D to exit)")
-    p.add_argument("--verbose", action="store_true", help="print the speed after each reply")
+    p = command("chat", help="interactive chat in the terminal (/? for commands, Ctrl-D to exit)")
+    p.add_argument("--verbose", action="store_true", help="print the speed after each reply, on a line of its own")
     _add_model_args(p)
     p.set_defaults(func=_cmd_chat)
-    p = sub.add_parser("rpc-server", help="serve this machine's devices to ggml RPC clients")
+    p = command("cache", help="ggmlpy's cache folder (built-in models, measurements): list, path, clear")
+    p.add_argument("action", nargs="?", default="list", choices=("list", "path", "clear"),
+                   help="list (default): what is there, with sizes; path: print the folder; clear: remove "
+                        "ggmlpy's files from it (nothing else)")
+    p.add_argument("-y", "--yes", action="store_true", help="clear without asking")
+    p.set_defaults(func=_cmd_cache)
+    p = command("rpc-server", help="serve this machine's devices to ggml RPC clients")
     p.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50052, help="TCP port (default 50052)")
-    p.add_argument("--threads", "-t", type=int, default=0, help="CPU threads (default: all cores)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--device", "-d", action="append", help="device to serve (repeatable; default CPU)")
     p.add_argument("--cache-dir", default=None, help="cache tensors received by hash in this folder")
     p.add_argument("--mem", "-m", type=_mem_mib, action="append", metavar="MiB",
@@ -460,27 +712,63 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+#: The subcommands (for naming the one a usage error is in before the command line is parsed).
+COMMANDS = ("info", "bench", "run", "chat", "cache", "rpc-server")
+
+
+def _prog(argv: list[str]) -> str:
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    return f"ggmlpy {cmd}" if cmd in COMMANDS else "ggmlpy"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``ggmlpy`` command; returns its exit status (see the module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
         # bench has llama-bench's own option syntax (-ngl, -pg, comma lists): hand it over whole.
         return _cmd_bench(argparse.Namespace(bench_args=argv[1:]))
-    args = build_parser().parse_args(argv)
+    prog = _prog(argv)
+    debug = debug_requested(argv)
+    try:
+        args, extra = build_parser().parse_known_args(argv)
+        if extra:
+            raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command in ("run", "chat"):
+            _check_model_args(args)
+        elif args.command == "rpc-server" and args.threads is not None:
+            msg = at_least("-t", args.threads, 1, "default: all cores")
+            if msg:
+                raise UsageError(msg)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as e:             # --help, --version
+        return e.code if isinstance(e.code, int) else 0
     from ggmlpy import GGMLError
 
     try:
-        return args.func(args)
-    except (GGMLError, OSError, MemoryError) as e:
-        # one clear line for what a user can cause; GGMLPY_DEBUG=1 shows the traceback
-        from ggmlpy.benchmark import _debug, _one_line
+        with warnings.catch_warnings(), one_line_warnings(prog, debug):
+            # said once as a note naming -ngl (_open_runner), not as the loader's warning naming its API
+            warnings.filterwarnings("ignore", message=r"split_layers: n_gpu_layers=\d+ ignored")
+            return args.func(args)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        from ggmlpy.benchmark.driver import _broken_pipe
 
-        if _debug():
+        return _broken_pipe()
+    except (GGMLError, OSError, MemoryError) as e:
+        # one clear line for what a user can cause; --debug or GGMLPY_DEBUG=1 shows the traceback
+        from ggmlpy.benchmark import _one_line
+
+        if debug:
             traceback.print_exc()
-        print(f"ggmlpy {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 1
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:           # Ctrl-C while loading a model, say: no traceback
         print(file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

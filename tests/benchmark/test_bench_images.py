@@ -45,7 +45,7 @@ def test_parse_images_and_mmproj():
     (["-m", "a", "-m", "b", "-m", "c", "--mmproj", "pa,pb", "-i", "1"], "^--mmproj: 2 files for 3 models"),
     (["-m", "a", "--mmproj", "pa,pb", "-i", "1"], "^--mmproj: 2 files for 1 models"),
     (["-m", "a", "--mmproj", "pa", "-i", "x"], "invalid range"),
-    (["-m", "a", "--mmproj", "pa", "-i", "-1"], "invalid range"),
+    (["-m", "a", "--mmproj", "pa", "-i", "-1"], "^-i -1: must be at least 0$"),     # the flag, as every bound
     (["-m", "a", "--mmproj", "pa,", "-i", "1"], "empty item"),
 ])
 def test_parse_image_errors(argv, words):

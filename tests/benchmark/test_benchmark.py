@@ -52,7 +52,7 @@ def test_negative_only_where_allowed():
 @pytest.mark.parametrize("argv, words", [
     (["-ot", "exps"], r"invalid -ot value 'exps': expected PATTERN=DEVICE"),
     (["--override-tensor", "a=CPU;b(=CPU"], r"invalid -ot value 'b\(=CPU': 'b\(' is not a regular expression"),
-    (["-ncmoe", "-1"], r"range"),
+    (["-ncmoe", "-1"], r"^-ncmoe -1: must be at least 0$"),
     (["-sm", "layer,row"], r"-sm row: not supported .*row splits"),
     (["-sm", "rows"], r"invalid -sm value 'rows'"),
     (["-ts", "3/x"], r"invalid -ts value '3/x'"),
@@ -112,13 +112,23 @@ def test_lists_repeats_and_aliases():
     (["-fa", "maybe"], "-fa"),
     (["-ctk", "q3_k"], "cache type"),
     (["-r", "0"], "repetition"),
-    (["-t", "0"], "n_threads"),
+    (["-t", "0"], "^-t 0: must be at least 1$"),             # the flag, not the API's n_threads
+    (["-t", "2,-1"], "^-t -1: must be at least 1$"),
+    (["-n", "-3"], "^-n -3: must be at least 0$"),
+    (["-b", "0"], "^-b 0: must be at least 1$"),
     (["-p", "x"], "range"),
     (["--vs", "vllm"], "llama.cpp"),
     (["--bogus"], "unrecognized"),
     (["-o", "xml"], "invalid choice"),
     (["--type", "Q5_K"], "--type"),
     (["--synthetic", "huge"], "synthetic"),
+    (["--synthetic", "7B"], r"^--synthetic: synthetic model size '7B' is not built in; the built-in sizes .* are "
+                            r"tiny \(164K\), 15M \(24M\), 42M \(58M\), 110M \(134M\), 1B \(1.1B\), .*qwen3-8B "
+                            r"\(8.2B\)"),
+    (["-p", "1-100000000"], r"^-p: range '1-100000000' has 100,000,000 values; one list takes at most 1,024"),
+    (["-p", "1-101", "-t", "1-100", "-n", "0"], r"^10,100 tests asked for \(the product of every list\); one run "
+                                                r"takes at most 10,000"),
+    (["-ngl", "-3"], r"^-ngl -3: must be at least -1"),
     (["-mmp", "2"], "invalid -mmp value '2'"),
     (["-lm", "mlock"], "not supported by ggmlpy's loader"),
     (["-lm", "dio"], "no mlock or direct I/O"),
@@ -183,8 +193,13 @@ def test_synthetic_sizes():
     from ggmlpy.models.synthetic import SIZES, parse_size
 
     assert parse_size("110M") == "110M" and parse_size("tiny") == "tiny"
-    assert parse_size("0.1B") == "110M" and parse_size("1.1b") == "1B" and parse_size("20M") == "15M"
-    assert parse_size("1M") == "tiny"
+    assert parse_size("0.1B") == "110M" and parse_size("1.1b") == "1B" and parse_size("134M") == "110M"
+    assert parse_size("8B") == "qwen3-8B" and parse_size("3b") == "llama3.2-3B"
+    # a count that names no built-in size is refused, not replaced by the nearest (7B was the 8B shape,
+    # 20M the 15M one): the message lists the sizes with the parameters each writes
+    for text in ("7B", "20M", "1M", "30B"):
+        with pytest.raises(ValueError, match=f"'{text}' is not built in; .*110M \\(134M\\)"):
+            parse_size(text)
     c = SIZES["110M"]
     assert (c.n_embd, c.n_layer, c.n_head, c.n_ff, c.n_vocab) == (768, 12, 12, 2048, 32000)
     with pytest.raises(ValueError):
@@ -467,8 +482,10 @@ def test_vs_llama_cpp_missing_gives_clear_message(tmp_path, monkeypatch, capsys)
     (fake / "__init__.py").write_text("raise ImportError('simulated: not installed')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(fake.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    model = tmp_path / "a.gguf"
-    model.write_bytes(b"")                  # exists (a missing file is reported first); never loaded
+    from ggmlpy.models.synthetic import write_synthetic
+
+    # a real GGUF (a file that is not one is reported first, before any peer starts); never loaded
+    model = write_synthetic(tmp_path / "a.gguf", "tiny", "F16")
     code = bm.main(["-m", str(model), "-p", "8", "-n", "0", "-r", "1", "--vs", "llama.cpp"])
     err = capsys.readouterr().err
     assert code == 1
@@ -495,7 +512,8 @@ def test_cli_bench_help(capsys):
 
     assert cli.main(["bench", "--help"]) == 0
     assert "-ngl" in capsys.readouterr().out
-    assert cli.main(["bench", "-p", "nonsense"]) == 1                    # llama-bench exits 1 on a bad option too
+    # a usage error is exit status 2 in every ggmlpy command (llama-bench exits 1; both are a failure to a script)
+    assert cli.main(["bench", "-p", "nonsense"]) == 2
 
 
 # --------------------------------------------------------------------------- the synthetic model file

@@ -109,7 +109,7 @@ def test_run_and_chat_errors_are_one_line(path, tmp_path, capsys):
     bad_text = tmp_path / "latin1.txt"
     bad_text.write_bytes("caf\xe9".encode("latin-1"))
     cases = [
-        (["run", "-m", str(tmp_path / "missing.gguf"), "-p", "x"], 1, "No such file"),
+        (["run", "-m", str(tmp_path / "missing.gguf"), "-p", "x"], 1, "missing.gguf: no such file"),
         (["run", "-m", str(no_vocab), "-p", "x"], 1, "has no tokenizer"),
         (["chat", "-m", str(no_vocab)], 1, "has no tokenizer"),
         (["run", "-m", no_template, "-p", "x", "--chat"], 1, "no chat template"),
@@ -119,12 +119,13 @@ def test_run_and_chat_errors_are_one_line(path, tmp_path, capsys):
         (["run", "-m", path, "-p", "x", "--stop", ""], 1, "empty stop string"),
         (["run", "-m", path], 2, "a prompt is needed"),
         (["run", "-m", path, "-p", "x", "--system", "s"], 2, "--system is for --chat"),
-        (["run", "-m", path, "-p", "x", "-ot", "exps"], 1, "'exps' is not PATTERN=DEVICE"),
+        # the option's form and values are usage errors (2), in ggmlpy bench's words; the device when it loads
+        (["run", "-m", path, "-p", "x", "-ot", "exps"], 2, "invalid -ot value 'exps': expected PATTERN=DEVICE"),
         (["run", "-m", path, "-p", "x", "-ot", "exps=GPU9"], 1, "unknown device or buffer type 'GPU9'"),
-        (["run", "-m", path, "-p", "x", "-ot", "exps(=CPU"], 1, "pattern 'exps(' is not a regular expression"),
-        (["run", "-m", path, "-p", "x", "-ncmoe", "-1"], 1, "-ncmoe -1: must be >= 0"),
-        (["run", "-m", path, "-p", "x", "-sm", "row"], 1, "-sm row: ggmlpy splits by layer"),
-        (["run", "-m", path, "-p", "x", "-ts", "3,x"], 1, "-ts 3,x: expected proportions"),
+        (["run", "-m", path, "-p", "x", "-ot", "exps(=CPU"], 2, "'exps(' is not a regular expression"),
+        (["run", "-m", path, "-p", "x", "-ncmoe", "-1"], 2, "-ncmoe -1: must be at least 0"),
+        (["run", "-m", path, "-p", "x", "-sm", "row"], 2, "-sm row: not supported: ggmlpy splits by layer"),
+        (["run", "-m", path, "-p", "x", "-ts", "3,x"], 2, "invalid -ts value '3,x': expected proportions"),
     ]
     for argv, code, message in cases:
         assert cli.main([*argv, "-dev", "cpu"]) == code, argv
@@ -330,3 +331,118 @@ def test_run_places_weights_by_name_on_a_server(path, rpc_server, monkeypatch, c
     (k, overridden), = seen
     assert k["tensor_overrides"] == "ffn_(gate|up)=CPU,ffn_down=cpu" and k["n_cpu_moe"] >= 1 << 30
     assert overridden and all(("ffn_" in n) and d == "CPU" for n, d in overridden.items())
+
+
+# ---------------------------------------------------------------------------------------------- llama-cli's options
+
+
+def test_run_takes_cache_types_flash_attention_and_ngl_auto(path, model, capsys, monkeypatch):
+    """-ctk/-ctv/-fa reach the runner (the text is what a runner with those settings writes) and -ngl auto
+    loads through the placement search (all layers fit here; the text is the plain greedy one)."""
+    import ggmlpy.runner
+    from ggmlpy import load as loading
+
+    seen: list = []
+    runner_cls, load = ggmlpy.runner.Runner, loading.load_model
+
+    class Spy(runner_cls):
+        def __init__(self, *a, **k):
+            seen.append(k)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(ggmlpy.runner, "Runner", Spy)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: seen.append(k) or load(*a, **k))
+    # (this model's heads of 16 hold no quantized block: float types)
+    with Runner(model, n_ctx=256, type_k="bf16", type_v="f32", flash_attn=False) as r:
+        want = r.generate(PROMPT, max_tokens=12, sampling=GREEDY, shift=False).text
+    assert cli.main(["run", "-m", path, "-p", PROMPT, "-n", "12", *COMMON, "-ctk", "bf16", "-ctv", "f32",
+                     "-fa", "off"]) == 0
+    assert capsys.readouterr().out == want + "\n"
+    assert (seen[1]["type_k"], seen[1]["type_v"], seen[1]["flash_attn"]) == ("bf16", "f32", False)
+    seen.clear()
+    with Runner(model, n_ctx=256) as r:
+        plain = r.generate(PROMPT, max_tokens=12, sampling=GREEDY, shift=False).text
+    assert cli.main(["run", "-m", path, "-p", PROMPT, "-n", "12", *COMMON, "-ngl", "auto"]) == 0
+    assert capsys.readouterr().out == plain + "\n"
+    assert seen[0]["n_gpu_layers"] == "auto" and seen[0]["n_ctx"] == 256 and seen[-1]["n_ctx"] == 256, seen
+
+
+def test_chat_verbose_prints_the_speed_on_a_line_of_its_own(path, rt, monkeypatch):
+    """In a terminal stdout and stderr are one screen: the reply's line ends before the speed is printed."""
+    screen = _Screen()
+    monkeypatch.setattr(sys, "stderr", screen)
+    lines = iter(["hello", "/bye"])
+    assert cli.chat_repl(rt, chat_args(path, "--verbose"), [], out=screen, read=lambda p: next(lines)) == 0
+    text = "".join(screen.parts)
+    m = STATS.search(text)
+    assert m and text[m.start() - 1] == "\n" and text[m.end()] == "\n", repr(text)
+    assert text.endswith("\n\n")            # and a blank line after it, as without --verbose
+
+
+class _Screen:
+    def __init__(self):
+        self.parts = []
+
+    def write(self, s):
+        self.parts.append(s)
+
+    def flush(self):
+        pass
+
+
+def test_chat_image_command_without_a_vision_encoder(path, rt, capsys):
+    lines = iter(["/image nothing.png", "/image", "/?", "/bye"])
+    out = _Screen()
+    assert cli.chat_repl(rt, chat_args(path), [], out=out, read=lambda p: next(lines)) == 0
+    err = capsys.readouterr().err
+    assert "error: this model has no vision encoder: start the chat with --mmproj FILE" in err
+    assert "/image PATH" in "".join(out.parts)
+
+
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    pytest.importorskip("torch")
+    vh = pytest.importorskip("vision_helpers")
+    from PIL import Image
+
+    d = tmp_path_factory.mktemp("gemma3")
+    fx = vh.make("gemma3", d)
+    image = d / "picture.png"
+    Image.fromarray(vh.sample_image(90, 120, seed=5)).save(image)
+    return fx, str(image)
+
+
+def test_run_and_chat_take_mmproj_and_images(vision, monkeypatch, capsys):
+    """``run --mmproj F --image P -p TEXT``: llama-mtmd-cli's rule (a prompt without a marker gets one per
+    image, before the text), the text the runner gives for that prompt and image; ``chat``'s ``/image P``
+    attaches it to the next message, whose reply is the runner's chat with that image part."""
+    from ggmlpy.load import load_model
+    from ggmlpy.runner.images import MEDIA_MARKER
+    from ggmlpy.vision.preprocess import load_image
+
+    fx, image = vision
+    args = ["-m", str(fx.text_path), "--mmproj", str(fx.mmproj_path), "-n", "6", *COMMON]
+    pic = load_image(image)
+    with load_model(str(fx.text_path), mmproj=str(fx.mmproj_path)) as m, Runner(m, n_ctx=256) as r:
+        want = r.generate(MEDIA_MARKER + "Describe", images=[pic], max_tokens=6, sampling=GREEDY, shift=False)
+        ph = r.vision.image_placeholder
+        template = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+                    "{% for p in m.content %}{% if p.type == 'image' %}" + ph + "{% else %}{{ p.text }}{% endif %}"
+                    "{% endfor %}{% endif %}{% endfor %}")
+        reply = r.chat([{"role": "user", "content": [{"type": "image", "image": pic},
+                                                     {"type": "text", "text": "Describe"}]}],
+                       template=template, max_tokens=6, sampling=GREEDY, shift=False).text
+        lines = iter([f"/image {image}", "Describe", "/bye"])
+        out = _Screen()
+        history: list = []
+        assert cli.chat_repl(r, cli.build_parser().parse_args(["chat", *args]), history, template=template, out=out,
+                             read=lambda p: next(lines)) == 0
+        assert "".join(out.parts).endswith(reply + "\n\n") and "picture.png image loaded" in "".join(out.parts)
+        assert history[-1] == {"role": "assistant", "content": reply}
+    capsys.readouterr()
+    assert cli.main(["run", *args, "--image", image, "-p", "Describe"]) == 0
+    assert capsys.readouterr().out == want.text + "\n"
+    # an image that cannot be read is one line, before the model loads
+    assert cli.main(["run", *args, "--image", image + ".missing", "-p", "Describe"]) == 1
+    err = capsys.readouterr().err
+    assert "no such file" in err and len(err.strip().splitlines()) == 1

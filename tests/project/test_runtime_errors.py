@@ -110,23 +110,24 @@ def _ggmlpy(*args, env=None, timeout=120):
                           timeout=timeout, env=e)
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["bench", "-rpc", "127.0.0.1:{port}", "--synthetic", "tiny", "-p", "8", "-n", "0"], "127.0.0.1:{port}"),
-    (["bench", "-m", "/nonexistent/model.gguf", "-p", "8", "-n", "0"], "/nonexistent/model.gguf"),
-    (["bench", "-p", "nonsense"], "nonsense"),
-    (["bench", "--no-such-option"], "no-such-option"),
+@pytest.mark.parametrize("argv,needle,code", [
+    (["bench", "-rpc", "127.0.0.1:{port}", "--synthetic", "tiny", "-p", "8", "-n", "0"], "127.0.0.1:{port}", 1),
+    (["bench", "-m", "/nonexistent/model.gguf", "-p", "8", "-n", "0"], "/nonexistent/model.gguf", 1),
+    # usage errors: exit status 2, as in every ggmlpy command (ggmlpy._cliargs)
+    (["bench", "-p", "nonsense"], "nonsense", 2),
+    (["bench", "--no-such-option"], "no-such-option", 2),
 ])
-def test_cli_errors_are_one_line_and_exit_1(argv, needle):
+def test_cli_errors_are_one_line_and_exit_1(argv, needle, code):
     port = free_port()             # nothing listens there
     argv = [a.format(port=port) for a in argv]
     r = _ggmlpy(*argv)
-    assert r.returncode == 1, r.stderr
+    assert r.returncode == code, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert "Traceback" not in r.stderr
     assert len(lines) == 1 and "error" in lines[0] and needle.format(port=port) in lines[0], r.stderr
     # the traceback is there for whoever asks
     dbg = _ggmlpy(*argv, env={"GGMLPY_DEBUG": "1"})
-    assert dbg.returncode == 1
+    assert dbg.returncode == code
     if argv[1] in ("-rpc", "-m"):
         assert "Traceback" in dbg.stderr
 

@@ -65,8 +65,14 @@ that cannot run is refused when the command line is parsed:
 Beyond llama-bench
 ------------------
 * With no ``-m``, a built-in model: a llama GGUF with random weights of the
-  size and type chosen by ``--synthetic`` and ``--type`` (comma lists sweep),
-  written once to the cache folder (:mod:`ggmlpy.models.synthetic`).
+  size and type chosen by ``--synthetic`` and ``--type`` (comma lists sweep; a
+  size that is not built in is refused, with those that are),
+  written once to the cache folder (:mod:`ggmlpy.models.synthetic`,
+  ``ggmlpy cache``).
+* Every list is bounded before it is built (1,024 values, 10,000 tests a run),
+  and every value is checked before anything runs, the error naming the flag
+  (``-t 0: must be at least 1``) with exit status 2, as in every ``ggmlpy``
+  command (:mod:`ggmlpy._cliargs`).
 * Extra fields in CSV/JSON/JSONL (after llama-bench's): ``engine``,
   ``engine_version``, ``ggmlpy_version``, ``load_time_ms`` (wall time of
   loading the model the test ran on) and ``ttft_ms`` (time to first token:
@@ -97,7 +103,15 @@ Beyond llama-bench
   rounds make the row's t/s, and the ratio is the median of the N per-round ratios (``±``: their standard
   deviation), which a burst of other work on a shared machine cannot sway.
 * ``--plot FILE.png`` draws t/s against the swept prompt size, depth or thread
-  count, one line per model, engine and kind of test (needs matplotlib).
+  count, one line per model, engine and kind of test, or a bar per test when
+  nothing is swept (needs matplotlib, looked for before anything runs).
+* Progress is on by default where stderr is a terminal (one line, redrawn;
+  ``--no-progress``); ``--progress`` elsewhere prints llama-bench's lines.
+* A row whose t/s varies by more than 20% between repetitions gets a footnote
+  (the machine was busy: rerun with more ``-r``); in the table's last lines, on
+  stderr for the other formats.
+* The table's model column writes llama.cpp's ``?B`` (a shape its loader does
+  not know) as the parameter count it reported, as ggmlpy's row does.
 * ``-v`` prints the memory report (weights, cache, graph per device) of each
   test's configuration.
 * ``--roofline`` adds, for every test and engine, the achieved memory
@@ -174,6 +188,7 @@ from .output import (
     MarkdownPrinter,
     Printer,
     SqlPrinter,
+    check_plot,
     format_results,
     make_printer,
     plot,
@@ -188,7 +203,7 @@ __all__ = [
     "LOAD_MODES", "OUTPUTS", "PEERS", "PROG", "ROOFLINE_FIELDS", "BenchError", "BenchParams", "CsvPrinter", "Engine",
     "GgmlpyEngine", "Instance", "JsonPrinter", "JsonlPrinter", "LlamaCppEngine", "MachineBounds", "MarkdownPrinter",
     "ModelWork", "PeerUnavailable", "PeerUnsupported", "Printer", "Progress", "Result", "SqlPrinter", "UnsupportedTest",
-    "WorkerClient", "build_parser", "default_threads", "format_results", "machine_bounds", "main", "make_instances",
+    "WorkerClient", "build_parser", "check_plot", "default_threads", "format_results", "machine_bounds", "main", "make_instances",
     "make_printer", "parse_args", "parse_int_range", "plot", "ratio", "round_ratio", "roofline_fields", "run",
     "run_instance", "swept_variable",
 ]

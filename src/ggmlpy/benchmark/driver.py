@@ -13,30 +13,46 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
+import shutil
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import TextIO
 
+from ggmlpy._cliargs import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    debug_requested,
+    gpu_layers_note,
+    model_file,
+    one_line_warnings,
+)
 from ggmlpy._core import GGMLError, devices, rpc_add_server
 from ggmlpy._progress import ProgressBar
 from ggmlpy._system import ggml_commit, ggml_version
 from ggmlpy._version import __version__
 from ggmlpy.gguf import GGUFReader
 from ggmlpy.models.calibrate import forget as forget_kernel_timings
-from ggmlpy.models.synthetic import SIZES, for_arch, synthetic_path
+from ggmlpy.models.synthetic import SIZES, _count_label, for_arch, synthetic_path
 
 from .engines import Engine, run_instance
 from .errors import BenchError
 from .ggmlpy_engine import GgmlpyEngine, has_gpu
-from .options import PROG, BenchParams, build_parser, make_instances, parse_args
-from .output import make_printer, plot
+from .options import PROG, BenchParams, _isatty, build_parser, make_instances, parse_args
+from .output import check_plot, make_printer, plot
 from .results import Instance, Result, _merge, ratio, round_ratio
 from .roofline import MachineBounds, ModelWork, machine_bounds, roofline_fields
 from .worker import PeerUnavailable, PeerUnsupported, WorkerClient
 
-__all__ = ["main", "run"]
+__all__ = ["NOISE", "main", "run"]
+
+#: A row whose t/s varies more than this between repetitions (sample stddev / mean) gets the table's
+#: footnote: the number says more about the machine's other work than about the engine.
+NOISE = 0.20
 
 
 def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
@@ -45,9 +61,11 @@ def _synthetic_models(p: BenchParams, err: TextIO) -> list[str]:
     paths = []
     for arch, size, t in itertools.product(p.archs or [None], p.synthetic, p.types):
         path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, create=False, arch=arch)
-        what = f"{for_arch(SIZES[size], arch).arch} {size} {t}"
+        cfg = for_arch(SIZES[size], arch)
+        what = f"{cfg.arch} {size} {t}"
         if not path.exists():
-            print(f"{PROG}: writing the built-in {what} model to {path}", file=err, flush=True)
+            print(f"{PROG}: writing the built-in {what} model ({_count_label(cfg.n_params)} parameters) to {path}",
+                  file=err, flush=True)
         t0 = time.perf_counter()
         path = synthetic_path(size, t, seed=p.seed, cache_dir=p.cache_dir, arch=arch,
                               progress=ProgressBar(f"writing {what}", stream=err, unit="params"))
@@ -84,9 +102,53 @@ def _build_string() -> str:
     return f"{ggml_commit()} (ggmlpy {__version__}, ggml {ggml_version()})"
 
 
+class _Status:
+    """Test progress on stderr: in a terminal one line, redrawn, and cleared before anything else is
+    printed (rows, messages); elsewhere llama-bench's ``--progress`` lines."""
+
+    def __init__(self, err: TextIO, on: bool) -> None:
+        self.err, self.on = err, on
+        self.tty = on and _isatty(err)
+        self.shown = False
+
+    def __call__(self, msg: str) -> None:
+        if not self.on:
+            return
+        if self.tty:
+            width = max(20, shutil.get_terminal_size().columns - 1)
+            self.err.write("\r\033[K" + msg[:width])
+            self.err.flush()
+            self.shown = True
+        else:
+            print(msg, file=self.err, flush=True)
+
+    def clear(self) -> None:
+        if self.shown:
+            self.err.write("\r\033[K")
+            self.err.flush()
+            self.shown = False
+
+
+def _noise_note(results: list[Result], reps: int) -> str | None:
+    """The footnote for rows whose t/s varied more than :data:`NOISE` between repetitions, or None."""
+    if reps < 2:
+        return None
+    noisy = [(r, r.stddev_ts / r.avg_ts) for r in results if r.avg_ts > 0 and r.stddev_ts / r.avg_ts > NOISE]
+    if not noisy:
+        return None
+    shown = ", ".join(f"{r.inst.name} ({r.engine}, ±{rel:.0%})" for r, rel in noisy[:3])
+    more = f" and {len(noisy) - 3} more" if len(noisy) > 3 else ""
+    return (f"note: {shown}{more} varied by more than {NOISE:.0%} between repetitions: the machine was busy; "
+            "rerun with more -r (or --rounds)")
+
+
 def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
         engine: Engine | None = None) -> tuple[int, list[Result]]:
     """Run every test of ``p``, printing results as they come.
+
+    Everything a run needs is checked before the first test: every ``-m`` file is opened once (a
+    missing file, a folder or a file that is not GGUF is one error line, not one per test), ``--plot``
+    finds matplotlib, and ``-ngl N`` without an accelerator is one note.
 
     Parameters
     ----------
@@ -101,12 +163,27 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
     -------
     (int, list of Result)
         The exit code (1 if any test failed) and every result, peers' included.
+
+    Raises
+    ------
+    BenchError
+        A model file that cannot be used, ``--plot`` without matplotlib, a peer that cannot start.
     """
     out = out or sys.stdout
     err = err or sys.stderr
+    status = _Status(err, p.progress)
+
+    def note(text: str) -> None:
+        status.clear()
+        print(text, file=err, flush=True)
+
     for m in p.models if engine is None else ():      # (a test's fake engine has no files)
-        if not Path(m).is_file():
-            raise BenchError(f"-m {m}: no such model file")
+        try:
+            model_file(m, "-m")
+        except GGMLError as e:
+            raise BenchError(str(e)) from None
+    if p.plot:
+        check_plot()
     image_sizes: dict[str, int] = {}         # the image tests' image side per mmproj, the same for every engine
     if any(n > 0 for n in p.n_images):
         image_sizes = {mm: _image_size(mm) for mm in dict.fromkeys(p.mmproj)
@@ -117,6 +194,13 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
         for d in devices():
             print(f"{d.name}: {d.description}", file=out)
         return 0, []
+    if engine is None:
+        # llama.cpp ignores -ngl without a GPU in silence; one line says so (not ggmlpy's warning per load)
+        for ngl, dev in itertools.product(dict.fromkeys(v for v in p.n_gpu_layers if v > 0), p.devices):
+            msg = gpu_layers_note(ngl, dev, p.rpc)
+            if msg:
+                note(f"{PROG}: note: {msg}")
+                break
     models = p.models or _synthetic_models(p, err)
     instances = make_instances(p, models)
     peers: list[WorkerClient] = []
@@ -125,7 +209,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             try:
                 peers.append(WorkerClient(name, verbose=p.verbose))
             except PeerUnavailable as e:
-                print(f"{PROG}: error: {e}", file=err, flush=True)
+                note(f"{PROG}: error: {e}")
                 return 1, []
         gpu = has_gpu()
         local_gpu = has_gpu(local=True)     # RPC devices another part of the process added are not used
@@ -148,16 +232,19 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
         results: list[Result] = []
         n = len(instances)
         for i, inst in enumerate(instances):
-            if p.progress:
-                print(f"{PROG}: benchmark {i + 1}/{n}: starting", file=err, flush=True)
+            if p.progress and not status.tty:
+                status(f"{PROG}: benchmark {i + 1}/{n}: starting")
 
-            def prog(msg: str, _i=i, _e=engine.name) -> None:
-                print(f"{PROG}: benchmark {_i + 1}/{n}: {_e}: {msg}", file=err, flush=True)
+            def prog(msg: str, _i=i, _e=engine.name, _inst=inst) -> None:
+                if status.tty:
+                    status(f"{PROG}: {_i + 1}/{n} {_inst.name}: {_e}: {msg}")
+                else:
+                    status(f"{PROG}: benchmark {_i + 1}/{n}: {_e}: {msg}")
 
             def verbose(report: str, _inst=inst) -> None:
-                print(f"{PROG}: memory of {_inst.name} on {Path(_inst.model).name} "
-                      f"(threads {_inst.n_threads}, n_batch {_inst.n_batch}, n_ubatch "
-                      f"{_inst.n_ubatch}):\n{report}", file=err, flush=True)
+                note(f"{PROG}: memory of {_inst.name} on {Path(_inst.model).name} "
+                     f"(threads {_inst.n_threads}, n_batch {_inst.n_batch}, n_ubatch "
+                     f"{_inst.n_ubatch}):\n{report}")
 
             kw: dict = dict(reps=p.reps, seed=p.seed, index=i, warmup=not p.no_warmup, delay=p.delay)
             if inst.n_images and inst.mmproj in image_sizes:
@@ -170,19 +257,20 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                 got: dict[str, Result] = {}
                 for peer in peers:
                     try:
+                        # (in a terminal the worker's own lines would break the redrawn one: one line per test)
+                        if status.tty:
+                            status(f"{PROG}: {_i + 1}/{n} {_inst.name}: {peer.engine}: running")
                         pk = dict(_kw, progress_prefix=f"{PROG}: benchmark {_i + 1}/{n}: {peer.engine}: "
-                                  if p.progress else None)
+                                  if p.progress and not status.tty else None)
                         got[peer.engine] = res = peer.run(_inst, **pk)
                         res.ggmlpy_version = engine.version
                     except PeerUnsupported as e:          # a skip, not a failure: no row
                         if (peer.engine, _inst.name) not in unsupported:
                             unsupported.add((peer.engine, _inst.name))
-                            print(f"{PROG}: {peer.engine}: {_inst.name} not supported, skipped: {e}", file=err,
-                                  flush=True)
+                            note(f"{PROG}: {peer.engine}: {_inst.name} not supported, skipped: {e}")
                     except BenchError as e:
                         failed += 1
-                        print(f"{PROG}: error: {peer.engine} failed on {_inst.name} with "
-                              f"{_inst.model}: {e}", file=err, flush=True)
+                        note(f"{PROG}: error: {peer.engine} failed on {_inst.name} with {_inst.model}: {e}")
                 return got
 
             for rnd in range(p.rounds):
@@ -200,10 +288,10 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                     # reported, counted in the exit code, and the next test runs (llama-bench goes on too)
                     failed += 1
                     engine.close()
-                    if p.verbose or _debug() or not isinstance(e, (GGMLError, OSError, MemoryError)):
+                    status.clear()
+                    if p.verbose or p.debug or _debug() or not isinstance(e, (GGMLError, OSError, MemoryError)):
                         traceback.print_exc(file=err)     # always for what is not a user's error: a bug
-                    print(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: "
-                          f"{type(e).__name__}: {e}", file=err, flush=True)
+                    note(f"{PROG}: error: ggmlpy failed on {inst.name} with {inst.model}: {type(e).__name__}: {e}")
                     break
                 for name, res in (early if early is not None else run_peers()).items():
                     per_round[name].append(ratio(mine, res)[0])
@@ -218,6 +306,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                     ours.ratios[peer.engine] = (ratio(ours, res) if p.rounds == 1
                                                 else round_ratio(per_round[peer.engine]))
                 row.append(res)
+            status.clear()
             if inst.n_images:
                 _check_tiles(row, p.verbose, err)
             if p.roofline:
@@ -227,16 +316,23 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             for pr in printers:
                 pr.rows(row)
             results += row
+        status.clear()
         engine.close()
+        noise = _noise_note(results, p.reps * p.rounds)
         for pr in printers:
             pr.kernel_notes = list(getattr(engine, "kernel_notes", ()))
+            pr.footnotes = [noise] if noise else []
             pr.footer()
+        if noise and not any(pr.shows_footnotes for pr in printers):
+            note(f"{PROG}: {noise}")
     finally:
+        status.clear()
         for peer in peers:
             peer.close()
     if p.plot and results:
-        plot(results, p.plot)
-        print(f"{PROG}: wrote {p.plot}", file=err, flush=True)
+        axis = plot(results, p.plot)
+        note(f"{PROG}: wrote {p.plot}" + (" (nothing swept: a bar per test; sweep -p, -d or -t for a curve)"
+                                         if axis == "test" else f" (t/s against {axis})"))
     return (1 if failed else 0), results
 
 
@@ -269,27 +365,53 @@ def _check_tiles(row: list[Result], verbose: bool, err: TextIO) -> None:
 # --------------------------------------------------------------------------- entry
 
 def main(argv: list[str] | None = None, prog: str = PROG) -> int:
-    """``ggmlpy bench``: parse ``argv``, run, print; returns the exit code."""
+    """``ggmlpy bench``: parse ``argv``, run, print; returns the exit status.
+
+    As every ``ggmlpy`` command (:mod:`ggmlpy._cliargs`): 2 for a usage error (a bad option, before
+    anything runs), 1 when something failed (a file, a peer, a test), 130 on Ctrl-C (the rows printed
+    so far stay), 141 when the reader of the output went away; errors are one line, ``--debug``, ``-v``
+    or ``GGMLPY_DEBUG=1`` add the traceback.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         build_parser(prog).print_help()
         return 0
-    debug = _debug() or "-v" in argv or "--verbose" in argv
+    debug = debug_requested(argv) or "-v" in argv or "--verbose" in argv
     try:
         params = parse_args(argv)
     except BenchError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     try:
-        code, _ = run(params)
+        with warnings.catch_warnings(), one_line_warnings(prog, debug):
+            # run() says it once, as a note naming -ngl (the loader would warn on every load, naming its API)
+            warnings.filterwarnings("ignore", message=r"split_layers: n_gpu_layers=\d+ ignored")
+            code, _ = run(params)
     except (GGMLError, OSError, MemoryError) as e:
+        if isinstance(e, BrokenPipeError):
+            return _broken_pipe()
         # expected failures (a dead RPC server, a missing file, memory): one line, the traceback with -v or
         # GGMLPY_DEBUG=1; anything else is a bug and keeps its traceback
         if debug:
             traceback.print_exc()
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # the rows printed so far stay; one line, as run and chat do
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
+
+
+def _broken_pipe() -> int:
+    """The reader of stdout went away (``| head``): exit quietly. stdout is pointed at /dev/null first, so
+    that Python's flush of it at exit does not print a second error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, AttributeError, ValueError):         # (a stream without a file: a test's)
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 def _debug() -> bool:
@@ -298,8 +420,9 @@ def _debug() -> bool:
 
 def _one_line(e: BaseException) -> str:
     """An exception as one line: its type when the message does not say much, the first line of the message
-    (memory errors carry a whole report after it)."""
+    (memory errors carry a whole report after it). A command-line error (a BenchError, or ggmlpy's error
+    about a flag's value: ``-m x.gguf: no such file``) is its message alone, in every subcommand."""
     msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if isinstance(e, BenchError) and msg:
+    if msg and (isinstance(e, BenchError) or (isinstance(e, GGMLError) and re.match(r"--?[a-z]", msg))):
         return msg
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__

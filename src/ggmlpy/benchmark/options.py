@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ggmlpy._cliargs import at_least, override_problem, usage_text
 from ggmlpy._core import GGMLError
 from ggmlpy.kvcache import CACHE_TYPES as _KV_CACHE_TYPES
-from ggmlpy.models.synthetic import ARCHS, PRESETS, TYPES, parse_size
+from ggmlpy.models.synthetic import ARCHS, TYPES, parse_size, size_list
 from ggmlpy.runner import Runner
 
 from .errors import BenchError
 from .results import AUTO_NGL, Instance
 
-__all__ = ["CACHE_TYPES", "LOAD_MODES", "OUTPUTS", "PEERS", "PROG", "BenchParams", "build_parser",
-           "default_threads", "make_instances", "parse_args", "parse_int_range"]
+__all__ = ["CACHE_TYPES", "LOAD_MODES", "MAX_TESTS", "MAX_VALUES", "OUTPUTS", "PEERS", "PROG", "BenchParams",
+           "build_parser", "count_tests", "default_threads", "make_instances", "parse_args", "parse_int_range"]
 
 PROG = "ggmlpy bench"
 
@@ -46,7 +48,13 @@ _AUTOY = ("auto", "-1")
 _RANGE = re.compile(r"(-?\d+)(?:-(\d+)(?:([+*])(\d+))?)?")
 
 
-def parse_int_range(text: str, allow_negative: bool = False) -> list[int]:
+#: The most values one list option may sweep (``-p 1-100000000`` is refused before a list is built).
+MAX_VALUES = 1024
+#: The most tests one run may ask for (the product of every list).
+MAX_TESTS = 10_000
+
+
+def parse_int_range(text: str, allow_negative: bool = False, limit: int = MAX_VALUES) -> list[int]:
     """Parse llama-bench's integer lists: ``a``, ``a-b``, ``a-b+step``, ``a-b*mult``, comma-separated.
 
     Parameters
@@ -55,6 +63,8 @@ def parse_int_range(text: str, allow_negative: bool = False) -> list[int]:
         E.g. ``"16,32"``, ``"1-4"``, ``"64-512*2"``, ``"0-1024+256"``.
     allow_negative : bool
         Accept a negative first value (``-ngl -1``).
+    limit : int
+        The most values the list may have (:data:`MAX_VALUES`); counted before any is made.
 
     Returns
     -------
@@ -63,8 +73,8 @@ def parse_int_range(text: str, allow_negative: bool = False) -> list[int]:
     Raises
     ------
     BenchError
-        Malformed text, a negative value where none is allowed, or a range whose
-        step does not increase (``4-8*1``, ``0-8*2``).
+        Malformed text, a negative value where none is allowed, a range whose
+        step does not increase (``4-8*1``, ``0-8*2``), or more than ``limit`` values.
 
     Examples
     --------
@@ -85,6 +95,11 @@ def parse_int_range(text: str, allow_negative: bool = False) -> list[int]:
         last = int(m.group(2)) if m.group(2) is not None else first
         op = m.group(3) or "+"
         step = int(m.group(4)) if m.group(4) is not None else 1
+        if op == "+" and step > 0 and last >= first:       # (a "*" range has few values, or does not increase)
+            n = (last - first) // step + 1
+            if len(out) + n > limit:
+                raise BenchError(f"range {text!r} has {len(out) + n:,} values; one list takes at most {limit:,} "
+                                 "(each value is a test)")
         i = first
         while i <= last:
             out.append(i)
@@ -92,7 +107,15 @@ def parse_int_range(text: str, allow_negative: bool = False) -> list[int]:
             if nxt <= i:
                 raise BenchError(f"invalid range {text!r}: the step does not increase")
             i = nxt
+        if len(out) > limit:
+            raise BenchError(f"range {text!r} has more than {limit:,} values; one list takes at most {limit:,}")
     return out
+
+
+def _ints(text: str) -> list[int]:
+    """An integer list whose values may be negative here: the bounds are checked by :func:`_validate`,
+    whose message names the flag and the value (``-t 0: must be at least 1``)."""
+    return parse_int_range(text, allow_negative=True)
 
 
 def _split(text: str) -> list[str]:
@@ -136,7 +159,14 @@ def _parse_bools(option: str) -> Callable[[str], list[bool]]:
 def _parse_ngl(text: str) -> list[int]:
     out: list[int] = []
     for part in _split(text):
-        out += [AUTO_NGL] if part.lower() == "auto" else parse_int_range(part, True)
+        if part.lower() == "auto":
+            out.append(AUTO_NGL)
+            continue
+        values = parse_int_range(part, True)
+        bad = next((v for v in values if v < -1), None)
+        if bad is not None:
+            raise BenchError(f"-ngl {bad}: must be at least -1 (-1: all layers), or auto")
+        out += values
     return out
 
 
@@ -206,13 +236,9 @@ def _parse_overrides(text: str) -> list[str]:
             out.append("none")
             continue
         for item in items:
-            pattern, eq, dev = item.partition("=")
-            if not eq or not pattern or not dev.strip():
-                raise BenchError(f"invalid -ot value {item!r}: expected PATTERN=DEVICE (e.g. ffn_.*_exps=CPU)")
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise BenchError(f"invalid -ot value {item!r}: {pattern!r} is not a regular expression ({e})") from None
+            msg = override_problem(item)          # (ggmlpy run's check: the same words)
+            if msg:
+                raise BenchError(msg)
         out.append(";".join(items))
     return out
 
@@ -310,6 +336,7 @@ class BenchParams:
     output_err: str = "none"
     progress: bool = False
     verbose: bool = False
+    debug: bool = False
     no_warmup: bool = False
     synthetic: list[str] = field(default_factory=lambda: ["110M"])
     types: list[str] = field(default_factory=lambda: ["F16"])
@@ -333,21 +360,21 @@ class BenchParams:
 _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-m", "--model"), "models", lambda s: [s], "GGUF model file (repeat for more; default: "
      "the built-in synthetic model)"),
-    (("-p", "--n-prompt"), "n_prompt", parse_int_range, "prompt sizes (default 512)"),
-    (("-n", "--n-gen"), "n_gen", parse_int_range, "generation sizes (default 128)"),
+    (("-p", "--n-prompt"), "n_prompt", _ints, "prompt sizes (default 512)"),
+    (("-n", "--n-gen"), "n_gen", _ints, "generation sizes (default 128)"),
     (("-pg",), "n_pg", lambda s: [_parse_pg(s)], "PROMPT,GEN: prompt then generation in one test"),
-    (("-i", "--n-images"), "n_images", parse_int_range, "images encoded per image test (imgN; needs --mmproj; "
+    (("-i", "--n-images"), "n_images", _ints, "images encoded per image test (imgN; needs --mmproj; "
      "default: no image tests)"),
     (("--mmproj",), "mmproj", _split, "the vision encoder (mmproj GGUF) of the -m model: one file for all "
      "models, or one per -m in order (comma list or repeated)"),
-    (("-d", "--n-depth"), "n_depth", parse_int_range, "tokens already in the cache (default 0)"),
-    (("-b", "--batch-size"), "n_batch", parse_int_range, "logical batch size (default 2048)"),
-    (("-ub", "--ubatch-size"), "n_ubatch", parse_int_range, "physical batch size (default 512)"),
+    (("-d", "--n-depth"), "n_depth", _ints, "tokens already in the cache (default 0)"),
+    (("-b", "--batch-size"), "n_batch", _ints, "logical batch size (default 2048)"),
+    (("-ub", "--ubatch-size"), "n_ubatch", _ints, "physical batch size (default 512)"),
     (("-ctk", "--cache-type-k"), "type_k", _parse_cache_types,
      f"K cache type: {', '.join(CACHE_TYPES)} (default f16)"),
     (("-ctv", "--cache-type-v"), "type_v", _parse_cache_types,
      "V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)"),
-    (("-t", "--threads"), "n_threads", parse_int_range, "CPU threads (default: physical cores)"),
+    (("-t", "--threads"), "n_threads", _ints, "CPU threads (default: physical cores)"),
     (("-ngl", "--n-gpu-layers"), "n_gpu_layers", _parse_ngl,
      "layers on the GPU (default -1: all); auto: as many as fit each device's free memory, found by trying "
      "allocations (-v prints the tries)"),
@@ -357,13 +384,13 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-fa", "--flash-attn"), "flash_attn", _parse_fa, "flash attention: on, off, auto (default auto)"),
     (("-sm", "--split-mode"), "split_mode", _parse_split_mode,
      "layer: the offloaded layers divided among the accelerators; none: all on the -mg one (default layer)"),
-    (("-mg", "--main-gpu"), "main_gpu", parse_int_range, "the accelerator -sm none uses, by index (default 0)"),
+    (("-mg", "--main-gpu"), "main_gpu", _ints, "the accelerator -sm none uses, by index (default 0)"),
     (("-ts", "--tensor-split"), "tensor_split", _parse_tensor_split,
      "proportions of the offloaded layers per accelerator, '/'-separated (3/1); 0: by free memory (default)"),
     (("-ot", "--override-tensor", "--override-tensors"), "tensor_buft_overrides", _parse_overrides,
      "weights by name on a device: PATTERN=DEVICE items ';'-separated, configurations ','-separated "
      "(exps=CPU;attn=Vulkan0,none); default none"),
-    (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", parse_int_range,
+    (("-ncmoe", "--n-cpu-moe"), "n_cpu_moe", _ints,
      "the first N layers' expert weights on the CPU (default 0)"),
     (("-nopo", "--no-op-offload"), "no_op_offload", _parse_bools("-nopo"),
      "1: every op where its weights are (no offload of host-weight products to a device; default 0)"),
@@ -377,9 +404,9 @@ _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
      "kernels for them (CPU_REPACK, AMX; default 1)"),
     (("-embd", "--embeddings"), "embeddings", _parse_bools("-embd"),
      "1: measure the embeddings path (hidden states of every token, no output head; default 0)"),
-    (("--synthetic",), "synthetic", _split, "built-in model size when no -m: tiny, 15M, 42M, "
-     f"110M, 1B (llama2.c and TinyLlama shapes), the real-size presets {', '.join(PRESETS)}, or a count "
-     "(default 110M)"),
+    (("--synthetic",), "synthetic", _split, f"built-in model size when no -m: {size_list()} (parameters as "
+     "written; the first five are llama2.c's and TinyLlama's shapes, the others real models'); a count "
+     "names the size it is within 15%% of (default 110M)"),
     (("--type",), "types", _split, "built-in model weight type: F32, F16, Q8_0, Q4_0, Q4_K_M (default F16)"),
     (("--arch",), "archs", _split, f"built-in model architecture: {', '.join(ARCHS)} (default: the size's "
      "own, llama for the classic sizes, a preset's family for a preset)"),
@@ -408,8 +435,8 @@ class _Swept(argparse.Action):
 
 
 class _ArgParser(argparse.ArgumentParser):
-    def error(self, message: str):  # raise instead of exiting, main() reports
-        raise BenchError(message)
+    def error(self, message: str):  # raise instead of exiting, main() reports (exit status 2)
+        raise BenchError(usage_text(message))
 
 
 def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
@@ -435,16 +462,20 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     help="second copy of the results on stderr (default none)")
     ap.add_argument("-v", "--verbose", action="store_true",
                     help="print the memory report of each configuration (and llama.cpp's logs)")
-    ap.add_argument("--progress", action="store_true", help="print test progress on stderr")
+    ap.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                    help="print test progress on stderr (default: on when stderr is a terminal, where it is one "
+                         "line redrawn; --progress elsewhere prints llama-bench's lines)")
+    ap.add_argument("--debug", action="store_true", help="print the traceback of an error")
     ap.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run")
     ap.add_argument("--list-devices", action="store_true", help="list ggml devices and exit")
     ap.add_argument("-rpc", "--rpc", dest="rpc", action="append", metavar="HOST:PORT,...",
                     help="add ggml RPC servers")
     ap.add_argument("--cache-dir", default=None,
-                    help="folder of the built-in models and of --roofline's measurements (default $GGMLPY_CACHE or "
-                         "~/.cache/ggmlpy)")
+                    help="folder of the built-in models and of --roofline's measurements (default: ggmlpy's cache "
+                         "folder, `ggmlpy cache path`)")
     ap.add_argument("--plot", default=None, metavar="FILE.png",
-                    help="plot t/s against the swept prompt size, depth or threads (matplotlib)")
+                    help="plot t/s against the swept prompt size, depth or threads; with nothing swept, a bar per "
+                         "test (needs matplotlib, checked before anything runs)")
     ap.add_argument("--vs", action="append", default=None, metavar="ENGINE",
                     help="also run the tests through ENGINE (llama.cpp: the llama_cpp package) "
                     "and print the ratio")
@@ -458,7 +489,7 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                     help="--roofline, measuring the machine again instead of reading the cache")
     ap.add_argument("--kernels", default=None, choices=("measure", "own", "ggml"),
                     help="ggmlpy's own CPU kernels: measure (each against ggml's op on this machine, the faster "
-                         "taken; timings cached in $GGMLPY_CACHE/kernels.json), own (wherever they run), ggml "
+                         "taken; timings cached in kernels.json in the cache folder), own (wherever they run), ggml "
                          "(none); default $GGMLPY_KERNELS or measure. The table's footnote says which ran")
     ap.add_argument("--kernels-refresh", action="store_true",
                     help="measure the own kernels again instead of reading the cache")
@@ -508,15 +539,23 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     params = BenchParams()
     swept: dict[str, list] = {}
     for i, text in args.swept:
-        _opts, attr, conv, _ = _LIST_OPTIONS[int(i)]
-        swept.setdefault(attr, []).extend(conv(text))
+        opts, attr, conv, _ = _LIST_OPTIONS[int(i)]
+        try:
+            values = conv(text)
+        except BenchError as e:
+            # every message names the flag: "-p: range '1-100000000' has ..."
+            msg = str(e)
+            raise BenchError(msg if any(o in msg for o in opts) else f"{opts[0]}: {msg}") from None
+        swept.setdefault(attr, []).extend(values)
     for attr, values in swept.items():
         setattr(params, attr, values)
     params.reps = args.reps
     params.rounds = args.rounds
     params.delay = args.delay
     params.output, params.output_err = args.output, args.output_err
-    params.verbose, params.progress, params.no_warmup = args.verbose, args.progress, args.no_warmup
+    params.verbose, params.debug, params.no_warmup = args.verbose, args.debug, args.no_warmup
+    # on by default where someone watches (stderr a terminal), as pip and huggingface_hub do
+    params.progress = args.progress if args.progress is not None else _isatty(sys.stderr)
     params.cache_dir, params.plot, params.seed = args.cache_dir, args.plot, args.seed
     params.rpc = [s for text in (args.rpc or []) for s in _split(text)]
     params.vs = [v for text in (args.vs or []) for v in _split(text)]
@@ -528,19 +567,30 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     return params
 
 
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+#: The lower bound of each integer list and its flag (the messages are those of ``ggmlpy run``'s checks).
+_LOWER_BOUNDS = (("n_prompt", "-p", 0), ("n_gen", "-n", 0), ("n_depth", "-d", 0), ("n_images", "-i", 0),
+                 ("n_batch", "-b", 1), ("n_ubatch", "-ub", 1), ("n_threads", "-t", 1), ("main_gpu", "-mg", 0),
+                 ("n_cpu_moe", "-ncmoe", 0))
+
+
 def _validate(p: BenchParams) -> None:
-    if p.reps < 1:
-        raise BenchError(f"-r {p.reps}: at least one repetition is needed")
-    if p.rounds < 1:
-        raise BenchError(f"--rounds {p.rounds}: at least one round is needed")
-    if p.delay < 0:
-        raise BenchError(f"--delay {p.delay}: must be >= 0")
-    for name in ("n_prompt", "n_gen", "n_depth", "n_images"):
-        if any(v < 0 for v in getattr(p, name)):
-            raise BenchError(f"{name}: sizes must be >= 0")
-    for name in ("n_batch", "n_ubatch", "n_threads"):
-        if any(v < 1 for v in getattr(p, name)):
-            raise BenchError(f"{name}: values must be >= 1")
+    for flag, value, lo, note in (("-r", p.reps, 1, "timed repetitions per test"), ("--rounds", p.rounds, 1, ""),
+                                  ("--delay", p.delay, 0, "seconds")):
+        msg = at_least(flag, value, lo, note)
+        if msg:
+            raise BenchError(msg)
+    for name, flag, lo in _LOWER_BOUNDS:
+        for v in getattr(p, name):
+            msg = at_least(flag, v, lo)
+            if msg:
+                raise BenchError(msg)
     _validate_cache_types(p)
     for peer in p.vs:
         if peer.lower() not in ("llama.cpp", "llama_cpp", "llamacpp", "llama-cpp"):
@@ -560,6 +610,23 @@ def _validate(p: BenchParams) -> None:
         for a in p.archs:
             if a not in ARCHS:
                 raise BenchError(f"--arch {a}: expected one of {', '.join(ARCHS)}")
+    n = count_tests(p)
+    if n > MAX_TESTS:
+        raise BenchError(f"{n:,} tests asked for (the product of every list); one run takes at most {MAX_TESTS:,}")
+
+
+def count_tests(p: BenchParams) -> int:
+    """How many tests :func:`make_instances` would make of ``p`` (counted, not made)."""
+    n_models = len(p.models) if p.models else len(p.synthetic) * len(p.types) * max(1, len(p.archs))
+    placements = math.prod(len(x) for x in (p.n_gpu_layers, p.n_cpu_moe, p.split_mode, p.main_gpu, p.tensor_split,
+                                            p.tensor_buft_overrides, p.load_mode, p.devices, p.repack,
+                                            p.no_op_offload))
+    contexts = math.prod(len(x) for x in (p.embeddings, p.n_batch, p.n_ubatch, p.type_k, p.type_v, p.no_kv_offload,
+                                          p.flash_attn, p.n_threads, p.n_depth))
+    tokens = (sum(1 for n in p.n_prompt if n > 0) + sum(1 for n in p.n_gen if n > 0)
+              + sum(1 for a, b in p.n_pg if a or b))
+    images = (len(p.flash_attn) * len(p.n_threads) * sum(1 for n in p.n_images if n > 0)) if p.mmproj else 0
+    return n_models * placements * (contexts * tokens + images)
 
 
 def _validate_images(p: BenchParams) -> None:
@@ -580,20 +647,37 @@ def _validate_images(p: BenchParams) -> None:
                              "models or one per model, in -m's order")
 
 
+_QUANTIZED_V = ("a quantized V cache needs flash attention (-fa on or auto), as in llama.cpp: without it V is "
+                "stored transposed, which a quantized type cannot be (a quantized K runs either way)")
+
+
+def cache_types_problem(type_k: str, type_v: str, flash_attn: int) -> str | None:
+    """What is wrong with one ``-ctk``/``-ctv``/``-fa`` combination (``flash_attn`` 1, 0 or -1 for auto),
+    in the flags' words, or None: the runner's own rule (:meth:`Runner.check_cache_types`). ``ggmlpy
+    run`` and ``chat`` ask this too."""
+    if type_k.lower() not in CACHE_TYPES or type_v.lower() not in CACHE_TYPES:
+        flag, t = ("-ctk", type_k) if type_k.lower() not in CACHE_TYPES else ("-ctv", type_v)
+        return f"invalid cache type {t!r} ({flag}): expected one of {', '.join(CACHE_TYPES)}"
+    try:
+        Runner.check_cache_types(type_k, type_v, None if flash_attn < 0 else bool(flash_attn))
+    except GGMLError as e:
+        if flash_attn != 0:                   # not the flash attention rule: say what the runner says
+            return f"-ctk {type_k} -ctv {type_v}: {e}"
+        return f"-ctk {type_k} -ctv {type_v} -fa off: {_QUANTIZED_V}"
+    return None
+
+
 def _validate_cache_types(p: BenchParams) -> None:
     """Refuse the -ctk/-ctv/-fa combinations the runner cannot run (its own rule, Runner.check_cache_types)."""
     bad = []
     for tk, tv, fa in itertools.product(p.type_k, p.type_v, p.flash_attn):
-        try:
-            Runner.check_cache_types(tk, tv, None if fa < 0 else bool(fa))
-        except GGMLError as e:
-            if fa != 0:                       # not the flash attention rule: say what the runner says
-                raise BenchError(f"-ctk {tk} -ctv {tv}: {e}") from None
+        msg = cache_types_problem(tk, tv, fa)
+        if msg and fa != 0:
+            raise BenchError(msg)
+        if msg:
             bad.append(f"-ctk {tk} -ctv {tv} -fa off")
     if bad:
-        raise BenchError(f"{', '.join(dict.fromkeys(bad))}: a quantized V cache needs flash attention (-fa on or "
-                         "auto), as in llama.cpp: without it V is stored transposed, which a quantized type cannot "
-                         "be (a quantized K runs either way)")
+        raise BenchError(f"{', '.join(dict.fromkeys(bad))}: {_QUANTIZED_V}")
 
 
 # --------------------------------------------------------------------------- instances

@@ -27,8 +27,8 @@ from .results import AUTO_NGL, Instance, Result, _ratio_key
 from .roofline import FIELDS as ROOFLINE_FIELDS
 
 __all__ = ["BOOL_FIELDS", "EXTRA_FIELDS", "FIELDS", "FLOAT_FIELDS", "IMAGE_FIELDS", "INT_FIELDS", "ROOFLINE_FIELDS",
-           "CsvPrinter", "JsonPrinter", "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "format_results",
-           "make_printer", "plot", "swept_variable"]
+           "CsvPrinter", "JsonPrinter", "JsonlPrinter", "MarkdownPrinter", "Printer", "SqlPrinter", "check_plot",
+           "format_results", "make_printer", "plot", "swept_variable"]
 
 #: llama-bench's CSV/JSON field list (source @ 0104b151, with the ``repack`` of the llama.cpp in
 #: llama-cpp-python 0.3.36, the peer of ``--vs``), in order.
@@ -118,6 +118,19 @@ def _params_str(n: int) -> str:
     return f"{n / 1e6:.2f} M" if n < 1e9 else f"{n / 1e9:.2f} B"
 
 
+def _model_str(r: Result) -> str:
+    """The table's model column: the engine's description, where llama.cpp's has no size for a shape its
+    loader does not know (``llama ?B F16``) the parameter count it reported written in, as ggmlpy's
+    (``llama 134M F16``), so that both engines' rows name the model alike. (The CSV, JSON and SQL keep each
+    engine's own ``model_type``.)"""
+    from ggmlpy.models.synthetic import _count_label
+
+    parts = r.model_type.split(" ")
+    if len(parts) >= 3 and parts[1] == "?B" and r.model_n_params > 0:
+        parts[1] = _count_label(r.model_n_params)
+    return " ".join(parts)
+
+
 class Printer:
     """Writes results as they come: a header, one row per test, a footer."""
 
@@ -127,6 +140,12 @@ class Printer:
         self.notes: list[str] = []
         #: The own kernels each model's runners took (the engine's ``kernel_notes``), after the notes.
         self.kernel_notes: list[str] = []
+        #: Notes on the results (rows too noisy to trust), the table's last lines.
+        self.footnotes: list[str] = []
+
+    #: Whether :meth:`footer` writes :attr:`footnotes` (the table does; the machine formats do not, and
+    #: the driver prints them on stderr instead).
+    shows_footnotes = False
 
     def header(self) -> None:
         pass
@@ -144,6 +163,8 @@ class Printer:
 
 class MarkdownPrinter(Printer):
     """llama-bench's table: fixed columns, then the parameters that were given, then test and t/s."""
+
+    shows_footnotes = True
 
     def header(self) -> None:
         p, d = self.params, BenchParams()
@@ -191,7 +212,7 @@ class MarkdownPrinter(Printer):
             cells = []
             for f in self.fields:
                 if f == "model":
-                    v = r.model_type
+                    v = _model_str(r)
                 elif f == "size":
                     v = _size_str(r.model_size)
                 elif f == "params":
@@ -223,6 +244,7 @@ class MarkdownPrinter(Printer):
         if self.params.roofline:
             self._write("".join(f"{n}\n" for n in [*self.notes, _ROOFLINE_NOTE]))
         self._write("".join(f"{n}\n" for n in self.kernel_notes))
+        self._write("".join(f"{n}\n" for n in self.footnotes))
 
 
 class CsvPrinter(Printer):
@@ -334,25 +356,16 @@ def format_results(results: list[Result], fmt: str = "md", params: BenchParams |
 
 # --------------------------------------------------------------------------- plot
 
-def swept_variable(results: list[Result]) -> str:
-    """The x axis of the plot: ``n_prompt``, ``n_depth`` or ``n_threads``, whichever varies (in that order)."""
+def swept_variable(results: list[Result]) -> str | None:
+    """The x axis of the plot: ``n_prompt``, ``n_depth`` or ``n_threads``, whichever varies (in that order);
+    None when none does (the plot is then a bar per test)."""
     for name in ("n_prompt", "n_depth", "n_threads"):
         if len({getattr(r.inst, name) for r in results if r.inst.n_prompt or name != "n_prompt"}) > 1:
             return name
-    return "n_prompt" if any(r.inst.n_prompt for r in results) else "n_threads"
+    return None
 
 
-def plot(results: list[Result], path: str | os.PathLike) -> None:
-    """Plot t/s (with the ± as error bars) against the swept variable and save a PNG.
-
-    One line per model file, engine and kind of test (pp, tg, pp+tg). When the prompt
-    size is the swept variable, tg tests (which have no prompt) are left out.
-
-    Raises
-    ------
-    BenchError
-        matplotlib is not installed.
-    """
+def _pyplot():
     try:
         import matplotlib
 
@@ -361,7 +374,37 @@ def plot(results: list[Result], path: str | os.PathLike) -> None:
     except ImportError:
         raise BenchError("--plot needs matplotlib: pip install matplotlib "
                          "(or pip install 'ggmlpy[bench]')") from None
+    return plt
+
+
+def check_plot() -> None:
+    """Raise the error :func:`plot` would raise for want of matplotlib, before anything runs."""
+    _pyplot()
+
+
+def plot(results: list[Result], path: str | os.PathLike) -> str:
+    """Plot t/s (with the ± as error bars) against the swept variable and save a PNG.
+
+    One line per model file, engine and kind of test (pp, tg, pp+tg). When the prompt
+    size is the swept variable, tg tests (which have no prompt) are left out. When
+    nothing is swept (one prompt size, depth and thread count), one bar per test,
+    grouped by test with a bar per model and engine.
+
+    Returns
+    -------
+    str
+        The x axis: ``"n_prompt"``, ``"n_depth"``, ``"n_threads"``, or ``"test"`` for the bars.
+
+    Raises
+    ------
+    BenchError
+        matplotlib is not installed.
+    """
+    plt = _pyplot()
     x_name = swept_variable(results)
+    if x_name is None:
+        _bars(plt, results, path)
+        return "test"
     labels = {"n_prompt": "prompt tokens", "n_depth": "depth (tokens in the cache)",
               "n_threads": "threads"}
     lines: dict[tuple, list[tuple[int, float, float]]] = {}
@@ -389,6 +432,30 @@ def plot(results: list[Result], path: str | os.PathLike) -> None:
         ax.set_xscale("log", base=2)
     ax.set_title(f"{PROG}: throughput vs {labels[x_name]}")
     ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(os.fspath(path), dpi=100)
+    plt.close(fig)
+    return x_name
+
+
+def _bars(plt, results: list[Result], path: str | os.PathLike) -> None:
+    """Nothing swept: a group of bars per test (pp512, tg128, ...), a bar per model and engine in each."""
+    tests = list(dict.fromkeys(r.inst.name for r in results))
+    series = list(dict.fromkeys((Path(r.inst.model).stem, r.engine) for r in results))
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(tests) * max(1, len(series))), 5))
+    for k, (model, engine) in enumerate(series):
+        got = {r.inst.name: r for r in results if (Path(r.inst.model).stem, r.engine) == (model, engine)}
+        xs = [j + (k - (len(series) - 1) / 2) * width for j, t in enumerate(tests) if t in got]
+        rs = [got[t] for t in tests if t in got]
+        ax.bar(xs, [r.avg_ts for r in rs], width, yerr=[r.stddev_ts for r in rs], capsize=3,
+               label=f"{model} · {engine}")
+    ax.set_xticks(range(len(tests)))
+    ax.set_xticklabels(tests)
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{PROG}: throughput per test (nothing swept)")
+    ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=100)

@@ -36,7 +36,7 @@ after a warm-up, as a shared machine's cores come and go):
   FLOPs = ``2 × 2048 × 2048 × 512``.
 
 The results are cached as JSON (``roofline.json`` in ``--cache-dir``, default
-:func:`ggmlpy.models.synthetic.cache_dir`), one entry per CPU model, thread
+:func:`ggmlpy._cache.cache_dir`, ``ggmlpy cache path``), one entry per CPU model, thread
 count and ggml build (version, commit, CPU backend variant); a weight type not
 yet measured is measured and added; ``--roofline-refresh`` measures again.
 
@@ -356,13 +356,13 @@ def machine_bounds(n_threads: int, types: Iterable[str] = (), cache_dir: str | o
     types : iterable of str
         Weight types whose matmul peak is needed besides F32 and F16 (ggml type names).
     cache_dir : str or PathLike, optional
-        Folder of ``roofline.json`` (default :func:`ggmlpy.models.synthetic.cache_dir`).
+        Folder of ``roofline.json`` (default :func:`ggmlpy._cache.cache_dir`).
     refresh : bool
         Measure again even if the cache has the entry.
     err : text stream, optional
         Where the progress message goes (default ``sys.stderr``).
     """
-    from ggmlpy.models.synthetic import cache_dir as default_cache_dir
+    from ggmlpy._cache import cache_dir as default_cache_dir
 
     err = err or sys.stderr
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -21,7 +21,7 @@ The graphs of a site run in turn (one warm-up each, then :data:`TIMING` rounds),
 keeps its best time: the rule (:func:`ggmlpy.models.kernels.decide`) compares best with best. The
 110M model's 8 sites take 0.9 s on 2 cores, the Llama-3.2-1B shape's 11 take 2.3 s; the timings are
 cached in ``kernels.json`` beside the benchmark's ``roofline.json``
-(:func:`ggmlpy.models.synthetic.cache_dir`), one entry per CPU model, thread count, ggml build,
+(:func:`ggmlpy._cache.cache_dir`: ``ggmlpy cache path``), one entry per CPU model, thread count, ggml build,
 ggmlpy version and build of its extension, so the next runner on this machine measures only sites
 it has not seen. ``refresh=True`` (``ggmlpy bench --kernels-refresh``: :func:`forget`) measures again.
 """
@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ggmlpy import _core
+from ggmlpy._cache import cache_dir as _cache_dir
 from ggmlpy._core import Context, GGMLError, Tensor, Type
 from ggmlpy._files import read_machine_cache, write_machine_cache
 from ggmlpy._system import cpu_model_name, cpu_variant, ggml_commit, ggml_version
@@ -46,7 +47,6 @@ from ggmlpy._version import __version__
 
 from . import blocks, kernels
 from .kernels import KernelChoices, Measurement, Site
-from .synthetic import cache_dir as _synthetic_cache_dir
 
 __all__ = ["CACHE_FILE", "DECODE_DEPTHS", "GROUP_BYTES", "PREFILL_ROWS", "TIMING", "Recorder", "cached_summary", "forget",
            "kernel_choices", "machine_key", "measure_site", "read_cache"]
@@ -104,7 +104,7 @@ def _build_id() -> str:
 
 
 def _default_dir() -> Path:
-    return _synthetic_cache_dir()
+    return _cache_dir()
 
 
 def read_cache(path: Path) -> dict[str, Any]:
@@ -211,7 +211,7 @@ def kernel_choices(record: Callable[[Recorder], None], n_threads: int, *, mode: 
     n_expert_used : int
         Experts per token (the experts' sites).
     cache_dir : path, optional
-        Folder of ``kernels.json`` (default :func:`ggmlpy.models.synthetic.cache_dir`).
+        Folder of ``kernels.json`` (default :func:`ggmlpy._cache.cache_dir`).
     refresh : bool
         Measure every site again.
     """

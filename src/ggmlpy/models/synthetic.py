@@ -15,7 +15,9 @@ benchmarked by llama.cpp for a side-by-side comparison.
 Sizes are nominal names (``"tiny"``, ``"15M"``, ``"42M"``, ``"110M"``,
 ``"1B"``); the parameter count of the written file is a little larger for the
 llama2.c shapes because ``output.weight`` is written as its own matrix instead of
-being tied to ``token_embd.weight`` (``"110M"`` has 134M parameters).
+being tied to ``token_embd.weight`` (``"110M"`` has 134M parameters; :func:`size_list`
+gives every size's count). A count names a size only when it is that size's, nominal or
+written, within 15% (:func:`parse_size`): ``7B`` is refused, not replaced by another size.
 
 Examples
 --------
@@ -35,12 +37,13 @@ from typing import Callable
 
 import numpy as np
 
+from ggmlpy._cache import cache_dir
 from ggmlpy._core import GGMLValueError
 from ggmlpy._files import replacing
 
 __all__ = [
-    "ARCHS", "PRESETS", "SIZES", "TYPES", "SyntheticConfig", "for_arch", "cache_dir", "matrix_type", "parse_size", "synthetic_path",
-    "tensor_specs", "write_synthetic",
+    "ARCHS", "PRESETS", "SIZES", "TYPES", "SyntheticConfig", "for_arch", "cache_dir", "matrix_type", "parse_size",
+    "size_list", "synthetic_path", "tensor_specs", "write_synthetic",
 ]
 
 #: Bumped whenever the written content changes, so cached files are not reused.
@@ -180,15 +183,35 @@ def _size_number(text: str) -> float:
     return value
 
 
+#: How far a parameter count may be from a size's (its nominal count or the count it writes) and still name it:
+#: ``100M`` names ``110M``, ``7B`` names nothing (the nearest, ``qwen3-8B``, writes 8.2B).
+SIZE_TOLERANCE = 1.15
+
+
+def _count_label(n: float) -> str:
+    """``134M``, ``1.1B``: a parameter count as the model column of the benchmark's table writes it."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale or unit == "K":
+            v = n / scale
+            return (f"{v:.1f}" if v < 10 else f"{v:.0f}").replace(".0", "") + unit
+    return str(n)
+
+
+def size_list() -> str:
+    """The built-in sizes with the parameters each writes: ``tiny (0.1M), 15M (24M), ...``."""
+    return ", ".join(f"{name} ({_count_label(cfg.n_params)})" for name, cfg in SIZES.items())
+
+
 def parse_size(size: str) -> str:
-    """The entry of :data:`SIZES` nearest to ``size``.
+    """The entry of :data:`SIZES` that ``size`` names.
 
     Parameters
     ----------
     size : str
         A name of :data:`SIZES` (case-insensitive) or a parameter count such as
-        ``"110M"``, ``"0.1B"`` or ``"42m"``; a count picks the entry whose nominal
-        size is nearest on a log scale.
+        ``"110M"``, ``"0.1B"`` or ``"42m"``; a count names the entry whose nominal
+        count or written count it is within :data:`SIZE_TOLERANCE` of (the nearest
+        such), and no other: a size that is not built in is refused, not replaced.
 
     Returns
     -------
@@ -198,14 +221,24 @@ def parse_size(size: str) -> str:
     Raises
     ------
     ValueError
-        ``size`` is neither a name nor a count.
+        ``size`` is neither a name nor a count, or a count of no built-in size (the
+        message lists them, with the parameters each writes).
     """
     key = str(size).strip()
     for name in SIZES:
         if key.lower() == name.lower():
             return name
     value = _size_number(key)
-    return min(SIZES, key=lambda n: abs(math.log(SIZES[n].nominal_params / value)))
+
+    def distance(name: str) -> float:
+        cfg = SIZES[name]
+        return min(abs(math.log(cfg.nominal_params / value)), abs(math.log(cfg.n_params / value)))
+
+    best = min(SIZES, key=distance)
+    if distance(best) > math.log(SIZE_TOLERANCE):
+        raise GGMLValueError(f"synthetic model size {key!r} is not built in; the built-in sizes (and the parameters "
+                             f"each writes) are {size_list()}")
+    return best
 
 
 def _normalize_type(type: str) -> str:
@@ -409,12 +442,6 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
             progress(done, total)
     w.write()
     return path
-
-
-def cache_dir() -> Path:
-    """Where synthetic models are cached: ``$GGMLPY_CACHE`` or ``~/.cache/ggmlpy``."""
-    env = os.environ.get("GGMLPY_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "ggmlpy"
 
 
 def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
