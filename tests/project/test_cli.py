@@ -22,7 +22,7 @@ from ggmlpy import cli
 from ggmlpy._cache import cache_dir, cache_entries
 from ggmlpy.benchmark import BenchError, BenchParams, Instance, Result, parse_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ggmlpy(*args, env=None, timeout=120):
