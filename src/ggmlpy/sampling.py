@@ -53,6 +53,7 @@ __all__ = [
     "TokenLogprob",
     "log_softmax",
     "logprobs",
+    "sampling_params",
 ]
 
 #: Largest accepted :attr:`SamplingParams.top_logprobs` (the OpenAI/Ollama limit).
@@ -152,6 +153,36 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling is the plain arg-max (``temperature == 0``)."""
         return self.temperature == 0.0
+
+
+def sampling_params(where: str, sampling: SamplingParams | None = None, **settings) -> SamplingParams:
+    """A request's :class:`SamplingParams`: ``sampling``, or the keyword ``settings`` that are not None over
+    the defaults (``Runner.generate(..., temperature=0.2)``); both together is an error.
+
+    Raises
+    ------
+    GGMLValueError
+        ``sampling`` and a setting given together (the message names both), or a setting out of range.
+    GGMLTypeError
+        ``sampling`` is not a SamplingParams.
+
+    Examples
+    --------
+    >>> sampling_params("generate", temperature=0, seed=1).greedy
+    True
+    >>> sampling_params("generate", SamplingParams(top_k=5)).top_k
+    5
+    """
+    given = {k: v for k, v in settings.items() if v is not None}
+    if sampling is None:
+        return SamplingParams(**given)
+    if not isinstance(sampling, SamplingParams):
+        raise GGMLTypeError(f"{where}: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if given:
+        names = ", ".join(f"{k}=" for k in given)
+        raise GGMLValueError(f"{where}: sampling= and {names} given together: put every setting in one place, "
+                             f"SamplingParams({names.replace('=, ', '=..., ')}...) or the keywords alone")
+    return sampling
 
 
 # --------------------------------------------------------------------------- helpers

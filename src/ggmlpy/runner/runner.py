@@ -29,13 +29,13 @@ from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
 from ggmlpy.kvcache import CACHE_TYPES, V_TRANS_TYPES
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
-from ggmlpy.sampling import SamplingParams
+from ggmlpy.sampling import SamplingParams, sampling_params
 
 from .batching import _NO_ROWS, _ROW0, _UBatch, split_ubatches
 from .images import ImageStore
 from .inputs import Inputs, Prompt
 from .loop import RequestLoop
-from .requests import Completion, Handle, _Request
+from .requests import Completion, Handle, Stream, _Request
 from .slots import InputTooLong, SlotTable, truncate_indices
 from .state import check_state, fingerprint
 from .step import Step
@@ -567,9 +567,12 @@ class Runner(RequestLoop):
             return self.cache.seq_pos_max(seq) + 1
 
     def submit(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
-               sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
-               shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
-               normalize: bool = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+               temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+               min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
+               top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+               stop: Sequence[int | str] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
+               embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+               same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
                detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
@@ -578,9 +581,17 @@ class Runner(RequestLoop):
         prompt : str or token ids
             A str is encoded by :attr:`tokenizer` (:func:`~ggmlpy.runner.text.encode_prompt`).
         max_tokens : int
-            Tokens to generate; ``-1`` no limit, ``-2`` until the context is full.
+            Tokens to generate (default 128); ``-1`` no limit, ``-2`` until the context is full.
+        temperature, top_k, top_p, min_p, seed : optional
+            How the next token is sampled (:class:`~ggmlpy.sampling.SamplingParams`' fields); those not
+            given take SamplingParams' defaults. ``temperature=0`` is greedy decoding; a seed makes a
+            sampled request reproducible.
+        logprobs, top_logprobs : optional
+            Report the chosen token's log-probability, and that many most likely alternatives
+            (``TokenEvent.logprobs``, ``Completion.logprobs``; default none).
         sampling : SamplingParams, optional
-            Default greedy.
+            The sampling settings as one object, instead of the keywords above (giving both is a
+            GGMLValueError).
         stop : token ids and str
             What ends the generation besides EOS (and, for text, the tokenizer's end-of-generation ids).
         n_keep, shift, truncate
@@ -603,16 +614,19 @@ class Runner(RequestLoop):
         Raises
         ------
         GGMLValueError, InputTooLong
-            A bad prompt, image or option (the message says which).
+            A bad prompt, image or option (the message says which); ``sampling`` and a sampling keyword
+            together.
         GGMLTypeError
-            A stop that is neither an int nor a str.
+            A stop that is neither an int nor a str; a ``sampling`` that is not a SamplingParams.
         ClosedError
             The runner is closed (a request accepted before that ends with done reason ``cancel``).
         """
         self._check_open("submit")
+        params = sampling_params("submit", sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
         text = self._text_options(stop, detokenize, embedding, isinstance(prompt, str))
         p = self.inputs.prompt(prompt, "submit", images=images, same_batch=same_batch, parse_special=parse_special)
-        return self._queue(p, text, max_tokens=max_tokens, sampling=sampling, n_keep=n_keep, shift=shift,
+        return self._queue(p, text, max_tokens=max_tokens, sampling=params, n_keep=n_keep, shift=shift,
                            truncate=truncate, embedding=embedding, pooling=pooling, normalize=normalize)
 
     def _text_options(self, stop, detokenize: Optional[bool], embedding: bool, str_prompt: bool) -> tuple:
@@ -663,12 +677,51 @@ class Runner(RequestLoop):
         self._enqueue(req)
         return Handle(self, req)
 
-    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
-        """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`).
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
+                 top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+                 stop: Sequence[int | str] = (), stream: bool = False, n_keep: int = 0, shift: bool = True,
+                 truncate: bool = False, embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+                 same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+                 detokenize: Optional[bool] = None, images: Sequence = ()) -> Completion | Stream:
+        """Generate a continuation of ``prompt``: wait for its :class:`Completion`, or with ``stream=True``
+        iterate its tokens as they come.
 
-        A str prompt gives the generated text in ``Completion.text``.
+        A str prompt gives text (``Completion.text``, ``TokenEvent.text``), a list of token ids gives
+        ids (``Completion.tokens``). The parameters are :meth:`submit`'s, sampling included
+        (``temperature=0`` is greedy), and:
+
+        Parameters
+        ----------
+        stream : bool
+            Return a :class:`~ggmlpy.runner.Stream` at once instead of waiting: an iterator of
+            :class:`TokenEvent` s that ends with the request; closing it early (or leaving the loop
+            over it) cancels the request. ``Stream.result()`` is then the Completion.
+
+        Returns
+        -------
+        Completion, or Stream with ``stream=True``.
+
+        Raises
+        ------
+        As :meth:`submit`; GGMLValueError for ``stream=True`` with ``embedding=True`` (nothing to stream).
+        A request that fails inside the runner raises :class:`RunnerError` (from the stream's iteration).
+
+        Examples
+        --------
+        ``rt.generate("Once upon a time", max_tokens=32, temperature=0.7, seed=1).text``, or
+        ``for ev in rt.generate("Once upon a time", stream=True): print(ev.text, end="")``
         """
-        return self.submit(prompt, **kw).result()
+        if stream and embedding:
+            raise GGMLValueError("generate: an embedding request generates no tokens to stream (stream=True and "
+                                 "embedding=True given)")
+        h = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling,
+                        stop=stop, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
+                        pooling=pooling, normalize=normalize, same_batch=same_batch, parse_special=parse_special,
+                        detokenize=detokenize, images=images)
+        return Stream(h) if stream else h.result()
 
     def chat_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
@@ -700,35 +753,75 @@ class Runner(RequestLoop):
 
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
-                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False, **kw) -> Handle:
+                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
+                    max_tokens: int = 128, temperature: Optional[float] = None,
+                    top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+                    seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
+                    sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
+                    shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
+                    normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+                    detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
-        The prompt is :meth:`chat_prompt`'s; other keywords are :meth:`submit`'s. A later chat whose
-        messages start with this one's reuses the cached prompt, images compared by content.
+        The prompt is :meth:`chat_prompt`'s (its keywords, up to ``allow_local_files``); the other
+        keywords are :meth:`submit`'s, sampling included (``temperature=0`` is greedy). ``detokenize``
+        may only be True: a chat always
+        produces text. A later chat whose messages start with this one's reuses the cached prompt,
+        images compared by content.
 
         Raises
         ------
-        As :meth:`chat_prompt` and :meth:`submit`.
+        As :meth:`chat_prompt` and :meth:`submit`; GGMLValueError for ``detokenize=False``.
         """
-        if "detokenize" in kw and not kw["detokenize"]:
+        if detokenize is not None and not detokenize:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
-        kw.pop("detokenize", None)
-        kw.pop("parse_special", None)        # the chat's text is the template's: its special tokens are parsed
         self._check_open("submit_chat")
+        params = sampling_params("submit_chat", sampling, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+        # the chat's text is the template's: its special tokens are always parsed
         p = self.inputs.chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt, tools=tools,
                                                            template=template, template_kwargs=template_kwargs),
-                             allow_local_files, images=kw.pop("images", ()), same_batch=kw.pop("same_batch", None))
-        return self._queue(p, self._text_options(kw.pop("stop", ()), True, kw.get("embedding", False), True), **kw)
+                             allow_local_files, images=images, same_batch=same_batch)
+        return self._queue(p, self._text_options(stop, True, embedding, True), max_tokens=max_tokens,
+                           sampling=params, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
+                           pooling=pooling, normalize=normalize)
 
-    def chat(self, messages: Sequence[dict], **kw) -> Completion:
-        """Submit a chat and wait: the assistant's reply as a :class:`Completion` (``.text``); see
-        :meth:`submit_chat`.
+    def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+             tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+             template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
+             max_tokens: int = 128, temperature: Optional[float] = None,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+             seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
+             sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), stream: bool = False,
+             n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
+             pooling: str = "mean", normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+             detokenize: Optional[bool] = None, images: Sequence = ()) -> Completion | Stream:
+        """The assistant's reply to ``messages``: wait for its :class:`Completion` (``.text``), or with
+        ``stream=True`` iterate its tokens (``ev.text``) as they come.
+
+        The parameters are :meth:`submit_chat`'s, sampling included (``temperature=0`` is greedy), and
+        ``stream`` as in :meth:`generate`
+        (a :class:`~ggmlpy.runner.Stream`; closing it early cancels the reply).
+
+        Raises
+        ------
+        As :meth:`submit_chat`; GGMLValueError for ``stream=True`` with ``embedding=True``.
 
         Examples
         --------
-        ``rt.chat([{"role": "user", "content": "Hi"}], max_tokens=64).text``
+        ``rt.chat([{"role": "user", "content": "Hi"}], max_tokens=64).text``, or
+        ``for ev in rt.chat(messages, stream=True): print(ev.text, end="")``
         """
-        return self.submit_chat(messages, **kw).result()
+        if stream and embedding:
+            raise GGMLValueError("chat: an embedding request generates no tokens to stream (stream=True and "
+                                 "embedding=True given)")
+        h = self.submit_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools, template=template,
+                             template_kwargs=template_kwargs, allow_local_files=allow_local_files,
+                             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling, stop=stop,
+                             n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding, pooling=pooling,
+                             normalize=normalize, same_batch=same_batch, detokenize=detokenize, images=images)
+        return Stream(h) if stream else h.result()
 
     def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
         """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch
