@@ -46,7 +46,7 @@ def test_pxi_files_stay_small():
 #: The floors of src/ggmlpy, lowest first: a module imports only from its own floor or below (function-local
 #: imports included). docs/architecture.md describes the rooms.
 FLOORS = [
-    ["_core", "_libs", "_system", "_version", "_files", "_progress"],
+    ["_core", "_libs", "_system", "_version", "_files", "_progress", "defaults"],
     ["gguf", "memory"],
     ["backend"],
     ["weights"],

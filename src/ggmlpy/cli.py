@@ -9,6 +9,8 @@ import sys
 import traceback
 from typing import Optional
 
+from ggmlpy.defaults import CLI_N_PREDICT, DEFAULTS, n_ctx_for
+
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from ggmlpy._system import format_system_info, system_info
@@ -147,8 +149,8 @@ def _open_runner(args: argparse.Namespace):
     try:
         n_ctx = args.ctx_size
         if n_ctx <= 0:
-            n_ctx = min(4096, int(getattr(model.config, "n_ctx_train", 4096) or 4096))
-        rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
+            n_ctx = n_ctx_for(getattr(model.config, "n_ctx_train", None))
+        rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, DEFAULTS["n_ubatch"]),
                     n_threads=args.threads, op_offload=not args.no_op_offload)
     except BaseException:
         model.close()
@@ -378,15 +380,18 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF model file")
-    p.add_argument("-n", "--n-predict", type=int, default=-1,
+    # the defaults are ggmlpy.defaults' table, the API's own
+    p.add_argument("-n", "--n-predict", type=int, default=CLI_N_PREDICT,
                    help="tokens to generate at most (default -1: until end of generation or the context is full)")
     p.add_argument("-c", "--ctx-size", type=int, default=0,
-                   help="context size (default 0: the model's training context, at most 4096)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+                   help=f"context size (default 0: the model's training context, at most {DEFAULTS['n_ctx']})")
+    p.add_argument("-b", "--batch-size", type=int, default=DEFAULTS["n_batch"],
+                   help="prompt tokens per batch (default %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=0, help="CPU threads (default: all cores)")
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=-1,
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=DEFAULTS["n_gpu_layers"],
                    help="layers on accelerators (default -1: all, when there is one)")
-    p.add_argument("-dev", "--device", default="auto", help="devices: auto (default), cpu, or names (comma list)")
+    p.add_argument("-dev", "--device", default=DEFAULTS["devices"],
+                   help="devices: auto (default), cpu, or names (comma list)")
     p.add_argument("-sm", "--split-mode", default="layer", choices=("layer", "none", "row"),
                    help="layer: the offloaded layers divided among the accelerators (default); none: all on the "
                         "-mg one; row: refused (ggml's CUDA split buffers)")
@@ -403,11 +408,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-cmoe", "--cpu-moe", action="store_true", help="keep every layer's expert weights on the CPU")
     p.add_argument("-rpc", "--rpc", default=None, metavar="HOST:PORT,...",
                    help="add ggml RPC servers (their devices join -dev auto)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1: off)")
-    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05; 0: off)")
-    p.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--temp", type=float, default=DEFAULTS["temperature"],
+                   help="temperature (default %(default)s; 0: greedy)")
+    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="top-k sampling (default %(default)s; 0: off)")
+    p.add_argument("--top-p", type=float, default=DEFAULTS["top_p"],
+                   help="top-p sampling (default %(default)s; 1: off)")
+    p.add_argument("--min-p", type=float, default=DEFAULTS["min_p"],
+                   help="min-p sampling (default %(default)s; 0: off)")
+    p.add_argument("-s", "--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", metavar="STR",
                    help="stop string (repeatable): the text ends before it")
     p.add_argument("--system", default=None, help="system prompt (run: with --chat)")

@@ -26,6 +26,7 @@ from ggmlpy._core import (
 )
 from ggmlpy._system import available_host_memory as _available_host_memory
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
+from ggmlpy.defaults import DEFAULTS, n_ctx_for
 from ggmlpy.kvcache import CACHE_TYPES, V_TRANS_TYPES
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
@@ -47,8 +48,9 @@ log = logging.getLogger("ggmlpy")
 
 
 
-#: the constructor's defaults for settings a fitted model may give instead
-_DEFAULTS = {"n_ctx": 2048, "n_batch": 512, "n_ubatch": 512, "n_seq_max": 1, "type_k": "f16", "type_v": "f16"}
+#: the constructor's defaults for settings a fitted model may give instead (``n_ctx``: at most the model's
+#: training context, :func:`ggmlpy.defaults.n_ctx_for`)
+_DEFAULTS = {k: DEFAULTS[k] for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "type_k", "type_v")}
 
 
 class Runner(RequestLoop):
@@ -59,7 +61,7 @@ class Runner(RequestLoop):
     model
         A loaded model (:func:`ggmlpy.models.load_model`).
     n_ctx : int
-        Context per sequence (default 2048).
+        Context per sequence (default 4096, at most the model's training context).
     n_batch, n_ubatch : int
         Tokens per logical batch and per computed micro-batch (default 512 each; at most ``n_ctx``).
     n_seq_max : int
@@ -85,7 +87,7 @@ class Runner(RequestLoop):
         ops (:attr:`kernels` holds the choices).
 
     Settings not given take those a placement search reserved for (``model.fit.runner_kwargs``), else
-    the defaults. Each is described in full in ``docs/runner.md``.
+    the defaults (:data:`ggmlpy.defaults.DEFAULTS`). Each is described in full in ``docs/runner.md``.
 
     Raises
     ------
@@ -115,7 +117,8 @@ class Runner(RequestLoop):
         fitted = getattr(getattr(model, "fit", None), "runner_kwargs", None) or {}
         given = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "n_seq_max": n_seq_max,
                  "type_k": type_k, "type_v": type_v}
-        v = {k: x if x is not None else fitted.get(k, _DEFAULTS[k]) for k, x in given.items()}
+        defaults = {**_DEFAULTS, "n_ctx": n_ctx_for(getattr(getattr(model, "config", None), "n_ctx_train", None))}
+        v = {k: x if x is not None else fitted.get(k, defaults[k]) for k, x in given.items()}
         n_ctx, n_batch, n_ubatch, n_seq_max, type_k, type_v = (v[k] for k in given)
         if flash_attn is None:
             flash_attn = fitted.get("flash_attn")
@@ -566,7 +569,7 @@ class Runner(RequestLoop):
             self._check_open("seq_len")
             return self.cache.seq_pos_max(seq) + 1
 
-    def submit(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+    def submit(self, prompt: str | Sequence[int], *, max_tokens: int = DEFAULTS["max_tokens"],
                temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
                top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
@@ -584,8 +587,9 @@ class Runner(RequestLoop):
             Tokens to generate (default 128); ``-1`` no limit, ``-2`` until the context is full.
         temperature, top_k, top_p, min_p, seed : optional
             How the next token is sampled (:class:`~ggmlpy.sampling.SamplingParams`' fields); those not
-            given take SamplingParams' defaults. ``temperature=0`` is greedy decoding; a seed makes a
-            sampled request reproducible.
+            given take the defaults of :data:`ggmlpy.defaults.DEFAULTS`, as ``ggmlpy run`` does:
+            temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 and a fresh seed. ``temperature=0`` is
+            greedy decoding; a seed makes a sampled request reproducible.
         logprobs, top_logprobs : optional
             Report the chosen token's log-probability, and that many most likely alternatives
             (``TokenEvent.logprobs``, ``Completion.logprobs``; default none).
@@ -677,7 +681,7 @@ class Runner(RequestLoop):
         self._enqueue(req)
         return Handle(self, req)
 
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = DEFAULTS["max_tokens"],
                  temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
                  top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
@@ -689,8 +693,8 @@ class Runner(RequestLoop):
         iterate its tokens as they come.
 
         A str prompt gives text (``Completion.text``, ``TokenEvent.text``), a list of token ids gives
-        ids (``Completion.tokens``). The parameters are :meth:`submit`'s, sampling included
-        (``temperature=0`` is greedy), and:
+        ids (``Completion.tokens``). The parameters are :meth:`submit`'s, sampling included (temperature
+        0.8, top-k 40, top-p 0.95, min-p 0.05 unless given; ``temperature=0`` is greedy), and:
 
         Parameters
         ----------
@@ -754,7 +758,7 @@ class Runner(RequestLoop):
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
                     template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
-                    max_tokens: int = 128, temperature: Optional[float] = None,
+                    max_tokens: int = DEFAULTS["max_tokens"], temperature: Optional[float] = None,
                     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
                     seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
                     sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
@@ -764,8 +768,8 @@ class Runner(RequestLoop):
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
         The prompt is :meth:`chat_prompt`'s (its keywords, up to ``allow_local_files``); the other
-        keywords are :meth:`submit`'s, sampling included (``temperature=0`` is greedy). ``detokenize``
-        may only be True: a chat always
+        keywords are :meth:`submit`'s, sampling included (temperature 0.8, top-k 40, top-p 0.95, min-p
+        0.05 unless given; ``temperature=0`` is greedy). ``detokenize`` may only be True: a chat always
         produces text. A later chat whose messages start with this one's reuses the cached prompt,
         images compared by content.
 
@@ -789,7 +793,7 @@ class Runner(RequestLoop):
     def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
              tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
              template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
-             max_tokens: int = 128, temperature: Optional[float] = None,
+             max_tokens: int = DEFAULTS["max_tokens"], temperature: Optional[float] = None,
              top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
              seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
              sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), stream: bool = False,
@@ -799,8 +803,8 @@ class Runner(RequestLoop):
         """The assistant's reply to ``messages``: wait for its :class:`Completion` (``.text``), or with
         ``stream=True`` iterate its tokens (``ev.text``) as they come.
 
-        The parameters are :meth:`submit_chat`'s, sampling included (``temperature=0`` is greedy), and
-        ``stream`` as in :meth:`generate`
+        The parameters are :meth:`submit_chat`'s, sampling included (temperature 0.8, top-k 40, top-p
+        0.95, min-p 0.05 unless given; ``temperature=0`` is greedy), and ``stream`` as in :meth:`generate`
         (a :class:`~ggmlpy.runner.Stream`; closing it early cancels the reply).
 
         Raises
