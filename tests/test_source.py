@@ -56,7 +56,7 @@ FLOORS = [
     ["vision"],
     ["sampling"],
     ["runner", "sequences"],
-    ["load"],
+    ["load", "api"],
     ["benchmark"],
     ["cli", "__main__", "__init__"],
 ]

@@ -59,7 +59,7 @@ class Runner(RequestLoop):
     Parameters
     ----------
     model
-        A loaded model (:func:`ggmlpy.models.load_model`).
+        A loaded model (:func:`ggmlpy.load_model`).
     n_ctx : int
         Context per sequence (default 4096, at most the model's training context).
     n_batch, n_ubatch : int
@@ -88,6 +88,7 @@ class Runner(RequestLoop):
 
     Settings not given take those a placement search reserved for (``model.fit.runner_kwargs``), else
     the defaults (:data:`ggmlpy.defaults.DEFAULTS`). Each is described in full in ``docs/runner.md``.
+    :func:`ggmlpy.open` loads a model and starts a runner over it in one call.
 
     Raises
     ------
@@ -102,6 +103,10 @@ class Runner(RequestLoop):
     is served; :meth:`close` may be called from any thread at any time, after which every call raises
     :class:`~ggmlpy.ClosedError`.
     """
+
+    #: Whether :meth:`close` closes :attr:`model` too: True for a runner that loaded its model
+    #: (:func:`ggmlpy.open`), False for one given a model (which may serve other runners).
+    owns_model: bool = False
 
     def __init__(self, model, n_ctx: Optional[int] = None, n_batch: Optional[int] = None,
                  n_ubatch: Optional[int] = None, n_seq_max: Optional[int] = None, n_threads: int = 0,
@@ -842,7 +847,9 @@ class Runner(RequestLoop):
         waited for. When close() returns, every handle is done, no thread of
         the runner is alive, and every later call raises
         :class:`~ggmlpy.ClosedError`. Safe to call more than once, and from
-        several threads (all return once the runner is closed).
+        several threads (all return once the runner is closed). A runner that
+        owns its model (:attr:`owns_model`, :func:`ggmlpy.open`) closes it
+        last.
         """
         with self._lock:
             first = not self._closing
@@ -855,7 +862,11 @@ class Runner(RequestLoop):
         try:
             self._stop_loop()
         finally:
-            self._free()
+            try:
+                self._free()
+            finally:
+                if self.owns_model:
+                    self.model.close()
 
     def _free(self) -> None:
         """Stop the compute thread and free graphs, scheduler and cache (each once, every one tried)."""
