@@ -24,9 +24,9 @@ def run(model, pipeline: bool, n_seqs: int, n_tokens: int, n_threads: int):
     prompts = [[(7 * s + 13 * i) % model.n_vocab for i in range(16)] for s in range(n_seqs)]
     with Runner(model, n_ctx=256, n_seq_max=n_seqs, n_batch=256, n_ubatch=256, n_threads=n_threads,
                 pipeline=pipeline) as rt:
-        rt.generate(prompts[0], max_tokens=2)                       # warm-up
+        rt.generate(prompts[0], max_tokens=2, temperature=0)        # warm-up
         t0 = time.perf_counter()
-        hs = [rt.submit(p, max_tokens=n_tokens) for p in prompts]
+        hs = [rt.submit(p, max_tokens=n_tokens, temperature=0) for p in prompts]
         tokens = [h.result().tokens for h in hs]
         dt = time.perf_counter() - t0
         return n_seqs * n_tokens / dt, rt.overlap_s / dt, tokens
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("-t", "--threads", type=int, default=0)
     a = ap.parse_args(argv)
-    model = load_model(synthetic_path(a.size, a.type))
+    model = load_model(synthetic_path(a.size, a.type), devices="cpu")
     print(f"model {model.desc}, {a.seqs} sequences x {a.tokens} tokens, {a.reps} interleaved reps")
     seq_ts, pipe_ts, ratios, hidden = [], [], [], []
     for _ in range(a.reps):

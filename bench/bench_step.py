@@ -58,7 +58,7 @@ def main() -> None:
     for typ in args.type.split(","):
         path = synthetic_path(args.size, typ)
         for fuse in fuses:
-            model = load_model(path, fuse=fuse)
+            model = load_model(path, fuse=fuse, devices="cpu")
             runners[(typ, fuse)] = Runner(model, n_ctx=args.tokens + 8, n_threads=args.threads)
     rng = np.random.default_rng(0)
     total: dict[tuple, list[float]] = {k: [] for k in runners}

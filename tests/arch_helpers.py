@@ -43,21 +43,21 @@ def make(cls_name: str, cfg_name: str, vocab: str, tokens: list, out_dir, seed: 
 def run_batch(path, tokens, n_ctx: int = 64, **kw) -> np.ndarray:
     """Every position's logits of ``tokens`` in one batch (F32 cache unless given)."""
     kw = {"type_k": "f32", "type_v": "f32", **kw}
-    with load_model(path) as model, Runner(model, n_ctx=n_ctx, **kw) as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=n_ctx, **kw) as rt:
         return rt.decode(tokens, logits="all")
 
 
 def run_steps(path, tokens, n_ctx: int = 64, **kw) -> np.ndarray:
     """The logits of ``tokens`` fed one at a time."""
     kw = {"type_k": "f32", "type_v": "f32", **kw}
-    with load_model(path) as model, Runner(model, n_ctx=n_ctx, **kw) as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=n_ctx, **kw) as rt:
         return np.concatenate([rt.decode([t]) for t in tokens])
 
 
 def sequences_error(conv: Converted, seqs: list, nxt: list, n_ctx: int = 64, flash: bool = False) -> float:
     """Several sequences in one batch, then one more token of each, all in a second batch, against
     transformers on each sequence alone: the largest error of any row."""
-    with load_model(conv.path()) as model, \
+    with load_model(conv.path(), devices="cpu") as model, \
             Runner(model, n_ctx=n_ctx, n_seq_max=len(seqs), type_k="f32", type_v="f32", flash_attn=flash) as rt:
         toks = [t for s in seqs for t in s]
         pos = [p for s in seqs for p in range(len(s))]
@@ -76,7 +76,7 @@ def shift_error(path, tokens, keep: int, discard: int, flash: bool = False, n_ct
     """A context shift against a fresh run: ``tokens`` decoded, ``remove(keep, keep + discard)`` (the kept
     keys re-rotated by the model's shift), two more tokens decoded; the errors of their logits against a
     fresh run over the kept tokens and the same two (equal with one layer: a shift is exact there)."""
-    with load_model(path) as model, \
+    with load_model(path, devices="cpu") as model, \
             Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32", flash_attn=flash) as rt:
         rt.decode(tokens)
         rt.cache.remove(0, keep, keep + discard)

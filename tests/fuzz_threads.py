@@ -258,7 +258,7 @@ class Program:
         with self.model_lock:
             if self.model is None:
                 from ggmlpy.models import load_model
-                self.model = load_model(self.model_path)
+                self.model = load_model(self.model_path, devices="cpu")
             return self.model
 
     def a_runner_new(self, rng):
@@ -275,9 +275,9 @@ class Program:
         if x < 0.3:
             r.decode(toks, seq=rng.randrange(2))
         elif x < 0.55:
-            r.generate(toks, max_tokens=rng.randint(1, 6))
+            r.generate(toks, max_tokens=rng.randint(1, 6), temperature=0)
         elif x < 0.8:
-            h = r.submit(toks, max_tokens=rng.randint(1, 6))
+            h = r.submit(toks, max_tokens=rng.randint(1, 6), temperature=0)
             if rng.random() < 0.3:
                 h.cancel()
         elif x < 0.9:

@@ -648,7 +648,7 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str, tar
     blobs = [open(b, "rb").read() for b in bases]
     hdrs = [Header(b) for b in blobs]
     path = os.path.join(work, f"case-{os.getpid()}.gguf")
-    text = load_model(os.path.join(work, TEXT_MODEL)) if target == "mmproj" else None
+    text = load_model(os.path.join(work, TEXT_MODEL), devices="cpu") if target == "mmproj" else None
     for i in range(start, stop):
         b = i % len(blobs)
         kind, desc, data, semantic = make_case(blobs[b], hdrs[b], seed, i, target)
@@ -670,7 +670,7 @@ def run_cases(bases: list[str], seed: int, start: int, stop: int, work: str, tar
             if target == "mmproj":
                 stage, res["finite"] = _run_mmproj(path, text)
             else:
-                with load_model(path) as m:
+                with load_model(path, devices="cpu") as m:
                     stage = "decode"
                     with Runner(m, n_ctx=16) as rt:
                         logits = rt.decode([1, 2, 3])

@@ -254,7 +254,7 @@ def run_case(path: str, case: dict) -> dict:
                         if name != "CPU" and name in rep.devices and rep.devices[name].self_total > budget:
                             problems.append(f"{name} holds {rep.devices[name].self_total} bytes, over its budget "
                                             f"{budget}")
-                handles = [rt.submit([1 + j, 2, 3, 4], max_tokens=case["max_tokens"])
+                handles = [rt.submit([1 + j, 2, 3, 4], max_tokens=case["max_tokens"], temperature=0)
                            for j in range(case["n_requests"])]
                 if scenario.endswith("generate"):
                     timer = threading.Timer(case["delay"], harm)
@@ -286,7 +286,7 @@ def run_case(path: str, case: dict) -> dict:
                     # the same runner: a later request fails the same way (bounded), never hangs
                     t0 = time.monotonic()
                     try:
-                        rt.generate([1, 2], max_tokens=2)
+                        rt.generate([1, 2], max_tokens=2, temperature=0)
                     except (RunnerError, GGMLError) as e:
                         if victim not in str(e):
                             problems.append(f"a later request's error does not name {victim}: {e}")
@@ -336,7 +336,7 @@ def run_case(path: str, case: dict) -> dict:
         from ggmlpy.models import load_model
 
         try:
-            with load_model(path) as m, Runner(m, n_ctx=32) as r:
+            with load_model(path, devices="cpu") as m, Runner(m, n_ctx=32) as r:
                 r.decode([1, 2, 3])
         except Exception as e:  # noqa: BLE001
             problems.append(f"a CPU model after the case: {type(e).__name__}: {e}")

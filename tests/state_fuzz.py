@@ -518,7 +518,7 @@ def open_runners(models: list):
     from ggmlpy.models import load_model
     from ggmlpy.runner import Runner
 
-    ms = [load_model(p) for p in models[:2]]
+    ms = [load_model(p, devices="cpu") for p in models[:2]]
     rts = [Runner(m, **RUNNER) for m in ms]
     return ms, rts
 
@@ -611,7 +611,7 @@ def make_bases(work: str) -> None:
     write_synthetic(models[1], replace(for_arch(SIZES["tiny"], "gemma3"), n_layer=6, sliding_window=4), seed=22)
     write_synthetic(models[2], "tiny", seed=23)
     for m, s in zip(models, states):
-        with load_model(m) as model, Runner(model, **RUNNER) as rt:
+        with load_model(m, devices="cpu") as model, Runner(model, **RUNNER) as rt:
             rt.decode(PREFIX, seq=1, logits=None)
             rt.save_state(1, s)
 

@@ -48,7 +48,7 @@ def main() -> None:
         import vision_helpers as vh
 
         fx = vh.make("gemma3", tmp)
-        model = load_model(fx.text_path, mmproj=fx.mmproj_path)
+        model = load_model(fx.text_path, mmproj=fx.mmproj_path, devices="cpu")
         runner = Runner(model, n_ctx=256, type_k="f32", type_v="f32", pipeline=False)
         image = vh.sample_image(64, 64, seed=5)
         holds = _image_holds(image)
@@ -58,15 +58,16 @@ def main() -> None:
         msgs = [{"role": "user", "content": [{"type": "text", "text": "Look at "}, {"type": "image", "image": image},
                                              {"type": "text", "text": " please"}]}]
         start = "submit_chat" if a.chat else "submit"
-        run = (lambda: runner.submit_chat(msgs, template=template, max_tokens=1).result()) if a.chat else \
-            (lambda: runner.submit("Look at <__media__> please", images=[image], max_tokens=1).result())
+        run = (lambda: runner.submit_chat(msgs, template=template, max_tokens=1, temperature=0).result()) \
+            if a.chat else \
+            (lambda: runner.submit("Look at <__media__> please", images=[image], max_tokens=1, temperature=0).result())
     else:
         from ggmlpy.models.synthetic import write_synthetic
 
-        model = load_model(write_synthetic(os.path.join(tmp, "tiny.gguf"), "tiny", "F16", seed=3))
+        model = load_model(write_synthetic(os.path.join(tmp, "tiny.gguf"), "tiny", "F16", seed=3), devices="cpu")
         runner = Runner(model, n_ctx=64, pipeline=False)
         holds, start = _token_holds, "submit"
-        run = lambda: runner.submit([1, 2, TOKEN, 5], max_tokens=1).result()   # noqa: E731
+        run = lambda: runner.submit([1, 2, TOKEN, 5], max_tokens=1, temperature=0).result()   # noqa: E731
     try:
         events = _trace(run, holds, root)
     finally:

@@ -30,6 +30,7 @@ from ggmlpy._cliargs import (
     one_line_warnings,
     override_problem,
 )
+from ggmlpy.defaults import CLI_N_PREDICT, DEFAULTS, n_ctx_for
 
 
 def version_text() -> str:
@@ -262,14 +263,14 @@ def _open_runner(args: argparse.Namespace, prog: str):
     n_ctx = args.ctx_size
     if args.n_gpu_layers == "auto":
         # the placement search sizes the weights around this runner's cache and graphs
-        n_ctx = n_ctx or min(4096, _train_ctx(path))
+        n_ctx = n_ctx or n_ctx_for(_train_ctx(path))
         kw.update(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
                   type_k=args.cache_type_k or "f16", type_v=args.cache_type_v or "f16", flash_attn=fa)
     model = load_model(path, devices=devices, n_gpu_layers=args.n_gpu_layers, mmproj=mmproj, **kw)
     try:
         if n_ctx <= 0:
-            n_ctx = min(4096, int(getattr(model.config, "n_ctx_train", 4096) or 4096))
-        rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
+            n_ctx = n_ctx_for(getattr(model.config, "n_ctx_train", None))
+        rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, DEFAULTS["n_ubatch"]),
                     n_threads=args.threads or 0, op_offload=not args.no_op_offload, flash_attn=fa,
                     type_k=args.cache_type_k, type_v=args.cache_type_v)
     except BaseException:
@@ -553,16 +554,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", required=True, help="GGUF model file")
-    p.add_argument("-n", "--n-predict", type=int, default=-1,
+    # the defaults are ggmlpy.defaults' table, the API's own
+    p.add_argument("-n", "--n-predict", type=int, default=CLI_N_PREDICT,
                    help="tokens to generate at most (default -1: until end of generation or the context is full)")
     p.add_argument("-c", "--ctx-size", type=int, default=0,
-                   help="context size (default 0: the model's training context, at most 4096)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="prompt tokens per batch (default 512)")
+                   help=f"context size (default 0: the model's training context, at most {DEFAULTS['n_ctx']})")
+    p.add_argument("-b", "--batch-size", type=int, default=DEFAULTS["n_batch"],
+                   help="prompt tokens per batch (default %(default)s)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("-ngl", "--n-gpu-layers", default="-1", metavar="N|auto",
+    p.add_argument("-ngl", "--n-gpu-layers", default=str(DEFAULTS["n_gpu_layers"]), metavar="N|auto",
                    help="layers on accelerators (default -1: all, when there is one); auto: as many as fit with "
                         "this context (-c), found by trying allocations")
-    p.add_argument("-dev", "--device", default="auto", help="devices: auto (default), cpu, or names (comma list)")
+    p.add_argument("-dev", "--device", default=DEFAULTS["devices"],
+                   help="devices: auto (default), cpu, or names (comma list)")
     p.add_argument("-sm", "--split-mode", default="layer", choices=("layer", "none", "row"),
                    help="layer: the offloaded layers divided among the accelerators (default); none: all on the "
                         "-mg one; row: refused (ggml's CUDA split buffers)")
@@ -589,11 +593,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the model's vision encoder (an mmproj GGUF): the model then takes images")
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (default 0.8; 0: greedy)")
-    p.add_argument("--top-k", type=int, default=40, help="top-k sampling (default 40; 0: off)")
-    p.add_argument("--top-p", type=float, default=0.95, help="top-p sampling (default 0.95; 1: off)")
-    p.add_argument("--min-p", type=float, default=0.05, help="min-p sampling (default 0.05; 0: off)")
-    p.add_argument("-s", "--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--temp", type=float, default=DEFAULTS["temperature"],
+                   help="temperature (default %(default)s; 0: greedy)")
+    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="top-k sampling (default %(default)s; 0: off)")
+    p.add_argument("--top-p", type=float, default=DEFAULTS["top_p"],
+                   help="top-p sampling (default %(default)s; 1: off)")
+    p.add_argument("--min-p", type=float, default=DEFAULTS["min_p"],
+                   help="min-p sampling (default %(default)s; 0: off)")
+    p.add_argument("-s", "--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default: random)")
     p.add_argument("--stop", action="append", metavar="STR",
                    help="stop string (repeatable): the text ends before it")
     p.add_argument("--system", default=None, help="system prompt (run: with --chat)")

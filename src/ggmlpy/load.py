@@ -15,6 +15,7 @@ from ggmlpy.backend import (
     parse_tensor_overrides,
     split_layers,
 )
+from ggmlpy.defaults import DEFAULTS
 from ggmlpy.gguf import GGUFReader
 from ggmlpy.models import Model, model_class
 from ggmlpy.models.fingerprint import weights_fingerprint
@@ -22,12 +23,14 @@ from ggmlpy.models.fingerprint import weights_fingerprint
 __all__ = ["load_model"]
 
 
-def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_gpu_layers: int | str = -1,
+def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS["devices"],
+               n_gpu_layers: int | str = DEFAULTS["n_gpu_layers"],
                progress: Optional[Callable[[int, int], None]] = None, rpc: Sequence[str] = (),
                load: bool = True, check_tensors: bool = False, mmap: bool = False, repack: bool = True,
                fuse: bool = True, mmproj: Optional[str | os.PathLike] = None, placement: Optional[Placement] = None,
-               *, n_ctx: int | str = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
-               n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
+               *, n_ctx: int | str | None = None, n_ctx_min: int = 2048, n_seq_max: int = DEFAULTS["n_seq_max"],
+               n_batch: int = DEFAULTS["n_batch"], n_ubatch: int = DEFAULTS["n_ubatch"],
+               type_k: str = DEFAULTS["type_k"], type_v: str = DEFAULTS["type_v"], flash_attn: Optional[bool] = None,
                margin: Optional[int | dict] = None, memory: Optional[dict] = None,
                tensor_split: Optional[Sequence[float]] = None,
                tensor_overrides: Optional[str | Sequence] = None, n_cpu_moe: int = 0) -> Model:
@@ -36,8 +39,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     Parameters
     ----------
     path : the GGUF file
-    devices : ``"cpu"``, ``"auto"`` or device names (see :func:`ggmlpy.backend.choose_devices`)
-    n_gpu_layers : how many of the last layers go to accelerators (-1: all), or ``"auto"``: as many as
+    devices : ``"auto"`` (default: every local accelerator, then the CPU), ``"cpu"`` or device names (see
+        :func:`ggmlpy.backend.choose_devices`)
+    n_gpu_layers : how many of the last layers go to accelerators (-1, the default: all), or ``"auto"``: as many as
         fit, found by trying allocations (:mod:`ggmlpy.runner.fit`): each try allocates the weights (no
         data read), the KV cache and the worst-case graphs of a runner with ``n_ctx``, ``n_seq_max``,
         ``n_batch``, ``n_ubatch``, ``type_k``, ``type_v``, ``flash_attn`` on every device, and reads what
@@ -50,7 +54,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = "cpu", n_
     n_ctx, n_ctx_min, n_seq_max, n_batch, n_ubatch, type_k, type_v, flash_attn : with
         ``n_gpu_layers="auto"``, the runner the placement must leave room for. ``n_ctx="auto"`` starts at
         the model's training context and halves it, not below ``n_ctx_min``, while the model does not
-        fit wholly on the accelerators (llama.cpp's ``--fit`` order); a number is never changed.
+        fit wholly on the accelerators (llama.cpp's ``--fit`` order); a number is never changed; None (the
+        default) is the runner's default, 4096 or the training context if smaller. The defaults of
+        these and of ``devices``/``n_gpu_layers`` are :data:`ggmlpy.defaults.DEFAULTS`'.
     margin : with ``"auto"``, bytes left free on each device (an int, or a dict by device name); default
         10 % of each device's memory, at most 512 MiB
     memory : with ``"auto"``, a cap in bytes per device name (``{"CPU": 8 << 30}``) below its free memory

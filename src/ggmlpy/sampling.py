@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ggmlpy._core import GGMLTypeError, GGMLValueError
+from ggmlpy.defaults import DEFAULTS
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
@@ -53,6 +54,7 @@ __all__ = [
     "TokenLogprob",
     "log_softmax",
     "logprobs",
+    "sampling_params",
 ]
 
 #: Largest accepted :attr:`SamplingParams.top_logprobs` (the OpenAI/Ollama limit).
@@ -78,23 +80,29 @@ def _integer(name: str, value: object) -> int:
 class SamplingParams:
     """How one sequence picks its next token.
 
+    The defaults are :data:`ggmlpy.defaults.DEFAULTS`' (llama.cpp's, llama-cpp-python's and Ollama's:
+    temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, a fresh seed), the same as the keyword arguments
+    of :meth:`Runner.generate <ggmlpy.runner.Runner.generate>` and ``ggmlpy run``'s options.
+    ``SamplingParams(temperature=0)`` is greedy decoding.
+
     Parameters
     ----------
     temperature : float
-        ``0`` (the default) is greedy decoding: the arg-max, ties to the lowest
-        token id. Otherwise the logits are divided by it before the softmax.
-        Must be finite and ``>= 0``.
+        ``0`` is greedy decoding: the arg-max, ties to the lowest token id, and
+        every other field is ignored. Otherwise the logits are divided by it
+        before the softmax. Must be finite and ``>= 0``. Default 0.8.
     top_k : int
         Keep only the ``top_k`` most likely tokens; ``0`` or negative turns it off.
+        Default 40.
     top_p : float
         Nucleus sampling: keep the smallest set of most likely tokens whose mass
-        is ``>= top_p``. In ``(0, 1]``; ``1`` turns it off.
+        is ``>= top_p``. In ``(0, 1]``; ``1`` turns it off. Default 0.95.
     min_p : float
         Drop tokens whose probability is below ``min_p`` times the largest one.
-        In ``[0, 1]``; ``0`` turns it off.
+        In ``[0, 1]``; ``0`` turns it off. Default 0.05.
     seed : int or None
-        Seed of the sampler's random generator (``>= 0``); ``None`` draws fresh
-        entropy from the OS, so results are not reproducible.
+        Seed of the sampler's random generator (``>= 0``); ``None`` (the default)
+        draws fresh entropy from the OS, so results are not reproducible.
     logprobs : bool
         Whether the runner should report the chosen token's log-probability.
     top_logprobs : int
@@ -108,11 +116,11 @@ class SamplingParams:
         For any out-of-range or wrongly typed field, naming the field.
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
+    temperature: float = DEFAULTS["temperature"]
+    top_k: int = DEFAULTS["top_k"]
+    top_p: float = DEFAULTS["top_p"]
+    min_p: float = DEFAULTS["min_p"]
+    seed: int | None = DEFAULTS["seed"]
     logprobs: bool = False
     top_logprobs: int = 0
 
@@ -152,6 +160,36 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling is the plain arg-max (``temperature == 0``)."""
         return self.temperature == 0.0
+
+
+def sampling_params(where: str, sampling: SamplingParams | None = None, **settings) -> SamplingParams:
+    """A request's :class:`SamplingParams`: ``sampling``, or the keyword ``settings`` that are not None over
+    the defaults (``Runner.generate(..., temperature=0.2)``); both together is an error.
+
+    Raises
+    ------
+    GGMLValueError
+        ``sampling`` and a setting given together (the message names both), or a setting out of range.
+    GGMLTypeError
+        ``sampling`` is not a SamplingParams.
+
+    Examples
+    --------
+    >>> sampling_params("generate", temperature=0, seed=1).greedy
+    True
+    >>> sampling_params("generate", SamplingParams(top_k=5)).top_k
+    5
+    """
+    given = {k: v for k, v in settings.items() if v is not None}
+    if sampling is None:
+        return SamplingParams(**given)
+    if not isinstance(sampling, SamplingParams):
+        raise GGMLTypeError(f"{where}: sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if given:
+        names = ", ".join(f"{k}=" for k in given)
+        raise GGMLValueError(f"{where}: sampling= and {names} given together: put every setting in one place, "
+                             f"SamplingParams({names.replace('=, ', '=..., ')}...) or the keywords alone")
+    return sampling
 
 
 # --------------------------------------------------------------------------- helpers
@@ -240,7 +278,7 @@ class Sampler:
     Parameters
     ----------
     params : SamplingParams, optional
-        Defaults to greedy decoding.
+        Default ``SamplingParams()`` (:data:`ggmlpy.defaults.DEFAULTS`; ``temperature=0`` is greedy).
     """
 
     def __init__(self, params: SamplingParams | None = None) -> None:

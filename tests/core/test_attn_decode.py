@@ -342,7 +342,7 @@ def _runner_logits(tmp_path, monkeypatch):
     from ggmlpy.runner import Runner
 
     path = write_synthetic(tmp_path / "m.gguf", "tiny", "F32")
-    model = load_model(path)
+    model = load_model(path, devices="cpu")
     calls = []
     real = blocks._decode_chunks            # asked only when attention takes attn_decode
 

@@ -269,7 +269,8 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
     from ggmlpy.models.synthetic import write_synthetic
     from ggmlpy.runner import Runner
 
-    model = load_model(_f32_copy(write_synthetic(tmp_path / "m.gguf", "tiny", "F16"), tmp_path / "m32.gguf"))
+    model = load_model(_f32_copy(write_synthetic(tmp_path / "m.gguf", "tiny", "F16"), tmp_path / "m32.gguf"),
+                       devices="cpu")
     calls = []
     real = _core._attn_prefill_vectorized      # asked only when attention would take attn_prefill
 

@@ -109,7 +109,7 @@ def test_the_gemma_model_chooses_it_on_the_cpu(tmp_path, monkeypatch):
     asked = []
     real = blocks._core._geglu_vectorized
     monkeypatch.setattr(blocks._core, "_geglu_vectorized", lambda: asked.append(1) or real())
-    model = load_model(write_synthetic(tmp_path / "m.gguf", "tiny", "F16", arch="gemma3"))
+    model = load_model(write_synthetic(tmp_path / "m.gguf", "tiny", "F16", arch="gemma3"), devices="cpu")
     logits = {}
     for on in (True, False):
         monkeypatch.setattr(blocks, "glu_kernel", on)

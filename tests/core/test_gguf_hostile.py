@@ -58,7 +58,7 @@ def set_kv(key, t, value):
 def test_the_base_file_loads_and_decodes(base):
     from ggmlpy.runner import Runner
 
-    with load_model(base) as m, Runner(m, n_ctx=16) as rt:
+    with load_model(base, devices="cpu") as m, Runner(m, n_ctx=16) as rt:
         logits = rt.decode([1, 2, 3])
     assert logits.shape[-1] == 512 and np.all(np.isfinite(logits))
 
@@ -91,7 +91,7 @@ def test_huge_block_count_fails_at_once(edit):
 def test_block_count_must_match_the_layers_present(edit, value, match):
     path = edit(set_kv("llama.block_count", 4, value))
     with pytest.raises(MetadataError, match=match) as e:
-        load_model(path)
+        load_model(path, devices="cpu")
     assert e.value.key == "llama.block_count" and e.value.path == str(path) and str(path) in str(e.value)
 
 
@@ -100,7 +100,7 @@ def test_rms_eps_must_be_finite_and_in_range(edit, value):
     """rms_eps = inf loaded and every output token was 0."""
     path = edit(set_kv(EPS, 6, value))
     with pytest.raises(MetadataError, match=rf"{path}: metadata '{EPS}': .*(not a finite number|out of range)"):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 @pytest.mark.parametrize("key,value,t", [
@@ -111,7 +111,7 @@ def test_rms_eps_must_be_finite_and_in_range(edit, value):
 def test_out_of_range_values_name_their_key(edit, key, value, t):
     path = edit(set_kv(key, t, value))
     with pytest.raises(MetadataError) as e:
-        load_model(path)
+        load_model(path, devices="cpu")
     assert e.value.key == key and str(path) in str(e.value), str(e.value)
 
 
@@ -121,7 +121,7 @@ def test_special_token_ids_outside_the_vocabulary_are_dropped_with_a_warning(edi
     # never used as an input
     path = edit(set_kv(key, 4, value))
     with caplog.at_level("WARNING", logger="ggmlpy"):
-        model = load_model(path)
+        model = load_model(path, devices="cpu")
     try:
         assert key in caplog.text and "outside the vocabulary" in caplog.text
         if "bos" in key:
@@ -142,7 +142,7 @@ def test_special_token_ids_outside_the_vocabulary_are_dropped_with_a_warning(edi
 def test_hyperparameters_must_agree_with_the_tensor_shapes(edit, key, value, tensor):
     path = edit(set_kv(key, 4, value))
     with pytest.raises(ggmlpy.GGMLError, match=str(path)) as e:
-        load_model(path)
+        load_model(path, devices="cpu")
     assert isinstance(e.value, ValueError)
     if tensor is not None:
         assert tensor in str(e.value) and "ne=" in str(e.value), str(e.value)
@@ -159,7 +159,7 @@ def test_wrong_metadata_types_name_the_key_and_file(edit, key, t, value):
     """These raised a plain ValueError (int('two')) or were truncated silently (2.7 -> 2 layers)."""
     path = edit(set_kv(key, t, value))
     with pytest.raises(MetadataTypeError) as e:
-        load_model(path)
+        load_model(path, devices="cpu")
     err = e.value
     assert isinstance(err, TypeError) and isinstance(err, ValueError) and isinstance(err, ggmlpy.GGMLError)
     assert err.key == key and f"{path}: metadata '{key}'" in str(err), str(err)
@@ -168,9 +168,9 @@ def test_wrong_metadata_types_name_the_key_and_file(edit, key, t, value):
 def test_per_layer_arrays_must_be_uniform(edit):
     path = edit(set_kv("llama.attention.head_count_kv", ARRAY, (4, [2, 1])))
     with pytest.raises(MetadataError, match=r"'llama.attention.head_count_kv': per-layer values differ \(\[2, 1\]\)"):
-        load_model(path)
+        load_model(path, devices="cpu")
     ok = edit(set_kv("llama.attention.head_count_kv", ARRAY, (4, [2, 2])), "uniform.gguf")
-    with load_model(ok) as m:
+    with load_model(ok, devices="cpu") as m:
         assert m.config.n_head_kv == 2
 
 
@@ -196,7 +196,7 @@ def test_one_tensor_fewer_in_the_header_count(edit):
     with pytest.raises(GGUFError, match=r"more bytes .* that no tensor describes: the tensor count"):
         GGUFReader(path)
     with pytest.raises(GGUFError, match=str(path)):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 def test_appended_bytes_are_refused_but_padding_is_not(base, tmp_path):
@@ -228,7 +228,7 @@ def test_f16_data_retyped_as_bf16(edit):
         return h.build(tinfos=tinfos)
     path = edit(fn)
     with pytest.raises(GGUFError, match=r"'blk.1.ffn_up.weight' does not look like BF16 data: the median magnitude"):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 @pytest.mark.parametrize("bits,what", [(0x7E00, "nan"), (0x7C00, "inf")])
@@ -239,7 +239,7 @@ def test_non_finite_weights_are_refused(edit, bits, what):
         return h.data[:at] + struct.pack("<H", bits) + h.data[at + 2:]
     path = edit(fn)
     with pytest.raises(GGUFError, match=rf"'blk.0.attn_q.weight' \(F16\) holds non-finite values .*{what}"):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 def test_every_tensor_must_be_used(base, tmp_path):
@@ -252,7 +252,7 @@ def test_every_tensor_must_be_used(base, tmp_path):
             w.add_tensor(t.name, rd.tensor_data(t.name), type=t.type)
         w.add_tensor("blk.0.attn_k.bias", np.zeros(32, np.float32))
     with pytest.raises(GGUFError, match=r"1 tensor\(s\) of the file are not used .*blk.0.attn_k.bias"):
-        load_model(p)
+        load_model(p, devices="cpu")
 
 
 def test_missing_layer_tensors(edit, tmp_path):
@@ -264,13 +264,13 @@ def test_missing_layer_tensors(edit, tmp_path):
         return h.build(tinfos=tinfos)
     path = edit(fn)
     with pytest.raises(MetadataError, match=r"'llama.block_count': 2, but the file has tensors for 4 layers"):
-        load_model(path)
+        load_model(path, devices="cpu")
     # the same file with a matching block_count: layer 2 has no tensors at all
     h = Header(path.read_bytes())
     four = tmp_path / "four.gguf"
     four.write_bytes(set_kv("llama.block_count", 4, 4)(h))
     with pytest.raises(MissingTensor, match=r"no tensors for layers \[2\] of 4"):
-        load_model(four)
+        load_model(four, devices="cpu")
 
 
 # --- tensor data: copies, and files that change under a mapping ------------------------------------
@@ -304,9 +304,9 @@ def test_check_tensors_finds_a_nan_in_any_row(edit):
         at = h.data_start + f["offset"] + 2 * (64 * 100 + 5)        # row 100, column 5 of 512 rows
         return h.data[:at] + struct.pack("<H", 0x7E00) + h.data[at + 2:]
     path = edit(fn)
-    load_model(path).close()
+    load_model(path, devices="cpu").close()
     with pytest.raises(GGUFError, match=r"'token_embd.weight' \(F16\) holds non-finite values .* row 100, column 5"):
-        load_model(path, check_tensors=True)
+        load_model(path, check_tensors=True, devices="cpu")
 
 
 # --- mmproj (vision encoder) files -------------------------------------------------------------------

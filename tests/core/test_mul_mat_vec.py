@@ -158,7 +158,7 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
 
     # K-quants need rows of 256: the tiny shape widened
     size = replace(SIZES["tiny"], n_embd=256, n_ff=512) if wtype == "Q4_K_M" else "tiny"
-    model = load_model(write_synthetic(tmp_path / "m.gguf", size, wtype))
+    model = load_model(write_synthetic(tmp_path / "m.gguf", size, wtype), devices="cpu")
     taken = []
     real = blocks._core._mul_mat_vec_ok        # asked only when linear() has a few tokens
 
@@ -405,7 +405,7 @@ def test_moe_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch):
     from ggmlpy.models.synthetic import synthetic_path
     from ggmlpy.runner import Runner
 
-    model = load_model(synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch="qwen3moe"))
+    model = load_model(synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch="qwen3moe"), devices="cpu")
     asked = []
     real = blocks._core._mul_mat_id_vec_ok
 

@@ -275,7 +275,8 @@ def test_a_repacked_model_computes_the_plain_models_logits(q4_model_path):
     prompt = [1, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200, 5]
     out = {}
     for repack in (True, False):
-        with load_model(q4_model_path, repack=repack) as model, Runner(model, n_ctx=64, n_batch=8, n_ubatch=8) as rt:
+        with load_model(q4_model_path, repack=repack, devices="cpu") as model, \
+                Runner(model, n_ctx=64, n_batch=8, n_ubatch=8) as rt:
             kinds = model.weights.buffer_sizes()["CPU"]
             assert ("CPU_REPACK" in kinds) == (repack and AVX2)
             if repack and AVX2:
@@ -299,7 +300,8 @@ def test_repacked_experts_and_tied_head_compute_the_plain_logits(arch, tmp_path)
     prompt = [1, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200, 5]
     out, sizes = {}, {}
     for repack in (True, False):
-        with load_model(path, repack=repack) as model, Runner(model, n_ctx=64, n_batch=8, n_ubatch=8) as rt:
+        with load_model(path, repack=repack, devices="cpu") as model, \
+                Runner(model, n_ctx=64, n_batch=8, n_ubatch=8) as rt:
             on = repack and AVX2
             if arch == "qwen3moe":
                 assert model.weights["blk.0.ffn_gate_exps.weight"].is_repacked == on
@@ -361,7 +363,7 @@ def test_a_repacked_q4_k_m_model_computes_the_plain_models_logits(q4_k_m_2layer_
     out = {}
     for repack in (True, False):
         for fa in (False, True):
-            with load_model(q4_k_m_2layer_path, repack=repack) as model, \
+            with load_model(q4_k_m_2layer_path, repack=repack, devices="cpu") as model, \
                     Runner(model, n_ctx=64, flash_attn=fa) as rt:
                 assert model.desc.endswith("Q4_K - Medium")
                 # layer 1's attn_v is Q6_K: its Q, K and V stay apart, gate and up (Q4_K) still fuse
@@ -397,10 +399,10 @@ def test_check_tensors_finds_a_nan_in_a_repacked_weight(tmp_path):
     with open(path, "r+b") as f:
         f.seek(info.offset + 150 * row)            # the first block's F16 scale of row 150
         f.write(b"\x00\x7e")
-    with load_model(path, repack=True) as m:       # a sample of rows is all that is checked by default
+    with load_model(path, repack=True, devices="cpu") as m:       # a sample of rows is all that is checked by default
         assert m.weights["blk.1.ffn_gate_up.weight"].is_repacked == AVX2     # ffn_up is fused with ffn_gate
     with pytest.raises(gp.GGMLError, match=r"'blk.1.ffn_up.weight' \(Q4_0\) holds non-finite values .* row 150"):
-        load_model(path, repack=True, check_tensors=True)
+        load_model(path, repack=True, check_tensors=True, devices="cpu")
 
 
 def test_amx_verdict_from_the_environment(monkeypatch):

@@ -258,7 +258,7 @@ def test_architecture_on_the_device_matches_cpu(accel, arch_files, arch, where, 
     path = arch_files(arch)
     ngl, flash = CASES[arch]
     ngl = ngl if where == "split" else 999
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         ref = _session(model, flash)
     with load_model(path, devices=[name], n_gpu_layers=ngl) as model:
         n = model.config.n_layer
@@ -287,7 +287,7 @@ def test_experts_of_the_first_layers_stay_on_the_cpu(accel, arch_files):  # noqa
     products on the CPU (or offloads a prompt's); the logits are the CPU run's."""
     name, _ = accel
     path = arch_files("qwen3moe")
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         ref = _session(model, False)
     with load_model(path, devices=[name], n_gpu_layers=999, n_cpu_moe=1) as model:
         moved = {n for n in model.weights.tensors if n.startswith("blk.0.ffn_") and "_exps." in n}
@@ -339,7 +339,7 @@ def test_layers_split_between_the_device_and_an_rpc_server(accel, arch_files, rp
     the proportions given, the logits the CPU's."""
     name, _ = accel
     path = arch_files("llama")
-    with load_model(path) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
         ref = rt.decode(PROMPT, logits="all")
     for split, want in (([1, 1], [0, 0, 1, 1]), ([3, 1], [0, 0, 0, 1])):
         with load_model(path, devices=[name], rpc=[rpc_server], n_gpu_layers=-1, tensor_split=split) as model:
@@ -386,7 +386,7 @@ def test_cache_on_the_device(accel, cache_model_path, types, tmp_path):
     CPU runner."""
     name, _ = accel
     path = cache_model_path
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         ref = _cache_session(model, *types, tmp_path / "cpu.state")
     with load_model(path, devices=[name], n_gpu_layers=999) as model:
         got = _cache_session(model, *types, tmp_path / "dev.state")
@@ -399,7 +399,8 @@ def test_cache_on_the_device(accel, cache_model_path, types, tmp_path):
     worst = {step: _rel_err(got[step], r) for step, r in ref.items()}
     assert max(worst.values()) <= tol, worst
     # the device's state file, loaded by the CPU: the CPU's continuation within the same tolerance
-    with load_model(path) as model, Runner(model, n_ctx=64, n_seq_max=2, type_k=types[0], type_v=types[1],
+    with load_model(path, devices="cpu") as model, \
+            Runner(model, n_ctx=64, n_seq_max=2, type_k=types[0], type_v=types[1],
                                            flash_attn=True) as rt:
         rt.load_state(0, tmp_path / "dev.state")
         assert _rel_err(rt.decode([11]), ref["continued"]) <= tol
@@ -412,7 +413,7 @@ def test_auto_layers_fit_the_device(accel, arch_files):  # noqa: F811
     the device's weights and cache within the cap; either way the logits are the CPU's."""
     name, _ = accel
     path = arch_files("llama")
-    with load_model(path) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
         ref = rt.decode(PROMPT, logits="all")
     free_b, _total = c.device(name).memory()
     with load_model(path, devices=[name], n_gpu_layers="auto", n_ctx=64) as model:
@@ -469,7 +470,7 @@ def test_vision_encoder_on_the_device(accel, family, tmp_path, monkeypatch):
     ids = [int(t) for t in inp["input_ids"]]
     out = {}
     for devs in ("cpu", name):
-        kw = {"devices": [devs], "n_gpu_layers": 999} if devs != "cpu" else {}
+        kw = {"devices": [devs], "n_gpu_layers": 999} if devs != "cpu" else {"devices": "cpu"}
         with load_model(fx.text_path, mmproj=fx.mmproj_path, **kw) as model, \
                 Runner(model, n_ctx=256, type_k="f32", type_v="f32") as rt:
             if devs != "cpu":

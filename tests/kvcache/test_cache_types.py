@@ -61,7 +61,7 @@ def model(tmp_path_factory):
     # head size 128 / 4 = 32: one block of every quantized cache type per head
     hf = hf_model("llama", hidden=128, heads=4, kv_heads=2, ff=256, seed=12)
     path = export_gguf(hf, tmp_path_factory.mktemp("ct") / "m.gguf", "llama")
-    m = load_model(path)
+    m = load_model(path, devices="cpu")
     yield m
     m.close()
 
@@ -138,7 +138,7 @@ def test_head_size_not_a_block_multiple_is_refused(tmp_path):
     from ggmlpy.models.synthetic import write_synthetic
 
     path = write_synthetic(tmp_path / "tiny.gguf", "tiny")          # head size 16 < a block of 32
-    with load_model(path) as m:
+    with load_model(path, devices="cpu") as m:
         with pytest.raises(GGMLValueError, match="V head dim 16 must be a multiple of the Q8_0 block size 32"):
             Runner(m, n_ctx=16, type_k="f16", type_v="q8_0")
         with pytest.raises(GGMLValueError, match="K head dim 16 .* Q4_0"):
@@ -209,7 +209,8 @@ def test_context_shift_rotates_a_mixed_cache(tmp_path, type_k, type_v, flash_att
     path = export_gguf(hf, tmp_path / "m.gguf", "llama")
     toks = (PROMPT * 3)[:30]
     keep, discard = 4, 10
-    with load_model(path) as m, Runner(m, n_ctx=32, type_k=type_k, type_v=type_v, flash_attn=flash_attn) as rt:
+    with load_model(path, devices="cpu") as m, \
+            Runner(m, n_ctx=32, type_k=type_k, type_v=type_v, flash_attn=flash_attn) as rt:
         rt.decode(toks)
         rt.cache.remove(0, keep, keep + discard)
         shifted = rt.decode([9, 10], logits="all")

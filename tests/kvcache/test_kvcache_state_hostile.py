@@ -60,7 +60,7 @@ def runners(work):
     refs = []
     for rt, p in zip(rts, sf.base_paths(work)[1]):
         # every batch shape the tests compute, built once here (the runner keeps its graphs)
-        rt.generate(sf.PREFIX + sf.MORE + [9, 10], max_tokens=3)
+        rt.generate(sf.PREFIX + sf.MORE + [9, 10], max_tokens=3, temperature=0)
         rt.decode([77], seq=0)
         sf.fill(rt)
         rt.clear()
@@ -273,10 +273,10 @@ def test_the_original_defect_leaves_no_stale_slot_record(bases, runners, tmp_pat
     forged = _tokens(lambda t: ["a"] * len(t))(bases[LLAMA])
     _refused(rt, forged, "token 0 is 'a'", tmp_path)
     prompt = sf.PREFIX + sf.MORE + [9, 10]
-    got = rt.generate(prompt, max_tokens=3)
+    got = rt.generate(prompt, max_tokens=3, temperature=0)
     assert got.n_cached == len(sf.PREFIX + sf.MORE)
     with Runner(rt.model, **sf.RUNNER) as fresh:
-        assert fresh.generate(prompt, max_tokens=3).tokens == got.tokens
+        assert fresh.generate(prompt, max_tokens=3, temperature=0).tokens == got.tokens
 
 
 # ---------------------------------------------------------------------------------------- the fingerprint
@@ -289,10 +289,10 @@ def test_the_weights_fingerprint_tells_models_of_the_same_shape_apart(work, base
     assert a["weights"] != b["weights"] and len(a["weights"]) == 64
     # the same file gives the same fingerprint whatever the load options (they change nothing stored)
     for kw in ({"mmap": True}, {"repack": False, "fuse": False}, {"load": False}):
-        with load_model(models[LLAMA], **kw) as m:
+        with load_model(models[LLAMA], devices="cpu", **kw) as m:
             assert m.weights_fingerprint == a["weights"]
     # the foreign model's own runner loads its state; the other model's refuses it
-    with load_model(models[FOREIGN]) as m, Runner(m, **sf.RUNNER) as rt:
+    with load_model(models[FOREIGN], devices="cpu") as m, Runner(m, **sf.RUNNER) as rt:
         assert rt.load_state(0, io.BytesIO(bases[FOREIGN].data)) == sf.PREFIX
         sf.fill(rt)
         before = sf.snapshot(rt)

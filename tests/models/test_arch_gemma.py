@@ -82,7 +82,7 @@ class Converted:
     def runner(self, **kw) -> tuple:
         """``(model, runner)``: close the runner, then the model (``with`` both)."""
         kw = {"n_ctx": 64, "type_k": "f32", "type_v": "f32", **kw}
-        model = load_model(self.path)
+        model = load_model(self.path, devices="cpu")
         try:
             return model, Runner(model, **kw)
         except BaseException:
@@ -164,7 +164,7 @@ def test_the_file_is_the_converters(converted):
     assert "model.layers.0.input_layernorm.weight" in converted.perturbed
     want = hf.model.layers[0].input_layernorm.weight.detach().numpy() + 1.0
     np.testing.assert_allclose(norm, want, rtol=1e-6)
-    with load_model(converted.path, load=False) as model:
+    with load_model(converted.path, load=False, devices="cpu") as model:
         c = model.config
         assert c.swa_layers == tuple(t == "sliding_attention" for t in hf.config.layer_types)
         assert c.sliding_window == WINDOW and c.attn_scale == 1 / 4.0
@@ -258,7 +258,7 @@ def test_requests_generate_what_transformers_predicts(converted):
     prompts = [toks[i:i + 25] for i in (0, 5, 12)]
     model, rt = converted.runner(n_ctx=96, n_seq_max=2, flash_attn=False)
     with model, rt:
-        results = [h.result() for h in [rt.submit(p, max_tokens=8) for p in prompts]]
+        results = [h.result() for h in [rt.submit(p, max_tokens=8, temperature=0) for p in prompts]]
     for p, r in zip(prompts, results):
         assert r.done_reason == "length" and r.error is None and len(r.tokens) == 8
         greedy_agrees(converted, p, r.tokens)
@@ -310,7 +310,7 @@ def test_context_shift_in_requests(converted, flash):
     prompt = toks[:20]
     model, rt = converted.runner(n_ctx=n_ctx, flash_attn=flash)
     with model, rt:
-        res = rt.submit(prompt, max_tokens=30, n_keep=keep).result()
+        res = rt.submit(prompt, max_tokens=30, n_keep=keep, temperature=0).result()
         assert res.error is None and res.done_reason == "length" and res.n_shifts >= 1
         held = [c.seq_pos_max(0) for c in rt.cache.caches]
         assert held[0] == held[1] < n_ctx
@@ -340,11 +340,11 @@ def test_prefix_reuse_with_a_window(converted):
     toks = converted.tokens
     model, rt = converted.runner(n_ctx=96, n_seq_max=1, flash_attn=True)
     with model, rt:
-        first = rt.submit(toks[:30], max_tokens=4).result()
+        first = rt.submit(toks[:30], max_tokens=4, temperature=0).result()
         cont = toks[:30] + first.tokens[:3] + toks[40:45]
-        second = rt.submit(cont, max_tokens=3).result()
+        second = rt.submit(cont, max_tokens=3, temperature=0).result()
         branch = toks[:20] + toks[40:48]
-        third = rt.submit(branch, max_tokens=3).result()
+        third = rt.submit(branch, max_tokens=3, temperature=0).result()
     assert second.n_cached == 33            # all that was computed: prompt and 3 of the 4 generated tokens
     assert third.n_cached == 0              # position 20 needs 13..19, which the window cache evicted
     greedy_agrees(converted, cont, second.tokens)
@@ -383,7 +383,7 @@ def test_state_save_and_load(converted, tmp_path):
 def test_unsupported_metadata_names_the_key(conversions, tmp_path, key, value, error, match):
     path = rewrite(conversions("gemma2").path, tmp_path / "x.gguf", meta=(key, value))
     with pytest.raises(error, match=match):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 @pytest.mark.parametrize("arch,key,value,swa", [
@@ -398,7 +398,7 @@ def test_layer_patterns_from_the_file(conversions, tmp_path, arch, key, value, s
     """The pattern key as a period or one bool per layer (llama.cpp's defaults are checked on the
     converted files, which have none); the cache recipe follows: one cache when all layers are alike."""
     path = rewrite(conversions(arch).path, tmp_path / "x.gguf", meta=(f"{arch}.{key}", value))
-    with load_model(path, load=False) as model:
+    with load_model(path, load=False, devices="cpu") as model:
         assert model.config.swa_layers == swa
         c = model.new_cache(flash_attn=True)
     if all(swa) or not any(swa):

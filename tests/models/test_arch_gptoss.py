@@ -105,7 +105,7 @@ def test_the_file_is_the_converters(conv):
     # HF initialises the expert biases to 0; made random before converting (the F32 match checks them)
     np.testing.assert_array_equal(bias, conv.hf.model.layers[1].mlp.experts.down_proj_bias.detach().numpy())
     assert np.abs(bias).min() > 0
-    with load_model(conv.path()) as model:
+    with load_model(conv.path(), devices="cpu") as model:
         c = model.config
         assert type(model) is GptOssModel and model.qkv_bias
         assert c.swa_layers == tuple(t == "sliding_attention" for t in hc.layer_types) == (True, False) * 2
@@ -116,7 +116,8 @@ def test_the_file_is_the_converters(conv):
 def test_the_cache_recipe(conv):
     """A Wrapper: the local layers in a window cache, which evicts what no later token sees; the global
     ones in a full cache."""
-    with load_model(conv.path()) as model, Runner(model, n_ctx=1024, n_ubatch=32, type_k="f32", type_v="f32") as rt:
+    with load_model(conv.path(), devices="cpu") as model, \
+            Runner(model, n_ctx=1024, n_ubatch=32, type_k="f32", type_v="f32") as rt:
         w = rt.cache
         assert isinstance(w, Wrapper) and len(w.caches) == 2
         local, full = w.caches
@@ -208,7 +209,7 @@ def test_converter_quantized_files_track_transformers(conv, outtype):
     other expert, as llama.cpp would: measured max 0.15 at position 30, whose layer-1 lead is 0.005; the
     clear positions' max is 0.044 (F16: 1.9e-3 everywhere, median 1.1e-3; Q8_0 median 0.023)."""
     path = conv.path(outtype)
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         want = Type[outtype.upper()]
         assert model.weights["blk.1.ffn_down_exps.weight"].type == want
         assert model.weights["blk.1.attn_output.weight"].type == want
@@ -231,7 +232,7 @@ def test_mxfp4_experts_as_released(conv):
     path = derived(conv, "mxfp4", types=lambda name, old: Type.MXFP4 if name.endswith("_exps.weight") else old)
     got = []
     for repack in (True, False):
-        with load_model(path, repack=repack) as model, Runner(model, n_ctx=64) as rt:
+        with load_model(path, repack=repack, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
             assert model.weights["blk.1.ffn_up_exps.weight"].type == Type.MXFP4
             got.append(rt.decode(conv.tokens, logits="all"))
     np.testing.assert_array_equal(got[0], got[1])
@@ -290,12 +291,12 @@ def test_expert_sizes_are_checked_against_the_tensors(conv):
     path = derived(conv, "bad-experts", meta={f"{A}.expert_feed_forward_length": 16})
     with pytest.raises(MetadataError, match=r"'gpt-oss\.expert_feed_forward_length': the metadata gives 16, "
                                             r"but blk\.0\.ffn_gate_exps"):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 def test_a_single_kind_of_layer_has_one_cache(conv):
     path = derived(conv, "all-local", meta={f"{A}.attention.sliding_window_pattern": 0})
-    with load_model(path, load=False) as model:
+    with load_model(path, load=False, devices="cpu") as model:
         assert model.config.swa_layers == (True,) * 4
         c = model.new_cache(flash_attn=True)
     assert type(c) is Causal and c.window == WINDOW - 1

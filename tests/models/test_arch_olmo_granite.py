@@ -87,7 +87,7 @@ def test_the_file_is_the_converters(conv):
     with gguf.GGUFReader(str(conv.path())) as r:
         md, names = r.metadata, {t.name: tuple(t.ne) for t in r.tensors}
     assert md["general.architecture"] == conv.arch
-    with load_model(conv.path()) as model:
+    with load_model(conv.path(), devices="cpu") as model:
         c = model.config
         if conv.arch == "olmo2":
             assert isinstance(model, Olmo2Model) and c.rope_mode == 2
@@ -123,7 +123,8 @@ def test_several_sequences_in_one_batch(conv, flash):
 
 def test_unfused_weights_give_the_same_logits(conv, ref):
     """olmo2's Q/K norms read Q and K as strided views of the fused product, or whole from their own."""
-    with load_model(conv.path(), fuse=False) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+    with load_model(conv.path(), fuse=False, devices="cpu") as model, \
+            Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
         assert model.fused == {}
         err = errors(rt.decode(conv.tokens, logits="all"), ref)
     assert err.max() <= TOL, err
@@ -155,7 +156,7 @@ def test_granite_multipliers_left_unset(granite, tmp_path):
         for la, (res, sc) in zip(layers, saved[1]):
             la.residual_multiplier, la.self_attn.scaling = res, sc
     assert errors(want, ref).max() > 1e-2
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert (model.config.embedding_scale, model.config.residual_scale, model.config.attention_scale) == \
             (1.0, 1.0, None)
     assert errors(run_batch(path, conv.tokens), want).max() <= TOL
@@ -175,7 +176,7 @@ def test_granite_multipliers_left_unset(granite, tmp_path):
 def test_unsupported_metadata_names_the_key(request, tmp_path, arch, meta, error, match):
     conv = request.getfixturevalue(arch)
     with pytest.raises(error, match=match):
-        load_model(copy_gguf(conv.path(), tmp_path / "x.gguf", meta=meta))
+        load_model(copy_gguf(conv.path(), tmp_path / "x.gguf", meta=meta), devices="cpu")
 
 
 def test_granite_feed_forward_biases_are_refused(granite, tmp_path):
@@ -184,4 +185,4 @@ def test_granite_feed_forward_biases_are_refused(granite, tmp_path):
         return [(name, data), *extra]
 
     with pytest.raises(MissingTensor, match=r"blk\.0\.ffn_up\.bias.*mlp_bias"):
-        load_model(copy_gguf(granite.path(), tmp_path / "bias.gguf", tensors=with_bias))
+        load_model(copy_gguf(granite.path(), tmp_path / "bias.gguf", tensors=with_bias), devices="cpu")

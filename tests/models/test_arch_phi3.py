@@ -87,7 +87,7 @@ def test_the_file_is_the_converters(phi3):
     assert md["phi3.rope.scaling.attn_factor"] == pytest.approx(hf.model.rotary_emb.attention_scaling, rel=1e-6)
     assert names["blk.0.attn_qkv.weight"] == (64, 64 + 2 * 32) and names["blk.0.ffn_up.weight"] == (64, 2 * 96)
     assert "blk.0.ffn_gate.weight" not in names and "blk.0.attn_q.weight" not in names
-    with load_model(phi3.path()) as model:
+    with load_model(phi3.path(), devices="cpu") as model:
         c = model.config
         assert isinstance(model, Phi3Model) and model.longrope == ("rope_factors_short.weight",
                                                                     "rope_factors_long.weight")
@@ -123,7 +123,7 @@ def test_the_factors_follow_the_context_as_in_llama_cpp(phi3, ref):
     prompt = phi3.tokens[:ORIG]
     short = hf_logits(phi3.hf, prompt)
     assert errors(short, ref[:ORIG]).max() > 1e-3                 # the two sets give other logits
-    with load_model(phi3.path()) as model:
+    with load_model(phi3.path(), devices="cpu") as model:
         for n_ctx, want, name in ((ORIG, short, "short"), (64, ref[:ORIG], "long")):
             with Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32") as rt:
                 assert isinstance(rt.cache, ContextCache) and rt.cache.n_ctx_seq == n_ctx
@@ -147,7 +147,8 @@ def test_longrope_scaling_type_and_separate_qkv_are_read(phi3, ref, tmp_path):
     assert errors(run_batch(typed, phi3.tokens), ref).max() <= TOL
     parts = copy_gguf(phi3.path(), tmp_path / "parts.gguf", tensors=split)
     for fuse in (False, True):
-        with load_model(parts, fuse=fuse) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        with load_model(parts, fuse=fuse, devices="cpu") as model, \
+                Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
             assert ("blk.1.attn_qkv.weight" in model.fused) == fuse and not model.qkv_in_file
             err = errors(rt.decode(phi3.tokens, logits="all"), ref)
         assert err.max() <= TOL, (fuse, err)
@@ -177,7 +178,7 @@ def windowed(tmp_path_factory, tokens):
 def test_sliding_window(windowed, tokens, flash):
     """A window of 8 (Phi-3-mini-4k's is 2047) on every layer, as transformers applies it."""
     conv, ref = windowed
-    with load_model(conv.path()) as model:
+    with load_model(conv.path(), devices="cpu") as model:
         assert model.config.sliding_window == 8 and model.new_cache(flash_attn=flash).window == 7
     assert errors(run_batch(conv.path(), tokens, flash_attn=flash), ref).max() <= TOL
     assert errors(run_steps(conv.path(), tokens, flash_attn=flash), ref).max() <= TOL
@@ -197,7 +198,7 @@ def test_context_shift_equals_from_scratch(one_layer, flash):
     the attention factor again (it scales cos and sin: applied twice, every shifted key would grow by
     it); the logits equal a fresh run over the kept tokens (one layer: a shift is exact there)."""
     toks, keep, discard = one_layer.tokens[:30], 4, 10
-    with load_model(one_layer.path()) as model, \
+    with load_model(one_layer.path(), devices="cpu") as model, \
             Runner(model, n_ctx=32, type_k="f32", type_v="f32", flash_attn=flash) as rt:
         assert model.config.rope_attn_factor > 1.1
         rt.decode(toks)
@@ -214,9 +215,9 @@ def test_runner_shift_and_prefix_reuse(one_layer):
     from ggmlpy.runner.slots import shift_discard
 
     prompt, n_ctx, keep = one_layer.tokens[:6], 24, 2
-    with load_model(one_layer.path()) as model:
+    with load_model(one_layer.path(), devices="cpu") as model:
         with Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32", pipeline=False) as rt:
-            r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep)
+            r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep, temperature=0)
             assert r.n_shifts == 1
             history = prompt + r.tokens[:-1]
             full = history[:n_ctx]
@@ -226,11 +227,11 @@ def test_runner_shift_and_prefix_reuse(one_layer):
         assert int(logits[0].argmax()) == r.tokens[-1]
         prompt = one_layer.tokens[:20]
         with Runner(model, n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as rt:
-            a = rt.generate(prompt, max_tokens=5)
-            b = rt.generate(prompt + a.tokens[:2] + [9], max_tokens=5)      # shares the whole history
+            a = rt.generate(prompt, max_tokens=5, temperature=0)
+            b = rt.generate(prompt + a.tokens[:2] + [9], max_tokens=5, temperature=0)  # shares the whole history
             assert (a.n_cached, b.n_cached) == (0, len(prompt) + 2)
         with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
-            assert rt.generate(prompt + a.tokens[:2] + [9], max_tokens=5).tokens == b.tokens
+            assert rt.generate(prompt + a.tokens[:2] + [9], max_tokens=5, temperature=0).tokens == b.tokens
 
 
 @pytest.mark.parametrize("key,value,error", [
@@ -240,4 +241,4 @@ def test_runner_shift_and_prefix_reuse(one_layer):
 def test_unsupported_metadata_names_the_key(phi3, tmp_path, key, value, error):
     path = copy_gguf(phi3.path(), tmp_path / "x.gguf", meta={key: value})
     with pytest.raises(error, match=key.replace(".", r"\.")):
-        load_model(path)
+        load_model(path, devices="cpu")

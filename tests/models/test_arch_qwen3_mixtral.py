@@ -133,7 +133,7 @@ def test_the_file_is_the_converters(conv):
         assert ne["blk.1.attn_q_norm.weight"] == ne["blk.1.attn_k_norm.weight"] == (128,)
         q_norm = conv.hf.model.layers[1].self_attn.q_norm.weight
         assert not torch.all(q_norm == q_norm[0])
-    with load_model(conv.path()) as model:
+    with load_model(conv.path(), devices="cpu") as model:
         c = model.config
         assert type(model) is model_cls and c.n_expert == n_expert
         if n_expert:
@@ -154,7 +154,8 @@ def test_token_by_token_matches_transformers(conv, flash):
 
 def test_unfused_weights_give_the_same_logits(conv):
     """Q/K/V kept apart (the Q/K norms then read contiguous heads, not views of the fused product)."""
-    with load_model(conv.path(), fuse=False) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+    with load_model(conv.path(), fuse=False, devices="cpu") as model, \
+            Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
         assert model.fused == {}
         got = rt.decode(conv.tokens, logits="all")
     assert errors(got, conv.ref).max() <= TOL
@@ -179,9 +180,9 @@ def test_requests_batched_generate_as_transformers(conv):
     """Three requests served together (their tokens in shared batches) generate transformers' greedy
     tokens, each."""
     prompts = [conv.tokens[:6], conv.tokens[5:17], conv.tokens[-4:]]
-    with load_model(conv.path()) as model, \
+    with load_model(conv.path(), devices="cpu") as model, \
             Runner(model, n_ctx=64, n_seq_max=3, n_batch=16, type_k="f32", type_v="f32") as rt:
-        hs = [rt.submit(p, max_tokens=6) for p in prompts]
+        hs = [rt.submit(p, max_tokens=6, temperature=0) for p in prompts]
         got = [h.result() for h in hs]
         assert [3] in rt.batch_sizes, rt.batch_sizes          # a step with one token of each request
         assert rt.reallocations == 0                       # the start-up reservation covered routing too
@@ -201,8 +202,9 @@ def test_context_shift_equals_from_scratch(conv, flash):
 def test_runner_context_shift(conv):
     """Generation past a full context shifts it, and the token after the shift is a fresh run's."""
     prompt, n_ctx, keep = conv.tokens[:6], 16, 2
-    with load_model(one_layer(conv)) as model, Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32") as rt:
-        r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep)
+    with load_model(one_layer(conv), devices="cpu") as model, \
+            Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32") as rt:
+        r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep, temperature=0)
         if r.done_reason == DoneReason.STOP:
             pytest.skip("the model generated its EOS before the context filled")
         assert r.n_shifts == 1
@@ -217,19 +219,19 @@ def test_prefix_reuse(conv):
     """A request that shares another's history reuses its cells (routing per token does not depend on
     the batch), and generates what a fresh runner does."""
     prompt = conv.tokens[:12]
-    with load_model(conv.path()) as model:
+    with load_model(conv.path(), devices="cpu") as model:
         with Runner(model, n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as rt:
-            a = rt.generate(prompt, max_tokens=4)
-            b = rt.generate(prompt + a.tokens[:2] + [9], max_tokens=4)
+            a = rt.generate(prompt, max_tokens=4, temperature=0)
+            b = rt.generate(prompt + a.tokens[:2] + [9], max_tokens=4, temperature=0)
             assert (a.n_cached, b.n_cached) == (0, len(prompt) + 2)
         with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
-            assert rt.generate(prompt + a.tokens[:2] + [9], max_tokens=4).tokens == b.tokens
+            assert rt.generate(prompt + a.tokens[:2] + [9], max_tokens=4, temperature=0).tokens == b.tokens
 
 
 @pytest.mark.parametrize("wtype", list(QUANT_TOL))
 def test_quantized_weights_track_transformers(conv, wtype):
     path = quantized(conv, wtype)
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert model.weights["blk.1.attn_output.weight"].type == Type[wtype]
         if model.config.n_expert:
             assert model.weights["blk.1.ffn_down_exps.weight"].type == Type[wtype]
@@ -300,7 +302,7 @@ def test_expert_sizes_are_checked_against_the_tensors(models, name, key, value):
     conv = models(name)
     path = derived(conv, f"bad-{key}", meta={f"{conv.arch}.{key}": value})
     with pytest.raises(MetadataError, match=rf"'{conv.arch}\.{key}': the metadata gives {value}, but blk\.0\."):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
@@ -311,7 +313,7 @@ def test_the_benchmarks_synthetic_models_run(tmp_path, arch):
 
     path = synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch=arch)
     toks = [3, 1, 4, 1, 5, 9, 2, 6]
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert type(model) is Qwen3Model and bool(model.config.n_expert) == (arch == "qwen3moe")
     full, steps = run_batch(path, toks), run_steps(path, toks)
     assert np.isfinite(full).all() and errors(steps, full).max() <= 1e-3

@@ -187,7 +187,7 @@ ARCH_PARAMS = [pytest.param(n, marks=pytest.mark.hf) if n in CONVERTED else n fo
 def test_split_equals_cpu(name, files, rpc_server):  # noqa: F811
     path = files(name)
     ngl, flash = CASES[name]
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert {d.type for d in model.placement.devices()} == {"CPU"}
         ref = _session(model, flash)
     with load_model(path, devices="auto", rpc=[rpc_server], n_gpu_layers=ngl) as model:

@@ -331,7 +331,7 @@ def test_the_runner_takes_own_kernels_only_where_they_measured_faster(tiny_gemma
         return Measurement(1.0, 2.0) if site.key in faster else Measurement(2.0, 1.0)
 
     monkeypatch.setattr(calibrate, "measure_site", timer)
-    with load_model(tiny_gemma) as m:
+    with load_model(tiny_gemma, devices="cpu") as m:
         faster = set()
         with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
             ops = {s.op for s in seen}
@@ -368,7 +368,8 @@ def test_the_runner_builds_the_path_that_measured_faster(tmp_path, monkeypatch):
                             Measurement(1.0, 2.0, variant if s.op == "attn_decode" else ""))
         old = _core._attn_decode_allow_avx512(allow)
         try:
-            with load_model(path) as m, Runner(m, n_ctx=256, n_threads=2, type_k="f32", type_v="f32") as r:
+            with load_model(path, devices="cpu") as m, \
+                    Runner(m, n_ctx=256, n_threads=2, type_k="f32", type_v="f32") as r:
                 r.decode(prompt, seq=0, logits=None)
                 return np.stack([r.decode([5 + i], seq=0, logits="last").copy() for i in range(3)])
         finally:
@@ -385,12 +386,12 @@ def test_every_mode_generates_the_same_tokens(tiny_gemma, tmp_path, monkeypatch)
     monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
     prompt = list(range(3, 40))
     out = {}
-    with load_model(tiny_gemma) as m:
+    with load_model(tiny_gemma, devices="cpu") as m:
         for mode in ("own", "ggml", "measure"):
             monkeypatch.setenv("GGMLPY_KERNELS", mode)
             with Runner(m, n_ctx=128, n_threads=2) as r:
                 assert r.kernels.mode == mode
-                out[mode] = r.generate(prompt, max_tokens=12).tokens
+                out[mode] = r.generate(prompt, max_tokens=12, temperature=0).tokens
     assert out["own"] == out["ggml"] == out["measure"]
     assert (tmp_path / "kernels.json").exists()
 

@@ -107,7 +107,7 @@ def test_the_file_is_the_converters(converted):
 @pytest.mark.parametrize("flash", [False, True])
 def test_one_batch_matches_transformers(converted, flash):
     ref = hf_logits(converted.hf, converted.tokens)
-    with load_model(converted.path) as model, \
+    with load_model(converted.path, devices="cpu") as model, \
             Runner(model, n_ctx=64, type_k="f32", type_v="f32", flash_attn=flash) as rt:
         got = rt.decode(converted.tokens, logits="all")
     err = errors(got, ref)
@@ -117,7 +117,7 @@ def test_one_batch_matches_transformers(converted, flash):
 @pytest.mark.parametrize("flash", [False, True])
 def test_token_by_token_matches_transformers(converted, flash):
     ref = hf_logits(converted.hf, converted.tokens)
-    with load_model(converted.path) as model, \
+    with load_model(converted.path, devices="cpu") as model, \
             Runner(model, n_ctx=64, type_k="f32", type_v="f32", flash_attn=flash) as rt:
         got = np.concatenate([rt.decode([t]) for t in converted.tokens])
     err = errors(got, ref)

@@ -42,7 +42,7 @@ def run_full(path, tokens, **kw):
     """All logits of one pass over ``tokens`` (F32 cache unless given)."""
     kw.setdefault("type_k", "f32")
     kw.setdefault("type_v", "f32")
-    with load_model(path) as model, Runner(model, n_ctx=kw.pop("n_ctx", 64), **kw) as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=kw.pop("n_ctx", 64), **kw) as rt:
         return rt.decode(tokens, logits="all")
 
 
@@ -78,7 +78,7 @@ def test_the_model_makes_its_cache_and_the_runner_uses_it(models, flash):
     from ggmlpy.models import Model
 
     hf, path = models["mistral"]
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert isinstance(model, Model)
         cache = model.new_cache(gp.Type.BF16, gp.Type.F16, flash_attn=flash)
         c = model.config
@@ -118,7 +118,7 @@ def test_fused_weights_compute_the_unfused_logits(models, arch, flash):
     _, path = models[arch]
     out = {}
     for fuse in (False, True):
-        with load_model(path, fuse=fuse) as model, \
+        with load_model(path, fuse=fuse, devices="cpu") as model, \
                 Runner(model, n_ctx=64, type_k="f32", type_v="f32", flash_attn=flash) as rt:
             assert len(model.fused) == (2 * model.config.n_layer + (arch == "qwen2") * model.config.n_layer) * fuse
             a = rt.decode(PROMPT, logits="all")
@@ -134,7 +134,8 @@ def test_weights_of_mixed_types_stay_apart(tmp_path):
     path = export_gguf(hf, tmp_path / "mixed.gguf", "qwen2", types={"blk.0.attn_v.weight": "F16"})
     out = {}
     for fuse in (False, True):
-        with load_model(path, fuse=fuse) as model, Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        with load_model(path, fuse=fuse, devices="cpu") as model, \
+                Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
             if fuse:
                 assert "blk.0.attn_qkv.weight" not in model.weights and "blk.0.attn_q.bias" in model.weights
                 assert {"blk.1.attn_qkv.weight", "blk.1.attn_qkv.bias", "blk.0.ffn_gate_up.weight"} <= set(model.fused)
@@ -159,7 +160,7 @@ def test_low_bit_types_load_and_track(tmp_path, wtype, tol):
     hf = hf_model("llama", hidden=256, heads=4, kv_heads=2, ff=512, seed=3)
     path = export_gguf(hf, tmp_path / "m.gguf", "llama", wtype=wtype)
     ref = hf_logits(hf, PROMPT[:8])
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert model.weights["blk.0.attn_qkv.weight"].type == gp.Type[wtype]      # fused: Q, K, V of one type
         with Runner(model, n_ctx=32) as rt:
             got = rt.decode(PROMPT[:8], logits="all")
@@ -169,7 +170,7 @@ def test_low_bit_types_load_and_track(tmp_path, wtype, tol):
 def test_tied_output_and_linear_rope_scaling(tmp_path):
     hf = hf_model("llama", tie=True, rope_scaling={"rope_type": "linear", "factor": 2.0}, seed=4)
     path = export_gguf(hf, tmp_path / "m.gguf", "llama")
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert model.tied_output and model.config.rope_freq_scale == 0.5
     assert rel_err(run_full(path, PROMPT), hf_logits(hf, PROMPT)) < 1e-5
 
@@ -179,7 +180,7 @@ def test_llama3_rope_frequency_factors(tmp_path):
                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
     path = export_gguf(hf, tmp_path / "m.gguf", "llama")
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert model.has_rope_freqs
     toks = (PROMPT * 4)[:70]
     assert rel_err(run_full(path, toks, n_ctx=128), hf_logits(hf, toks)) < 1e-5
@@ -189,7 +190,7 @@ def test_yarn_rope_scaling(tmp_path):
     hf = hf_model("qwen2", max_pos=256, seed=8,
                   rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
     path = export_gguf(hf, tmp_path / "m.gguf", "qwen2")
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         assert model.config.rope_scaling == "yarn" and model.config.n_ctx_orig == 32
     toks = (PROMPT * 4)[:70]
     assert rel_err(run_full(path, toks, n_ctx=128), hf_logits(hf, toks)) < 1e-5
@@ -198,7 +199,7 @@ def test_yarn_rope_scaling(tmp_path):
 @pytest.mark.parametrize("flash", [False, True])
 def test_incremental_decoding_equals_one_pass(models, flash):
     _hf, path = models["llama"]
-    with load_model(path) as model, Runner(model, n_ctx=64, n_ubatch=8, flash_attn=flash,
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64, n_ubatch=8, flash_attn=flash,
                                            type_k="f32", type_v="f32") as rt:
         full = rt.decode(PROMPT, logits="all")
         rt.clear()
@@ -212,7 +213,8 @@ def test_incremental_decoding_equals_one_pass(models, flash):
 def test_batched_sequences_equal_each_alone(models):
     _hf, path = models["qwen2"]
     a, b, c = PROMPT[:7], PROMPT[3:15], PROMPT[10:13]
-    with load_model(path) as model, Runner(model, n_ctx=32, n_seq_max=3, type_k="f32", type_v="f32") as rt:
+    with load_model(path, devices="cpu") as model, \
+            Runner(model, n_ctx=32, n_seq_max=3, type_k="f32", type_v="f32") as rt:
         alone = []
         for s in (a, b, c):
             alone.append(rt.decode(s, seq=0, logits="all"))
@@ -226,7 +228,7 @@ def test_batched_sequences_equal_each_alone(models):
         for s in (0, 1, 2):
             assert rt.seq_len(s) == [len(a), len(b), len(c)][s] + 1
     np.testing.assert_allclose(together, np.concatenate(alone), rtol=0, atol=1e-5 * np.abs(together).max())
-    with load_model(path) as model, Runner(model, n_ctx=32, type_k="f32", type_v="f32") as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=32, type_k="f32", type_v="f32") as rt:
         for s, extra, i in ((a, 1, 0), (b, 2, 1), (c, 3, 2)):
             rt.clear()
             ref = rt.decode(list(s) + [extra], logits="last")
@@ -244,7 +246,8 @@ def test_context_shift_equals_from_scratch(tmp_path):
     toks = (PROMPT * 2)[:30]
     keep, discard = 4, 10
     for flash in (False, True):
-        with load_model(path) as model, Runner(model, n_ctx=32, type_k="f32", type_v="f32", flash_attn=flash) as rt:
+        with load_model(path, devices="cpu") as model, \
+                Runner(model, n_ctx=32, type_k="f32", type_v="f32", flash_attn=flash) as rt:
             rt.decode(toks)
             rt.cache.remove(0, keep, keep + discard)
             shifted = rt.decode([9, 10], logits="all")
@@ -257,7 +260,7 @@ def test_context_shift_equals_from_scratch(tmp_path):
 def test_embeddings_pooling_matches_transformers(models):
     hf, path = models["llama"]
     hidden = hf_hidden(hf, PROMPT)
-    with load_model(path) as model, Runner(model, n_ctx=64) as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
         for pooling, ref in (("mean", hidden.mean(0)), ("cls", hidden[0]), ("last", hidden[-1])):
             got = rt.embed(PROMPT, pooling=pooling, normalize=False)
             assert rel_err(got, ref) < 1e-3, pooling
@@ -267,7 +270,7 @@ def test_embeddings_pooling_matches_transformers(models):
 
 def test_memory_report_has_weights_cache_and_graph(models):
     _hf, path = models["llama"]
-    with load_model(path) as model, Runner(model, n_ctx=64, n_seq_max=2) as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64, n_seq_max=2) as rt:
         d = rt.memory_report().devices["CPU"]
         assert d.weights_total == sum(b.size for (dev, _bt), b in model.weights.buffers.items() if dev == "CPU")
         assert d.weights_total == sum(d.weight_buffers.values())
@@ -282,7 +285,7 @@ def test_memory_report_has_weights_cache_and_graph(models):
 
 def test_two_step_loading_reports_before_reading(models):
     _hf, path = models["llama"]
-    with load_model(path, load=False) as model:
+    with load_model(path, load=False, devices="cpu") as model:
         assert not model.loaded
         assert model.report.devices["CPU"].weights_total >= model.size
         seen = []
@@ -300,7 +303,7 @@ def test_unknown_architecture_and_missing_tensor(tmp_path):
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write()
     with pytest.raises(UnknownArchitecture, match="gpt2"):
-        load_model(p)
+        load_model(p, devices="cpu")
     hf = hf_model("llama", seed=6)
     path = export_gguf(hf, tmp_path / "m.gguf", "llama")
     # rewrite without one tensor
@@ -316,4 +319,4 @@ def test_unknown_architecture_and_missing_tensor(tmp_path):
     w.write()
     src.close()
     with pytest.raises(MissingTensor, match="blk.1.ffn_up.weight"):
-        load_model(q)
+        load_model(q, devices="cpu")

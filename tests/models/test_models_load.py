@@ -23,7 +23,7 @@ from ggmlpy.models import load_model
 from ggmlpy.runner import Runner
 kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 before = kib()
-m = load_model(sys.argv[1])
+m = load_model(sys.argv[1], devices="cpu")
 after = kib()
 print(json.dumps({"before": before * 1024, "after": after * 1024, "size": m.size}))
 """
@@ -51,7 +51,7 @@ def test_weights_equal_the_file(synth, mmap):
     def raw(name):
         return rd.tensor_data(name).view(np.uint8).ravel()
 
-    with load_model(synth, repack=False, mmap=mmap) as m, gguf.GGUFReader(synth) as rd:
+    with load_model(synth, repack=False, mmap=mmap, devices="cpu") as m, gguf.GGUFReader(synth) as rd:
         for name in ("token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight"):
             np.testing.assert_array_equal(m.weights[name].numpy().view(np.uint8).ravel(), raw(name))
         n_layer = m.config.n_layer
@@ -62,7 +62,7 @@ def test_weights_equal_the_file(synth, mmap):
                 assert m.fused[f"blk.{i}.{fused}.weight"] == names and not any(n in m.weights for n in names)
                 np.testing.assert_array_equal(m.weights[f"blk.{i}.{fused}.weight"].numpy().view(np.uint8).ravel(),
                                               np.concatenate([raw(n) for n in names]))
-    with load_model(synth, repack=False, fuse=False) as m, gguf.GGUFReader(synth) as rd:
+    with load_model(synth, repack=False, fuse=False, devices="cpu") as m, gguf.GGUFReader(synth) as rd:
         assert m.fused == {} and "blk.0.attn_qkv.weight" not in m.weights
         np.testing.assert_array_equal(m.weights["blk.0.attn_k.weight"].numpy().view(np.uint8).ravel(),
                                       raw("blk.0.attn_k.weight"))
@@ -84,7 +84,8 @@ def test_mmap_load_reads_through_a_mapping_and_read_load_does_not(synth):
     out = {}
     for mmap in (False, True):
         seen = []
-        with load_model(synth, mmap=mmap, progress=lambda d, t, seen=seen: seen.append(_mapped(synth))) as m:
+        with load_model(synth, mmap=mmap, devices="cpu",
+                        progress=lambda d, t, seen=seen: seen.append(_mapped(synth))) as m:
             assert len(seen) > 10 and not _mapped(synth)
             assert any(seen) if mmap else not any(seen)
             with Runner(m, n_ctx=16) as rt:
@@ -98,11 +99,11 @@ def test_truncated_file_and_wrong_shape(tmp_path, synth):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(gguf.GGUFError):
-        load_model(cut)
+        load_model(cut, devices="cpu")
     # a tensor with the wrong shape: MissingTensor naming it
     bad = rewrite(synth, tmp_path / "bad.gguf", tensor=("blk.1.ffn_down.weight", lambda a: a[:, :-32]))
     with pytest.raises(MissingTensor, match="blk.1.ffn_down.weight.*expected"):
-        load_model(bad)
+        load_model(bad, devices="cpu")
 
 
 @pytest.mark.parametrize("key,value,error,match", [
@@ -115,7 +116,7 @@ def test_truncated_file_and_wrong_shape(tmp_path, synth):
 def test_unsupported_metadata_is_refused(tmp_path, synth, key, value, error, match):
     path = rewrite(synth, tmp_path / "x.gguf", meta=(key, value))
     with pytest.raises(error, match=match):
-        load_model(path)
+        load_model(path, devices="cpu")
 
 
 def rewrite(src, dst, meta=None, tensor=None):
@@ -178,7 +179,7 @@ def test_load_close_loop_keeps_rss_flat_and_releases_the_file(synth):
     size = []
 
     def once():
-        m = load_model(synth)
+        m = load_model(synth, devices="cpu")
         # touch the mapped reader too, so its mapping must be released by close()
         m._reader.tensor_data("output_norm.weight").sum()
         size.append(m.size)
@@ -198,7 +199,7 @@ def test_load_close_loop_keeps_rss_flat_and_releases_the_file(synth):
 
     def failing():
         with pytest.raises(gguf.GGUFError, match="'output.weight' .* holds non-finite values"):
-            load_model(bad)
+            load_model(bad, devices="cpu")
 
     assert rss_growth(failing, loops=5, warmup=1) < 8
     assert _open_handles(str(bad)) == (0, 0)

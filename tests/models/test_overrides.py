@@ -74,9 +74,9 @@ def test_bad_overrides_are_refused_before_anything_is_read(arch_files, kw, messa
 
 def test_a_pattern_matching_no_weight_is_warned_about(arch_files):  # noqa: F811
     with pytest.warns(UserWarning, match=r"tensor override pattern\(s\) ffn_uup match no weight of this llama"):
-        load_model(arch_files("llama"), tensor_overrides="ffn_up=CPU,ffn_uup=CPU").close()
+        load_model(arch_files("llama"), tensor_overrides="ffn_up=CPU,ffn_uup=CPU", devices="cpu").close()
     with pytest.warns(UserWarning, match=r"n_cpu_moe \(--cpu-moe, -ncmoe\): this llama model has no expert weights"):
-        load_model(arch_files("llama"), n_cpu_moe=1).close()
+        load_model(arch_files("llama"), n_cpu_moe=1, devices="cpu").close()
 
 
 # --------------------------------------------------------------------------- placements (rpc)
@@ -88,7 +88,7 @@ def test_n_cpu_moe_keeps_the_first_layers_experts_on_the_cpu(arch_files, rpc_ser
     memory, counted on the CPU under layer 0 in the memory report and missing from the server's; the
     scheduler runs layer 0's expert products on the CPU; the logits are the CPU's."""
     path = arch_files("qwen3moe")
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         ref = _logits(model)
         whole = {name: t.nbytes for name, (t, _) in model.weights.tensors.items()}
     remote = _server(rpc_server)
@@ -116,12 +116,12 @@ def test_overrides_send_cpu_layers_weights_to_a_server_and_keep_fused_parts_toge
     by its buffer type's name, as llama.cpp's -ot takes it). Gate and up go together, so they still fuse;
     an override of K alone keeps Q, K and V apart in every layer. The logits are the CPU's."""
     path = arch_files("llama")
-    with load_model(path) as model:
+    with load_model(path, devices="cpu") as model:
         ref = _logits(model)
         assert {"blk.0.attn_qkv.weight", "blk.0.ffn_gate_up.weight"} <= set(model.fused)
     remote = _server(rpc_server)
     spec = f"ffn_(gate|up)={remote.buffer_type().name};attn_k={remote.name.lower()}".split(";")
-    with load_model(path, rpc=[rpc_server], n_gpu_layers=0, tensor_overrides=spec) as model:
+    with load_model(path, rpc=[rpc_server], n_gpu_layers=0, tensor_overrides=spec, devices="cpu") as model:
         n = model.config.n_layer
         assert all(d.type == "CPU" for d in model.placement.layers) and remote in model.placement.devices()
         assert all(f"blk.{i}.attn_qkv.weight" not in model.fused for i in range(n))

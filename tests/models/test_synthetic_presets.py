@@ -90,7 +90,7 @@ def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     if type == "Q4_K_M":
         assert types["token_embd.weight"] == ("Q6_K" if cfg.tied else "Q4_K")
         assert types.get("output.weight", "Q6_K") == "Q6_K"
-    with load_model(path) as m, Runner(m, n_ctx=64, n_threads=2) as rt:
+    with load_model(path, devices="cpu") as m, Runner(m, n_ctx=64, n_threads=2) as rt:
         assert m.config.head_dim == cfg.head_dim and m.config.n_head_kv == cfg.n_head_kv
         logits = rt.decode(np.arange(1, 9, dtype=np.int32), seq=0, logits="last")
         assert logits.shape[-1] == 1024 and np.isfinite(logits).all()

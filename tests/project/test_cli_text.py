@@ -41,7 +41,7 @@ def path(tmp_path_factory):
 def model(path):
     from ggmlpy.models import load_model
 
-    m = load_model(path)
+    m = load_model(path, devices="cpu")
     yield m
     m.close()
 

@@ -276,7 +276,7 @@ gf.compute(2)
 ref = np.exp(b @ a.T - (b @ a.T).max(-1, keepdims=True))
 np.testing.assert_allclose(out.numpy(), ref / ref.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
 
-model = load_model(sys.argv[1])
+model = load_model(sys.argv[1], devices="cpu")
 with Runner(model, n_ctx=64) as rt:
     logits = rt.decode([1, 5, 9, 200, 3])
 model.close()

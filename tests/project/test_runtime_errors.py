@@ -64,7 +64,7 @@ def _cases():
         ("SamplingParams temperature", lambda: SamplingParams(temperature=-1), GGMLValueError),
         ("SamplingParams top_p", lambda: SamplingParams(top_p=0), GGMLValueError),
         ("Sampler params type", lambda: Sampler({"temperature": 1}), GGMLTypeError),
-        ("Sampler NaN logits", lambda: Sampler(SamplingParams()).sample(np.full(4, np.nan, np.float32)),
+        ("Sampler NaN logits", lambda: Sampler(SamplingParams(temperature=0)).sample(np.full(4, np.nan, np.float32)),
          GGMLValueError),
         ("logprobs token out of range", lambda: logprobs(np.zeros(4, np.float32), 9, 0), GGMLValueError),
         ("SlotTable(0)", lambda: SlotTable(0), GGMLValueError),

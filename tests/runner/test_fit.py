@@ -85,7 +85,7 @@ def test_fits_every_layer_within_budgets_and_equals_cpu(model_path, servers):
     memory report of a runner made with the same settings), the faster (first) server filled first, and
     the logits those of the CPU alone."""
     eps = servers[:2]
-    with load_model(model_path) as cpu_model, Runner(cpu_model, **RUNNER) as rt:
+    with load_model(model_path, devices="cpu") as cpu_model, Runner(cpu_model, **RUNNER) as rt:
         ref = rt.decode(PROMPT, logits="all")
     with _fit(model_path, eps) as model:
         fit = model.fit
@@ -159,7 +159,7 @@ def test_nothing_fits_leaves_nothing_behind(model_path, servers):
     assert ei.value.report is not None and ei.value.report.devices["CPU"].self_total > 1 * MIB
     assert [d.memory()[0] for d in devs] == before
     assert rss_mib() - rss0 < 8
-    with load_model(model_path) as model, Runner(model, **RUNNER) as rt:
+    with load_model(model_path, devices="cpu") as model, Runner(model, **RUNNER) as rt:
         assert rt.decode(PROMPT).shape == (1, CFG.n_vocab)
 
 
@@ -189,22 +189,22 @@ def test_auto_context(model_path, servers, tmp_path):
 
 def test_bad_arguments(model_path):
     with pytest.raises(GGMLValueError, match="n_gpu_layers"):
-        load_model(model_path, n_gpu_layers="all")
+        load_model(model_path, n_gpu_layers="all", devices="cpu")
     with pytest.raises(GGMLValueError, match="n_ctx"):
-        load_model(model_path, n_gpu_layers="auto", n_ctx="big")
+        load_model(model_path, n_gpu_layers="auto", n_ctx="big", devices="cpu")
     with pytest.raises(GGMLValueError, match="load=False"):
-        load_model(model_path, n_gpu_layers="auto", load=False)
+        load_model(model_path, n_gpu_layers="auto", load=False, devices="cpu")
     with pytest.raises(GGMLValueError, match="margin"):
-        load_model(model_path, n_gpu_layers="auto", margin=-1)
+        load_model(model_path, n_gpu_layers="auto", margin=-1, devices="cpu")
 
 
 def test_cpu_only_fit(model_path):
     """No accelerator: one try on the CPU, which fits; a cap below the model: a clear error."""
-    with load_model(model_path, n_gpu_layers="auto", **RUNNER) as model:
+    with load_model(model_path, devices="cpu", n_gpu_layers="auto", **RUNNER) as model:
         assert len(model.fit.steps) == 1 and model.fit.steps[0].ok
         assert model.fit.steps[0].needs["CPU"] >= model.size
     with pytest.raises(GGMLMemoryError, match="no placement fits"):
-        load_model(model_path, n_gpu_layers="auto", memory={"CPU": 2 * MIB}, **RUNNER)
+        load_model(model_path, devices="cpu", n_gpu_layers="auto", memory={"CPU": 2 * MIB}, **RUNNER)
 
 
 def test_bench_ngl_auto():
@@ -264,7 +264,7 @@ def test_fit_leaves_room_for_what_overrides_keep_elsewhere(model_path, servers):
     server ends with more layers (4 of 6 against 2), within its budget, and the overridden weights are
     in the CPU's report. The logits are the CPU's."""
     ep = servers[:1]
-    with load_model(model_path) as cpu_model, Runner(cpu_model, **RUNNER) as rt:
+    with load_model(model_path, devices="cpu") as cpu_model, Runner(cpu_model, **RUNNER) as rt:
         ref = rt.decode(PROMPT, logits="all")
     with _fit(model_path, ep) as plain:
         name = next(d.name for d in plain.placement.devices() if d.type != "CPU")

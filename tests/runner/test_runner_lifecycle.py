@@ -32,7 +32,7 @@ def tiny_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(tiny_path):
-    m = load_model(tiny_path)
+    m = load_model(tiny_path, devices="cpu")
     yield m
     m.close()
 
@@ -61,7 +61,7 @@ import ggmlpy
 from ggmlpy.models import load_model
 from ggmlpy.runner import Runner
 
-m = load_model(sys.argv[1])
+m = load_model(sys.argv[1], devices="cpu")
 rounds = int(sys.argv[2])
 rng = random.Random(7)
 outcomes = {"closed": 0, "finished": 0}
@@ -82,7 +82,7 @@ for i in range(rounds):
                     rt.decode_batch([5] * 48, list(range(24)) * 2, [0] * 24 + [1] * 24, [23, 47])
                     rt.clear()
                 elif kind == "generate":
-                    rt.generate(list(range(1, 30)), max_tokens=8)
+                    rt.generate(list(range(1, 30)), max_tokens=8, temperature=0)
                 elif kind == "embed":
                     rt.embed(list(range(1, 60)))
                 else:
@@ -128,7 +128,7 @@ def test_close_while_another_thread_decodes_does_not_crash(tiny_path):
 
 def test_calls_after_close_raise_closed_error(model):
     rt = Runner(model, n_ctx=64)
-    assert rt.generate([1, 2, 3], max_tokens=2).done_reason == DoneReason.LENGTH
+    assert rt.generate([1, 2, 3], max_tokens=2, temperature=0).done_reason == DoneReason.LENGTH
     rt.close()
     rt.close()                                    # twice is fine
     assert rt.closed
@@ -156,7 +156,7 @@ def test_submit_racing_close_every_request_ends(model, pipeline):
             go.wait()
             for j in range(200):
                 try:
-                    accepted.append(rt.submit([1 + (k + j) % 100, 2, 3], max_tokens=1 + j % 6))
+                    accepted.append(rt.submit([1 + (k + j) % 100, 2, 3], max_tokens=1 + j % 6, temperature=0))
                 except ggmlpy.ClosedError:
                     outcome[k] = "refused"
                     return
@@ -197,11 +197,12 @@ def test_random_interleavings_of_submit_cancel_close(model, ops, close_at, pipel
         for op, arg in part:
             try:
                 if op == "submit":
-                    h = rt.submit([1 + arg, 2 + arg], max_tokens=1 + arg % 5)
+                    h = rt.submit([1 + arg, 2 + arg], max_tokens=1 + arg % 5, temperature=0)
                     with lock:
                         handles.append(h)
                 elif op == "long":
-                    h = rt.submit(list(range(1, 2 + arg % 20)), max_tokens=-1)    # ends only by cancel/close
+                    # ends only by cancel/close
+                    h = rt.submit(list(range(1, 2 + arg % 20)), max_tokens=-1, temperature=0)
                     with lock:
                         handles.append(h)
                 elif op == "cancel":
@@ -245,7 +246,8 @@ def test_a_failing_compute_ends_its_requests_and_the_runner_goes_on(model, monke
             return real(self, ub)
 
         monkeypatch.setattr(Runner, "_compute", failing)
-        hs = [rt.submit([1, 2, 3, 4], max_tokens=20), rt.submit([5, 6, 7], max_tokens=20)]
+        hs = [rt.submit([1, 2, 3, 4], max_tokens=20, temperature=0),
+              rt.submit([5, 6, 7], max_tokens=20, temperature=0)]
         failed = 0
         for h in hs:
             try:
@@ -255,7 +257,7 @@ def test_a_failing_compute_ends_its_requests_and_the_runner_goes_on(model, monke
                 failed += 1
         assert failed >= 1
         monkeypatch.undo()
-        assert rt.generate([1, 2, 3], max_tokens=3).done_reason == DoneReason.LENGTH
+        assert rt.generate([1, 2, 3], max_tokens=3, temperature=0).done_reason == DoneReason.LENGTH
     finally:
         rt.close()
 
@@ -276,14 +278,14 @@ def test_an_error_anywhere_in_the_loop_ends_every_waiting_request(model, monkeyp
             return real(self, *a)
 
         monkeypatch.setattr(Runner, where, broken)
-        hs = [rt.submit([1 + i, 2, 3], max_tokens=10) for i in range(5)]      # 2 slots: 3 queued
+        hs = [rt.submit([1 + i, 2, 3], max_tokens=10, temperature=0) for i in range(5)]  # 2 slots: 3 queued
         for h in hs:
             with pytest.raises(RunnerError) as ei:
                 h.result(timeout=HANG)
             assert isinstance(ei.value.__cause__, KeyError)
         armed[0] = False              # checked at each call: a round already inside broken() goes on normally
         monkeypatch.undo()
-        assert rt.generate([1, 2, 3], max_tokens=3).tokens          # serving again
+        assert rt.generate([1, 2, 3], max_tokens=3, temperature=0).tokens  # serving again
     finally:
         rt.close()
     assert not _runner_threads()
@@ -303,7 +305,7 @@ def test_errors_are_ggml_errors(model):
 def test_max_tokens_minus_one_generates_past_the_context_until_cancelled(model):
     """-1: no limit at all; with shifting the request runs past n_ctx (several shifts) until cancelled."""
     with Runner(model, n_ctx=16, n_batch=8) as rt:
-        h = rt.submit([1, 2, 3], max_tokens=-1)
+        h = rt.submit([1, 2, 3], max_tokens=-1, temperature=0)
         n = 0
         for _ in h:
             n += 1
@@ -319,7 +321,7 @@ def test_max_tokens_minus_two_stops_when_the_context_is_full(model, shift):
     """-2: until the context is full, with or without shifting: n_ctx - len(prompt) + 1 tokens (the last one
     sampled from position n_ctx - 1), done reason length, no shift."""
     with Runner(model, n_ctx=16, n_batch=8) as rt:
-        r = rt.submit([1, 2, 3], max_tokens=-2, shift=shift).result(timeout=HANG)
+        r = rt.submit([1, 2, 3], max_tokens=-2, shift=shift, temperature=0).result(timeout=HANG)
         assert r.done_reason == DoneReason.LENGTH and r.n_shifts == 0
         assert len(r.tokens) == 16 - 3 + 1
         with pytest.raises(ggmlpy.GGMLValueError, match="max_tokens"):
@@ -332,7 +334,7 @@ def test_a_failed_direct_decode_drops_the_slots_record_with_its_cells(model, mon
     """A direct decode whose compute fails clears the sequence's cells, and its token record with them:
     the next request over the same prompt re-processes it (nothing claims a prefix the cache lost)."""
     with Runner(model, n_ctx=64) as rt:
-        rt.generate([1, 2, 3, 4], max_tokens=2)
+        rt.generate([1, 2, 3, 4], max_tokens=2, temperature=0)
         assert rt.slots[0].tokens[:4] == [1, 2, 3, 4]
 
         def failing(self, ub):
@@ -343,7 +345,7 @@ def test_a_failed_direct_decode_drops_the_slots_record_with_its_cells(model, mon
             rt.decode([9], seq=0)
         monkeypatch.undo()
         assert rt.seq_len(0) == 0 and rt.slots[0].tokens == []
-        assert rt.generate([1, 2, 3, 4], max_tokens=2).n_cached == 0
+        assert rt.generate([1, 2, 3, 4], max_tokens=2, temperature=0).n_cached == 0
 
 
 def test_huge_context_fails_early_with_a_memory_report(model, monkeypatch):
@@ -376,7 +378,7 @@ def test_runner_open_close_with_a_large_context_gives_memory_back(model):
     64 MiB per cycle while backend buffers were never freed)."""
     def cycle():
         rt = Runner(model, n_ctx=2**18, n_batch=32, n_ubatch=32)
-        rt.generate([1, 2, 3], max_tokens=2)
+        rt.generate([1, 2, 3], max_tokens=2, temperature=0)
         rt.close()
 
     assert rss_growth(cycle, loops=4, warmup=1) < 16

@@ -19,9 +19,9 @@ PROMPT = [5, 17, 250, 3, 99, 42, 7, 300, 128, 64, 11, 200]
 
 def test_rpc_split_equals_cpu(tmp_path, rpc_server):  # noqa: F811
     path = export_gguf(hf_model("qwen2", layers=3, seed=21), tmp_path / "m.gguf", "qwen2", wtype="Q8_0")
-    with load_model(path) as cpu_model, Runner(cpu_model, n_ctx=32, type_k="f32", type_v="f32") as rt:
+    with load_model(path, devices="cpu") as cpu_model, Runner(cpu_model, n_ctx=32, type_k="f32", type_v="f32") as rt:
         ref = rt.decode(PROMPT, logits="all")
-        ref_gen = rt.generate(PROMPT, max_tokens=25, n_keep=2).tokens
+        ref_gen = rt.generate(PROMPT, max_tokens=25, n_keep=2, temperature=0).tokens
     seen = []
     with load_model(path, devices="auto", rpc=[rpc_server], n_gpu_layers=2,
                     progress=lambda d, t: seen.append(d)) as model:
@@ -45,7 +45,7 @@ def test_rpc_split_equals_cpu(tmp_path, rpc_server):  # noqa: F811
             shifts = []
             real_shift = rt.cache._shift
             rt.cache._shift = lambda cells, offset: (shifts.append(offset), real_shift(cells, offset))
-            r = rt.generate(PROMPT, max_tokens=25, n_keep=2)
+            r = rt.generate(PROMPT, max_tokens=25, n_keep=2, temperature=0)
             assert r.n_shifts == 1 and len(r.tokens) == 25 and len(shifts) == 1 and shifts[0] < 0
             assert rt.reallocations == 0
     # the same request on the CPU alone (its cache shifted on the CPU) gave the same tokens
@@ -103,7 +103,7 @@ try:
             time.sleep(0.1)
     with load_model(path, devices="auto", rpc=[ep], n_gpu_layers=2) as model:
         rt = Runner(model, n_ctx=512, type_k="f32", type_v="f32")
-        h = rt.submit([5, 17, 250, 3], max_tokens=480)
+        h = rt.submit([5, 17, 250, 3], max_tokens=480, temperature=0)
         events = iter(h)
         for _ in range(3):
             next(events)                                  # generating now
@@ -119,14 +119,14 @@ try:
             raise AssertionError("the request finished although its server died")
         # a later request on the same runner ends with an error too, never hangs
         try:
-            rt.generate([5, 17], max_tokens=4)
+            rt.generate([5, 17], max_tokens=4, temperature=0)
         except (RunnerError, ConnectionError) as e:
             assert ep in str(e), str(e)
         else:
             raise AssertionError("a request on a dead server succeeded")
         rt.close()
-    with load_model(path) as model, Runner(model, n_ctx=32) as rt:      # the CPU keeps working
-        assert len(rt.generate([5, 17, 250], max_tokens=5).tokens) == 5
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=32) as rt:      # the CPU keeps working
+        assert len(rt.generate([5, 17, 250], max_tokens=5, temperature=0).tokens) == 5
 finally:
     proc.kill()
 print("survived")

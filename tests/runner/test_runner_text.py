@@ -193,7 +193,7 @@ def model(tmp_path_factory):
     from ggmlpy.models import load_model
 
     path = export_gguf(hf_model("llama", seed=11), tmp_path_factory.mktemp("rt") / "m.gguf", "llama")
-    m = load_model(path)
+    m = load_model(path, devices="cpu")
     yield m
     m.close()
 
@@ -223,9 +223,9 @@ def collect(handle):
 def test_text_prompt_equals_its_ids(model):
     tok = FakeTokenizer()
     with Runner(model, n_ctx=96, tokenizer=tok) as rt:
-        evs, r = collect(rt.submit(PROMPT, max_tokens=40))
-        by_ids = rt.generate(tok.encode(PROMPT, parse_special=True), max_tokens=40)
-        plain = rt.generate(tok.encode(PROMPT), max_tokens=40, detokenize=True)
+        evs, r = collect(rt.submit(PROMPT, max_tokens=40, temperature=0))
+        by_ids = rt.generate(tok.encode(PROMPT, parse_special=True), max_tokens=40, temperature=0)
+        plain = rt.generate(tok.encode(PROMPT), max_tokens=40, detokenize=True, temperature=0)
     assert r.tokens == by_ids.tokens == plain.tokens and by_ids.text is None
     assert r.prompt_eval_count == len(PROMPT.encode()) + 1                    # BOS + one id per byte
     body = r.tokens[:-1] if r.done_reason == DoneReason.STOP else r.tokens
@@ -239,7 +239,7 @@ def test_text_prompt_equals_its_ids(model):
 def test_stop_strings_cut_where_the_text_first_holds_one(model, pipeline):
     tok = FakeTokenizer()
     with Runner(model, n_ctx=128, tokenizer=tok, pipeline=pipeline) as rt:
-        full = rt.generate(PROMPT, max_tokens=60)
+        full = rt.generate(PROMPT, max_tokens=60, temperature=0)
         text = full.text
         assert len(text) > 12
         checked = 0
@@ -248,7 +248,7 @@ def test_stop_strings_cut_where_the_text_first_holds_one(model, pipeline):
             want = stream_cut(tok, full.tokens, [stop])
             if want is None:            # the stop string is the end's U+FFFD of an unfinished character
                 continue
-            evs, r = collect(rt.submit(PROMPT, max_tokens=60, stop=[stop, 9999]))
+            evs, r = collect(rt.submit(PROMPT, max_tokens=60, stop=[stop, 9999], temperature=0))
             assert r.done_reason == DoneReason.STOP
             assert (r.tokens, r.text) == want
             assert r.text == ref_cut(text, [stop])[0]
@@ -262,17 +262,17 @@ def test_stop_strings_cut_where_the_text_first_holds_one(model, pipeline):
 def test_end_of_generation_ids_stop_text_requests_only(model):
     tok = FakeTokenizer()
     with Runner(model, n_ctx=96, tokenizer=tok) as rt:
-        full = rt.generate(PROMPT, max_tokens=40)
+        full = rt.generate(PROMPT, max_tokens=40, temperature=0)
         j = next(j for j in range(3, 40) if full.tokens[j] not in full.tokens[:j])
         tok.eog = frozenset({full.tokens[j]})                  # as if that id ended a turn
-        evs, r = collect(rt.submit(PROMPT, max_tokens=40))
+        evs, r = collect(rt.submit(PROMPT, max_tokens=40, temperature=0))
         assert r.done_reason == DoneReason.STOP and r.tokens == full.tokens[:j + 1]
         assert r.text == tok.text_of(full.tokens[:j])          # the stop token's own text left out
         assert evs[-1].token == full.tokens[j] and "".join(e.text for e in evs) == r.text
         # a token-id request without text is exactly as before: only the model's EOS ids stop it
-        ids = rt.generate(tok.encode(PROMPT), max_tokens=40)
+        ids = rt.generate(tok.encode(PROMPT), max_tokens=40, temperature=0)
         assert ids.tokens == full.tokens and ids.text is None
-        assert all(e.text is None for e in rt.submit(tok.encode(PROMPT), max_tokens=4))
+        assert all(e.text is None for e in rt.submit(tok.encode(PROMPT), max_tokens=4, temperature=0))
 
 
 @pytest.mark.hf
@@ -289,7 +289,8 @@ def test_byte_tokens_stream_whole_characters(model):
     with Runner(model, n_ctx=200, tokenizer=tok) as rt:
         for seed in range(4):
             evs, r = collect(rt.submit([5, 6, 7], max_tokens=150, detokenize=True,
-                                       sampling=SamplingParams(temperature=1.5, seed=seed)))
+                                       sampling=SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0,
+                                                               seed=seed)))
             body = r.tokens[:-1] if r.done_reason == DoneReason.STOP else r.tokens     # EOS: no text
             whole = b"".join(tok.pieces[t] for t in body)
             # joined, the events are the one decode of all the bytes: no character was cut in two
@@ -303,12 +304,12 @@ def test_byte_tokens_stream_whole_characters(model):
 def test_text_held_at_the_end_comes_in_a_last_event(model):
     tok = FakeTokenizer()
     with Runner(model, n_ctx=40, tokenizer=tok) as rt:
-        full = rt.generate(PROMPT, max_tokens=-1, shift=False)       # until the context is full
+        full = rt.generate(PROMPT, max_tokens=-1, shift=False, temperature=0)  # until the context is full
         assert full.done_reason == DoneReason.LENGTH
         tail = full.text[-1]
         # a stop string that starts with the last character and never completes: that character is
         # held to the end, then flushed
-        evs, r = collect(rt.submit(PROMPT, max_tokens=-1, shift=False, stop=[tail + "\x00never"]))
+        evs, r = collect(rt.submit(PROMPT, max_tokens=-1, shift=False, stop=[tail + "\x00never"], temperature=0))
     assert r.done_reason == DoneReason.LENGTH and r.tokens == full.tokens and r.text == full.text
     assert evs[-1].token is None and evs[-1].text.endswith(tail)
     assert [e.token for e in evs[:-1]] == r.tokens and "".join(e.text for e in evs) == r.text
@@ -321,10 +322,10 @@ def test_chat_with_a_fake_template(model):
     with Runner(model, n_ctx=128, tokenizer=tok) as rt:
         ids = rt.chat_prompt(msgs)
         assert ids[0] == 300 and ids.count(300) == 1 and ids.count(301) == 2
-        r = rt.chat(msgs, max_tokens=20)
-        same = rt.generate(ids, max_tokens=20, detokenize=True)
+        r = rt.chat(msgs, max_tokens=20, temperature=0)
+        same = rt.generate(ids, max_tokens=20, detokenize=True, temperature=0)
         assert (r.tokens, r.text) == (same.tokens, same.text) and r.prompt_eval_count == len(ids)
-        evs, r2 = collect(rt.submit_chat(msgs, max_tokens=20))
+        evs, r2 = collect(rt.submit_chat(msgs, max_tokens=20, temperature=0))
         assert "".join(e.text for e in evs) == r2.text == r.text
         with pytest.raises(GGMLValueError, match="always produces text"):
             rt.submit_chat(msgs, detokenize=False)
@@ -335,12 +336,12 @@ def test_concurrent_text_requests_equal_each_alone(model):
     tok = FakeTokenizer()
     prompts = ["hello", "the world", "é日本", "<s>abc", "z"]
     with Runner(model, n_ctx=64, tokenizer=tok) as rt:
-        alone = [rt.generate(p, max_tokens=12, stop=["\x05"]) for p in prompts]
+        alone = [rt.generate(p, max_tokens=12, stop=["\x05"], temperature=0) for p in prompts]
     with Runner(model, n_ctx=64, n_seq_max=3, n_batch=16, tokenizer=tok) as rt:
         got = [None] * len(prompts)
 
         def worker(i):
-            got[i] = rt.generate(prompts[i], max_tokens=12, stop=["\x05"])
+            got[i] = rt.generate(prompts[i], max_tokens=12, stop=["\x05"], temperature=0)
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
         for t in threads:
@@ -359,7 +360,7 @@ def test_bad_text_requests_raise_and_the_runner_goes_on(model):
             rt.generate([1, 2], stop=["x"])
         with pytest.raises(GGMLValueError, match="no tokenizer"):
             rt.chat([{"role": "user", "content": "hi"}])
-        assert rt.generate([1, 2], max_tokens=2).text is None     # token ids need no tokenizer
+        assert rt.generate([1, 2], max_tokens=2, temperature=0).text is None  # token ids need no tokenizer
     with Runner(model, n_ctx=32, tokenizer=FakeTokenizer()) as rt:
         with pytest.raises(GGMLValueError, match="detokenize=False"):
             rt.submit("hi", stop=["x"], detokenize=False)
@@ -369,13 +370,13 @@ def test_bad_text_requests_raise_and_the_runner_goes_on(model):
             rt.submit("hi", stop=[2.5])
         with pytest.raises(GGMLValueError, match="embedding"):
             rt.submit("hi", embedding=True, stop=["x"])
-        assert rt.generate("", max_tokens=2).prompt_eval_count == 1          # BOS alone
+        assert rt.generate("", max_tokens=2, temperature=0).prompt_eval_count == 1  # BOS alone
         rt.tokenizer.add_bos = False
         with pytest.raises(GGMLValueError, match="empty prompt"):
             rt.submit("")
         rt.tokenizer.add_bos = True
         assert isinstance(rt.embed("hi"), np.ndarray)           # a text embedding: encoded, no text out
-        assert rt.generate("hi", max_tokens=3).eval_count == 3
+        assert rt.generate("hi", max_tokens=3, temperature=0).eval_count == 3
 
 
 # ---------------------------------------------------------------------------------------------- a real vocabulary
@@ -386,7 +387,7 @@ def real_model(tmp_path_factory):
     pytest.importorskip("ggmlpy.tokenizer")
     from ggmlpy.models import load_model
 
-    m = load_model(llama_chat_gguf(tmp_path_factory))
+    m = load_model(llama_chat_gguf(tmp_path_factory), devices="cpu")
     yield m
     m.close()
 
@@ -406,20 +407,20 @@ def test_real_text_prompt_equals_its_ids_and_decode(real):
     tok = real.tokenizer
     ids = tok.encode(TEXT, add_special=True, parse_special=True)
     assert ids[0] == tok.bos and ids.count(tok.bos) == 1
-    evs, r = collect(real.submit(TEXT, max_tokens=48))
-    by_ids = real.generate(ids, max_tokens=48)
+    evs, r = collect(real.submit(TEXT, max_tokens=48, temperature=0))
+    by_ids = real.generate(ids, max_tokens=48, temperature=0)
     assert r.tokens == by_ids.tokens and r.prompt_eval_count == len(ids)
     body = r.tokens[:-1] if r.done_reason == DoneReason.STOP else r.tokens
     assert r.text == tok.decode(body, skip_special=True)
     assert "".join(e.text for e in evs) == r.text
     # BOS written in the text is parsed, not doubled
-    assert real.generate(tok.decode([tok.bos]) + TEXT, max_tokens=4).tokens == r.tokens[:4]
+    assert real.generate(tok.decode([tok.bos]) + TEXT, max_tokens=4, temperature=0).tokens == r.tokens[:4]
 
 
 @pytest.mark.hf
 def test_real_stop_strings(real):
     tok = real.tokenizer
-    full = real.generate(TEXT, max_tokens=64)
+    full = real.generate(TEXT, max_tokens=64, temperature=0)
     pieces = [tok.decode([t], skip_special=True) for t in full.tokens]
     checked = 0
     # stops that span a token boundary: the end of one token's text and the start of the next's
@@ -429,7 +430,7 @@ def test_real_stop_strings(real):
             continue
         stop = a[-2:] + b[:2]
         want = stream_cut(tok, full.tokens, [stop])
-        evs, r = collect(real.submit(TEXT, max_tokens=64, stop=stop))
+        evs, r = collect(real.submit(TEXT, max_tokens=64, stop=stop, temperature=0))
         assert r.done_reason == DoneReason.STOP and (r.tokens, r.text) == want
         assert r.text == full.text[:full.text.index(stop)]
         assert "".join(e.text for e in evs) == r.text
@@ -451,8 +452,8 @@ def test_real_chat_prompt_and_reply(real, template):
     else:                       # ChatML writes none: the vocabulary adds BOS, so it is put first
         assert enc[0] != tok.bos and ids == [tok.bos, *enc]
     assert ids.count(tok.bos) == 1
-    evs, r = collect(real.submit_chat(msgs, template=template, max_tokens=24))
-    same = real.generate(ids, max_tokens=24, detokenize=True)
+    evs, r = collect(real.submit_chat(msgs, template=template, max_tokens=24, temperature=0))
+    same = real.generate(ids, max_tokens=24, detokenize=True, temperature=0)
     assert (r.tokens, r.text) == (same.tokens, same.text)
     assert "".join(e.text for e in evs) == r.text
 
@@ -462,10 +463,10 @@ def test_real_chat_turns_reuse_the_cached_prefix(real):
     pytest.importorskip("ggmlpy.tokenizer.chat_template")
     history = [{"role": "user", "content": "Hello there."}]
     p1 = real.chat_prompt(history)
-    r1 = real.chat(history, max_tokens=16)
+    r1 = real.chat(history, max_tokens=16, temperature=0)
     history += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "And then?"}]
     p2 = real.chat_prompt(history)
-    r2 = real.chat(history, max_tokens=8)
+    r2 = real.chat(history, max_tokens=8, temperature=0)
     held = p1 + r1.tokens[:-1]            # what the slot holds: the last token was sampled, not computed
     common = next((i for i, (a, b) in enumerate(zip(held, p2)) if a != b), min(len(held), len(p2)))
     assert r2.n_cached == min(common, len(p2) - 1) and r2.n_cached >= len(p1) - 1

@@ -24,6 +24,16 @@ from ggmlpy.sampling import (
     logprobs,
 )
 
+#: Greedy decoding (``SamplingParams()`` samples: the library's defaults are llama.cpp's).
+GREEDY = SamplingParams(temperature=0)
+
+
+def plain(**kw) -> SamplingParams:
+    """SamplingParams with each filter (top-k, top-p, min-p) off unless given: the tests here look at one
+    filter at a time, and the defaults turn all three on."""
+    return SamplingParams(**{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **kw})
+
+
 # chi-square 99.9% quantiles for small df (scipy.stats.chi2.ppf(0.999, df)).
 _CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
@@ -95,10 +105,12 @@ def logits_of(probs) -> np.ndarray:
 # --------------------------------------------------------------------------- params
 
 
-def test_params_defaults_are_greedy():
+def test_params_defaults_are_the_tables():
+    # llama.cpp's, llama-cpp-python's and Ollama's sampling, from ggmlpy.defaults (the CLI's too)
     p = SamplingParams()
-    assert p.greedy and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0
+    assert (p.temperature, p.top_k, p.top_p, p.min_p) == (0.8, 40, 0.95, 0.05) and not p.greedy
     assert p.seed is None and p.logprobs is False and p.top_logprobs == 0
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0, top_k=3).top_p == 0.95
 
 
 def test_params_are_frozen_and_normalised():
@@ -152,7 +164,7 @@ def test_sampler_rejects_other_params():
 
 def test_greedy_is_argmax_large_vocab():
     rng = np.random.default_rng(0)
-    s = Sampler()
+    s = Sampler(GREEDY)
     for _ in range(20):
         x = rng.standard_normal(150_000).astype(np.float32)
         assert s.sample(x) == int(np.argmax(x))
@@ -160,21 +172,21 @@ def test_greedy_is_argmax_large_vocab():
 
 def test_greedy_ties_lowest_id_and_masked():
     x = np.array([-np.inf, 1.0, 3.0, 3.0, -np.inf], dtype=np.float32)
-    assert Sampler().sample(x) == 2
+    assert Sampler(GREEDY).sample(x) == 2
     # the greedy path ignores every other option
-    assert Sampler(SamplingParams(top_k=3, top_p=0.1, min_p=0.9, seed=1)).sample(x) == 2
+    assert Sampler(SamplingParams(temperature=0, top_k=3, top_p=0.1, min_p=0.9, seed=1)).sample(x) == 2
 
 
 def test_greedy_does_not_consume_randomness():
     x = np.array([0.0, 1.0, 0.5], dtype=np.float32)
-    s = Sampler(SamplingParams(seed=5))
+    s = Sampler(SamplingParams(temperature=0, seed=5))
     assert [s.sample(x) for _ in range(10)] == [1] * 10
 
 
 @pytest.mark.parametrize("temperature", [0.1, 1.0, 5.0])
 def test_top_k_one_is_greedy(temperature):
     rng = np.random.default_rng(1)
-    s = Sampler(SamplingParams(temperature=temperature, top_k=1, seed=3))
+    s = Sampler(plain(temperature=temperature, top_k=1, seed=3))
     for _ in range(50):
         x = rng.standard_normal(5000).astype(np.float32)
         assert s.sample(x) == int(np.argmax(x))
@@ -184,7 +196,7 @@ def test_top_k_one_is_greedy(temperature):
 
 def test_tiny_temperature_is_greedy_without_warnings():
     x = np.array([0.0, 1.0, 0.999, -np.inf], dtype=np.float32)
-    s = Sampler(SamplingParams(temperature=1e-300, seed=0))
+    s = Sampler(plain(temperature=1e-300, seed=0))
     with np.errstate(all="raise"):
         assert {s.sample(x) for _ in range(100)} == {1}
 
@@ -195,7 +207,7 @@ def test_tiny_temperature_is_greedy_without_warnings():
 def test_seed_reproducible_and_seeds_differ():
     rng = np.random.default_rng(2)
     rows = [rng.standard_normal(1000).astype(np.float32) for _ in range(200)]
-    params = SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+    params = plain(temperature=1.5, top_p=0.95, seed=1234)
     a = Sampler(params)
     b = Sampler(params)
     ta = [a.sample(r) for r in rows]
@@ -206,7 +218,7 @@ def test_seed_reproducible_and_seeds_differ():
 
 def test_samplers_have_independent_generators():
     x = np.zeros(100, dtype=np.float32)
-    params = SamplingParams(temperature=1.0, seed=9)
+    params = plain(temperature=1.0, seed=9)
     a, b = Sampler(params), Sampler(params)
     ref = [Sampler(params).sample(x) for _ in range(1)]  # fresh sampler, first draw
     seq_a = []
@@ -221,7 +233,7 @@ def test_samplers_have_independent_generators():
 
 def test_unseeded_samplers_vary():
     x = np.zeros(1000, dtype=np.float32)
-    params = SamplingParams(temperature=1.0)
+    params = plain(temperature=1.0)
     runs = {tuple(Sampler(params).sample(x) for _ in range(8)) for _ in range(5)}
     assert len(runs) > 1
 
@@ -235,7 +247,7 @@ def test_temperature_matches_softmax(temperature):
     (df = 7) and every frequency within 0.01 of its probability, over 40,000 draws."""
     logits = np.array([1.0, 0.5, 0.0, -0.5, 2.0, -1.0, 0.25, 1.5], dtype=np.float32)
     n = 40_000
-    tokens = draw(SamplingParams(temperature=temperature, seed=17), logits, n)
+    tokens = draw(plain(temperature=temperature, seed=17), logits, n)
     counts = np.bincount(tokens, minlength=logits.size)
     z = logits.astype(np.float64) / temperature
     probs = np.exp(z - z.max())
@@ -246,11 +258,11 @@ def test_temperature_matches_softmax(temperature):
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.8, top_k=5, seed=3),
-    SamplingParams(temperature=1.3, top_p=0.7, seed=4),
-    SamplingParams(temperature=1.0, min_p=0.2, seed=5),
+    plain(temperature=0.8, top_k=5, seed=3),
+    plain(temperature=1.3, top_p=0.7, seed=4),
+    plain(temperature=1.0, min_p=0.2, seed=5),
     SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.05, seed=6),
-    SamplingParams(temperature=2.0, top_k=40, top_p=0.5, seed=7),
+    plain(temperature=2.0, top_k=40, top_p=0.5, seed=7),
 ], ids=["top_k", "top_p", "min_p", "all", "top_k+top_p"])
 def test_pipeline_matches_reference_distribution(params):
     """Full pipeline vs :func:`ref_distribution`: nothing outside the reference support,
@@ -284,7 +296,7 @@ def test_top_p_keeps_smallest_set_reaching_p(top_p, expected):
     logits = logits_of([probs[i] for i in range(4)])
     rank = [2, 0, 3, 1]  # tokens by descending probability
     want = {rank[i] for i in expected}
-    assert support_seen(SamplingParams(temperature=1.0, top_p=top_p, seed=8), logits) == want
+    assert support_seen(plain(temperature=1.0, top_p=top_p, seed=8), logits) == want
 
 
 def test_top_p_large_vocab_ties_go_to_lower_ids():
@@ -295,7 +307,7 @@ def test_top_p_large_vocab_ties_go_to_lower_ids():
     logits = np.full(n, -20.0, dtype=np.float32)
     hot = np.sort(rng.choice(n, size=1000, replace=False))
     logits[hot] = 5.0
-    params = SamplingParams(temperature=1.0, top_p=0.5, seed=13)
+    params = plain(temperature=1.0, top_p=0.5, seed=13)
     ref = ref_distribution(logits, params)
     allowed = set(np.flatnonzero(ref > 0).tolist())
     assert allowed == set(hot[: len(allowed)].tolist())  # the lowest-id prefix of the ties
@@ -307,7 +319,7 @@ def test_top_p_large_vocab_ties_go_to_lower_ids():
 
 def test_top_k_boundary_ties_go_to_lower_ids():
     logits = np.array([1.0, 3.0, 2.0, 2.0, 2.0, 0.0], dtype=np.float32)
-    params = SamplingParams(temperature=1.0, top_k=3, seed=14)
+    params = plain(temperature=1.0, top_k=3, seed=14)
     assert support_seen(params, logits) == {1, 2, 3}
 
 
@@ -319,7 +331,7 @@ def test_top_k_boundary_ties_go_to_lower_ids():
 ])
 def test_min_p_drops_below_fraction_of_max(min_p, expected):
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
-    assert support_seen(SamplingParams(temperature=1.0, min_p=min_p, seed=15), logits) == expected
+    assert support_seen(plain(temperature=1.0, min_p=min_p, seed=15), logits) == expected
 
 
 def test_mostly_masked_large_vocab():
@@ -328,10 +340,10 @@ def test_mostly_masked_large_vocab():
     logits = np.full(n, -np.inf, dtype=np.float32)
     live = np.arange(7, n, n // 20)[:20]
     logits[live] = np.linspace(0.0, 1.0, live.size, dtype=np.float32)
-    for params in (SamplingParams(temperature=1.0, top_k=5, seed=2),
-                   SamplingParams(temperature=1.0, top_k=40, seed=2),
-                   SamplingParams(temperature=1.0, top_p=0.5, seed=2),
-                   SamplingParams(temperature=1.0, min_p=0.5, seed=2)):
+    for params in (plain(temperature=1.0, top_k=5, seed=2),
+                   plain(temperature=1.0, top_k=40, seed=2),
+                   plain(temperature=1.0, top_p=0.5, seed=2),
+                   plain(temperature=1.0, min_p=0.5, seed=2)):
         want = set(np.flatnonzero(ref_distribution(logits, params) > 0).tolist())
         assert want <= set(live.tolist())
         assert support_seen(params, logits, 300) == want
@@ -339,10 +351,10 @@ def test_mostly_masked_large_vocab():
 
 def test_masked_tokens_never_drawn():
     logits = np.array([0.0, -np.inf, 0.0, -np.inf, 0.0], dtype=np.float32)
-    for params in (SamplingParams(temperature=1.0, seed=1),
-                   SamplingParams(temperature=1.0, top_k=4, seed=1),
-                   SamplingParams(temperature=3.0, top_p=0.99, seed=1),
-                   SamplingParams(temperature=3.0, min_p=0.0001, seed=1)):
+    for params in (plain(temperature=1.0, seed=1),
+                   plain(temperature=1.0, top_k=4, seed=1),
+                   plain(temperature=3.0, top_p=0.99, seed=1),
+                   plain(temperature=3.0, min_p=0.0001, seed=1)):
         assert support_seen(params, logits, 600) == {0, 2, 4}
 
 
@@ -354,7 +366,7 @@ def test_order_top_k_before_softmax_before_top_p():
     so top_p=0.5 then keeps token 0 alone. Applying top_p to the full distribution
     first (0.4 < 0.5, keep {0, 1}) and top_k after would allow token 1 as well."""
     logits = logits_of([0.4, 0.3, 0.3])
-    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5, seed=21)
+    params = plain(temperature=1.0, top_k=2, top_p=0.5, seed=21)
     assert support_seen(params, logits) == {0}
     assert support_seen(dataclasses.replace(params, top_k=0), logits) == {0, 1}
 
@@ -364,25 +376,25 @@ def test_order_temperature_before_top_p():
     tempered probabilities are about 0.43, 0.34, 0.24, so top_p=0.55 keeps {0, 1}:
     top_p sees the tempered distribution, not the raw one."""
     logits = logits_of([0.6, 0.3, 0.1])
-    assert support_seen(SamplingParams(temperature=1.0, top_p=0.55, seed=22), logits) == {0}
-    assert support_seen(SamplingParams(temperature=3.0, top_p=0.55, seed=22), logits) == {0, 1}
+    assert support_seen(plain(temperature=1.0, top_p=0.55, seed=22), logits) == {0}
+    assert support_seen(plain(temperature=3.0, top_p=0.55, seed=22), logits) == {0, 1}
 
 
 def test_order_temperature_before_min_p():
     """Probabilities 0.4, 0.3, 0.2, 0.1, min_p=0.6: at T=1 the ratios to the max are
     1, .75, .5, .25 -> {0, 1}; at T=2 they are 1, .87, .71, .5 -> {0, 1, 2}."""
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
-    assert support_seen(SamplingParams(temperature=1.0, min_p=0.6, seed=23), logits) == {0, 1}
-    assert support_seen(SamplingParams(temperature=2.0, min_p=0.6, seed=23), logits) == {0, 1, 2}
+    assert support_seen(plain(temperature=1.0, min_p=0.6, seed=23), logits) == {0, 1}
+    assert support_seen(plain(temperature=2.0, min_p=0.6, seed=23), logits) == {0, 1, 2}
 
 
 def test_order_top_p_then_min_p_uses_unrenormalised_max():
     """min_p compares with the largest probability, which top_p always keeps, so the
     two filters combine as the intersection of their sets."""
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
-    params = SamplingParams(temperature=1.0, top_p=0.85, min_p=0.6, seed=24)
+    params = plain(temperature=1.0, top_p=0.85, min_p=0.6, seed=24)
     assert support_seen(params, logits) == {0, 1}
-    params = SamplingParams(temperature=1.0, top_p=0.5, min_p=0.2, seed=24)
+    params = plain(temperature=1.0, top_p=0.5, min_p=0.2, seed=24)
     assert support_seen(params, logits) == {0, 1}
 
 
@@ -412,8 +424,8 @@ def test_samples_stay_in_reference_support(logits, temperature, top_k, top_p, mi
 # --------------------------------------------------------------------------- bad logits
 
 
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=0),
-                                    SamplingParams(temperature=1.0, top_k=2, seed=0)])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(), plain(temperature=1.0, seed=0),
+                                    plain(temperature=1.0, top_k=2, seed=0)])
 @pytest.mark.parametrize("bad, pattern", [
     ([0.0, np.nan, 1.0], "NaN"),
     ([0.0, np.inf, 1.0], r"\+inf"),
@@ -433,8 +445,8 @@ def test_bad_logits_shape_or_dtype(bad):
 
 
 def test_integer_and_float16_logits_work():
-    assert Sampler().sample(np.array([1, 5, 2])) == 1
-    assert Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0)).sample(
+    assert Sampler(GREEDY).sample(np.array([1, 5, 2])) == 1
+    assert Sampler(plain(temperature=1.0, top_k=1, seed=0)).sample(
         np.array([1, 5, 2], dtype=np.float16)) == 1
 
 

@@ -470,7 +470,7 @@ def text_runner(tmp_path_factory):
     from ggmlpy.runner import Runner
 
     path = write_synthetic(tmp_path_factory.mktemp("img") / "tiny.gguf", "tiny", "F16", seed=3)
-    with load_model(path) as model, Runner(model, n_ctx=64) as rt:
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
         yield rt
 
 

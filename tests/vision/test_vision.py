@@ -57,7 +57,7 @@ def _err(got, ref) -> float:
 
 def _runner(fx, **kw):
     kw = {"n_ctx": 256, "type_k": "f32", "type_v": "f32", **kw}
-    model = load_model(fx.text_path, mmproj=fx.mmproj_path)
+    model = load_model(fx.text_path, mmproj=fx.mmproj_path, devices="cpu")
     try:
         return model, Runner(model, **kw)
     except BaseException:
@@ -185,12 +185,12 @@ def test_generate_reuses_encoding_and_prefix(fixtures):
     ids = [int(t) for t in inp["input_ids"]]
     model, rt = _runner(fx)
     with model, rt:
-        a = rt.generate(ids, images=[img], max_tokens=3)
-        b = rt.generate(ids, images=[img], max_tokens=3)
+        a = rt.generate(ids, images=[img], max_tokens=3, temperature=0)
+        b = rt.generate(ids, images=[img], max_tokens=3, temperature=0)
         assert rt.images.n_encoded == 1
         assert b.n_cached >= len(ids) - 1
         assert a.tokens == b.tokens
-        c = rt.generate(ids, images=[other], max_tokens=3)
+        c = rt.generate(ids, images=[other], max_tokens=3, temperature=0)
         assert rt.images.n_encoded == 2
         assert c.n_cached < ids.index(fx.image_token_id) + 1
         assert rt.reallocations == 0          # the reservation covered the image batches
@@ -248,12 +248,12 @@ def test_bad_image_prompts(fixtures, case):
             rt.generate(prompt, images=images, max_tokens=1)
         with pytest.raises(err):
             rt.decode(prompt, images=images) if not isinstance(prompt, str) else rt.submit(prompt, images=images)
-        assert rt.generate(ids, images=[img], max_tokens=2).done_reason in ("length", "stop")
+        assert rt.generate(ids, images=[img], max_tokens=2, temperature=0).done_reason in ("length", "stop")
 
 
 def test_images_need_a_vision_encoder(fixtures):
     fx = fixtures["gemma3"]
-    with load_model(fx.text_path) as model, Runner(model, n_ctx=64) as rt:
+    with load_model(fx.text_path, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
         with pytest.raises(GGMLValueError, match="no vision encoder"):
             rt.decode([1, 2, 3], images=[vh.sample_image(8, 8)])
 
@@ -266,8 +266,8 @@ def test_mmproj_errors(fixtures):
     with pytest.raises(MetadataError, match="clip"):
         load_mmproj(g.text_path)
     with pytest.raises(MetadataError, match="clip"):
-        load_model(g.text_path, mmproj=g.text_path)
-    with load_model(g.text_path) as model:
+        load_model(g.text_path, mmproj=g.text_path, devices="cpu")
+    with load_model(g.text_path, devices="cpu") as model:
         assert model.vision is None
 
 
@@ -324,13 +324,13 @@ def test_chat_with_images_matches_hf(fixtures, family, tmp_path, monkeypatch):
     with model, rt:
         for msgs in forms:   # the messages name local files: the caller allows them
             assert rt.chat_prompt(msgs, template=template, allow_local_files=True) == ref_ids
-        first = rt.chat(forms[2], template=template, max_tokens=1,       # greedy (the default sampling)
+        first = rt.chat(forms[2], template=template, max_tokens=1, temperature=0,       # greedy
                         allow_local_files=True)
         assert first.prompt_eval_count + first.n_cached == len(ref_ids)
         assert rt.images.n_encoded == 2
         follow = forms[0] + [{"role": "assistant", "content": first.text},
                              {"role": "user", "content": [{"type": "text", "text": "And now?"}]}]
-        second = rt.chat(follow, template=template, max_tokens=1)
+        second = rt.chat(follow, template=template, max_tokens=1, temperature=0)
         assert rt.images.n_encoded == 2                      # both images were reused, not encoded again
         assert second.n_cached >= len(ref_ids) - 1
     ref = vh.logits(fx, ref_ids, vh.pixel_values(fx, [a, b]))
@@ -355,8 +355,8 @@ def test_chat_image_errors(fixtures):
         with pytest.raises(GGMLValueError, match="image"):
             rt.chat(_chat_messages({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
                                    {"type": "image", "image": img}), template=template)
-        assert rt.chat(good, template=template, max_tokens=2).done_reason in ("length", "stop")
-    with load_model(fx.text_path) as model, Runner(model, n_ctx=512) as rt:
+        assert rt.chat(good, template=template, max_tokens=2, temperature=0).done_reason in ("length", "stop")
+    with load_model(fx.text_path, devices="cpu") as model, Runner(model, n_ctx=512) as rt:
         with pytest.raises(GGMLValueError, match="no vision encoder"):
             rt.chat_prompt(good, template=template)
 
@@ -385,7 +385,7 @@ def test_a_chat_prepares_its_images_once(fixtures, monkeypatch):
         monkeypatch.setattr(enc, "preprocess", counted("preprocess", enc.preprocess))
         for name in ("check_pixels", "run"):
             monkeypatch.setattr(type(model.vision), name, counted(name, getattr(type(model.vision), name)))
-        assert rt.chat(msgs, template=template, max_tokens=1).done_reason in ("length", "stop")
+        assert rt.chat(msgs, template=template, max_tokens=1, temperature=0).done_reason in ("length", "stop")
         assert calls == {"preprocess": 2, "check_pixels": 2, "run": 2}
 
 
@@ -402,11 +402,13 @@ def test_no_image_exceeds_the_reservation(fixtures):
         for h, w in ((900, 1500), (4000, 3), (3, 4000), (1, 1), (129, 127)):
             pre = preprocess(vh.sample_image(h, w, seed=h), model.vision.image_config)
             assert len(pre.pixel_values) <= cap
-            assert rt.generate("a <__media__> b", images=[pre], max_tokens=1).done_reason in ("length", "stop")
+            r = rt.generate("a <__media__> b", images=[pre], max_tokens=1, temperature=0)
+            assert r.done_reason in ("length", "stop")
         assert rt.reallocations == 0
         tile = pre.pixel_values[0]
         with pytest.raises(GGMLValueError, match=f"at most {cap}"):
             rt.generate("a <__media__> b", images=[PreprocessedImage([tile] * (cap + 1))], max_tokens=1)
         with pytest.raises(GGMLValueError, match="expected"):
             rt.generate("a <__media__> b", images=[PreprocessedImage([tile[:, :32, :32]])], max_tokens=1)
-        assert rt.generate("a <__media__> b", images=[pre], max_tokens=1).done_reason in ("length", "stop")
+        r = rt.generate("a <__media__> b", images=[pre], max_tokens=1, temperature=0)
+        assert r.done_reason in ("length", "stop")

@@ -31,9 +31,17 @@ from __future__ import annotations
 
 from ggmlpy._core import ClosedError
 
-from .requests import Completion, DoneReason, Handle, RequestTimeout, RunnerError, TokenEvent
+from .requests import (
+    Completion,
+    DoneReason,
+    Handle,
+    RequestTimeout,
+    RunnerError,
+    Stream,
+    TokenEvent,
+)
 from .runner import Runner
 from .slots import InputTooLong
 
 __all__ = ["ClosedError", "Completion", "DoneReason", "Handle", "InputTooLong", "RequestTimeout", "Runner",
-           "RunnerError", "TokenEvent"]
+           "RunnerError", "Stream", "TokenEvent"]

@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Union
 from ggmlpy import _core
 from ggmlpy._core import Device, GGMLMemoryError, GGMLValueError
 from ggmlpy.backend import Placement, choose_devices, n_cpu_moe_overrides
+from ggmlpy.defaults import n_ctx_for
 from ggmlpy.memory import MemoryReport
 
 log = logging.getLogger("ggmlpy")
@@ -350,7 +351,7 @@ def _budgets(devs: Sequence[Device], margin, memory) -> dict[str, int]:
 
 
 def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequence[str] = (),
-              n_ctx: Union[int, str] = 4096, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
+              n_ctx: Union[int, str, None] = None, n_ctx_min: int = 2048, n_seq_max: int = 1, n_batch: int = 512,
               n_ubatch: int = 512, type_k: str = "f16", type_v: str = "f16", flash_attn: Optional[bool] = None,
               margin: Union[None, int, dict] = None, memory: Optional[dict] = None,
               open_model: Optional[Callable[[Placement], Any]] = None,
@@ -361,6 +362,7 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
     Called by :func:`~ggmlpy.load.load_model` with ``n_gpu_layers="auto"``; the parameters are its
     (``overrides``: its tensor overrides, parsed, :func:`~ggmlpy.backend.parse_tensor_overrides`; every
     try keeps them and ``n_cpu_moe``'s, and the tensors they move are not counted with their layer).
+    ``n_ctx=None`` is the runner's default for this model (:func:`ggmlpy.defaults.n_ctx_for`).
 
     Returns
     -------
@@ -393,7 +395,7 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
             raise GGMLValueError(f"load_model: n_ctx_min must be >= 1 (got {n_ctx_min})")
         ctx = max(int(cfg.n_ctx_train), int(n_ctx_min))
     else:
-        ctx = int(n_ctx)
+        ctx = n_ctx_for(cfg.n_ctx_train) if n_ctx is None else int(n_ctx)
         if ctx < 1:
             raise GGMLValueError(f"load_model: n_ctx must be >= 1 (got {n_ctx})")
     devs = choose_devices(devices, rpc=rpc)

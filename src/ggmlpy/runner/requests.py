@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .loop import _Request
     from .runner import Runner
 
-__all__ = ["Completion", "DoneReason", "Handle", "RequestTimeout", "RunnerError", "TokenEvent"]
+__all__ = ["Completion", "DoneReason", "Handle", "RequestTimeout", "RunnerError", "Stream", "TokenEvent"]
 
 
 class RequestTimeout(TimeoutError, GGMLError):
@@ -89,6 +89,69 @@ class Completion:
     def ttft(self) -> float:
         """Seconds from the request's first batch to its first token."""
         return self.prompt_eval_duration
+
+
+class Stream:
+    """A request's tokens as they are generated: what ``generate(..., stream=True)`` and
+    ``chat(..., stream=True)`` return.
+
+    An iterator of :class:`TokenEvent` s (``ev.text`` is the text each token completed, for a text
+    prompt or a chat; ``ev.token`` its id), the same events :class:`Handle` streams, ending when the
+    request ends (a stop, ``max_tokens``, a full context); it raises :class:`RunnerError` if the request
+    failed. Then :meth:`result` is the request's :class:`Completion` (``done_reason``, timings).
+
+    Leaving early cancels the request: :meth:`close` (called by a ``with`` block's end) cancels it and
+    waits until the runner has ended it, so its slot is free when it returns; a stream dropped before
+    its end (a ``break`` out of ``for ev in rt.generate(..., stream=True)``, garbage collection) is
+    cancelled without waiting. An event stream is the same type whatever the prompt, as llama-cpp-python's
+    ``stream=True`` yields one chunk type and mlx-lm's ``stream_generate`` one response type; the text
+    alone is ``"".join(ev.text for ev in stream)``.
+
+    Examples
+    --------
+    ``for ev in rt.generate("Once upon a time", max_tokens=32, stream=True): print(ev.text, end="")``
+    """
+
+    def __init__(self, handle: Handle) -> None:
+        #: The request's :class:`Handle` (``cancel()``, ``done``, ``result()``).
+        self.handle = handle
+        self._events = iter(handle)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._events)
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        """The request's :class:`Completion`, once it has ended (see :meth:`Handle.result`)."""
+        return self.handle.result(timeout)
+
+    def close(self) -> None:
+        """Cancel the request if it is still running and wait until it has ended (done reason ``cancel``,
+        or the one it reached first); no more events are yielded. Safe to call more than once."""
+        if not self.handle.done:
+            self.handle.cancel()
+        self._events.close()
+        try:
+            self.handle.result()          # the runner ends a cancelled request at its next batch
+        except RunnerError:               # it failed before the cancel landed: nothing left to stop
+            pass
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Dropped before its end: cancel, never wait (a finalizer may run on any thread).
+        handle = getattr(self, "handle", None)
+        if handle is not None and not handle.done:
+            try:
+                handle.cancel()
+            except Exception:             # at interpreter exit the runner may be half torn down
+                pass
 
 
 class Handle:

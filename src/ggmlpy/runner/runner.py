@@ -26,16 +26,17 @@ from ggmlpy._core import (
 )
 from ggmlpy._system import available_host_memory as _available_host_memory
 from ggmlpy.backend import MemoryReport, Placement, Runtime, choose_devices
+from ggmlpy.defaults import DEFAULTS, n_ctx_for
 from ggmlpy.kvcache import CACHE_TYPES, V_TRANS_TYPES
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
-from ggmlpy.sampling import SamplingParams
+from ggmlpy.sampling import SamplingParams, sampling_params
 
-from .batching import _NO_ROWS, _ROW0, _UBatch
+from .direct import DirectCalls
 from .images import ImageStore
 from .inputs import Inputs
-from .loop import RequestLoop, split_ubatches
-from .requests import Completion, Handle
+from .loop import RequestLoop
+from .requests import Completion, Handle, Stream
 from .slots import SlotTable
 from .state import check_state, fingerprint
 from .step import Step
@@ -47,19 +48,20 @@ log = logging.getLogger("ggmlpy")
 
 
 
-#: the constructor's defaults for settings a fitted model may give instead
-_DEFAULTS = {"n_ctx": 2048, "n_batch": 512, "n_ubatch": 512, "n_seq_max": 1, "type_k": "f16", "type_v": "f16"}
+#: the constructor's defaults for settings a fitted model may give instead (``n_ctx``: at most the model's
+#: training context, :func:`ggmlpy.defaults.n_ctx_for`)
+_DEFAULTS = {k: DEFAULTS[k] for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "type_k", "type_v")}
 
 
-class Runner(RequestLoop):
+class Runner(DirectCalls, RequestLoop):
     """A model plus its cache, scheduler and request loop.
 
     Parameters
     ----------
     model
-        A loaded model (:func:`ggmlpy.models.load_model`).
+        A loaded model (:func:`ggmlpy.load_model`).
     n_ctx : int
-        Context per sequence (default 2048).
+        Context per sequence (default 4096, at most the model's training context).
     n_batch, n_ubatch : int
         Tokens per logical batch and per computed micro-batch (default 512 each; at most ``n_ctx``).
     n_seq_max : int
@@ -85,7 +87,8 @@ class Runner(RequestLoop):
         ops (:attr:`kernels` holds the choices).
 
     Settings not given take those a placement search reserved for (``model.fit.runner_kwargs``), else
-    the defaults. Each is described in full in ``docs/runner.md``.
+    the defaults (:data:`ggmlpy.defaults.DEFAULTS`). Each is described in full in ``docs/runner.md``.
+    :func:`ggmlpy.open` loads a model and starts a runner over it in one call.
 
     Raises
     ------
@@ -101,6 +104,10 @@ class Runner(RequestLoop):
     :class:`~ggmlpy.ClosedError`.
     """
 
+    #: Whether :meth:`close` closes :attr:`model` too: True for a runner that loaded its model
+    #: (:func:`ggmlpy.open`), False for one given a model (which may serve other runners).
+    owns_model: bool = False
+
     def __init__(self, model, n_ctx: Optional[int] = None, n_batch: Optional[int] = None,
                  n_ubatch: Optional[int] = None, n_seq_max: Optional[int] = None, n_threads: int = 0,
                  flash_attn: Optional[bool] = None, type_k: Optional[str] = None, type_v: Optional[str] = None,
@@ -115,7 +122,8 @@ class Runner(RequestLoop):
         fitted = getattr(getattr(model, "fit", None), "runner_kwargs", None) or {}
         given = {"n_ctx": n_ctx, "n_batch": n_batch, "n_ubatch": n_ubatch, "n_seq_max": n_seq_max,
                  "type_k": type_k, "type_v": type_v}
-        v = {k: x if x is not None else fitted.get(k, _DEFAULTS[k]) for k, x in given.items()}
+        defaults = {**_DEFAULTS, "n_ctx": n_ctx_for(getattr(getattr(model, "config", None), "n_ctx_train", None))}
+        v = {k: x if x is not None else fitted.get(k, defaults[k]) for k, x in given.items()}
         n_ctx, n_batch, n_ubatch, n_seq_max, type_k, type_v = (v[k] for k in given)
         if flash_attn is None:
             flash_attn = fitted.get("flash_attn")
@@ -325,181 +333,6 @@ class Runner(RequestLoop):
         """The token id that marks an image tile's place in a token-id prompt (see the class)."""
         return self.inputs.image_token
 
-    def encode_image(self, image) -> np.ndarray:
-        """An image's embeddings as the text model receives them: ``float32[rows, n_embd]``, the rows of its
-        tiles in order (what replaces its image tokens in a prompt); computed now, synchronously, through
-        this runner's scheduler, and not kept (prompts keep theirs, see :meth:`submit`).
-
-        ``image`` is anything ``images=`` takes (a :class:`~ggmlpy.vision.preprocess.PreprocessedImage`
-        skips the preprocessing, as ``ggmlpy bench -i`` times it).
-
-        Raises
-        ------
-        GGMLValueError
-            No vision encoder, a bad image, one over the reservation's tile bound, or requests being
-            served (like :meth:`decode`, for direct use).
-        """
-        tiles = self.inputs.pixels(image, "encode_image")
-        with self._direct("encode_image"):
-            return self.step.encode(tiles)
-
-    def decode(self, tokens, seq: int = 0, logits="last", positions=None, *,
-               embeddings: bool = False, images: Sequence = ()) -> Optional[np.ndarray]:
-        """Append ``tokens`` to sequence ``seq`` and compute them (synchronously).
-
-        Positions continue from what the cache holds for ``seq`` unless
-        given. The tokens are computed in micro-batches of ``n_ubatch``.
-
-        Parameters
-        ----------
-        logits : ``"last"`` (default), ``"all"``, ``None``/False, or a list of indices into ``tokens``
-            The rows to output.
-        embeddings : bool
-            Output those rows' final-normed hidden states (the graph
-            :meth:`embed` uses, without the output head) instead of logits.
-
-        Returns
-        -------
-        numpy.ndarray ``float32[n_rows, n_vocab]`` (``[n_rows, n_embd]`` with
-        ``embeddings``) of the requested rows, or None.
-
-        Raises
-        ------
-        GGMLValueError
-            Token ids outside the vocabulary, a sequence id out of range,
-            positions at or past ``n_ctx``, or requests being served.
-        ClosedError
-            The runner is closed (a close() from another thread waits for a
-            decode already computing).
-        """
-        self._check_open("decode")
-        seq = self._check_seq_id(seq, "decode")
-        one_row = type(logits) is str and logits in ("last", "all")
-        tied = None
-        if images is not None and len(images):
-            p = self.inputs.prompt(tokens, "decode", images=images)
-            toks = np.asarray(p.ids, np.int32)
-            tied = np.zeros(len(toks), bool)
-            for i, k in enumerate(p.same_batch):
-                tied[i + 1:i + 1 + k] = True
-        else:
-            if positions is None and (one_row or logits is None or logits is False):
-                tok = self.inputs.one_token(tokens)
-                if tok is not None:             # one generation step: scalars instead of arrays
-                    return self._decode_one(tok, seq, logits is not None and logits is not False, bool(embeddings))
-            toks = self.inputs.check_tokens(tokens, "decode")
-        n = len(toks)
-        if n == 0:
-            raise GGMLValueError("decode: empty batch")
-        if positions is not None:
-            pos = np.asarray(positions, dtype=np.int64)
-            if pos.shape != toks.shape:
-                raise GGMLValueError(f"decode: {len(pos)} positions for {n} tokens")
-        want = np.zeros(n, dtype=bool)
-        if isinstance(logits, str):
-            if logits == "last":
-                want[-1] = True
-            elif logits == "all":
-                want[:] = True
-            else:
-                raise GGMLValueError(f"decode: logits must be 'last', 'all', None or indices (got {logits!r})")
-        elif logits is not None and logits is not False:
-            idx = np.asarray(logits, dtype=np.int64)
-            if idx.size and (idx.min() < -n or idx.max() >= n):
-                raise GGMLValueError(f"decode: logits indices out of range for {n} tokens")
-            want[idx] = True
-        with self._direct("decode"):
-            if positions is None:             # read under _direct: the cache is alive and no one else writes
-                start = self.cache.seq_pos_max(seq) + 1
-                pos = np.arange(start, start + n, dtype=np.int64)
-            if pos.min() < 0 or pos.max() >= self.n_ctx:
-                raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
-                                     f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want, tied),
-                                    [seq],
-                                    embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
-                                    if positions is None else None)
-
-    def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
-        # One generation step, the hot path of token-by-token decoding: what decode() + _run_direct do
-        # for one token, without the batch checks, micro-batch splitting or a generator context manager
-        # (each step runs on caches the weight sweep has just emptied, so every call saved counts).
-        self._direct_enter("decode")
-        try:
-            p = self.cache.seq_pos_max(seq) + 1
-            if p >= self.n_ctx:
-                raise GGMLValueError(f"decode: positions {p}..{p} are outside the context [0, {self.n_ctx}) of "
-                                     f"sequence {seq}")
-            ub = _UBatch(np.array([tok], np.int32), np.array([p], np.int64), np.array([seq], np.int64),
-                         _ROW0 if want else _NO_ROWS)
-            r = self._run_ubatch(ub, embedding, (seq,))
-            self._record_direct((seq,), (p, (tok,)))
-            return r
-        finally:
-            self._direct_exit()
-
-    def _record_direct(self, seqs, appended) -> None:
-        """After a direct batch: the slot of ``seqs[0]`` records ``appended = (first position, tokens)``
-        when they continued what it holds; otherwise the slots of ``seqs`` are dropped (a request
-        re-processes them)."""
-        if appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]:
-            self.slots.committed(seqs[0], appended[1])
-        else:
-            for s in seqs:
-                self.slots.reset(s)
-        self.n_batches += 1
-
-    def _run_ubatch(self, ub: _UBatch, embedding: bool, seqs) -> Optional[np.ndarray]:
-        """Build and compute one micro-batch of direct use; on failure, whatever part of the batch
-        reached the cache is undone for the sequences ``seqs``, as for a failed compute."""
-        try:
-            self.step.build(ub, embedding)
-            return self._compute(ub)
-        except BaseException:
-            if ub.built is not None:
-                ub.built.free()
-                ub.built = None
-            for s in seqs:
-                self.slots.clear(s)
-            raise
-
-    def _run_direct(self, ubatches, seqs, embedding, appended=None) -> Optional[np.ndarray]:
-        """Compute micro-batches of direct use (sequences ``seqs``); their output rows, concatenated.
-
-        ``appended`` is ``(first position, tokens)`` when one sequence's tokens continued it: its slot's
-        token record grows with them (so a request can reuse them as a prefix); otherwise the slots'
-        records are dropped (a request re-processes them).
-        """
-        rows = []
-        for ub in ubatches:
-            r = self._run_ubatch(ub, embedding, seqs)
-            if r is not None:
-                rows.append(r)
-        self._record_direct(seqs, appended)
-        return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
-
-    def decode_batch(self, tokens, positions, seq_ids, logits) -> np.ndarray:
-        """Compute one batch of several sequences: ``tokens``, ``positions``, ``seq_ids`` per row.
-
-        ``logits`` is a boolean mask (or indices) of the rows to return, in order.
-        """
-        self._check_open("decode_batch")
-        toks = self.inputs.check_tokens(tokens, "decode_batch")
-        pos = np.asarray(positions, dtype=np.int64)
-        seqs = np.asarray(seq_ids, dtype=np.int64)
-        if not (toks.shape == pos.shape == seqs.shape) or toks.size == 0:
-            raise GGMLValueError(f"decode_batch: tokens, positions and seq_ids need one equal, non-zero length "
-                                 f"(got {toks.size}, {pos.size}, {seqs.size})")
-        for s in np.unique(seqs):
-            self._check_seq_id(s, "decode_batch")
-        if pos.min() < 0 or pos.max() >= self.n_ctx:
-            raise GGMLValueError(f"decode_batch: positions must be in [0, {self.n_ctx})")
-        want = np.zeros(toks.size, dtype=bool)
-        want[np.asarray(logits)] = True
-        with self._direct("decode_batch"):
-            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want), [int(s) for s in np.unique(seqs)],
-                                    embedding=False)
-
     def clear(self, seq: Optional[int] = None) -> None:
         """Forget one sequence's cache contents, or everything's (not while requests are served)."""
         self._check_open("clear")
@@ -566,10 +399,13 @@ class Runner(RequestLoop):
             self._check_open("seq_len")
             return self.cache.seq_pos_max(seq) + 1
 
-    def submit(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
-               sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
-               shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
-               normalize: bool = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+    def submit(self, prompt: str | Sequence[int], *, max_tokens: int = DEFAULTS["max_tokens"],
+               temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+               min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
+               top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+               stop: Sequence[int | str] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
+               embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+               same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
                detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
@@ -578,9 +414,18 @@ class Runner(RequestLoop):
         prompt : str or token ids
             A str is encoded by :attr:`tokenizer` (:func:`~ggmlpy.runner.text.encode_prompt`).
         max_tokens : int
-            Tokens to generate; ``-1`` no limit, ``-2`` until the context is full.
+            Tokens to generate (default 128); ``-1`` no limit, ``-2`` until the context is full.
+        temperature, top_k, top_p, min_p, seed : optional
+            How the next token is sampled (:class:`~ggmlpy.sampling.SamplingParams`' fields); those not
+            given take the defaults of :data:`ggmlpy.defaults.DEFAULTS`, as ``ggmlpy run`` does:
+            temperature 0.8, top-k 40, top-p 0.95, min-p 0.05 and a fresh seed. ``temperature=0`` is
+            greedy decoding; a seed makes a sampled request reproducible.
+        logprobs, top_logprobs : optional
+            Report the chosen token's log-probability, and that many most likely alternatives
+            (``TokenEvent.logprobs``, ``Completion.logprobs``; default none).
         sampling : SamplingParams, optional
-            Default greedy.
+            The sampling settings as one object, instead of the keywords above (giving both is a
+            GGMLValueError).
         stop : token ids and str
             What ends the generation besides EOS (and, for text, the tokenizer's end-of-generation ids).
         n_keep, shift, truncate
@@ -603,16 +448,19 @@ class Runner(RequestLoop):
         Raises
         ------
         GGMLValueError, InputTooLong
-            A bad prompt, image or option (the message says which).
+            A bad prompt, image or option (the message says which); ``sampling`` and a sampling keyword
+            together.
         GGMLTypeError
-            A stop that is neither an int nor a str.
+            A stop that is neither an int nor a str; a ``sampling`` that is not a SamplingParams.
         ClosedError
             The runner is closed (a request accepted before that ends with done reason ``cancel``).
         """
         self._check_open("submit")
+        params = sampling_params("submit", sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
         text = self._text_options(stop, detokenize, embedding, isinstance(prompt, str))
         p = self.inputs.prompt(prompt, "submit", images=images, same_batch=same_batch, parse_special=parse_special)
-        return self._queue(p, text, max_tokens=max_tokens, sampling=sampling, n_keep=n_keep, shift=shift,
+        return self._queue(p, text, max_tokens=max_tokens, sampling=params, n_keep=n_keep, shift=shift,
                            truncate=truncate, embedding=embedding, pooling=pooling, normalize=normalize)
 
     def _text_options(self, stop, detokenize: Optional[bool], embedding: bool, str_prompt: bool) -> tuple:
@@ -626,12 +474,51 @@ class Runner(RequestLoop):
             raise GGMLValueError("submit: an embedding request generates nothing to stop (stop strings given)")
         return stop_ids, stop_texts, self.tokenizer if detokenize and not embedding else None
 
-    def generate(self, prompt: str | Sequence[int], **kw) -> Completion:
-        """Submit and wait: the :class:`Completion` of one request (see :meth:`submit`).
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = DEFAULTS["max_tokens"],
+                 temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
+                 top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
+                 stop: Sequence[int | str] = (), stream: bool = False, n_keep: int = 0, shift: bool = True,
+                 truncate: bool = False, embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+                 same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+                 detokenize: Optional[bool] = None, images: Sequence = ()) -> Completion | Stream:
+        """Generate a continuation of ``prompt``: wait for its :class:`Completion`, or with ``stream=True``
+        iterate its tokens as they come.
 
-        A str prompt gives the generated text in ``Completion.text``.
+        A str prompt gives text (``Completion.text``, ``TokenEvent.text``), a list of token ids gives
+        ids (``Completion.tokens``). The parameters are :meth:`submit`'s, sampling included (temperature
+        0.8, top-k 40, top-p 0.95, min-p 0.05 unless given; ``temperature=0`` is greedy), and:
+
+        Parameters
+        ----------
+        stream : bool
+            Return a :class:`~ggmlpy.runner.Stream` at once instead of waiting: an iterator of
+            :class:`TokenEvent` s that ends with the request; closing it early (or leaving the loop
+            over it) cancels the request. ``Stream.result()`` is then the Completion.
+
+        Returns
+        -------
+        Completion, or Stream with ``stream=True``.
+
+        Raises
+        ------
+        As :meth:`submit`; GGMLValueError for ``stream=True`` with ``embedding=True`` (nothing to stream).
+        A request that fails inside the runner raises :class:`RunnerError` (from the stream's iteration).
+
+        Examples
+        --------
+        ``rt.generate("Once upon a time", max_tokens=32, temperature=0.7, seed=1).text``, or
+        ``for ev in rt.generate("Once upon a time", stream=True): print(ev.text, end="")``
         """
-        return self.submit(prompt, **kw).result()
+        if stream and embedding:
+            raise GGMLValueError("generate: an embedding request generates no tokens to stream (stream=True and "
+                                 "embedding=True given)")
+        h = self.submit(prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling,
+                        stop=stop, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
+                        pooling=pooling, normalize=normalize, same_batch=same_batch, parse_special=parse_special,
+                        detokenize=detokenize, images=images)
+        return Stream(h) if stream else h.result()
 
     def chat_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
@@ -663,35 +550,75 @@ class Runner(RequestLoop):
 
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
-                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False, **kw) -> Handle:
+                    template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
+                    max_tokens: int = DEFAULTS["max_tokens"], temperature: Optional[float] = None,
+                    top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+                    seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
+                    sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
+                    shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
+                    normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+                    detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
-        The prompt is :meth:`chat_prompt`'s; other keywords are :meth:`submit`'s. A later chat whose
-        messages start with this one's reuses the cached prompt, images compared by content.
+        The prompt is :meth:`chat_prompt`'s (its keywords, up to ``allow_local_files``); the other
+        keywords are :meth:`submit`'s, sampling included (temperature 0.8, top-k 40, top-p 0.95, min-p
+        0.05 unless given; ``temperature=0`` is greedy). ``detokenize`` may only be True: a chat always
+        produces text. A later chat whose messages start with this one's reuses the cached prompt,
+        images compared by content.
 
         Raises
         ------
-        As :meth:`chat_prompt` and :meth:`submit`.
+        As :meth:`chat_prompt` and :meth:`submit`; GGMLValueError for ``detokenize=False``.
         """
-        if "detokenize" in kw and not kw["detokenize"]:
+        if detokenize is not None and not detokenize:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
-        kw.pop("detokenize", None)
-        kw.pop("parse_special", None)        # the chat's text is the template's: its special tokens are parsed
         self._check_open("submit_chat")
+        params = sampling_params("submit_chat", sampling, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+        # the chat's text is the template's: its special tokens are always parsed
         p = self.inputs.chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt, tools=tools,
                                                            template=template, template_kwargs=template_kwargs),
-                             allow_local_files, images=kw.pop("images", ()), same_batch=kw.pop("same_batch", None))
-        return self._queue(p, self._text_options(kw.pop("stop", ()), True, kw.get("embedding", False), True), **kw)
+                             allow_local_files, images=images, same_batch=same_batch)
+        return self._queue(p, self._text_options(stop, True, embedding, True), max_tokens=max_tokens,
+                           sampling=params, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
+                           pooling=pooling, normalize=normalize)
 
-    def chat(self, messages: Sequence[dict], **kw) -> Completion:
-        """Submit a chat and wait: the assistant's reply as a :class:`Completion` (``.text``); see
-        :meth:`submit_chat`.
+    def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+             tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+             template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
+             max_tokens: int = DEFAULTS["max_tokens"], temperature: Optional[float] = None,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
+             seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
+             sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), stream: bool = False,
+             n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
+             pooling: str = "mean", normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+             detokenize: Optional[bool] = None, images: Sequence = ()) -> Completion | Stream:
+        """The assistant's reply to ``messages``: wait for its :class:`Completion` (``.text``), or with
+        ``stream=True`` iterate its tokens (``ev.text``) as they come.
+
+        The parameters are :meth:`submit_chat`'s, sampling included (temperature 0.8, top-k 40, top-p
+        0.95, min-p 0.05 unless given; ``temperature=0`` is greedy), and ``stream`` as in :meth:`generate`
+        (a :class:`~ggmlpy.runner.Stream`; closing it early cancels the reply).
+
+        Raises
+        ------
+        As :meth:`submit_chat`; GGMLValueError for ``stream=True`` with ``embedding=True``.
 
         Examples
         --------
-        ``rt.chat([{"role": "user", "content": "Hi"}], max_tokens=64).text``
+        ``rt.chat([{"role": "user", "content": "Hi"}], max_tokens=64).text``, or
+        ``for ev in rt.chat(messages, stream=True): print(ev.text, end="")``
         """
-        return self.submit_chat(messages, **kw).result()
+        if stream and embedding:
+            raise GGMLValueError("chat: an embedding request generates no tokens to stream (stream=True and "
+                                 "embedding=True given)")
+        h = self.submit_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools, template=template,
+                             template_kwargs=template_kwargs, allow_local_files=allow_local_files,
+                             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                             seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling, stop=stop,
+                             n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding, pooling=pooling,
+                             normalize=normalize, same_batch=same_batch, detokenize=detokenize, images=images)
+        return Stream(h) if stream else h.result()
 
     def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
         """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch
@@ -708,7 +635,9 @@ class Runner(RequestLoop):
         waited for. When close() returns, every handle is done, no thread of
         the runner is alive, and every later call raises
         :class:`~ggmlpy.ClosedError`. Safe to call more than once, and from
-        several threads (all return once the runner is closed).
+        several threads (all return once the runner is closed). A runner that
+        owns its model (:attr:`owns_model`, :func:`ggmlpy.open`) closes it
+        last.
         """
         with self._lock:
             first = not self._closing
@@ -721,7 +650,11 @@ class Runner(RequestLoop):
         try:
             self._stop_loop()
         finally:
-            self._free()
+            try:
+                self._free()
+            finally:
+                if self.owns_model:
+                    self.model.close()
 
     def _free(self) -> None:
         """Stop the compute thread and free graphs, scheduler and cache (each once, every one tried)."""

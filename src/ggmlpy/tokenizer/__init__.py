@@ -37,7 +37,7 @@ faster than a token's length (SPM's merge table, BPE's spelled-out pieces) is bo
 Where each part lives:
 
 * :mod:`~ggmlpy.tokenizer.vocab`: :class:`Tokenizer` (the vocabulary read and checked, special tokens,
-  encode and decode) and the streaming :class:`Detokenizer`;
+  encode and decode); :mod:`~ggmlpy.tokenizer.detokenizer`: the streaming :class:`Detokenizer`;
 * one module per algorithm: :mod:`~ggmlpy.tokenizer._bpe` (the pre-tokenizers, GPT-2's byte mapping),
   :mod:`~ggmlpy.tokenizer._wpm` (BERT's word splitting and greedy match), :mod:`~ggmlpy.tokenizer._ugm`
   (the charsmap normaliser and the Viterbi search); :mod:`~ggmlpy.tokenizer._common` (what they share:
@@ -53,7 +53,8 @@ Where each part lives:
 from __future__ import annotations
 
 from ._common import TokenAttr, TokenizerError, TokenType
-from .vocab import Detokenizer, Tokenizer
+from .detokenizer import Detokenizer
+from .vocab import Tokenizer
 
 
 def __getattr__(name: str):

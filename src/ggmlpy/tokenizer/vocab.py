@@ -1,5 +1,5 @@
-"""The :class:`Tokenizer` (text to ids and back, as llama.cpp does; the package's docstring says how
-for each kind of vocabulary) and the streaming :class:`Detokenizer`."""
+"""The :class:`Tokenizer`: text to ids and back, as llama.cpp does (the package's docstring says how for
+each kind of vocabulary)."""
 
 from __future__ import annotations
 
@@ -47,14 +47,14 @@ from ._common import (
     TokenType,
     _check_encodable,
     _clean_spaces,
-    _complete_utf8,
     _engine_model,
     _text_arg,
 )
 from ._ugm import _Ugm
 from ._wpm import _WpmMethods
+from .detokenizer import Detokenizer
 
-__all__ = ["Detokenizer", "TokenAttr", "TokenType", "Tokenizer", "TokenizerError"]
+__all__ = ["TokenAttr", "TokenType", "Tokenizer", "TokenizerError"]
 
 
 class Tokenizer(_WpmMethods):
@@ -764,38 +764,3 @@ class Tokenizer(_WpmMethods):
         eos = self._texts[self.eos] if self.eos is not None else ""
         return ChatTemplate(src, bos_token=bos, eos_token=eos).render(
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs)
-
-
-class Detokenizer:
-    """Tokens in, text out as soon as it is whole UTF-8.
-
-    :meth:`feed` returns the text a token completes: a character split across byte tokens is held
-    back until its last byte arrives, never emitted broken. :meth:`flush` returns what is still held
-    (an incomplete character as U+FFFD). The text fed piece by piece equals ``decode`` of all the ids
-    without the first-space and space clean-up rules, which apply to a whole text only.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special
-        self._held = b""
-
-    def feed(self, tid: int) -> str:
-        """The text completed by one more token (possibly ``""``)."""
-        piece = self._tok.token_to_piece(tid, special=not self._skip)
-        if not piece:
-            return ""
-        data = self._held + piece
-        cut = _complete_utf8(data)
-        self._held = data[cut:]
-        return data[:cut].decode("utf-8", errors="replace")
-
-    def flush(self) -> str:
-        """Whatever is held back, as text (an incomplete character as U+FFFD); resets the stream."""
-        data, self._held = self._held, b""
-        return data.decode("utf-8", errors="replace")
-
-    @property
-    def pending(self) -> bytes:
-        """Bytes held back: the start of a character not yet complete."""
-        return self._held
