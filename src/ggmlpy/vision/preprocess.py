@@ -69,9 +69,9 @@ The two bounds are module attributes, read at each call: a program that trusts i
 
 Pillow is needed to decode and resize, and is imported only when a function needs it.
 
-This module holds the entry points (:func:`load_image` with the two bounds, :func:`check_source`,
-:func:`preprocess`) and re-exports the rest, one module per job: :mod:`~ggmlpy.vision.decode` (encoded
-images read within bounds, arrays and PIL images to RGB), :mod:`~ggmlpy.vision.image_config`
+This module holds the entry points (:func:`load_image` with the two bounds and the conversions of arrays
+and PIL images, :func:`check_source`, :func:`preprocess`) and re-exports the rest, one module per job:
+:mod:`~ggmlpy.vision.decode` (encoded images read within bounds), :mod:`~ggmlpy.vision.image_config`
 (:class:`ImageConfig`), :mod:`~ggmlpy.vision.resize` (resize, tiles, normalisation:
 :class:`PreprocessedImage`) and :mod:`~ggmlpy.vision.prompt` (the prompt text of an image).
 """
@@ -79,6 +79,7 @@ images read within bounds, arrays and PIL images to RGB), :mod:`~ggmlpy.vision.i
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
@@ -88,13 +89,10 @@ from ggmlpy._core import GGMLTypeError
 from .decode import (
     IMAGE_FORMATS,
     ImageError,
-    _array_to_rgb,
     _data_url,
     _decode,
     _file_url_path,
-    _is_pil_image,
     _pil,
-    _pil_to_rgb,
     _read_file,
     _scheme,
     _short,
@@ -144,6 +142,68 @@ MAX_IMAGE_BYTES = 64 * 2**20
 #: It stays below Pillow's own ``PIL.Image.MAX_IMAGE_PIXELS`` (89.5 million), so Pillow never warns about
 #: an image that is decoded; when that is set lower, the lower bound holds. Read at each call.
 MAX_IMAGE_PIXELS = 50_000_000
+
+
+def _is_pil_image(x: Any) -> bool:
+    # A PIL image can exist only if PIL.Image was imported, so this check never imports Pillow itself.
+    mod = sys.modules.get("PIL.Image")
+    return mod is not None and isinstance(x, mod.Image)
+
+
+def _array_to_rgb(a: np.ndarray) -> np.ndarray:
+    """A validated ``(H, W, 3)`` uint8 C-contiguous copy of a channel-last image array."""
+    expected = "expected (H, W), (H, W, 1), (H, W, 3) or (H, W, 4) with H, W >= 1"
+    shape = a.shape
+    if a.dtype == np.bool_ or not (np.issubdtype(a.dtype, np.integer) or np.issubdtype(a.dtype, np.floating)):
+        raise GGMLTypeError(f"image: array of dtype {a.dtype}; expected uint8 (or another integer dtype with values "
+                            "in [0, 255], or a float dtype with values in [0, 1])")
+    if a.ndim == 2:
+        a = a[:, :, None]
+    elif a.ndim != 3 or a.shape[2] not in (1, 3, 4):
+        hint = ""
+        if a.ndim == 3 and a.shape[0] in (1, 3, 4):
+            hint = "; a channel-first array must be transposed first: a.transpose(1, 2, 0)"
+        raise ImageError(f"image: array of shape {a.shape}; {expected}{hint}")
+    if a.shape[0] == 0 or a.shape[1] == 0:
+        raise ImageError(f"image: array of shape {shape} has no pixels; {expected}")
+
+    if np.issubdtype(a.dtype, np.floating):
+        if not np.all(np.isfinite(a)) or a.min() < 0 or a.max() > 1:
+            raise ImageError(f"image: float array of shape {a.shape} has values outside [0, 1] (or NaN/inf); "
+                             "float images must be in [0, 1] (uint8 images in [0, 255])")
+        # Quantise first, so that a float image is processed exactly as its uint8 counterpart would be.
+        a = np.round(a.astype(np.float64) * 255).astype(np.uint8)
+    elif a.dtype != np.uint8:
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi > 255:
+            raise ImageError(f"image: {a.dtype} array has values in [{lo}, {hi}]; expected [0, 255]")
+        a = a.astype(np.uint8)
+
+    channels = a.shape[2]
+    if channels == 1:
+        a = np.repeat(a, 3, axis=2)
+    elif channels == 4:
+        # transformers' numpy convert_to_rgb: blend onto white in float64, round half to even.
+        alpha = a[..., 3:4] / 255
+        a = np.round(alpha * a[..., :3] + (1 - alpha) * 255).astype(np.uint8)
+    return np.ascontiguousarray(a)
+
+
+def _pil_to_rgb(img: _PILImageModule.Image) -> _PILImageModule.Image:
+    """HF's ``convert_to_rgb`` for a PIL image: transparency is composited onto white."""
+    Image, _ = _pil()
+    if img.width == 0 or img.height == 0:
+        raise ImageError(f"image: PIL image of size {img.width}x{img.height} has no pixels")
+    try:
+        if "A" in img.getbands() or img.info.get("transparency") is not None:
+            rgba = img.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return img.convert("RGB")
+    except Exception as e:
+        # a lazily opened file may fail to decode only now, or the mode may have no RGB conversion
+        raise ImageError(f"image: cannot convert a PIL image of mode {img.mode!r} and size "
+                         f"{img.width}x{img.height} to RGB ({type(e).__name__}: {e})") from e
 
 
 def check_source(image: Any, *, allow_local_files: bool, what: str = "image") -> None:
