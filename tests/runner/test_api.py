@@ -323,8 +323,9 @@ def test_the_cli_reads_the_same_table(command, capsys):
 
     args = cli.build_parser().parse_args([command, "-m", "x.gguf"] + (["-p", "hi"] if command == "run" else []))
     assert (args.temp, args.top_k, args.top_p, args.min_p, args.seed) == tuple(DEFAULTS[k] for k in SAMPLING)
-    assert (args.device, args.n_gpu_layers, args.batch_size) == (DEFAULTS["devices"], DEFAULTS["n_gpu_layers"],
-                                                                   DEFAULTS["n_batch"])
+    # -ngl is read as text (N or auto) and made an int once the parse is checked
+    assert (args.device, int(args.n_gpu_layers), args.batch_size) == (DEFAULTS["devices"], DEFAULTS["n_gpu_layers"],
+                                                                        DEFAULTS["n_batch"])
     assert args.n_predict == CLI_N_PREDICT == -1 and args.ctx_size == 0       # 0: n_ctx_for the model
     # the CLI's sampling with no option given is the API's with none given
     assert cli._sampling(args) == SamplingParams()
