@@ -61,7 +61,8 @@ def main(argv=None) -> None:
                     help="comma-separated prefetch distances (cells ahead, 0 = none) to time attn_decode with "
                          "(default: the kernel's own)")
     ap.add_argument("--avx2", action="store_true",
-                    help="also time attn_decode's AVX2 path where the AVX-512 one runs (the same nodes built with avx512=False)")
+                    help="also time attn_decode's AVX2 path where the AVX-512 one runs "
+                         "(the same nodes built with avx512=False)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompt", type=int, default=0, help="time a prompt of this many rows (attn_prefill)")
     ap.add_argument("--depth", default="0", help="with --prompt: comma-separated cached positions before it")

@@ -50,7 +50,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--type", default="F16,Q8_0,Q6_K,Q4_0:repack", help="comma-separated weight types")
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--prefetch", default=None, help="comma-separated prefetch distances in bytes (default: the kernel's)")
+    ap.add_argument("--prefetch", default=None,
+                    help="comma-separated prefetch distances in bytes (default: the kernel's)")
     ap.add_argument("--reps", type=int, default=11)
     a = ap.parse_args(argv)
     E, F, V, L = 768, 2048, 32000, 12

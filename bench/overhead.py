@@ -331,7 +331,8 @@ def print_table(results: dict, meta: dict, file=sys.stdout) -> None:
             if s is None:
                 p(f"  {LABELS[impl]:10s} {'(not run)':>12s}")
                 continue
-            p(f"  {LABELS[impl]:10s} {_fmt_time(s['median']):>12s} {_fmt_time(s['min']):>12s} {_fmt_time(s['max']):>12s}")
+            p(f"  {LABELS[impl]:10s} {_fmt_time(s['median']):>12s} "
+              f"{_fmt_time(s['min']):>12s} {_fmt_time(s['max']):>12s}")
         p(f"  {'ratio':16s} {'median':>7s} {'min':>7s} {'max':>7s}   (of per-rep ratios)   target")
         tgt = res["target"]
         for key, r in res["ratios"].items():

@@ -629,7 +629,8 @@ class Fuzzer:
             p = [I(1, 2), I(1, 2), I(0, 1), I(0, 1), I(1, 2), I(1, 2)]
             return [a, b] + [str(v) for v in p] + [str(is2d), lit(R.choice([Type.F16, Type.F32, Type.Q8_0]))], {}
         if op == "conv_1d":
-            K, IC, OC, L, N = R.choice([1, 2, 3]), R.choice([1, 2]), R.choice([1, 2]), R.choice([1, 4, 7]), R.choice([1, 2])
+            K, IC, OC, L, N = (R.choice([1, 2, 3]), R.choice([1, 2]), R.choice([1, 2]), R.choice([1, 4, 7]),
+                               R.choice([1, 2]))
             return [T(R.choice([Type.F32, Type.F16]), (K, IC, OC)), T(R.choice([Type.F32, Type.F16]), (L, IC, N)),
                     str(I(1, 2)), str(I(0, 1)), str(I(1, 2))], {}
         if op == "conv_2d":

@@ -36,8 +36,9 @@ through ``GGUFReader``, ``load_mmproj``, one ``encode`` and a ``Runner`` over a
 tiny text model with the encoder (which reserves for the largest image); every
 error must also name the case's file. Edits a loader cannot tell from a real
 file (a head count that divides the width, a gemma3 pooling factor that divides
-the patch grid, other plausible mean/std values) are not made. An error must be a ``ggmlpy.GGMLError`` (or OSError); anything
-else is reported as a failure. Children handle a batch of cases each; the
+the patch grid, other plausible mean/std values) are not made. An error must be a
+``ggmlpy.GGMLError`` (or OSError); anything else is reported as a failure. Children handle a
+batch of cases each; the
 parent watches them: a negative return code is an abort (the case is named),
 a case that makes no progress for ``--case-timeout`` seconds (20) is a hang
 (the pool of children is ``tests/fuzz_pool.py``, shared with the other fuzzers).
@@ -399,7 +400,8 @@ def _case_hparam(base, hdr, rng):
 
 def _case_wrongtype(base, hdr, rng):
     key, t, v = rng.choice([
-        ("llama.block_count", STRING, "2"), ("llama.block_count", 6, 2.0), ("llama.block_count", ARRAY, (STRING, ["2"])),
+        ("llama.block_count", STRING, "2"), ("llama.block_count", 6, 2.0),
+        ("llama.block_count", ARRAY, (STRING, ["2"])),
         ("llama.block_count", 7, True), ("llama.embedding_length", 6, 64.0), ("llama.embedding_length", STRING, "64"),
         ("llama.attention.layer_norm_rms_epsilon", STRING, "1e-5"), ("llama.attention.head_count", 12, 4.0),
         ("llama.vocab_size", ARRAY, (4, [512, 512])), ("llama.context_length", STRING, "2048"),
@@ -774,8 +776,8 @@ def run(cases: int, seed: int = 0, jobs: int = 1, batch: int = 250, case_timeout
     with fuzz_pool.work_dir(work, "gguf-fuzz-") as work:
         bases = make_bases(work, target)
         summary = {"target": target, "cases": 0, "loaded": 0, "rejected": 0, "aborts": 0, "hangs": 0,
-                   "bad_exceptions": 0, "unnamed_errors": 0, "silent_semantic_loads": 0, "semantic": 0, "semantic_rejected": 0, "by_kind": {},
-                   "failures": []}
+                   "bad_exceptions": 0, "unnamed_errors": 0, "silent_semantic_loads": 0, "semantic": 0,
+                   "semantic_rejected": 0, "by_kind": {}, "failures": []}
 
         def record(res):
             summary["cases"] += 1

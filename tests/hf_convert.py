@@ -5,7 +5,8 @@ against and llama.cpp's reference vocabularies (``models/ggml-vocab-*.gguf``) co
 llama-cpp-python 0.3.36 sdist (llama.cpp 0c1e570, the same archive ``vendor/ggml/PIN`` takes ggml's
 source from). It is downloaded with pip once per machine, checked against its sha256, and only those
 parts are extracted into ggmlpy's cache folder (``ggmlpy cache path``: ``$GGMLPY_CACHE``,
-``$XDG_CACHE_HOME/ggmlpy`` or ``~/.cache/ggmlpy``, as for the synthetic models), under a lock so parallel pytest processes fetch it once. Nothing of it is in this repository.
+``$XDG_CACHE_HOME/ggmlpy`` or ``~/.cache/ggmlpy``, as for the synthetic models), under a lock so
+parallel pytest processes fetch it once. Nothing of it is in this repository.
 
 When the registry cannot be reached the tests that need the converter skip, except under ``CI=true``,
 where they fail: CI must run them.

@@ -2,8 +2,9 @@
 
 Each case starts one to three ``ggmlpy rpc-server --mem`` processes on 127.0.0.1 with random budgets
 (0.001 MiB, 1 MiB, just below / at / just above what one layer needs, a few MiB ...), fits a small
-synthetic model to them (``n_ctx`` 128 or ``"auto"``) (:data:`CFG`: 6 layers of ~1.3 MiB and a 2 MiB output layer), runs a
-:class:`~ggmlpy.runner.Runner` with a few concurrent requests, and maybe kills (SIGKILL) or stops
+synthetic model to them (``n_ctx`` 128 or ``"auto"``) (:data:`CFG`: 6 layers of ~1.3 MiB and a 2 MiB
+output layer), runs a :class:`~ggmlpy.runner.Runner` with a few concurrent requests, and maybe kills
+(SIGKILL) or stops
 (SIGSTOP) one server at a random moment: during the fit (a timer thread with a random delay, so the
 kill lands in a try's allocation, in the load of the weights or after it) or while the requests
 generate. Case ``i`` is a pure function of ``(seed, i)``.

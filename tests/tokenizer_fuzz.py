@@ -16,30 +16,40 @@ import numpy as np
 
 from ggmlpy.tokenizer import Tokenizer, TokenizerError
 
-SPM = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "<0x41>"],
-       "tokenizer.ggml.scores": [0.0, 0, 0, -1, -2, -2, -1.5, -3, 0], "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 6]}
-BPE = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": ["a", "b", "ab", "Ġ", "Ġa", "<|endoftext|>"],
+SPM = {"tokenizer.ggml.model": "llama",
+       "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "<0x41>"],
+       "tokenizer.ggml.scores": [0.0, 0, 0, -1, -2, -2, -1.5, -3, 0],
+       "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 6]}
+BPE = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+       "tokenizer.ggml.tokens": ["a", "b", "ab", "Ġ", "Ġa", "<|endoftext|>"],
        "tokenizer.ggml.merges": ["a b", "Ġ a"], "tokenizer.ggml.token_type": [1, 1, 1, 1, 1, 3]}
-WPM = {"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "▁a", "b", "▁ab"],
-       "tokenizer.ggml.token_type": [3, 3, 3, 3, 3, 1, 1, 1], "tokenizer.ggml.unknown_token_id": 1, "tokenizer.ggml.bos_token_id": 2,
-       "tokenizer.ggml.seperator_token_id": 3}
+WPM = {"tokenizer.ggml.model": "bert",
+       "tokenizer.ggml.tokens": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "▁a", "b", "▁ab"],
+       "tokenizer.ggml.token_type": [3, 3, 3, 3, 3, 1, 1, 1], "tokenizer.ggml.unknown_token_id": 1,
+       "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.seperator_token_id": 3}
 UGM = {"tokenizer.ggml.model": "t5", "tokenizer.ggml.tokens": ["<pad>", "</s>", "<unk>", "▁", "a", "b", "▁a"],
        "tokenizer.ggml.scores": [0.0, 0, 0, -2, -3, -3, -2.5], "tokenizer.ggml.token_type": [3, 3, 2, 1, 1, 1, 1]}
-KEYS = ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
-        "tokenizer.ggml.merges", "tokenizer.ggml.precompiled_charsmap", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+KEYS = ["tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+        "tokenizer.ggml.token_type", "tokenizer.ggml.merges", "tokenizer.ggml.precompiled_charsmap",
+        "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
         "tokenizer.ggml.add_sep_token", "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.remove_extra_whitespaces",
         "tokenizer.ggml.normalizer.lowercase", "tokenizer.ggml.normalizer.strip_accents", "tokenizer.chat_template",
         "general.name", "general.architecture"] + [f"tokenizer.ggml.{k}_token_id" for k in (
-        "bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")]
+        "bos", "eos", "eot", "eom", "unknown", "seperator", "padding", "mask",
+        "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")]
 
 class Weird:
     def __len__(self): raise RuntimeError("len")
 def values(n):
-    base = ["x", "", "a b", b"ab", bytearray(b"\x00\x01"), 1.5, math.nan, math.inf, -math.inf, -1, 0, 1, 7, 255, 256, 2**31, 2**32, 2**40, 2**70, -2**70,
-            True, False, np.bool_(True), np.int64(3), np.float32(np.nan), [], [1, 2], [[1]], ["a"], [math.nan], [None], {"a": 1}, (1,), object(),
-            np.array([[1, 2]]), np.array(["a"]), np.array([1.5]), np.array([np.nan]), np.array([], dtype=np.int32), np.zeros(3, np.uint8),
+    base = ["x", "", "a b", b"ab", bytearray(b"\x00\x01"), 1.5, math.nan, math.inf, -math.inf,
+            -1, 0, 1, 7, 255, 256, 2**31, 2**32, 2**40, 2**70, -2**70,
+            True, False, np.bool_(True), np.int64(3), np.float32(np.nan),
+            [], [1, 2], [[1]], ["a"], [math.nan], [None], {"a": 1}, (1,), object(),
+            np.array([[1, 2]]), np.array(["a"]), np.array([1.5]), np.array([np.nan]), np.array([], dtype=np.int32),
+            np.zeros(3, np.uint8),
             np.array([1, 2], dtype=object), "\ud800", ["\ud800"], [b"x"], ["a"] * 3, Weird()]
-    for elem in ["x", "a b", "ab", "\ud800", "a" * 5000, b"a", 1, -1, 7, 100, 2**70, -2**70, 1.5, math.nan, math.inf, 3e39, None, True, [1], ["x"], np.int8(1), np.float64(np.nan), np.uint8(200), "𝔞 b"]:
+    for elem in ["x", "a b", "ab", "\ud800", "a" * 5000, b"a", 1, -1, 7, 100, 2**70, -2**70, 1.5, math.nan, math.inf,
+                 3e39, None, True, [1], ["x"], np.int8(1), np.float64(np.nan), np.uint8(200), "𝔞 b"]:
         base.append([elem] * n)
         base.append([elem] * (n - 1))
         base.append([elem] * (n + 1))

@@ -37,8 +37,9 @@ Adjustments the converter (llama.cpp 0c1e570) needs with transformers 5 (the sma
 
 - gemma3 (as ``../shared/reference/converter-recipes.md`` says): the saved tensors ``vision_tower.*``
   are renamed ``vision_tower.vision_model.*`` (the published checkpoints' layout; else "Can not map
-  tensor 'vision_tower.embeddings.patch_embedding.bias'"); ``vision_use_head=False``; the processor is saved with ``image_seq_length = 16``
-  (``processor_config.json``), from which the converter derives ``clip.vision.projector.scale_factor``
+  tensor 'vision_tower.embeddings.patch_embedding.bias'"); ``vision_use_head=False``; the processor is
+  saved with ``image_seq_length = 16`` (``processor_config.json``), from which the converter derives
+  ``clip.vision.projector.scale_factor``
   (2; with the default 256 it would write none). The special tokens' ids go into
   ``tokenizer_config.json``'s ``added_tokens_decoder`` (transformers 5 keeps them only in
   ``tokenizer.json``, which this converter does not read for gemma3); without it they would be

@@ -125,7 +125,8 @@ def check_wheel(whl: Path, backend: str = "cpu", portable: bool = True) -> list[
 def check_build_tools(backend: str) -> None:
     """Refuse before building when a backend's build tools are missing, naming the packages."""
     if backend == "vulkan":
-        missing = [pkg for pkg, f in VULKAN_PACKAGES if not (Path(f).exists() if f.startswith("/") else shutil.which(f))]
+        missing = [pkg for pkg, f in VULKAN_PACKAGES
+                   if not (Path(f).exists() if f.startswith("/") else shutil.which(f))]
         if missing:
             raise SystemExit(f"--backend vulkan needs: apt-get install {' '.join(missing)}")
 
@@ -154,7 +155,8 @@ def test_wheel(whl: Path, backend: str, env_dir: Path) -> str:
     run([py, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", whl])
     env = dict(os.environ, GGML_VK_VISIBLE_DEVICES="0")
     env.pop("PYTHONPATH", None)
-    out = subprocess.run([py, "-m", "ggmlpy", "info"], capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    out = subprocess.run([py, "-m", "ggmlpy", "info"], capture_output=True, text=True, env=env,
+                         cwd=tempfile.gettempdir())
     print(out.stdout + out.stderr)
     if out.returncode != 0:
         raise SystemExit(f"{whl.name}: ggmlpy info failed in a fresh environment (exit {out.returncode})")

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "src/ggmlpy/_core.pyi"
+WIDTH = 100  # the project's target line length (pyproject.toml); ruff's E501 cap is 120
 
 RETURNS = {
     # Context
@@ -38,7 +39,8 @@ RETURNS = {
     "memory": "tuple[int, int]", "supports_op": "bool", "supports_buft": "bool", "offload_op": "bool",
     "alloc_size": "int", "graph_compute": "None", "synchronize": "None", "set_n_threads": "None",
     "reserve": "None", "reserve_size": "dict[str, int]", "alloc_graph": "None", "set_tensor_backend": "None",
-    "tensor_backend": "Backend | None", "buffer_size": "int", "_live_objects": "dict[str, int]", "_ggml_version": "tuple[str, str]",
+    "tensor_backend": "Backend | None", "buffer_size": "int", "_live_objects": "dict[str, int]",
+    "_ggml_version": "tuple[str, str]",
     "_cpu_features": "list[str]", "_backends": "list[str]", "_devices": "list[dict[str, Any]]",
     "_cpu_variant": "tuple[str, str] | None", "_load_backends": "None",
 }
@@ -48,7 +50,8 @@ PROPS = {
     "name": "str", "context": "Context", "op_params": "tuple[int, ...]", "op_desc": "str",
     "closed": "bool", "no_alloc": "bool", "backends": "list[Backend]", "description": "str",
     "endpoint": "str | None", "caps": "dict[str, bool]", "device_id": "str | None", "device": "Device",
-    "usage": "BufferUsage", "device_name": "str", "buffer_type": "BufferType", "nodes": "list[Tensor]", "leafs": "list[Tensor]", "has_data": "bool",
+    "usage": "BufferUsage", "device_name": "str", "buffer_type": "BufferType", "nodes": "list[Tensor]",
+    "leafs": "list[Tensor]", "has_data": "bool",
 }
 
 
@@ -68,6 +71,38 @@ def _sig(obj, name: str) -> str:
     return f"def {name}({params}) -> {RETURNS.get(name, 'Any' if name.startswith('_') else 'Tensor')}: ..."
 
 
+def _split_params(params: str) -> list[str]:
+    """Split a parameter list at its top-level commas (``tuple[int, int]`` stays whole)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(params):
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(params[start:i].strip())
+            start = i + 1
+    parts.append(params[start:].strip())
+    return parts
+
+
+def _wrap(line: str) -> str:
+    """Wrap a ``def`` longer than WIDTH: its parameters packed on indented lines, the return on its own."""
+    m = re.match(r"(\s*)def (\w+)\((.*)\)( -> .*)$", line)
+    if len(line) <= WIDTH or not m:
+        return line
+    indent, name, params, tail = m.groups()
+    out, cur = [f"{indent}def {name}("], indent + "    "
+    for p in _split_params(params):
+        if cur.strip() and len(cur) + len(p) + 2 > WIDTH:
+            out.append(cur.rstrip())
+            cur = indent + "    "
+        cur += p + ", "
+    out.append(cur.rstrip().rstrip(","))
+    out.append(f"{indent}){tail}")
+    return "\n".join(out)
+
+
 def generate() -> str:
     from ggmlpy import _core
 
@@ -75,7 +110,8 @@ def generate() -> str:
              "import enum", "from typing import Any", "", "import numpy as np", ""]
     enums, classes, funcs, excs = [], [], [], []
     for name, obj in sorted(vars(_core).items()):
-        if isinstance(obj, type) and issubclass(obj, enum.Enum) and obj.__module__ in ("ggmlpy", "ggmlpy._core") and len(obj):
+        if (isinstance(obj, type) and issubclass(obj, enum.Enum) and obj.__module__ in ("ggmlpy", "ggmlpy._core")
+                and len(obj)):
             enums.append((name, obj))
         elif isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == "ggmlpy._core":
             excs.append((name, obj))
@@ -118,7 +154,8 @@ def generate() -> str:
             if k.startswith("_") and not k.startswith("__"):
                 continue
             if isinstance(v, (property,)) or type(v).__name__ == "getset_descriptor":
-                body.append(f"    @property\n    def {k}(self) -> {PROPS.get(k, 'bool' if k.startswith('is_') else 'int')}: ...")
+                ret = PROPS.get(k, "bool" if k.startswith("is_") else "int")
+                body.append(f"    @property\n    def {k}(self) -> {ret}: ...")
             elif isinstance(v, staticmethod) or type(v).__name__ == "staticmethod":
                 body.append(f"    @staticmethod\n    {_sig(getattr(cls, k), k)}")
             elif callable(v):
@@ -132,7 +169,7 @@ def generate() -> str:
         lines.append("")
     for name, f in funcs:
         lines.append(_sig(f, name))
-    return "\n".join(lines) + "\n"
+    return "\n".join(_wrap(line) for line in "\n".join(lines).splitlines()) + "\n"
 
 
 if __name__ == "__main__":

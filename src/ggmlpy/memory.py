@@ -160,8 +160,9 @@ class MemoryReport:
     def __str__(self) -> str:
         rows = [["device", "weights", "cache", "graph", "self", "free", "total"]]
         for m in self.devices.values():
-            rows.append([m.name, _mib(m.weights_total) + _status(m.weights_ok), _mib(m.cache_total) + _status(m.cache_ok),
-                         _mib(m.graph) + _status(m.graph_ok), _mib(m.self_total), _mib(m.free), _mib(m.total)])
+            rows.append([m.name, _mib(m.weights_total) + _status(m.weights_ok),
+                         _mib(m.cache_total) + _status(m.cache_ok), _mib(m.graph) + _status(m.graph_ok),
+                         _mib(m.self_total), _mib(m.free), _mib(m.total)])
         rows.append(["total", _mib(sum(m.weights_total for m in self.devices.values())),
                      _mib(sum(m.cache_total for m in self.devices.values())),
                      _mib(sum(m.graph for m in self.devices.values())), _mib(self.total), "", ""])

@@ -105,7 +105,8 @@ def amx_usable() -> bool:
                 _amx_ok = env == "1"
             else:
                 try:
-                    r = subprocess.run([sys.executable, "-c", _AMX_CHECK], env={**os.environ, "GGMLPY_AMX": "1", "GGMLPY_KERNELS": "own"},
+                    r = subprocess.run([sys.executable, "-c", _AMX_CHECK],
+                                       env={**os.environ, "GGMLPY_AMX": "1", "GGMLPY_KERNELS": "own"},
                                        stdin=subprocess.DEVNULL, capture_output=True, timeout=300)
                     _amx_ok = r.returncode == 0
                 except (OSError, subprocess.SubprocessError):

@@ -320,7 +320,8 @@ def test_transposed_rows_are_refused():
             _bad(ctx, k=ctx.permute(k, 1, 0, 2, 3))
 
 
-@pytest.mark.skipif(not _core._attn_decode_vectorized(64, 64), reason="no vectorised kernel on this CPU: the models keep flash_attn_ext")
+@pytest.mark.skipif(not _core._attn_decode_vectorized(64, 64),
+                    reason="no vectorised kernel on this CPU: the models keep flash_attn_ext")
 @pytest.mark.parametrize("avx512", [True, False], ids=["avx512", "avx2"])
 def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, avx512):
     """Generation at depth through the runner: the logits with the kernel (each of its vectorised

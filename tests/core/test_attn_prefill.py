@@ -2,8 +2,9 @@
 
 Checked against numpy in float64 (``test_attn_decode._reference``) for causal prompts at depth 0
 and deeper, grouped-query heads, K and V of different sizes (V sizes that are not multiples of 4 too), row
-counts and cache lengths that are not multiples of the 64-row tiles and 64-position blocks, masks with holes (several sequences in one
-batch), a sliding window, values other than 0 and -inf, rows that see nothing, no mask at all, soft-
+counts and cache lengths that are not multiples of the 64-row tiles and 64-position blocks, masks with
+holes (several sequences in one batch), a sliding window, values other than 0 and -inf, rows that see
+nothing, no mask at all, soft-
 capped scores (gemma2); the
 cache's layout (a cell's heads side by side) and a head-major one; float16 and float32 K/V; the
 AVX-512 kernel and the portable one, 1-3 threads. Then against ``flash_attn_ext`` and through the
@@ -129,7 +130,8 @@ def test_soft_capping(kv_type, vector, cap):
 def test_soft_cap_must_be_a_positive_number(cap):
     with ggmlpy.Context(8 << 20, no_alloc=True) as ctx:
         with pytest.raises(GGMLValueError, match="logit_softcap must be 0"):
-            q, k, v = ctx.new_tensor("F32", (64, 2, 70)), ctx.new_tensor("F16", (64, 80, 2)), ctx.new_tensor("F16", (64, 80, 2))
+            q, k, v = (ctx.new_tensor("F32", (64, 2, 70)), ctx.new_tensor("F16", (64, 80, 2)),
+                       ctx.new_tensor("F16", (64, 80, 2)))
             ctx.attn_prefill(q, k, v, scale=1.0, logit_softcap=cap)
 
 

@@ -315,10 +315,12 @@ def test_soft_max_zero_mask_dim(env):
 
 def test_other_zero_divisors(env):
     c, s = env.ctx, env.src
-    expect(env, GGMLValueError, "out_prod", lambda: c.out_prod(s.new_tensor(F32, (4, 3, 0)), s.new_tensor(F32, (5, 3, 0))),
+    expect(env, GGMLValueError, "out_prod",
+           lambda: c.out_prod(s.new_tensor(F32, (4, 3, 0)), s.new_tensor(F32, (5, 3, 0))),
            "a.ne[2] must be > 0")
     expect(env, GGMLValueError, "flash_attn_ext",
-           lambda: c.flash_attn_ext(s.new_tensor(F32, (4, 1, 2)), s.new_tensor(F16, (4, 2, 0)), s.new_tensor(F16, (4, 2, 0))),
+           lambda: c.flash_attn_ext(s.new_tensor(F32, (4, 1, 2)), s.new_tensor(F16, (4, 2, 0)),
+                                    s.new_tensor(F16, (4, 2, 0))),
            "k.ne[2] must be > 0")
 
 
@@ -350,7 +352,8 @@ def _rope_a(c):
      ["strides must be > 0", "s1=0"]),
     ("conv_2d", lambda c, s: c.conv_2d(s.new_tensor(F32, (9, 3, 1, 1)), s.new_tensor(F32, (8, 8, 1))),
      ["does not fit"]),
-    ("im2col", lambda c, s: c.im2col(s.new_tensor(F32, (3, 3, 1, 1)), s.new_tensor(F32, (8, 8, 1, 1)), 0, 1, 0, 0, 1, 1),
+    ("im2col",
+     lambda c, s: c.im2col(s.new_tensor(F32, (3, 3, 1, 1)), s.new_tensor(F32, (8, 8, 1, 1)), 0, 1, 0, 0, 1, 1),
      ["strides must be > 0"]),
     ("conv_transpose_1d", lambda c, s: c.conv_transpose_1d(s.new_tensor(F32, (3, 1, 1)), s.new_tensor(F32, (8, 1)), 0),
      ["stride must be > 0"]),
@@ -380,9 +383,11 @@ def _rope_a(c):
     # ggml 0.25 asserts that the nonzero dimensions multiply within int64 (fuzz seeds 702438, 16558)
     ("repeat_4d", lambda c, s: c.repeat_4d(s.new_tensor(F32, (4,)), 4, 0, 0, 1 << 62), ["2**62"]),
     ("glu", lambda c, s: c.swiglu(s.new_tensor(F32, (5, 3))), ["a.ne[0] must be even"]),
-    ("concat", lambda c, s: c.concat(s.new_tensor(F32, (4, 3)), s.new_tensor(F32, (4, 3)), 4), ["dim must be in [0, 4)"]),
+    ("concat", lambda c, s: c.concat(s.new_tensor(F32, (4, 3)), s.new_tensor(F32, (4, 3)), 4),
+     ["dim must be in [0, 4)"]),
     ("diag_mask_inf", lambda c, s: c.diag_mask_inf(s.new_tensor(F32, (4, 4)), -1), ["n_past must be >= 0"]),
-    ("pad_reflect_1d", lambda c, s: c.pad_reflect_1d(s.new_tensor(F32, (4,)), 4, 0), ["padding must be in [0, a.ne[0])"]),
+    ("pad_reflect_1d", lambda c, s: c.pad_reflect_1d(s.new_tensor(F32, (4,)), 4, 0),
+     ["padding must be in [0, a.ne[0])"]),
     ("pad_ext", lambda c, s: c.pad_ext(s.new_tensor(F32, (4,)), -1), ["padding must be >= 0"]),
     ("roll", lambda c, s: c.roll(s.new_tensor(F32, (4,)), 4), ["|shift0| must be < ne[0]"]),
     ("tri", lambda c, s: c.tri(s.new_tensor(F32, (4, 3))), ["square"]),

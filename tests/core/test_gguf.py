@@ -114,9 +114,12 @@ def test_types_are_inferred(tmp_path):
     cases = {
         "b": (True, VT.BOOL, None), "i": (-5, VT.INT32, None), "i64": (2**31, VT.INT64, None),
         "i64n": (-2**31 - 1, VT.INT64, None), "u64": (2**63, VT.UINT64, None), "f": (0.5, VT.FLOAT32, None),
-        "s": ("x", VT.STRING, None), "npint": (np.int64(7), VT.INT32, None), "npf": (np.float64(0.25), VT.FLOAT32, None),
-        "li": ([1, 2], VT.ARRAY, VT.INT32), "lbig": ([1, 2**40], VT.ARRAY, VT.INT64), "lu": ([2**64 - 1], VT.ARRAY, VT.UINT64),
-        "lf": ([1, 2.5], VT.ARRAY, VT.FLOAT32), "lb": ([True, False], VT.ARRAY, VT.BOOL), "ls": (("a", "b"), VT.ARRAY, VT.STRING),
+        "s": ("x", VT.STRING, None), "npint": (np.int64(7), VT.INT32, None),
+        "npf": (np.float64(0.25), VT.FLOAT32, None),
+        "li": ([1, 2], VT.ARRAY, VT.INT32), "lbig": ([1, 2**40], VT.ARRAY, VT.INT64),
+        "lu": ([2**64 - 1], VT.ARRAY, VT.UINT64),
+        "lf": ([1, 2.5], VT.ARRAY, VT.FLOAT32), "lb": ([True, False], VT.ARRAY, VT.BOOL),
+        "ls": (("a", "b"), VT.ARRAY, VT.STRING),
         "nu8": (np.arange(3, dtype=np.uint8), VT.ARRAY, VT.UINT8), "nf64": (np.ones(2), VT.ARRAY, VT.FLOAT64),
         "nstr": (np.array(["p", "q"]), VT.ARRAY, VT.STRING), "general.alignment": (64, VT.UINT32, None),
     }

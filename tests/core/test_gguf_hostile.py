@@ -115,7 +115,8 @@ def test_out_of_range_values_name_their_key(edit, key, value, t):
     assert e.value.key == key and str(path) in str(e.value), str(e.value)
 
 
-@pytest.mark.parametrize("key,value", [("tokenizer.ggml.bos_token_id", 512), ("tokenizer.ggml.eos_token_id", 2**32 - 1)])
+@pytest.mark.parametrize("key,value", [("tokenizer.ggml.bos_token_id", 512),
+                                       ("tokenizer.ggml.eos_token_id", 2**32 - 1)])
 def test_special_token_ids_outside_the_vocabulary_are_dropped_with_a_warning(edit, key, value, caplog):
     # as llama.cpp ("bad special token ... using default"): the id could never be sampled, and it is
     # never used as an input

@@ -375,7 +375,8 @@ elif case == "expand-while-computing":
     gf, x = long_graph(ctx, w)
     extra = ctx.scale(x, 2.0)
     msgs, running = run_while_computing(
-        lambda: gf.compute(1), lambda: refusals(lambda: gf.build_forward_expand(extra), gf.clear, lambda: gf.compute(1)))
+        lambda: gf.compute(1),
+        lambda: refusals(lambda: gf.build_forward_expand(extra), gf.clear, lambda: gf.compute(1)))
     assert running and len(msgs) == 3, msgs
     gf.build_forward_expand(extra)           # fine once the compute is over
 elif case == "sched-free-waits":

@@ -82,7 +82,8 @@ def test_vnni_row_pair_kernels_equal_mul_mat_exactly(wtype, shape, m):
     rng = np.random.default_rng(shape[0] * 7 + m)
     W = rng.standard_normal(shape).astype(np.float32)
     if wtype == "Q6_K":
-        W *= rng.uniform(0.05, 4.0, (shape[0], 1)).astype(np.float32) * rng.uniform(0.1, 3.0, shape[1]).astype(np.float32)
+        W *= (rng.uniform(0.05, 4.0, (shape[0], 1)).astype(np.float32)
+              * rng.uniform(0.1, 3.0, shape[1]).astype(np.float32))
     X = rng.standard_normal((m, shape[1])).astype(np.float32) * np.float32(3)
     assert switch()
     outs, ref = _both(wtype, W, X)
@@ -260,7 +261,8 @@ def test_repacked_equals_mul_mat_exactly(wtype, shape, m):
     rng = np.random.default_rng(shape[0] + m)
     W = rng.standard_normal(shape).astype(np.float32)
     if wtype == "Q4_K":
-        W *= rng.uniform(0.1, 3.0, (shape[0], 1)).astype(np.float32) * rng.uniform(0.2, 2.0, shape[1]).astype(np.float32)
+        W *= (rng.uniform(0.1, 3.0, (shape[0], 1)).astype(np.float32)
+              * rng.uniform(0.2, 2.0, shape[1]).astype(np.float32))
         W += rng.uniform(-1, 1, (shape[0], shape[1] // 32, 1)).repeat(32, axis=2).reshape(shape).astype(np.float32)
     X = rng.standard_normal((m, shape[1])).astype(np.float32)
     ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])

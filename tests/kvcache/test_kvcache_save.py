@@ -609,7 +609,8 @@ def test_property_save_load_against_random_fills(src_batches, dst_batches, seq, 
         event("full")
         _same(before, _snapshot(dst))
         return
-    event(f"loaded {'no' if src.seq_pos_max(seq) < 0 else 'some'} cells, {'no' if dst.cells.used == len(_rows(dst, into)) else 'some'} others")
+    event(f"loaded {'no' if src.seq_pos_max(seq) < 0 else 'some'} cells, "
+          f"{'no' if dst.cells.used == len(_rows(dst, into)) else 'some'} others")
     assert _rows(dst, into) == _rows(src, seq)
     after = _others(dst, into)
     assert np.array_equal(keep[0], after[0]) and np.array_equal(keep[1], after[1]) and keep[2] == after[2]

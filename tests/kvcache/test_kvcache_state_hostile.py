@@ -199,7 +199,8 @@ FORGED = [
     ("deeply nested meta", LLAMA, _nested("deep", 100_000), r"nests deeper than 32 levels"),
     ("nested one level past the bound", LLAMA, _nested("deep", 31), r"nests deeper than 32 levels"),
     ("nested to the bound", LLAMA, _nested("deep", 30), r"meta has keys \['deep', 'model', 'tokens'\]"),
-    ("NaN in the tokens", LLAMA, lambda st: st.build(raw_header=st.raw_header.replace(b'"tokens":[', b'"tokens":[NaN,')),
+    ("NaN in the tokens", LLAMA,
+     lambda st: st.build(raw_header=st.raw_header.replace(b'"tokens":[', b'"tokens":[NaN,')),
      "not valid JSON: NaN is not a JSON number"),
     ("header not UTF-8", LLAMA, lambda st: st.build(raw_header=st.raw_header.replace(b'"desc":"', b'"desc":"\xff')),
      "not valid JSON"),
@@ -218,7 +219,8 @@ FORGED = [
     ("count huge", LLAMA, _set(["caches", 0, "count"], 2**31 - 1), "truncated: the header describes"),
     ("count beyond int32", LLAMA, _set(["caches", 0, "count"], 2**31), r"bad 'count': 2147483648"),
     ("n_layers negative", GEMMA, _set(["caches", 1, "n_layers"], -1), r"cache 1 has a bad 'n_layers': -1"),
-    ("v_trans an int", LLAMA, lambda st: _edit(st, lambda h: h["caches"][0].update(v_trans=int(h["caches"][0]["v_trans"]))),
+    ("v_trans an int", LLAMA,
+     lambda st: _edit(st, lambda h: h["caches"][0].update(v_trans=int(h["caches"][0]["v_trans"]))),
      r"bad 'v_trans'"),
     ("window 0", LLAMA, _set(["caches", 0, "window"], 0), r"bad 'window': 0"),
     ("memory negative", GEMMA, _set(["caches", 0, "memory"], -4), r"bad 'memory': -4"),
@@ -355,7 +357,8 @@ def test_a_model_without_load_model_gets_its_fingerprint_on_first_use(work, base
 
 
 @pytest.mark.parametrize("name,edit,tokens", [
-    ("the header re-serialized", lambda st: st.build(raw_header=json.dumps(st.header, indent=2, sort_keys=True).encode()),
+    ("the header re-serialized",
+     lambda st: st.build(raw_header=json.dumps(st.header, indent=2, sort_keys=True).encode()),
      sf.PREFIX),
     ("another saved sequence id", _set(["seq"], 7), sf.PREFIX),
     ("another memory", _set(["caches", 0, "memory"], 3), sf.PREFIX),

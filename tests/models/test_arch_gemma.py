@@ -174,7 +174,8 @@ def test_the_file_is_the_converters(converted):
         else:
             assert c.swa_layers == (True,) * 5 + (False, True)
             assert (c.attn_softcap, c.final_softcap) == (0.0, 0.0)
-            assert (c.rope_base, c.rope_freq_scale, c.rope_base_swa, c.rope_freq_scale_swa) == (1e6, 1 / 8, 25000.0, 1.0)
+            assert ((c.rope_base, c.rope_freq_scale, c.rope_base_swa, c.rope_freq_scale_swa)
+                    == (1e6, 1 / 8, 25000.0, 1.0))
 
 
 def test_the_cache_recipe(converted):

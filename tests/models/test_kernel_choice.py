@@ -404,7 +404,8 @@ def test_forget_drops_this_machines_timings_only(tmp_path, timer):
     data["machines"]["Other CPU | 2 threads | ggml 0.0.0 (x), cpu native | ggmlpy 0.0"] = {"sites": {}}
     path.write_text(json.dumps(data))
     assert calibrate.forget(tmp_path) == 2
-    assert list(json.loads(path.read_text())["machines"]) == ["Other CPU | 2 threads | ggml 0.0.0 (x), cpu native | ggmlpy 0.0"]
+    assert list(json.loads(path.read_text())["machines"]) == [
+        "Other CPU | 2 threads | ggml 0.0.0 (x), cpu native | ggmlpy 0.0"]
     timer.calls.clear()
     calibrate.kernel_choices(_record(SITES), 2, mode="measure", cache_dir=tmp_path)
     assert len(timer.calls) == len(SITES)

@@ -148,8 +148,8 @@ def test_bench_sweeps_overrides_and_n_cpu_moe(arch_files, rpc_server, capsys):  
     from ggmlpy import cli
 
     remote = _server(rpc_server)
-    argv = ["bench", "-m", str(arch_files("qwen3moe")), "-rpc", rpc_server, "-ngl", "99", "-p", "8", "-n", "0", "-r", "1",
-            "--no-warmup", "-ncmoe", "0,1", "-ot", f"attn_q=CPU;ffn_gate_inp={remote.name},none"]
+    argv = ["bench", "-m", str(arch_files("qwen3moe")), "-rpc", rpc_server, "-ngl", "99", "-p", "8", "-n", "0",
+            "-r", "1", "--no-warmup", "-ncmoe", "0,1", "-ot", f"attn_q=CPU;ffn_gate_inp={remote.name},none"]
     assert cli.main([*argv, "-o", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["n_cpu_moe"], r["tensor_buft_overrides"], r["backends"]) for r in rows] == \

@@ -221,7 +221,8 @@ def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_
     # the second patch applies only on top of the first: order matters
     (tmp_path / "patches/0002-second.patch").write_text(
         PATCH_OK.replace("@@ -1,2 +1,3 @@", "@@ -1,3 +1,3 @@")
-                .replace("-/* two */\n+/* two, patched */\n+/* three */", " /* two, patched */\n-/* three */\n+/* 3 */"))
+                .replace("-/* two */\n+/* two, patched */\n+/* three */",
+                         " /* two, patched */\n-/* three */\n+/* 3 */"))
     dest = tmp_path / "src"
     fetch.fetch(dest)
     assert (dest / "include/ggml.h").read_text() == "/* one */\n/* two, patched */\n/* 3 */\n"

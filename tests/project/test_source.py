@@ -26,8 +26,8 @@ def test_stubs_match_the_extension():
 @pytest.mark.skipif(shutil.which("ruff") is None and subprocess.run(
     [sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0, reason="ruff not installed")
 def test_ruff_clean():
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "src", "tests", "bench", "tools", "vendor/ggml/fetch.py"],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "src", "tests", "bench", "tools",
+                          "vendor/ggml/fetch.py"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -35,7 +35,9 @@ def test_only_core_touches_the_c_boundary():
     # _ggml.pxd is cimported by _core alone; Python layers never see a pointer.
     for path in (ROOT / "src/ggmlpy").rglob("*"):
         if path.suffix in (".py", ".pyx", ".pxd", ".pxi") and path.name not in ("_core.pyx", "_core.pxd", "_ggml.pxd"):
-            assert "cimport ggmlpy._ggml" not in path.read_text() and "_ggml.pxd" not in path.read_text(), f"{path} reaches into the C declarations"
+            text = path.read_text()
+            assert "cimport ggmlpy._ggml" not in text and "_ggml.pxd" not in text, \
+                f"{path} reaches into the C declarations"
 
 
 def test_pxi_files_stay_small():

@@ -133,7 +133,8 @@ def test_tensors_outside_their_tensor_or_buffer_close_the_connection(server):
     srv = server("--timeout", "2")
     cases = {
         "past its buffer": lambda p, b: frame(CMD["GET_TENSOR"], pack_tensor(buffer=p, ne=(1024, 1, 1, 1),
-                                                                              data=b + 4096 - 16) + struct.pack("<QQ", 0, 4)),
+                                                                              data=b + 4096 - 16)
+                                              + struct.pack("<QQ", 0, 4)),
         "more than INT64_MAX elements": lambda p, b: frame(CMD["INIT_TENSOR"], pack_tensor(
             buffer=p, ne=((1 << 32) - 1,) * 4, nb=(0, 0, 0, 0), data=b)),
         "extent past 2**64": lambda p, b: frame(CMD["INIT_TENSOR"], pack_tensor(
@@ -146,7 +147,8 @@ def test_tensors_outside_their_tensor_or_buffer_close_the_connection(server):
                                                   + struct.pack("<QQ", 8, 64)),
         "offset wraps": lambda p, b: frame(CMD["GET_TENSOR"], pack_tensor(buffer=p, ne=(4, 1, 1, 1), data=b + 64)
                                            + struct.pack("<QQ", U64 - 63, 16)),
-        "copy past the buffer": lambda p, b: frame(CMD["COPY_TENSOR"], pack_tensor(id=1, buffer=p, ne=(1024, 1, 1, 1), data=b)
+        "copy past the buffer": lambda p, b: frame(CMD["COPY_TENSOR"],
+                                                   pack_tensor(id=1, buffer=p, ne=(1024, 1, 1, 1), data=b)
                                                    + pack_tensor(id=2, buffer=p, ne=(8, 1, 1, 1), data=b + 4096 - 32)),
     }
     for name, build in cases.items():
@@ -175,7 +177,8 @@ def test_graph_faults_close_the_connection(server):
         "op out of range": lambda p, b: graph_payload([1], [leaf(1, p, b, op=GGML_OP_COUNT)]),
         "unary op out of range": lambda p, b: graph_payload([1], [leaf(1, p, b, op=GGML_OP_UNARY, op_params=[22])]),
         "glu op out of range": lambda p, b: graph_payload([1], [leaf(1, p, b, op=GGML_OP_GLU, op_params=[-1])]),
-        "outside its buffer": lambda p, b: graph_payload([1], [pack_tensor(id=1, buffer=p, ne=(4096, 1, 1, 1), data=b)]),
+        "outside its buffer": lambda p, b: graph_payload(
+            [1], [pack_tensor(id=1, buffer=p, ne=(4096, 1, 1, 1), data=b)]),
         "more nodes than tensors": lambda p, b: graph_payload([1, 2, 3], [leaf(1, p, b), leaf(2, p, b)]),
         "counts lie": lambda p, b: graph_payload([1], [leaf(1, p, b)], n_tensors=1 << 20),
         "no such device": lambda p, b: graph_payload([1], [leaf(1, p, b)], device=3),

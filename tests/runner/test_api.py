@@ -311,7 +311,8 @@ def test_the_api_reads_the_table():
         assert load[k].default == DEFAULTS[k], k
     assert load["devices"].default == "auto" and load["n_ctx"].default is None   # None: n_ctx_for the model
     opened = inspect.signature(ggmlpy.open).parameters
-    assert (opened["devices"].default, opened["n_gpu_layers"].default) == (DEFAULTS["devices"], DEFAULTS["n_gpu_layers"])
+    assert ((opened["devices"].default, opened["n_gpu_layers"].default)
+            == (DEFAULTS["devices"], DEFAULTS["n_gpu_layers"]))
     with pytest.raises(TypeError):
         DEFAULTS["temperature"] = 0        # read-only: the signatures took their values at import
     assert n_ctx_for(None) == n_ctx_for(0) == 4096 and n_ctx_for(100) == 100

@@ -123,8 +123,8 @@ def test_equals_brute_force(model_path, servers):
 
     with GGUFReader(model_path) as r:
         tb, _ = _tensor_bytes(r, CFG.n_layer)
-    s = _Search(model_path, devs, CFG.n_layer, tb, budgets, _opener(model_path), {k: v for k, v in RUNNER.items() if k != "n_ctx"}
-                | {"flash_attn": True})
+    s = _Search(model_path, devs, CFG.n_layer, tb, budgets, _opener(model_path),
+                {k: v for k, v in RUNNER.items() if k != "n_ctx"} | {"flash_attn": True})
     n_units = CFG.n_layer + 1
     feasible = []
     for c in itertools.product(range(n_units + 1), repeat=2):
@@ -218,8 +218,8 @@ def test_bench_ngl_auto():
     rows = json.loads(out.stdout)
     assert [r["n_gpu_layers"] for r in rows] == [-2]
     assert "placement search" in out.stderr and "ok: fits" in out.stderr
-    md = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "bench", "--synthetic", "tiny", "-ngl", "auto,0", "-p", "16",
-                         "-n", "0", "-r", "1"], capture_output=True, text=True, timeout=300)
+    md = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "bench", "--synthetic", "tiny", "-ngl", "auto,0",
+                         "-p", "16", "-n", "0", "-r", "1"], capture_output=True, text=True, timeout=300)
     assert md.returncode == 0, md.stderr
     cells = [[c.strip() for c in line.split("|")] for line in md.stdout.splitlines() if "pp16" in line]
     assert [row[5] for row in cells] == ["auto", "0"]

@@ -25,7 +25,8 @@ import hf_convert  # noqa: E402
 
 from ggmlpy.tokenizer import TokenAttr, Tokenizer, TokenizerError, TokenType  # noqa: E402
 
-GOLDEN = json.loads((Path(__file__).resolve().parents[1] / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
+GOLDEN = json.loads(
+    (Path(__file__).resolve().parents[1] / "data" / "tokenizer_golden.json").read_text(encoding="utf-8"))
 #: every vocabulary ggmlpy reads (all of llama.cpp's, nomic-bert-moe the one UGM among them)
 VOCABS = sorted(GOLDEN["vocabs"])
 #: vocabularies with llama.cpp's reference tokenizations (.inp/.out)

@@ -203,7 +203,8 @@ __all__ = [
     "LOAD_MODES", "OUTPUTS", "PEERS", "PROG", "ROOFLINE_FIELDS", "BenchError", "BenchParams", "CsvPrinter", "Engine",
     "GgmlpyEngine", "Instance", "JsonPrinter", "JsonlPrinter", "LlamaCppEngine", "MachineBounds", "MarkdownPrinter",
     "ModelWork", "PeerUnavailable", "PeerUnsupported", "Printer", "Progress", "Result", "SqlPrinter", "UnsupportedTest",
-    "WorkerClient", "build_parser", "check_plot", "default_threads", "format_results", "machine_bounds", "main", "make_instances",
+    "WorkerClient", "build_parser", "check_plot", "default_threads", "format_results", "machine_bounds", "main",
+    "make_instances",
     "make_printer", "parse_args", "parse_int_range", "plot", "ratio", "round_ratio", "roofline_fields", "run",
     "run_instance", "swept_variable",
 ]

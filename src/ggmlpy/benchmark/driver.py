@@ -311,8 +311,9 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
                 _check_tiles(row, p.verbose, err)
             if p.roofline:
                 for res in row:
-                    res.roofline = roofline_fields(res, works.get(inst.model),
-                                                   bounds.get(inst.n_threads) if _cpu_only(p, inst, local_gpu) else None)
+                    res.roofline = roofline_fields(
+                        res, works.get(inst.model),
+                        bounds.get(inst.n_threads) if _cpu_only(p, inst, local_gpu) else None)
             for pr in printers:
                 pr.rows(row)
             results += row

@@ -175,7 +175,8 @@ class MarkdownPrinter(Printer):
             fields.append("n_gpu_layers")
         if len(p.n_threads) > 1 or p.n_threads != d.n_threads or not self.gpu:
             fields.append("n_threads")
-        for name in ("n_cpu_moe", "split_mode", "main_gpu", "tensor_split", "tensor_buft_overrides", "n_batch", "n_ubatch", "type_k", "type_v",
+        for name in ("n_cpu_moe", "split_mode", "main_gpu", "tensor_split", "tensor_buft_overrides", "n_batch",
+                     "n_ubatch", "type_k", "type_v",
                      "no_kv_offload", "no_op_offload", "flash_attn", "devices",
                      "load_mode", "embeddings", "repack"):
             if len(getattr(p, name)) > 1 or getattr(p, name) != getattr(d, name):

@@ -335,10 +335,12 @@ class MachineBounds:
         # the read-only figure too: a generated token only reads, and where the copy is the better
         # (its bytes read + written) no read stream may reach it
         g, c = self.bandwidth.get("gemv_gbps"), self.bandwidth.get("copy_gbps")
-        parts = f"; reading alone {g:.1f}, copy {c:.1f}" if isinstance(g, (int, float)) and isinstance(c, (int, float)) else ""
+        both = isinstance(g, (int, float)) and isinstance(c, (int, float))
+        parts = f"; reading alone {g:.1f}, copy {c:.1f}" if both else ""
         return (f"roofline, {self.n_threads} thread{'s' if self.n_threads != 1 else ''}: memory {self.bw_gbps:.1f} "
                 f"GB/s (best of an F32 matrix-vector product and a copy over "
-                f"{self.bandwidth.get('bytes', 0) / 2**20:.0f} MiB{parts}); mul_mat peak {mm[0]}x{mm[1]}x{mm[2]} GFLOP/s: "
+                f"{self.bandwidth.get('bytes', 0) / 2**20:.0f} MiB{parts}); "
+                f"mul_mat peak {mm[0]}x{mm[1]}x{mm[2]} GFLOP/s: "
                 f"{peaks}; measured {self.measured_at} ({self.path or 'not cached'})")
 
 

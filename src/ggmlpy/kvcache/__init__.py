@@ -78,4 +78,5 @@ class Cache(Protocol):
 CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
-__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "Cache", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]
+__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "Cache", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan",
+           "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]

@@ -32,7 +32,8 @@ from ggmlpy._core import Context, GGMLValueError, Tensor, Type
 
 from . import kernels
 
-__all__ = ["GLU", "SWIGLU_OAI", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope", "softcap"]
+__all__ = ["GLU", "SWIGLU_OAI", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope",
+           "softcap"]
 
 #: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
 #: gate and up). Both apply the activation to the gate and multiply by up; "gelu" is the tanh
@@ -341,7 +342,8 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     def experts_of(name, inp):
         exps = w[f"{prefix}{name}.weight"]
         if (matvec_kernel and n <= MATVEC_MAX_COLS
-                and _core._mul_mat_id_vec_ok(exps, inp.ne[1] * inp.ne[2]) and kernels.use(kernels.matvec_site(exps), exps)):
+                and _core._mul_mat_id_vec_ok(exps, inp.ne[1] * inp.ne[2])
+                and kernels.use(kernels.matvec_site(exps), exps)):
             y = ctx.mul_mat_id_vec(exps, inp, chosen)        # generation: linear()'s schedule for experts
         else:
             y = ctx.mul_mat_id(exps, inp, chosen)                                   # (rows, k, n)

@@ -48,8 +48,8 @@ from ggmlpy._version import __version__
 from . import blocks, kernels
 from .kernels import KernelChoices, Measurement, Site
 
-__all__ = ["CACHE_FILE", "DECODE_DEPTHS", "GROUP_BYTES", "PREFILL_ROWS", "TIMING", "Recorder", "cached_summary", "forget",
-           "kernel_choices", "machine_key", "measure_site", "read_cache"]
+__all__ = ["CACHE_FILE", "DECODE_DEPTHS", "GROUP_BYTES", "PREFILL_ROWS", "TIMING", "Recorder", "cached_summary",
+           "forget", "kernel_choices", "machine_key", "measure_site", "read_cache"]
 
 log = logging.getLogger("ggmlpy.kernels")
 

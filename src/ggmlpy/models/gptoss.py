@@ -39,9 +39,10 @@ Expert weights: the released models store them in MXFP4, which the converter cop
 float weights (a random model) it writes them in the ``--outtype`` (F32, F16, Q8_0), biases, sinks and
 router in F32. Any type ggml's ``mul_mat_id`` takes is read.
 
-The cache recipe (:class:`~ggmlpy.models.decoder.LocalGlobalDecoder`) is gemma's: a :class:`~ggmlpy.kvcache.Wrapper` of a
-sliding-window :class:`~ggmlpy.kvcache.Causal` for the local layers (it keeps only the window) and a full
-one for the global layers, each shifting keys with its layers' own RoPE.
+The cache recipe (:class:`~ggmlpy.models.decoder.LocalGlobalDecoder`) is gemma's: a
+:class:`~ggmlpy.kvcache.Wrapper` of a sliding-window :class:`~ggmlpy.kvcache.Causal` for the local
+layers (it keeps only the window) and a full one for the global layers, each shifting keys with its
+layers' own RoPE.
 """
 
 from __future__ import annotations

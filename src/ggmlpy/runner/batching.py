@@ -2,8 +2,8 @@
 
 A logical batch (:class:`_Batch`) of up to ``n_batch`` rows (several sequences, round-robin) is cut by
 the loop (:func:`~.loop.split_ubatches`) into micro-batches (:class:`_UBatch`) of at most ``n_ubatch``
-rows; a same-batch group (Ollama's ``SameBatch``: e.g. an image's embeddings) is never cut. A :class:`_Placeholder` stands for a token still being sampled from
-the batch computing (pipelining).
+rows; a same-batch group (Ollama's ``SameBatch``: e.g. an image's embeddings) is never cut. A
+:class:`_Placeholder` stands for a token still being sampled from the batch computing (pipelining).
 """
 
 from __future__ import annotations

@@ -197,5 +197,5 @@ class DirectCalls:
         want = np.zeros(toks.size, dtype=bool)
         want[np.asarray(logits)] = True
         with self._direct("decode_batch"):
-            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want), [int(s) for s in np.unique(seqs)],
-                                    embedding=False)
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want),
+                                    [int(s) for s in np.unique(seqs)], embedding=False)

@@ -386,8 +386,8 @@ class RequestLoop:
         # the one change of container on a token's way: the batch's rows become the graph's int32 input
         tok_a = np.array([0 if isinstance(t, _Placeholder) and t.value is None else int(t) for t in toks],
                          dtype=np.int32)
-        ubs = split_ubatches(self.n_ubatch, tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64), np.asarray(want),
-                          np.asarray(tied, bool))
+        ubs = split_ubatches(self.n_ubatch, tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64),
+                             np.asarray(want), np.asarray(tied, bool))
         starts = np.cumsum([0] + [len(ub.tokens) for ub in ubs])
         for t in toks:
             if isinstance(t, _Placeholder):

@@ -271,7 +271,8 @@ class Runner(DirectCalls, RequestLoop):
             raise GGMLMemoryError(
                 f"runner: n_ctx={self.n_ctx} with n_seq_max={self.n_seq_max} and n_ubatch={self.n_ubatch} needs "
                 f"about {need / 2**30:.2f} GiB of host memory for the K/V cache on the CPU and the attention "
-                f"mask and cache metadata of the worst-case batch, but {avail / 2**30:.2f} GiB are available; lower n_ctx, n_seq_max or "
+                f"mask and cache metadata of the worst-case batch, but {avail / 2**30:.2f} GiB are available; "
+                f"lower n_ctx, n_seq_max or "
                 f"n_ubatch\n{self.report}", self.report)
 
     def _check_vision(self, vision) -> None:

@@ -107,10 +107,12 @@ class ChatTemplateError(GGMLValueError):
 
     ``kind`` says why: ``"syntax"`` (does not parse or compile), ``"raised"`` (the template
     called ``raise_exception``), ``"forbidden"`` (an attribute or callable the sandbox
-    forbids, or an object that may not turn into text), ``"load"`` (``include``/``import``/``extends``), ``"steps"``, ``"time"``,
+    forbids, or an object that may not turn into text), ``"load"``
+    (``include``/``import``/``extends``), ``"steps"``, ``"time"``,
     ``"recursion"``, ``"range"`` (a ``range()`` longer than the sandbox's 100,000 items),
     ``"size"`` (a value, or the values held at once, too large), ``"output"`` (output too
-    large), ``"input"`` (an input contains itself or nests too deeply), ``"memory"``, ``"continue"`` (``continue_final_message`` could not be honoured) or
+    large), ``"input"`` (an input contains itself or nests too deeply), ``"memory"``,
+    ``"continue"`` (``continue_final_message`` could not be honoured) or
     ``"error"`` (any other failure while rendering, such as a type error). ``lineno`` is the
     template line the failure happened at, when Jinja reports one.
     """
