@@ -16,7 +16,7 @@ from ggmlpy.backend import (
     split_layers,
 )
 from ggmlpy.defaults import DEFAULTS
-from ggmlpy.gguf import GGUFReader
+from ggmlpy.gguf import open_reader
 from ggmlpy.models import Model, model_class
 from ggmlpy.models.fingerprint import weights_fingerprint
 
@@ -38,7 +38,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
 
     Parameters
     ----------
-    path : the GGUF file
+    path : the GGUF file; the first shard of a split model (``model-00001-of-00003.gguf``, as llama.cpp's
+        ``gguf-split`` writes it: every shard is loaded, the metadata from the first; see
+        :mod:`ggmlpy.gguf.split`)
     devices : ``"auto"`` (default: every local accelerator, then the CPU), ``"cpu"`` or device names (see
         :func:`ggmlpy.backend.choose_devices`)
     n_gpu_layers : how many of the last layers go to accelerators (-1, the default: all), or ``"auto"``: as many as
@@ -129,7 +131,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
                          open_model=lambda p: load_model(path, placement=p, load=False, repack=repack, fuse=fuse,
                                                          mmproj=mmproj), overrides=overrides,
                          n_cpu_moe=n_cpu_moe)
-    reader = GGUFReader(path)
+    reader = open_reader(path)         # a split model's first shard: every shard, read as one file
     try:
         cls = model_class(reader.metadata.get("general.architecture"), str(path))
         n_layer = cls.read_config(reader, str(path)).n_layer      # the placement needs the layer count first
