@@ -283,3 +283,54 @@ def test_a_split_set_is_fetched_whole_and_loads_as_one_model(served, tiny):
     assert np.array_equal(logits("hf://org/tiny-split:Q8_0"), logits(tiny["Q8_0"]))
     with pytest.raises(HubError, match=f"org/tiny-split-broken has no file {names[2]}"):
         hub.resolve("hf://org/tiny-split-broken:Q8_0")
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+
+
+def _cli(tmp_path, url, *args, offline=False):
+    return subprocess.run([sys.executable, "-m", "ggmlpy.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=_child_env(tmp_path, url, offline), encoding="utf-8")
+
+
+@pytest.mark.hf
+def test_ggmlpy_run_with_hf(served, tiny, tmp_path):
+    from ggmlpy.load import load_model
+    from ggmlpy.runner import Runner
+
+    with load_model(tiny["Q8_0"], devices="cpu") as m, Runner(m, n_ctx=64) as rt:
+        want = rt.generate("Hi", max_tokens=4, temperature=0, shift=False).text
+    common = ["-p", "Hi", "-n", "4", "--temp", "0", "-c", "64", "-t", "1", "-dev", "cpu"]
+    r = _cli(tmp_path, served.url, "run", "-hf", "org/tiny:Q8_0", *common)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want + "\n"
+    assert "hf://org/tiny:Q8_0 -> org/tiny/tiny-Q8_0.gguf (revision main)" in r.stderr
+    assert "org/tiny also has a vision encoder, mmproj-tiny-F16.gguf: add --mmproj" in r.stderr
+    r = _cli(tmp_path, served.url, "run", "-hf", "org/tiny", "-hff", "tiny-Q8_0.gguf", *common)
+    assert r.returncode == 0 and r.stdout == want + "\n", r.stderr
+    # one line and exit status 1 for a tag the repository lacks; 2 for options that do not go together
+    r = _cli(tmp_path, served.url, "run", "-hf", "org/tiny:Q5_K_M", *common)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(
+        "ggmlpy run: error: -hf org/tiny:Q5_K_M: org/tiny (revision main) has no model file tagged Q5_K_M; its "
+        "models: tiny-F16.gguf (F16), tiny-Q8_0.gguf (Q8_0)")
+    for args, msg in ((["-m", tiny["Q8_0"], "-hf", "org/tiny"], "give one"),
+                      (["-hff", "tiny-F16.gguf"], "-hf ORG/REPO is missing"),
+                      (["-hf", "org/tiny:Q8_0", "-hff", "x.gguf"], "a quant tag and a file"),
+                      ([], "a model is needed: -m FILE or -hf ORG/REPO[:QUANT]")):
+        r = _cli(tmp_path, served.url, "run", *args, *common)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+    served.stop()
+    r = _cli(tmp_path, served.url, "run", "-hf", "org/tiny:Q8_0", *common, offline=True)
+    assert r.returncode == 0 and r.stdout == want + "\n", r.stderr
+
+
+@pytest.mark.hf
+def test_ggmlpy_bench_with_hf(served, tmp_path):
+    r = _cli(tmp_path, served.url, "bench", "-hf", "org/tiny-split:Q8_0", "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+             "-dev", "none", "-o", "json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert len(rows) == 1 and rows[0]["model_filename"].endswith("tiny-Q8_0-00001-of-00003.gguf")
+    assert str(tmp_path / "hf" / "hub") in rows[0]["model_filename"]
+    r = _cli(tmp_path, served.url, "bench", "-hf", "org/tiny:Q8_0", "-hff", "x.gguf", "-p", "8")
+    assert r.returncode == 2 and "-hff x.gguf: names a file of one -hf ORG/REPO (without a :QUANT tag)" in r.stderr
