@@ -334,3 +334,32 @@ def test_ggmlpy_bench_with_hf(served, tmp_path):
     assert str(tmp_path / "hf" / "hub") in rows[0]["model_filename"]
     r = _cli(tmp_path, served.url, "bench", "-hf", "org/tiny:Q8_0", "-hff", "x.gguf", "-p", "8")
     assert r.returncode == 2 and "-hff x.gguf: names a file of one -hf ORG/REPO (without a :QUANT tag)" in r.stderr
+
+
+@pytest.mark.hf
+def test_the_readme_gets_a_model_from_the_hub(served, tiny, tmp_path):
+    """The README's ``-hf`` commands and its ``hf://`` line, as written, against a repository of that name on
+    the loopback hub (the tiny model under the file names such a repository has)."""
+    import re
+    import shlex
+
+    import ggmlpy
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", readme, re.S) for line in block.splitlines()
+                if line.startswith("ggmlpy ") and " -hf " in line]
+    lines = re.findall(r'`(ggmlpy\.open\("hf://[^"]+"\))`', readme)
+    assert commands and lines
+    repos = {parse_ref(shlex.split(c)[shlex.split(c).index("-hf") + 1]) for c in commands}
+    repos |= {parse_ref(re.search(r'"(hf://[^"]+)"', line)[1]) for line in lines}
+    for ref in repos:
+        stem = ref.repo.split("/")[1].removesuffix("-GGUF")
+        served.add(ref.repo, {f"{stem}-{ref.quant}.gguf": tiny["Q8_0"], f"{stem}-F16.gguf": tiny["F16"]})
+    for c in commands:
+        r = _cli(tmp_path, served.url, *shlex.split(c)[1:], "-t", "1")
+        assert r.returncode == 0 and r.stdout.strip(), r.stderr
+        assert "-Q4_K_M.gguf (revision main)" in r.stderr
+    for line in lines:
+        with eval(line, {"ggmlpy": ggmlpy}) as llm:       # noqa: S307  (the README's own line)
+            assert llm.model.path.endswith("-Q4_K_M.gguf") and _same_file(llm.model.path, tiny["Q8_0"])
+            assert llm.generate(PROMPT, max_tokens=8, temperature=0).text == _text(tiny["Q8_0"])
