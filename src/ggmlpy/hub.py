@@ -420,19 +420,30 @@ def _match_file(files: Sequence[str], name: str, where: str, r: HubRef) -> list[
     return [hit]
 
 
+#: downloads tried per file when the connection breaks: huggingface_hub takes a broken download up where
+#: it broke, within one call (1.x and later: ``http_get``'s retries with a range) or at the next call (0.x:
+#: from the ``.incomplete`` file it keeps), so a second call finishes what the first began
+_ATTEMPTS = 3
+
+
 def _fetch(hf, r: HubRef, filename: str, revision: str, token, endpoint: str, cache_dir) -> str:
     errors = hf.errors
-    try:
-        return hf.hf_hub_download(r.repo, filename, revision=revision, token=token, endpoint=endpoint,
-                                  cache_dir=cache_dir)
-    except errors.LocalEntryNotFoundError:
-        why = "offline (HF_HUB_OFFLINE=1)" if _offline(hf) else f"{endpoint} could not be reached"
-        raise HubError(f"{r}: {r.repo}/{filename} (revision {revision}) is not in the hub cache and {why}: run "
-                       "once online to download it") from None
-    except (errors.HfHubHTTPError, errors.EntryNotFoundError) as e:
-        raise HubError(_describe_error(e, r, filename, endpoint)) from None
-    except _transport_errors() as e:
-        raise HubError(f"{r}: downloading {r.repo}/{filename} failed: {type(e).__name__}: {e}") from None
+    for attempt in range(1, _ATTEMPTS + 1):
+        try:
+            return hf.hf_hub_download(r.repo, filename, revision=revision, token=token, endpoint=endpoint,
+                                      cache_dir=cache_dir)
+        except errors.LocalEntryNotFoundError:
+            why = "offline (HF_HUB_OFFLINE=1)" if _offline(hf) else f"{endpoint} could not be reached"
+            raise HubError(f"{r}: {r.repo}/{filename} (revision {revision}) is not in the hub cache and {why}: "
+                           "run once online to download it") from None
+        except (errors.HfHubHTTPError, errors.EntryNotFoundError) as e:
+            raise HubError(_describe_error(e, r, filename, endpoint)) from None
+        except _transport_errors() as e:
+            if attempt == _ATTEMPTS:
+                raise HubError(f"{r}: downloading {r.repo}/{filename} failed {_ATTEMPTS} times, the last: "
+                               f"{type(e).__name__}: {e}") from None
+            log.warning("%s: downloading %s broke (%s: %s); taking it up again", r, filename, type(e).__name__, e)
+    raise AssertionError("unreachable")
 
 
 def local_files(path, mmproj=None) -> tuple:
