@@ -325,6 +325,26 @@ def test_ggmlpy_run_with_hf(served, tiny, tmp_path):
 
 
 @pytest.mark.hf
+def test_ggmlpy_chat_and_images_with_hf(served, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    r = subprocess.run([sys.executable, "-m", "ggmlpy.cli", "chat", "-hf", "org/tiny:Q8_0", "--chat-template-file",
+                        str(template), "-n", "4", "--temp", "0", "-c", "64", "-t", "1", "-dev", "cpu"],
+                       input="Hi\n/bye\n", capture_output=True, text=True, timeout=300,
+                       env=_child_env(tmp_path, served.url, False))
+    assert r.returncode == 0, r.stderr
+    assert "hf://org/tiny:Q8_0 -> org/tiny/tiny-Q8_0.gguf (revision main)" in r.stderr
+    # images ask for the repository's vision encoder: fetched and given to the loader (which refuses this
+    # one, a stand-in that is not GGUF: proof that it was the file passed)
+    Image = pytest.importorskip("PIL.Image")
+    Image.new("RGB", (8, 8)).save(tmp_path / "i.png")
+    for extra in (["--image", str(tmp_path / "i.png")], ["--mmproj"]):
+        r = _cli(tmp_path, served.url, "run", "-hf", "org/tiny:Q8_0", "-p", "x", "-n", "1", "-dev", "cpu", *extra)
+        assert r.returncode == 1 and "mmproj-tiny-F16.gguf: not a GGUF file" in r.stderr, r.stderr
+        assert "vision encoder mmproj-tiny-F16.gguf" in r.stderr
+
+
+@pytest.mark.hf
 def test_ggmlpy_bench_with_hf(served, tmp_path):
     r = _cli(tmp_path, served.url, "bench", "-hf", "org/tiny-split:Q8_0", "-p", "8", "-n", "0", "-r", "1", "-t", "1",
              "-dev", "none", "-o", "json")
