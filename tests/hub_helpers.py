@@ -11,8 +11,8 @@ part of the hub's API that ``huggingface_hub`` calls to list a model repository 
 * :meth:`LoopbackHub.cut` makes the first GET of a file send its headers (the whole length) and half its
   bytes, then close the connection: a download broken midway.
 
-Every request is recorded (:attr:`LoopbackHub.requests`: method, path, Range header), so a test can see
-what the library asked for. Only the standard library is used.
+Every request is recorded (:attr:`LoopbackHub.requests`: method, path, Range header; and
+:attr:`LoopbackHub.authorizations`), so a test can see what the library asked for. Only the standard library is used.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ class LoopbackHub:
         self.commits: dict[str, str] = {}
         self.unlisted: dict[str, set[str]] = {}
         self.requests: list[tuple[str, str, str | None]] = []
+        #: each request's Authorization header (None: none), in the order of ``requests``
+        self.authorizations: list[str | None] = []
         self._cut: set[tuple[str, str]] = set()
         self._stopped = False
         self._lock = threading.Lock()
@@ -119,6 +121,7 @@ class LoopbackHub:
         rng = h.headers.get("Range")
         with self._lock:
             self.requests.append(("HEAD" if head else "GET", path, rng))
+            self.authorizations.append(h.headers.get("Authorization"))
         m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/revision/([^/]+))?", path)
         if m:
             repo, rev = m[1], m[2] or MAIN

@@ -345,10 +345,12 @@ def test_ggmlpy_chat_and_images_with_hf(served, tmp_path):
 
 
 @pytest.mark.hf
-def test_ggmlpy_bench_with_hf(served, tmp_path):
+def test_ggmlpy_bench_with_hf(served, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_loopback")       # the library's token, sent with every request
     r = _cli(tmp_path, served.url, "bench", "-hf", "org/tiny-split:Q8_0", "-p", "8", "-n", "0", "-r", "1", "-t", "1",
              "-dev", "none", "-o", "json")
     assert r.returncode == 0, r.stderr
+    assert len(served.requests) >= 7 and set(served.authorizations) == {"Bearer hf_loopback"}
     rows = json.loads(r.stdout)
     assert len(rows) == 1 and rows[0]["model_filename"].endswith("tiny-Q8_0-00001-of-00003.gguf")
     assert str(tmp_path / "hf" / "hub") in rows[0]["model_filename"]
