@@ -26,10 +26,11 @@ import re
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Callable, Optional
 
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_USAGE", "ArgParser", "UsageError",
-           "at_least", "debug_requested", "gpu_layers_note", "model_file", "one_line_warnings", "override_problem",
-           "usage_text"]
+           "add_model_source_args", "at_least", "check_model_source", "debug_requested", "gpu_layers_note",
+           "model_file", "model_source", "one_line_warnings", "override_problem", "usage_text"]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -70,21 +71,33 @@ def debug_requested(argv: Sequence[str] = ()) -> bool:
     return "--debug" in argv or os.environ.get("GGMLPY_DEBUG", "0") not in ("", "0")
 
 
-def model_file(text: str, flag: str = "-m") -> str:
+def model_file(text: str, flag: str = "-m", note: Optional[Callable[[str], None]] = None) -> str:
     """The GGUF file that ``flag text`` names, checked before anything runs: it exists, is a file and
     has a GGUF header that ggml reads (the header is parsed; no tensor data is read).
 
-    This is where every subcommand turns ``-m`` into a path, and the place for a later ``-hf`` (a
-    hub reference resolved, downloaded if need be, into a local path) to join.
+    This is where every subcommand turns ``-m`` into a path. An ``hf://`` reference (``-hf``'s) is
+    resolved here (:func:`ggmlpy.hub.resolve`: the file chosen, downloaded into the hub's cache if it is
+    not there) and ``note`` is told what was chosen.
 
     Raises
     ------
     GGMLValueError
-        ``-m PATH: no such file``, ``... is a directory``, ``... not a GGUF file (...)`` (exit status 1).
+        ``-m PATH: no such file``, ``... is a directory``, ``... not a GGUF file (...)`` (exit status 1);
+        an ``hf://`` reference that does not resolve (:class:`ggmlpy.hub.HubError`, naming the
+        repository and the file).
     """
     from ggmlpy._core import GGMLValueError
     from ggmlpy.gguf import GGUFError, GGUFReader
+    from ggmlpy.hub import HubError, is_hub_ref, resolve
 
+    if is_hub_ref(text):
+        try:
+            found = resolve(text)
+        except HubError as e:
+            raise HubError(f"{flag} {e}") from None
+        if note is not None:
+            note(found.describe())
+        text = found.path
     p = Path(text)
     if not p.exists():
         raise GGMLValueError(f"{flag} {text}: no such file")
@@ -98,6 +111,63 @@ def model_file(text: str, flag: str = "-m") -> str:
     except OSError as e:
         raise GGMLValueError(f"{flag} {text}: {e.strerror or e}") from None
     return str(p)
+
+
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """``-m FILE`` or ``-hf ORG/REPO[:QUANT]`` (with ``-hff FILE``), and ``--mmproj [FILE]``: where a
+    subcommand's model comes from, as llama.cpp's tools take it."""
+    p.add_argument("-m", "--model", default=None, help="GGUF model file (a split model: its first shard), or an "
+                   "hf:// reference")
+    p.add_argument("-hf", "--hf-repo", default=None, metavar="ORG/REPO[:QUANT]",
+                   help="a model from the Hugging Face hub, downloaded into its cache (HF_HOME; HF_HUB_OFFLINE=1: "
+                        "from the cache only): the file tagged QUANT (any case), by default Q4_K_M, else Q8_0, "
+                        "else the repository's only model")
+    p.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
+                   help="with -hf: this file of the repository instead of a tag's")
+    p.add_argument("--mmproj", default=None, nargs="?", const="", metavar="FILE",
+                   help="the model's vision encoder (an mmproj GGUF): the model then takes images; with -hf, "
+                        "--mmproj alone takes the repository's (--image does too)")
+
+
+def check_model_source(args: argparse.Namespace) -> None:
+    """The source options' combinations, before anything runs (:class:`UsageError`)."""
+    if args.hf_file is not None and args.hf_repo is None:
+        raise UsageError(f"-hff {args.hf_file}: names a file of the -hf repository; -hf ORG/REPO is missing")
+    if args.model is None and args.hf_repo is None:
+        raise UsageError("a model is needed: -m FILE or -hf ORG/REPO[:QUANT]")
+    if args.model is not None and args.hf_repo is not None:
+        raise UsageError(f"-m {args.model} and -hf {args.hf_repo}: give one")
+    if args.hf_file is not None:
+        if ":" in args.hf_repo:
+            raise UsageError(f"-hf {args.hf_repo} -hff {args.hf_file}: a quant tag and a file; give one")
+    if args.mmproj == "" and args.hf_repo is None:
+        raise UsageError("--mmproj without a file takes the -hf repository's vision encoder; give --mmproj FILE")
+
+
+def model_source(args: argparse.Namespace, images: bool, note: Callable[[str], None]) -> tuple[str, Optional[str]]:
+    """The local paths of the model and its vision encoder from ``-m``/``-hf``/``-hff``/``--mmproj`` (see
+    :func:`add_model_source_args`), files from the hub fetched now. With ``-hf``, the repository's vision
+    encoder is fetched when ``images`` (``--image`` given) or ``--mmproj`` alone asks for it; where the
+    repository has one and nothing asks, ``note`` says so."""
+    from ggmlpy.hub import HubError, HubRef, parse_ref, resolve
+
+    mmproj = model_file(args.mmproj, "--mmproj", note) if args.mmproj else None
+    if args.hf_repo is None:
+        return model_file(args.model, "-m", note), mmproj
+    ref = parse_ref(args.hf_repo)
+    if args.hf_file is not None:
+        ref = HubRef(ref.repo, ref.revision, file=args.hf_file)
+    want = args.mmproj == "" or (images and mmproj is None)
+    try:
+        found = resolve(ref, mmproj=want)
+    except HubError as e:                  # named by the flags the user typed
+        flags = f"-hf {args.hf_repo}" + (f" -hff {args.hf_file}" if args.hf_file is not None else "")
+        raise HubError(f"{flags}: {str(e).removeprefix(f'{ref}: ')}") from None
+    note(found.describe())
+    if found.mmproj_file and not want and mmproj is None:
+        note(f"{ref.repo} also has a vision encoder, {found.mmproj_file}: add --mmproj (or --image) to use it")
+    path = model_file(found.path, "-hf")
+    return path, (found.mmproj_path if want else mmproj)
 
 
 def gpu_layers_note(ngl: int, devices: str = "auto", rpc: Sequence[str] = ()) -> str | None:

@@ -23,10 +23,12 @@ from ggmlpy._cliargs import (
     EXIT_USAGE,
     ArgParser,
     UsageError,
+    add_model_source_args,
     at_least,
+    check_model_source,
     debug_requested,
     gpu_layers_note,
-    model_file,
+    model_source,
     one_line_warnings,
     override_problem,
 )
@@ -215,7 +217,8 @@ def _check_model_args(args: argparse.Namespace) -> None:
     msg = cache_types_problem(args.cache_type_k or "f16", args.cache_type_v or "f16", fa)
     if msg:
         raise UsageError(msg)
-    if args.image and not args.mmproj:
+    check_model_source(args)
+    if args.image and args.mmproj is None and args.hf_repo is None:
         raise UsageError("--image needs the model's vision encoder: --mmproj FILE (the mmproj GGUF)")
 
 
@@ -244,8 +247,7 @@ def _open_runner(args: argparse.Namespace, prog: str):
     from ggmlpy.load import load_model
     from ggmlpy.runner import Runner
 
-    path = model_file(args.model, "-m")
-    mmproj = model_file(args.mmproj, "--mmproj") if args.mmproj else None
+    path, mmproj = model_source(args, bool(args.image), lambda text: print(f"{prog}: {text}", file=sys.stderr))
     devices = args.device.split(",") if "," in args.device else args.device
     kw = {"rpc": args.rpc.split(",") if args.rpc else (),
           "n_cpu_moe": 1 << 30 if args.cpu_moe else args.n_cpu_moe}
@@ -524,7 +526,8 @@ def _attach(rt, path: str, pending: list, out) -> None:
     if not path:
         print("error: /image needs a file: /image PATH", file=sys.stderr)
     elif getattr(rt, "vision", None) is None:
-        print("error: this model has no vision encoder: start the chat with --mmproj FILE", file=sys.stderr)
+        print("error: this model has no vision encoder: start the chat with --mmproj FILE (-hf: --mmproj)",
+              file=sys.stderr)
     else:
         try:
             pending += _load_images([path], "/image")
@@ -553,7 +556,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", required=True, help="GGUF model file")
+    add_model_source_args(p)            # -m, -hf, -hff, --mmproj
     # the defaults are ggmlpy.defaults' table, the API's own
     p.add_argument("-n", "--n-predict", type=int, default=CLI_N_PREDICT,
                    help="tokens to generate at most (default -1: until end of generation or the context is full)")
@@ -589,10 +592,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)")
     p.add_argument("-fa", "--flash-attn", default="auto", choices=("on", "off", "auto"),
                    help="flash attention (default auto)")
-    p.add_argument("--mmproj", default=None, metavar="FILE",
-                   help="the model's vision encoder (an mmproj GGUF): the model then takes images")
     p.add_argument("--image", action="append", metavar="PATH",
-                   help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj")
+                   help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj "
+                        "(with -hf: the repository's)")
     p.add_argument("--temp", type=float, default=DEFAULTS["temperature"],
                    help="temperature (default %(default)s; 0: greedy)")
     p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="top-k sampling (default %(default)s; 0: off)")

@@ -16,7 +16,8 @@ from ggmlpy.backend import (
     split_layers,
 )
 from ggmlpy.defaults import DEFAULTS
-from ggmlpy.gguf import GGUFReader
+from ggmlpy.gguf import open_reader
+from ggmlpy.hub import local_files
 from ggmlpy.models import Model, model_class
 from ggmlpy.models.fingerprint import weights_fingerprint
 
@@ -38,7 +39,12 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
 
     Parameters
     ----------
-    path : the GGUF file
+    path : the GGUF file; the first shard of a split model (``model-00001-of-00003.gguf``, as llama.cpp's
+        ``gguf-split`` writes it: every shard is loaded, the metadata from the first; see
+        :mod:`ggmlpy.gguf.split`); or a Hugging Face hub reference, ``"hf://ORG/REPO:Q4_K_M"`` (the file
+        with that quant tag, as llama.cpp's ``-hf``), ``"hf://ORG/REPO/FILE.gguf"`` or ``"hf://ORG/REPO"``
+        (Q4_K_M, else Q8_0, else the only model), downloaded into the hub's cache if it is not there
+        (``HF_HUB_OFFLINE=1``: only from the cache); see :mod:`ggmlpy.hub`
     devices : ``"auto"`` (default: every local accelerator, then the CPU), ``"cpu"`` or device names (see
         :func:`ggmlpy.backend.choose_devices`)
     n_gpu_layers : how many of the last layers go to accelerators (-1, the default: all), or ``"auto"``: as many as
@@ -87,7 +93,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
     mmproj : the model's vision encoder, an mmproj GGUF file (``convert_hf_to_gguf.py --mmproj``): loaded
         as ``model.vision`` (:func:`ggmlpy.vision.load_mmproj`), on the device of the output layer, its
         weights in the model's memory report; a :class:`~ggmlpy.runner.Runner` then takes images.
-        Closed with the model.
+        Closed with the model. An ``hf://`` reference too; ``"hf://ORG/REPO"`` alone is the repository's
+        vision encoder for the model (``mmproj*.gguf``, chosen as llama.cpp's ``-hf`` chooses it).
 
     Raises
     ------
@@ -105,7 +112,11 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
         A device has no room for its weights (``.report`` says what was needed); with ``"auto"``, no
         placement fits (the message lists the tries, ``.report`` is the last one's; nothing stays
         allocated).
+    ggmlpy.hub.HubError
+        An ``hf://`` reference that does not resolve or cannot be fetched (a GGMLValueError; the message
+        names the repository and the file).
     """
+    path, mmproj = local_files(path, mmproj)        # hf:// references: files in the hub's cache
     overrides = ()
     if tensor_overrides is not None:
         choose_devices(devices, rpc=rpc)        # RPC servers first: an override may name their devices
@@ -129,7 +140,7 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
                          open_model=lambda p: load_model(path, placement=p, load=False, repack=repack, fuse=fuse,
                                                          mmproj=mmproj), overrides=overrides,
                          n_cpu_moe=n_cpu_moe)
-    reader = GGUFReader(path)
+    reader = open_reader(path)         # a split model's first shard: every shard, read as one file
     try:
         cls = model_class(reader.metadata.get("general.architecture"), str(path))
         n_layer = cls.read_config(reader, str(path)).n_layer      # the placement needs the layer count first

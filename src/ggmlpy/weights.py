@@ -527,7 +527,9 @@ class WeightLoader:
         total = self.size
         done = 0
         chunk = 16 << 20
-        with open_data(self.path, mmap=mmap) as f:
+        # a split model's shards are read as one file (their offsets count that way: GGUFSplitReader)
+        files = getattr(self._reader, "files", ())
+        with open_data(files if len(files) > 1 else self.path, mmap=mmap) as f:
             for name, (t, _grp) in self.weights.tensors.items():
                 convert = self.converted.get(name)
                 if convert is not None:

@@ -61,7 +61,7 @@ def test_python_and_c_files_stay_small():
 #: imports included). docs/architecture.md describes the rooms.
 FLOORS = [
     ["_core", "_libs", "_system", "_version", "_files", "_progress", "_cache", "defaults"],
-    ["gguf", "memory"],
+    ["gguf", "memory", "hub"],                # hub: hf:// references to files in huggingface_hub's cache
     ["backend"],
     ["weights"],
     ["kvcache"],

@@ -177,11 +177,13 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
         status.clear()
         print(text, file=err, flush=True)
 
-    for m in p.models if engine is None else ():      # (a test's fake engine has no files)
+    for k, m in enumerate(p.models if engine is None else ()):     # (a test's fake engine has no files)
         try:
-            model_file(m, "-m")
+            path = model_file(m, "-m", lambda text: note(f"{PROG}: {text}"))
         except GGMLError as e:
             raise BenchError(str(e)) from None
+        if m.startswith("hf://"):
+            p.models[k] = path          # -hf: the file in the hub's cache (the peer loads it too)
     if p.plot:
         check_plot()
     image_sizes: dict[str, int] = {}         # the image tests' image side per mmproj, the same for every engine

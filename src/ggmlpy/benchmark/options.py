@@ -360,6 +360,9 @@ class BenchParams:
 _LIST_OPTIONS: list[tuple[tuple[str, ...], str, Callable[[str], list], str]] = [
     (("-m", "--model"), "models", lambda s: [s], "GGUF model file (repeat for more; default: "
      "the built-in synthetic model)"),
+    (("-hf", "--hf-repo"), "models", lambda s: [s if s.startswith("hf://") else f"hf://{s}"],
+     "a model from the Hugging Face hub, ORG/REPO[:QUANT], fetched into its cache (as ggmlpy run -hf; repeat for "
+     "more)"),
     (("-p", "--n-prompt"), "n_prompt", _ints, "prompt sizes (default 512)"),
     (("-n", "--n-gen"), "n_gen", _ints, "generation sizes (default 128)"),
     (("-pg",), "n_pg", lambda s: [_parse_pg(s)], "PROMPT,GEN: prompt then generation in one test"),
@@ -451,6 +454,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         ap.add_argument(*opts, dest=f"placement{i}", action="append", default=[], metavar="V",
                         help=f"llama-bench's placement option; only {' or '.join(accepted)} (others are refused "
                              "with the reason)")
+    ap.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
+                    help="with one -hf ORG/REPO: this file of the repository instead of a tag's")
     ap.add_argument("-r", "--repetitions", dest="reps", type=int, default=5,
                     help="timed repetitions per test (default 5)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -549,6 +554,11 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
         swept.setdefault(attr, []).extend(values)
     for attr, values in swept.items():
         setattr(params, attr, values)
+    if args.hf_file is not None:
+        hub = [i for i, m in enumerate(params.models) if m.startswith("hf://")]
+        if len(hub) != 1 or ":" in params.models[hub[0]][len("hf://"):]:
+            raise BenchError(f"-hff {args.hf_file}: names a file of one -hf ORG/REPO (without a :QUANT tag)")
+        params.models[hub[0]] = f"{params.models[hub[0]].rstrip('/')}/{args.hf_file}"
     params.reps = args.reps
     params.rounds = args.rounds
     params.delay = args.delay

@@ -498,10 +498,10 @@ class ModelWork:
         ValueError, TypeError
             Metadata of the wrong type (a string for a head count).
         """
-        from ggmlpy.gguf import GGUFReader
+        from ggmlpy.gguf import open_reader
         from ggmlpy.models.base import model_class
 
-        with GGUFReader(path) as r:
+        with open_reader(path) as r:
             md, tensors = r.metadata, list(r.tensors)
             arch = str(md.get("general.architecture", ""))
             try:                 # the architecture's own reading where ggmlpy has it (sliding-window layers)

@@ -24,6 +24,13 @@ Writing::
         w.add_tensor("token_embd.weight", emb, type="Q8_0")  # quantized on write
     # the file appears (renamed from out.gguf.tmp) when the block ends
 
+Split models (llama.cpp's ``gguf-split`` format: ``model-00001-of-00003.gguf`` ...)::
+
+    with gguf.GGUFWriter("model.gguf", arch="llama", split_max_tensors=128) as w:
+        ...                                  # writes model-00001-of-0000N.gguf ...
+    gguf.write_split("model.gguf", "split.gguf", max_tensors=8)   # an existing file, as gguf-split does
+    r = gguf.open_reader("model-00001-of-00003.gguf")   # a GGUFSplitReader over every shard
+
 Order of dimensions: ``TensorInfo.ne`` is ggml's order (``ne[0]`` is the row
 length), trimmed of trailing 1s (ggml writes ``ggml_n_dims`` dimensions and
 does not keep more), at least one; ``TensorInfo.shape`` and the arrays of
@@ -37,7 +44,8 @@ invalid bytes replaced, and ends at its first NUL.
 This package's face re-exports every public name; one module per job behind it:
 :mod:`~ggmlpy.gguf.reader` (:class:`GGUFReader`), :mod:`~ggmlpy.gguf.writer` (:class:`GGUFWriter`),
 :mod:`~ggmlpy.gguf.metadata` (typed, checked values and the errors naming a key),
-:mod:`~ggmlpy.gguf.data` (:func:`open_data`, :class:`MappedFile`: tensor data in bulk) and
+:mod:`~ggmlpy.gguf.data` (:func:`open_data`, :class:`MappedFile`, :class:`ConcatFile`: tensor data in bulk),
+:mod:`~ggmlpy.gguf.split` (:func:`open_reader`, :class:`GGUFSplitReader`: split models) and
 ``_types`` (:data:`ValueType`, :class:`TensorInfo`, the dtype tables).
 """
 
@@ -48,7 +56,7 @@ from __future__ import annotations
 from ggmlpy._core import GGUFError, Type  # noqa: F401
 
 from ._types import ALIGNMENT_KEY, DEFAULT_ALIGNMENT, TensorInfo, ValueType
-from .data import MappedFile, open_data
+from .data import ConcatFile, MappedFile, open_data
 from .metadata import (
            _REQUIRED,  # noqa: F401
            GGUFKeyError,
@@ -59,8 +67,19 @@ from .metadata import (
            meta_str,
 )
 from .reader import GGUFReader
-from .writer import GGUFWriter
+from .split import (
+           SPLIT_COUNT,
+           SPLIT_NO,
+           SPLIT_TENSORS_COUNT,
+           GGUFSplitReader,
+           open_reader,
+           parse_split_name,
+           split_path,
+           split_paths,
+)
+from .writer import GGUFWriter, write_split
 
-__all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "GGUFError", "GGUFKeyError", "GGUFReader", "GGUFWriter", "MappedFile",
-           "MetadataError", "MetadataTypeError", "TensorInfo", "ValueType", "meta_float", "meta_int", "meta_str",
-           "open_data"]
+__all__ = ["ALIGNMENT_KEY", "DEFAULT_ALIGNMENT", "SPLIT_COUNT", "SPLIT_NO", "SPLIT_TENSORS_COUNT", "ConcatFile",
+           "GGUFError", "GGUFKeyError", "GGUFReader", "GGUFSplitReader", "GGUFWriter", "MappedFile", "MetadataError",
+           "MetadataTypeError", "TensorInfo", "ValueType", "meta_float", "meta_int", "meta_str", "open_data",
+           "open_reader", "parse_split_name", "split_path", "split_paths", "write_split"]

@@ -1,12 +1,15 @@
 """Reading tensor data in bulk: :func:`open_data` gives a plain unbuffered file or a :class:`MappedFile`
-(reads copied from a memory map, llama.cpp's ``mmap`` load mode), with the same file interface."""
+(reads copied from a memory map, llama.cpp's ``mmap`` load mode), with the same file interface; for a
+split model's shards, a :class:`ConcatFile` reading them as one."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import mmap
 import os
+from collections.abc import Sequence
 
 from ggmlpy._core import GGUFError
 
@@ -86,9 +89,81 @@ class MappedFile(io.RawIOBase):
         super().close()
 
 
-def open_data(path: str | os.PathLike, mmap: bool = False) -> io.RawIOBase:
-    """A binary file object for reading tensor data: a plain unbuffered file, or a :class:`MappedFile`.
-
-    Both offer ``seek``, ``read`` and ``readinto`` and close with ``with``.
+class ConcatFile(io.RawIOBase):
+    """Several files read as one, laid end to end (a split model's shards, whose tensor offsets
+    :class:`~ggmlpy.gguf.GGUFSplitReader` counts this way): read-only and seekable, each part opened
+    with :func:`open_data` (so ``mmap`` reads every part through a memory map). A read that reaches the
+    end of a part goes on in the next.
     """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], mmap: bool = False) -> None:
+        super().__init__()
+        self.name = os.fspath(paths[0]) if paths else ""
+        self._parts: list[io.RawIOBase] = []
+        self._starts: list[int] = []
+        size = 0
+        try:
+            for p in paths:
+                f = open_data(p, mmap=mmap)
+                self._parts.append(f)
+                self._starts.append(size)
+                size += f.seek(0, os.SEEK_END)
+                f.seek(0)
+        except BaseException:
+            for f in self._parts:
+                f.close()
+            raise
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._checkClosed()
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}.get(whence)
+        if base is None:
+            raise ValueError(f"seek: invalid whence {whence}")
+        if base + offset < 0:
+            raise ValueError(f"seek: negative position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        self._checkClosed()
+        return self._pos
+
+    def readinto(self, b) -> int:
+        self._checkClosed()
+        dst = memoryview(b).cast("B")
+        done = 0
+        while done < len(dst) and self._pos < self._size:
+            k = bisect.bisect_right(self._starts, self._pos) - 1
+            part = self._parts[k]
+            part.seek(self._pos - self._starts[k])
+            n = part.readinto(dst[done:])
+            if not n:
+                break           # the part is shorter than it was (truncated since): a short read
+            done += n
+            self._pos += n
+        return done
+
+    def close(self) -> None:
+        if not self.closed:
+            for f in self._parts:
+                f.close()
+        super().close()
+
+
+def open_data(path: str | os.PathLike | Sequence[str | os.PathLike], mmap: bool = False) -> io.RawIOBase:
+    """A binary file object for reading tensor data: a plain unbuffered file, or a :class:`MappedFile`;
+    for a list of paths (a split model's ``reader.files``) a :class:`ConcatFile` of them.
+
+    Each offers ``seek``, ``read`` and ``readinto`` and closes with ``with``.
+    """
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        return ConcatFile(list(path), mmap=mmap)
     return MappedFile(path) if mmap else open(os.fspath(path), "rb", buffering=0)

@@ -86,6 +86,8 @@ class GGUFReader:
     Attributes
     ----------
     path : str
+    files : tuple of str
+        The files the tensor data is in: ``(path,)`` (a split model's reader has every shard).
     version : int
         GGUF version (2 or 3).
     alignment : int
@@ -113,6 +115,7 @@ class GGUFReader:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fsdecode(os.fspath(path))
+        self.files: tuple[str, ...] = (self.path,)
         with open(self.path, "rb") as f:
             head = f.read(24)
             self.file_size = os.fstat(f.fileno()).st_size

@@ -3,6 +3,7 @@ and checked, tensor data converted or quantized a slice at a time and streamed, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from ._types import (
     _NP_TYPE,
     _VT_DTYPE,
     ALIGNMENT_KEY,
+    DEFAULT_ALIGNMENT,
     ValueType,
     _is_bool,
     _is_float,
@@ -26,6 +28,7 @@ from ._types import (
     _type_name_of,
     _type_of,
 )
+from .split import SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT, split_path
 
 _CHUNK_BYTES = 16 << 20     # float32 input converted per step when a writer encodes a tensor
 
@@ -193,11 +196,22 @@ class GGUFWriter:
 
     Tensor data is read when ``write()`` runs, not when it is added.
 
+    With ``split_max_tensors`` or ``split_max_bytes`` it writes a split set as llama.cpp's
+    ``gguf-split`` does (see :mod:`ggmlpy.gguf.split`): ``PREFIX-00001-of-0000N.gguf`` ... where
+    ``PREFIX`` is ``path`` without ``.gguf``; the tensors in order, a new shard after every
+    ``split_max_tensors`` of them, or before the tensor that would take a shard's tensor data (each
+    tensor padded to the alignment) over ``split_max_bytes`` (a larger tensor gets a shard of its own,
+    where gguf-split stops); every metadata key in the first shard, and ``split.no``, ``split.count``,
+    ``split.tensors.count`` in each. One shard is still named ``-00001-of-00001``, as gguf-split names it.
+
     Parameters
     ----------
     path : str or os.PathLike
     arch : str, optional
         Sets ``general.architecture`` (as the first key).
+    split_max_tensors, split_max_bytes : int, optional
+        Write a split set (one of the two), with at most this many tensors, or bytes of tensor data, per
+        shard.
 
     Raises
     ------
@@ -205,11 +219,22 @@ class GGUFWriter:
         From any method, for a value the format cannot hold (see each method).
     """
 
-    def __init__(self, path: str | os.PathLike, arch: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, arch: str | None = None, *, split_max_tensors: int | None = None,
+                 split_max_bytes: int | None = None) -> None:
         self.path = os.fsdecode(os.fspath(path))
         self._kv: dict[str, tuple[ValueType, ValueType | None, Any]] = {}
         self._tensors: dict[str, _Pending] = {}
         self._written = False
+        if split_max_tensors is not None and split_max_bytes is not None:
+            raise GGUFError(f"{self.path}: split_max_tensors or split_max_bytes, not both (as gguf-split's "
+                            "--split-max-tensors and --split-max-size)")
+        for what, v in (("split_max_tensors", split_max_tensors), ("split_max_bytes", split_max_bytes)):
+            if v is not None and (not _is_int(v) or int(v) < 1):
+                raise GGUFError(f"{self.path}: {what} must be a whole number of at least 1 (got {v!r})")
+        self.split_max_tensors = None if split_max_tensors is None else int(split_max_tensors)
+        self.split_max_bytes = None if split_max_bytes is None else int(split_max_bytes)
+        #: the files written (one; a split set's shards in order)
+        self.paths: list[str] = []
         if arch is not None:
             self.add("general.architecture", arch, ValueType.STRING)
 
@@ -373,25 +398,71 @@ class GGUFWriter:
         self._tensors[name] = _Pending(name, t, ne_, nbytes, arr, False)
 
     def write(self) -> None:
-        """Write the file (once): header via ggml, then each tensor's data, aligned.
+        """Write the file (once): header via ggml, then each tensor's data, aligned; or the split set's
+        shards (``self.paths`` lists what was written).
 
         Raises
         ------
         GGUFError
             Already written; or the header could not be made.
         OSError
-            The file could not be written; no partial file is left behind.
+            The file could not be written; no partial file is left behind (nor any shard of a set).
         """
         self._check_open()
         pending = list(self._tensors.values())
-        meta, alignment, layout = _core._gguf_meta(
-            [(k, t, et, v) for k, (t, et, v) in self._kv.items()], [(p.name, p.type, p.ne) for p in pending])
-        with replacing(self.path) as tmp, open(tmp, "wb") as f:
+        kv = [(k, t, et, v) for k, (t, et, v) in self._kv.items()]
+        if self.split_max_tensors is None and self.split_max_bytes is None:
+            self._write_file(self.path, kv, pending)
+            self.paths = [self.path]
+            self._written = True
+            return
+        shards = self._shards(pending)
+        prefix = self.path[:-len(".gguf")] if self.path.endswith(".gguf") else self.path
+        kv = [e for e in kv if e[0] not in (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT)]
+        written: list[str] = []
+        try:
+            for no, part in enumerate(shards):
+                keys = [(SPLIT_NO, ValueType.UINT16, None, no), (SPLIT_COUNT, ValueType.UINT16, None, len(shards)),
+                        (SPLIT_TENSORS_COUNT, ValueType.INT32, None, len(pending))]
+                path = split_path(prefix, no, len(shards))
+                self._write_file(path, (kv if no == 0 else []) + keys, part)
+                written.append(path)
+        except BaseException:
+            for path in written:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
+        self.paths = written
+        self._written = True
+
+    def _shards(self, pending: list[_Pending]) -> list[list[_Pending]]:
+        """The tensors of each shard (gguf-split's rule; see the class docstring)."""
+        alignment = int(self._kv[ALIGNMENT_KEY][2]) if ALIGNMENT_KEY in self._kv else DEFAULT_ALIGNMENT
+        shards: list[list[_Pending]] = [[]]
+        size = 0
+        for i, p in enumerate(pending):
+            n = p.nbytes + (-p.nbytes % alignment)
+            if self.split_max_tensors is not None:
+                new = i > 0 and i % self.split_max_tensors == 0
+            else:
+                new = bool(shards[-1]) and size + n > self.split_max_bytes
+            if new:
+                shards.append([])
+                size = 0
+            shards[-1].append(p)
+            size += n
+        if len(shards) > 0xFFFF:
+            raise GGUFError(f"{self.path}: {len(shards)} shards; split.count is a UINT16 (at most 65535)")
+        return shards
+
+    def _write_file(self, path: str, kv: list, pending: list[_Pending]) -> None:
+        meta, alignment, layout = _core._gguf_meta(kv, [(p.name, p.type, p.ne) for p in pending])
+        with replacing(path) as tmp, open(tmp, "wb") as f:
             f.write(meta)
             base = len(meta)
             for p, (off, nbytes) in zip(pending, layout):
                 if f.tell() != base + off or nbytes != p.nbytes:
-                    raise GGUFError(f"{self.path}: tensor {p.name!r} would be written at {f.tell()}, but ggml "
+                    raise GGUFError(f"{path}: tensor {p.name!r} would be written at {f.tell()}, but ggml "
                                     f"placed it at {base + off} ({nbytes} bytes)")
                 n = 0
                 for piece in p.pieces():
@@ -399,9 +470,8 @@ class GGUFWriter:
                     f.write(mv)
                     n += mv.nbytes
                 if n != nbytes:
-                    raise GGUFError(f"{self.path}: tensor {p.name!r} encoded to {n} bytes, expected {nbytes}")
+                    raise GGUFError(f"{path}: tensor {p.name!r} encoded to {n} bytes, expected {nbytes}")
                 f.write(b"\0" * (-nbytes % alignment))
-        self._written = True
 
     def __enter__(self) -> GGUFWriter:
         return self
@@ -413,3 +483,36 @@ class GGUFWriter:
 
     def __repr__(self) -> str:
         return f"GGUFWriter({self.path!r}, {len(self._kv)} keys, {len(self._tensors)} tensors)"
+
+
+def write_split(src: str | os.PathLike, path: str | os.PathLike, *, max_tensors: int | None = None,
+                max_bytes: int | None = None) -> list[str]:
+    """Write the model in ``src`` again as a split set (llama.cpp's ``gguf-split --split``): every
+    metadata key and tensor as they are (the data copied, not re-encoded), in shards of at most
+    ``max_tensors`` tensors or ``max_bytes`` bytes of tensor data, named after ``path`` (``model.gguf``
+    gives ``model-00001-of-0000N.gguf`` ...); see :class:`GGUFWriter`. Returns the shards' paths.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> from ggmlpy import gguf
+    >>> from ggmlpy.models.synthetic import write_synthetic
+    >>> d = tempfile.mkdtemp()
+    >>> src = write_synthetic(os.path.join(d, "tiny.gguf"), "tiny")
+    >>> [os.path.basename(p) for p in gguf.write_split(src, os.path.join(d, "split.gguf"), max_tensors=8)]
+    ['split-00001-of-00003.gguf', 'split-00002-of-00003.gguf', 'split-00003-of-00003.gguf']
+    """
+    from .reader import GGUFReader
+
+    with GGUFReader(src) as r:
+        w = GGUFWriter(path, split_max_tensors=max_tensors, split_max_bytes=max_bytes)
+        for key, value in r.metadata.items():
+            t = r.kv_type(key)
+            if t == ValueType.ARRAY:
+                w.add_array(key, value, r.arr_type(key))
+            else:
+                w.add(key, value, t)
+        for t in r.tensors:
+            w.add_tensor(t.name, r.tensor_data(t.name), type=t.type, ne=t.ne)
+        w.write()
+    return w.paths

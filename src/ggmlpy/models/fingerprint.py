@@ -6,7 +6,7 @@ into the other without an error and decoding goes on over a foreign cache. :func
 is a SHA-256 over
 
 * the file's tensor table: every tensor's name, type, shape, offset in the data section and size, in
-  file order;
+  file order (a split model's tensors at the offsets one file would give them);
 * sampled data: from every tensor, up to :data:`SAMPLE_ROWS` rows (the first, the last and evenly
   spaced ones between), the first :data:`SAMPLE_BYTES` bytes of each.
 
@@ -30,6 +30,7 @@ import hashlib
 from typing import Any, Optional
 
 from ggmlpy._core import GGMLValueError
+from ggmlpy.gguf import open_data
 
 __all__ = ["SAMPLE_BYTES", "SAMPLE_ROWS", "model_fingerprint", "weights_fingerprint"]
 
@@ -57,7 +58,8 @@ def weights_fingerprint(reader, f=None) -> str:
     reader : ggmlpy.gguf.GGUFReader
         An open reader (its tensor table is read; its file must not have changed since).
     f : binary file object, optional
-        The file's data to read the samples from (default: the file at ``reader.path``, opened here).
+        The file's data to read the samples from (default: the file at ``reader.path``, opened here; a
+        split model's shards one after the other).
 
     Raises
     ------
@@ -65,13 +67,20 @@ def weights_fingerprint(reader, f=None) -> str:
         The file ends inside a sampled row (it changed since the reader checked it).
     """
     if f is None:
-        with open(reader.path, "rb") as own:
+        files = getattr(reader, "files", ())
+        # a split model's shards, read as one (the offsets of GGUFSplitReader's tensors count that way)
+        with open_data(files) if len(files) > 1 else open(reader.path, "rb") as own:
             return weights_fingerprint(reader, own)
     h = hashlib.sha256(b"ggmlpy weights fingerprint 1\0")
     pieces = []
+    # a tensor's offset in the data section, counted as one file lays the table out (each tensor padded to
+    # the alignment: GGUFReader checks a file's table tiles its data section so), so that a split model and
+    # the same model in one file have one fingerprint
+    at = 0
     for info in reader.tensors:
         h.update(f"{info.name}\0{info.type.name}\0{','.join(map(str, info.ne))}\0"
-                 f"{info.offset - reader.data_offset}\0{info.nbytes}\n".encode())
+                 f"{at}\0{info.nbytes}\n".encode())
+        at += info.nbytes + (-info.nbytes % reader.alignment)
         pieces.extend((info.name, off, n) for off, n in _sample(info))
     for name, off, n in sorted(pieces, key=lambda p: p[1]):     # in file order: forward reads
         f.seek(off)

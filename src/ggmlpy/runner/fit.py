@@ -375,7 +375,7 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
         Even the CPU cannot hold what the accelerators cannot (at ``n_ctx_min`` with ``n_ctx="auto"``); the
         message has the last try's report and the steps, ``.report`` the report. Nothing stays allocated.
     """
-    from ggmlpy.gguf import GGUFReader
+    from ggmlpy.gguf import open_reader
     from ggmlpy.models import model_class
     from ggmlpy.runner.runner import Runner
 
@@ -384,7 +384,7 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
     if auto_ctx and n_ctx != "auto":
         raise GGMLValueError(f"load_model: n_ctx must be a positive integer or 'auto' (got {n_ctx!r})")
     tk, tv, fa = Runner.check_cache_types(type_k, type_v, flash_attn)
-    with GGUFReader(path) as reader:
+    with open_reader(path) as reader:
         cfg = model_class(reader.metadata.get("general.architecture"), str(path)).read_config(reader, str(path))
         cpu = _core.device("CPU")
         overrides = tuple(overrides) + n_cpu_moe_overrides(n_cpu_moe, cfg.n_layer)
