@@ -50,7 +50,8 @@ def test_the_writer_splits_as_gguf_split_does(tmp_path):
         r = gguf_py.GGUFReader(p)            # another reader of the format
         f = r.fields
         assert f[gguf.SPLIT_NO].types == [gguf_py.GGUFValueType.UINT16] and int(f[gguf.SPLIT_NO].parts[-1][0]) == k
-        assert f[gguf.SPLIT_COUNT].types == [gguf_py.GGUFValueType.UINT16] and int(f[gguf.SPLIT_COUNT].parts[-1][0]) == 3
+        assert f[gguf.SPLIT_COUNT].types == [gguf_py.GGUFValueType.UINT16]
+        assert int(f[gguf.SPLIT_COUNT].parts[-1][0]) == 3
         assert f[gguf.SPLIT_TENSORS_COUNT].types == [gguf_py.GGUFValueType.INT32]
         assert int(f[gguf.SPLIT_TENSORS_COUNT].parts[-1][0]) == 10
         # every key of the model in the first shard only (gguf-split: "Save all metadata in first split only")
