@@ -14,7 +14,35 @@ from collections.abc import Sequence
 from ggmlpy._core import GGUFError
 
 
-class MappedFile(io.RawIOBase):
+class _Positioned(io.RawIOBase):
+    """A read-only, seekable stream of ``_size`` bytes whose position is ``_pos``: the seeking both
+    readers share (each defines ``readinto``)."""
+
+    _size = 0
+    _pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._checkClosed()
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}.get(whence)
+        if base is None:
+            raise ValueError(f"seek: invalid whence {whence}")
+        if base + offset < 0:
+            raise ValueError(f"seek: negative position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        self._checkClosed()
+        return self._pos
+
+
+class MappedFile(_Positioned):
     """A read-only, seekable file object that reads through a memory map of the file.
 
     ``read``/``readinto`` copy from the mapping, so the data comes from the
@@ -49,26 +77,6 @@ class MappedFile(io.RawIOBase):
             with contextlib.suppress(OSError):       # a hint for readahead, nothing depends on it
                 self._mm.madvise(mmap.MADV_SEQUENTIAL)
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self._checkClosed()
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}.get(whence)
-        if base is None:
-            raise ValueError(f"seek: invalid whence {whence}")
-        if base + offset < 0:
-            raise ValueError(f"seek: negative position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        self._checkClosed()
-        return self._pos
-
     def readinto(self, b) -> int:
         self._checkClosed()
         dst = memoryview(b).cast("B")
@@ -89,7 +97,7 @@ class MappedFile(io.RawIOBase):
         super().close()
 
 
-class ConcatFile(io.RawIOBase):
+class ConcatFile(_Positioned):
     """Several files read as one, laid end to end (a split model's shards, whose tensor offsets
     :class:`~ggmlpy.gguf.GGUFSplitReader` counts this way): read-only and seekable, each part opened
     with :func:`open_data` (so ``mmap`` reads every part through a memory map). A read that reaches the
@@ -115,26 +123,6 @@ class ConcatFile(io.RawIOBase):
             raise
         self._size = size
         self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self._checkClosed()
-        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}.get(whence)
-        if base is None:
-            raise ValueError(f"seek: invalid whence {whence}")
-        if base + offset < 0:
-            raise ValueError(f"seek: negative position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        self._checkClosed()
-        return self._pos
 
     def readinto(self, b) -> int:
         self._checkClosed()
