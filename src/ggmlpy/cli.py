@@ -617,6 +617,15 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+def _hub_cache() -> str:
+    """Where huggingface_hub keeps the models ``-hf`` downloads ($HF_HUB_CACHE, $HF_HOME/hub, ...)."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:                       # a dependency; an install without it has no -hf either
+        return "(huggingface_hub is not installed)"
+    return str(constants.HF_HUB_CACHE)
+
+
 def _cmd_cache(args: argparse.Namespace) -> int:
     """``ggmlpy cache [list|path|clear [--yes]]``: the folder of ggmlpy's own files, what is in it, and
     removing it (only ggmlpy's entries; anything else there is listed and left alone)."""
@@ -633,6 +642,8 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         source = {"GGMLPY_CACHE": "from $GGMLPY_CACHE", "XDG_CACHE_HOME": "from $XDG_CACHE_HOME",
                   "default": "the default; $GGMLPY_CACHE or $XDG_CACHE_HOME move it"}[cache_dir_source()]
         print(f"{folder} ({source})")
+        print(f"  models fetched with -hf or hf:// are in the Hugging Face cache, {_hub_cache()} (not here; "
+              f"huggingface_hub's cache commands list and remove them)")
         if not entries:
             print("  empty: nothing written yet")
             return 0

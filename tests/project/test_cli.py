@@ -215,6 +215,10 @@ def test_cache_command_lists_clears_and_prints_the_path(tmp_path, monkeypatch, c
     assert cli.main(["cache", "list"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{folder} (from $GGMLPY_CACHE)\n")
+    # the hub's models are elsewhere, and the listing says where
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hfhub"))
+    assert cli.main(["cache", "list"]) == 0
+    assert f"Hugging Face cache, {tmp_path / 'hfhub'} (not here" in capsys.readouterr().out
     assert re.search(rf"\d+\.\d KiB  {model.name} +built-in benchmark model", out)
     assert re.search(r"4\.9 KiB  converter/ +llama.cpp's converter", out)
     assert re.search(r"mine\.txt +not ggmlpy's: left alone", out)
