@@ -39,6 +39,9 @@ def open(path: str | os.PathLike, *, devices: str | Sequence[str] = DEFAULTS["de
     """Load the model in ``path`` and start a :class:`~ggmlpy.runner.Runner` over it, which owns it:
     closing the runner (``close()``, the end of a ``with`` block) closes the model too.
 
+    Defaults are :data:`ggmlpy.defaults.DEFAULTS`' (the table in ``docs/runner.md``), the same as the
+    command line's. Other settings: ``load_model`` and ``Runner`` themselves, which this composes.
+
     Parameters
     ----------
     path : str or PathLike
@@ -57,9 +60,6 @@ def open(path: str | os.PathLike, *, devices: str | Sequence[str] = DEFAULTS["de
     mmproj, rpc, tensor_split, tensor_overrides, n_cpu_moe, mmap, progress
         :func:`ggmlpy.load_model`'s: a vision encoder (then prompts take images), RPC servers, the
         placement's options, the read.
-
-    Defaults are :data:`ggmlpy.defaults.DEFAULTS`' (the table in ``docs/runner.md``), the same as the
-    command line's. Other settings: ``load_model`` and ``Runner`` themselves, which this composes.
 
     Returns
     -------

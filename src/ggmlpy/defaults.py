@@ -4,7 +4,7 @@ Every setting below has its default here and nowhere else: :class:`~ggmlpy.sampl
 the keyword arguments of :meth:`Runner.generate <ggmlpy.runner.Runner.generate>` (and ``submit``,
 ``chat``), :func:`ggmlpy.load_model`, :class:`~ggmlpy.runner.Runner`, :func:`ggmlpy.open` and the
 options of ``ggmlpy run`` / ``ggmlpy chat`` take their values from :data:`DEFAULTS`, and
-``tests/test_api.py`` checks that each of them does. ``docs/runner.md`` shows the same table.
+``tests/runner/test_api.py`` checks that each of them does. ``docs/runner.md`` shows the same table.
 
 ==================  ===========  ==========================  ===========================================
 setting             default      CLI option                  where it comes from

@@ -86,10 +86,6 @@ class Runner(DirectCalls, RequestLoop):
         ``"measure"`` (default), ``"own"`` or ``"ggml"``: where ggmlpy's own CPU kernels replace ggml's
         ops (:attr:`kernels` holds the choices).
 
-    Settings not given take those a placement search reserved for (``model.fit.runner_kwargs``), else
-    the defaults (:data:`ggmlpy.defaults.DEFAULTS`). Each is described in full in ``docs/runner.md``.
-    :func:`ggmlpy.open` loads a model and starts a runner over it in one call.
-
     Raises
     ------
     GGMLMemoryError
@@ -98,6 +94,10 @@ class Runner(DirectCalls, RequestLoop):
 
     Notes
     -----
+    Settings not given take those a placement search reserved for (``model.fit.runner_kwargs``), else
+    the defaults (:data:`ggmlpy.defaults.DEFAULTS`). Each is described in full in ``docs/runner.md``.
+    :func:`ggmlpy.open` loads a model and starts a runner over it in one call.
+
     :meth:`submit`, :meth:`generate` and :meth:`embed` may be called from any thread; the direct calls
     (:meth:`decode`, :meth:`decode_batch`, :meth:`clear`, the state) run one at a time while no request
     is served; :meth:`close` may be called from any thread at any time, after which every call raises
@@ -410,6 +410,8 @@ class Runner(DirectCalls, RequestLoop):
                detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
+        Each option is described in full in ``docs/runner.md``.
+
         Parameters
         ----------
         prompt : str or token ids
@@ -443,8 +445,6 @@ class Runner(DirectCalls, RequestLoop):
         images : list
             Images, in prompt order, for a runner with a vision encoder: a str prompt marks each with
             ``<__media__>``, a token-id prompt with a run of :attr:`image_token` per tile.
-
-        Each is described in full in ``docs/runner.md``.
 
         Raises
         ------
