@@ -21,7 +21,7 @@ than into the environment, so those symlinks never land in a pip-managed tree.
 The wheels have no libcuda stub either; CMakeLists.txt then builds without
 CUDA VMM (GGML_CUDA_NO_VMM). At run time ggmlpy needs only libcudart and
 libcublas, which come from the ``cuda`` extra (``pip install ggmlpy[cuda]``)
-or a system CUDA; see README.md, "CUDA build".
+or a system CUDA; see docs/install.md, "CUDA".
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ def _unavailable(str what):
         return BackendUnavailable(f"{what}: no such device: the {reg} backend is compiled in but found "
                                   f"{_n_devices(reg)} device(s){hint}; devices: {have}")
     if flag is not None:
-        doc = " (README.md: \"CUDA build\" for the toolkit)" if key == "CUDA" else ""
+        doc = " (docs/install.md, \"CUDA\", for the toolkit)" if key == "CUDA" else ""
         return BackendUnavailable(
             f"{what}: this build of ggmlpy has no {key} backend (compiled in: {', '.join(regs)}; devices: {have}); "
             f"rebuild with it: CMAKE_ARGS=\"-D{flag}=on\" pip install --force-reinstall --no-binary ggmlpy ggmlpy{doc}")
