@@ -52,8 +52,11 @@ def _runtime_doc(obj, name: str) -> str | None:
 class CoreDocstrings(griffe.Extension):
     """Copy the compiled ``ggmlpy._core``'s docstrings onto the objects Griffe read from its stub."""
 
-    def on_module(self, *, mod: griffe.Module, **kwargs) -> None:
+    def on_module(self, *, mod: griffe.Module, loader: griffe.GriffeLoader | None = None, **kwargs) -> None:
         if mod.path == MODULE:
+            # parsed as every other docstring is (mkdocs.yml: numpy style)
+            self._parser = loader.docstring_parser if loader is not None else None
+            self._options = loader.docstring_options if loader is not None else {}
             self._fill(mod, importlib.import_module(MODULE))
 
     def _fill(self, node: griffe.Object, runtime: object) -> None:
@@ -70,7 +73,8 @@ class CoreDocstrings(griffe.Extension):
             if member.docstring is None:
                 doc = _runtime_doc(value, name)
                 if doc:
-                    member.docstring = griffe.Docstring(doc, parent=member)
+                    member.docstring = griffe.Docstring(doc, parent=member, parser=self._parser,
+                                                        parser_options=self._options)
             if member.is_class:
                 self._fill(member, value)
 
