@@ -288,9 +288,9 @@ def test_a_split_set_is_fetched_whole_and_loads_as_one_model(served, tiny):
 # ---------------------------------------------------------------------------------------------- the CLI
 
 
-def _cli(tmp_path, url, *args, offline=False):
+def _cli(tmp_path, url, *args, offline=False, input=None):
     return subprocess.run([sys.executable, "-m", "ggmlpy.cli", *args], capture_output=True, text=True, timeout=300,
-                          env=_child_env(tmp_path, url, offline), encoding="utf-8")
+                          env=_child_env(tmp_path, url, offline), encoding="utf-8", input=input)
 
 
 @pytest.mark.hf
@@ -377,8 +377,13 @@ def test_the_readme_gets_a_model_from_the_hub(served, tiny, tmp_path):
     for ref in repos:
         stem = ref.repo.split("/")[1].removesuffix("-GGUF")
         served.add(ref.repo, {f"{stem}-{ref.quant}.gguf": tiny["Q8_0"], f"{stem}-F16.gguf": tiny["F16"]})
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     for c in commands:
-        r = _cli(tmp_path, served.url, *shlex.split(c)[1:], "-t", "1")
+        args, stdin = [*shlex.split(c)[1:], "-t", "1"], None
+        if args[0] == "chat":      # the served tiny model has no chat template: give one; one turn, then /bye
+            args, stdin = [*args, "--chat-template-file", str(template), "-n", "4"], "Hi\n/bye\n"
+        r = _cli(tmp_path, served.url, *args, input=stdin)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
         assert "-Q4_K_M.gguf (revision main)" in r.stderr
     for line in lines:
