@@ -66,7 +66,7 @@ def test_parse_names_devices_and_buffer_types_in_any_case():
 def test_bad_overrides_are_refused_before_anything_is_read(arch_files, kw, message, ngl, monkeypatch):  # noqa: F811
     path = arch_files("llama")
     opened = []
-    monkeypatch.setattr("ggmlpy.load.GGUFReader", lambda *a, **k: opened.append(a) or 1 / 0)
+    monkeypatch.setattr("ggmlpy.load.open_reader", lambda *a, **k: opened.append(a) or 1 / 0)
     with pytest.raises(GGMLValueError, match=message):
         load_model(path, n_gpu_layers=ngl, **kw)
     assert opened == []

@@ -150,9 +150,21 @@ def _run_python(code: str, where: str) -> dict:
     return env
 
 
+#: a python block's process: it runs the block as _run_python does here
+_CHILD = f"""import sys
+sys.path[:0] = [{str(dh.ROOT / "tests")!r}, {os.path.dirname(os.path.abspath(__file__))!r}]
+import test_docs
+test_docs._run_python(sys.stdin.read(), sys.argv[1])
+"""
+
+
 @pytest.mark.parametrize("block", PYTHON, ids=[b.id for b in PYTHON])
 def test_python_block(block, in_examples):
-    _run_python(block.code, block.id)
+    # A process of its own, as a user's script has: no state earlier tests left in this one (an RPC
+    # server registered for the whole process and since stopped, handles the collector has not freed).
+    r = subprocess.run([sys.executable, "-c", _CHILD, block.id], input=block.code, cwd=in_examples,
+                       env=dict(os.environ), capture_output=True, text=True, encoding="utf-8", timeout=600)
+    assert r.returncode == 0, f"{block.id}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
 
 
 def _ggmlpy_command(line: str, where: str) -> tuple[dict, list[str]]:

@@ -122,3 +122,23 @@ def test_imports_never_run_up_a_floor():
             if floor[to] > floor[here] and (module, to) not in UPWARD_REEXPORTS:
                 bad.append(f"{module}:{line} imports {target} ({here} is floor {floor[here]}, {to} floor {floor[to]})")
     assert not bad, "imports up a floor:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("dl", [0, 1])
+def test_the_glue_compiles_in_both_kinds_of_build(dl, tmp_path):
+    """The glue headers that differ between a native build and a portable one (GGMLPY_BACKEND_DL: ggml's
+    CPU and RPC libraries loaded as modules, their functions looked up with dlsym) compile in both, with
+    undeclared functions an error: a native build never compiles the portable branch, and a dlsym left
+    undeclared there once made every portable wheel crash at import."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    ggml = ROOT / "vendor/ggml/src"
+    if cc is None or not (ggml / "include/ggml-backend.h").is_file():
+        pytest.skip("no C compiler, or ggml's source not fetched (the build fetches it)")
+    src = tmp_path / "glue.c"
+    src.write_text('#include "ggmlpy_rpc.h"\n#include "ggmlpy_cpu.h"\nint main(void) { return 0; }\n')
+    flags = [f"-DGGMLPY_BACKEND_DL={dl}", "-DGGMLPY_HAVE_RPC=1", "-DGGMLPY_RPC_ERRORS=1",
+             "-DGGMLPY_RPC_SERVER_LIMITS=1", "-Werror=implicit-function-declaration", "-Wall"]
+    r = subprocess.run([cc, "-fsyntax-only", *flags, f"-I{SRC / 'ggmlpy/_c/glue'}", f"-I{ggml / 'include'}",
+                        f"-I{ggml / 'src'}", str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+

@@ -52,6 +52,7 @@ static void ggml_backend_rpc_server_set_limits(uint32_t timeout_ms, uint32_t max
 #endif
 
 #if GGMLPY_HAVE_RPC && GGMLPY_BACKEND_DL
+#include <dlfcn.h>     /* dlsym: undeclared, C would take it to return int and cut the pointer to 32 bits */
 #if GGMLPY_RPC_ERRORS
 #define GGMLPY_RPC_FUNCS_0001(X) X(ggml_backend_rpc_set_timeout_ms) X(ggml_backend_rpc_take_error)
 #else
