@@ -128,6 +128,20 @@ def test_only_pin_fetch_script_and_our_patches_are_tracked():
         assert text.index("Why:") < text.index("\n--- ") and "upstream" in text[:text.index("\n--- ")]
 
 
+def test_license_is_mit_and_the_wheel_lists_it():
+    """ggmlpy's LICENSE is the MIT License that pyproject.toml declares (PEP 639), and its license-files
+    take it into the wheel's .dist-info/licenses/."""
+    text = (ROOT / "LICENSE").read_text()
+    assert text.splitlines()[:3] == ["MIT License", "", "Copyright (c) 2026 the ggmlpy authors"]
+    assert "Permission is hereby granted, free of charge," in text and 'PROVIDED "AS IS"' in text
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license = "MIT"$', pyproject, re.M)
+    assert re.search(r'^license-files = \["LICENSE"\]$', pyproject, re.M)
+    # PEP 639 metadata needs scikit-build-core 0.11 or later
+    floor = re.search(r'"scikit-build-core>=([0-9.]+)"', pyproject).group(1)
+    assert tuple(int(x) for x in floor.split(".")) >= (0, 11), floor
+
+
 def _load_fetch():
     import importlib.util
 
