@@ -375,6 +375,25 @@ def _fresh_venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+def _assert_licenses(whl: Path) -> None:
+    """``whl`` carries ggmlpy's notice and ggml's in .dist-info/licenses/ (PEP 639), its METADATA naming
+    the license and ggmlpy's file (ggml's comes from CMake's install: see pyproject.toml)."""
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        (meta,) = [n for n in names if re.fullmatch(r"ggmlpy-[^/]+\.dist-info/METADATA", n)]
+        lic = meta.replace("METADATA", "licenses/")
+        got = sorted(n for n in names if n.startswith(lic))
+        assert got == [lic + "LICENSE", lic + "ggml/LICENSE"], got
+        ours, ggml = z.read(lic + "LICENSE"), z.read(lic + "ggml/LICENSE")
+        metadata = z.read(meta).decode()
+    assert ours.decode().splitlines()[:3] == ["MIT License", "", "Copyright (c) 2026 the ggmlpy authors"]
+    assert ggml.decode().splitlines()[:3] == ["MIT License", "", "Copyright (c) 2023-2026 The ggml authors"]
+    assert ours == (ROOT / "LICENSE").read_bytes()
+    if (ROOT / "vendor/ggml/src/LICENSE").exists():
+        assert ggml == (ROOT / "vendor/ggml/src/LICENSE").read_bytes()
+    assert "\nLicense-Expression: MIT\n" in metadata and "\nLicense-File: LICENSE\n" in metadata
+
+
 def _tiny_model(tmp_path: Path) -> Path:
     from ggmlpy.models.synthetic import write_synthetic
 
@@ -395,6 +414,7 @@ def test_portable_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         whl = r.stdout.strip().splitlines()[-1]
     whl = Path(whl)
     assert "manylinux" in whl.name, whl.name
+    _assert_licenses(whl)
     py = _fresh_venv(tmp_path / "venv")
     subprocess.run([str(py), "-m", "pip", "install", "-q", str(whl)], check=True, env=_clean_env())
 
@@ -441,6 +461,7 @@ def test_sdist_builds_a_wheel_offline(tmp_path):
     top = names[0].split("/")[0]
     assert f"{top}/vendor/ggml/src/CMakeLists.txt" in names
     assert f"{top}/vendor/ggml/src/src/ggml-cpu/ggml-cpu.c" in names
+    assert {f"{top}/LICENSE", f"{top}/vendor/ggml/src/LICENSE"} <= set(names)      # both notices
     assert not any(n.startswith(f"{top}/build/") for n in names)
 
     # Offline: no index, and any connection attempt goes to a closed port.
@@ -458,6 +479,7 @@ def test_sdist_builds_a_wheel_offline(tmp_path):
         names = z.namelist()
     assert any(n.startswith("ggmlpy/_core.") for n in names)
     assert {"ggmlpy/libggml.so", "ggmlpy/libggml-base.so", "ggmlpy/libggml-cpu.so"} <= set(names)
+    _assert_licenses(whl)
 
 
 @pytest.mark.skipif(not shutil.which("readelf"), reason="readelf (binutils) reads the libraries' rpath")
