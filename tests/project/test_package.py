@@ -382,7 +382,7 @@ def _assert_licenses(whl: Path) -> None:
         names = z.namelist()
         (meta,) = [n for n in names if re.fullmatch(r"ggmlpy-[^/]+\.dist-info/METADATA", n)]
         lic = meta.replace("METADATA", "licenses/")
-        got = sorted(n for n in names if n.startswith(lic))
+        got = sorted(n for n in names if n.startswith(lic) and not n.endswith("/"))    # auditwheel lists folders
         assert got == [lic + "LICENSE", lic + "ggml/LICENSE"], got
         ours, ggml = z.read(lic + "LICENSE"), z.read(lic + "ggml/LICENSE")
         metadata = z.read(meta).decode()
