@@ -128,6 +128,23 @@ def test_only_pin_fetch_script_and_our_patches_are_tracked():
         assert text.index("Why:") < text.index("\n--- ") and "upstream" in text[:text.index("\n--- ")]
 
 
+def test_license_is_mit_and_the_wheel_lists_it():
+    """ggmlpy's LICENSE is the MIT License that pyproject.toml declares (PEP 639), and its license-files
+    take it into the wheel's .dist-info/licenses/; ggml's notice comes from the pinned sdist."""
+    text = (ROOT / "LICENSE").read_text()
+    assert text.splitlines()[:3] == ["MIT License", "", "Copyright (c) 2026 the ggmlpy authors"]
+    assert "Permission is hereby granted, free of charge," in text and 'PROVIDED "AS IS"' in text
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license = "MIT"$', pyproject, re.M)
+    assert re.search(r'^license-files = \["LICENSE"\]$', pyproject, re.M)
+    # PEP 639 metadata needs scikit-build-core 0.11 or later
+    floor = re.search(r'"scikit-build-core>=([0-9.]+)"', pyproject).group(1)
+    assert tuple(int(x) for x in floor.split(".")) >= (0, 11), floor
+    # llama.cpp's LICENSE, beside the ggml folder the pin takes (fetch.py puts it in the tree)
+    pin = _load_fetch().read_pin(ROOT / "vendor/ggml/PIN")
+    assert pin["license"] == str(Path(pin["subfolder"]).parent / "LICENSE") == "vendor/llama.cpp/LICENSE"
+
+
 def _load_fetch():
     import importlib.util
 
@@ -137,8 +154,10 @@ def _load_fetch():
     return mod
 
 
+NOTICE = b"MIT License\n\nCopyright (c) the ggml authors\n"
 SDIST_FILES = {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
                "pkg-1.0/ggml/include/ggml.h": b"/* */\n",
+               "pkg-1.0/LICENSE": NOTICE,
                "pkg-1.0/other/file.txt": b"not extracted\n"}
 
 
@@ -154,14 +173,22 @@ def _fake_sdist(tmp_path: Path, files=None) -> Path:
     return path
 
 
-def _pinned(tmp_path: Path, monkeypatch, files=None, subfolder="ggml"):
-    """fetch.py with HERE in tmp_path, pinned to a fake sdist of ``files`` that "download" copies."""
+def _pinned(tmp_path: Path, monkeypatch, files=None, subfolder="ggml", notice="LICENSE"):
+    """fetch.py with HERE in tmp_path, pinned to a fake sdist of ``files`` that "download" copies
+    (counted in ``fetch.downloads``)."""
     fetch = _load_fetch()
     archive = _fake_sdist(tmp_path, files)
     good = hashlib.sha256(archive.read_bytes()).hexdigest()
-    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\nsubfolder = {subfolder}\n")
+    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {good}\nsubfolder = {subfolder}\n"
+                                  f"license = {notice}\n")
     monkeypatch.setattr(fetch, "HERE", tmp_path)
-    monkeypatch.setattr(fetch, "download", lambda pin, into: Path(shutil.copy(archive, into)))
+    fetch.downloads = 0
+
+    def download(pin, into):
+        fetch.downloads += 1
+        return Path(shutil.copy(archive, into))
+
+    monkeypatch.setattr(fetch, "download", download)
     return fetch
 
 
@@ -172,12 +199,14 @@ def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypat
     fetch.fetch(dest)
     assert (dest / "CMakeLists.txt").read_bytes() == b"project(x)\n"
     assert (dest / "include/ggml.h").exists()
+    assert (dest / "LICENSE").read_bytes() == NOTICE        # the notice, from outside the subfolder
     assert not (dest / "other").exists()
     # The archive says 1970; kept, a build folder of an older pin would not rebuild these sources.
     assert all(f.stat().st_mtime >= before for f in dest.rglob("*"))
 
     # A wrong hash is refused, names the way out, and leaves no tree behind.
-    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {'0' * 64}\nsubfolder = ggml\n")
+    (tmp_path / "PIN").write_text(f"package = pkg\nversion = 1.0\nsha256 = {'0' * 64}\nsubfolder = ggml\n"
+                                  "license = LICENSE\n")
     dest2 = tmp_path / "src2"
     with pytest.raises(fetch.FetchError) as ei:
         fetch.fetch(dest2)
@@ -187,18 +216,66 @@ def test_fetch_verifies_hash_and_extracts_only_the_subfolder(tmp_path, monkeypat
 
 def test_fetch_extracts_a_nested_subfolder(tmp_path, monkeypatch):
     # The pin's subfolder may be a path (llama-cpp-python: vendor/llama.cpp/ggml).
+    # Its notice is llama.cpp's LICENSE, beside the subfolder (and only that file of llama.cpp comes along).
     fetch = _pinned(tmp_path, monkeypatch, {"pkg-1.0/vendor/llama.cpp/ggml/CMakeLists.txt": b"project(x)\n",
                                             "pkg-1.0/vendor/llama.cpp/ggml/src/a.c": b"/* */\n",
+                                            "pkg-1.0/vendor/llama.cpp/LICENSE": NOTICE,
+                                            "pkg-1.0/vendor/llama.cpp/LICENSES": b"not extracted\n",
                                             "pkg-1.0/vendor/llama.cpp/src/llama.cpp": b"not extracted\n",
+                                            "pkg-1.0/LICENSE": b"not extracted\n",
                                             "pkg-1.0/ggml/CMakeLists.txt": b"not extracted\n"},
-                    subfolder="vendor/llama.cpp/ggml")
+                    subfolder="vendor/llama.cpp/ggml", notice="vendor/llama.cpp/LICENSE")
     dest = tmp_path / "src"
     fetch.fetch(dest)
     assert (dest / "CMakeLists.txt").read_bytes() == b"project(x)\n"
     assert (dest / "src/a.c").exists()
-    assert sorted(p.name for p in dest.iterdir()) == [".ggmlpy-patches", "CMakeLists.txt", "src"]
+    assert (dest / "LICENSE").read_bytes() == NOTICE
+    assert sorted(p.name for p in dest.iterdir()) == [".ggmlpy-patches", "CMakeLists.txt", "LICENSE", "src"]
     assert not fetch._inside("pkg-1.0/vendor/llama.cpp/ggml2/x", "vendor/llama.cpp/ggml")
     assert not fetch._inside("pkg-1.0/vendor/../ggml/x", "vendor/../ggml")
+
+
+def test_fetch_adds_the_notice_to_a_tree_fetched_without_it(tmp_path, monkeypatch):
+    # A tree fetched before fetch.py took ggml's notice: LICENSE is added from the (verified) archive and
+    # nothing else changes, so build folders made from the tree do not rebuild ggml for a text file.
+    fetch = _pinned(tmp_path, monkeypatch)
+    dest = tmp_path / "src"
+    fetch.fetch(dest)
+    assert fetch.fetch(dest) == dest and fetch.downloads == 1        # complete: not fetched again
+    (dest / "LICENSE").unlink()
+    (dest / "built-here.txt").write_text("a file of the old tree\n")   # proves the tree was not replaced
+    old = 1_000_000_000
+    os.utime(dest / "include/ggml.h", (old, old))
+    fetch.fetch(dest)
+    assert fetch.downloads == 2
+    assert (dest / "LICENSE").read_bytes() == NOTICE
+    assert (dest / "built-here.txt").exists() and (dest / "include/ggml.h").stat().st_mtime == old
+    assert not list(tmp_path.glob("ggml-license-*"))                  # no staging left behind
+    # Without the notice and with other patches, the tree is fetched whole again.
+    (dest / "LICENSE").unlink()
+    (dest / fetch.STAMP).write_text("an older patch set\n")
+    fetch.fetch(dest)
+    assert (dest / "LICENSE").read_bytes() == NOTICE and not (dest / "built-here.txt").exists()
+
+
+def test_fetch_refuses_an_archive_without_the_notice(tmp_path, monkeypatch):
+    files = {k: v for k, v in SDIST_FILES.items() if k != "pkg-1.0/LICENSE"}
+    fetch = _pinned(tmp_path, monkeypatch, files)
+    dest = tmp_path / "src"
+    with pytest.raises(fetch.FetchError, match="has no LICENSE: ggml's license notice, which every wheel must"):
+        fetch.fetch(dest)
+    assert not dest.exists()
+    # Nor is a tree without it patched up from such an archive: it stays as it was.
+    dest.mkdir()
+    (dest / "CMakeLists.txt").write_text("project(x)\n")
+    (dest / fetch.STAMP).write_text("")
+    with pytest.raises(fetch.FetchError, match="has no LICENSE"):
+        fetch.fetch(dest)
+    assert sorted(p.name for p in dest.iterdir()) == [fetch.STAMP, "CMakeLists.txt"]
+    # A pin must name the notice.
+    (tmp_path / "PIN").write_text((tmp_path / "PIN").read_text().replace("license = LICENSE\n", ""))
+    with pytest.raises(fetch.FetchError, match=r"missing keys \['license'\]"):
+        fetch.read_pin(tmp_path / "PIN")
 
 
 PATCH_OK = """Header: why and what upstream does.
@@ -215,7 +292,8 @@ PATCH_OK = """Header: why and what upstream does.
 
 def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_path, monkeypatch):
     fetch = _pinned(tmp_path, monkeypatch, {"pkg-1.0/ggml/CMakeLists.txt": b"project(x)\n",
-                                            "pkg-1.0/ggml/include/ggml.h": b"/* one */\n/* two */\n"})
+                                            "pkg-1.0/ggml/include/ggml.h": b"/* one */\n/* two */\n",
+                                            "pkg-1.0/LICENSE": NOTICE})
     (tmp_path / "patches").mkdir()
     (tmp_path / "patches/0001-first.patch").write_text(PATCH_OK)
     # the second patch applies only on top of the first: order matters
@@ -244,7 +322,7 @@ def test_fetch_applies_patches_in_order_and_refuses_one_that_does_not_apply(tmp_
 def test_fetch_reports_an_unreachable_registry(tmp_path, monkeypatch):
     fetch = _load_fetch()
     (tmp_path / "PIN").write_text("package = ggmlpy-no-such-package-xyz\nversion = 0.0.1\n"
-                                  f"sha256 = {'0' * 64}\nsubfolder = ggml\n")
+                                  f"sha256 = {'0' * 64}\nsubfolder = ggml\nlicense = LICENSE\n")
     monkeypatch.setattr(fetch, "HERE", tmp_path)
     # An index that does not exist stands in for an unreachable registry.
     monkeypatch.setenv("PIP_INDEX_URL", (tmp_path / "no-index").as_uri())
@@ -297,6 +375,25 @@ def _fresh_venv(path: Path) -> Path:
     return path / "bin" / "python"
 
 
+def _assert_licenses(whl: Path) -> None:
+    """``whl`` carries ggmlpy's notice and ggml's in .dist-info/licenses/ (PEP 639), its METADATA naming
+    the license and ggmlpy's file (ggml's comes from CMake's install: see pyproject.toml)."""
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+        (meta,) = [n for n in names if re.fullmatch(r"ggmlpy-[^/]+\.dist-info/METADATA", n)]
+        lic = meta.replace("METADATA", "licenses/")
+        got = sorted(n for n in names if n.startswith(lic) and not n.endswith("/"))    # auditwheel lists folders
+        assert got == [lic + "LICENSE", lic + "ggml/LICENSE"], got
+        ours, ggml = z.read(lic + "LICENSE"), z.read(lic + "ggml/LICENSE")
+        metadata = z.read(meta).decode()
+    assert ours.decode().splitlines()[:3] == ["MIT License", "", "Copyright (c) 2026 the ggmlpy authors"]
+    assert ggml.decode().splitlines()[:3] == ["MIT License", "", "Copyright (c) 2023-2026 The ggml authors"]
+    assert ours == (ROOT / "LICENSE").read_bytes()
+    if (ROOT / "vendor/ggml/src/LICENSE").exists():
+        assert ggml == (ROOT / "vendor/ggml/src/LICENSE").read_bytes()
+    assert "\nLicense-Expression: MIT\n" in metadata and "\nLicense-File: LICENSE\n" in metadata
+
+
 def _tiny_model(tmp_path: Path) -> Path:
     from ggmlpy.models.synthetic import write_synthetic
 
@@ -317,6 +414,7 @@ def test_portable_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
         whl = r.stdout.strip().splitlines()[-1]
     whl = Path(whl)
     assert "manylinux" in whl.name, whl.name
+    _assert_licenses(whl)
     py = _fresh_venv(tmp_path / "venv")
     subprocess.run([str(py), "-m", "pip", "install", "-q", str(whl)], check=True, env=_clean_env())
 
@@ -363,6 +461,7 @@ def test_sdist_builds_a_wheel_offline(tmp_path):
     top = names[0].split("/")[0]
     assert f"{top}/vendor/ggml/src/CMakeLists.txt" in names
     assert f"{top}/vendor/ggml/src/src/ggml-cpu/ggml-cpu.c" in names
+    assert {f"{top}/LICENSE", f"{top}/vendor/ggml/src/LICENSE"} <= set(names)      # both notices
     assert not any(n.startswith(f"{top}/build/") for n in names)
 
     # Offline: no index, and any connection attempt goes to a closed port.
@@ -380,6 +479,7 @@ def test_sdist_builds_a_wheel_offline(tmp_path):
         names = z.namelist()
     assert any(n.startswith("ggmlpy/_core.") for n in names)
     assert {"ggmlpy/libggml.so", "ggmlpy/libggml-base.so", "ggmlpy/libggml-cpu.so"} <= set(names)
+    _assert_licenses(whl)
 
 
 @pytest.mark.skipif(not shutil.which("readelf"), reason="readelf (binutils) reads the libraries' rpath")

@@ -1,13 +1,16 @@
 """Fetch ggml's source for the build from the pinned registry package.
 
-Reads ``PIN`` beside this file (package, version, sha256, subfolder), downloads
-that sdist with pip, checks its sha256, extracts only ``subfolder/`` (a path
-inside the sdist's top folder, possibly nested), applies
-our patches (``patches/NNNN-*.patch`` beside this file, in name order; each
-says in its header why it exists) and moves the result into ``src/`` beside
-this file. A patch that does not apply stops the fetch and leaves no tree.
-Run by CMake when ``src/CMakeLists.txt`` is missing; run it by hand to refresh
-the tree (it also refetches when ``src/`` was patched with another set)::
+Reads ``PIN`` beside this file (package, version, sha256, subfolder, license),
+downloads that sdist with pip, checks its sha256, extracts only ``subfolder/`` (a
+path inside the sdist's top folder, possibly nested) and the ``license`` file
+(ggml's notice, which every wheel must carry: llama.cpp's LICENSE, outside the
+subfolder) as ``LICENSE`` in it, applies our patches (``patches/NNNN-*.patch``
+beside this file, in name order; each says in its header why it exists) and
+moves the result into ``src/`` beside this file. A patch that does not apply
+stops the fetch and leaves no tree. Run by CMake when ``src/CMakeLists.txt`` or
+``src/LICENSE`` is missing; run it by hand to refresh the tree (it also
+refetches when ``src/`` was patched with another set; a tree fetched before the
+notice was taken only gets ``LICENSE`` added, its sources left untouched)::
 
     python vendor/ggml/fetch.py [--force] [--dest DIR]
 
@@ -52,7 +55,7 @@ def read_pin(path: Path) -> dict[str, str]:
         if line:
             key, _, value = line.partition("=")
             pin[key.strip()] = value.strip()
-    missing = {"package", "version", "sha256", "subfolder"} - pin.keys()
+    missing = {"package", "version", "sha256", "subfolder", "license"} - pin.keys()
     if missing:
         raise FetchError(f"{path}: missing keys {sorted(missing)}")
     return pin
@@ -190,33 +193,67 @@ def apply_patches(root: Path, patches: list[Path]) -> None:
     (root / STAMP).write_text(patch_stamp(patches))
 
 
-def extract(archive: Path, subfolder: str, dest: Path, patches: list[Path] = ()) -> None:
+def _extract_into(archive: Path, paths: list[str], staging: Path) -> Path:
+    """Extract what lies under each of ``paths`` (inside the archive's top folder) into ``staging``;
+    returns that top folder there (``staging`` itself when nothing matched)."""
+    if archive.name.endswith((".tar.gz", ".tgz")):
+        with tarfile.open(archive) as tf:
+            members = [m for m in tf.getmembers()
+                       if any(_inside(m.name, p) for p in paths) and (m.isfile() or m.isdir())]
+            tf.extractall(staging, members=members, filter="data")
+    elif archive.suffix == ".zip":
+        with zipfile.ZipFile(archive) as zf:
+            zf.extractall(staging, [n for n in zf.namelist() if any(_inside(n, p) for p in paths)])
+    else:
+        raise FetchError(f"unknown archive type: {archive.name}")
+    roots = list(staging.iterdir())
+    return roots[0] if len(roots) == 1 else staging
+
+
+def _notice_in(root: Path, notice: str, archive: Path) -> Path:
+    path = root / notice
+    if not path.is_file():
+        raise FetchError(f"{archive.name} has no {notice}: ggml's license notice, which every wheel must "
+                         f"carry (vendor/ggml/PIN: license)")
+    return path
+
+
+def extract(archive: Path, subfolder: str, dest: Path, patches: list[Path] = (),
+            notice: str | None = None) -> None:
+    """``subfolder`` of ``archive``, patched, as the tree ``dest``; with ``notice`` (a file of the archive,
+    ggml's license) copied into it as ``LICENSE``. Leaves no tree on any error."""
     staging = Path(tempfile.mkdtemp(prefix="ggml-src-", dir=dest.parent))
     try:
-        if archive.name.endswith((".tar.gz", ".tgz")):
-            with tarfile.open(archive) as tf:
-                members = [m for m in tf.getmembers()
-                           if _inside(m.name, subfolder) and (m.isfile() or m.isdir())]
-                tf.extractall(staging, members=members, filter="data")
-        elif archive.suffix == ".zip":
-            with zipfile.ZipFile(archive) as zf:
-                zf.extractall(staging, [n for n in zf.namelist() if _inside(n, subfolder)])
-        else:
-            raise FetchError(f"unknown archive type: {archive.name}")
-        roots = list(staging.iterdir())
-        if len(roots) != 1 or not (roots[0] / subfolder / "CMakeLists.txt").is_file():
+        root = _extract_into(archive, [subfolder] + ([notice] if notice else []), staging)
+        if not (root / subfolder / "CMakeLists.txt").is_file():
             raise FetchError(f"{archive.name} has no {subfolder}/CMakeLists.txt")
-        apply_patches(roots[0] / subfolder, list(patches))
+        if notice:
+            found = _notice_in(root, notice, archive)
+            if found != root / subfolder / "LICENSE":      # a ggml sdist's subfolder carries its own
+                shutil.copyfile(found, root / subfolder / "LICENSE")
+        apply_patches(root / subfolder, list(patches))
         # The archive's file times are old (the sdist's, often years back): kept, a build folder
         # made from the previous pin would find every object newer than its source and relink
         # stale objects. Extraction time makes a new pin (or re-fetch) rebuild what it replaces.
         now = time.time()
-        for f in (roots[0] / subfolder).rglob("*"):
+        for f in (root / subfolder).rglob("*"):
             os.utime(f, (now, now), follow_symlinks=False)
         if dest.exists():
             shutil.rmtree(dest)
         # Rename is atomic: a build that dies half-way never leaves a partial tree.
-        os.replace(roots[0] / subfolder, dest)
+        os.replace(root / subfolder, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def add_notice(archive: Path, notice: str, dest: Path) -> None:
+    """Put the archive's ``notice`` file into the tree at ``dest`` as ``LICENSE``, touching nothing else:
+    a tree fetched before fetch.py took the notice keeps its sources and their times, so the build
+    folders made from it do not rebuild ggml for a text file."""
+    staging = Path(tempfile.mkdtemp(prefix="ggml-license-", dir=dest.parent))
+    try:
+        found = _notice_in(_extract_into(archive, [notice], staging), notice, archive)
+        os.replace(found, dest / "LICENSE")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -234,8 +271,9 @@ def fetch(dest: Path, force: bool = False) -> Path:
     pin = read_pin(HERE / "PIN")
     patches = patch_files(HERE / "patches")
     stamp = dest / STAMP
-    if ((dest / "CMakeLists.txt").is_file() and not force
-            and stamp.is_file() and stamp.read_text() == patch_stamp(patches)):
+    current = ((dest / "CMakeLists.txt").is_file() and not force
+               and stamp.is_file() and stamp.read_text() == patch_stamp(patches))
+    if current and (dest / "LICENSE").is_file():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ggml-dl-") as tmp:
@@ -246,7 +284,10 @@ def fetch(dest: Path, force: bool = False) -> Path:
                 f"sha256 mismatch for {archive.name}: got {got}, "
                 f"pinned {pin['sha256']}. Refusing to build from it.\n{WAY_OUT}"
             )
-        extract(archive, pin["subfolder"], dest, patches)
+        if current:
+            add_notice(archive, pin["license"], dest)       # a tree fetched before the notice was taken
+        else:
+            extract(archive, pin["subfolder"], dest, patches, pin["license"])
     return dest
 
 
