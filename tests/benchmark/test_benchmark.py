@@ -900,8 +900,16 @@ def test_rounds_alternate_which_engine_runs_first(monkeypatch):
     """A B B A: the peers run first in odd rounds, so neither engine always follows the other; each
     round's ratio pairs that round's two runs."""
     order: list[str] = []
+    # a clock the fakes' tokens advance (10 µs each), not a sleep: a busy machine oversleeps unevenly
+    clock = [0]
+    monkeypatch.setattr(bm.engines.time, "perf_counter_ns", lambda: clock[0])
 
-    class Mine(FakeEngine):
+    class Timed(FakeEngine):
+        def decode(self, tokens):
+            self.calls.append(("decode", len(tokens)))
+            clock[0] += 10_000 * len(tokens)
+
+    class Mine(Timed):
         def new_context(self, inst):
             order.append("ggmlpy")
 
@@ -912,7 +920,7 @@ def test_rounds_alternate_which_engine_runs_first(monkeypatch):
         def run(self, inst, progress_prefix=None, **kw):
             order.append("peer")
             self.n += 1
-            eng = FakeEngine()
+            eng = Timed()
             eng.name = "llama.cpp"
             r = bm.run_instance(eng, inst, **kw)
             r.samples_ns = [s * self.n for s in r.samples_ns]        # round k: the peer k times slower
@@ -927,8 +935,8 @@ def test_rounds_alternate_which_engine_runs_first(monkeypatch):
     code, results = bm.run(p, io.StringIO(), io.StringIO(), engine=Mine())
     assert code == 0
     assert order == ["ggmlpy", "peer", "peer", "ggmlpy", "ggmlpy", "peer", "peer", "ggmlpy"]
-    # per-round ratios about 1, 2, 3, 4 (the fake's sleep varies a little): the median is about 2.5
-    assert results[0].ratios["llama.cpp"][0] == pytest.approx(2.5, rel=0.2)
+    # per-round ratios 1, 2, 3, 4 (on the fakes' clock): the median is 2.5
+    assert results[0].ratios["llama.cpp"][0] == pytest.approx(2.5, rel=1e-6)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python not installed")
