@@ -48,11 +48,11 @@ class _Request:
     """A request being served (the loop's private state)."""
 
     def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
-                 same_batch):
+                 same_batch, sampler=None):
         self.prompt = prompt                 # list[int]: the prepared prompt (runner.inputs.Prompt.ids)
         self.same_batch = same_batch         # per prompt input: how many following inputs share its batch
         self.params = params
-        self.sampler = None if embedding else Sampler(params)
+        self.sampler = sampler               # the sequence's sampler chain (None for an embedding)
         self.max_tokens = max_tokens
         self.stop = frozenset(int(t) for t in stop)
         self.n_keep = n_keep
@@ -182,13 +182,27 @@ class RequestLoop:
         stop_ids += tuple(self.model.config.eos_token_ids)
         if tok is not None:
             stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
-        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
+        sampler = None if embedding else self._sampler(params, ids)
+        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb, sampler)
         if tok is not None:
             # a detokenizer of its own: it holds the bytes of a character not yet complete
             req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
             req.result.text = ""
         self._enqueue(req)
         return Handle(self, req)
+
+    def _sampler(self, params: SamplingParams, ids: list) -> Sampler:
+        """A request's sampler chain, with the prompt's tokens in its history (image rows left out): the
+        penalties count them, as llama-server's ``init_sampler`` does."""
+        tok = None
+        if params.dry_multiplier != 0.0 and params.dry_sequence_breakers:
+            try:
+                tok = self.tokenizer                 # DRY's breakers are strings found in tokens' text
+            except GGMLValueError as e:
+                raise GGMLValueError(f"submit: dry_sequence_breakers need the model's vocabulary: {e}") from e
+        s = Sampler(params, tokenizer=tok, n_ctx=self.n_ctx)
+        s.accept([t for t in ids if t >= 0])
+        return s
 
     def _enqueue(self, req: _Request) -> None:
         """Queue a request for the loop (starting the loop thread if needed)."""
