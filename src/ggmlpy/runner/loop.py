@@ -31,6 +31,7 @@ import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLValueError
 from ggmlpy.sampling import Sampler, SamplingParams
+from ggmlpy.sampling.chain import sample_batch
 from ggmlpy.sampling import logprobs as _logprobs
 
 from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch
@@ -468,6 +469,7 @@ class RequestLoop:
         out = np.concatenate(batch.outputs) if batch.outputs else None
         now = time.perf_counter()
         base = 0
+        picked = self._sample_step(batch, out)
         for m in batch.members:
             req = m.req
             if not m.has_out:
@@ -489,7 +491,9 @@ class RequestLoop:
             r = req.result
             text, stop_text = None, False
             try:
-                tok = req.sampler.sample(row)
+                tok = picked.get(id(m))
+                if isinstance(tok, BaseException):
+                    raise tok
                 lp = _logprobs(row, tok, req.params.top_logprobs) if req.params.logprobs else None
                 if req.text is not None:
                     # the text is decided before the event goes out, so the last event carries the tail
@@ -522,6 +526,26 @@ class RequestLoop:
                 self._finish(req, DoneReason.LENGTH)
             elif ph is None:
                 req.pending.append(tok)
+
+    @staticmethod
+    def _sample_step(batch: _Batch, out) -> dict:
+        """Every generating sequence's next token in one call (:func:`~ggmlpy.sampling.chain.sample_batch`:
+        the greedy ones in one arg-max): by member, a token id or the exception its sampler raised."""
+        if batch.embedding or out is None:
+            return {}
+        members, samplers, rows, base = [], [], [], 0
+        for m in batch.members:
+            if not m.has_out:
+                continue
+            req = m.req
+            if not req.finished.is_set() and not req.cancelled:
+                members.append(m)
+                samplers.append(req.sampler)
+                rows.append(base)
+            base += 1
+        if not members:
+            return {}
+        return {id(m): t for m, t in zip(members, sample_batch(samplers, out[rows]))}
 
     def _wait_prev(self) -> None:
         """Complete the batch in flight, if any (lock held)."""
