@@ -52,7 +52,7 @@ class DryBreakers:
 
 def _heads(tokenizer, breakers: tuple) -> dict:
     heads: dict[int, set] = {}
-    n = len(tokenizer)
+    n = len(tokenizer) if hasattr(tokenizer, "__len__") else int(tokenizer.n_vocab)
     pieces = [tokenizer.token_to_piece(t, True) for t in range(n)]
     for text in breakers:
         b = text.encode("utf-8")

@@ -1,0 +1,235 @@
+"""The sampler chain in the runner: the model file's general.sampling.* defaults, every SamplingParams field
+as a request keyword, the logits processor, the prompt in the penalties' history, sample_batch, DRY's
+sequence breakers read from a vocabulary.
+
+The samplers' math against llama.cpp's is tests/runner/test_sampling_chain.py's and
+test_sampling_llama_cpp.py's; this file is about how the runner uses the chain.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+from text_helpers import FakeTokenizer
+
+from ggmlpy import GGMLValueError
+from ggmlpy.load import load_model
+from ggmlpy.models.synthetic import write_synthetic
+from ggmlpy.runner import Runner, RunnerError
+from ggmlpy.sampling import (
+    DEFAULT_SAMPLERS,
+    Sampler,
+    SamplingParams,
+    gguf_sampling_defaults,
+    parse_samplers,
+    sampling_params,
+)
+from ggmlpy.sampling.chain import sample_batch
+from ggmlpy.sampling.dry import DryBreakers, dry_penalties
+
+IDS = [5, 17, 250, 3, 99, 42, 7]
+
+
+class Tok(FakeTokenizer):
+    """The tests' byte-level tokenizer, widened to the tiny synthetic model's 512 ids."""
+
+    n_vocab = 512
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces += [f"<t{i}>".encode() for i in range(len(self.pieces), self.n_vocab)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_synthetic(tmp_path_factory.mktemp("samp") / "tiny.gguf", "tiny", "F16", seed=3)
+    with load_model(path, devices="cpu") as m:
+        yield m
+
+
+@pytest.fixture
+def rt(model):
+    with Runner(model, n_ctx=128, tokenizer=Tok()) as r:
+        yield r
+
+
+# --------------------------------------------------------------------------- the model file's defaults
+
+
+def test_gguf_sampling_keys_become_defaults():
+    md = {"general.sampling.top_k": 20, "general.sampling.top_p": 0.8, "general.sampling.temp": 0.6,
+          "general.sampling.min_p": 0.0, "general.sampling.penalty_last_n": 32,
+          "general.sampling.penalty_repeat": 1.05, "general.sampling.mirostat": 2,
+          "general.sampling.mirostat_tau": 4.0, "general.sampling.mirostat_eta": 0.2,
+          "general.sampling.xtc_probability": 0.3, "general.sampling.xtc_threshold": 0.2,
+          "general.sampling.sequence": "top_k;top_p;temperature", "general.name": "x"}
+    d = gguf_sampling_defaults(md)
+    assert d == {"top_k": 20, "top_p": 0.8, "temperature": 0.6, "min_p": 0.0, "repeat_last_n": 32,
+                 "repeat_penalty": 1.05, "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2,
+                 "xtc_probability": 0.3, "xtc_threshold": 0.2, "samplers": ("top_k", "top_p", "temperature")}
+    # a file's bad value is left out, the others kept: a suggestion never fails a request
+    bad = gguf_sampling_defaults({"general.sampling.top_p": 7.0, "general.sampling.top_k": "40",
+                                  "general.sampling.mirostat": 1.5, "general.sampling.sequence": "top_k;nope",
+                                  "general.sampling.temp": 0.3})
+    assert bad == {"temperature": 0.3}
+
+
+def test_the_runner_applies_the_files_defaults_when_nothing_is_given(model):
+    """A file that says temp 0 makes a request with no sampling keyword greedy; a keyword given beats the
+    file; a SamplingParams object is taken whole."""
+    model.sampling_metadata = {"general.sampling.temp": 0.0, "general.sampling.top_k": 5}
+    try:
+        with Runner(model, n_ctx=128, tokenizer=Tok()) as rt:
+            assert rt.sampling_defaults == {"temperature": 0.0, "top_k": 5}
+            greedy = rt.generate(IDS, max_tokens=12, sampling=SamplingParams(temperature=0)).tokens
+            assert rt.generate(IDS, max_tokens=12).tokens == greedy
+            hot = dict(temperature=5.0, top_k=0, top_p=1.0, min_p=0.0)
+            sampled = [rt.generate(IDS, max_tokens=12, seed=s, **hot).tokens for s in range(4)]
+            assert any(t != greedy for t in sampled)
+            whole = rt.generate(IDS, max_tokens=12, sampling=SamplingParams(seed=1, **hot)).tokens
+            assert whole == sampled[1]
+            p = sampling_params("x", None, rt.sampling_defaults, top_p=0.5)
+            assert (p.temperature, p.top_k, p.top_p) == (0.0, 5, 0.5)
+    finally:
+        model.sampling_metadata = {}
+
+
+# --------------------------------------------------------------------------- keywords
+
+
+def test_every_field_is_a_request_keyword():
+    fields = [f for f in SamplingParams.__dataclass_fields__]
+    for name in ("submit", "generate", "submit_chat", "chat"):
+        params = inspect.signature(getattr(Runner, name)).parameters
+        missing = [f for f in fields if f not in params]
+        assert not missing, (name, missing)
+        assert params["repeat_penalty"].kind == params["repeat_penalty"].KEYWORD_ONLY
+        assert params["repeat_penalty"].default is None
+
+
+def test_keywords_reach_the_chain_and_unknown_ones_are_refused(rt):
+    # logit_bias of +100 on one token: greedy decoding picks it every time
+    out = rt.generate(IDS, max_tokens=6, temperature=0, logit_bias={123: 100.0}).tokens
+    assert out == [123] * 6
+    # the same ban through the chain's other door, the penalties: with a huge repeat penalty the greedy
+    # sequence never repeats a token it (or the prompt) has seen in the window
+    base = rt.generate(IDS, max_tokens=24, temperature=0).tokens
+    pen = rt.generate(IDS, max_tokens=24, temperature=0, repeat_penalty=1e6, presence_penalty=1e3,
+                      repeat_last_n=-1).tokens
+    assert len(set(base)) < len(base) or set(base) & set(IDS), "the unpenalised run must repeat for this test"
+    assert len(set(pen)) == len(pen) and not set(pen) & set(IDS)
+    with pytest.raises(TypeError, match="repeat_penalti"):
+        rt.generate(IDS, max_tokens=2, repeat_penalti=1.1)
+    with pytest.raises(GGMLValueError, match="repeat_penalty must be > 0"):
+        rt.generate(IDS, max_tokens=2, repeat_penalty=0)
+
+
+# --------------------------------------------------------------------------- the logits processor
+
+
+def test_logits_processor_sees_the_history_and_steers(rt):
+    seen = []
+
+    def only_seven(tokens, logits):
+        seen.append(tokens.copy())
+        assert logits.dtype == np.float32 and logits.shape == (512,)
+        out = np.full_like(logits, -np.inf)
+        out[7] = 0.0
+        return out
+
+    r = rt.generate(IDS, max_tokens=4, logits_processor=only_seven, seed=1)
+    assert r.tokens == [7, 7, 7, 7]
+    # the history: the prompt, then each token as it was generated
+    assert [list(s) for s in seen] == [IDS, IDS + [7], IDS + [7, 7], IDS + [7, 7, 7]]
+
+
+@pytest.mark.parametrize("bad, said", [
+    (lambda t, x: x[:10], r"logits_processor returned float32 shape \(10,\)"),
+    (lambda t, x: 1 / 0, "division by zero"),
+    (lambda t, x: np.full_like(x, np.nan), "NaN"),
+])
+def test_a_failing_logits_processor_ends_its_request_only(rt, bad, said):
+    with pytest.raises(RunnerError, match=said):
+        rt.generate(IDS, max_tokens=3, logits_processor=bad)
+    assert rt.generate(IDS, max_tokens=3, temperature=0).done_reason == "length"     # the runner serves on
+
+
+# --------------------------------------------------------------------------- chain pieces
+
+
+def test_parse_samplers():
+    assert parse_samplers("top_k;top-p;temp") == ("top_k", "top_p", "temperature")
+    assert parse_samplers("edskypmxt") == DEFAULT_SAMPLERS
+    assert parse_samplers(["typical", "nucleus"]) == ("typical_p", "top_p")
+    for bad in ("top_k;warp", "kq", 5, ["top_k", 3]):
+        with pytest.raises(GGMLValueError, match="samplers"):
+            parse_samplers(bad)
+
+
+def test_prompt_tokens_count_in_the_penalties():
+    """As llama-server's init_sampler: a token of the prompt is penalised before it is ever generated."""
+    x = np.zeros(8, np.float32)
+    x[3] = 1.0
+    x[4] = 0.9
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=2.0))
+    assert s.sample(x) == 3
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=2.0))
+    s.accept([3])
+    assert s.sample(x) == 4 and s.history == [3, 4]
+    # the window: repeat_last_n=1 forgets the prompt's 3 once 4 was generated
+    s = Sampler(SamplingParams(temperature=0, repeat_penalty=2.0, repeat_last_n=1))
+    s.accept([3])
+    assert [s.sample(x) for _ in range(3)] == [4, 3, 4]
+
+
+def test_sample_batch_equals_a_loop_and_isolates_failures():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((6, 300)).astype(np.float32)
+    rows[4, :] = np.nan
+    def make():
+        return [Sampler(SamplingParams(temperature=0)), Sampler(SamplingParams(temperature=0)),
+                Sampler(SamplingParams(seed=3)), Sampler(SamplingParams(temperature=0, repeat_penalty=1.5)),
+                Sampler(SamplingParams(temperature=0)), Sampler(SamplingParams(temperature=0, logit_bias={2: 50}))]
+    a, b = make(), make()
+    for s in a:
+        s.accept([int(np.argmax(rows[3]))])
+    for s in b:
+        s.accept([int(np.argmax(rows[3]))])
+    got = sample_batch(a, rows)
+    for i, (s, g) in enumerate(zip(b, got)):
+        if i == 4:
+            assert isinstance(g, GGMLValueError) and "NaN" in str(g)
+            with pytest.raises(GGMLValueError):
+                s.sample(rows[i])
+        else:
+            assert g == s.sample(rows[i]), i
+    assert got[5] == 2 and got[3] != int(np.argmax(rows[3]))
+    assert [s.history for s in a] == [s.history for s in b]
+
+
+def test_dry_breakers_from_a_vocabulary():
+    """A token holding a breaker is a breaker alone; a token ending with a breaker's start is a head whose
+    tail is the rest, tokenized (llama.cpp's get_overlapping_token_sequences)."""
+    tok = FakeTokenizer()
+    tok.pieces[270] = b"ab:c"            # holds ':'
+    tok.pieces[271] = b"x<"              # ends with '<' of the breaker '<br>'
+    tok.encode = lambda text, add_special=False, parse_special=False: list(text) if isinstance(text, bytes) \
+        else list(text.encode())
+    heads = DryBreakers.of(tok, (":", "<br>")).heads
+    assert () in heads[ord(":")] and () in heads[270]
+    assert tuple(b"br>") in heads[271] and tuple(b"br>") in heads[ord("<")]
+    assert DryBreakers.of(tok, (":", "<br>")) is DryBreakers.of(tok, (":", "<br>"))      # built once
+
+
+def test_dry_penalises_the_token_that_extends_a_repetition():
+    # history a b c d a b c: the next 'd' would extend the repeat 'a b c' (length 3) -> penalty
+    # mult * base^(3 - allowed); a breaker between cuts the repetition short
+    a, b, c, d, brk = 10, 11, 12, 13, 14
+    toks, pen = dry_penalties([a, b, c, d, a, b, c], DryBreakers({}), 0.8, 1.75, 2)
+    assert dict(zip(toks.tolist(), pen.tolist())) == pytest.approx({d: 0.8 * 1.75 ** 1})
+    toks, _ = dry_penalties([a, b, c, d, brk, a, b, c], DryBreakers({brk: {()}}), 0.8, 1.75, 2)
+    assert d in toks.tolist()            # the breaker is before the repeat: it does not cut it
+    toks, _ = dry_penalties([a, b, c, d, a, b, brk, c], DryBreakers({brk: {()}}), 0.8, 1.75, 2)
+    assert toks.size == 0                # a breaker one token back limits any repeat to 1 < allowed_length
