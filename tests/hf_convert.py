@@ -43,8 +43,9 @@ SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 LLAMA_CPP = "vendor/llama.cpp"
 #: what is extracted from LLAMA_CPP. The converter must run with the gguf-py of its own commit: with
 #: PyPI's gguf 0.19.0 it stops on ``gguf.LazyChunkedTensor``, which only the sdist's gguf-py has.
-#: LICENSE is llama.cpp's (MIT), kept beside its code.
-PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE", "models/templates/")
+#: LICENSE is llama.cpp's (MIT), kept beside its code. grammars/: llama.cpp's example GBNF grammars
+#: (tests/runner/test_grammar.py constrains generations with them).
+PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE", "models/templates/", "grammars/")
 VOCABS = "models/ggml-vocab-"
 #: what a vocabulary file may end with: the GGUF, and the reference tokenizations llama.cpp's
 #: test-tokenizer-0 checks it against (``.inp``: texts joined by ``VOCAB_TEST_SEPARATOR``; ``.out``: one
@@ -53,7 +54,7 @@ VOCAB_SUFFIXES = (".gguf", ".gguf.inp", ".gguf.out")
 VOCAB_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 #: bump when PARTS grows: the extracted tree lives in a folder named after it, so an older, smaller
 #: extraction is never taken for complete
-PARTS_VERSION = 2
+PARTS_VERSION = 3
 #: name of the vocabulary that :func:`convert` takes as "copy :func:`spm_tokenizer_model` in"
 SPM = "spm"
 #: BPE vocabularies to which llama.cpp adds BOS when the file does not say (llama-vocab.cpp: the llama3
@@ -225,6 +226,13 @@ def chat_templates() -> dict[str, str]:
     """llama.cpp's ``models/templates/*.jinja`` (real models' chat templates), by file stem."""
     folder = llama_cpp_dir() / "models" / "templates"
     return {p.stem: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.jinja"))}
+
+
+def grammars() -> dict[str, str]:
+    """llama.cpp's ``grammars/*.gbnf`` (its example GBNF grammars: json, arithmetic, list, c, ...), by
+    file stem."""
+    folder = llama_cpp_dir() / "grammars"
+    return {p.stem: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.gbnf"))}
 
 
 def tokenizer_dir(vocab: str) -> Path:
