@@ -65,7 +65,7 @@ FLOORS = [
     ["backend"],
     ["weights"],
     ["kvcache"],
-    ["tokenizer", "chat_template"],           # chat_template: the old path of tokenizer.chat_template, re-exported
+    ["tokenizer", "chat_template", "chat"],   # chat_template: the old path of tokenizer.chat_template, re-exported
     ["models"],
     ["vision"],
     ["sampling"],
