@@ -96,7 +96,11 @@ class Lark:
         return name
 
     def json(self, schema: Any) -> str:
-        """A rule for one JSON value of ``schema``."""
+        """A rule for one JSON value of ``schema``, written compactly (``", "`` and ``": "`` between items,
+        no other whitespace): a tool call's arguments have no room for the whitespace a model could
+        otherwise write forever."""
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
         return self.rule("%json " + json.dumps(schema, ensure_ascii=False))
 
     def until(self, stop: str) -> str:

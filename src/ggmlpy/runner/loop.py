@@ -31,8 +31,8 @@ import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLValueError
 from ggmlpy.sampling import Sampler, SamplingParams
-from ggmlpy.sampling.chain import sample_batch
 from ggmlpy.sampling import logprobs as _logprobs
+from ggmlpy.sampling.chain import sample_batch
 
 from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch
 from .inputs import Prompt
@@ -73,6 +73,7 @@ class _Request:
         self.t_first: Optional[float] = None
         self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
         self.text = None                 # text.TextStream of a request that produces text
+        self.reply = None                # chat.ReplyStream of a chat: its reply parsed as it streams
 
 
 class RequestLoop:
@@ -156,7 +157,7 @@ class RequestLoop:
 
     def _queue(self, prompt: Prompt, text: tuple, *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
                n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
-               pooling: str = "mean", normalize: bool = True) -> Handle:
+               pooling: str = "mean", normalize: bool = True, reply=None) -> Handle:
         """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context)."""
         stop_ids, stop_texts, tok = text
         ids, sb = prompt.ids, prompt.same_batch
@@ -184,11 +185,15 @@ class RequestLoop:
         if tok is not None:
             stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
         sampler = None if embedding else self._sampler(params, ids)
+        if sampler is not None and sampler.grammar is not None:
+            # the grammar ends its output with an end-of-generation token: each of them stops the request
+            stop_ids += tuple(sampler.grammar.vocab.eog)
         req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb, sampler)
         if tok is not None:
             # a detokenizer of its own: it holds the bytes of a character not yet complete
             req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
             req.result.text = ""
+            req.reply = reply
         self._enqueue(req)
         return Handle(self, req)
 
@@ -201,7 +206,14 @@ class RequestLoop:
                 tok = self.tokenizer                 # DRY's breakers are strings found in tokens' text
             except GGMLValueError as e:
                 raise GGMLValueError(f"submit: dry_sequence_breakers need the model's vocabulary: {e}") from e
-        s = Sampler(params, tokenizer=tok, n_ctx=self.n_ctx)
+        matcher = None
+        if params.constraint is not None:
+            try:
+                vocab = self.tokenizer
+            except GGMLValueError as e:
+                raise GGMLValueError(f"submit: a grammar needs the model's vocabulary: {e}") from e
+            matcher = params.constraint.matcher(vocab)      # a grammar the vocabulary refuses fails here
+        s = Sampler(params, tokenizer=tok, n_ctx=self.n_ctx, grammar=matcher)
         s.accept([t for t in ids if t >= 0])
         return s
 
@@ -271,12 +283,18 @@ class RequestLoop:
         r.done_reason = reason
         r.error = error
         try:
-            if req.text is not None and error is None:
+            failed = reason == DoneReason.ERROR
+            if req.text is not None and not failed:
                 # ended between tokens (cancelled, the context full): the text held back goes out last
                 tail = req.text.finish()
-                if tail:
+                deltas = []
+                if req.reply is not None:
+                    deltas = (req.reply.feed(tail) if tail else []) + req.reply.finish()
+                    parsed = req.reply.reply
+                    r.content, r.reasoning, r.tool_calls = parsed.content, parsed.reasoning, list(parsed.tool_calls)
+                if tail or deltas:
                     r.text += tail
-                    req.events.put(TokenEvent(None, None, tail))
+                    req.events.put(TokenEvent(None, None, tail, deltas))
             if req.t_first is not None:
                 r.eval_duration = time.perf_counter() - req.t_first
             ph = req.placeholder
@@ -287,7 +305,7 @@ class RequestLoop:
                 if self._active.get(req.slot) is req:
                     del self._active[req.slot]
                 # a failed request's sequence may hold half-written cells (none to clear once closed)
-                self.slots.free(req.slot, failed=error is not None and not self.closed)
+                self.slots.free(req.slot, failed=failed and not self.closed)
         except Exception as e:
             log.exception("runner: freeing the slot of a finished request failed")
             if r.error is None:
@@ -513,19 +531,39 @@ class RequestLoop:
             r.eval_count += 1
             if lp is not None:
                 r.logprobs.append(lp)
+            deltas = []
             if text is not None:
                 r.text += text
-            req.events.put(TokenEvent(tok, lp, text))
+                if req.reply is not None and text:
+                    deltas = req.reply.feed(text)
+            req.events.put(TokenEvent(tok, lp, text, deltas))
             ph = req.placeholder
             req.placeholder = None
             if ph is not None:
                 ph.fill(tok)          # already in the next batch (or still pending): the real token now
             if tok in req.stop or stop_text:
-                self._finish(req, DoneReason.STOP)
+                g = req.sampler.grammar
+                if g is not None and g.is_error:          # the grammar could not go on: it allowed only the end
+                    self._finish(req, DoneReason.GRAMMAR, GGMLValueError(f"grammar: {g.reason}"))
+                else:
+                    self._finish(req, DoneReason.STOP)
             elif req.max_tokens > 0 and r.eval_count >= req.max_tokens:
                 self._finish(req, DoneReason.LENGTH)
             elif ph is None:
                 req.pending.append(tok)
+
+    @staticmethod
+    def _prepare_masks(batch: _Batch) -> None:
+        """The grammar masks of the tokens this batch's outputs will sample, computed now: while the
+        compute thread runs the batch when pipelining (llguidance releases the GIL), so sampling then
+        only applies them."""
+        if batch.embedding:
+            return
+        for m in batch.members:
+            if m.has_out:
+                g = m.req.sampler.grammar if m.req.sampler is not None else None
+                if g is not None and not m.req.finished.is_set():
+                    g.prepare()
 
     @staticmethod
     def _sample_step(batch: _Batch, out) -> dict:
@@ -634,6 +672,7 @@ class RequestLoop:
                 return False
             self._launch(batch)
             self._building = None
+            self._prepare_masks(batch)
             if not self.pipeline:
                 self._wait_prev()
         return False

@@ -35,6 +35,7 @@ class DoneReason:
 
     STOP = "stop"            # a stop token was sampled, or a stop string completed
     LENGTH = "length"        # max_tokens reached, or the context is full (shifting off, or max_tokens=-2)
+    GRAMMAR = "grammar"      # the output could not continue under its grammar (Completion.error says why)
     CANCEL = "cancel"        # Handle.cancel(), or Runner.close() before the request ended
     ERROR = "error"          # see Completion.error (Handle.result() raises RunnerError from it)
 
@@ -52,11 +53,18 @@ class TokenEvent:
 
     When a request ends between tokens (cancelled, the context full) while text is held back, one
     last event carries it with ``token`` None.
+
+    ``deltas`` is set for chat requests: what this token added to the parsed reply
+    (:class:`~ggmlpy.chat.ReplyDelta` s: content text, reasoning text, or a whole tool call), the
+    text that may still become a tool call or a reasoning tag held back until that is decided (so a
+    partial tool call never shows as content). Joined, they are the Completion's ``content``,
+    ``reasoning`` and ``tool_calls``.
     """
 
     token: Optional[int]
     logprobs: Optional[Logprobs] = None
     text: Optional[str] = None
+    deltas: list = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +83,8 @@ class Completion:
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     done_reason: Optional[str] = None
+    #: why it failed (done reason ``error``: :meth:`Handle.result` raises from it), or why its grammar
+    #: stopped it (``grammar``: not raised)
     error: Optional[BaseException] = None
     embedding: Optional[np.ndarray] = None
     prompt_eval_count: int = 0
@@ -84,6 +94,11 @@ class Completion:
     n_cached: int = 0
     n_shifts: int = 0
     text: Optional[str] = None
+    #: a chat's reply parsed in the chat template's format (:mod:`ggmlpy.chat`): the text for the user,
+    #: the reasoning (None when there is none) and the tool calls (:class:`~ggmlpy.chat.ToolCall`)
+    content: Optional[str] = None
+    reasoning: Optional[str] = None
+    tool_calls: list = field(default_factory=list)
 
     @property
     def ttft(self) -> float:

@@ -10,6 +10,7 @@ with them, the :class:`~.slots.SlotTable` of what each cache sequence holds, and
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
@@ -41,7 +42,7 @@ from .requests import Completion, Handle, Stream
 from .slots import SlotTable
 from .state import check_state, fingerprint
 from .step import Step
-from .text import split_stops
+from .text import chat_constraint, split_stops
 
 __all__ = ["Runner"]
 
@@ -138,6 +139,8 @@ class Runner(DirectCalls, RequestLoop):
         #: :func:`~ggmlpy.sampling.gguf_sampling_defaults` reads them): a request's keyword not given
         #: takes them before the table's defaults, as llama.cpp applies them when the user set nothing.
         self.sampling_defaults = gguf_sampling_defaults(getattr(model, "sampling_metadata", None) or {})
+        self._formats: dict = {}              # chat reply formats by template (see _chat_format)
+        self._formats_lock = threading.Lock()
         self.n_ctx = int(n_ctx)
         self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
@@ -569,7 +572,8 @@ class Runner(DirectCalls, RequestLoop):
 
     @sampling_keywords
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                    tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+                    tools: Optional[Sequence[dict]] = None, tool_choice: str | dict | None = None,
+                    response_format: Optional[dict] = None, template: Optional[str] = None,
                     template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
                     max_tokens: int = DEFAULTS["max_tokens"], temperature: Optional[float] = None,
                     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
@@ -586,9 +590,28 @@ class Runner(DirectCalls, RequestLoop):
         produces text. A later chat whose messages start with this one's reuses the cached prompt,
         images compared by content.
 
+        The reply is parsed in the format of the chat template's model family (:func:`ggmlpy.chat.chat_format`:
+        Hermes/Qwen, Llama 3.x, Mistral, gpt-oss, DeepSeek, Qwen3 thinking, Functionary, Command-R...):
+        ``Completion.content``, ``Completion.reasoning`` and ``Completion.tool_calls`` (name, arguments
+        as parsed JSON, id), and each streamed :class:`TokenEvent`'s ``deltas``.
+
+        Parameters
+        ----------
+        tool_choice : str or dict, optional
+            OpenAI's: ``"auto"`` (default: the model may call a tool), ``"none"`` (the tools are not
+            shown to the model and no call is parsed), ``"required"`` (the output is constrained to one
+            call of one of ``tools`` in the template's format, its arguments valid under the tool's
+            schema), or ``{"type": "function", "function": {"name": ...}}`` (that tool).
+        response_format : dict, optional
+            OpenAI's: ``{"type": "json_object"}`` (any JSON object), ``{"type": "json_schema",
+            "json_schema": {"schema": ...}}`` or ``{"type": "text"}``: the output constrained by
+            :class:`~ggmlpy.sampling.grammar.Grammar`. Not with ``grammar``/``json_schema`` or a
+            forced tool call.
+
         Raises
         ------
-        As :meth:`chat_prompt` and :meth:`submit`; GGMLValueError for ``detokenize=False``.
+        As :meth:`chat_prompt` and :meth:`submit`; GGMLValueError for ``detokenize=False``, an unknown
+        ``tool_choice``, a schema or grammar that does not compile, or two constraints at once.
         """
         if detokenize is not None and not detokenize:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
@@ -596,17 +619,42 @@ class Runner(DirectCalls, RequestLoop):
         params = sampling_params("submit_chat", sampling, self.sampling_defaults, temperature=temperature,
                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs,
                                  top_logprobs=top_logprobs, **settings)
+        if tool_choice == "none":
+            tools = None                      # the model is not shown the tools, and no call is parsed
+        fmt = None if embedding else self._chat_format(template, tools, template_kwargs)
+        params = chat_constraint(params, fmt, tools, tool_choice, response_format)
         # the chat's text is the template's: its special tokens are always parsed
         p = self.inputs.chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt, tools=tools,
                                                            template=template, template_kwargs=template_kwargs),
                              allow_local_files, images=images, same_batch=same_batch)
         return self._queue(p, self._text_options(stop, True, embedding, True), max_tokens=max_tokens,
                            sampling=params, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
-                           pooling=pooling, normalize=normalize)
+                           pooling=pooling, normalize=normalize, reply=fmt.stream() if fmt is not None else None)
+
+    def _chat_format(self, template: Optional[str], tools, template_kwargs: Optional[dict]):
+        """The reply format of this chat's template (:func:`ggmlpy.chat.chat_format`), kept per template,
+        tools and template options (finding it renders the template once)."""
+        from ggmlpy.chat import chat_format
+
+        source = template if template is not None else getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(source, str):
+            return None
+        key = (source, json.dumps(tools, sort_keys=True, default=str),
+               json.dumps(template_kwargs or {}, sort_keys=True, default=str))
+        with self._formats_lock:
+            fmt = self._formats.get(key)
+        if fmt is None:
+            fmt = chat_format(source, tools=tools, **(template_kwargs or {}))
+            with self._formats_lock:
+                if len(self._formats) >= 16:
+                    self._formats.pop(next(iter(self._formats)))
+                self._formats[key] = fmt
+        return fmt
 
     @sampling_keywords
     def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-             tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
+             tools: Optional[Sequence[dict]] = None, tool_choice: str | dict | None = None,
+             response_format: Optional[dict] = None, template: Optional[str] = None,
              template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
              max_tokens: int = DEFAULTS["max_tokens"], temperature: Optional[float] = None,
              top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
@@ -634,7 +682,8 @@ class Runner(DirectCalls, RequestLoop):
         if stream and embedding:
             raise GGMLValueError("chat: an embedding request generates no tokens to stream (stream=True and "
                                  "embedding=True given)")
-        h = self.submit_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools, template=template,
+        h = self.submit_chat(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                             tool_choice=tool_choice, response_format=response_format, template=template,
                              template_kwargs=template_kwargs, allow_local_files=allow_local_files,
                              max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling, stop=stop,

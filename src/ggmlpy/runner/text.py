@@ -265,3 +265,37 @@ def encode_chat(tokenizer: Any, text: str) -> list[int]:
     if getattr(tokenizer, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)
     return ids
+
+
+def chat_constraint(params, fmt, tools, tool_choice, response_format):
+    """A chat's SamplingParams with the constraint its ``tool_choice`` or ``response_format`` asks for:
+    ``"required"`` or a named function forces one tool call in the template's format (the format's
+    Lark grammar, :meth:`ggmlpy.chat.ChatFormat.tool_grammar`), a ``response_format`` its JSON; at most
+    one constraint per request (one given in ``params`` too is an error)."""
+    import dataclasses
+
+    from ggmlpy.sampling.grammar import Grammar
+
+    if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
+        raise GGMLValueError(f"submit_chat: tool_choice must be 'auto', 'none', 'required' or "
+                             f"{{'type': 'function', 'function': {{'name': ...}}}}, got {type(tool_choice).__name__}")
+    grammar, why = None, None
+    if tool_choice not in (None, "auto", "none"):
+        if fmt is None:
+            raise GGMLValueError(f"submit_chat: tool_choice={tool_choice!r} needs a chat template")
+        lark = fmt.tool_grammar(list(tools or ()), tool_choice)
+        if lark is not None:
+            grammar, why = Grammar.lark(lark), f"tool_choice={tool_choice!r}"
+    if response_format is not None:
+        rf = Grammar.from_response_format(response_format)
+        if rf is not None:
+            if grammar is not None:
+                raise GGMLValueError(f"submit_chat: response_format and {why} given together: one constraint "
+                                     f"per request")
+            grammar, why = rf, "response_format"
+    if grammar is None:
+        return params
+    if params.constraint is not None:
+        raise GGMLValueError(f"submit_chat: {why} and a grammar or json_schema given together: one constraint "
+                             f"per request")
+    return dataclasses.replace(params, grammar=grammar)

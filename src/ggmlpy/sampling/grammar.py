@@ -114,7 +114,8 @@ def _limits():
 def _one_line(msg: str) -> str:
     """llguidance's message: kept whole (a source excerpt with a caret spans lines), trailing space cut,
     at most 2,000 characters (a grammar's excerpt can be long)."""
-    msg = msg.strip()
+    # verbose_errors=False leaves a "<non-verbose/>" marker where the long form would go: not for a reader
+    msg = msg.replace("<non-verbose/>", "").strip()
     return msg if len(msg) <= 2000 else msg[:2000] + " [...]"
 
 

@@ -3,6 +3,7 @@ names of ``--samplers``, and the defaults a GGUF file's ``general.sampling.*`` k
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from collections.abc import Callable, Mapping
@@ -137,6 +138,9 @@ _RANGES = {
     "temperature": lambda v: None if v >= 0 else "must be >= 0",
     "top_logprobs": lambda v: None if 0 <= v <= MAX_TOP_LOGPROBS else f"must be in [0, {MAX_TOP_LOGPROBS}]",
 }
+#: the fields that are not numbers (checked each in its own way)
+_NOT_NUMBERS = ("seed", "logprobs", "logit_bias", "dry_sequence_breakers", "samplers", "logits_processor", "grammar",
+                "json_schema")
 _INTS = {"top_k", "min_keep", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "top_logprobs"}
 #: a sequence breaker longer than this is cut, as llama.cpp does (MAX_CHAR_LEN)
 MAX_BREAKER_BYTES = 40
@@ -213,6 +217,13 @@ class SamplingParams:
         included) and the raw logits row (``float32``, a copy the callable may change in place); it
         returns the logits to sample from (same shape), as llama-cpp-python's and transformers' logits
         processors. It runs first, on every token; an exception in it ends that request with it.
+    grammar : str or Grammar, optional
+        Constrain the output: llama.cpp's GBNF text, or a :class:`~ggmlpy.sampling.grammar.Grammar`
+        (Lark, a regular expression, a JSON schema, OpenAI's ``response_format``). Compiled here: a
+        grammar that does not compile is a GGMLValueError before anything runs.
+    json_schema : dict or str, optional
+        Constrain the output to JSON valid under this schema (``{}`` or ``True``: any JSON value); kept
+        as canonical JSON text. Not with ``grammar``.
 
     Raises
     ------
@@ -249,11 +260,13 @@ class SamplingParams:
     dynatemp_exponent: float = DEFAULTS["dynatemp_exponent"]
     samplers: Any = DEFAULT_SAMPLERS
     logits_processor: Optional[Callable] = None
+    grammar: Any = None
+    json_schema: Any = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
             name = f.name
-            if name in ("seed", "logprobs", "logit_bias", "dry_sequence_breakers", "samplers", "logits_processor"):
+            if name in _NOT_NUMBERS:
                 continue
             v = getattr(self, name)
             v = _integer(name, v) if name in _INTS else _real(name, v)
@@ -282,6 +295,34 @@ class SamplingParams:
         object.__setattr__(self, "samplers", parse_samplers(self.samplers))
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise GGMLValueError(f"logits_processor must be callable, got {type(self.logits_processor).__name__}")
+        object.__setattr__(self, "_constraint", self._compile_constraint())
+
+    def _compile_constraint(self):
+        """The grammar the output must follow (compiled now: a grammar or schema that does not compile
+        fails here, before any request runs), or None."""
+        from .grammar import Grammar
+
+        g, schema = self.grammar, self.json_schema
+        if g is not None and schema is not None:
+            raise GGMLValueError("grammar and json_schema given together: constrain the output one way")
+        if schema is not None:
+            if isinstance(schema, Mapping):
+                # kept as canonical JSON text: hashable, and the caller's dict may change afterwards
+                object.__setattr__(self, "json_schema", json.dumps(schema, sort_keys=True))
+            return Grammar.json_schema(self.json_schema)
+        if g is None:
+            return None
+        if isinstance(g, Grammar):
+            return g
+        if isinstance(g, str):
+            return Grammar.gbnf(g)
+        raise GGMLValueError(f"grammar must be GBNF text or a ggmlpy.sampling.grammar.Grammar, got "
+                             f"{type(g).__name__}")
+
+    @property
+    def constraint(self):
+        """The compiled :class:`~ggmlpy.sampling.grammar.Grammar` of ``grammar`` or ``json_schema``, or None."""
+        return self._constraint
 
     @property
     def greedy(self) -> bool:
