@@ -330,6 +330,13 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="a DRY sequence breaker (repeatable; replaces the defaults \\n : \" *; 'none': no breaker)")
     g.add_argument("-l", "--logit-bias", action="append", metavar="TOKEN_ID(+/-)BIAS",
                    help="change a token's likelihood, e.g. 15043+1 or 15043-1 (repeatable); 15043-inf bans it")
+    c = p.add_argument_group("constrained output (one of them)")
+    c.add_argument("--grammar", default=None, metavar="GBNF", help="a GBNF grammar (llama.cpp's format) the output "
+                                                                   "follows")
+    c.add_argument("--grammar-file", default=None, metavar="FILE", help="the GBNF grammar, from a file")
+    c.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                   help="a JSON schema the output is valid under, e.g. '{}' for any JSON value")
+    c.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE", help="the JSON schema, from a file")
 
 
 def _logit_bias_flag(value: str) -> tuple:
@@ -364,6 +371,26 @@ def _sampling(args: argparse.Namespace, defaults=None):
             tok, bias = _logit_bias_flag(b)
             pairs[tok] = pairs.get(tok, 0.0) + bias
         given["logit_bias"] = pairs
+    constraints = [(f, v) for f, v in (("--grammar", args.grammar), ("--grammar-file", args.grammar_file),
+                                       ("--json-schema", args.json_schema),
+                                       ("--json-schema-file", args.json_schema_file)) if v is not None] \
+        if hasattr(args, "grammar") else []
+    if len(constraints) > 1:
+        raise UsageError(f"{constraints[0][0]} and {constraints[1][0]} given together: constrain the output one way")
+    if constraints:
+        flag, value = constraints[0]
+        if flag.endswith("-file"):
+            try:
+                value = _read_text(value, flag)
+            except OSError as e:
+                raise UsageError(f"{flag} {value}: {e.strerror or e}") from None
+            except GGMLValueError as e:
+                raise UsageError(str(e)) from None
+        try:
+            given["grammar" if flag.startswith("--grammar") else "json_schema"] = value
+            return sampling_params("run", None, defaults, **given)
+        except GGMLValueError as e:
+            raise UsageError(f"{flag}: {e}") from None
     try:
         return sampling_params("run", None, defaults, **given)
     except GGMLValueError as e:
@@ -379,12 +406,25 @@ def _sampling(args: argparse.Namespace, defaults=None):
         raise UsageError(msg) from None
 
 
+#: the largest text file an option reads (a template, a grammar, a schema): 16 MiB
+_MAX_TEXT_FILE = 16 << 20
+
+
 def _read_text(path: str, option: str) -> str:
-    """A UTF-8 file's text; a file that is not UTF-8 is a GGMLValueError naming it (no traceback)."""
+    """A UTF-8 file's text; a file that is not UTF-8, not a regular file (a FIFO, /dev/zero) or larger
+    than 16 MiB is a GGMLValueError naming it (no traceback, and nothing read without bound)."""
+    import os
+    import stat
+
     from ggmlpy import GGMLValueError
 
-    with open(path, "rb") as f:
-        data = f.read()
+    # O_NONBLOCK: opening a FIFO must not wait for a writer; what is opened is checked, not the path
+    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise GGMLValueError(f"{option} {path}: not a regular file")
+        data = f.read(_MAX_TEXT_FILE + 1)
+    if len(data) > _MAX_TEXT_FILE:
+        raise GGMLValueError(f"{option} {path}: larger than {_MAX_TEXT_FILE >> 20} MiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -383,6 +383,11 @@ def test_a_closed_pipe_exits_quietly(tiny):
     (["--samplers", "top_k;warp"], "--samplers: samplers: unknown sampler 'warp'"),
     (["--samplers", "top_k", "--sampling-seq", "kt"], "--samplers and --sampling-seq given together"),
     (["-l", "15043*2"], "--logit-bias 15043*2: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS"),
+    (["--grammar", 'root ::= "a" nope'], "--grammar: gbnf grammar: Rule 'nope' not found"),
+    (["-j", "{bad"], "--json-schema: json_schema grammar: the schema is not JSON"),
+    (["--grammar", "x", "-j", "{}"], "--grammar and --json-schema given together"),
+    (["--grammar-file", "/dev/zero"], "--grammar-file /dev/zero: not a regular file"),
+    (["-jf", "/nonexistent.json"], "--json-schema-file /nonexistent.json: No such file or directory"),
 ])
 def test_cli_sampling_flags_are_checked_naming_the_flag(flags, said, capsys):
     assert cli.main(["run", "-m", "/nonexistent.gguf", "-p", "x", *flags]) == 2

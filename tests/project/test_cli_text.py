@@ -69,6 +69,27 @@ def test_run_prints_the_completion_then_the_speed(path, rt, capsys):
     assert m and int(m[1]) == want.prompt_eval_count and m[3] == "24" and m[4] == "length"
 
 
+def test_run_constrains_the_output_and_takes_llama_clis_sampling_flags(path, rt, capsys, tmp_path):
+    """-j / -jf / --grammar / --grammar-file reach the runner as its json_schema / grammar (the same
+    completion as the API's), with the penalty and bias flags alongside."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    flags = ["--repeat-penalty", "1.3", "--repeat-last-n", "16", "-l", "11+0.5"]
+    want = rt.generate(PROMPT, max_tokens=48, shift=False, json_schema=schema, repeat_penalty=1.3,
+                       repeat_last_n=16, logit_bias={11: 0.5}, sampling=None, temperature=0.0)
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for how in (["-j", json.dumps(schema)], ["-jf", str(tmp_path / "s.json")]):
+        assert cli.main(["run", "-m", path, "-p", PROMPT, "-n", "48", *COMMON, *flags, *how]) == 0
+        out, _ = capsys.readouterr()
+        assert out == want.text + "\n" and json.loads(out)["n"] in range(100)
+    gbnf = 'root ::= "n=" [0-9] [0-9]?'
+    (tmp_path / "g.gbnf").write_text(gbnf)
+    want = rt.generate(PROMPT, max_tokens=8, shift=False, grammar=gbnf, temperature=0.0).text
+    for how in (["--grammar", gbnf], ["--grammar-file", str(tmp_path / "g.gbnf")]):
+        assert cli.main(["run", "-m", path, "-p", PROMPT, "-n", "8", *COMMON, *how]) == 0
+        assert capsys.readouterr().out == want + "\n" and re.fullmatch(r"n=\d\d?", want)
+
+
 def test_run_stop_strings_and_chat(path, rt, capsys):
     full = rt.generate(PROMPT, max_tokens=24, sampling=GREEDY, shift=False).text
     stop = full[8:11]

@@ -11,11 +11,12 @@ unless it must: top-k selects, top-p sorts only the tokens that can reach the cu
 float32 as llama.cpp moves them, so a penalty or a bias gives the same value bit for bit and greedy
 decoding the same token; probabilities are summed in float64.
 
-Where this differs from llama.cpp, on purpose: tokens a sampler sets to ``-inf`` (top-n-sigma,
-greedy's temperature) are dropped at once rather than carried with probability 0 (the kept set and
-the probabilities are the same; llama.cpp's typical-p would see ``0 * log 0`` = NaN); ties are broken
-by the lower token id where llama.cpp's partial sort leaves them unspecified; the random generator is
-numpy's PCG64, so a seed reproduces ggmlpy's draws, not llama.cpp's.
+Where this differs from llama.cpp, on purpose: greedy's temperature drops the tokens it sets to
+``-inf`` (nothing runs after it that would count them); typical-p leaves tokens of probability 0 out
+of its entropy (llama.cpp's ``0 * log 0`` is NaN); ties are broken by the lower token id where
+llama.cpp's partial sort leaves them unspecified; ``repeat_last_n=-1`` and ``dry_penalty_last_n=-1``
+mean the context size (Ollama's and older llama.cpp's meaning; this llama.cpp turns them off); the
+random generator is numpy's PCG64, so a seed reproduces ggmlpy's draws, not llama.cpp's.
 """
 
 from __future__ import annotations
@@ -221,9 +222,12 @@ class Sampler:
         fin = c.x[np.isfinite(c.x)]
         top = float(fin.max())
         std = float(fin.astype(np.float64).std())
-        keep = np.flatnonzero(c.x >= _F32(top - n * std))
-        if keep.size < c.size:
-            c.take(keep, c.sorted)
+        # masked to -inf, not dropped, as llama.cpp: the samplers after it count the whole list (XTC's
+        # "at least 2" and min_keep, dynamic temperature's maximum entropy)
+        below = c.x < _F32(top - n * std)
+        if below.any():
+            c.x[below] = -np.inf
+            c.sorted = False
 
     def _top_k(self, c: _Cands, k: int) -> None:
         if k <= 0:
