@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import traceback
 import warnings
@@ -172,19 +173,14 @@ def _check_model_args(args: argparse.Namespace) -> None:
         raise UsageError(f"-n {args.n_predict}: must be at least 1, or -1 (until the end of generation or a "
                          f"full context)")
     checks = [("-c", args.ctx_size, 0, "0: the model's training context, at most 4096"),
-              ("-b", args.batch_size, 1, ""), ("-mg", args.main_gpu, 0, ""), ("-ncmoe", args.n_cpu_moe, 0, ""),
-              ("--temp", args.temp, 0, "0: greedy"), ("--top-k", args.top_k, 0, "0: off"),
-              ("--min-p", args.min_p, 0, "0: off")]
+              ("-b", args.batch_size, 1, ""), ("-mg", args.main_gpu, 0, ""), ("-ncmoe", args.n_cpu_moe, 0, "")]
     if args.threads is not None:
         checks.append(("-t", args.threads, 1, "default: all cores"))
     for flag, value, lo, note in checks:
         msg = at_least(flag, value, lo, note)
         if msg:
             raise UsageError(msg)
-    if not 0 < args.top_p <= 1:
-        raise UsageError(f"--top-p {args.top_p}: must be more than 0 and at most 1 (1: off)")
-    if args.min_p > 1:
-        raise UsageError(f"--min-p {args.min_p}: must be at most 1")
+    _sampling(args)                  # each sampling flag checked now, its error naming the flag
     ngl = args.n_gpu_layers
     if ngl.lower() == "auto":
         args.n_gpu_layers = "auto"
@@ -287,11 +283,100 @@ def _open_runner(args: argparse.Namespace, prog: str):
     return model, rt
 
 
-def _sampling(args: argparse.Namespace):
-    from ggmlpy.sampling import SamplingParams
+#: the sampling flags, with llama-cli's names: (flags, SamplingParams field, type, help)
+_SAMPLING_FLAGS = [
+    (("--temp", "--temperature"), "temperature", float, "temperature (default {}; 0: greedy)"),
+    (("--top-k",), "top_k", int, "top-k sampling (default {}; 0: off)"),
+    (("--top-p",), "top_p", float, "top-p sampling (default {}; 1: off)"),
+    (("--min-p",), "min_p", float, "min-p sampling (default {}; 0: off)"),
+    (("--typical", "--typical-p"), "typical_p", float, "locally typical sampling, parameter p (default {}; 1: off)"),
+    (("--top-nsigma", "--top-n-sigma"), "top_n_sigma", float, "top-n-sigma sampling (default {}; <= 0: off)"),
+    (("--min-keep",), "min_keep", int, "the least tokens each sampler keeps (default {}; 0: no bound)"),
+    (("--repeat-penalty",), "repeat_penalty", float, "penalise repeated tokens (default {}; 1: off)"),
+    (("--repeat-last-n",), "repeat_last_n", int,
+     "last N tokens (prompt included) the penalties look at (default {}; 0: off, -1: the context size)"),
+    (("--presence-penalty",), "presence_penalty", float, "repeat alpha presence penalty (default {}; 0: off)"),
+    (("--frequency-penalty",), "frequency_penalty", float, "repeat alpha frequency penalty (default {}; 0: off)"),
+    (("--xtc-probability",), "xtc_probability", float, "XTC probability (default {}; 0: off)"),
+    (("--xtc-threshold",), "xtc_threshold", float, "XTC threshold (default {}; above 0.5: off)"),
+    (("--dry-multiplier",), "dry_multiplier", float, "DRY sampling multiplier (default {}; 0: off)"),
+    (("--dry-base",), "dry_base", float, "DRY sampling base value (default {})"),
+    (("--dry-allowed-length",), "dry_allowed_length", int, "DRY: repetitions longer than this are penalised "
+                                                            "(default {})"),
+    (("--dry-penalty-last-n",), "dry_penalty_last_n", int,
+     "DRY: last N tokens scanned (default {}; 0: off, -1: the context size)"),
+    (("--mirostat",), "mirostat", int, "Mirostat sampling: 0 off, 1 Mirostat, 2 Mirostat 2.0 (default {})"),
+    (("--mirostat-lr",), "mirostat_eta", float, "Mirostat learning rate, eta (default {})"),
+    (("--mirostat-ent",), "mirostat_tau", float, "Mirostat target entropy, tau (default {})"),
+    (("--dynatemp-range",), "dynatemp_range", float, "dynamic temperature range (default {}; 0: off)"),
+    (("--dynatemp-exp",), "dynatemp_exponent", float, "dynamic temperature exponent (default {})"),
+]
 
-    return SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          seed=None if args.seed is None or args.seed < 0 else args.seed)
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """The sampling flags (default None: not given, so a model file's ``general.sampling.*`` applies)."""
+    from ggmlpy.sampling import DEFAULT_SAMPLERS
+
+    g = p.add_argument_group("sampling (llama-cli's flags; a flag not given takes the model file's "
+                             "general.sampling.* value, else the default shown)")
+    for flags, field, kind, text in _SAMPLING_FLAGS:
+        g.add_argument(*flags, dest=field, type=kind, default=None, metavar="N", help=text.format(DEFAULTS[field]))
+    g.add_argument("-s", "--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default: random)")
+    g.add_argument("--samplers", default=None, metavar="NAMES",
+                   help=f"the chain's samplers in order, separated by ';' (default {';'.join(DEFAULT_SAMPLERS)})")
+    g.add_argument("--sampling-seq", "--sampler-seq", dest="sampling_seq", default=None, metavar="CHARS",
+                   help="the chain as one letter per sampler (default edskypmxt)")
+    g.add_argument("--dry-sequence-breaker", action="append", metavar="STR",
+                   help="a DRY sequence breaker (repeatable; replaces the defaults \\n : \" *; 'none': no breaker)")
+    g.add_argument("-l", "--logit-bias", action="append", metavar="TOKEN_ID(+/-)BIAS",
+                   help="change a token's likelihood, e.g. 15043+1 or 15043-1 (repeatable); 15043-inf bans it")
+
+
+def _logit_bias_flag(value: str) -> tuple:
+    m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|[0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*", value)
+    if not m:
+        raise UsageError(f"--logit-bias {value}: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS, e.g. 15043+1")
+    bias = float(m.group(3))
+    return int(m.group(1)), -bias if m.group(2) == "-" else bias
+
+
+def _sampling(args: argparse.Namespace, defaults=None):
+    """The request's SamplingParams from the flags given, over ``defaults`` (the model's
+    ``general.sampling.*``); a value out of range is a UsageError naming its flag."""
+    from ggmlpy import GGMLValueError
+    from ggmlpy.sampling import sampling_params
+
+    given = {field: getattr(args, field, None) for _, field, _, _ in _SAMPLING_FLAGS}
+    given["seed"] = None if args.seed is None or args.seed < 0 else args.seed
+    if getattr(args, "samplers", None) is not None and getattr(args, "sampling_seq", None) is not None:
+        raise UsageError("--samplers and --sampling-seq given together: give the chain once")
+    given["samplers"] = getattr(args, "samplers", None) or getattr(args, "sampling_seq", None)
+    breakers = getattr(args, "dry_sequence_breaker", None)
+    if breakers:
+        # escapes as llama-cli reads them: --dry-sequence-breaker '\n' is a newline
+        unescape = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
+        given["dry_sequence_breakers"] = () if breakers == ["none"] else tuple(
+            re.sub(r"\\(.)", lambda m: unescape.get(m.group(1), m.group(0)), b) for b in breakers)
+    biases = getattr(args, "logit_bias", None)
+    if biases:
+        pairs: dict = {}
+        for b in biases:
+            tok, bias = _logit_bias_flag(b)
+            pairs[tok] = pairs.get(tok, 0.0) + bias
+        given["logit_bias"] = pairs
+    try:
+        return sampling_params("run", None, defaults, **given)
+    except GGMLValueError as e:
+        msg = str(e)
+        for flags, field, _, _ in _SAMPLING_FLAGS:
+            if msg.startswith(field + " "):
+                why = msg[len(field) + 1:].rsplit(", got ", 1)[0]      # the flag's value is shown already
+                raise UsageError(f"{flags[0]} {getattr(args, field)}: {why}") from None
+        for flag, field in (("--samplers", "samplers"), ("--dry-sequence-breaker", "dry_sequence_breakers"),
+                            ("--logit-bias", "logit_bias")):
+            if msg.startswith(field):
+                raise UsageError(f"{flag}: {msg}") from None
+        raise UsageError(msg) from None
 
 
 def _read_text(path: str, option: str) -> str:
@@ -384,7 +469,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     images = _load_images(args.image or ())
     model, rt = _open_runner(args, "ggmlpy run")
     try:
-        kw = dict(max_tokens=args.n_predict, sampling=_sampling(args), stop=tuple(args.stop or ()), shift=False)
+        kw = dict(max_tokens=args.n_predict, sampling=_sampling(args, rt.sampling_defaults),
+                  stop=tuple(args.stop or ()), shift=False)
         if args.chat:
             _check_chat_template(rt, template)
             messages = ([{"role": "system", "content": args.system}] if args.system is not None else []) + \
@@ -432,7 +518,8 @@ def _chat_turn(rt, history: list, args, template: Optional[str], out):
         raise GGMLValueError(f"the message takes {len(ids)} tokens, more than the context of {rt.n_ctx} "
                              f"(-c) leaves room for")
     handle = None
-    kw = dict(max_tokens=args.n_predict, sampling=_sampling(args), stop=tuple(args.stop or ()), shift=False)
+    kw = dict(max_tokens=args.n_predict, sampling=_sampling(args, rt.sampling_defaults),
+              stop=tuple(args.stop or ()), shift=False)
     try:
         if _has_images(messages):        # the images go with the messages (token ids alone would lose them)
             handle = rt.submit_chat(messages, template=template, **kw)
@@ -595,14 +682,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj "
                         "(with -hf: the repository's)")
-    p.add_argument("--temp", type=float, default=DEFAULTS["temperature"],
-                   help="temperature (default %(default)s; 0: greedy)")
-    p.add_argument("--top-k", type=int, default=DEFAULTS["top_k"], help="top-k sampling (default %(default)s; 0: off)")
-    p.add_argument("--top-p", type=float, default=DEFAULTS["top_p"],
-                   help="top-p sampling (default %(default)s; 1: off)")
-    p.add_argument("--min-p", type=float, default=DEFAULTS["min_p"],
-                   help="min-p sampling (default %(default)s; 0: off)")
-    p.add_argument("-s", "--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default: random)")
+    _add_sampling_args(p)
     p.add_argument("--stop", action="append", metavar="STR",
                    help="stop string (repeatable): the text ends before it")
     p.add_argument("--system", default=None, help="system prompt (run: with --chat)")

@@ -14,6 +14,8 @@ setting             default      CLI option                  where it comes from
 ``top_p``           0.95         ``--top-p``                 the same three (Ollama 0.9)
 ``min_p``           0.05         ``--min-p``                 llama.cpp, llama-cpp-python (Ollama 0)
 ``seed``            None         ``-s``                      a fresh seed per request (llama.cpp: -1)
+(the other samplers) off         llama-cli's names           llama.cpp's ``common_params_sampling``: see
+                                                             :class:`~ggmlpy.sampling.SamplingParams`
 ``devices``         ``"auto"``   ``-dev``                    every local accelerator, then the CPU
 ``n_gpu_layers``    -1           ``-ngl``                    all layers on the accelerators (if any)
 ``n_ctx``           4096         ``-c``                      llama.cpp's; at most the training context
@@ -60,6 +62,26 @@ DEFAULTS = MappingProxyType({
     "top_p": 0.95,
     "min_p": 0.05,
     "seed": None,
+    # the rest of llama.cpp's chain (common_params_sampling), each off by default as there
+    "typical_p": 1.0,
+    "top_n_sigma": -1.0,
+    "min_keep": 0,
+    "repeat_penalty": 1.0,
+    "repeat_last_n": 64,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "xtc_probability": 0.0,
+    "xtc_threshold": 0.1,
+    "dry_multiplier": 0.0,
+    "dry_base": 1.75,
+    "dry_allowed_length": 2,
+    "dry_penalty_last_n": 64,
+    "dry_sequence_breakers": ("\n", ":", "\"", "*"),
+    "mirostat": 0,
+    "mirostat_tau": 5.0,
+    "mirostat_eta": 0.1,
+    "dynatemp_range": 0.0,
+    "dynatemp_exponent": 1.0,
     # where the weights go: load_model, open, -dev/-ngl
     "devices": "auto",
     "n_gpu_layers": -1,

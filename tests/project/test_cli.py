@@ -374,10 +374,49 @@ def test_a_closed_pipe_exits_quietly(tiny):
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--repeat-penalty", "0"], "--repeat-penalty 0.0: must be > 0 (1 is off)"),
+    (["--typical", "1.5"], "--typical 1.5: must be in (0, 1]"),
+    (["--mirostat", "3"], "--mirostat 3: must be 0 (off), 1 or 2"),
+    (["--dry-base", "0.5"], "--dry-base 0.5: must be >= 1"),
+    (["--repeat-last-n", "-2"], "--repeat-last-n -2: must be >= -1"),
+    (["--samplers", "top_k;warp"], "--samplers: samplers: unknown sampler 'warp'"),
+    (["--samplers", "top_k", "--sampling-seq", "kt"], "--samplers and --sampling-seq given together"),
+    (["-l", "15043*2"], "--logit-bias 15043*2: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS"),
+])
+def test_cli_sampling_flags_are_checked_naming_the_flag(flags, said, capsys):
+    assert cli.main(["run", "-m", "/nonexistent.gguf", "-p", "x", *flags]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_cli_sampling_flags_reach_the_params():
+    """Every llama-cli sampling flag lands in its SamplingParams field; the ones not given are the model's
+    general.sampling.* recommendation, else the table's."""
+    args = cli.build_parser().parse_args([
+        "run", "-m", "x.gguf", "-p", "hi", "--temp", "0.5", "--repeat-penalty", "1.2", "--repeat-last-n", "-1",
+        "--presence-penalty", "0.3", "--frequency-penalty", "0.4", "--typical", "0.9", "--top-nsigma", "1.5",
+        "--min-keep", "2", "--xtc-probability", "0.5", "--xtc-threshold", "0.2", "--dry-multiplier", "0.8",
+        "--dry-base", "2", "--dry-allowed-length", "3", "--dry-penalty-last-n", "128", "--dry-sequence-breaker",
+        "\n", "--mirostat", "2", "--mirostat-lr", "0.2", "--mirostat-ent", "4", "--dynatemp-range", "0.1",
+        "--dynatemp-exp", "1.5", "--sampling-seq", "kpt", "-l", "15043+1", "-l", "7-inf", "-l", "15043+0.5",
+        "-s", "7"])
+    p = cli._sampling(args, {"top_k": 12, "temperature": 0.1})
+    assert (p.temperature, p.top_k, p.top_p, p.seed) == (0.5, 12, 0.95, 7)       # --temp beats the file's
+    assert (p.repeat_penalty, p.repeat_last_n, p.presence_penalty, p.frequency_penalty) == (1.2, -1, 0.3, 0.4)
+    assert (p.typical_p, p.top_n_sigma, p.min_keep, p.xtc_probability, p.xtc_threshold) == (0.9, 1.5, 2, 0.5, 0.2)
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (0.8, 2.0, 3, 128)
+    assert p.dry_sequence_breakers == ("\n",)            # '\\n' typed: a newline, as llama-cli reads it
+    assert (p.mirostat, p.mirostat_eta, p.mirostat_tau, p.dynatemp_range, p.dynatemp_exponent) == (2, 0.2, 4, 0.1, 1.5)
+    assert p.samplers == ("top_k", "top_p", "temperature")
+    assert p.logit_bias == ((7, float("-inf")), (15043, 1.5))
+    none = cli._sampling(cli.build_parser().parse_args(["run", "-m", "x.gguf", "-p", "hi"]), {"top_k": 12})
+    assert none.top_k == 12 and none.temperature == 0.8
+
+
 def test_cli_numbers_are_checked_without_loading_anything(capsys):
     """The checks run before any model is opened: a value error comes first even with a missing file."""
     assert cli.main(["run", "-m", "/nonexistent.gguf", "-p", "x", "--top-p", "0"]) == 2
-    assert "--top-p 0.0: must be more than 0 and at most 1" in capsys.readouterr().err
+    assert "--top-p 0.0: must be in (0, 1]" in capsys.readouterr().err
     assert cli.main(["chat", "-m", "/nonexistent.gguf", "--image", "a.png"]) == 2
     assert "--image needs the model's vision encoder: --mmproj FILE" in capsys.readouterr().err
     assert cli.main(["run", "-m", "/nonexistent.gguf", "-p", "x", "-ngl", "lots"]) == 2

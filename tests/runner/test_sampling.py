@@ -51,10 +51,11 @@ def chi2_999(df: int) -> float:
 
 
 def ref_distribution(logits, params: SamplingParams) -> np.ndarray:
-    """The sampling distribution by the book: full stable sort, float64, no shortcuts.
+    """The sampling distribution by the book, in llama.cpp's default order: full stable sort, float64.
 
-    top_k -> temperature -> softmax -> top_p (smallest prefix with mass >= p)
-    -> min_p (p >= min_p * p_max) -> renormalise.
+    top_k -> softmax -> top_p (smallest prefix with mass >= p) -> min_p (p >= min_p * p_max)
+    -> temperature -> softmax. (Orders ``samplers=`` names are supported for top_k, top_p, min_p and
+    temperature alone.)
     """
     x = np.asarray(logits, dtype=np.float64)
     n = x.size
@@ -63,23 +64,27 @@ def ref_distribution(logits, params: SamplingParams) -> np.ndarray:
         out[int(np.argmax(x))] = 1.0
         return out
     order = sorted(range(n), key=lambda i: (-x[i], i))
-    if 0 < params.top_k < n:
-        order = order[: params.top_k]
     z = np.array([x[i] for i in order])
-    w = np.exp((z - z.max()) / params.temperature)
-    p = w / w.sum()
-    if params.top_p < 1:
-        cum = 0.0
-        for j, pj in enumerate(p):
-            cum += pj
-            if cum >= params.top_p:
-                order, p = order[: j + 1], p[: j + 1]
-                break
-    if params.min_p > 0:
-        keep = p >= params.min_p * p.max()
-        order = [i for i, k in zip(order, keep) if k]
-        p = p[keep]
-    out[order] = p / p.sum()
+    for name in params.samplers:
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        if name == "top_k" and 0 < params.top_k < len(order):
+            order, z = order[: params.top_k], z[: params.top_k]
+        elif name == "top_p" and params.top_p < 1:
+            cum = 0.0
+            for j, pj in enumerate(p):
+                cum += pj
+                if cum >= params.top_p:
+                    order, z = order[: j + 1], z[: j + 1]
+                    break
+        elif name == "min_p" and params.min_p > 0:
+            keep = p >= params.min_p * p.max()
+            order = [i for i, k in zip(order, keep) if k]
+            z = z[keep]
+        elif name == "temperature":
+            z = z / params.temperature
+    w = np.exp(z - z.max())
+    out[order] = w / w.sum()
     return out
 
 
@@ -371,21 +376,27 @@ def test_order_top_k_before_softmax_before_top_p():
     assert support_seen(dataclasses.replace(params, top_k=0), logits) == {0, 1}
 
 
-def test_order_temperature_before_top_p():
-    """Probabilities 0.6, 0.3, 0.1 at T=1: top_p=0.55 keeps token 0 only. At T=3 the
-    tempered probabilities are about 0.43, 0.34, 0.24, so top_p=0.55 keeps {0, 1}:
-    top_p sees the tempered distribution, not the raw one."""
+def test_order_temperature_after_top_p():
+    """llama.cpp's order: top_p cuts the distribution at T=1, temperature comes last. Probabilities
+    0.6, 0.3, 0.1: top_p=0.55 keeps token 0 alone at any temperature; with the temperature moved
+    before top_p (``samplers=``, Ollama's order), T=3 tempers them to about 0.43, 0.34, 0.24 and
+    top_p=0.55 keeps {0, 1}."""
     logits = logits_of([0.6, 0.3, 0.1])
     assert support_seen(plain(temperature=1.0, top_p=0.55, seed=22), logits) == {0}
-    assert support_seen(plain(temperature=3.0, top_p=0.55, seed=22), logits) == {0, 1}
+    assert support_seen(plain(temperature=3.0, top_p=0.55, seed=22), logits) == {0}
+    ollama = ("top_k", "temperature", "top_p", "min_p")
+    assert support_seen(plain(temperature=3.0, top_p=0.55, seed=22, samplers=ollama), logits) == {0, 1}
 
 
-def test_order_temperature_before_min_p():
-    """Probabilities 0.4, 0.3, 0.2, 0.1, min_p=0.6: at T=1 the ratios to the max are
-    1, .75, .5, .25 -> {0, 1}; at T=2 they are 1, .87, .71, .5 -> {0, 1, 2}."""
+def test_order_temperature_after_min_p():
+    """Probabilities 0.4, 0.3, 0.2, 0.1, min_p=0.6: the ratios to the max at T=1 are 1, .75, .5, .25
+    -> {0, 1} whatever the temperature (it runs last); with the temperature first, T=2 makes them
+    1, .87, .71, .5 -> {0, 1, 2}."""
     logits = logits_of([0.4, 0.3, 0.2, 0.1])
     assert support_seen(plain(temperature=1.0, min_p=0.6, seed=23), logits) == {0, 1}
-    assert support_seen(plain(temperature=2.0, min_p=0.6, seed=23), logits) == {0, 1, 2}
+    assert support_seen(plain(temperature=2.0, min_p=0.6, seed=23), logits) == {0, 1}
+    first = ("temperature", "min_p")
+    assert support_seen(plain(temperature=2.0, min_p=0.6, seed=23, samplers=first), logits) == {0, 1, 2}
 
 
 def test_order_top_p_then_min_p_uses_unrenormalised_max():

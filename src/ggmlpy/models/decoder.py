@@ -144,6 +144,8 @@ class DecoderModel(WeightLoader):
             raise GGMLValueError(f"{self.path}: placement has {placement.n_layers} layers, the model {cfg.n_layer}")
         self.placement = placement
         self._reader = reader
+        #: the file's ``general.sampling.*`` keys: the model maker's recommended sampling (the runner reads them)
+        self.sampling_metadata = {k: v for k, v in reader.metadata.items() if k.startswith("general.sampling.")}
         self._inspect(reader)
         expected = list(self._expected())
         self.weights = Weights(placement, max_tensors=len(expected) + 8, repack=repack)

@@ -31,6 +31,7 @@ import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLValueError
 from ggmlpy.sampling import Sampler, SamplingParams
+from ggmlpy.sampling.chain import sample_batch
 from ggmlpy.sampling import logprobs as _logprobs
 
 from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch
@@ -48,11 +49,11 @@ class _Request:
     """A request being served (the loop's private state)."""
 
     def __init__(self, prompt, params, max_tokens, stop, n_keep, shift, embedding, pooling, normalize,
-                 same_batch):
+                 same_batch, sampler=None):
         self.prompt = prompt                 # list[int]: the prepared prompt (runner.inputs.Prompt.ids)
         self.same_batch = same_batch         # per prompt input: how many following inputs share its batch
         self.params = params
-        self.sampler = None if embedding else Sampler(params)
+        self.sampler = sampler               # the sequence's sampler chain (None for an embedding)
         self.max_tokens = max_tokens
         self.stop = frozenset(int(t) for t in stop)
         self.n_keep = n_keep
@@ -182,13 +183,27 @@ class RequestLoop:
         stop_ids += tuple(self.model.config.eos_token_ids)
         if tok is not None:
             stop_ids += tuple(sorted(tok.eog))     # llama.cpp ends a generation at any of them
-        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb)
+        sampler = None if embedding else self._sampler(params, ids)
+        req = _Request(ids, params, max_tokens, stop_ids, n_keep, shift, embedding, pooling, normalize, sb, sampler)
         if tok is not None:
             # a detokenizer of its own: it holds the bytes of a character not yet complete
             req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
             req.result.text = ""
         self._enqueue(req)
         return Handle(self, req)
+
+    def _sampler(self, params: SamplingParams, ids: list) -> Sampler:
+        """A request's sampler chain, with the prompt's tokens in its history (image rows left out): the
+        penalties count them, as llama-server's ``init_sampler`` does."""
+        tok = None
+        if params.dry_multiplier != 0.0 and params.dry_sequence_breakers:
+            try:
+                tok = self.tokenizer                 # DRY's breakers are strings found in tokens' text
+            except GGMLValueError as e:
+                raise GGMLValueError(f"submit: dry_sequence_breakers need the model's vocabulary: {e}") from e
+        s = Sampler(params, tokenizer=tok, n_ctx=self.n_ctx)
+        s.accept([t for t in ids if t >= 0])
+        return s
 
     def _enqueue(self, req: _Request) -> None:
         """Queue a request for the loop (starting the loop thread if needed)."""
@@ -454,6 +469,7 @@ class RequestLoop:
         out = np.concatenate(batch.outputs) if batch.outputs else None
         now = time.perf_counter()
         base = 0
+        picked = self._sample_step(batch, out)
         for m in batch.members:
             req = m.req
             if not m.has_out:
@@ -475,7 +491,9 @@ class RequestLoop:
             r = req.result
             text, stop_text = None, False
             try:
-                tok = req.sampler.sample(row)
+                tok = picked.get(id(m))
+                if isinstance(tok, BaseException):
+                    raise tok
                 lp = _logprobs(row, tok, req.params.top_logprobs) if req.params.logprobs else None
                 if req.text is not None:
                     # the text is decided before the event goes out, so the last event carries the tail
@@ -508,6 +526,26 @@ class RequestLoop:
                 self._finish(req, DoneReason.LENGTH)
             elif ph is None:
                 req.pending.append(tok)
+
+    @staticmethod
+    def _sample_step(batch: _Batch, out) -> dict:
+        """Every generating sequence's next token in one call (:func:`~ggmlpy.sampling.chain.sample_batch`:
+        the greedy ones in one arg-max): by member, a token id or the exception its sampler raised."""
+        if batch.embedding or out is None:
+            return {}
+        members, samplers, rows, base = [], [], [], 0
+        for m in batch.members:
+            if not m.has_out:
+                continue
+            req = m.req
+            if not req.finished.is_set() and not req.cancelled:
+                members.append(m)
+                samplers.append(req.sampler)
+                rows.append(base)
+            base += 1
+        if not members:
+            return {}
+        return {id(m): t for m, t in zip(members, sample_batch(samplers, out[rows]))}
 
     def _wait_prev(self) -> None:
         """Complete the batch in flight, if any (lock held)."""

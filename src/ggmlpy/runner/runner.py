@@ -30,7 +30,8 @@ from ggmlpy.defaults import DEFAULTS, n_ctx_for
 from ggmlpy.kvcache import CACHE_TYPES, V_TRANS_TYPES
 from ggmlpy.models.kernels import KernelChoices
 from ggmlpy.models.kernels import mode as kernel_mode
-from ggmlpy.sampling import SamplingParams, sampling_params
+from ggmlpy.sampling import SamplingParams, gguf_sampling_defaults, sampling_params
+from ggmlpy.sampling.params import sampling_keywords
 
 from .direct import DirectCalls
 from .images import ImageStore
@@ -133,6 +134,10 @@ class Runner(DirectCalls, RequestLoop):
         dtype_k, dtype_v, flash_attn = self.check_cache_types(type_k, type_v, flash_attn)
         kmode = kernel_mode(kernels)          # checked before anything is allocated
         self.model = model
+        #: The sampling settings the model file recommends (its ``general.sampling.*`` keys, as
+        #: :func:`~ggmlpy.sampling.gguf_sampling_defaults` reads them): a request's keyword not given
+        #: takes them before the table's defaults, as llama.cpp applies them when the user set nothing.
+        self.sampling_defaults = gguf_sampling_defaults(getattr(model, "sampling_metadata", None) or {})
         self.n_ctx = int(n_ctx)
         self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
@@ -400,6 +405,7 @@ class Runner(DirectCalls, RequestLoop):
             self._check_open("seq_len")
             return self.cache.seq_pos_max(seq) + 1
 
+    @sampling_keywords
     def submit(self, prompt: str | Sequence[int], *, max_tokens: int = DEFAULTS["max_tokens"],
                temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
@@ -407,7 +413,7 @@ class Runner(DirectCalls, RequestLoop):
                stop: Sequence[int | str] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
                embedding: bool = False, pooling: str = "mean", normalize: bool = True,
                same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
-               detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
+               detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
 
         Each option is described in full in ``docs/runner.md``.
@@ -426,9 +432,19 @@ class Runner(DirectCalls, RequestLoop):
         logprobs, top_logprobs : optional
             Report the chosen token's log-probability, and that many most likely alternatives
             (``TokenEvent.logprobs``, ``Completion.logprobs``; default none).
+        **settings
+            Any other field of :class:`~ggmlpy.sampling.SamplingParams`, by name: llama.cpp's samplers
+            (``repeat_penalty``, ``repeat_last_n``, ``frequency_penalty``, ``presence_penalty``,
+            ``logit_bias``, ``typical_p``, ``top_n_sigma``, ``min_keep``, ``xtc_probability``,
+            ``xtc_threshold``, ``dry_multiplier``, ``dry_base``, ``dry_allowed_length``,
+            ``dry_penalty_last_n``, ``dry_sequence_breakers``, ``mirostat``, ``mirostat_tau``,
+            ``mirostat_eta``, ``dynatemp_range``, ``dynatemp_exponent``, ``samplers``) and
+            ``logits_processor``. A setting not given takes the model file's recommendation
+            (``general.sampling.*``, :attr:`sampling_defaults`) if it has one, else the table's; an
+            unknown name is a GGMLValueError.
         sampling : SamplingParams, optional
             The sampling settings as one object, instead of the keywords above (giving both is a
-            GGMLValueError).
+            GGMLValueError); taken whole (the file's recommendations do not apply).
         stop : token ids and str
             What ends the generation besides EOS (and, for text, the tokenizer's end-of-generation ids).
         n_keep, shift, truncate
@@ -457,8 +473,9 @@ class Runner(DirectCalls, RequestLoop):
             The runner is closed (a request accepted before that ends with done reason ``cancel``).
         """
         self._check_open("submit")
-        params = sampling_params("submit", sampling, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                 seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+        params = sampling_params("submit", sampling, self.sampling_defaults, temperature=temperature, top_k=top_k,
+                                 top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs,
+                                 **settings)
         text = self._text_options(stop, detokenize, embedding, isinstance(prompt, str))
         p = self.inputs.prompt(prompt, "submit", images=images, same_batch=same_batch, parse_special=parse_special)
         return self._queue(p, text, max_tokens=max_tokens, sampling=params, n_keep=n_keep, shift=shift,
@@ -475,6 +492,7 @@ class Runner(DirectCalls, RequestLoop):
             raise GGMLValueError("submit: an embedding request generates nothing to stop (stop strings given)")
         return stop_ids, stop_texts, self.tokenizer if detokenize and not embedding else None
 
+    @sampling_keywords
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = DEFAULTS["max_tokens"],
                  temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
@@ -482,7 +500,7 @@ class Runner(DirectCalls, RequestLoop):
                  stop: Sequence[int | str] = (), stream: bool = False, n_keep: int = 0, shift: bool = True,
                  truncate: bool = False, embedding: bool = False, pooling: str = "mean", normalize: bool = True,
                  same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
-                 detokenize: Optional[bool] = None, images: Sequence = ()) -> Completion | Stream:
+                 detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Completion | Stream:
         """Generate a continuation of ``prompt``: wait for its :class:`Completion`, or with ``stream=True``
         iterate its tokens as they come.
 
@@ -518,7 +536,7 @@ class Runner(DirectCalls, RequestLoop):
                         min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling,
                         stop=stop, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
                         pooling=pooling, normalize=normalize, same_batch=same_batch, parse_special=parse_special,
-                        detokenize=detokenize, images=images)
+                        detokenize=detokenize, images=images, **settings)
         return Stream(h) if stream else h.result()
 
     def chat_prompt(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
@@ -549,6 +567,7 @@ class Runner(DirectCalls, RequestLoop):
                                                                   tools=tools, template=template,
                                                                   template_kwargs=template_kwargs), allow_local_files)
 
+    @sampling_keywords
     def submit_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                     tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
                     template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
@@ -558,7 +577,7 @@ class Runner(DirectCalls, RequestLoop):
                     sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
                     shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
                     normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
-                    detokenize: Optional[bool] = None, images: Sequence = ()) -> Handle:
+                    detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Handle:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
         The prompt is :meth:`chat_prompt`'s (its keywords, up to ``allow_local_files``); the other
@@ -574,8 +593,9 @@ class Runner(DirectCalls, RequestLoop):
         if detokenize is not None and not detokenize:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
         self._check_open("submit_chat")
-        params = sampling_params("submit_chat", sampling, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 min_p=min_p, seed=seed, logprobs=logprobs, top_logprobs=top_logprobs)
+        params = sampling_params("submit_chat", sampling, self.sampling_defaults, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs,
+                                 top_logprobs=top_logprobs, **settings)
         # the chat's text is the template's: its special tokens are always parsed
         p = self.inputs.chat(messages, "submit_chat", dict(add_generation_prompt=add_generation_prompt, tools=tools,
                                                            template=template, template_kwargs=template_kwargs),
@@ -584,6 +604,7 @@ class Runner(DirectCalls, RequestLoop):
                            sampling=params, n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding,
                            pooling=pooling, normalize=normalize)
 
+    @sampling_keywords
     def chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
              tools: Optional[Sequence[dict]] = None, template: Optional[str] = None,
              template_kwargs: Optional[dict] = None, allow_local_files: bool = False,
@@ -593,7 +614,7 @@ class Runner(DirectCalls, RequestLoop):
              sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), stream: bool = False,
              n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
              pooling: str = "mean", normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
-             detokenize: Optional[bool] = None, images: Sequence = ()) -> Completion | Stream:
+             detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Completion | Stream:
         """The assistant's reply to ``messages``: wait for its :class:`Completion` (``.text``), or with
         ``stream=True`` iterate its tokens (``ev.text``) as they come.
 
@@ -618,7 +639,8 @@ class Runner(DirectCalls, RequestLoop):
                              max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                              seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, sampling=sampling, stop=stop,
                              n_keep=n_keep, shift=shift, truncate=truncate, embedding=embedding, pooling=pooling,
-                             normalize=normalize, same_batch=same_batch, detokenize=detokenize, images=images)
+                             normalize=normalize, same_batch=same_batch, detokenize=detokenize, images=images,
+                             **settings)
         return Stream(h) if stream else h.result()
 
     def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
