@@ -38,10 +38,39 @@ VOCAB = ["a", "b", "c", "y", "\n", ":", '"', "a:b", "x", "z", "d", "e"]
 A, B, C, Y, NL, COLON, QUOTE, AB, X, Z, D, E = range(12)
 
 
+class PieceVocab:
+    """What Sampler reads of a tokenizer for DRY's breakers: the size and each token's bytes. ``encode``
+    tokenizes the rest of a breaker a token's text ends with the start of: never needed here (every
+    breaker is one character)."""
+
+    _made: dict = {}
+
+    def __init__(self, pieces) -> None:
+        self.pieces = [p if isinstance(p, bytes) else p.encode() for p in pieces]
+
+    @classmethod
+    def of(cls, pieces) -> PieceVocab:
+        """One per vocabulary, so that ggmlpy's cache of breakers per tokenizer works as with a real one."""
+        key = tuple(pieces)
+        if key not in cls._made:
+            cls._made[key] = cls(pieces)
+        return cls._made[key]
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def token_to_piece(self, token: int, special: bool = True) -> bytes:
+        return self.pieces[token]
+
+    def encode(self, text, add_special=False, parse_special=False):
+        raise AssertionError(f"a multi-token breaker tail {text!r}: not expected with one-character breakers")
+
+
 def got(logits, history=(), vocab=None, n_ctx=None, **kw) -> tuple[list, list]:
     """ggmlpy's distribution over ``logits`` after ``history`` was accepted: (ids, probs), ids ascending,
     zero-probability entries dropped."""
-    s = Sampler(SamplingParams(**{**OFF, **kw}), vocab=vocab, n_ctx=n_ctx)
+    tok = PieceVocab.of(vocab) if vocab is not None else None
+    s = Sampler(SamplingParams(**{**OFF, **kw}), tokenizer=tok, n_ctx=n_ctx)
     if len(history):
         s.accept(list(history))
     ids, probs = s.distribution(np.asarray(logits, dtype=np.float32))
@@ -60,9 +89,14 @@ def ref(logits, history=(), vocab=None, n_ctx=None, **kw) -> tuple[list, list]:
     return canon(ids, probs)
 
 
+# llama.cpp's softmax is expf in float32: a probability below ~1e-38 is 0 there (never drawn); ggmlpy's may
+# keep or flush it. Both sides drop what is below this.
+TINY = 1e-30
+
+
 def canon(ids, probs) -> tuple[list, list]:
     ids, probs = np.asarray(ids, dtype=np.int64), np.asarray(probs, dtype=np.float64)
-    keep = probs > 0
+    keep = probs > TINY
     ids, probs = ids[keep], probs[keep]
     order = np.argsort(ids)
     return ids[order].tolist(), probs[order].tolist()
@@ -448,7 +482,7 @@ def test_dry_sees_sampled_tokens():
     x[C] = 2.0
     x[Y] = 1.9
     kw = dict(temperature=0.0, dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=1)
-    s = Sampler(SamplingParams(**{**OFF, **kw}), vocab=VOCAB, n_ctx=64)
+    s = Sampler(SamplingParams(**{**OFF, **kw}), tokenizer=PieceVocab.of(VOCAB), n_ctx=64)
     s.accept([A, B])
     seq = [s.sample(x) for _ in range(6)]
     hist, want = [A, B], []
@@ -588,6 +622,8 @@ def test_mirostat_mu_follows_the_reference(version, seed):
         t = s.sample(x)
         assert t in r[0]
         mu = R.mirostat_update(mu, dict(zip(*r))[t], tau, eta)
+        if hasattr(s, "mu"):                           # ggmlpy exposes it: compare it directly as well
+            assert s.mu == pytest.approx(mu, rel=1e-5, abs=1e-5), step
         sizes.add(len(r[0]))
         checked += 1
     assert checked >= 15, checked

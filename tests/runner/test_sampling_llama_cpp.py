@@ -30,6 +30,8 @@ from hypothesis import strategies as st
 
 L = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (.ci/run does not install it)")
 
+from test_sampling_chain import PieceVocab  # noqa: E402
+
 from ggmlpy.sampling import DEFAULT_SAMPLERS, Sampler, SamplingParams  # noqa: E402
 
 # every filter off, temperature 1: a test turns on what it looks at
@@ -73,7 +75,8 @@ class Chain:
             return n_ctx if n == -1 else n
 
         if p["logit_bias"]:
-            items = list(p["logit_bias"].items())
+            lb = p["logit_bias"]
+            items = list(lb.items()) if isinstance(lb, dict) else list(lb)     # ggmlpy keeps (id, bias) pairs
             arr = (L.llama_logit_bias * len(items))(*[L.llama_logit_bias(int(t), float(b)) for t, b in items])
             add(L.llama_sampler_init_logit_bias(n_vocab, len(items), arr))
         for name in (p["samplers"] if samplers is None else samplers):
@@ -131,9 +134,14 @@ class Chain:
         L.llama_sampler_free(self.ptr)
 
 
+# llama.cpp's softmax is expf in float32: a probability below ~1e-38 is 0 there (never drawn); ggmlpy's may
+# keep or flush it. Both sides drop what is below this.
+TINY = 1e-30
+
+
 def canon(ids, probs) -> tuple[list, list]:
     ids, probs = np.asarray(ids, dtype=np.int64), np.asarray(probs, dtype=np.float64)
-    keep = probs > 0
+    keep = probs > TINY
     order = np.argsort(ids[keep])
     return ids[keep][order].tolist(), probs[keep][order].tolist()
 
@@ -144,7 +152,7 @@ def assert_same(g, r, what=""):
 
 
 def ggml_dist(kw, logits, history=(), vocab=None, n_ctx=None) -> tuple[list, list]:
-    s = Sampler(SamplingParams(**kw), vocab=vocab, n_ctx=n_ctx)
+    s = Sampler(SamplingParams(**kw), tokenizer=PieceVocab.of(vocab) if vocab is not None else None, n_ctx=n_ctx)
     if len(history):
         s.accept(list(history))
     return canon(*s.distribution(np.asarray(logits, dtype=np.float32)))
@@ -153,6 +161,7 @@ def ggml_dist(kw, logits, history=(), vocab=None, n_ctx=None) -> tuple[list, lis
 def ref_dist(kw, logits, history=(), n_ctx=None, breakers=None) -> tuple[list, list]:
     p = full(kw)
     p.pop("dry_sequence_breakers")
+    p["logit_bias"] = dict(p["logit_bias"]) if p["logit_bias"] else None
     p = {k: float(np.float32(v)) if isinstance(v, float) else v for k, v in p.items()}
     return canon(*R.chain(np.asarray(logits, dtype=np.float32).tolist(), R.Params(**p), list(history),
                           n_ctx=n_ctx, breakers=breakers))
@@ -246,13 +255,13 @@ def test_mirostat_on_token_arrays_equals_llama_cpp(version):
 # ---------------------------------------------------------------------------------------------- 2. DRY, real vocabulary
 
 
-def token_texts(vocab) -> list[str]:
-    """Each token's text as llama.cpp's DRY sees it (detokenize with special tokens rendered)."""
+def token_texts(vocab) -> list[bytes]:
+    """Each token's bytes as llama.cpp's DRY sees them (detokenize with special tokens rendered)."""
     out = []
     buf = ctypes.create_string_buffer(256)
     for t in range(L.llama_vocab_n_tokens(vocab)):
         n = L.llama_token_to_piece(vocab, t, buf, len(buf), 0, True)
-        out.append(buf.raw[:max(n, 0)].decode("utf-8", errors="replace"))
+        out.append(buf.raw[:max(n, 0)])
     return out
 
 
@@ -304,7 +313,8 @@ def test_dry_with_the_llama_bpe_vocabulary(bpe_vocab, text, allowed, last_n):
     changed = [t for t, a, b in zip(want[0], want[1], plain[1]) if abs(a / b - 1) > 1e-4]
     assert changed, "DRY changed nothing: not a test"
     assert_same(ggml_dist(kw, x, history, texts, n_ctx=64), want, f"DRY on {text!r}")
-    assert_same(ref_dist(kw, x, history, n_ctx=64, breakers=R.dry_breakers(texts, BREAKERS)), want)
+    strs = [t.decode("utf-8", errors="replace") for t in texts]
+    assert_same(ref_dist(kw, x, history, n_ctx=64, breakers=R.dry_breakers(strs, BREAKERS)), want)
 
 
 # ---------------------------------------------------------------------------------------------- 3. greedy on a model
@@ -363,7 +373,8 @@ def greedy_steps(m: LlamaModel, kw: dict, final: str = "greedy", samplers=("pena
     Sampler too: (llama.cpp's tokens, ggmlpy's tokens; the runs stop at the first difference)."""
     ctx = m.context()
     ch = Chain(kw, m.n_vocab, vocab=m.vocab, n_ctx=N_CTX, final=final, samplers=samplers)
-    s = Sampler(SamplingParams(**{**kw, "temperature": 0.0}), vocab=m.texts, n_ctx=N_CTX) if ggml else None
+    tok = PieceVocab.of(m.texts)
+    s = Sampler(SamplingParams(**{**kw, "temperature": 0.0}), tokenizer=tok, n_ctx=N_CTX) if ggml else None
     try:
         ch.accept(m.prompt)
         if s:
