@@ -14,7 +14,8 @@ under 10%.
 
 The logits are a model's shape, not noise: a few dozen plausible tokens a few units above a long
 Gaussian tail, fixed by ``--seed``; a new row per token. ``--batch N`` also times N sequences
-sampling in one step (``sample_batch``: one pass over the step's rows where that pays)::
+sampling in one step: ``sample_batch`` (what the runner calls) against a loop of ``sample``, and one
+arg-max over the step's block against a loop of row arg-maxes (whether vectorising would pay)::
 
     python bench/sampling.py
     python bench/sampling.py --tokens 400 --rounds 5 --batch 8 --json sampling.json
@@ -175,11 +176,11 @@ def main(argv=None) -> int:
     if args.batch:
         from ggmlpy.sampling.chain import sample_batch
 
+        block = np.stack(logits[: args.batch])
+        n = max(1, args.tokens // args.batch)
         for name in ("greedy", "default"):
             params = SamplingParams(seed=1, **CHAINS[name])
             samplers = [Sampler(params) for _ in range(args.batch)]
-            block = np.stack(logits[: args.batch])
-            n = max(1, args.tokens // args.batch)
             t0 = time.perf_counter()
             for _ in range(n):
                 for s, x in zip(samplers, block):
@@ -190,8 +191,20 @@ def main(argv=None) -> int:
                 sample_batch(samplers, block)
             batched = (time.perf_counter() - t0) / n
             print(f"{args.batch} sequences, {name}: a loop of sample() {loop * 1e3:.2f} ms per step, "
-                  f"sample_batch {batched * 1e3:.2f} ms ({loop / batched:.2f}x)")
+                  f"sample_batch {batched * 1e3:.2f} ms")
             results.append({"chain": name, "batch": args.batch, "loop_ms": loop * 1e3, "batched_ms": batched * 1e3})
+        t0 = time.perf_counter()
+        for _ in range(n):
+            np.argmax(block, axis=1)
+        whole = (time.perf_counter() - t0) / n
+        t0 = time.perf_counter()
+        for _ in range(n):
+            for x in block:
+                np.argmax(x)
+        rows_ = (time.perf_counter() - t0) / n
+        print(f"{args.batch} rows: one arg-max over the block {whole * 1e3:.3f} ms, a loop of row arg-maxes "
+              f"{rows_ * 1e3:.3f} ms")
+        results.append({"block_argmax_ms": whole * 1e3, "row_argmax_loop_ms": rows_ * 1e3})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"vocab": args.vocab, "token_ms_1b": token_ms, "results": results}, f, indent=1)

@@ -5,6 +5,7 @@ turns and Ctrl-C (in-process, and a real SIGINT to a chat in a pseudo-terminal).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal

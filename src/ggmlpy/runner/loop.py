@@ -567,8 +567,8 @@ class RequestLoop:
 
     @staticmethod
     def _sample_step(batch: _Batch, out) -> dict:
-        """Every generating sequence's next token in one call (:func:`~ggmlpy.sampling.chain.sample_batch`:
-        the greedy ones in one arg-max): by member, a token id or the exception its sampler raised."""
+        """Every generating sequence's next token (:func:`~ggmlpy.sampling.chain.sample_batch`): by member, a
+        token id or the exception its sampler raised (it ends that request only)."""
         if batch.embedding or out is None:
             return {}
         members, samplers, rows, base = [], [], [], 0

@@ -9,6 +9,9 @@
 * :mod:`~ggmlpy.sampling.chain`: :class:`Sampler`, one sequence's chain and state (its random generator,
   the tokens it has seen, Mirostat's ``mu``, a grammar's matcher), the samplers as llama.cpp's
   ``src/llama-sampler.cpp`` computes them; :mod:`~ggmlpy.sampling.dry`: DRY's repetition search.
+* :mod:`~ggmlpy.sampling.grammar`: constrained output (GBNF, Lark, regular expressions, JSON schemas,
+  OpenAI's ``response_format``) through llguidance: :class:`Grammar`, compiled once, and a
+  :class:`GrammarMatcher` per request that masks the tokens the grammar does not allow before the chain.
 * :mod:`~ggmlpy.sampling.logprobs`: :func:`logprobs`, the chosen token's log-probability and the most
   likely alternatives over the raw logits (as Ollama and OpenAI report them).
 
@@ -21,6 +24,7 @@ never clamped.
 from __future__ import annotations
 
 from .chain import Sampler
+from .grammar import Grammar, GrammarMatcher, VocabBridge
 from .logprobs import Logprobs, TokenLogprob, log_softmax, logprobs
 from .params import (
     DEFAULT_SAMPLERS,
@@ -34,12 +38,15 @@ from .params import (
 
 __all__ = [
     "DEFAULT_SAMPLERS",
+    "Grammar",
+    "GrammarMatcher",
     "MAX_TOP_LOGPROBS",
     "SAMPLER_NAMES",
     "Logprobs",
     "Sampler",
     "SamplingParams",
     "TokenLogprob",
+    "VocabBridge",
     "gguf_sampling_defaults",
     "log_softmax",
     "logprobs",

@@ -22,6 +22,8 @@ random generator is numpy's PCG64, so a seed reproduces ggmlpy's draws, not llam
 from __future__ import annotations
 
 import math
+from dataclasses import fields
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -120,10 +122,13 @@ class Sampler:
         if not isinstance(params, SamplingParams):
             raise GGMLTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         self.params = params
+        # the chain reads its settings as llama.cpp's floats: 2.6e-268 is 0 (off), 1 - 1e-9 is 1
+        self._p = SimpleNamespace(**{f.name: float(np.float32(v)) if type(v) is float else v
+                                     for f in fields(params) for v in (getattr(params, f.name),)})
         self.grammar = grammar
         self._rng = np.random.default_rng(params.seed)
         self._history: list[int] = []
-        self.mu = 2.0 * params.mirostat_tau       # Mirostat's running target (llama.cpp's reset value)
+        self.mu = 2.0 * self._p.mirostat_tau      # Mirostat's running target (llama.cpp's reset value)
         p = params
         self._bias_ids = np.array([t for t, _ in p.logit_bias], dtype=np.int64)
         self._bias = np.array([b for _, b in p.logit_bias], dtype=_F32)
@@ -142,7 +147,7 @@ class Sampler:
         # greedy without running the truncations: none of those left can drop the arg-max
         self._plain_greedy = (p.mirostat == 0 and p.temperature == 0.0 and p.dynatemp_range == 0.0
                               and "temperature" in p.samplers and not typical and not xtc)
-        # the arg-max of the raw row: nothing moves a logit (sample_batch takes these rows together)
+        # the arg-max of the raw row: nothing moves a logit (sample() then skips the copy and the chain)
         self._batch_greedy = (self._plain_greedy and not self._pen_on and not self._dry_on and not p.logit_bias
                               and p.logits_processor is None and grammar is None)
 
@@ -170,7 +175,7 @@ class Sampler:
     def _prepare(self, logits) -> np.ndarray:
         """The row the chain starts from: a float32 copy, after the logits processor and the grammar."""
         x = _as_logits(logits)
-        p = self.params
+        p = self._p
         x = np.array(x, dtype=_F32, copy=True)
         if p.logits_processor is not None:
             out = p.logits_processor(np.asarray(self._history, dtype=np.int32), x)
@@ -195,7 +200,7 @@ class Sampler:
         win = self._window(self._pen_n)
         if not win:
             return
-        p = self.params
+        p = self._p
         toks, counts = np.unique(np.asarray(win, dtype=np.int64), return_counts=True)
         pos, k = c.positions_of(toks)
         if not pos.size:
@@ -207,7 +212,7 @@ class Sampler:
         c.sorted = False
 
     def _dry_apply(self, c: _Cands) -> None:
-        p = self.params
+        p = self._p
         toks, pen = dry_penalties(self._window(self._dry_n), self._dry, p.dry_multiplier, p.dry_base,
                                   p.dry_allowed_length)
         if toks.size:
@@ -216,7 +221,7 @@ class Sampler:
             c.sorted = False
 
     def _top_n_sigma(self, c: _Cands) -> None:
-        n = self.params.top_n_sigma
+        n = self._p.top_n_sigma
         if n <= 0 or c.size <= 1:
             return
         fin = c.x[np.isfinite(c.x)]
@@ -240,7 +245,7 @@ class Sampler:
         c.take(_top_ids(c.x, k), True)
 
     def _typical(self, c: _Cands) -> None:
-        p = self.params
+        p = self._p
         if p.typical_p >= 1.0:
             return
         c.sort()
@@ -258,7 +263,7 @@ class Sampler:
         c.take(order[:last], False)
 
     def _top_p(self, c: _Cands) -> None:
-        p = self.params
+        p = self._p
         if p.top_p >= 1.0:
             return
         prob = _softmax(c.x)
@@ -282,7 +287,7 @@ class Sampler:
                 c.take(np.arange(last), True)
 
     def _min_p(self, c: _Cands) -> None:
-        p = self.params
+        p = self._p
         if p.min_p <= 0.0 or not c.size:
             return
         min_logit = _F32(c.x.max()) + _F32(math.log(p.min_p))
@@ -296,7 +301,7 @@ class Sampler:
         c.take(np.arange(min(max(p.min_keep, 1), c.size)), True)
 
     def _xtc(self, c: _Cands, rng) -> None:
-        p = self.params
+        p = self._p
         if p.xtc_probability <= 0.0 or p.xtc_threshold > 0.5 or c.size < 2:
             return
         if rng.random() > p.xtc_probability:
@@ -314,7 +319,7 @@ class Sampler:
         c.take(np.array([int(np.argmax(c.x))]), True)
 
     def _temperature(self, c: _Cands, plain: bool = False) -> None:
-        p = self.params
+        p = self._p
         if not plain and p.dynatemp_range > 0:
             if c.size <= 1:
                 return
@@ -341,7 +346,7 @@ class Sampler:
     def _run(self, x: np.ndarray, rng) -> _Cands:
         """The chain up to the draw (Mirostat: up to its truncation)."""
         c = _Cands(x)
-        p = self.params
+        p = self._p
         if p.mirostat:
             self._temperature(c, plain=True)
             return c
@@ -378,7 +383,7 @@ class Sampler:
 
     def _mirostat_cut(self, c: _Cands, n_vocab: int) -> None:
         """Mirostat's truncation at the current ``mu`` (v1: an estimated top-k; v2: surprise <= mu)."""
-        p = self.params
+        p = self._p
         if p.mirostat == 1:
             m = 100
             head = _top_ids(c.x, min(m, c.size)) if not c.sorted else np.arange(min(m, c.size))
@@ -396,7 +401,7 @@ class Sampler:
             keep = np.flatnonzero(prob >= 2.0 ** -self.mu)          # surprise -log2(p) <= mu
             if keep.size == 0:
                 keep = np.array([int(np.argmax(c.x))])
-            c.take(keep[_order_desc(c.x[keep])], True)
+            c.take(keep, c.sorted)          # unsorted: a draw needs no order (llama.cpp sorts them all)
 
     def distribution(self, logits) -> tuple[np.ndarray, np.ndarray]:
         """The candidates the next draw picks from and their probabilities, after the whole chain.
@@ -410,7 +415,7 @@ class Sampler:
         rng.bit_generator.state = self._rng.bit_generator.state
         x = self._prepare(logits)
         c = self._run(x, rng)
-        if self.params.mirostat and c.size > 1:
+        if self._p.mirostat and c.size > 1:
             self._mirostat_cut(c, x.size)
         return c.token_ids(), _softmax(c.x)
 
@@ -429,9 +434,13 @@ class Sampler:
             If the logits are not 1-D, are empty, contain NaN or ``+inf``, or are all ``-inf`` (after
             the logits processor, the grammar and the bias: a grammar that allows nothing here).
         """
+        if self._batch_greedy:                  # nothing moves a logit: the arg-max of the row itself
+            tok = _argmax_checked(_as_logits(logits))
+            self._history.append(tok)
+            return tok
         x = self._prepare(logits)
         c = self._run(x, self._rng)
-        p = self.params
+        p = self._p
         if p.mirostat and c.size > 1:
             self._mirostat_cut(c, x.size)
         if c.size == 1:                          # greedy, or one token left: no draw
@@ -457,26 +466,15 @@ def sample_batch(samplers: list, rows: np.ndarray) -> list:
     where a sampler failed (bad logits, its logits processor raised), the exception, so one sequence's
     failure ends that sequence only.
 
-    Vectorised where it pays: the rows of plain greedy samplers (nothing that moves logits: no bias,
-    penalty, DRY, processor or grammar) take one arg-max over their block; every other row runs its own
-    chain. (The chain's heavy step, top-k's selection over the vocabulary, costs the same per row in one
-    call over a block as in a call per row: ``bench/sampling.py --batch`` measures it.)
+    Each row runs its own chain: one numpy pass over the step's block does not pay on a CPU. Measured
+    (``bench/sampling.py --batch 8``, 152k vocabulary): the arg-max of an 8-row block costs what 8 row
+    arg-maxes cost (0.25 ms; the block's copy when only some rows are greedy makes it 3x slower), and the
+    default chain's heavy step, top-k's selection, is a pass over each row either way.
     """
-    out: list = [None] * len(samplers)
-    plain = [i for i, s in enumerate(samplers) if s._batch_greedy]
-    if len(plain) > 1:
-        block = rows[plain]
-        best = np.argmax(block, axis=1)
-        vals = block[np.arange(len(plain)), best]
-        for i, b, v in zip(plain, best.tolist(), vals.tolist()):
-            if math.isfinite(v):
-                s = samplers[i]
-                s._history.append(b)
-                out[i] = b
-    for i, s in enumerate(samplers):
-        if out[i] is None:
-            try:
-                out[i] = s.sample(rows[i])
-            except Exception as e:        # noqa: BLE001 - handed back: it ends that sequence only
-                out[i] = e
+    out: list = []
+    for s, row in zip(samplers, rows):
+        try:
+            out.append(s.sample(row))
+        except Exception as e:            # noqa: BLE001 - handed back: it ends that sequence only
+            out.append(e)
     return out

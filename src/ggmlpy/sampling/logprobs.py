@@ -66,6 +66,16 @@ def _top_ids(x: np.ndarray, k: int) -> np.ndarray:
     n = x.size
     if k >= n:
         return np.argsort(-x, kind="stable")
+    if n >= 8192 and k * 64 <= n:
+        # a threshold from a strided sample, then the selection among the few entries above it: one
+        # comparison pass over the row instead of introselect's copy and partition (~4x faster at 152k)
+        sample = x[:: n // 4096]
+        r = min(sample.size, 4 * (k * sample.size // n + 1) + 8)      # ~4x more expected above than k
+        guess = np.partition(sample, sample.size - r)[sample.size - r]
+        if guess > -np.inf:
+            cand = np.flatnonzero(x >= guess)
+            if k <= cand.size <= n // 2:                   # else ties at the guess: the plain way
+                return cand[_top_ids(x[cand], k)]        # cand ascends: ties still go to the lower id
     # numpy's introselect slows down ~10x on arrays dominated by one repeated
     # value, which is what masking many tokens with -inf produces: select among
     # the finite entries only.
