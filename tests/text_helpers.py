@@ -147,3 +147,13 @@ class FakeTokenizer:
             out += "[assistant]"
         self.rendered.append(out)
         return out
+
+
+class WideFakeTokenizer(FakeTokenizer):
+    """:class:`FakeTokenizer` widened to the tiny synthetic model's 512 ids (``<tN>`` pieces after 320)."""
+
+    n_vocab = 512
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces += [f"<t{i}>".encode() for i in range(len(self.pieces), self.n_vocab)]

@@ -10,7 +10,7 @@ import pydoc
 
 import pytest
 from helpers import run_child
-from text_helpers import FakeTokenizer
+from text_helpers import WideFakeTokenizer as Tok
 
 import ggmlpy
 from ggmlpy import GGMLTypeError, GGMLValueError
@@ -23,16 +23,6 @@ from ggmlpy.sampling import SamplingParams
 HANG = 60          # seconds before a wait counts as a hang
 IDS = [5, 17, 250, 3, 99, 42, 7]
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
-
-
-class Tok(FakeTokenizer):
-    """The tests' byte-level tokenizer (text_helpers), widened to the tiny synthetic model's 512 ids."""
-
-    n_vocab = 512
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pieces += [f"<t{i}>".encode() for i in range(len(self.pieces), self.n_vocab)]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import inspect
 import numpy as np
 import pytest
 from text_helpers import FakeTokenizer
+from text_helpers import WideFakeTokenizer as Tok
 
 from ggmlpy import GGMLValueError
 from ggmlpy.load import load_model
@@ -30,16 +31,6 @@ from ggmlpy.sampling.chain import sample_batch
 from ggmlpy.sampling.dry import DryBreakers, dry_penalties
 
 IDS = [5, 17, 250, 3, 99, 42, 7]
-
-
-class Tok(FakeTokenizer):
-    """The tests' byte-level tokenizer, widened to the tiny synthetic model's 512 ids."""
-
-    n_vocab = 512
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pieces += [f"<t{i}>".encode() for i in range(len(self.pieces), self.n_vocab)]
 
 
 @pytest.fixture(scope="module")

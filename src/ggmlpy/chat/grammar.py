@@ -96,11 +96,11 @@ class Lark:
         return name
 
     def json(self, schema: Any) -> str:
-        """A rule for one JSON value of ``schema``, written compactly (``", "`` and ``": "`` between items,
-        no other whitespace): a tool call's arguments have no room for the whitespace a model could
-        otherwise write forever."""
+        """A rule for one JSON value of ``schema``, with at most 20 whitespace characters at each place
+        JSON allows them (as ``ggmlpy.sampling.grammar.JSON_OPTIONS``): llguidance's default whitespace
+        is unbounded, and a model could write it forever inside a tool call."""
         if isinstance(schema, dict) and "x-guidance" not in schema:
-            schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+            schema = {**schema, "x-guidance": {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}}
         return self.rule("%json " + json.dumps(schema, ensure_ascii=False))
 
     def until(self, stop: str) -> str:
