@@ -224,3 +224,35 @@ def test_dry_penalises_the_token_that_extends_a_repetition():
     assert d in toks.tolist()            # the breaker is before the repeat: it does not cut it
     toks, _ = dry_penalties([a, b, c, d, a, b, brk, c], DryBreakers({brk: {()}}), 0.8, 1.75, 2)
     assert toks.size == 0                # a breaker one token back limits any repeat to 1 < allowed_length
+
+
+def test_a_converted_files_generation_config_sets_the_defaults(tmp_path):
+    """llama.cpp's converter writes generation_config.json's sampling into general.sampling.*: a model
+    whose maker says top_k 1 and repetition_penalty 0.3 generates, with no sampling keyword, exactly the
+    greedy sequence under that penalty (llama.cpp applies them the same way when the user sets nothing). A
+    penalty below 1 pulls toward repeats: the tiny random model never repeats within 16 tokens by itself,
+    so a usual penalty above 1 would change nothing to see."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import hf_convert
+
+    tok = hf_convert.tokenizer("llama-bpe")
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    torch.manual_seed(3)
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    hf_convert.perturb_constant_weights(hf, seed=4)
+    hf.generation_config = transformers.GenerationConfig(do_sample=True, top_k=1, temperature=0.7, top_p=0.9,
+                                                         repetition_penalty=0.3, bos_token_id=tok.bos_token_id,
+                                                         eos_token_id=tok.eos_token_id)
+    path = hf_convert.convert(hf, tmp_path, "llama-bpe")
+    with load_model(path, devices="cpu") as m, Runner(m, n_ctx=128) as rt:
+        assert rt.sampling_defaults == {"top_k": 1, "temperature": pytest.approx(0.7), "top_p": pytest.approx(0.9),
+                                        "repeat_penalty": pytest.approx(0.3)}
+        prompt = rt.tokenizer.encode("the cat sat on the mat")
+        want = rt.generate(prompt, max_tokens=16, temperature=0, repeat_penalty=0.3).tokens
+        # the penalty matters here (given 1 explicitly: a keyword not given takes the file's 0.3)
+        assert want != rt.generate(prompt, max_tokens=16, temperature=0, repeat_penalty=1.0).tokens
+        for seed in (1, 2):
+            assert rt.generate(prompt, max_tokens=16, seed=seed).tokens == want
