@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import traceback
 import warnings
@@ -25,6 +24,7 @@ from ggmlpy._cliargs import (
     ArgParser,
     UsageError,
     add_model_source_args,
+    add_sampling_args,
     at_least,
     check_model_source,
     debug_requested,
@@ -33,6 +33,8 @@ from ggmlpy._cliargs import (
     one_line_warnings,
     override_problem,
 )
+from ggmlpy._cliargs import read_text as _read_text
+from ggmlpy._cliargs import sampling_from_args as _sampling
 from ggmlpy.defaults import CLI_N_PREDICT, DEFAULTS, n_ctx_for
 
 
@@ -281,154 +283,6 @@ def _open_runner(args: argparse.Namespace, prog: str):
         model.close()
         raise
     return model, rt
-
-
-#: the sampling flags, with llama-cli's names: (flags, SamplingParams field, type, help)
-_SAMPLING_FLAGS = [
-    (("--temp", "--temperature"), "temperature", float, "temperature (default {}; 0: greedy)"),
-    (("--top-k",), "top_k", int, "top-k sampling (default {}; 0: off)"),
-    (("--top-p",), "top_p", float, "top-p sampling (default {}; 1: off)"),
-    (("--min-p",), "min_p", float, "min-p sampling (default {}; 0: off)"),
-    (("--typical", "--typical-p"), "typical_p", float, "locally typical sampling, parameter p (default {}; 1: off)"),
-    (("--top-nsigma", "--top-n-sigma"), "top_n_sigma", float, "top-n-sigma sampling (default {}; <= 0: off)"),
-    (("--min-keep",), "min_keep", int, "the least tokens each sampler keeps (default {}; 0: no bound)"),
-    (("--repeat-penalty",), "repeat_penalty", float, "penalise repeated tokens (default {}; 1: off)"),
-    (("--repeat-last-n",), "repeat_last_n", int,
-     "last N tokens (prompt included) the penalties look at (default {}; 0: off, -1: the context size)"),
-    (("--presence-penalty",), "presence_penalty", float, "repeat alpha presence penalty (default {}; 0: off)"),
-    (("--frequency-penalty",), "frequency_penalty", float, "repeat alpha frequency penalty (default {}; 0: off)"),
-    (("--xtc-probability",), "xtc_probability", float, "XTC probability (default {}; 0: off)"),
-    (("--xtc-threshold",), "xtc_threshold", float, "XTC threshold (default {}; above 0.5: off)"),
-    (("--dry-multiplier",), "dry_multiplier", float, "DRY sampling multiplier (default {}; 0: off)"),
-    (("--dry-base",), "dry_base", float, "DRY sampling base value (default {})"),
-    (("--dry-allowed-length",), "dry_allowed_length", int, "DRY: repetitions longer than this are penalised "
-                                                            "(default {})"),
-    (("--dry-penalty-last-n",), "dry_penalty_last_n", int,
-     "DRY: last N tokens scanned (default {}; 0: off, -1: the context size)"),
-    (("--mirostat",), "mirostat", int, "Mirostat sampling: 0 off, 1 Mirostat, 2 Mirostat 2.0 (default {})"),
-    (("--mirostat-lr",), "mirostat_eta", float, "Mirostat learning rate, eta (default {})"),
-    (("--mirostat-ent",), "mirostat_tau", float, "Mirostat target entropy, tau (default {})"),
-    (("--dynatemp-range",), "dynatemp_range", float, "dynamic temperature range (default {}; 0: off)"),
-    (("--dynatemp-exp",), "dynatemp_exponent", float, "dynamic temperature exponent (default {})"),
-]
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The sampling flags (default None: not given, so a model file's ``general.sampling.*`` applies)."""
-    from ggmlpy.sampling import DEFAULT_SAMPLERS
-
-    g = p.add_argument_group("sampling (llama-cli's flags; a flag not given takes the model file's "
-                             "general.sampling.* value, else the default shown)")
-    for flags, field, kind, text in _SAMPLING_FLAGS:
-        g.add_argument(*flags, dest=field, type=kind, default=None, metavar="N", help=text.format(DEFAULTS[field]))
-    g.add_argument("-s", "--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default: random)")
-    g.add_argument("--samplers", default=None, metavar="NAMES",
-                   help=f"the chain's samplers in order, separated by ';' (default {';'.join(DEFAULT_SAMPLERS)})")
-    g.add_argument("--sampling-seq", "--sampler-seq", dest="sampling_seq", default=None, metavar="CHARS",
-                   help="the chain as one letter per sampler (default edskypmxt)")
-    g.add_argument("--dry-sequence-breaker", action="append", metavar="STR",
-                   help="a DRY sequence breaker (repeatable; replaces the defaults \\n : \" *; 'none': no breaker)")
-    g.add_argument("-l", "--logit-bias", action="append", metavar="TOKEN_ID(+/-)BIAS",
-                   help="change a token's likelihood, e.g. 15043+1 or 15043-1 (repeatable); 15043-inf bans it")
-    c = p.add_argument_group("constrained output (one of them)")
-    c.add_argument("--grammar", default=None, metavar="GBNF", help="a GBNF grammar (llama.cpp's format) the output "
-                                                                   "follows")
-    c.add_argument("--grammar-file", default=None, metavar="FILE", help="the GBNF grammar, from a file")
-    c.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
-                   help="a JSON schema the output is valid under, e.g. '{}' for any JSON value")
-    c.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE", help="the JSON schema, from a file")
-
-
-def _logit_bias_flag(value: str) -> tuple:
-    m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|[0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*", value)
-    if not m:
-        raise UsageError(f"--logit-bias {value}: expected TOKEN_ID+BIAS or TOKEN_ID-BIAS, e.g. 15043+1")
-    bias = float(m.group(3))
-    return int(m.group(1)), -bias if m.group(2) == "-" else bias
-
-
-def _sampling(args: argparse.Namespace, defaults=None):
-    """The request's SamplingParams from the flags given, over ``defaults`` (the model's
-    ``general.sampling.*``); a value out of range is a UsageError naming its flag."""
-    from ggmlpy import GGMLValueError
-    from ggmlpy.sampling import sampling_params
-
-    given = {field: getattr(args, field, None) for _, field, _, _ in _SAMPLING_FLAGS}
-    given["seed"] = None if args.seed is None or args.seed < 0 else args.seed
-    if getattr(args, "samplers", None) is not None and getattr(args, "sampling_seq", None) is not None:
-        raise UsageError("--samplers and --sampling-seq given together: give the chain once")
-    given["samplers"] = getattr(args, "samplers", None) or getattr(args, "sampling_seq", None)
-    breakers = getattr(args, "dry_sequence_breaker", None)
-    if breakers:
-        # escapes as llama-cli reads them: --dry-sequence-breaker '\n' is a newline
-        unescape = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\", '"': '"', "'": "'"}
-        given["dry_sequence_breakers"] = () if breakers == ["none"] else tuple(
-            re.sub(r"\\(.)", lambda m: unescape.get(m.group(1), m.group(0)), b) for b in breakers)
-    biases = getattr(args, "logit_bias", None)
-    if biases:
-        pairs: dict = {}
-        for b in biases:
-            tok, bias = _logit_bias_flag(b)
-            pairs[tok] = pairs.get(tok, 0.0) + bias
-        given["logit_bias"] = pairs
-    constraints = [(f, v) for f, v in (("--grammar", args.grammar), ("--grammar-file", args.grammar_file),
-                                       ("--json-schema", args.json_schema),
-                                       ("--json-schema-file", args.json_schema_file)) if v is not None] \
-        if hasattr(args, "grammar") else []
-    if len(constraints) > 1:
-        raise UsageError(f"{constraints[0][0]} and {constraints[1][0]} given together: constrain the output one way")
-    if constraints:
-        flag, value = constraints[0]
-        if flag.endswith("-file"):
-            try:
-                value = _read_text(value, flag)
-            except OSError as e:
-                raise UsageError(f"{flag} {value}: {e.strerror or e}") from None
-            except GGMLValueError as e:
-                raise UsageError(str(e)) from None
-        try:
-            given["grammar" if flag.startswith("--grammar") else "json_schema"] = value
-            return sampling_params("run", None, defaults, **given)
-        except GGMLValueError as e:
-            raise UsageError(f"{flag}: {e}") from None
-    try:
-        return sampling_params("run", None, defaults, **given)
-    except GGMLValueError as e:
-        msg = str(e)
-        for flags, field, _, _ in _SAMPLING_FLAGS:
-            if msg.startswith(field + " "):
-                why = msg[len(field) + 1:].rsplit(", got ", 1)[0]      # the flag's value is shown already
-                raise UsageError(f"{flags[0]} {getattr(args, field)}: {why}") from None
-        for flag, field in (("--samplers", "samplers"), ("--dry-sequence-breaker", "dry_sequence_breakers"),
-                            ("--logit-bias", "logit_bias")):
-            if msg.startswith(field):
-                raise UsageError(f"{flag}: {msg}") from None
-        raise UsageError(msg) from None
-
-
-#: the largest text file an option reads (a template, a grammar, a schema): 16 MiB
-_MAX_TEXT_FILE = 16 << 20
-
-
-def _read_text(path: str, option: str) -> str:
-    """A UTF-8 file's text; a file that is not UTF-8, not a regular file (a FIFO, /dev/zero) or larger
-    than 16 MiB is a GGMLValueError naming it (no traceback, and nothing read without bound)."""
-    import os
-    import stat
-
-    from ggmlpy import GGMLValueError
-
-    # O_NONBLOCK: opening a FIFO must not wait for a writer; what is opened is checked, not the path
-    with os.fdopen(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise GGMLValueError(f"{option} {path}: not a regular file")
-        data = f.read(_MAX_TEXT_FILE + 1)
-    if len(data) > _MAX_TEXT_FILE:
-        raise GGMLValueError(f"{option} {path}: larger than {_MAX_TEXT_FILE >> 20} MiB")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise GGMLValueError(f"{option} {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _template(args: argparse.Namespace) -> Optional[str]:
@@ -722,7 +576,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj "
                         "(with -hf: the repository's)")
-    _add_sampling_args(p)
+    add_sampling_args(p)
     p.add_argument("--stop", action="append", metavar="STR",
                    help="stop string (repeatable): the text ends before it")
     p.add_argument("--system", default=None, help="system prompt (run: with --chat)")

@@ -275,7 +275,7 @@ class Grammar:
     __slots__ = ("_ll", "kind", "source")
 
     def __init__(self, *args, **kwargs) -> None:
-        raise TypeError("Grammar cannot be constructed directly; use Grammar.gbnf(), .lark(), .regex(), "
+        raise GGMLTypeError("Grammar cannot be constructed directly; use Grammar.gbnf(), .lark(), .regex(), "
                         ".json_schema(), .json_object() or .from_response_format()")
 
     @classmethod
@@ -484,7 +484,7 @@ class GrammarMatcher:
     """
 
     def __init__(self, *args, **kwargs) -> None:
-        raise TypeError("GrammarMatcher cannot be constructed directly; use Grammar.matcher(vocab)")
+        raise GGMLTypeError("GrammarMatcher cannot be constructed directly; use Grammar.matcher(vocab)")
 
     @classmethod
     def _new(cls, grammar: Grammar, vocab: VocabBridge, ll) -> GrammarMatcher:

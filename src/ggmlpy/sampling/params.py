@@ -434,7 +434,7 @@ def sampling_keywords(fn: Callable) -> Callable:
         try:
             full.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{fn.__name__}(): {e}") from None
+            raise GGMLTypeError(f"{fn.__name__}(): {e}") from None
         return fn(*args, **kwargs)
 
     wrapper.__signature__ = full          # type: ignore[attr-defined]
