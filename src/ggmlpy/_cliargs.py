@@ -287,6 +287,10 @@ _SAMPLING_FLAGS = [
     (("--mirostat-ent",), "mirostat_tau", float, "Mirostat target entropy, tau (default {})"),
     (("--dynatemp-range",), "dynatemp_range", float, "dynamic temperature range (default {}; 0: off)"),
     (("--dynatemp-exp",), "dynatemp_exponent", float, "dynamic temperature exponent (default {})"),
+    (("--adaptive-target",), "adaptive_target", float,
+     "adaptive-p: draw tokens near this probability, with adaptive_p in --samplers (default {}; negative: off)"),
+    (("--adaptive-decay",), "adaptive_decay", float, "adaptive-p: the moving average's decay, 0 to 0.99 "
+                                                     "(default {})"),
 ]
 
 

@@ -82,6 +82,8 @@ DEFAULTS = MappingProxyType({
     "mirostat_eta": 0.1,
     "dynatemp_range": 0.0,
     "dynatemp_exponent": 1.0,
+    "adaptive_target": -1.0,
+    "adaptive_decay": 0.9,
     # where the weights go: load_model, open, -dev/-ngl
     "devices": "auto",
     "n_gpu_layers": -1,

@@ -8,6 +8,7 @@ test_sampling_llama_cpp.py's; this file is about how the runner uses the chain.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import numpy as np
@@ -256,3 +257,40 @@ def test_a_converted_files_generation_config_sets_the_defaults(tmp_path):
         assert want != rt.generate(prompt, max_tokens=16, temperature=0, repeat_penalty=1.0).tokens
         for seed in (1, 2):
             assert rt.generate(prompt, max_tokens=16, seed=seed).tokens == want
+
+
+def _adaptive_ref(p: np.ndarray, target: float, ws: float, tw: float) -> np.ndarray:
+    """llama.cpp's adaptive-p transform, restated: each probability's distance to the adapted target
+    becomes a logit 5 - 10 d^2 / (1 + d), d = |p - target'| / 0.3, target' = clamp(2 t - ws / tw)."""
+    adapted = min(max(2 * target - ws / tw, 0.0), 1.0)
+    d = np.abs(p - adapted) / 0.3
+    z = 5 - 10 * d * d / (1 + d)
+    w = np.exp(z - z.max())
+    return w / w.sum()
+
+
+def test_adaptive_p_draws_near_its_target_and_tracks_the_average():
+    probs = np.array([0.5, 0.2, 0.15, 0.1, 0.05])
+    x = np.log(probs).astype(np.float32)
+    params = SamplingParams(seed=4, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0, adaptive_target=0.15,
+                            adaptive_decay=0.8, samplers="temperature;adaptive_p")
+    s = Sampler(params)
+    ws, tw = 0.15 / 0.2, 1 / 0.2                        # llama.cpp's reset values: the target, weighted
+    for _ in range(40):
+        ids, got = s.distribution(x)
+        want = _adaptive_ref(probs, 0.15, ws, tw)
+        np.testing.assert_allclose(got, want[ids], rtol=1e-4, atol=1e-6)
+        tok = s.sample(x)
+        ws, tw = probs[tok] + 0.8 * ws, 1 + 0.8 * tw     # the chosen token's probability joins the average
+    # without adaptive_p in the chain, or with a negative target, the draw is the plain softmax
+    plain = Sampler(SamplingParams(seed=4, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0, adaptive_target=0.15))
+    np.testing.assert_allclose(plain.distribution(x)[1], probs, rtol=1e-5)
+    off = Sampler(dataclasses.replace(params, adaptive_target=-1.0))
+    np.testing.assert_allclose(off.distribution(x)[1], probs, rtol=1e-5)
+    # drawn: tokens near 0.15 most often (chi-square against the first step's distribution, one step a sampler)
+    counts = np.bincount([Sampler(dataclasses.replace(params, seed=i)).sample(x) for i in range(3000)], minlength=5)
+    expect = _adaptive_ref(probs, 0.15, 0.75, 5.0) * 3000
+    stat = float(((counts - expect) ** 2 / expect).sum())
+    assert stat < 18.467, (counts, expect)               # chi-square(4) at 99.9%
+    with pytest.raises(GGMLValueError, match="adaptive_decay"):
+        SamplingParams(adaptive_decay=1.0)

@@ -129,6 +129,11 @@ class Sampler:
         self._rng = np.random.default_rng(params.seed)
         self._history: list[int] = []
         self.mu = 2.0 * self._p.mirostat_tau      # Mirostat's running target (llama.cpp's reset value)
+        # adaptive-p: the draw itself when named in samplers; its running average of chosen probabilities
+        self._adaptive = "adaptive_p" in params.samplers and params.mirostat == 0
+        decay = self._p.adaptive_decay
+        self._ada_sum = self._p.adaptive_target / (1.0 - decay)      # llama.cpp's reset values
+        self._ada_weight = 1.0 / (1.0 - decay)
         p = params
         self._bias_ids = np.array([t for t, _ in p.logit_bias], dtype=np.int64)
         self._bias = np.array([b for _, b in p.logit_bias], dtype=_F32)
@@ -149,7 +154,7 @@ class Sampler:
                               and "temperature" in p.samplers and not typical and not xtc)
         # the arg-max of the raw row: nothing moves a logit (sample() then skips the copy and the chain)
         self._batch_greedy = (self._plain_greedy and not self._pen_on and not self._dry_on and not p.logit_bias
-                              and p.logits_processor is None and grammar is None)
+                              and p.logits_processor is None and grammar is None and not self._adaptive)
 
     def __repr__(self) -> str:
         return f"Sampler({self.params!r})"
@@ -377,9 +382,24 @@ class Sampler:
                 self._min_p(c)
             elif name == "xtc":
                 self._xtc(c, rng)
-            else:
+            elif name == "temperature":
                 self._temperature(c)
+            # "adaptive_p" is the draw: it runs after the chain (sample, distribution)
         return c
+
+    def _adaptive_probs(self, c: _Cands) -> tuple[np.ndarray, np.ndarray]:
+        """(the candidates' probabilities, adaptive-p's): each finite logit replaced by a peak at the
+        adapted target probability (llama.cpp's shape: 5 - 10 d^2 / (1 + d), d = |p - target| / 0.3)."""
+        orig = _softmax(c.x)
+        p = self._p
+        if p.adaptive_target < 0:
+            return orig, orig
+        target = min(max(p.adaptive_target, 0.0), 1.0)
+        adapted = target if self._ada_weight == 0 else 2.0 * target - self._ada_sum / self._ada_weight
+        adapted = min(max(adapted, 0.0), 1.0)
+        d = np.abs((orig.astype(_F32) - _F32(adapted)) * _F32(1.0 / 0.3))
+        y = np.where(np.isfinite(c.x), _F32(5.0) - _F32(10.0) * d * d / (_F32(1.0) + d), -np.inf).astype(_F32)
+        return orig, _softmax(y)
 
     def _mirostat_cut(self, c: _Cands, n_vocab: int) -> None:
         """Mirostat's truncation at the current ``mu`` (v1: an estimated top-k; v2: surprise <= mu)."""
@@ -417,6 +437,8 @@ class Sampler:
         c = self._run(x, rng)
         if self._p.mirostat and c.size > 1:
             self._mirostat_cut(c, x.size)
+        if self._adaptive:
+            return c.token_ids(), self._adaptive_probs(c)[1]
         return c.token_ids(), _softmax(c.x)
 
     def sample(self, logits) -> int:
@@ -444,14 +466,19 @@ class Sampler:
         if p.mirostat and c.size > 1:
             self._mirostat_cut(c, x.size)
         if c.size == 1:                          # greedy, or one token left: no draw
-            tok, prob_tok = int(c.token_ids()[0]), 1.0
+            tok, prob_tok, orig_tok = int(c.token_ids()[0]), 1.0, 1.0
         else:
-            prob = _softmax(c.x)
+            orig, prob = self._adaptive_probs(c) if self._adaptive else (None, _softmax(c.x))
             cum = np.cumsum(prob)
             r = self._rng.random() * float(cum[-1])
             # the first index whose cumulative weight exceeds r: token i with probability prob[i]
             i = min(int(np.searchsorted(cum, r, side="right")), cum.size - 1)
             tok, prob_tok = int(c.token_ids()[i]), float(prob[i])
+            orig_tok = float(orig[i]) if orig is not None else prob_tok
+        if self._adaptive and p.adaptive_target >= 0:
+            # the chosen token's probability before the transform joins the moving average
+            self._ada_sum = orig_tok + p.adaptive_decay * self._ada_sum
+            self._ada_weight = 1.0 + p.adaptive_decay * self._ada_weight
         if p.mirostat:
             # the observed surprise moves mu toward tau (llama.cpp's update, after each draw)
             self.mu -= p.mirostat_eta * (-math.log2(prob_tok) - p.mirostat_tau)

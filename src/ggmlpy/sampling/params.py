@@ -32,6 +32,7 @@ SAMPLER_NAMES = {
     "top_k": "top_k", "top-k": "top_k", "typ_p": "typical_p", "typical_p": "typical_p", "typ-p": "typical_p",
     "typical-p": "typical_p", "typical": "typical_p", "top_p": "top_p", "top-p": "top_p", "nucleus": "top_p",
     "min_p": "min_p", "min-p": "min_p", "xtc": "xtc", "temperature": "temperature", "temp": "temperature",
+    "adaptive_p": "adaptive_p", "adaptive-p": "adaptive_p",
 }
 #: ``--sampling-seq``'s one-letter names (llama.cpp's ``common_sampler_type_to_chr``)
 SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typical_p", "p": "top_p",
@@ -135,6 +136,8 @@ _RANGES = {
     "mirostat_eta": lambda v: None if v >= 0 else "must be >= 0",
     "dynatemp_range": lambda v: None if v >= 0 else "must be >= 0 (0 is off)",
     "dynatemp_exponent": lambda v: None if v >= 0 else "must be >= 0",
+    "adaptive_target": lambda v: None if v <= 1.0 else "must be at most 1 (negative: off)",
+    "adaptive_decay": lambda v: None if 0.0 <= v <= 0.99 else "must be in [0, 0.99]",
     "temperature": lambda v: None if v >= 0 else "must be >= 0",
     "top_logprobs": lambda v: None if 0 <= v <= MAX_TOP_LOGPROBS else f"must be in [0, {MAX_TOP_LOGPROBS}]",
 }
@@ -209,9 +212,15 @@ class SamplingParams:
     dynatemp_range, dynatemp_exponent : float
         Dynamic temperature: the temperature moves within ``temperature ± dynatemp_range`` with the
         normalised entropy raised to ``dynatemp_exponent``. Off at range 0.
+    adaptive_target, adaptive_decay : float
+        Adaptive-p (llama.cpp's newest draw): when ``"adaptive_p"`` is in ``samplers``, the draw favours
+        tokens whose probability is near a target that adapts so the chosen tokens' average probability
+        (an exponential moving average with ``adaptive_decay``) tracks ``adaptive_target``. A negative
+        target draws as usual. Defaults -1 and 0.9.
     samplers : sequence of str or str
         The chain's order (:func:`parse_samplers`: names, ``"top_k;top_p;temperature"``, or
-        ``"kpt"``). A sampler left out does not run.
+        ``"kpt"``). A sampler left out does not run. ``"adaptive_p"`` anywhere in it makes adaptive-p
+        the draw (as llama.cpp, it replaces the plain draw at the end).
     logits_processor : callable, optional
         ``f(tokens, logits) -> logits``: the sequence's tokens so far (``int32`` array, prompt
         included) and the raw logits row (``float32``, a copy the callable may change in place); it
@@ -258,6 +267,8 @@ class SamplingParams:
     mirostat_eta: float = DEFAULTS["mirostat_eta"]
     dynatemp_range: float = DEFAULTS["dynatemp_range"]
     dynatemp_exponent: float = DEFAULTS["dynatemp_exponent"]
+    adaptive_target: float = DEFAULTS["adaptive_target"]
+    adaptive_decay: float = DEFAULTS["adaptive_decay"]
     samplers: Any = DEFAULT_SAMPLERS
     logits_processor: Optional[Callable] = None
     grammar: Any = None
