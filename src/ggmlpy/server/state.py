@@ -156,21 +156,28 @@ class ServerState:
         """Requests admitted and not yet answered."""
         return self._admitted
 
-    @contextlib.contextmanager
-    def admit(self, cost: int = 1, ollama: bool = False) -> Iterator[None]:
-        """Count a request (``cost`` sequences: ``n``) while it runs; 503 with ``Retry-After`` when
-        ``n_parallel + max_queue`` are already in."""
+    def enter(self, cost: int = 1, ollama: bool = False) -> None:
+        """Count a request of ``cost`` sequences (``n``) in; 503 with ``Retry-After`` when ``n_parallel +
+        max_queue`` are already in. Every :meth:`enter` is matched by one :meth:`leave`."""
         with self._lock:
             if self._admitted > 0 and self._admitted + cost > self.n_parallel + self.max_queue:
                 raise ApiError(503, f"the server is busy: {self._admitted} requests in flight, at most "
                                     f"{self.n_parallel} running and {self.max_queue} queued; retry later",
                                headers={"Retry-After": str(RETRY_AFTER)}, ollama=ollama)
             self._admitted += cost
+
+    def leave(self, cost: int = 1) -> None:
+        with self._lock:
+            self._admitted -= cost
+
+    @contextlib.contextmanager
+    def admit(self, cost: int = 1, ollama: bool = False) -> Iterator[None]:
+        """:meth:`enter` and :meth:`leave` around a block (a request answered within it)."""
+        self.enter(cost, ollama)
         try:
             yield
         finally:
-            with self._lock:
-                self._admitted -= cost
+            self.leave(cost)
 
     def track(self, handle) -> None:
         """Remember a running request's handle (cancelled if the server stops before it ends)."""
