@@ -541,7 +541,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     """``ggmlpy serve``: the model loads in a thread once the socket listens (ggmlpy.server.run)."""
     from ggmlpy.server.run import serve
 
-    return serve(args, lambda progress: _open_runner(args, "ggmlpy serve", args.parallel, progress))
+    return serve(args, lambda progress: _open_runner(args, "ggmlpy serve", args.parallel, progress),
+                 template=_template(args))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -144,7 +144,7 @@ async def chat_completions(request: Request) -> Response:
     rid, model, tok = new_id("chatcmpl"), state.model_name, runner.tokenizer
 
     def make(i: int):
-        return runner.submit_chat(messages, shift=False, **_seeded(kw, i))
+        return runner.submit_chat(messages, shift=False, template=state.template, **_seeded(kw, i))
 
     def build(completions: list) -> dict:
         return chat_response(rid, model, completions, tok, req["logprobs"])

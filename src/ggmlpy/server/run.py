@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 from . import require
 from .flags import is_loopback
@@ -56,12 +57,17 @@ def _server_class():
                 timer = threading.Timer(self.grace, self.state.cancel_all)
                 timer.daemon = True
                 timer.start()
-            super().handle_exit(sig, frame)
+            # uvicorn's own handler also re-raises the signal after the stop (the process would die of
+            # SIGTERM); a stop that finished gracefully exits 0, as llama-server's does
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     return Server
 
 
-def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve") -> int:
+def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve",
+          template: Optional[str] = None) -> int:
     """Serve until stopped; returns the exit status.
 
     Parameters
@@ -71,6 +77,8 @@ def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve"
     loader : callable
         ``loader(progress) -> (model, runner)``: loads the model and starts the runner (called in a
         thread once the socket listens; ``progress(done, total)`` as :func:`ggmlpy.load_model` calls it).
+    template : str, optional
+        The chat template to use instead of the model's (``--chat-template-file``).
     """
     require()
     import uvicorn
@@ -86,7 +94,7 @@ def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve"
     name = args.alias or _default_name(args)
     state = ServerState(args.model or "", model_name=name, n_parallel=args.parallel, n_ctx=args.ctx_size,
                         api_key=args.api_key, slot_save_path=args.slot_save_path, max_queue=args.max_queue,
-                        timeout=args.timeout, max_body=args.max_body << 20)
+                        timeout=args.timeout, max_body=args.max_body << 20, template=template)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 5,
                             server_header=False)

@@ -59,6 +59,8 @@ class ServerState:
         Seconds a request may run before it is cancelled (0: no bound).
     max_body : int
         The largest request body, in bytes (413 beyond).
+    template : str or None
+        The chat template used instead of the model's (``--chat-template-file``).
     started : float
         ``time.time()`` at start.
     requests, routes : Counter
@@ -69,7 +71,7 @@ class ServerState:
 
     def __init__(self, path: str = "", model_name: Optional[str] = None, n_parallel: int = 1, n_ctx: int = 0,
                  api_key: Optional[str] = None, slot_save_path: Optional[str] = None, max_queue: Optional[int] = None,
-                 timeout: float = 0.0, max_body: int = 64 << 20, runner=None) -> None:
+                 timeout: float = 0.0, max_body: int = 64 << 20, runner=None, template: Optional[str] = None) -> None:
         self.path = str(path)
         self.model_name = model_name or (Path(self.path).stem if self.path else "model")
         self.n_parallel = int(n_parallel)
@@ -79,6 +81,7 @@ class ServerState:
         self.max_queue = 4 * self.n_parallel + 16 if max_queue is None else int(max_queue)
         self.timeout = float(timeout)
         self.max_body = int(max_body)
+        self.template = template
         self.started = time.time()
         self.runner = runner
         self.model = None
