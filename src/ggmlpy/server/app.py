@@ -135,11 +135,15 @@ async def _server_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def health(request: Request) -> JSONResponse:
-    """llama-server's ``/health``: 200 ``{"status": "ok"}`` when ready, 503 while loading (with the
-    progress) or after a failed load."""
+    """llama-server's ``/health``: 200 ``{"status": "ok"}`` when ready (``?include_slots``: with the idle and
+    busy slots and the requests waiting), 503 while loading (with the progress) or after a failed load."""
     state: ServerState = request.app.state.server
     if state.status == "ready":
-        return JSONResponse({"status": "ok"})
+        if "include_slots" not in request.query_params:
+            return JSONResponse({"status": "ok"})
+        busy = min(state.active, state.n_parallel)      # llama-server's older /health counts
+        return JSONResponse({"status": "ok", "slots_idle": state.n_parallel - busy, "slots_processing": busy,
+                             "requests_waiting": max(0, state.active - state.n_parallel)})
     if state.status == "error":
         return JSONResponse({"status": "error", "error": {"message": state.error, "type": "server_error",
                                                           "code": 500}}, status_code=500)
