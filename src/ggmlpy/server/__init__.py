@@ -16,8 +16,7 @@ job per module:
 * :mod:`.run`: the process: uvicorn, the model loaded in a thread once the socket listens, SIGTERM.
 
 Nothing here imports Starlette or uvicorn at import time except :mod:`.app`, the route modules and
-:mod:`.run`; :func:`require` names the extra to install when they are missing. ``docs/server.md`` is the
-reference.
+:mod:`.run`; :func:`require` names the extra to install when they are missing.
 """
 
 from __future__ import annotations

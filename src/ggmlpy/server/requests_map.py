@@ -61,7 +61,7 @@ def parse_json(body: bytes) -> dict:
     if not body:
         raise bad_request("the request body is empty: expected a JSON object")
     try:
-        value = json.loads(body)
+        value = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise bad_request("the request body is not UTF-8 text") from None
     except (ValueError, RecursionError) as e:
@@ -475,6 +475,9 @@ def runner_error(e: BaseException, param: Optional[str] = None, ollama: bool = F
         return ApiError(503, "the server is shutting down", ollama=ollama, headers={"Retry-After": "1"})
     if isinstance(e, (GGMLValueError, GGMLTypeError, ValueError, TypeError)):
         msg = str(e)
+        if "local files are not read" in msg:       # the runner's words name its API; say what a client does
+            return ApiError(400, "image_url: the server never reads local files (a path or a file:// URL); send "
+                                 "the image itself as a data: URL", param="messages", ollama=ollama)
         for prefix in ("submit_chat: ", "submit: ", "chat_prompt: "):
             msg = msg.removeprefix(prefix)
         first = msg.split(" ", 1)[0].rstrip(":")
