@@ -83,9 +83,10 @@ def test_a_full_queue_is_503_and_leaving_clients_free_their_slots(server):
 
 
 def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
-    srv = ServerProcess(chat_gguf, "-c", "512", "-np", "2", "-dev", "cpu", "--shutdown-grace", "3")
+    srv = ServerProcess(chat_gguf, "-c", "512", "-np", "2", "-dev", "cpu", "--shutdown-grace", "0.3")
     client = srv.client()
     outcome: dict = {}
+    begun = [threading.Event(), threading.Event()]
 
     def short(i: int) -> None:
         try:
@@ -100,6 +101,8 @@ def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
             for ch in client.chat.completions.create(model="model-f32", messages=_msgs(PROMPTS[i]), max_tokens=500,
                                                      temperature=0, stream=True):
                 got.append(ch)
+                if ch.choices and ch.choices[0].delta.content:
+                    begun[i].set()
             outcome[i] = ("done", got[-1].choices[0].finish_reason)
         except openai.APIError as e:
             outcome[i] = ("error", len(got), e.message)
@@ -108,8 +111,8 @@ def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
                threading.Thread(target=short, args=(2,)), threading.Thread(target=short, args=(3,))]
     for t in threads:
         t.start()
-        time.sleep(0.2)
-    time.sleep(1.0)
+        time.sleep(0.1)
+    assert all(b.wait(60) for b in begun), outcome     # both long replies are generating
     t0 = time.monotonic()
     srv.terminate()
     for t in threads:
@@ -118,7 +121,7 @@ def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
     assert srv.proc.wait(30) == 0, srv.output()
     assert time.monotonic() - t0 < 30
     assert set(outcome) == {0, 1, 2, 3}, outcome
-    for i in (0, 1):                     # 500 tokens cannot finish in the 3 s grace: ended with the reason
+    for i in (0, 1):                     # ~500 tokens cannot finish in the 0.3 s grace: ended with the reason
         assert outcome[i][0] == "error" and "shutting down" in outcome[i][2], outcome
     for i in (2, 3):                     # queued behind them: cancelled with a 503, or done if they got a slot
         assert outcome[i] in (("done", "length"),) or (outcome[i][0] == "error" and "shutting down" in outcome[i][2]), \
