@@ -238,9 +238,9 @@ def _load_images(paths, what: str = "--image") -> list:
     return [load_image(p) for p in paths]
 
 
-def _open_runner(args: argparse.Namespace, prog: str):
-    """Load ``args.model`` (with ``--mmproj``) and start a Runner over it (one sequence), with the
-    tokenizer checked first."""
+def _open_runner(args: argparse.Namespace, prog: str, n_seq_max: int = 1, progress=None):
+    """Load ``args.model`` (with ``--mmproj``) and start a Runner over it (``n_seq_max`` sequences), with the
+    tokenizer checked first; ``progress(done, total)`` as ``load_model`` calls it."""
     from ggmlpy.backend import main_accelerator
     from ggmlpy.load import load_model
     from ggmlpy.runner import Runner
@@ -266,13 +266,14 @@ def _open_runner(args: argparse.Namespace, prog: str):
         n_ctx = n_ctx or n_ctx_for(_train_ctx(path))
         kw.update(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
                   type_k=args.cache_type_k or "f16", type_v=args.cache_type_v or "f16", flash_attn=fa)
-    model = load_model(path, devices=devices, n_gpu_layers=args.n_gpu_layers, mmproj=mmproj, **kw)
+    model = load_model(path, devices=devices, n_gpu_layers=args.n_gpu_layers, mmproj=mmproj, progress=progress,
+                       **kw)
     try:
         if n_ctx <= 0:
             n_ctx = n_ctx_for(getattr(model.config, "n_ctx_train", None))
         rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, DEFAULTS["n_ubatch"]),
                     n_threads=args.threads or 0, op_offload=not args.no_op_offload, flash_attn=fa,
-                    type_k=args.cache_type_k, type_v=args.cache_type_v)
+                    type_k=args.cache_type_k, type_v=args.cache_type_v, n_seq_max=n_seq_max)
     except BaseException:
         model.close()
         raise
@@ -536,6 +537,14 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         model.close()
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    """``ggmlpy serve``: the model loads in a thread once the socket listens (ggmlpy.server.run)."""
+    from ggmlpy.server.run import serve
+
+    return serve(args, lambda progress: _open_runner(args, "ggmlpy serve", args.parallel, progress),
+                 template=_template(args))
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_model_source_args(p)            # -m, -hf, -hff, --mmproj
     # the defaults are ggmlpy.defaults' table, the API's own
@@ -680,6 +689,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the speed after each reply, on a line of its own")
     _add_model_args(p)
     p.set_defaults(func=_cmd_chat)
+    p = command("serve", help="an HTTP server with OpenAI's API (pip install 'ggmlpy[server]')")
+    _add_model_args(p)
+    from ggmlpy.server.flags import add_server_args
+
+    add_server_args(p)
+    p.set_defaults(func=_cmd_serve)
     p = command("cache", help="ggmlpy's cache folder (built-in models, measurements): list, path, clear")
     p.add_argument("action", nargs="?", default="list", choices=("list", "path", "clear"),
                    help="list (default): what is there, with sizes; path: print the folder; clear: remove "
@@ -707,7 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: The subcommands (for naming the one a usage error is in before the command line is parsed).
-COMMANDS = ("info", "bench", "run", "chat", "cache", "rpc-server")
+COMMANDS = ("info", "bench", "run", "chat", "serve", "cache", "rpc-server")
 
 
 def _prog(argv: list[str]) -> str:
@@ -727,8 +742,12 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = build_parser().parse_known_args(argv)
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
-        if args.command in ("run", "chat"):
+        if args.command in ("run", "chat", "serve"):
             _check_model_args(args)
+        if args.command == "serve":
+            from ggmlpy.server.flags import check_server_args
+
+            check_server_args(args)
         elif args.command == "rpc-server" and args.threads is not None:
             msg = at_least("-t", args.threads, 1, "default: all cores")
             if msg:

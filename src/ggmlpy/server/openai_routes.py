@@ -1,0 +1,279 @@
+"""OpenAI's API: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models`` (each also
+without the ``/v1`` prefix, as llama-server answers them).
+
+Each route: the body parsed and checked (:mod:`.requests_map`, 400 naming the field), the model ready
+(503 while loading), the request admitted (503 with the queue full), the runner's requests submitted on
+a worker thread (a template or grammar error is a 400, a prompt over the context a 413), then the answer
+waited for or streamed (:mod:`.bridge`), built by :mod:`.responses`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .bridge import Job, SSEResponse, run_to_end
+from .errors import ApiError, bad_request
+from .requests_map import (
+    chat_request,
+    completion_request,
+    embedding_request,
+    parse_json,
+    runner_error,
+)
+from .responses import (
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    embedding_response,
+    finish_reason,
+    logprobs_chat,
+    logprobs_completion,
+    new_id,
+    timings,
+    usage,
+)
+from .state import ServerState
+
+__all__ = ["ROUTES", "model_card"]
+
+#: the status of a response whose client has gone (nginx's "client closed request"; never seen by it)
+CLIENT_GONE = 499
+
+
+def model_card(state: ServerState) -> dict:
+    """The one model, as OpenAI's ``Model`` object (llama-server adds ``meta``)."""
+    meta = {"n_ctx": state.n_ctx, "n_parallel": state.n_parallel, "status": state.status}
+    return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "ggmlpy",
+            "meta": meta}
+
+
+async def models(request: Request) -> JSONResponse:
+    state: ServerState = request.app.state.server
+    return JSONResponse({"object": "list", "data": [model_card(state)]})
+
+
+async def _body(request: Request) -> dict:
+    return parse_json(await request.body())
+
+
+async def _submit(make: Callable, n: int) -> list:
+    """Call ``make(i)`` for each of ``n`` requests on a worker thread (tokenizing, rendering the template
+    and compiling a grammar take time); a failure cancels those already queued and is the HTTP error."""
+    def submit_all() -> list:
+        handles = []
+        try:
+            for i in range(n):
+                handles.append(make(i))
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        return handles
+
+    try:
+        return await asyncio.to_thread(submit_all)
+    except ApiError:
+        raise
+    except Exception as e:
+        raise runner_error(e) from None
+
+
+def _seeded(kw: dict, i: int) -> dict:
+    """Choice ``i``'s keywords: with a seed, choice i samples with seed + i (choice 0 is the request alone)."""
+    if i and "seed" in kw:
+        return {**kw, "seed": (kw["seed"] + i) % (1 << 64)}
+    return kw
+
+
+def _check_results(job: Job) -> list:
+    """The completions of an ended job, or the error it ended with."""
+    err = job.end_reason()
+    if err is not None:
+        raise err
+    return job.results
+
+
+def _count(state: ServerState, route: str, completions: list, outcome: str = "ok") -> None:
+    comps = [c for c in completions if c is not None and not isinstance(c, BaseException)]
+    state.count(route, outcome, sum(c.prompt_eval_count - c.n_cached for c in comps),
+                sum(c.eval_count for c in comps))
+
+
+async def _answer(request: Request, state: ServerState, route: str, n: int, make: Callable, stream: bool,
+                  build: Callable, chunks: Callable) -> Response:
+    """Submit ``n`` requests, then answer: ``build(completions)`` as JSON, or ``chunks(job)`` streamed."""
+    state.enter(n)
+    try:
+        job = Job(state, await _submit(make, n))
+    except BaseException:
+        state.leave(n)
+        state.count(route, "error")
+        raise
+    if stream:
+        def end() -> None:
+            state.leave(n)
+            _count(state, route, job.results, "ok" if job.cancelled_by is None else "cancelled")
+        return SSEResponse(job, chunks(job), state.timeout, on_end=end)
+    try:
+        if not await run_to_end(job, request.receive, state.timeout) and job.cancelled_by == "client":
+            _count(state, route, job.results, "cancelled")
+            return Response(status_code=CLIENT_GONE)
+        completions = _check_results(job)
+    except ApiError:
+        _count(state, route, job.results, "error")
+        raise
+    finally:
+        state.leave(n)
+    _count(state, route, completions)
+    return JSONResponse(build(completions))
+
+
+async def chat_completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await _body(request)
+    runner = state.require_ready()
+    req = chat_request(state, body)
+    kw, n, messages = req["kw"], req["n"], req["messages"]
+    rid, model, tok = new_id("chatcmpl"), state.model_name, runner.tokenizer
+
+    def make(i: int):
+        return runner.submit_chat(messages, shift=False, template=state.template, **_seeded(kw, i))
+
+    def build(completions: list) -> dict:
+        return chat_response(rid, model, completions, tok, req["logprobs"])
+
+    async def chunks(job: Job):
+        created = int(time.time())
+        for i in range(n):
+            yield chat_chunk(rid, model, created, i, {"role": "assistant", "content": ""})
+        async for i, ev in job.events():
+            lp = logprobs_chat([ev.logprobs], tok) if req["logprobs"] and ev.logprobs is not None else None
+            for d in ev.deltas:
+                delta: dict = {}
+                if d.content:
+                    delta["content"] = d.content
+                if d.reasoning:
+                    delta["reasoning_content"] = d.reasoning
+                if d.tool_call is not None:
+                    tc = d.tool_call
+                    delta["tool_calls"] = [{"index": tc.index, "id": tc.id, "type": "function",
+                                            "function": {"name": tc.name, "arguments": tc.arguments}}]
+                if delta:
+                    yield chat_chunk(rid, model, created, i, delta, logprobs=lp)
+                    lp = None
+            if lp is not None:
+                yield chat_chunk(rid, model, created, i, {}, logprobs=lp)
+        yield_usage = _final(job)
+        if yield_usage is None:
+            return
+        for i, c in enumerate(job.results):
+            last = chat_chunk(rid, model, created, i, {}, finish_reason(c))
+            last["timings"] = timings(c)
+            yield last
+        if req["include_usage"]:
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "system_fingerprint": "ggmlpy", "choices": [], "usage": usage(job.results, [0] * n)}
+
+    return await _answer(request, state, "/v1/chat/completions", n, make, req["stream"], build, chunks)
+
+
+def _final(job: Job):
+    """Whether a finished stream gets its closing chunks: not when the server cancelled it (the SSE
+    response then sends the error event) or a request failed (the error event is yielded here)."""
+    if job.end_reason() is not None:
+        return None
+    for r in job.results:
+        if isinstance(r, BaseException) or getattr(r, "done_reason", None) in ("error", "cancel"):
+            return None
+    return True
+
+
+async def completions(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await _body(request)
+    runner = state.require_ready()
+    req = completion_request(state, body)
+    kw, n, prompts = req["kw"], req["n"], req["prompts"]
+    rid, model, tok = new_id("cmpl"), state.model_name, runner.tokenizer
+    total = len(prompts) * n
+    keys = [p if isinstance(p, str) else tuple(p) for p in prompts for _ in range(n)]
+
+    def make(i: int):
+        prompt = prompts[i // n]
+        return runner.submit(prompt, shift=False, detokenize=True, **_seeded(kw, i % n))
+
+    def echo(i: int) -> str:
+        if not req["echo"]:
+            return ""
+        p = prompts[i // n]
+        return p if isinstance(p, str) else tok.decode(p)
+
+    def build(comps: list) -> dict:
+        texts = [echo(i) + (c.text or "") for i, c in enumerate(comps)]
+        return completion_response(rid, model, comps, texts, keys, tok, req["logprobs"])
+
+    async def chunks(job: Job):
+        created = int(time.time())
+        if req["echo"]:
+            for i in range(total):
+                yield completion_chunk(rid, model, created, i, echo(i))
+        async for i, ev in job.events():
+            lp = logprobs_completion([ev.logprobs], tok) if req["logprobs"] and ev.logprobs is not None else None
+            if ev.text or lp is not None:
+                yield completion_chunk(rid, model, created, i, ev.text or "", logprobs=lp)
+        if _final(job) is None:
+            return
+        for i, c in enumerate(job.results):
+            last = completion_chunk(rid, model, created, i, "", finish_reason(c))
+            last["timings"] = timings(c)
+            yield last
+        if req["include_usage"]:
+            yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+                   "system_fingerprint": "ggmlpy", "choices": [], "usage": usage(job.results, keys)}
+
+    return await _answer(request, state, "/v1/completions", total, make, req["stream"], build, chunks)
+
+
+async def embeddings(request: Request) -> Response:
+    state: ServerState = request.app.state.server
+    body = await _body(request)
+    runner = state.require_ready()
+    req = embedding_request(state, body)
+    n_embd = int(runner.model.config.n_embd)
+    if req["dimensions"] is not None and req["dimensions"] != n_embd:
+        raise bad_request(f"dimensions: this model's embeddings have {n_embd} dimensions, got {req['dimensions']}",
+                          "dimensions")
+    inputs, vectors, counts = req["inputs"], [], []
+    step = max(1, 2 * state.n_parallel)         # a few at a time: one pump thread each
+    with state.admit(1):
+        for start in range(0, len(inputs), step):
+            part = inputs[start:start + step]
+            job = Job(state, await _submit(lambda i, part=part: runner.submit(part[i], embedding=True), len(part)))
+            if not await run_to_end(job, request.receive, state.timeout) and job.cancelled_by == "client":
+                state.count("/v1/embeddings", "cancelled")
+                return Response(status_code=CLIENT_GONE)
+            for c in _check_results(job):
+                vectors.append(c.embedding)
+                counts.append(c.prompt_eval_count)
+    state.count("/v1/embeddings", "ok", sum(counts))
+    return JSONResponse(embedding_response(state.model_name, vectors, counts, req["encoding_format"]))
+
+
+def _routes() -> list:
+    table = [("/chat/completions", chat_completions, "POST"), ("/completions", completions, "POST"),
+             ("/embeddings", embeddings, "POST"), ("/models", models, "GET")]
+    out = []
+    for path, fn, method in table:
+        out.append(Route("/v1" + path, fn, methods=[method]))
+        out.append(Route(path, fn, methods=[method]))
+    return out
+
+
+ROUTES = _routes()
