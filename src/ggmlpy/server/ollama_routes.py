@@ -1,0 +1,375 @@
+"""Ollama's API over the server's runner: ``/api/generate``, ``/api/chat``, ``/api/embed`` (and the older
+``/api/embeddings``), ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
+
+The mapping of each body to the runner's keywords, and of a :class:`~ggmlpy.runner.Completion` to Ollama's
+objects, is :mod:`.ollama`'s; this module is the HTTP side: the body read, the runner called off the event loop,
+NDJSON streamed (one object a line, ``application/x-ndjson``), the request cancelled when the client leaves,
+errors as ``{"error": "..."}`` (a stream that fails after it began ends with such a line, as Ollama's does).
+Options that were ignored are named in a ``Warning`` header (and logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from . import ollama as om
+from .errors import ApiError
+from .extras import metrics_of
+from .state import ServerState
+
+__all__ = ["ROUTES"]
+
+log = logging.getLogger("ggmlpy.server")
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise ApiError(400, f"the body is not JSON: {e}", ollama=True) from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", ollama=True)
+    return body
+
+
+def _api_error(e: BaseException) -> ApiError:
+    """A runner's or a mapping's exception as the HTTP error Ollama's clients get."""
+    from ggmlpy.runner import ClosedError, RequestTimeout
+
+    if isinstance(e, om.OllamaError):
+        return ApiError(e.status, str(e), ollama=True)
+    if isinstance(e, ClosedError):
+        return ApiError(503, f"the server is shutting down: {e}", ollama=True)
+    if isinstance(e, RequestTimeout):
+        return ApiError(503, str(e), ollama=True)
+    if isinstance(e, (ValueError, TypeError)):      # GGMLValueError, InputTooLong, TokenizerError, ImageError...
+        return ApiError(400, str(e), ollama=True)
+    return ApiError(500, f"{type(e).__name__}: {e}", ollama=True)
+
+
+def _warning_headers(ignored: list) -> dict:
+    """RFC 7234's ``Warning`` (code 299, persistent) naming what the request asked that was ignored."""
+    if not ignored:
+        return {}
+    for why in ignored:
+        log.warning("ollama request: %s", why)
+    text = "; ".join(ignored).replace('"', "'").encode("ascii", "replace").decode()
+    return {"Warning": f'299 ggmlpy "{text[:1000]}"'}
+
+
+def _submit(runner, call: om.ChatCall):
+    if call.kind == "raw":
+        return runner.submit(call.arg, **call.kwargs)
+    return runner.submit_chat(call.arg, **call.kwargs)
+
+
+def _result_message(c, chat: bool, raw: bool) -> dict:
+    """The non-streamed reply's fields: ``message`` (a chat) or ``response`` (a generation)."""
+    text = c.text if raw else (c.content or "")
+    extra: dict[str, Any] = {}
+    if not raw:
+        if c.reasoning:
+            extra["thinking"] = c.reasoning
+        if c.tool_calls:
+            extra["tool_calls"] = om.tool_calls_to_ollama(c.tool_calls)
+    if chat:
+        return {"message": {"role": "assistant", "content": text, **extra}}
+    return {"response": text or "", **extra}
+
+
+def _event_fields(ev, chat: bool, raw: bool, n_calls: int) -> tuple[dict | None, int]:
+    """One streamed token's object fields, None when it added nothing (a held-back or control token)."""
+    if raw:
+        return ({"response": ev.text} if ev.text else None), n_calls
+    part, n_calls = om.chunk_from_deltas(ev.deltas, n_calls)
+    if not part:
+        return None, n_calls
+    if chat:
+        return {"message": {"role": "assistant", "content": part.pop("content", ""), **part}}, n_calls
+    return {"response": part.pop("content", ""), **part}, n_calls
+
+
+async def _run(request: Request, call: om.ChatCall, chat: bool, stream: bool) -> Response:
+    """Submit ``call`` and answer with its reply: one JSON object, or NDJSON as the tokens come."""
+    state = _state(request)
+    runner = state.require_ready(ollama=True)
+    started = time.monotonic()
+    name = state.model_name
+    raw = call.kind == "raw"
+    headers = _warning_headers(call.ignored)
+    stack = contextlib.ExitStack()
+    stack.enter_context(state.admit(ollama=True))
+    try:
+        handle = await run_in_threadpool(_submit, runner, call)
+    except ApiError:
+        stack.close()
+        raise
+    except Exception as e:
+        stack.close()
+        raise _api_error(e) from e
+    state.track(handle)
+    stack.callback(state.untrack, handle)
+    route = request.url.path
+
+    def finish(c) -> dict:
+        metrics_of(state).record(c)
+        state.count(route, "ok" if c.done_reason != "cancel" else "cancelled", c.prompt_eval_count, c.eval_count)
+        return om.final_fields(c, started)
+
+    if not stream:
+        try:
+            with stack:
+                try:
+                    c = await run_in_threadpool(handle.result, state.timeout or None)
+                except Exception as e:
+                    handle.cancel()
+                    state.count(route, "error")
+                    raise _api_error(e) from e
+                body = {"model": name, "created_at": om.timestamp(), **_result_message(c, chat, raw), **finish(c)}
+        except ApiError:
+            raise
+        return JSONResponse(body, headers=headers)
+
+    async def lines():
+        n_calls = 0
+        try:
+            with stack:
+                try:
+                    async for ev in iterate_in_threadpool(iter(handle)):
+                        fields, n_calls = _event_fields(ev, chat, raw, n_calls)
+                        if fields is not None:
+                            yield _line({"model": name, "created_at": om.timestamp(), **fields, "done": False})
+                    c = await run_in_threadpool(handle.result)
+                except Exception as e:       # after the first line the status is sent: Ollama's error line
+                    state.count(route, "error")
+                    yield _line({"error": _api_error(e).message})
+                    return
+                last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+                yield _line({"model": name, "created_at": om.timestamp(), **last, **finish(c)})
+        finally:
+            if not handle.done:              # the client left before the end
+                handle.cancel()
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
+
+
+def _line(obj: dict) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _loaded(state: ServerState, chat: bool) -> JSONResponse:
+    """An empty request: Ollama's answer that the model is loaded (``done_reason`` ``load``)."""
+    state.require_ready(ollama=True)
+    last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return JSONResponse({"model": state.model_name, "created_at": om.timestamp(), **last, "done": True,
+                         "done_reason": "load"})
+
+
+def _mapped(fn, body: dict, n_ctx: int) -> om.ChatCall:
+    try:
+        return fn(body, n_ctx)
+    except om.OllamaError as e:
+        raise _api_error(e) from None
+
+
+async def chat(request: Request) -> Response:
+    """``POST /api/chat``: the assistant's next message (NDJSON by default, one object with ``"stream": false``)."""
+    state, body = _state(request), await _body(request)
+    runner = state.require_ready(ollama=True)
+    call = _mapped(om.chat_call, body, runner.n_ctx)
+    if not call.arg:
+        return _loaded(state, True)
+    return await _run(request, call, True, body.get("stream") is not False)
+
+
+async def generate(request: Request) -> Response:
+    """``POST /api/generate``: a completion of ``prompt`` (the chat template applied unless ``raw``)."""
+    state, body = _state(request), await _body(request)
+    runner = state.require_ready(ollama=True)
+    call = _mapped(om.generate_call, body, runner.n_ctx)
+    if not body.get("prompt") and not body.get("images"):
+        return _loaded(state, False)
+    return await _run(request, call, False, body.get("stream") is not False)
+
+
+def _embed_all(runner, inputs: list, truncate: bool, normalize: bool) -> list:
+    handles = [runner.submit(s, embedding=True, truncate=truncate, normalize=normalize) for s in inputs]
+    try:
+        return [h.result() for h in handles]
+    finally:
+        for h in handles:
+            if not h.done:
+                h.cancel()
+
+
+async def _embeddings(request: Request, inputs: list, truncate: bool, normalize: bool) -> tuple[list, float]:
+    state = _state(request)
+    runner = state.require_ready(ollama=True)
+    started = time.monotonic()
+    with state.admit(cost=len(inputs), ollama=True):
+        try:
+            results = await run_in_threadpool(_embed_all, runner, inputs, truncate, normalize)
+        except Exception as e:
+            state.count(request.url.path, "error")
+            raise _api_error(e) from e
+    for c in results:
+        metrics_of(state).record(c)
+    state.count(request.url.path, "ok", sum(c.prompt_eval_count for c in results))
+    return results, started
+
+
+async def embed(request: Request) -> JSONResponse:
+    """``POST /api/embed``: L2-normalised mean-pooled embeddings of ``input`` (a string or a list);
+    ``dimensions`` keeps the first that many values, normalised again (as Ollama does)."""
+    body = await _body(request)
+    try:
+        inputs, truncate, dims = om.embed_inputs(body)
+        _, ignored = om.map_options(body.get("options"), _state(request).n_ctx)
+    except om.OllamaError as e:
+        raise _api_error(e) from None
+    results, started = await _embeddings(request, inputs, truncate, True)
+    vectors = []
+    for c in results:
+        v = np.asarray(c.embedding, dtype=np.float32)
+        if dims is not None and dims < v.size:
+            v = v[:dims]
+            n = float(np.linalg.norm(v))
+            v = v / n if n > 0 else v
+        vectors.append(v.tolist())
+    return JSONResponse({"model": _state(request).model_name, "embeddings": vectors,
+                         "total_duration": om._ns(time.monotonic() - started), "load_duration": 0,
+                         "prompt_eval_count": sum(int(c.prompt_eval_count) for c in results)},
+                        headers=_warning_headers(ignored))
+
+
+async def embeddings(request: Request) -> JSONResponse:
+    """``POST /api/embeddings`` (superseded by ``/api/embed``): one ``prompt``, the embedding not normalised."""
+    body = await _body(request)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "prompt must be a non-empty string", ollama=True)
+    results, _ = await _embeddings(request, [prompt], True, False)
+    return JSONResponse({"embedding": np.asarray(results[0].embedding, dtype=np.float32).tolist()})
+
+
+# --------------------------------------------------------------------------- the model
+
+def _digest(runner) -> str:
+    """The weights' fingerprint (:mod:`ggmlpy.models.fingerprint`), standing in for Ollama's blob digest
+    (hashing a file of many GB on a listing request would take minutes)."""
+    from ggmlpy.models.fingerprint import model_fingerprint
+
+    fp = model_fingerprint(runner.model)
+    return str(fp) if fp else ""
+
+
+def _card(state: ServerState, runner) -> dict:
+    size, mtime = om.file_facts(state.path) if state.path else (int(runner.model.size), state.started)
+    return {"name": state.model_name, "model": state.model_name, "modified_at": om.timestamp(mtime), "size": size,
+            "digest": _digest(runner), "details": om.model_details(runner.model)}
+
+
+async def tags(request: Request) -> JSONResponse:
+    """``GET /api/tags``: the one model this server serves."""
+    state = _state(request)
+    runner = state.require_ready(ollama=True)
+    return JSONResponse({"models": [await run_in_threadpool(_card, state, runner)]})
+
+
+def _capabilities(runner) -> list:
+    caps = ["completion"]
+    template = getattr(runner.tokenizer, "chat_template", None) or ""
+    if "tools" in template:
+        caps.append("tools")
+    if "enable_thinking" in template or "<think>" in template or "reasoning" in template:
+        caps.append("thinking")
+    if runner.vision is not None:
+        caps.append("vision")
+    return caps
+
+
+def _show(state: ServerState, runner, verbose: bool) -> dict:
+    info = om.model_info(state.path, verbose) if state.path else {}
+    template = getattr(runner.tokenizer, "chat_template", None) or ""
+    params = "\n".join(f"{k:<30} {json.dumps(v)}" for k, v in sorted(runner.sampling_defaults.items())
+                       if isinstance(v, (int, float, str)))
+    out = {"modelfile": f"# Modelfile generated by ggmlpy\nFROM {state.path}\n", "parameters": params,
+           "template": template, "details": om.model_details(runner.model), "model_info": info,
+           "capabilities": _capabilities(runner)}
+    if state.path:
+        out["modified_at"] = om.timestamp(om.file_facts(state.path)[1])
+    if isinstance(info.get("general.license"), str):
+        out["license"] = info["general.license"]
+    return out
+
+
+async def show(request: Request) -> JSONResponse:
+    """``POST /api/show``: the model's details (family, parameter size, quantization), its GGUF metadata
+    (``model_info``; arrays over 64 items empty unless ``verbose``), chat template and capabilities."""
+    state, body = _state(request), await _body(request)
+    runner = state.require_ready(ollama=True)
+    return JSONResponse(await run_in_threadpool(_show, state, runner, bool(body.get("verbose"))))
+
+
+def _device_types(runner) -> dict:
+    try:
+        return {d.name: d.type for d in runner.model.placement.devices()}
+    except Exception:                          # a model without a placement: names decide
+        return {}
+
+
+def ps_entry(state: ServerState, runner) -> dict:
+    """``/api/ps``'s entry: ``size`` the memory report's total (weights, cache, graphs on every device),
+    ``size_vram`` the part on accelerators, and, beyond Ollama's fields, ``devices``: each device's bytes."""
+    report = runner.memory_report()
+    types = _device_types(runner)
+    devices = {n: m.self_total for n, m in report.devices.items()}
+    vram = sum(b for n, b in devices.items() if types.get(n, "CPU" if n.upper().startswith("CPU") else "GPU")
+               not in ("CPU", "ACCEL"))
+    card = _card(state, runner)
+    return {"name": card["name"], "model": card["model"], "size": int(report.total), "digest": card["digest"],
+            "details": card["details"], "expires_at": "9999-12-31T23:59:59Z", "size_vram": int(vram),
+            "context_length": int(runner.n_ctx), "devices": devices}
+
+
+async def ps(request: Request) -> JSONResponse:
+    """``GET /api/ps``: the loaded model and its memory (never unloaded: ``expires_at`` is far away)."""
+    state = _state(request)
+    runner = state.require_ready(ollama=True)
+    return JSONResponse({"models": [await run_in_threadpool(ps_entry, state, runner)]})
+
+
+async def version(request: Request) -> JSONResponse:
+    """``GET /api/version``: ggmlpy's version."""
+    from ggmlpy import __version__
+
+    return JSONResponse({"version": __version__})
+
+
+ROUTES = [
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/embed", embed, methods=["POST"]),
+    Route("/api/embeddings", embeddings, methods=["POST"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/version", version, methods=["GET"]),
+]
