@@ -172,7 +172,7 @@ def default_params(runner) -> dict:
 def props(state, runner) -> dict:
     """``/props``: the default generation settings, the slots, the chat template, the memory report and the
     placement decision (``fit``: how ``n_gpu_layers="auto"`` chose, None when the placement was given)."""
-    from ggmlpy import __version__
+    from ggmlpy._version import __version__
 
     report = runner.memory_report()
     fit = getattr(report, "fit", None)

@@ -358,7 +358,7 @@ async def ps(request: Request) -> JSONResponse:
 
 async def version(request: Request) -> JSONResponse:
     """``GET /api/version``: ggmlpy's version."""
-    from ggmlpy import __version__
+    from ggmlpy._version import __version__
 
     return JSONResponse({"version": __version__})
 
