@@ -221,6 +221,12 @@ def test_metrics_parse_and_move(client):
     assert _metric(client, "llamacpp:predicted_tokens_seconds") > 0
     assert 0 < _metric(client, "llamacpp:kv_cache_usage_ratio") <= 1
     assert _metric(client, "llamacpp:requests_processing") == 0
+    # the OpenAI routes count too
+    before = _metric(client, "llamacpp:tokens_predicted_total")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5,
+                                                  "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert _metric(client, "llamacpp:tokens_predicted_total") - before == r.json()["usage"]["completion_tokens"]
 
 
 def test_props(client):

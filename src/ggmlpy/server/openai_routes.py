@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from .bridge import Job, SSEResponse, run_to_end
 from .errors import ApiError, bad_request
+from .extras import metrics_of
 from .requests_map import (
     chat_request,
     completion_request,
@@ -104,6 +105,9 @@ def _count(state: ServerState, route: str, completions: list, outcome: str = "ok
     comps = [c for c in completions if c is not None and not isinstance(c, BaseException)]
     state.count(route, outcome, sum(c.prompt_eval_count - c.n_cached for c in comps),
                 sum(c.eval_count for c in comps))
+    metrics = metrics_of(state)           # /metrics' token counters and speeds (the Ollama routes' too)
+    for c in comps:
+        metrics.record(c)
 
 
 async def _answer(request: Request, state: ServerState, route: str, n: int, make: Callable, stream: bool,
