@@ -33,7 +33,7 @@ from ggmlpy.defaults import DEFAULTS
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_USAGE", "ArgParser", "UsageError",
            "add_model_source_args", "add_sampling_args", "at_least", "check_model_source", "debug_requested",
            "gpu_layers_note", "model_file", "model_source", "one_line_warnings", "override_problem", "read_text",
-           "sampling_from_args", "usage_text"]
+           "sampling_from_args", "sampling_overrides", "usage_text"]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -385,3 +385,20 @@ def sampling_from_args(args: argparse.Namespace, defaults=None):
             if msg.startswith(field):
                 raise UsageError(f"{flag}: {msg}") from None
         raise UsageError(msg) from None
+
+
+def sampling_overrides(args: argparse.Namespace) -> dict:
+    """The sampling flags given (not their defaults), as SamplingParams fields: what ``ggmlpy serve`` puts
+    over the model file's recommendations for every request that does not set them, as llama-server
+    does (the seed is left out: one fixed seed would make every request's draws the same)."""
+    sampling_from_args(args)                  # checked, each error naming its flag
+    out = {field: getattr(args, field) for _, field, _, _ in _SAMPLING_FLAGS if getattr(args, field, None) is not None}
+    chain = getattr(args, "samplers", None) or getattr(args, "sampling_seq", None)
+    if chain is not None:
+        out["samplers"] = chain
+    breakers = getattr(args, "dry_sequence_breaker", None)
+    if breakers:
+        out["dry_sequence_breakers"] = sampling_from_args(args).dry_sequence_breakers
+    if getattr(args, "logit_bias", None):
+        out["logit_bias"] = dict(sampling_from_args(args).logit_bias)
+    return out

@@ -539,10 +539,18 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     """``ggmlpy serve``: the model loads in a thread once the socket listens (ggmlpy.server.run)."""
+    from ggmlpy._cliargs import sampling_overrides
     from ggmlpy.server.run import serve
 
-    return serve(args, lambda progress: _open_runner(args, "ggmlpy serve", args.parallel, progress),
-                 template=_template(args))
+    given = sampling_overrides(args)          # checked before anything loads
+
+    def load(progress):
+        model, rt = _open_runner(args, "ggmlpy serve", args.parallel, progress)
+        # the sampling flags are every request's defaults, over the file's recommendations (llama-server's)
+        rt.sampling_defaults = {**rt.sampling_defaults, **given}
+        return model, rt
+
+    return serve(args, load, template=_template(args))
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -126,3 +126,25 @@ def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
     for i in (2, 3):                     # queued behind them: cancelled with a 503, or done if they got a slot
         assert outcome[i] in (("done", "length"),) or (outcome[i][0] == "error" and "shutting down" in outcome[i][2]), \
             outcome
+
+
+def test_the_sampling_flags_are_every_requests_defaults(chat_gguf):
+    """``ggmlpy serve --temp 0 --repeat-penalty 0.4 -l ...``: a request that sets nothing is greedy under that
+    penalty and bias (llama-server's server-wide defaults); a request's own field beats the flag."""
+    srv = ServerProcess(chat_gguf, "-c", "256", "-np", "1", "-dev", "cpu", "--temp", "0", "--repeat-penalty", "0.4",
+                        "--repeat-last-n", "-1", "-l", "11+2.5")
+    try:
+        client = srv.client()
+        msgs = _msgs("Tell me about cats.")
+        plain = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=10)
+        again = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=10)
+        assert plain.choices[0].message.content == again.choices[0].message.content       # greedy: --temp 0
+        spelled = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=10, temperature=0,
+                                                 extra_body={"repeat_penalty": 0.4, "repeat_last_n": -1,
+                                                             "logit_bias": {"11": 2.5}})
+        assert plain.choices[0].message.content == spelled.choices[0].message.content
+        free = client.chat.completions.create(model="model-f32", messages=msgs, max_tokens=10, temperature=0,
+                                              extra_body={"repeat_penalty": 1.0, "logit_bias": {"11": 0}})
+        assert free.choices[0].message.content != plain.choices[0].message.content      # the request's own wins
+    finally:
+        assert srv.stop() == 0, srv.output()
