@@ -293,6 +293,42 @@ def _cli(tmp_path, url, *args, offline=False, input=None):
                           env=_child_env(tmp_path, url, offline), encoding="utf-8", input=input)
 
 
+def _serve_once(tmp_path, url, args) -> None:
+    """``ggmlpy serve`` ARGS against the loopback hub: it resolves the file, listens, becomes ready and
+    answers a completion, then exits 0 on SIGTERM."""
+    import re
+    import signal
+    import time
+
+    import httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_child_env(tmp_path, url, False),
+                            encoding="utf-8")
+    lines: list = []
+    try:
+        port = None
+        t_end = time.monotonic() + 120
+        while port is None and time.monotonic() < t_end:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m[1]) if m else None
+        assert port, "".join(lines)
+        base = f"http://127.0.0.1:{port}"
+        while time.monotonic() < t_end and httpx.get(base + "/health", timeout=5).status_code != 200:
+            time.sleep(0.1)
+        r = httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0 and "-Q4_K_M.gguf (revision main)" in "".join(lines) + out, "".join(lines) + out
+
+
 @pytest.mark.hf
 def test_ggmlpy_run_with_hf(served, tiny, tmp_path):
     from ggmlpy.load import load_model
@@ -381,6 +417,9 @@ def test_the_readme_gets_a_model_from_the_hub(served, tiny, tmp_path):
     template.write_text("{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
     for c in commands:
         args, stdin = [*shlex.split(c)[1:], "-t", "1"], None
+        if args[0] == "serve":     # serves until stopped: up, the hub's file loaded and answering, then SIGTERM
+            _serve_once(tmp_path, served.url, [*args, "--port", "0", "-c", "64"])
+            continue
         if args[0] == "chat":      # the served tiny model has no chat template: give one; one turn, then /bye
             args, stdin = [*args, "--chat-template-file", str(template), "-n", "4"], "Hi\n/bye\n"
         r = _cli(tmp_path, served.url, *args, input=stdin)
