@@ -210,10 +210,15 @@ def test_readme_is_a_guide_not_a_reference():
         assert command in quick and command in ci, command
     assert "ggmlpy bench" in _readme_block("bash", 'pip install ".[test]"').code
     # the path from install to text: a model from the hub, run, chat, Python
-    hub = _readme_block("bash", "-hf ")
+    hub = _readme_block("bash", "ggmlpy run -hf")
     assert "ggmlpy run -hf" in hub.code and "ggmlpy chat -hf" in hub.code
     assert re.search(r'`ggmlpy\.open\("hf://[^"]+"\)`', readme)
     assert "ggmlpy.open(" in _readme_block("python", "with ggmlpy.open").code
+    # and served: the command, then the openai client asking it (the alias the command gives)
+    serve = _readme_block("bash", "ggmlpy serve")
+    client = _readme_block("python", "from openai import OpenAI").code
+    alias = re.search(r"--alias (\S+)", serve.code)[1]
+    assert f'model="{alias}"' in client and len(client.strip().splitlines()) <= 5
     # every guide page is linked from the README
     for page in sorted((dh.ROOT / "docs").glob("*.md")):
         if page.name not in ("index.md", "measurements.md"):
