@@ -192,8 +192,15 @@ def test_refusals_are_ollama_errors(client):
                        ({"prompt": "x", "context": [1, 2]}, "context")):
         r = client.post("/api/generate", json=body)
         assert r.status_code == 400 and r.json()["error"].startswith(word)
-    r = client.post("/api/chat", content=b"{not json")
-    assert r.status_code == 400 and "not JSON" in r.json()["error"]
+    # a body that is not a JSON object, whatever way, is a 400 in Ollama's shape on every route (deep nesting
+    # once escaped as a RecursionError: a 500)
+    for route in ("/api/chat", "/api/generate", "/api/embed", "/tokenize", "/detokenize", "/apply-template"):
+        for raw, said in ((b"{not json", "malformed JSON"), (b"[" * 100_000 + b"]" * 100_000, "malformed JSON"),
+                          (b"\xff\xfe{}", "not UTF-8"), (b"[1, 2]", "must be a JSON object")):
+            r = client.post(route, content=raw)
+            assert r.status_code == 400 and said in r.text, (route, raw[:10], r.status_code, r.text[:200])
+            if route.startswith("/api/"):
+                assert set(r.json()) == {"error"}
 
 
 def test_empty_request_loads(client):

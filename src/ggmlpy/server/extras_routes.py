@@ -12,7 +12,6 @@ until the slot is free), then answers 409 if requests are still being served.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -23,6 +22,7 @@ from starlette.routing import Route
 
 from . import extras as ex
 from .errors import ApiError
+from .requests_map import json_body, state_of
 from .state import ServerState
 
 __all__ = ["ROUTES", "SLOT_WAIT"]
@@ -31,27 +31,10 @@ __all__ = ["ROUTES", "SLOT_WAIT"]
 SLOT_WAIT = 10.0
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-async def _body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    return body
-
-
 async def slots(request: Request) -> JSONResponse:
     """``GET /slots``: each slot's id, context, whether it is busy, and the tokens its cache holds;
     ``?fail_on_no_slot=1`` answers 503 when none is idle."""
-    runner = _state(request).require_ready()
+    runner = state_of(request).require_ready()
     info = ex.slots_info(runner)
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s["is_processing"] for s in info):
         raise ApiError(503, "no slot available")
@@ -104,7 +87,7 @@ def _slot_action(state: ServerState, runner, slot: int, action: str, filename) -
 
 async def slot_action(request: Request) -> JSONResponse:
     """``POST /slots/{id}?action=save|restore|erase``: a slot's cache to or from a file, or emptied."""
-    state = _state(request)
+    state = state_of(request)
     action = request.query_params.get("action", "")
     if action not in ("save", "restore", "erase"):
         raise ApiError(400, f"action must be save, restore or erase (got {action[:20]!r})", param="action")
@@ -114,7 +97,7 @@ async def slot_action(request: Request) -> JSONResponse:
     raw = request.path_params["id"]
     if not raw.isdigit() or not 0 <= int(raw) < runner.n_seq_max:
         raise ApiError(400, f"invalid slot id {raw[:20]!r}: this server has slots 0..{runner.n_seq_max - 1}")
-    body = await _body(request)
+    body = await json_body(request)
     try:
         out = await run_in_threadpool(_slot_action, state, runner, int(raw), action, body.get("filename"))
     except ApiError:
@@ -134,8 +117,8 @@ def _tokenizer(runner):
 async def tokenize(request: Request) -> JSONResponse:
     """``POST /tokenize``: ``content`` → ``tokens`` (``add_special`` default false, ``parse_special`` default
     true, ``with_pieces``: each id with its text, or its bytes when not valid UTF-8)."""
-    runner = _state(request).require_ready()
-    body = await _body(request)
+    runner = state_of(request).require_ready()
+    body = await json_body(request)
     content = body.get("content")
     if not isinstance(content, str):
         raise ApiError(400, "content must be a string", param="content")
@@ -152,8 +135,8 @@ async def tokenize(request: Request) -> JSONResponse:
 
 async def detokenize(request: Request) -> JSONResponse:
     """``POST /detokenize``: ``tokens`` → ``content``."""
-    runner = _state(request).require_ready()
-    body = await _body(request)
+    runner = state_of(request).require_ready()
+    body = await json_body(request)
     tok = _tokenizer(runner)
     try:
         ids = ex.check_ids(body.get("tokens", []), runner.n_vocab)
@@ -165,8 +148,8 @@ async def detokenize(request: Request) -> JSONResponse:
 async def apply_template(request: Request) -> JSONResponse:
     """``POST /apply-template``: ``messages`` (and ``tools``) rendered by the chat template, with the
     assistant's turn opened, as the text ``/completion`` would take."""
-    runner = _state(request).require_ready()
-    body = await _body(request)
+    runner = state_of(request).require_ready()
+    body = await json_body(request)
     messages = body.get("messages")
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "messages must be a list of objects", param="messages")
@@ -186,7 +169,7 @@ async def apply_template(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     """``GET /metrics``: Prometheus's text format: llama.cpp's ``llamacpp:`` counters and gauges (tokens,
     seconds, throughput, requests processing and deferred, KV-cache use)."""
-    state = _state(request)
+    state = state_of(request)
     runner = state.require_ready()
     extra = {"ggmlpy:requests_errors_total": ("Requests that ended in an error", state.requests.get("error", 0))}
     text = ex.render_metrics(ex.metrics_of(state), runner, extra)
@@ -195,7 +178,7 @@ async def metrics(request: Request) -> Response:
 
 async def props(request: Request) -> JSONResponse:
     """``GET /props``: the default generation settings, slots, chat template, memory report and fit."""
-    state = _state(request)
+    state = state_of(request)
     runner = state.require_ready()
     return JSONResponse(await run_in_threadpool(ex.props, state, runner))
 

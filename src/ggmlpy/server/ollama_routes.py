@@ -25,28 +25,12 @@ from starlette.routing import Route
 from . import ollama as om
 from .errors import ApiError
 from .extras import metrics_of
+from .requests_map import json_body, state_of
 from .state import ServerState
 
 __all__ = ["ROUTES"]
 
 log = logging.getLogger("ggmlpy.server")
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-async def _body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the body is not JSON: {e}", ollama=True) from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", ollama=True)
-    return body
 
 
 def _api_error(e: BaseException) -> ApiError:
@@ -108,7 +92,7 @@ def _event_fields(ev, chat: bool, raw: bool, n_calls: int) -> tuple[dict | None,
 
 async def _run(request: Request, call: om.ChatCall, chat: bool, stream: bool) -> Response:
     """Submit ``call`` and answer with its reply: one JSON object, or NDJSON as the tokens come."""
-    state = _state(request)
+    state = state_of(request)
     runner = state.require_ready(ollama=True)
     started = time.monotonic()
     name = state.model_name
@@ -191,7 +175,7 @@ def _mapped(fn, body: dict, n_ctx: int) -> om.ChatCall:
 
 async def chat(request: Request) -> Response:
     """``POST /api/chat``: the assistant's next message (NDJSON by default, one object with ``"stream": false``)."""
-    state, body = _state(request), await _body(request)
+    state, body = state_of(request), await json_body(request, ollama=True)
     runner = state.require_ready(ollama=True)
     call = _mapped(om.chat_call, body, runner.n_ctx)
     if not call.arg:
@@ -201,7 +185,7 @@ async def chat(request: Request) -> Response:
 
 async def generate(request: Request) -> Response:
     """``POST /api/generate``: a completion of ``prompt`` (the chat template applied unless ``raw``)."""
-    state, body = _state(request), await _body(request)
+    state, body = state_of(request), await json_body(request, ollama=True)
     runner = state.require_ready(ollama=True)
     call = _mapped(om.generate_call, body, runner.n_ctx)
     if not body.get("prompt") and not body.get("images"):
@@ -220,7 +204,7 @@ def _embed_all(runner, inputs: list, truncate: bool, normalize: bool) -> list:
 
 
 async def _embeddings(request: Request, inputs: list, truncate: bool, normalize: bool) -> tuple[list, float]:
-    state = _state(request)
+    state = state_of(request)
     runner = state.require_ready(ollama=True)
     started = time.monotonic()
     with state.admit(cost=len(inputs), ollama=True):
@@ -238,10 +222,10 @@ async def _embeddings(request: Request, inputs: list, truncate: bool, normalize:
 async def embed(request: Request) -> JSONResponse:
     """``POST /api/embed``: L2-normalised mean-pooled embeddings of ``input`` (a string or a list);
     ``dimensions`` keeps the first that many values, normalised again (as Ollama does)."""
-    body = await _body(request)
+    body = await json_body(request, ollama=True)
     try:
         inputs, truncate, dims = om.embed_inputs(body)
-        _, ignored = om.map_options(body.get("options"), _state(request).n_ctx)
+        _, ignored = om.map_options(body.get("options"), state_of(request).n_ctx)
     except om.OllamaError as e:
         raise _api_error(e) from None
     results, started = await _embeddings(request, inputs, truncate, True)
@@ -253,7 +237,7 @@ async def embed(request: Request) -> JSONResponse:
             n = float(np.linalg.norm(v))
             v = v / n if n > 0 else v
         vectors.append(v.tolist())
-    return JSONResponse({"model": _state(request).model_name, "embeddings": vectors,
+    return JSONResponse({"model": state_of(request).model_name, "embeddings": vectors,
                          "total_duration": om._ns(time.monotonic() - started), "load_duration": 0,
                          "prompt_eval_count": sum(int(c.prompt_eval_count) for c in results)},
                         headers=_warning_headers(ignored))
@@ -261,7 +245,7 @@ async def embed(request: Request) -> JSONResponse:
 
 async def embeddings(request: Request) -> JSONResponse:
     """``POST /api/embeddings`` (superseded by ``/api/embed``): one ``prompt``, the embedding not normalised."""
-    body = await _body(request)
+    body = await json_body(request, ollama=True)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "prompt must be a non-empty string", ollama=True)
@@ -288,7 +272,7 @@ def _card(state: ServerState, runner) -> dict:
 
 async def tags(request: Request) -> JSONResponse:
     """``GET /api/tags``: the one model this server serves."""
-    state = _state(request)
+    state = state_of(request)
     runner = state.require_ready(ollama=True)
     return JSONResponse({"models": [await run_in_threadpool(_card, state, runner)]})
 
@@ -323,7 +307,7 @@ def _show(state: ServerState, runner, verbose: bool) -> dict:
 async def show(request: Request) -> JSONResponse:
     """``POST /api/show``: the model's details (family, parameter size, quantization), its GGUF metadata
     (``model_info``; arrays over 64 items empty unless ``verbose``), chat template and capabilities."""
-    state, body = _state(request), await _body(request)
+    state, body = state_of(request), await json_body(request, ollama=True)
     runner = state.require_ready(ollama=True)
     return JSONResponse(await run_in_threadpool(_show, state, runner, bool(body.get("verbose"))))
 
@@ -351,7 +335,7 @@ def ps_entry(state: ServerState, runner) -> dict:
 
 async def ps(request: Request) -> JSONResponse:
     """``GET /api/ps``: the loaded model and its memory (never unloaded: ``expires_at`` is far away)."""
-    state = _state(request)
+    state = state_of(request)
     runner = state.require_ready(ollama=True)
     return JSONResponse({"models": [await run_in_threadpool(ps_entry, state, runner)]})
 

@@ -56,19 +56,34 @@ _REFUSED = {"functions": "the legacy functions field: send tools", "function_cal
             "field: send tool_choice", "audio": "audio output is not supported"}
 
 
-def parse_json(body: bytes) -> dict:
-    """A request body as a JSON object (400 for anything else)."""
+def parse_json(body: bytes, ollama: bool = False) -> dict:
+    """A request body as a JSON object (400 for anything else: empty, not UTF-8, malformed or nested past
+    the parser's depth, not an object), in OpenAI's error shape or Ollama's."""
+    def bad(msg: str) -> ApiError:
+        return ApiError(400, msg, ollama=True) if ollama else bad_request(msg)
+
     if not body:
-        raise bad_request("the request body is empty: expected a JSON object")
+        raise bad("the request body is empty: expected a JSON object")
     try:
         value = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
-        raise bad_request("the request body is not UTF-8 text") from None
+        raise bad("the request body is not UTF-8 text") from None
     except (ValueError, RecursionError) as e:
-        raise bad_request(f"malformed JSON in the request body: {str(e)[:200]}") from None
+        raise bad(f"malformed JSON in the request body: {str(e)[:200]}") from None
     if not isinstance(value, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_kind(value)}")
+        raise bad(f"the request body must be a JSON object, got {_kind(value)}")
     return value
+
+
+async def json_body(request, ollama: bool = False) -> dict:
+    """The routes' body as a JSON object (:func:`parse_json`); an empty body is ``{}`` (a GET-like call)."""
+    raw = await request.body()
+    return {} if not raw.strip() else parse_json(raw, ollama)
+
+
+def state_of(request) -> ServerState:
+    """The server's state, as :func:`~ggmlpy.server.app.create_app` put it on the app."""
+    return request.app.state.server
 
 
 def _kind(value: Any) -> str:
