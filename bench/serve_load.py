@@ -55,19 +55,12 @@ def model_file() -> Path:
     tmp = out.with_suffix(".tmp")
     with gguf.GGUFReader(plain) as r, gguf.GGUFReader(vocab) as v, \
             gguf.GGUFWriter(tmp, arch=r.metadata["general.architecture"]) as w:
-        for key, value in r.metadata.items():
-            if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
-                continue
-            if r.arr_type(key) is not None:
-                w.add_array(key, value, elem_type=r.arr_type(key))
-            else:
-                w.add(key, value, type=r.kv_type(key))
-        for key, value in v.metadata.items():
+        for key in r.metadata:
+            if not key.startswith("tokenizer.") and key not in ("general.architecture", "general.alignment"):
+                w.add_from(r, key)
+        for key in v.metadata:
             if key.startswith("tokenizer.") and key != "tokenizer.chat_template":
-                if v.arr_type(key) is not None:
-                    w.add_array(key, value, elem_type=v.arr_type(key))
-                else:
-                    w.add(key, value, type=v.kv_type(key))
+                w.add_from(v, key)
         w.add("tokenizer.chat_template", LLAMA3)
         for info in r.tensors:
             w.add_tensor(info.name, r.tensor_data(info.name, copy=True), type=info.type, ne=info.ne)

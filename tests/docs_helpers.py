@@ -142,13 +142,9 @@ def write_text_model(path: Path) -> Path:
     plain = write_synthetic(path.with_suffix(".plain.gguf"), "tiny", "F16")
     with gguf.GGUFReader(plain) as r, gguf.GGUFWriter(path, arch=r.metadata["general.architecture"]) as w:
         arch = r.metadata["general.architecture"]
-        for key, value in r.metadata.items():
-            if key.startswith("tokenizer.") or key in ("general.architecture", "general.alignment"):
-                continue
-            if r.arr_type(key) is not None:
-                w.add_array(key, value, elem_type=r.arr_type(key))
-            else:
-                w.add(key, value, type=r.kv_type(key))
+        for key in r.metadata:
+            if not key.startswith("tokenizer.") and key not in ("general.architecture", "general.alignment"):
+                w.add_from(r, key)
         v = _vocabulary(r.metadata[f"{arch}.vocab_size"])
         w.add("tokenizer.ggml.model", "llama")
         w.add_array("tokenizer.ggml.tokens", v["tokens"])

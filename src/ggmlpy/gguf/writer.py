@@ -316,6 +316,16 @@ class GGUFWriter:
             raise GGUFError(f"GGUF key {key!r}: arrays of arrays are not supported by ggml")
         self._put(key, ValueType.ARRAY, et, _array_value(key, values, et))
 
+    def add_from(self, reader, key: str) -> None:
+        """Copy metadata ``key`` from a :class:`~ggmlpy.gguf.GGUFReader`, with its GGUF type (an array with
+        its element type), as a tool that rewrites a file (``write_split``, a file with a vocabulary added)
+        keeps every key as it was."""
+        t = reader.kv_type(key)
+        if t == ValueType.ARRAY:
+            self.add_array(key, reader.metadata[key], reader.arr_type(key))
+        else:
+            self.add(key, reader.metadata[key], t)
+
     def add_tensor(self, name: str, data: Any, type: Type | str | None = None,
                    ne: tuple[int, ...] | list[int] | None = None) -> None:
         """Add a tensor.
@@ -506,12 +516,8 @@ def write_split(src: str | os.PathLike, path: str | os.PathLike, *, max_tensors:
 
     with GGUFReader(src) as r:
         w = GGUFWriter(path, split_max_tensors=max_tensors, split_max_bytes=max_bytes)
-        for key, value in r.metadata.items():
-            t = r.kv_type(key)
-            if t == ValueType.ARRAY:
-                w.add_array(key, value, r.arr_type(key))
-            else:
-                w.add(key, value, t)
+        for key in r.metadata:
+            w.add_from(r, key)
         for t in r.tensors:
             w.add_tensor(t.name, r.tensor_data(t.name), type=t.type, ne=t.ne)
         w.write()
