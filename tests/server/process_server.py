@@ -24,7 +24,9 @@ N_PARALLEL = 2
 
 _lock = threading.Lock()
 _cache: dict = {}
-SRC = str(Path(__file__).resolve().parents[2] / "src")
+# The child imports the ggmlpy this test process imported (an installed wheel in CI, a checkout's src in an
+# editable or worktree run): a checkout's src put first would shadow a wheel with sources lacking the built _core.
+PACKAGE_ROOT = str(Path(__import__("ggmlpy").__file__).resolve().parents[1])
 
 
 def model_path(tmp_path_factory) -> str:
@@ -36,7 +38,7 @@ def model_path(tmp_path_factory) -> str:
 def start(path: str, *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str, list]:
     """Start ``python -m ggmlpy serve -m path --port 0 *args``; returns the process, its base URL (read from
     its ``listening on`` line) and the list its later stderr lines are appended to."""
-    env = dict(os.environ, GGMLPY_KERNELS="ggml", PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, GGMLPY_KERNELS="ggml", PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy", "serve", "-m", path, "--port", "0", "-c", str(N_CTX),
                              "-dev", "cpu", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env)
