@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import httpx
 
@@ -17,13 +18,15 @@ LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    """A running ``ggmlpy serve``; ``url`` (``http://127.0.0.1:PORT``), ``lines`` (its output so far)."""
+    """A running ``ggmlpy serve``; ``url`` (``http://127.0.0.1:PORT``), ``lines`` (its output so far).
+    ``env``: variables set for the process over this one's (``{"GGMLPY_KERNELS": "ggml"}``)."""
 
-    def __init__(self, model, *args: str, ready: bool = True, timeout: float = 120.0) -> None:
+    def __init__(self, model, *args: str, ready: bool = True, timeout: float = 120.0,
+                 env: Optional[dict] = None) -> None:
         cmd = [sys.executable, "-m", "ggmlpy", "serve", "-m", str(model), "--host", "127.0.0.1", "--port", "0",
                *map(str, args)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         self._port = threading.Event()
         self.port = 0
@@ -65,12 +68,13 @@ class ServerProcess:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
                              timeout=kw.pop("timeout", 120), **kw)
 
-    def rss_mib(self) -> float:
+    def rss_mib(self, field: str = "VmRSS") -> float:
+        """The process's resident memory in MiB (``field="VmHWM"``: its peak so far)."""
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmRSS")
+        raise RuntimeError(f"no {field}")
 
     def terminate(self) -> None:
         if self.proc.poll() is None:

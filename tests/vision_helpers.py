@@ -105,6 +105,22 @@ IDEFICS3_MAX_GRID = 6
 #: image shapes (height, width) of :func:`sample_images`; idefics3 splits them 2x2, 1x2 and 2x1
 SAMPLE_SIZES = ((48, 64), (40, 120), (120, 40))
 
+#: chat templates written for the tests (the fixtures' files have none: give them as ``template=`` or
+#: ``--chat-template-file``): what the families' published templates write for an image part,
+#: ``{"type": "image"}``
+CHAT_TEMPLATES = {
+    "gemma3": ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+               "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+               "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+               "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}"
+               "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
+    "idefics3": ("{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}:"
+                 "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+                 "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+                 "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"),
+}
+
 #: an image in a prompt: its pixels (uint8, height x width x 3)
 Image = np.ndarray
 Part = Union[str, Image]

@@ -271,20 +271,8 @@ def test_mmproj_errors(fixtures):
         assert model.vision is None
 
 
-#: chat templates written for the tests (the fixtures' files have none): what the families' published
-#: templates write for an image part, ``{"type": "image"}``
-CHAT_TEMPLATES = {
-    "gemma3": ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
-               "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-               "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-               "{% if p['type'] == 'image' %}<start_of_image>{% elif p['type'] == 'text' %}{{ p['text'] }}"
-               "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
-               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"),
-    "idefics3": ("{{ bos_token }}{% for m in messages %}{{ m['role'] | capitalize }}:"
-                 "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-                 "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
-                 "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"),
-}
+#: chat templates written for the tests (the fixtures' files have none)
+CHAT_TEMPLATES = vh.CHAT_TEMPLATES
 
 
 def _chat_messages(*images) -> list:
