@@ -14,7 +14,7 @@ import contextlib
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
@@ -58,10 +58,10 @@ def _warning_headers(ignored: list) -> dict:
     return {"Warning": f'299 ggmlpy "{text[:1000]}"'}
 
 
-def _submit(runner, call: om.ChatCall):
+def _submit(runner, call: om.ChatCall, template: Optional[str]):
     if call.kind == "raw":
         return runner.submit(call.arg, **call.kwargs)
-    return runner.submit_chat(call.arg, **call.kwargs)
+    return runner.submit_chat(call.arg, template=template, **call.kwargs)
 
 
 def _result_message(c, chat: bool, raw: bool) -> dict:
@@ -101,7 +101,8 @@ async def _run(request: Request, call: om.ChatCall, chat: bool, stream: bool) ->
     stack = contextlib.ExitStack()
     stack.enter_context(state.admit(ollama=True))
     try:
-        handle = await run_in_threadpool(_submit, runner, call)
+        # --chat-template-file's template, as the OpenAI routes use it
+        handle = await run_in_threadpool(_submit, runner, call, state.template)
     except ApiError:
         stack.close()
         raise
