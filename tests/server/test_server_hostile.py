@@ -104,7 +104,8 @@ def test_images_naming_local_files_are_refused_unread(server, tmp_path):
         messages.append(r.json()["error"])
     # the same answer whether the file exists or not: nothing was looked up
     assert all(m == messages[0] for m in messages), messages
-    assert "never reads local files" in messages[0]["message"] and messages[0]["param"] == "messages"
+    assert "never reads local files" in messages[0]["message"]
+    assert messages[0]["param"] == "messages[0].content[1].image_url.url"
     _serves(server)
 
 

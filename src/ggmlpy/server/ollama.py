@@ -272,12 +272,15 @@ def final_fields(c, started: float, load_duration: float = 0.0) -> dict:
 @dataclass
 class ChatCall:
     """What to ask the runner: ``chat`` (a chat's messages through the template, reply parsed) or ``raw`` (a
-    prompt as it is); the positional argument and the keywords; the reasons for ignored options."""
+    prompt as it is); the positional argument and the keywords; the reasons for ignored options; the places
+    of the images."""
 
     kind: str
     arg: Any
     kwargs: dict
     ignored: list = field(default_factory=list)
+    #: where each image is in the request (``messages[0].images[1]``, ``images[0]``), in prompt order
+    images: list = field(default_factory=list)
 
 
 def _common(body: Mapping, n_ctx: int) -> tuple[dict, list]:
@@ -309,7 +312,9 @@ def chat_call(body: Mapping, n_ctx: int) -> ChatCall:
         kw["truncate"] = bool(body["truncate"])
     if body.get("shift") is not None:
         kw["shift"] = bool(body["shift"])
-    return ChatCall("chat", messages, kw, ignored)
+    places = [f"messages[{i}].images[{j}]" for i, m in enumerate(body.get("messages") or [])
+              for j in range(len(m.get("images") or []))]
+    return ChatCall("chat", messages, kw, ignored, places)
 
 
 def generate_call(body: Mapping, n_ctx: int) -> ChatCall:
@@ -336,21 +341,26 @@ def generate_call(body: Mapping, n_ctx: int) -> ChatCall:
     if not isinstance(images, list):
         raise OllamaError("images must be a list of base64 strings")
     kw, ignored = _common(body, n_ctx)
+    decoded = [decode_image(im, f"images[{j}]") for j, im in enumerate(images)]
+    places = [f"images[{j}]" for j in range(len(images))]
     if body.get("raw"):
-        if images:
-            kw["images"] = [decode_image(im, f"images[{j}]") for j, im in enumerate(images)]
-        return ChatCall("raw", prompt, kw, ignored)
-    messages = []
+        if decoded:
+            kw["images"] = decoded
+        return ChatCall("raw", prompt, kw, ignored, places)
+    messages: list[dict] = []
     system = body.get("system")
     if system:
         if not isinstance(system, str):
             raise OllamaError("system must be a string")
         messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt, "images": images})
+    # the images before the text, as messages_from_ollama places a message's images
+    content = [*({"type": "image", "image": b} for b in decoded), {"type": "text", "text": prompt}] if decoded \
+        else prompt
+    messages.append({"role": "user", "content": content})
     tk = think_kwargs(body.get("think"))
     if tk:
         kw["template_kwargs"] = tk
-    return ChatCall("chat", messages_from_ollama(messages), kw, ignored)
+    return ChatCall("chat", messages, kw, ignored, places)
 
 
 def chunk_from_deltas(deltas: Sequence, n_calls: int) -> tuple[dict, int]:

@@ -25,7 +25,7 @@ from starlette.routing import Route
 from . import ollama as om
 from .errors import ApiError
 from .extras import metrics_of
-from .requests_map import json_body, state_of
+from .requests_map import check_images, json_body, state_of
 from .state import ServerState
 
 __all__ = ["ROUTES"]
@@ -97,6 +97,7 @@ async def _run(request: Request, call: om.ChatCall, chat: bool, stream: bool) ->
     started = time.monotonic()
     name = state.model_name
     raw = call.kind == "raw"
+    check_images(runner, call.images, truncate=bool(call.kwargs.get("truncate")), ollama=True)
     headers = _warning_headers(call.ignored)
     stack = contextlib.ExitStack()
     stack.enter_context(state.admit(ollama=True))

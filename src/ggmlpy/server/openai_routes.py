@@ -22,6 +22,7 @@ from .errors import ApiError, bad_request
 from .extras import metrics_of
 from .requests_map import (
     chat_request,
+    check_images,
     completion_request,
     embedding_request,
     parse_json,
@@ -144,6 +145,7 @@ async def chat_completions(request: Request) -> Response:
     body = await _body(request)
     runner = state.require_ready()
     req = chat_request(state, body)
+    check_images(runner, req["images"])
     kw, n, messages = req["kw"], req["n"], req["messages"]
     rid, model, tok = new_id("chatcmpl"), state.model_name, runner.tokenizer
 

@@ -24,8 +24,8 @@ from typing import Any, Optional
 from .errors import ApiError, bad_request
 from .state import ServerState
 
-__all__ = ["MAX_N", "MAX_STOP", "MAX_TOP_LOGPROBS", "SAMPLING_FIELDS", "chat_request", "check_model",
-           "completion_request", "embedding_request", "parse_json", "runner_error", "sampling_kwargs"]
+__all__ = ["MAX_N", "MAX_STOP", "MAX_TOP_LOGPROBS", "SAMPLING_FIELDS", "chat_request", "check_images",
+           "check_model", "completion_request", "embedding_request", "parse_json", "runner_error", "sampling_kwargs"]
 
 #: the most choices one request may ask for (``n``)
 MAX_N = 16
@@ -280,7 +280,7 @@ def chat_request(state: ServerState, body: dict) -> dict:
     "include_usage", "logprobs"}``."""
     req = _common(state, body, chat=True)
     kw = req["kw"]
-    req["messages"] = _messages(body.get("messages"))
+    req["messages"], req["images"] = _messages(body.get("messages"))
     tools = body.get("tools")
     if tools is not None:
         kw["tools"] = _tools(tools)
@@ -323,13 +323,14 @@ def chat_request(state: ServerState, body: dict) -> dict:
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _messages(value: Any) -> list:
+def _messages(value: Any) -> tuple[list, list]:
     """OpenAI's messages as the chat template takes them: ``developer`` read as ``system``, text parts
     joined (with a newline, as llama.cpp joins them) unless the message holds images, a tool call's
-    arguments parsed from their JSON text."""
+    arguments parsed from their JSON text; and where each image part is (``messages[i].content[j]``)."""
     if not isinstance(value, list) or not value:
         raise bad_request("messages must be a non-empty array of messages", "messages")
-    out = []
+    out: list = []
+    images: list = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -344,7 +345,7 @@ def _messages(value: Any) -> list:
             if role != "assistant" or not m.get("tool_calls"):
                 raise bad_request(f"{where}.content is missing", where + ".content")
             content = ""
-        msg["content"] = _content(content, where + ".content")
+        msg["content"] = _content(content, where + ".content", images)
         for key in ("name", "tool_call_id", "reasoning_content"):
             if m.get(key) is not None:
                 if not isinstance(m[key], str):
@@ -353,15 +354,17 @@ def _messages(value: Any) -> list:
         if m.get("tool_calls") is not None:
             msg["tool_calls"] = _tool_calls(m["tool_calls"], where + ".tool_calls")
         out.append(msg)
-    return out
+    return out, images
 
 
-def _content(content: Any, where: str):
+def _content(content: Any, where: str, images: list):
+    """A message's content: a string as it is, text parts joined, or the parts when there are images (each
+    image part's place appended to ``images``)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or an array of parts, got {_kind(content)}", where)
-    parts, images = [], False
+    parts, n_images = [], len(images)
     for j, part in enumerate(content):
         pw = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
@@ -374,15 +377,52 @@ def _content(content: Any, where: str):
             url = url.get("url") if isinstance(url, dict) else url
             if not isinstance(url, str) or not url:
                 raise bad_request(f"{pw}.image_url.url must be a string (a data: URL)", pw + ".image_url")
+            _check_image_url(url, pw + ".image_url.url")
             parts.append({"type": "image_url", "image_url": {"url": url}})
-            images = True
+            images.append(pw)
         elif kind in ("input_audio", "file"):
             raise bad_request(f"{pw}: {kind} parts are not supported (text and image_url are)", pw)
         else:
             raise bad_request(f"{pw} must be a text or image_url part", pw)
-    if images:
+    if len(images) > n_images:
         return parts
     return "\n".join(p["text"] for p in parts)
+
+
+def _check_image_url(url: str, param: str) -> None:
+    """An image URL must be a ``data:`` URL: the server fetches nothing and reads no local file (a path, a
+    ``file://`` URL), so that a request cannot make it reach another host or its file system. Nothing is
+    looked up, so the answer is the same whether a named file exists or not."""
+    scheme, sep, _ = url[:16].partition(":")
+    scheme = scheme.lower() if sep else ""       # as the image loader reads it: " data:" would be a path
+    if scheme == "data":
+        return
+    if scheme in ("http", "https", "ftp", "ftps"):
+        raise bad_request(f"{param}: the server never fetches images from URLs ({scheme}://...); send the image "
+                          "itself as a data: URL (data:image/png;base64,...)", param)
+    raise bad_request(f"{param}: the server never reads local files (a path or a file:// URL); send the image "
+                      "itself as a data: URL (data:image/png;base64,...)", param)
+
+
+def check_images(runner, where: list, truncate: bool = False, ollama: bool = False) -> None:
+    """A request's images (``where``: each one's place in the request) before anything is decoded: 400 when
+    the server has no vision projector (started without ``--mmproj``); over the context when the images
+    alone take more tokens than a slot holds (413, Ollama's routes 400 as for a text prompt over the context),
+    so that a request of many images is refused before it decodes them."""
+    if not where:
+        return
+    vision = getattr(runner, "vision", None)
+    if vision is None:
+        raise ApiError(400, f"{where[0]}: this server takes no images: it was started without a vision projector "
+                            "(ggmlpy serve --mmproj FILE, the model's mmproj GGUF)", param=where[0], ollama=ollama)
+    n_ctx = int(runner.n_ctx)
+    least = len(where) * int(vision.config.tokens_per_image)
+    if least > n_ctx and not truncate:
+        msg = (f"the prompt does not fit the context: {len(where)} images take at least {least} tokens, more than "
+               f"the context ({n_ctx} tokens per request)")
+        if ollama:
+            raise ApiError(400, msg, ollama=True)
+        raise ApiError(413, msg, type="exceed_context_size_error", param="messages", code="context_length_exceeded")
 
 
 def _tool_calls(value: Any, where: str) -> list:
@@ -490,9 +530,6 @@ def runner_error(e: BaseException, param: Optional[str] = None, ollama: bool = F
         return ApiError(503, "the server is shutting down", ollama=ollama, headers={"Retry-After": "1"})
     if isinstance(e, (GGMLValueError, GGMLTypeError, ValueError, TypeError)):
         msg = str(e)
-        if "local files are not read" in msg:       # the runner's words name its API; say what a client does
-            return ApiError(400, "image_url: the server never reads local files (a path or a file:// URL); send "
-                                 "the image itself as a data: URL", param="messages", ollama=ollama)
         for prefix in ("submit_chat: ", "submit: ", "chat_prompt: "):
             msg = msg.removeprefix(prefix)
         first = msg.split(" ", 1)[0].rstrip(":")
