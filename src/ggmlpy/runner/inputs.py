@@ -219,7 +219,13 @@ class Inputs:
         self._need_vision(what)
         if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
             raise GGMLTypeError(f"{what}: images must be a list (got {type(images).__name__})")
-        prepared = [self.vision.prepare(im, what, allow_local_files) for im in images]
+        prepared = []
+        for k, im in enumerate(images):
+            try:
+                prepared.append(self.vision.prepare(im, what, allow_local_files))
+            except (GGMLValueError, GGMLTypeError) as e:
+                e.image_index = k            # which image, for a caller that names it (the server's field)
+                raise
         pixels = [px for px, _ in prepared]
         if isinstance(prompt, str):
             n_mark = prompt.count(marker)

@@ -469,7 +469,9 @@ class Runner(DirectCalls, RequestLoop):
         ------
         GGMLValueError, InputTooLong
             A bad prompt, image or option (the message says which); ``sampling`` and a sampling keyword
-            together.
+            together. An image that cannot be read or used (an :class:`~ggmlpy.vision.preprocess.ImageError`,
+            or a GGMLTypeError for its type) carries ``image_index``: its place among the prompt's images,
+            from 0 (a chat's: among its messages' image parts, in order).
         GGMLTypeError
             A stop that is neither an int nor a str; a ``sampling`` that is not a SamplingParams.
         ClosedError

@@ -33,10 +33,14 @@ __all__ = ["ROUTES"]
 log = logging.getLogger("ggmlpy.server")
 
 
-def _api_error(e: BaseException) -> ApiError:
-    """A runner's or a mapping's exception as the HTTP error Ollama's clients get."""
+def _api_error(e: BaseException, images: Optional[list] = None) -> ApiError:
+    """A runner's or a mapping's exception as the HTTP error Ollama's clients get (an image's error names
+    the image among ``images``, their places in the request)."""
     from ggmlpy.runner import ClosedError, RequestTimeout
 
+    k = getattr(e, "image_index", None)
+    if images and isinstance(k, int) and 0 <= k < len(images):
+        return ApiError(400, f"{images[k]}: {e}", ollama=True)
     if isinstance(e, om.OllamaError):
         return ApiError(e.status, str(e), ollama=True)
     if isinstance(e, ClosedError):
@@ -109,7 +113,7 @@ async def _run(request: Request, call: om.ChatCall, chat: bool, stream: bool) ->
         raise
     except Exception as e:
         stack.close()
-        raise _api_error(e) from e
+        raise _api_error(e, call.images) from e
     state.track(handle)
     stack.callback(state.untrack, handle)
     route = request.url.path

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -65,9 +66,10 @@ async def _body(request: Request) -> dict:
     return parse_json(await request.body())
 
 
-async def _submit(make: Callable, n: int) -> list:
-    """Call ``make(i)`` for each of ``n`` requests on a worker thread (tokenizing, rendering the template
-    and compiling a grammar take time); a failure cancels those already queued and is the HTTP error."""
+async def _submit(make: Callable, n: int, images: Optional[list] = None) -> list:
+    """Call ``make(i)`` for each of ``n`` requests on a worker thread (tokenizing, rendering the template,
+    decoding images and compiling a grammar take time); a failure cancels those already queued and is the
+    HTTP error (naming the image at fault among ``images``, their places in the request)."""
     def submit_all() -> list:
         handles = []
         try:
@@ -84,7 +86,7 @@ async def _submit(make: Callable, n: int) -> list:
     except ApiError:
         raise
     except Exception as e:
-        raise runner_error(e) from None
+        raise runner_error(e, images=images) from None
 
 
 def _seeded(kw: dict, i: int) -> dict:
@@ -112,11 +114,11 @@ def _count(state: ServerState, route: str, completions: list, outcome: str = "ok
 
 
 async def _answer(request: Request, state: ServerState, route: str, n: int, make: Callable, stream: bool,
-                  build: Callable, chunks: Callable) -> Response:
+                  build: Callable, chunks: Callable, images: Optional[list] = None) -> Response:
     """Submit ``n`` requests, then answer: ``build(completions)`` as JSON, or ``chunks(job)`` streamed."""
     state.enter(n)
     try:
-        job = Job(state, await _submit(make, n))
+        job = Job(state, await _submit(make, n, images))
     except BaseException:
         state.leave(n)
         state.count(route, "error")
@@ -187,7 +189,8 @@ async def chat_completions(request: Request) -> Response:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "system_fingerprint": "ggmlpy", "choices": [], "usage": usage(job.results, [0] * n)}
 
-    return await _answer(request, state, "/v1/chat/completions", n, make, req["stream"], build, chunks)
+    return await _answer(request, state, "/v1/chat/completions", n, make, req["stream"], build, chunks,
+                         req["images"])
 
 
 def _final(job: Job):

@@ -517,9 +517,11 @@ def embedding_request(state: ServerState, body: dict) -> dict:
     return {"inputs": inputs, "encoding_format": fmt, "dimensions": dims}
 
 
-def runner_error(e: BaseException, param: Optional[str] = None, ollama: bool = False) -> ApiError:
+def runner_error(e: BaseException, param: Optional[str] = None, ollama: bool = False,
+                 images: Optional[list] = None) -> ApiError:
     """The HTTP error of what the runner raised at submit: 413 for a prompt over the context, 400 for a
-    bad value (the runner's message, which names the setting), 503 for a closed runner."""
+    bad value (the runner's message, which names the setting), 503 for a closed runner. ``images``: where
+    the request's images are (``messages[0].content[1]``), to name the one an image error is about."""
     from ggmlpy._core import ClosedError, GGMLTypeError, GGMLValueError
     from ggmlpy.runner import InputTooLong
 
@@ -530,6 +532,9 @@ def runner_error(e: BaseException, param: Optional[str] = None, ollama: bool = F
         return ApiError(503, "the server is shutting down", ollama=ollama, headers={"Retry-After": "1"})
     if isinstance(e, (GGMLValueError, GGMLTypeError, ValueError, TypeError)):
         msg = str(e)
+        k = getattr(e, "image_index", None)
+        if images and isinstance(k, int) and 0 <= k < len(images):
+            return ApiError(400, f"{images[k]}: {msg}", param=images[k], ollama=ollama)
         for prefix in ("submit_chat: ", "submit: ", "chat_prompt: "):
             msg = msg.removeprefix(prefix)
         first = msg.split(" ", 1)[0].rstrip(":")

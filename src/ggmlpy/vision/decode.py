@@ -41,7 +41,8 @@ class ImageError(GGMLValueError):
     over :data:`~ggmlpy.vision.preprocess.MAX_IMAGE_BYTES` or
     :data:`~ggmlpy.vision.preprocess.MAX_IMAGE_PIXELS`, not in :data:`IMAGE_FORMATS`, or a local file
     where local files are not allowed). The message names the input: its path (truncated), "image data URL"
-    or "image bytes"."""
+    or "image bytes"; the runner adds ``image_index``, the image's place among a prompt's (see
+    :meth:`ggmlpy.runner.Runner.submit`)."""
 
 
 def _pil():
