@@ -38,7 +38,8 @@ def model_path(tmp_path_factory) -> str:
 def start(path: str, *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, str, list]:
     """Start ``python -m ggmlpy serve -m path --port 0 *args``; returns the process, its base URL (read from
     its ``listening on`` line) and the list its later stderr lines are appended to."""
-    env = dict(os.environ, GGMLPY_KERNELS="ggml", PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, GGMLPY_KERNELS="ggml",
+               PYTHONPATH=PACKAGE_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy", "serve", "-m", path, "--port", "0", "-c", str(N_CTX),
                              "-dev", "cpu", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=env)
