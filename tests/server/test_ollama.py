@@ -14,29 +14,13 @@ pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
-from process_server import N_PARALLEL, _no_leaked_handles, local_runner, served  # noqa: E402, F401
+from server_helpers import N_CTX, N_PARALLEL  # noqa: E402
 
 from ggmlpy.server import ollama as om  # noqa: E402
 
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 GREEDY = {"temperature": 0, "num_predict": 12}
 NS_FIELDS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    return served(tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server["url"], timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    return local_runner(tmp_path_factory)
 
 
 def _ndjson(r) -> list[dict]:
@@ -59,11 +43,11 @@ def _check_final(obj: dict, c) -> None:
 
 # ---------------------------------------------------------------------------- /api/chat and /api/generate
 
-def test_chat_greedy_equals_runner_chat(client, runner):
-    r = client.post("/api/chat", json={"model": "tiny", "messages": MSGS, "stream": False, "options": GREEDY})
+def test_chat_greedy_equals_runner_chat(http, reference):
+    r = http.post("/api/chat", json={"model": "tiny", "messages": MSGS, "stream": False, "options": GREEDY})
     assert r.status_code == 200, r.text
     body = r.json()
-    want = runner.chat(MSGS, temperature=0, max_tokens=12)
+    want = reference.chat(MSGS, temperature=0, max_tokens=12)
     assert want.content                                   # random weights: some text, never empty here
     assert body["model"] == "tiny" and body["created_at"].endswith("Z")
     assert body["message"] == {"role": "assistant", "content": want.content}
@@ -71,84 +55,84 @@ def test_chat_greedy_equals_runner_chat(client, runner):
     assert "Warning" not in r.headers
 
 
-def test_chat_stream_joined_equals_unstreamed(client, runner):
-    objs = _ndjson(client.post("/api/chat", json={"messages": MSGS, "options": GREEDY}))   # streams by default
+def test_chat_stream_joined_equals_unstreamed(http, reference):
+    objs = _ndjson(http.post("/api/chat", json={"messages": MSGS, "options": GREEDY}))   # streams by default
     *chunks, last = objs
     assert len(chunks) >= 2 and all(o["done"] is False for o in chunks)
     assert all(o["message"]["role"] == "assistant" for o in objs)
     assert last["message"]["content"] == ""
     streamed = "".join(o["message"]["content"] for o in chunks)
-    assert streamed == runner.chat(MSGS, temperature=0, max_tokens=12).content
-    _check_final(last, runner.chat(MSGS, temperature=0, max_tokens=12))
+    assert streamed == reference.chat(MSGS, temperature=0, max_tokens=12).content
+    _check_final(last, reference.chat(MSGS, temperature=0, max_tokens=12))
 
 
-def test_generate_templated_and_raw(client, runner):
+def test_generate_templated_and_raw(http, reference):
     # not raw: the chat template over system + prompt, as Ollama applies the model's template
-    r = client.post("/api/generate", json={"prompt": "Name a colour.", "system": "You are terse.", "stream": False,
+    r = http.post("/api/generate", json={"prompt": "Name a colour.", "system": "You are terse.", "stream": False,
                                            "options": GREEDY})
     assert r.status_code == 200, r.text
-    want = runner.chat(MSGS, temperature=0, max_tokens=12)
+    want = reference.chat(MSGS, temperature=0, max_tokens=12)
     assert r.json()["response"] == want.content
     _check_final(r.json(), want)
     # raw: the prompt as it is
-    objs = _ndjson(client.post("/api/generate", json={"prompt": "Once upon a time", "raw": True, "options": GREEDY}))
-    want = runner.generate("Once upon a time", temperature=0, max_tokens=12)
+    objs = _ndjson(http.post("/api/generate", json={"prompt": "Once upon a time", "raw": True, "options": GREEDY}))
+    want = reference.generate("Once upon a time", temperature=0, max_tokens=12)
     assert "".join(o["response"] for o in objs) == want.text
     assert objs[-1]["response"] == "" and objs[-1]["eval_count"] == 12
 
 
-def _fresh(client) -> None:
+def _fresh(http) -> None:
     """Empty the server's slots: a sampled draw compared with another process's must not see a prefix reused
     from cells a slot restore put elsewhere (equal within float rounding only, which can flip a draw)."""
     for i in range(N_PARALLEL):
-        assert client.post(f"/slots/{i}?action=erase").status_code == 200
+        assert http.post(f"/slots/{i}?action=erase").status_code == 200
 
 
-def test_options_reach_the_sampler_chain(client, runner):
-    _fresh(client)
+def test_options_reach_the_sampler_chain(http, reference):
+    _fresh(http)
     opts = {"temperature": 0.9, "seed": 11, "top_k": 20, "top_p": 0.8, "min_p": 0.02, "typical_p": 0.95,
             "repeat_penalty": 1.3, "repeat_last_n": 16, "presence_penalty": 0.4, "frequency_penalty": 0.3,
             "num_predict": 10}
     kw = {k: v for k, v in opts.items() if k != "num_predict"}
-    r = client.post("/api/chat", json={"messages": MSGS, "stream": False, "options": opts})
-    want = runner.chat(MSGS, max_tokens=10, **kw)
+    r = http.post("/api/chat", json={"messages": MSGS, "stream": False, "options": opts})
+    want = reference.chat(MSGS, max_tokens=10, **kw)
     assert r.json()["message"]["content"] == want.content
-    assert want.content != runner.chat(MSGS, max_tokens=10, seed=11).content     # the options matter
+    assert want.content != reference.chat(MSGS, max_tokens=10, seed=11).content     # the options matter
     miro = {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "seed": 5, "num_predict": 8}
-    r = client.post("/api/chat", json={"messages": MSGS, "stream": False, "options": miro})
-    want = runner.chat(MSGS, max_tokens=8, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2, seed=5)
+    r = http.post("/api/chat", json={"messages": MSGS, "stream": False, "options": miro})
+    want = reference.chat(MSGS, max_tokens=8, mirostat=2, mirostat_tau=3.0, mirostat_eta=0.2, seed=5)
     assert r.json()["message"]["content"] == want.content
     # a stop string ends the reply where the runner's does
-    text = runner.chat(MSGS, temperature=0, max_tokens=12).content
+    text = reference.chat(MSGS, temperature=0, max_tokens=12).content
     stop = text[3:6]
-    r = client.post("/api/chat", json={"messages": MSGS, "stream": False,
+    r = http.post("/api/chat", json={"messages": MSGS, "stream": False,
                                        "options": {**GREEDY, "stop": [stop]}})
-    assert r.json()["message"]["content"] == runner.chat(MSGS, temperature=0, max_tokens=12, stop=[stop]).content
+    assert r.json()["message"]["content"] == reference.chat(MSGS, temperature=0, max_tokens=12, stop=[stop]).content
     assert r.json()["done_reason"] == "stop" and stop not in r.json()["message"]["content"]
 
 
-def test_num_ctx_ignored_with_the_reason(client):
-    r = client.post("/api/chat", json={"messages": MSGS, "stream": False,
+def test_num_ctx_ignored_with_the_reason(http):
+    r = http.post("/api/chat", json={"messages": MSGS, "stream": False,
                                        "options": {**GREEDY, "num_predict": 2, "num_ctx": 8192, "num_gpu": 3}})
     assert r.status_code == 200
     w = r.headers["Warning"]
-    assert w.startswith("299 ggmlpy") and "num_ctx 8192 ignored" in w and "256" in w and "num_gpu ignored" in w
-    r = client.post("/api/chat", json={"messages": MSGS, "stream": False, "options": {"num_ctx": 256,
+    assert w.startswith("299 ggmlpy") and "num_ctx 8192 ignored" in w and str(N_CTX) in w and "num_gpu ignored" in w
+    r = http.post("/api/chat", json={"messages": MSGS, "stream": False, "options": {"num_ctx": N_CTX,
                                                                                      "num_predict": 1}})
     assert "Warning" not in r.headers
 
 
-def test_format_schema_is_followed(client):
+def test_format_schema_is_followed(http):
     schema = {"type": "object", "additionalProperties": False, "required": ["colour", "n"],
               "properties": {"colour": {"type": "string", "maxLength": 8},
                              "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
-    r = client.post("/api/chat", json={"messages": MSGS, "stream": False, "format": schema,
+    r = http.post("/api/chat", json={"messages": MSGS, "stream": False, "format": schema,
                                        "options": {"temperature": 0, "num_predict": 200}})
     assert r.status_code == 200, r.text
     assert r.json()["done_reason"] == "stop"
     jsonschema.validate(json.loads(r.json()["message"]["content"]), schema)
     # "json": some JSON object; streamed, the joined text parses
-    objs = _ndjson(client.post("/api/generate", json={"prompt": "JSON:", "format": "json",
+    objs = _ndjson(http.post("/api/generate", json={"prompt": "JSON:", "format": "json",
                                                       "options": {"temperature": 0, "num_predict": 200}}))
     if objs[-1]["done_reason"] == "stop":
         assert isinstance(json.loads("".join(o["response"] for o in objs)), dict)
@@ -156,24 +140,24 @@ def test_format_schema_is_followed(client):
         assert "".join(o["response"] for o in objs).lstrip().startswith("{")
 
 
-def test_tools_and_think_are_passed_to_the_template(client, runner):
+def test_tools_and_think_are_passed_to_the_template(http, reference):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
                                                 "parameters": {"type": "object", "properties": {
                                                     "city": {"type": "string"}}, "required": ["city"]}}}]
     history = [*MSGS, {"role": "assistant", "content": "",
                        "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
                {"role": "tool", "content": "sunny", "tool_name": "get_weather"}]
-    r = client.post("/api/chat", json={"messages": history, "tools": tools, "think": True, "stream": False,
+    r = http.post("/api/chat", json={"messages": history, "tools": tools, "think": True, "stream": False,
                                        "options": GREEDY})
     assert r.status_code == 200, r.text
-    want = runner.chat(om.messages_from_ollama(history), tools=tools, template_kwargs={"enable_thinking": True},
+    want = reference.chat(om.messages_from_ollama(history), tools=tools, template_kwargs={"enable_thinking": True},
                        temperature=0, max_tokens=12)
     assert r.json()["message"]["content"] == want.content
     assert r.json()["prompt_eval_count"] == want.prompt_eval_count
-    assert client.post("/api/chat", json={"messages": MSGS, "think": "loud"}).status_code == 400
+    assert http.post("/api/chat", json={"messages": MSGS, "think": "loud"}).status_code == 400
 
 
-def test_refusals_are_ollama_errors(client):
+def test_refusals_are_ollama_errors(http):
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"0" * 64).decode()
     cases = [
         ({"messages": [{"role": "user", "content": "hi", "images": [png]}], "stream": False}, "image"),
@@ -184,85 +168,85 @@ def test_refusals_are_ollama_errors(client):
         ({"messages": "hi"}, "messages"),
     ]
     for body, word in cases:
-        r = client.post("/api/chat", json=body)
+        r = http.post("/api/chat", json=body)
         assert r.status_code == 400, (body, r.text)
         assert set(r.json()) == {"error"} and word in r.json()["error"].lower(), r.json()
     for body, word in (({"prompt": "x", "template": "{{ .Prompt }}"}, "template"), ({"prompt": "x", "suffix": "y"},
                                                                                     "suffix"),
                        ({"prompt": "x", "context": [1, 2]}, "context")):
-        r = client.post("/api/generate", json=body)
+        r = http.post("/api/generate", json=body)
         assert r.status_code == 400 and r.json()["error"].startswith(word)
     # a body that is not a JSON object, whatever way, is a 400 in Ollama's shape on every route (deep nesting
     # once escaped as a RecursionError: a 500)
     for route in ("/api/chat", "/api/generate", "/api/embed", "/tokenize", "/detokenize", "/apply-template"):
         for raw, said in ((b"{not json", "malformed JSON"), (b"[" * 100_000 + b"]" * 100_000, "malformed JSON"),
                           (b"\xff\xfe{}", "not UTF-8"), (b"[1, 2]", "must be a JSON object")):
-            r = client.post(route, content=raw)
+            r = http.post(route, content=raw)
             assert r.status_code == 400 and said in r.text, (route, raw[:10], r.status_code, r.text[:200])
             if route.startswith("/api/"):
                 assert set(r.json()) == {"error"}
 
 
-def test_empty_request_loads(client):
-    r = client.post("/api/chat", json={"model": "tiny", "messages": []})
+def test_empty_request_loads(http):
+    r = http.post("/api/chat", json={"model": "tiny", "messages": []})
     assert r.json()["done"] is True and r.json()["done_reason"] == "load" and r.json()["message"]["content"] == ""
-    r = client.post("/api/generate", json={"model": "tiny", "keep_alive": 0})
+    r = http.post("/api/generate", json={"model": "tiny", "keep_alive": 0})
     assert r.json()["done"] is True and r.json()["done_reason"] == "load" and r.json()["response"] == ""
 
 
 # ---------------------------------------------------------------------------- /api/embed
 
-def test_embed_equals_runner_embed(client, runner):
+def test_embed_equals_runner_embed(http, reference):
     texts = ["Why is the sky blue?", "Why is the grass green?"]
-    r = client.post("/api/embed", json={"model": "tiny", "input": texts})
+    r = http.post("/api/embed", json={"model": "tiny", "input": texts})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["model"] == "tiny" and len(body["embeddings"]) == 2 and body["prompt_eval_count"] > 0
     for got, text in zip(body["embeddings"], texts):
-        np.testing.assert_allclose(got, runner.embed(text), rtol=0, atol=1e-5)
-    one = client.post("/api/embed", json={"input": texts[0]}).json()["embeddings"]
+        np.testing.assert_allclose(got, reference.embed(text), rtol=0, atol=1e-5)
+    one = http.post("/api/embed", json={"input": texts[0]}).json()["embeddings"]
     assert len(one) == 1 and np.allclose(one[0], body["embeddings"][0], atol=1e-6)
     # dimensions: the first d values, normalised again
-    d = client.post("/api/embed", json={"input": texts[0], "dimensions": 16}).json()["embeddings"][0]
-    want = runner.embed(texts[0])[:16]
+    d = http.post("/api/embed", json={"input": texts[0], "dimensions": 16}).json()["embeddings"][0]
+    want = reference.embed(texts[0])[:16]
     np.testing.assert_allclose(d, want / np.linalg.norm(want), atol=1e-5)
     # the older /api/embeddings: not normalised
-    old = client.post("/api/embeddings", json={"prompt": texts[0]}).json()["embedding"]
-    np.testing.assert_allclose(old, runner.embed(texts[0], normalize=False), rtol=1e-5, atol=1e-5)
-    assert client.post("/api/embed", json={"input": []}).status_code == 400
+    old = http.post("/api/embeddings", json={"prompt": texts[0]}).json()["embedding"]
+    np.testing.assert_allclose(old, reference.embed(texts[0], normalize=False), rtol=1e-5, atol=1e-5)
+    assert http.post("/api/embed", json={"input": []}).status_code == 400
 
 
 # ---------------------------------------------------------------------------- the model's description
 
-def test_tags_show_version(client, runner, server):
+def test_tags_show_version(http, reference, chat_gguf):
     from text_helpers import LLAMA3_TEMPLATE
 
     import ggmlpy
 
-    tags = client.get("/api/tags").json()["models"]
+    tags = http.get("/api/tags").json()["models"]
     assert len(tags) == 1
     m = tags[0]
     details = {"parent_model": "", "format": "gguf", "family": "llama", "families": ["llama"],
                "parameter_size": "16.49M", "quantization_level": "F32"}
     assert m["name"] == m["model"] == "tiny" and m["details"] == details
-    assert m["size"] == __import__("os").path.getsize(server["path"]) and len(m["digest"]) == 64
-    show = client.post("/api/show", json={"model": "tiny"}).json()
+    assert m["size"] == __import__("os").path.getsize(chat_gguf) and len(m["digest"]) == 64
+    show = http.post("/api/show", json={"model": "tiny"}).json()
     assert show["details"] == details and show["template"] == LLAMA3_TEMPLATE
     info = show["model_info"]
     assert info["general.architecture"] == "llama" and info["llama.block_count"] == 2
     assert info["llama.embedding_length"] == 64 and info["tokenizer.ggml.tokens"] == []
     assert "completion" in show["capabilities"]
-    verbose = client.post("/api/show", json={"model": "tiny", "verbose": True}).json()["model_info"]
-    assert len(verbose["tokenizer.ggml.tokens"]) == runner.n_vocab
-    assert client.get("/api/version").json() == {"version": ggmlpy.__version__}
+    verbose = http.post("/api/show", json={"model": "tiny", "verbose": True}).json()["model_info"]
+    assert len(verbose["tokenizer.ggml.tokens"]) == reference.n_vocab
+    assert http.get("/api/version").json() == {"version": ggmlpy.__version__}
 
 
-def test_ps_sizes_are_the_memory_report(client, runner, monkeypatch):
-    ps = client.get("/api/ps").json()["models"]
+def test_ps_sizes_are_the_memory_report(http, reference, monkeypatch):
+    ps = http.get("/api/ps").json()["models"]
     assert len(ps) == 1
     e = ps[0]
-    assert e["name"] == "tiny" and e["context_length"] == 256 and e["details"]["family"] == "llama"
-    mem = client.get("/props").json()["memory"]        # the server's own report
+    assert e["name"] == "tiny" and e["context_length"] == N_CTX and e["details"]["family"] == "llama"
+    mem = http.get("/props").json()["memory"]        # the server's own report
     assert e["size"] == mem["total"] > 0
     assert e["devices"] == {n: d["self"] for n, d in mem["devices"].items()}
     assert e["size_vram"] == 0                           # the CPU alone
@@ -270,12 +254,12 @@ def test_ps_sizes_are_the_memory_report(client, runner, monkeypatch):
     from ggmlpy.server import ollama_routes
     from ggmlpy.server.state import ServerState
 
-    st = ServerState("", model_name="x", runner=runner)
-    rep = runner.memory_report()
-    entry = ollama_routes.ps_entry(st, runner)
+    st = ServerState("", model_name="x", runner=reference)
+    rep = reference.memory_report()
+    entry = ollama_routes.ps_entry(st, reference)
     assert entry["size"] == rep.total and entry["size_vram"] == 0
     monkeypatch.setattr(ollama_routes, "_device_types", lambda r: {n: "GPU" for n in rep.devices})
-    assert ollama_routes.ps_entry(st, runner)["size_vram"] == rep.total
+    assert ollama_routes.ps_entry(st, reference)["size_vram"] == rep.total
 
 
 # ---------------------------------------------------------------------------- the mappings alone
