@@ -3,6 +3,7 @@ SIGTERM with requests running and queued."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -83,14 +84,16 @@ def test_a_full_queue_is_503_and_leaving_clients_free_their_slots(server):
 
 
 def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
-    srv = ServerProcess(chat_gguf, "-c", "512", "-np", "2", "-dev", "cpu", "--shutdown-grace", "0.3")
+    """Three long streams (two OpenAI SSE, one Ollama NDJSON) and two requests queued behind them; SIGTERM with a
+    0.3 s grace: every request ends with a reason, none hangs, the server exits 0."""
+    srv = ServerProcess(chat_gguf, "-c", "512", "-np", "3", "-dev", "cpu", "--shutdown-grace", "0.3")
     client = srv.client()
     outcome: dict = {}
-    begun = [threading.Event(), threading.Event()]
+    begun = [threading.Event(), threading.Event(), threading.Event()]
 
     def short(i: int) -> None:
         try:
-            r = client.completions.create(model="model-f32", prompt=PROMPTS[i], max_tokens=3, temperature=0)
+            r = client.completions.create(model="model-f32", prompt=PROMPTS[i % 4], max_tokens=3, temperature=0)
             outcome[i] = ("done", r.choices[0].finish_reason)
         except openai.APIError as e:
             outcome[i] = ("error", getattr(e, "status_code", None), e.message)
@@ -107,12 +110,26 @@ def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
         except openai.APIError as e:
             outcome[i] = ("error", len(got), e.message)
 
+    def long_ollama(i: int) -> None:
+        lines = []
+        body = {"messages": _msgs(PROMPTS[i]), "options": {"num_predict": 500, "temperature": 0}}
+        try:
+            with httpx.stream("POST", srv.url + "/api/chat", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    lines.append(json.loads(line))
+                    if lines[-1].get("message", {}).get("content"):
+                        begun[i].set()
+            outcome[i] = ("lines", lines)
+        except httpx.HTTPError as e:
+            outcome[i] = ("http error", repr(e), lines)
+
     threads = [threading.Thread(target=long, args=(0,)), threading.Thread(target=long, args=(1,)),
-               threading.Thread(target=short, args=(2,)), threading.Thread(target=short, args=(3,))]
+               threading.Thread(target=long_ollama, args=(2,)), threading.Thread(target=short, args=(3,)),
+               threading.Thread(target=short, args=(4,))]
     for t in threads:
         t.start()
         time.sleep(0.1)
-    assert all(b.wait(60) for b in begun), outcome     # both long replies are generating
+    assert all(b.wait(60) for b in begun), outcome     # the three long replies are generating
     t0 = time.monotonic()
     srv.terminate()
     for t in threads:
@@ -120,10 +137,14 @@ def test_sigterm_finishes_or_ends_every_request_with_a_reason(chat_gguf):
     assert not any(t.is_alive() for t in threads), "a request hung across the shutdown"
     assert srv.proc.wait(30) == 0, srv.output()
     assert time.monotonic() - t0 < 30
-    assert set(outcome) == {0, 1, 2, 3}, outcome
+    assert set(outcome) == {0, 1, 2, 3, 4}, outcome
     for i in (0, 1):                     # ~500 tokens cannot finish in the 0.3 s grace: ended with the reason
         assert outcome[i][0] == "error" and "shutting down" in outcome[i][2], outcome
-    for i in (2, 3):                     # queued behind them: cancelled with a 503, or done if they got a slot
+    # the NDJSON stream too: its lines so far, then Ollama's error line with the reason (no done line)
+    kind, lines = outcome[2][0], outcome[2][-1]
+    assert kind == "lines" and len(lines) > 1 and all(o["done"] is False for o in lines[:-1]), outcome[2]
+    assert set(lines[-1]) == {"error"} and "shutting down" in lines[-1]["error"], lines[-1]
+    for i in (3, 4):                     # queued behind them: cancelled with a 503, or done if they got a slot
         assert outcome[i] in (("done", "length"),) or (outcome[i][0] == "error" and "shutting down" in outcome[i][2]), \
             outcome
 

@@ -1,4 +1,5 @@
-"""``ggmlpy serve``: an HTTP server over one :class:`~ggmlpy.runner.Runner`, speaking OpenAI's API.
+"""``ggmlpy serve``: an HTTP server over one :class:`~ggmlpy.runner.Runner`, speaking OpenAI's and Ollama's APIs
+and llama-server's extra routes.
 
 An ASGI application (Starlette) served by uvicorn, installed with ``pip install ggmlpy[server]``. One
 job per module:
@@ -11,8 +12,13 @@ job per module:
 * :mod:`.requests_map`: OpenAI's request JSON checked and turned into the runner's keywords, and a
   :class:`~ggmlpy.runner.Completion` turned into OpenAI's response JSON and SSE chunks;
 * :mod:`.bridge`: a runner request seen from the event loop: its events as an async iterator, cancelled
-  when the client goes away, the request queue's bound;
+  when the client goes away or the server stops, streamed with back-pressure as SSE or NDJSON; the one path
+  (:func:`~.bridge.answer`) both APIs' generating routes take;
 * :mod:`.openai_routes`: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``;
+* :mod:`.ollama` and :mod:`.ollama_routes`: Ollama's JSON mapped to the runner's keywords and back, and its
+  ``/api/...`` routes;
+* :mod:`.extras` and :mod:`.extras_routes`: llama-server's ``/slots``, ``/tokenize``, ``/metrics``, ``/props``...;
+* :mod:`.flags`: the command line's server flags;
 * :mod:`.run`: the process: uvicorn, the model loaded in a thread once the socket listens, SIGTERM.
 
 Nothing here imports Starlette or uvicorn at import time except :mod:`.app`, the route modules and

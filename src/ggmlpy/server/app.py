@@ -8,7 +8,8 @@ present. Every request passes, outermost first:
 2. the API key (``Authorization: Bearer <key>`` or ``x-api-key: <key>``; ``/health`` and ``/`` are
    public), compared in constant time: 401 without it;
 3. the body limit (``state.max_body``): 413 from ``Content-Length`` before anything is read, or as soon
-   as a chunked body passes it.
+   as a chunked body passes it; and its read timeout (``state.timeout``, llama-server's ``--timeout``): 408
+   when no part of the body comes for that long.
 
 Errors are :class:`~.errors.ApiError`; any other exception is a 500 whose message names its type (the
 traceback goes to the log, never to the client). A path under ``/api/`` gets Ollama's error shape.
@@ -16,6 +17,7 @@ traceback goes to the log, never to the client). A path under ``/api/`` gets Oll
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -54,7 +56,8 @@ async def _send_error(send, err: ApiError, path: str) -> None:
 
 
 class GuardMiddleware:
-    """The API key and the body limit, as plain ASGI (so a refused body is never read)."""
+    """The API key, the body limit and the body's read timeout, as plain ASGI (so a refused body is never
+    read)."""
 
     def __init__(self, app, state: ServerState) -> None:
         self.app, self.state = app, state
@@ -81,11 +84,21 @@ class GuardMiddleware:
             if int(length) > limit:
                 return await _send_error(send, ApiError(413, f"the request body is {int(length)} bytes, more than "
                                                         f"the server takes ({limit})"), path)
-        seen = 0
+        seen, complete, timeout = 0, False, self.state.timeout
 
         async def bounded_receive():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete or timeout <= 0:         # after the body: the disconnect watch waits without bound
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), timeout)
+                except asyncio.TimeoutError:
+                    # llama-server's read timeout; the rest of the body may still come: the connection closes
+                    raise ApiError(408, f"the request body stopped arriving: nothing for {timeout:g} s (--timeout)",
+                                   headers={"Connection": "close"}) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:

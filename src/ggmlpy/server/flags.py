@@ -30,8 +30,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--slot-save-path", default=None, metavar="DIR", help="folder of saved slot states")
     g.add_argument("--alias", default=None, metavar="NAME",
                    help="the model's name in /v1/models and requests (default: the file's stem)")
-    g.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="cancel a request still running after this long (default 600; 0: never)")
+    g.add_argument("-to", "--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="socket timeout, as llama-server's: a request body that stops arriving for this long is "
+                        "answered 408, a client that accepts no bytes of a stream for this long is dropped and its "
+                        "request cancelled (default 600; 0: never)")
     g.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                    help="on SIGTERM, let running requests finish this long, then end them (default 10)")
     g.add_argument("--max-body", type=int, default=64, metavar="MiB",

@@ -2,29 +2,29 @@
 ``/api/embeddings``), ``/api/tags``, ``/api/show``, ``/api/ps``, ``/api/version``.
 
 The mapping of each body to the runner's keywords, and of a :class:`~ggmlpy.runner.Completion` to Ollama's
-objects, is :mod:`.ollama`'s; this module is the HTTP side: the body read, the runner called off the event loop,
-NDJSON streamed (one object a line, ``application/x-ndjson``), the request cancelled when the client leaves,
-errors as ``{"error": "..."}`` (a stream that fails after it began ends with such a line, as Ollama's does).
-Options that were ignored are named in a ``Warning`` header (and logged).
+objects, is :mod:`.ollama`'s; this module is the HTTP side: the body read, then the path OpenAI's routes take too
+(:func:`.bridge.answer`: the request admitted and submitted off the event loop, waited for or streamed with
+back-pressure, cancelled when the client leaves or the server stops), streamed as NDJSON (one object a line,
+``application/x-ndjson``), errors as ``{"error": "..."}`` (a stream the server ends early closes with such a
+line, as Ollama's does). Options that were ignored are named in a ``Warning`` header (and logged).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
 from typing import Any, Optional
 
 import numpy as np
-from starlette.concurrency import iterate_in_threadpool, run_in_threadpool
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import ollama as om
+from .bridge import CLIENT_GONE, NDJSON, Job, answer, count, run_batches
 from .errors import ApiError
-from .extras import metrics_of
 from .requests_map import check_images, json_body, state_of
 from .state import ServerState
 
@@ -36,7 +36,7 @@ log = logging.getLogger("ggmlpy.server")
 def _api_error(e: BaseException, images: Optional[list] = None) -> ApiError:
     """A runner's or a mapping's exception as the HTTP error Ollama's clients get (an image's error names
     the image among ``images``, their places in the request)."""
-    from ggmlpy.runner import ClosedError, RequestTimeout
+    from ggmlpy.runner import ClosedError
 
     k = getattr(e, "image_index", None)
     if images and isinstance(k, int) and 0 <= k < len(images):
@@ -45,8 +45,6 @@ def _api_error(e: BaseException, images: Optional[list] = None) -> ApiError:
         return ApiError(e.status, str(e), ollama=True)
     if isinstance(e, ClosedError):
         return ApiError(503, f"the server is shutting down: {e}", ollama=True)
-    if isinstance(e, RequestTimeout):
-        return ApiError(503, str(e), ollama=True)
     if isinstance(e, (ValueError, TypeError)):      # GGMLValueError, InputTooLong, TokenizerError, ImageError...
         return ApiError(400, str(e), ollama=True)
     return ApiError(500, f"{type(e).__name__}: {e}", ollama=True)
@@ -95,73 +93,36 @@ def _event_fields(ev, chat: bool, raw: bool, n_calls: int) -> tuple[dict | None,
 
 
 async def _run(request: Request, call: om.ChatCall, chat: bool, stream: bool) -> Response:
-    """Submit ``call`` and answer with its reply: one JSON object, or NDJSON as the tokens come."""
+    """Submit ``call`` and answer with its reply: one JSON object, or NDJSON as the tokens come (the core's
+    path, :func:`.bridge.answer`: the disconnect watch, back-pressure, ``--timeout``, the shutdown)."""
     state = state_of(request)
     runner = state.require_ready(ollama=True)
     started = time.monotonic()
     name = state.model_name
     raw = call.kind == "raw"
     check_images(runner, call.images, truncate=bool(call.kwargs.get("truncate")), ollama=True)
-    headers = _warning_headers(call.ignored)
-    stack = contextlib.ExitStack()
-    stack.enter_context(state.admit(ollama=True))
-    try:
-        # --chat-template-file's template, as the OpenAI routes use it
-        handle = await run_in_threadpool(_submit, runner, call, state.template)
-    except ApiError:
-        stack.close()
-        raise
-    except Exception as e:
-        stack.close()
-        raise _api_error(e, call.images) from e
-    state.track(handle)
-    stack.callback(state.untrack, handle)
-    route = request.url.path
 
-    def finish(c) -> dict:
-        metrics_of(state).record(c)
-        state.count(route, "ok" if c.done_reason != "cancel" else "cancelled", c.prompt_eval_count, c.eval_count)
-        return om.final_fields(c, started)
+    def build(completions: list) -> dict:
+        c = completions[0]
+        return {"model": name, "created_at": om.timestamp(), **_result_message(c, chat, raw),
+                **om.final_fields(c, started)}
 
-    if not stream:
-        try:
-            with stack:
-                try:
-                    c = await run_in_threadpool(handle.result, state.timeout or None)
-                except Exception as e:
-                    handle.cancel()
-                    state.count(route, "error")
-                    raise _api_error(e) from e
-                body = {"model": name, "created_at": om.timestamp(), **_result_message(c, chat, raw), **finish(c)}
-        except ApiError:
-            raise
-        return JSONResponse(body, headers=headers)
-
-    async def lines():
+    async def chunks(job: Job):
         n_calls = 0
-        try:
-            with stack:
-                try:
-                    async for ev in iterate_in_threadpool(iter(handle)):
-                        fields, n_calls = _event_fields(ev, chat, raw, n_calls)
-                        if fields is not None:
-                            yield _line({"model": name, "created_at": om.timestamp(), **fields, "done": False})
-                    c = await run_in_threadpool(handle.result)
-                except Exception as e:       # after the first line the status is sent: Ollama's error line
-                    state.count(route, "error")
-                    yield _line({"error": _api_error(e).message})
-                    return
-                last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-                yield _line({"model": name, "created_at": om.timestamp(), **last, **finish(c)})
-        finally:
-            if not handle.done:              # the client left before the end
-                handle.cancel()
+        async for _, ev in job.events():
+            fields, n_calls = _event_fields(ev, chat, raw, n_calls)
+            if fields is not None:
+                yield {"model": name, "created_at": om.timestamp(), **fields, "done": False}
+        if not job.ran_to_end():             # the stream ends with Ollama's error line (or the client left)
+            return
+        last = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+        yield {"model": name, "created_at": om.timestamp(), **last, **om.final_fields(job.results[0], started)}
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson", headers=headers)
-
-
-def _line(obj: dict) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    # --chat-template-file's template, as the OpenAI routes use it
+    return await answer(request, request.url.path, 1, lambda i: _submit(runner, call, state.template),
+                        stream=stream, build=build, chunks=chunks, framing=NDJSON,
+                        submit_error=lambda e: _api_error(e, call.images), run_error=_api_error,
+                        headers=_warning_headers(call.ignored), ollama=True)
 
 
 def _loaded(state: ServerState, chat: bool) -> JSONResponse:
@@ -199,33 +160,27 @@ async def generate(request: Request) -> Response:
     return await _run(request, call, False, body.get("stream") is not False)
 
 
-def _embed_all(runner, inputs: list, truncate: bool, normalize: bool) -> list:
-    handles = [runner.submit(s, embedding=True, truncate=truncate, normalize=normalize) for s in inputs]
-    try:
-        return [h.result() for h in handles]
-    finally:
-        for h in handles:
-            if not h.done:
-                h.cancel()
-
-
-async def _embeddings(request: Request, inputs: list, truncate: bool, normalize: bool) -> tuple[list, float]:
+async def _embeddings(request: Request, inputs: list, truncate: bool, normalize: bool):
+    """The completions of ``inputs`` (embeddings) and when they began; None when the client left."""
     state = state_of(request)
     runner = state.require_ready(ollama=True)
     started = time.monotonic()
     with state.admit(cost=len(inputs), ollama=True):
         try:
-            results = await run_in_threadpool(_embed_all, runner, inputs, truncate, normalize)
-        except Exception as e:
+            results = await run_batches(request, len(inputs), lambda i: runner.submit(
+                inputs[i], embedding=True, truncate=truncate, normalize=normalize), max(1, 2 * state.n_parallel),
+                _api_error, _api_error)
+        except ApiError:
             state.count(request.url.path, "error")
-            raise _api_error(e) from e
-    for c in results:
-        metrics_of(state).record(c)
-    state.count(request.url.path, "ok", sum(c.prompt_eval_count for c in results))
+            raise
+    if results is None:                          # the client left: nobody reads an answer
+        state.count(request.url.path, "cancelled")
+        return None, started
+    count(state, request.url.path, results)
     return results, started
 
 
-async def embed(request: Request) -> JSONResponse:
+async def embed(request: Request) -> Response:
     """``POST /api/embed``: L2-normalised mean-pooled embeddings of ``input`` (a string or a list);
     ``dimensions`` keeps the first that many values, normalised again (as Ollama does)."""
     body = await json_body(request, ollama=True)
@@ -235,6 +190,8 @@ async def embed(request: Request) -> JSONResponse:
     except om.OllamaError as e:
         raise _api_error(e) from None
     results, started = await _embeddings(request, inputs, truncate, True)
+    if results is None:
+        return Response(status_code=CLIENT_GONE)
     vectors = []
     for c in results:
         v = np.asarray(c.embedding, dtype=np.float32)
@@ -249,13 +206,15 @@ async def embed(request: Request) -> JSONResponse:
                         headers=_warning_headers(ignored))
 
 
-async def embeddings(request: Request) -> JSONResponse:
+async def embeddings(request: Request) -> Response:
     """``POST /api/embeddings`` (superseded by ``/api/embed``): one ``prompt``, the embedding not normalised."""
     body = await json_body(request, ollama=True)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise ApiError(400, "prompt must be a non-empty string", ollama=True)
     results, _ = await _embeddings(request, [prompt], True, False)
+    if results is None:
+        return Response(status_code=CLIENT_GONE)
     return JSONResponse({"embedding": np.asarray(results[0].embedding, dtype=np.float32).tolist()})
 
 

@@ -9,7 +9,6 @@ waited for or streamed (:mod:`.bridge`), built by :mod:`.responses`.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Optional
@@ -18,9 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .bridge import Job, SSEResponse, run_to_end
-from .errors import ApiError, bad_request
-from .extras import metrics_of
+from .bridge import CLIENT_GONE, SSE, Job, answer, run_batches
+from .errors import bad_request
 from .requests_map import (
     chat_request,
     check_images,
@@ -46,9 +44,6 @@ from .state import ServerState
 
 __all__ = ["ROUTES", "model_card"]
 
-#: the status of a response whose client has gone (nginx's "client closed request"; never seen by it)
-CLIENT_GONE = 499
-
 
 def model_card(state: ServerState) -> dict:
     """The one model, as OpenAI's ``Model`` object (llama-server adds ``meta``)."""
@@ -66,29 +61,6 @@ async def _body(request: Request) -> dict:
     return parse_json(await request.body())
 
 
-async def _submit(make: Callable, n: int, images: Optional[list] = None) -> list:
-    """Call ``make(i)`` for each of ``n`` requests on a worker thread (tokenizing, rendering the template,
-    decoding images and compiling a grammar take time); a failure cancels those already queued and is the
-    HTTP error (naming the image at fault among ``images``, their places in the request)."""
-    def submit_all() -> list:
-        handles = []
-        try:
-            for i in range(n):
-                handles.append(make(i))
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
-        return handles
-
-    try:
-        return await asyncio.to_thread(submit_all)
-    except ApiError:
-        raise
-    except Exception as e:
-        raise runner_error(e, images=images) from None
-
-
 def _seeded(kw: dict, i: int) -> dict:
     """Choice ``i``'s keywords: with a seed, choice i samples with seed + i (choice 0 is the request alone)."""
     if i and "seed" in kw:
@@ -96,50 +68,12 @@ def _seeded(kw: dict, i: int) -> dict:
     return kw
 
 
-def _check_results(job: Job) -> list:
-    """The completions of an ended job, or the error it ended with."""
-    err = job.end_reason()
-    if err is not None:
-        raise err
-    return job.results
-
-
-def _count(state: ServerState, route: str, completions: list, outcome: str = "ok") -> None:
-    comps = [c for c in completions if c is not None and not isinstance(c, BaseException)]
-    state.count(route, outcome, sum(c.prompt_eval_count - c.n_cached for c in comps),
-                sum(c.eval_count for c in comps))
-    metrics = metrics_of(state)           # /metrics' token counters and speeds (the Ollama routes' too)
-    for c in comps:
-        metrics.record(c)
-
-
-async def _answer(request: Request, state: ServerState, route: str, n: int, make: Callable, stream: bool,
-                  build: Callable, chunks: Callable, images: Optional[list] = None) -> Response:
-    """Submit ``n`` requests, then answer: ``build(completions)`` as JSON, or ``chunks(job)`` streamed."""
-    state.enter(n)
-    try:
-        job = Job(state, await _submit(make, n, images))
-    except BaseException:
-        state.leave(n)
-        state.count(route, "error")
-        raise
-    if stream:
-        def end() -> None:
-            state.leave(n)
-            _count(state, route, job.results, "ok" if job.cancelled_by is None else "cancelled")
-        return SSEResponse(job, chunks(job), state.timeout, on_end=end)
-    try:
-        if not await run_to_end(job, request.receive, state.timeout) and job.cancelled_by == "client":
-            _count(state, route, job.results, "cancelled")
-            return Response(status_code=CLIENT_GONE)
-        completions = _check_results(job)
-    except ApiError:
-        _count(state, route, job.results, "error")
-        raise
-    finally:
-        state.leave(n)
-    _count(state, route, completions)
-    return JSONResponse(build(completions))
+def _answer(request: Request, route: str, n: int, make: Callable, stream: bool, build: Callable,
+            chunks: Callable, images: Optional[list] = None):
+    """Submit ``n`` requests, then answer: ``build(completions)`` as JSON, or ``chunks(job)`` as SSE (a submit
+    error names the image at fault among ``images``, their places in the request)."""
+    return answer(request, route, n, make, stream=stream, build=build, chunks=chunks, framing=SSE,
+                  submit_error=lambda e: runner_error(e, images=images))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -178,8 +112,7 @@ async def chat_completions(request: Request) -> Response:
                     lp = None
             if lp is not None:
                 yield chat_chunk(rid, model, created, i, {}, logprobs=lp)
-        yield_usage = _final(job)
-        if yield_usage is None:
+        if not job.ran_to_end():             # the stream closes with the error event (or the client left)
             return
         for i, c in enumerate(job.results):
             last = chat_chunk(rid, model, created, i, {}, finish_reason(c))
@@ -189,19 +122,7 @@ async def chat_completions(request: Request) -> Response:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                    "system_fingerprint": "ggmlpy", "choices": [], "usage": usage(job.results, [0] * n)}
 
-    return await _answer(request, state, "/v1/chat/completions", n, make, req["stream"], build, chunks,
-                         req["images"])
-
-
-def _final(job: Job):
-    """Whether a finished stream gets its closing chunks: not when the server cancelled it (the SSE
-    response then sends the error event) or a request failed (the error event is yielded here)."""
-    if job.end_reason() is not None:
-        return None
-    for r in job.results:
-        if isinstance(r, BaseException) or getattr(r, "done_reason", None) in ("error", "cancel"):
-            return None
-    return True
+    return await _answer(request, "/v1/chat/completions", n, make, req["stream"], build, chunks, req["images"])
 
 
 async def completions(request: Request) -> Response:
@@ -237,7 +158,7 @@ async def completions(request: Request) -> Response:
             lp = logprobs_completion([ev.logprobs], tok) if req["logprobs"] and ev.logprobs is not None else None
             if ev.text or lp is not None:
                 yield completion_chunk(rid, model, created, i, ev.text or "", logprobs=lp)
-        if _final(job) is None:
+        if not job.ran_to_end():
             return
         for i, c in enumerate(job.results):
             last = completion_chunk(rid, model, created, i, "", finish_reason(c))
@@ -247,7 +168,7 @@ async def completions(request: Request) -> Response:
             yield {"id": rid, "object": "text_completion", "created": created, "model": model,
                    "system_fingerprint": "ggmlpy", "choices": [], "usage": usage(job.results, keys)}
 
-    return await _answer(request, state, "/v1/completions", total, make, req["stream"], build, chunks)
+    return await _answer(request, "/v1/completions", total, make, req["stream"], build, chunks)
 
 
 async def embeddings(request: Request) -> Response:
@@ -259,18 +180,15 @@ async def embeddings(request: Request) -> Response:
     if req["dimensions"] is not None and req["dimensions"] != n_embd:
         raise bad_request(f"dimensions: this model's embeddings have {n_embd} dimensions, got {req['dimensions']}",
                           "dimensions")
-    inputs, vectors, counts = req["inputs"], [], []
+    inputs = req["inputs"]
     step = max(1, 2 * state.n_parallel)         # a few at a time: one pump thread each
     with state.admit(1):
-        for start in range(0, len(inputs), step):
-            part = inputs[start:start + step]
-            job = Job(state, await _submit(lambda i, part=part: runner.submit(part[i], embedding=True), len(part)))
-            if not await run_to_end(job, request.receive, state.timeout) and job.cancelled_by == "client":
-                state.count("/v1/embeddings", "cancelled")
-                return Response(status_code=CLIENT_GONE)
-            for c in _check_results(job):
-                vectors.append(c.embedding)
-                counts.append(c.prompt_eval_count)
+        results = await run_batches(request, len(inputs), lambda i: runner.submit(inputs[i], embedding=True), step,
+                                    runner_error)
+    if results is None:
+        state.count("/v1/embeddings", "cancelled")
+        return Response(status_code=CLIENT_GONE)
+    vectors, counts = [c.embedding for c in results], [c.prompt_eval_count for c in results]
     state.count("/v1/embeddings", "ok", sum(counts))
     return JSONResponse(embedding_response(state.model_name, vectors, counts, req["encoding_format"]))
 

@@ -95,6 +95,12 @@ def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve"
     state = ServerState(args.model or "", model_name=name, n_parallel=args.parallel, n_ctx=args.ctx_size,
                         api_key=args.api_key, slot_save_path=args.slot_save_path, max_queue=args.max_queue,
                         timeout=args.timeout, max_body=args.max_body << 20, template=template)
+    import logging
+
+    from .bridge import DroppedStreamFilter
+
+    # a stream dropped on purpose (its client took nothing for --timeout) is logged as such, not as uvicorn's error
+    logging.getLogger("uvicorn.error").addFilter(DroppedStreamFilter())
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                             access_log=False, lifespan="off", timeout_graceful_shutdown=args.shutdown_grace + 5,
                             server_header=False)

@@ -56,7 +56,8 @@ class ServerState:
     slot_save_path : str or None
         Where slot state files go (llama-server's ``--slot-save-path``).
     timeout : float
-        Seconds a request may run before it is cancelled (0: no bound).
+        The socket timeout (``--timeout``, llama-server's): seconds a request body may stop arriving, and a
+        stream's client may accept nothing, before the server gives up on it (0: no bound).
     max_body : int
         The largest request body, in bytes (413 beyond).
     template : str or None
