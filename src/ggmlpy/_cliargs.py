@@ -61,6 +61,14 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message: str):
         raise UsageError(usage_text(message))
 
+    def _get_option_tuples(self, option_string: str) -> list:
+        # With allow_abbrev=False argparse still reads a short flag as the start of a longer one (``-f`` as
+        # ``-fa``); such a parser takes whole flags only (a value attached to a short flag, ``-c512``, stays).
+        found = super()._get_option_tuples(option_string)
+        if self.allow_abbrev:
+            return found
+        return [t for t in found if option_string.startswith(t[1])]
+
 
 def at_least(flag: str, value: int | float, lo: int | float, note: str = "") -> str | None:
     """The message for a value below its bound (``-t 0: must be at least 1``), None when it is in range."""
@@ -129,7 +137,7 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
                    help="with -hf: this file of the repository instead of a tag's")
     p.add_argument("--mmproj", default=None, nargs="?", const="", metavar="FILE",
                    help="the model's vision encoder (an mmproj GGUF): the model then takes images; with -hf, "
-                        "--mmproj alone takes the repository's (--image does too)")
+                        "--mmproj alone takes the repository's (run's and chat's --image do too)")
 
 
 def check_model_source(args: argparse.Namespace) -> None:
@@ -294,12 +302,17 @@ _SAMPLING_FLAGS = [
 ]
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """The sampling flags (default None: not given, so a model file's ``general.sampling.*`` applies)."""
+def add_sampling_args(p: argparse.ArgumentParser, constraints: bool = True, server: bool = False) -> None:
+    """The sampling flags (default None: not given, so a model file's ``general.sampling.*`` applies), and with
+    ``constraints`` the constrained-output ones (``--grammar``, ``--json-schema``...). ``server``: the group's
+    title says they are every request's defaults (``ggmlpy serve``)."""
     from ggmlpy.sampling import DEFAULT_SAMPLERS
 
-    g = p.add_argument_group("sampling (llama-cli's flags; a flag not given takes the model file's "
-                             "general.sampling.* value, else the default shown)")
+    title = ("sampling (llama-server's flags: every request's defaults, a request's own field wins; a flag not "
+             "given takes the model file's general.sampling.* value, else the default shown)" if server else
+             "sampling (llama-cli's flags; a flag not given takes the model file's general.sampling.* value, else "
+             "the default shown)")
+    g = p.add_argument_group(title)
     for flags, field, kind, text in _SAMPLING_FLAGS:
         g.add_argument(*flags, dest=field, type=kind, default=None, metavar="N", help=text.format(DEFAULTS[field]))
     g.add_argument("-s", "--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default: random)")
@@ -311,6 +324,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="a DRY sequence breaker (repeatable; replaces the defaults \\n : \" *; 'none': no breaker)")
     g.add_argument("-l", "--logit-bias", action="append", metavar="TOKEN_ID(+/-)BIAS",
                    help="change a token's likelihood, e.g. 15043+1 or 15043-1 (repeatable); 15043-inf bans it")
+    if not constraints:
+        return
     c = p.add_argument_group("constrained output (one of them)")
     c.add_argument("--grammar", default=None, metavar="GBNF", help="a GBNF grammar (llama.cpp's format) the output "
                                                                    "follows")
@@ -390,9 +405,11 @@ def sampling_from_args(args: argparse.Namespace, defaults=None):
 def sampling_overrides(args: argparse.Namespace) -> dict:
     """The sampling flags given (not their defaults), as SamplingParams fields: what ``ggmlpy serve`` puts
     over the model file's recommendations for every request that does not set them, as llama-server
-    does (the seed is left out: one fixed seed would make every request's draws the same)."""
+    does (``-s``/``--seed`` too: every request that sets no seed then draws the same, as there)."""
     sampling_from_args(args)                  # checked, each error naming its flag
     out = {field: getattr(args, field) for _, field, _, _ in _SAMPLING_FLAGS if getattr(args, field, None) is not None}
+    if args.seed is not None and args.seed >= 0:
+        out["seed"] = args.seed
     chain = getattr(args, "samplers", None) or getattr(args, "sampling_seq", None)
     if chain is not None:
         out["samplers"] = chain

@@ -553,11 +553,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve(args, load, template=_template(args))
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The model, placement, runner and sampling flags of run, chat and serve (serve: no constrained output)."""
     add_model_source_args(p)            # -m, -hf, -hff, --mmproj
     # the defaults are ggmlpy.defaults' table, the API's own
-    p.add_argument("-n", "--n-predict", type=int, default=CLI_N_PREDICT,
-                   help="tokens to generate at most (default -1: until end of generation or the context is full)")
     p.add_argument("-c", "--ctx-size", type=int, default=0,
                    help=f"context size (default 0: the model's training context, at most {DEFAULTS['n_ctx']})")
     p.add_argument("-b", "--batch-size", type=int, default=DEFAULTS["n_batch"],
@@ -590,15 +589,19 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="V cache type, as -ctk; a quantized V needs -fa on or auto (default f16)")
     p.add_argument("-fa", "--flash-attn", default="auto", choices=("on", "off", "auto"),
                    help="flash attention (default auto)")
+    add_sampling_args(p, constraints=not serve, server=serve)
+    p.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="Jinja chat template to use instead of the model's")
+    if serve:
+        return
+    p.add_argument("-n", "--n-predict", type=int, default=CLI_N_PREDICT,
+                   help="tokens to generate at most (default -1: until end of generation or the context is full)")
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image for the prompt (run) or the first message (chat); repeatable; needs --mmproj "
                         "(with -hf: the repository's)")
-    add_sampling_args(p)
     p.add_argument("--stop", action="append", metavar="STR",
                    help="stop string (repeatable): the text ends before it")
     p.add_argument("--system", default=None, help="system prompt (run: with --chat)")
-    p.add_argument("--chat-template-file", default=None, metavar="FILE",
-                   help="Jinja chat template to use instead of the model's")
 
 
 def _human(n: int) -> str:
@@ -697,12 +700,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the speed after each reply, on a line of its own")
     _add_model_args(p)
     p.set_defaults(func=_cmd_chat)
-    p = command("serve", help="an HTTP server with OpenAI's API (pip install 'ggmlpy[server]')")
-    _add_model_args(p)
+    p = command("serve", help="an HTTP server with OpenAI's and Ollama's APIs (pip install 'ggmlpy[server]')",
+                allow_abbrev=False)      # whole flags only: run's --chat or -f is not --chat-template-file or -fa
+    _add_model_args(p, serve=True)
     from ggmlpy.server.flags import add_server_args
 
     add_server_args(p)
-    p.set_defaults(func=_cmd_serve)
+    p.set_defaults(func=_cmd_serve, image=None)      # no --image: the model and its requests' own images
     p = command("cache", help="ggmlpy's cache folder (built-in models, measurements): list, path, clear")
     p.add_argument("action", nargs="?", default="list", choices=("list", "path", "clear"),
                    help="list (default): what is there, with sizes; path: print the folder; clear: remove "

@@ -9,12 +9,20 @@ import argparse
 import ipaddress
 
 from ggmlpy._cliargs import UsageError, at_least
+from ggmlpy.defaults import CLI_N_PREDICT
 
 __all__ = ["add_server_args", "check_server_args", "is_loopback"]
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """``--host``, ``--port``, ``-np``, ``--api-key``, ``--slot-save-path``, ``--alias``, ``--timeout``..."""
+    """``-n`` and ``--stop`` (every request's defaults), ``--host``, ``--port``, ``-np``, ``--api-key``,
+    ``--slot-save-path``, ``--alias``, ``--timeout``..."""
+    r = p.add_argument_group("request defaults (llama-server's: a request's own field wins)")
+    r.add_argument("-n", "--n-predict", type=int, default=CLI_N_PREDICT,
+                   help="the max_tokens of a request that sets none, as llama-server's -n (default -1: until the end "
+                        "of generation or a full context)")
+    r.add_argument("--stop", action="append", metavar="STR",
+                   help="the stop strings of a request that gives none, as llama-server's -r (repeatable)")
     g = p.add_argument_group("server (llama-server's flags)")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1, this machine only; another address without "
@@ -55,6 +63,11 @@ def check_server_args(args: argparse.Namespace) -> None:
     for flag, value in (("--timeout", args.timeout), ("--shutdown-grace", args.shutdown_grace)):
         if not value >= 0 or value == float("inf"):
             raise UsageError(f"{flag} {value}: must be a finite number of seconds >= 0")
+    stops = args.stop or []
+    if any(not s for s in stops):
+        raise UsageError("--stop: a stop string is empty")
+    if len(stops) > 16:                           # requests_map.MAX_STOP, a request's bound
+        raise UsageError(f"--stop: at most 16 stop strings, got {len(stops)}")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api-key: empty")
     if args.alias is not None and not args.alias.strip():

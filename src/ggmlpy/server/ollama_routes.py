@@ -133,18 +133,25 @@ def _loaded(state: ServerState, chat: bool) -> JSONResponse:
                          "done_reason": "load"})
 
 
-def _mapped(fn, body: dict, n_ctx: int) -> om.ChatCall:
+def _mapped(fn, body: dict, state: ServerState, n_ctx: int) -> om.ChatCall:
+    """The request's call, with the server's ``-n`` and ``--stop`` where its ``options`` set no ``num_predict``
+    (or -1, -2: as llama-server reads -1) and no ``stop``."""
     try:
-        return fn(body, n_ctx)
+        call = fn(body, n_ctx)
     except om.OllamaError as e:
         raise _api_error(e) from None
+    if call.kwargs.get("max_tokens") == -2 and state.n_predict > 0:
+        call.kwargs["max_tokens"] = state.n_predict
+    if not call.kwargs.get("stop") and state.stop:
+        call.kwargs["stop"] = list(state.stop)
+    return call
 
 
 async def chat(request: Request) -> Response:
     """``POST /api/chat``: the assistant's next message (NDJSON by default, one object with ``"stream": false``)."""
     state, body = state_of(request), await json_body(request, ollama=True)
     runner = state.require_ready(ollama=True)
-    call = _mapped(om.chat_call, body, runner.n_ctx)
+    call = _mapped(om.chat_call, body, state, runner.n_ctx)
     if not call.arg:
         return _loaded(state, True)
     return await _run(request, call, True, body.get("stream") is not False)
@@ -154,7 +161,7 @@ async def generate(request: Request) -> Response:
     """``POST /api/generate``: a completion of ``prompt`` (the chat template applied unless ``raw``)."""
     state, body = state_of(request), await json_body(request, ollama=True)
     runner = state.require_ready(ollama=True)
-    call = _mapped(om.generate_call, body, runner.n_ctx)
+    call = _mapped(om.generate_call, body, state, runner.n_ctx)
     if not body.get("prompt") and not body.get("images"):
         return _loaded(state, False)
     return await _run(request, call, False, body.get("stream") is not False)

@@ -61,10 +61,12 @@ async def _body(request: Request) -> dict:
     return parse_json(await request.body())
 
 
-def _seeded(kw: dict, i: int) -> dict:
-    """Choice ``i``'s keywords: with a seed, choice i samples with seed + i (choice 0 is the request alone)."""
-    if i and "seed" in kw:
-        return {**kw, "seed": (kw["seed"] + i) % (1 << 64)}
+def _seeded(kw: dict, i: int, default_seed=None) -> dict:
+    """Choice ``i``'s keywords: with a seed (the request's, else the server's ``-s``), choice i samples with
+    seed + i (choice 0 is the request alone)."""
+    seed = kw.get("seed", default_seed)
+    if i and seed is not None:
+        return {**kw, "seed": (seed + i) % (1 << 64)}
     return kw
 
 
@@ -86,7 +88,8 @@ async def chat_completions(request: Request) -> Response:
     rid, model, tok = new_id("chatcmpl"), state.model_name, runner.tokenizer
 
     def make(i: int):
-        return runner.submit_chat(messages, shift=False, template=state.template, **_seeded(kw, i))
+        return runner.submit_chat(messages, shift=False, template=state.template,
+                                  **_seeded(kw, i, runner.sampling_defaults.get("seed")))
 
     def build(completions: list) -> dict:
         return chat_response(rid, model, completions, tok, req["logprobs"])
@@ -137,7 +140,8 @@ async def completions(request: Request) -> Response:
 
     def make(i: int):
         prompt = prompts[i // n]
-        return runner.submit(prompt, shift=False, detokenize=True, **_seeded(kw, i % n))
+        return runner.submit(prompt, shift=False, detokenize=True,
+                             **_seeded(kw, i % n, runner.sampling_defaults.get("seed")))
 
     def echo(i: int) -> str:
         if not req["echo"]:

@@ -210,10 +210,12 @@ def _logit_bias(value: Any, param: str) -> dict:
     return out
 
 
-def _stop(body: dict) -> list:
+def _stop(state: ServerState, body: dict) -> list:
+    """``stop``: a string or a list of them; none (or an empty list) takes the server's ``--stop`` (llama-server's
+    ``-r``)."""
     stop = body.get("stop")
-    if stop is None:
-        return []
+    if stop is None or stop == []:
+        return list(state.stop)
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request(f"stop must be a string or an array of strings, got {_kind(stop)}", "stop")
@@ -225,8 +227,8 @@ def _stop(body: dict) -> list:
 
 
 def _max_tokens(state: ServerState, body: dict) -> int:
-    """``max_completion_tokens``, ``max_tokens`` or ``n_predict``: at least 1 and at most the context (-1 or
-    absent: until the end of generation or a full context)."""
+    """``max_completion_tokens``, ``max_tokens`` or ``n_predict``: at least 1 and at most the context; -1 or
+    absent: the server's ``-n`` (as llama-server), by default -1, until the end of generation or a full context."""
     for name in ("max_completion_tokens", "max_tokens", "n_predict"):
         if body.get(name) is not None:
             n = _field(body, name, _INT, None, -1)
@@ -234,8 +236,8 @@ def _max_tokens(state: ServerState, body: dict) -> int:
                 raise bad_request(f"{name} must be at least 1 (or -1: no bound), got 0", name)
             if state.n_ctx and n > state.n_ctx:
                 raise bad_request(f"{name} {n} is more than the context ({state.n_ctx} tokens per request)", name)
-            return n
-    return -1
+            return n if n > 0 else state.n_predict
+    return state.n_predict
 
 
 def _common(state: ServerState, body: dict, chat: bool) -> dict:
@@ -252,7 +254,7 @@ def _common(state: ServerState, body: dict, chat: bool) -> dict:
     include_usage = bool(_field(opts or {}, "include_usage", _BOOL, False, param="stream_options.include_usage"))
     kw = sampling_kwargs(body)
     kw["max_tokens"] = _max_tokens(state, body)
-    kw["stop"] = _stop(body)
+    kw["stop"] = _stop(state, body)
     if chat:
         want = _field(body, "logprobs", _BOOL, False)
         top = _field(body, "top_logprobs", _INT, None, 0, MAX_TOP_LOGPROBS)

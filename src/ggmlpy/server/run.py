@@ -94,7 +94,8 @@ def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve"
     name = args.alias or _default_name(args)
     state = ServerState(args.model or "", model_name=name, n_parallel=args.parallel, n_ctx=args.ctx_size,
                         api_key=args.api_key, slot_save_path=args.slot_save_path, max_queue=args.max_queue,
-                        timeout=args.timeout, max_body=args.max_body << 20, template=template)
+                        timeout=args.timeout, max_body=args.max_body << 20, template=template,
+                        n_predict=args.n_predict, stop=tuple(args.stop or ()))
     import logging
 
     from .bridge import DroppedStreamFilter

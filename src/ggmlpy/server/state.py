@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -55,6 +55,11 @@ class ServerState:
         Requests must carry it (``Authorization: Bearer`` or ``x-api-key``), except ``/health`` and ``/``.
     slot_save_path : str or None
         Where slot state files go (llama-server's ``--slot-save-path``).
+    n_predict : int
+        Every request's ``max_tokens`` when it sets none (``-n``; -1: until the end of generation or a full
+        context).
+    stop : tuple of str
+        Every request's stop strings when it gives none (``--stop``).
     timeout : float
         The socket timeout (``--timeout``, llama-server's): seconds a request body may stop arriving, and a
         stream's client may accept nothing, before the server gives up on it (0: no bound).
@@ -72,7 +77,8 @@ class ServerState:
 
     def __init__(self, path: str = "", model_name: Optional[str] = None, n_parallel: int = 1, n_ctx: int = 0,
                  api_key: Optional[str] = None, slot_save_path: Optional[str] = None, max_queue: Optional[int] = None,
-                 timeout: float = 0.0, max_body: int = 64 << 20, runner=None, template: Optional[str] = None) -> None:
+                 timeout: float = 0.0, max_body: int = 64 << 20, runner=None, template: Optional[str] = None,
+                 n_predict: int = -1, stop: Sequence[str] = ()) -> None:
         self.path = str(path)
         self.model_name = model_name or (Path(self.path).stem if self.path else "model")
         self.n_parallel = int(n_parallel)
@@ -81,6 +87,8 @@ class ServerState:
         self.slot_save_path = slot_save_path
         self.max_queue = 4 * self.n_parallel + 16 if max_queue is None else int(max_queue)
         self.timeout = float(timeout)
+        self.n_predict = int(n_predict)
+        self.stop = tuple(stop)
         self.max_body = int(max_body)
         self.template = template
         self.started = time.time()
