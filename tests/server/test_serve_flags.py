@@ -71,6 +71,21 @@ def test_bad_default_values_are_usage_errors(argv, message, capsys):
     assert capsys.readouterr().err.strip().startswith(f"ggmlpy serve: error: {message}")
 
 
+@pytest.mark.parametrize("what, message", [("missing", "no such file"), ("text", "not a GGUF file")])
+def test_a_bad_model_file_is_an_error_before_the_socket_listens(what, message, tmp_path, capsys, monkeypatch):
+    path = tmp_path / "model.gguf"
+    if what == "text":
+        path.write_text("not a model")
+    import uvicorn
+
+    # nothing may listen: the file is refused first (it used to listen, then fail in the loading thread)
+    monkeypatch.setattr(uvicorn, "Config", lambda *a, **k: pytest.fail("the server was configured"))
+    assert cli.main(["serve", "-m", str(path), "--port", "0"]) == 1
+    assert capsys.readouterr().err.strip() == f"ggmlpy serve: error: -m {path}: {message}" + (
+        "" if what == "missing" else " (magic b'not ', expected b'GGUF') [ggml: invalid magic characters: 'not ', "
+                                     "expected 'GGUF']")
+
+
 MSGS = [{"role": "user", "content": "Name a colour."}]
 NEVER = "\x01never\x01"
 

@@ -88,6 +88,14 @@ def serve(args: argparse.Namespace, loader: Callable, prog: str = "ggmlpy serve"
     def say(text: str) -> None:
         print(f"{prog}: {text}", file=sys.stderr, flush=True)
 
+    from ggmlpy.hub import is_hub_ref
+
+    if args.model is not None and not is_hub_ref(args.model):
+        # a local file is checked before the socket listens (a missing -m is an error at once, as `run`'s); a
+        # hub reference is resolved by the loader, under /health's loading status
+        from ggmlpy._cliargs import model_source
+
+        model_source(args, False, say)
     if not is_loopback(args.host) and not args.api_key:
         say(f"warning: listening on {args.host} without --api-key: anyone who can reach this address can use "
             f"the model")
