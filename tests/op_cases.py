@@ -1306,3 +1306,94 @@ case("roll", "dim0", _roll_build((3, 7), (2, 0, 0, 0)))
 case("roll", "all_dims", _roll_build((2, 3, 4, 5), (-2, 1, 2, -1)))
 case("roll", "neg_dim1", _roll_build((6, 4), (0, -5, 0, 0)))
 case("roll", "permuted", _roll_build(VIEW_SHAPE, (3, -2, 1, 1), "permuted"))
+
+
+# -- state-space models --------------------------------------------------------------------
+
+SSM_TOL = tols(Tol(1e-5, 1e-4))      # float32 sums over the kernel / the state, and expf in the scan
+
+
+def _ssm_conv_build(d_conv, d_inner, n_t, n_s, strided=False):
+    """ggml's ssm_conv: out[s, t, i] = sum_k sx[s, i, t + k] * c[i, k] (numpy order), no bias."""
+    def build(ctx, rng, dtype):
+        ncs = d_conv - 1 + n_t
+        x = randn(rng, (n_s, d_inner, ncs))
+        if strided:
+            # each sequence's block at a stride wider than packed (dims 0 and 1 stay packed)
+            wide = np.zeros((n_s, d_inner + 2, ncs), np.float32)
+            wide[:, 1:1 + d_inner] = x
+            base = ctx.from_numpy(wide)
+            sx = ctx.view(base, (ncs, d_inner, n_s), (base.nb[1], base.nb[2]), base.nb[1])
+        else:
+            sx = ctx.from_numpy(x)
+        w = randn(rng, (d_inner, d_conv))
+        c = ctx.from_numpy(w)
+        xv, wv = x.astype(np.float64), w.astype(np.float64)
+        exp = np.zeros((n_s, n_t, d_inner))
+        for t in range(n_t):
+            exp[:, t] = (xv[:, :, t:t + d_conv] * wv[None]).sum(-1)
+        return ctx.ssm_conv(sx, c), exp
+    return build
+
+
+case("ssm_conv", "k3_1tok", _ssm_conv_build(3, 8, 1, 4), FIXED, SSM_TOL, out_type=Type.F32)
+case("ssm_conv", "k4_prompt", _ssm_conv_build(4, 16, 9, 2), FIXED, SSM_TOL, out_type=Type.F32)
+case("ssm_conv", "k3_seq_strided", _ssm_conv_build(3, 5, 6, 3, strided=True), FIXED, SSM_TOL, out_type=Type.F32)
+
+
+def _softplus(x):
+    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))      # ggml_compute_softplus_f32
+
+
+def _ssm_scan_ref(s, x, dt, A, B, C, ids, K):
+    """The selective scan in float64, numpy order: s (n_rows, n_head, head_dim, d_state), x (n_seqs, n_tok,
+    n_head, head_dim), dt (n_seqs, n_tok, n_head), A (n_head, 1 or d_state), B and C (n_seqs, n_tok, n_group,
+    d_state). Returns ggml's 1-d result: y, then K blocks of every sequence's state (slot k: k tokens back)."""
+    n_seqs, n_tok, n_head, _ = x.shape
+    per = n_head // B.shape[2]
+    y = np.zeros(x.shape)
+    snaps = np.zeros((K, n_seqs) + s.shape[1:])
+    for j in range(n_seqs):
+        st = s[ids[j]].copy()
+        for t in range(n_tok):
+            for h in range(n_head):
+                d = _softplus(dt[j, t, h])
+                g = h // per
+                st[h] = st[h] * np.exp(d * A[h])[None, :] + B[j, t, g][None, :] * (x[j, t, h] * d)[:, None]
+                y[j, t, h] = st[h] @ C[j, t, g]
+            if n_tok - 1 - t < K:
+                snaps[n_tok - 1 - t, j] = st
+    return np.concatenate([y.ravel(), snaps.ravel()])
+
+
+def _ssm_scan_build(d_state, head_dim, n_head, n_group, n_tok, n_seqs, n_rows, mamba1=False, K=1,
+                    x_strided=False):
+    def build(ctx, rng, dtype):
+        s = randn(rng, (n_rows, n_head, head_dim, d_state), 0.5)
+        x = randn(rng, (n_seqs, n_tok, n_head, head_dim))
+        dt = uniform(rng, -3.0, 2.0, (n_seqs, n_tok, n_head))
+        A = -uniform(rng, 0.2, 2.0, (n_head, d_state if mamba1 else 1))
+        B = randn(rng, (n_seqs, n_tok, n_group, d_state), 0.5)
+        C = randn(rng, (n_seqs, n_tok, n_group, d_state), 0.5)
+        ids = rng.permutation(n_rows)[:n_seqs].astype(np.int32)
+        if x_strided:
+            # x as a view whose tokens sit at a stride wider than packed (heads and head_dim packed)
+            wide = np.zeros((n_seqs, n_tok, n_head + 1, head_dim), np.float32)
+            wide[:, :, :n_head] = x
+            base = ctx.from_numpy(wide)
+            xt = ctx.view(base, (head_dim, n_head, n_tok, n_seqs), base.nb[1:], 0)
+        else:
+            xt = ctx.from_numpy(x)
+        out = ctx.ssm_scan(ctx.from_numpy(s), xt, ctx.from_numpy(dt), ctx.from_numpy(A), ctx.from_numpy(B),
+                           ctx.from_numpy(C), ctx.from_numpy(ids), K)
+        exp = _ssm_scan_ref(*(a.astype(np.float64) for a in (s, x, dt, A, B, C)), ids, K)
+        return out, exp
+    return build
+
+
+case("ssm_scan", "mamba2_groups", _ssm_scan_build(16, 4, 4, 2, 5, 2, 3), FIXED, SSM_TOL, out_type=Type.F32)
+case("ssm_scan", "mamba2_snapshots", _ssm_scan_build(16, 8, 2, 1, 6, 3, 4, K=3), FIXED, SSM_TOL,
+     out_type=Type.F32)
+case("ssm_scan", "mamba2_x_strided", _ssm_scan_build(8, 4, 3, 1, 4, 2, 2, x_strided=True), FIXED, SSM_TOL,
+     out_type=Type.F32)
+case("ssm_scan", "mamba1", _ssm_scan_build(8, 6, 1, 1, 4, 2, 2, mamba1=True), FIXED, SSM_TOL, out_type=Type.F32)

@@ -75,6 +75,7 @@ cdef extern from "ggml.h" nogil:
         GGML_OP_SET_ROWS
         GGML_OP_ARGSORT
         GGML_OP_TOP_K
+        GGML_OP_SSM_SCAN
         GGML_OP_COUNT
 
     enum ggml_unary_op:
@@ -301,6 +302,8 @@ cdef extern from "ggml.h" nogil:
     ggml_tensor * ggml_flash_attn_ext(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * mask, float scale, float max_bias, float logit_softcap)
     void ggml_flash_attn_ext_set_prec(ggml_tensor * a, ggml_prec prec)
     void ggml_flash_attn_ext_add_sinks(ggml_tensor * a, ggml_tensor * sinks)
+    ggml_tensor * ggml_ssm_conv(ggml_context * ctx, ggml_tensor * sx, ggml_tensor * c)
+    ggml_tensor * ggml_ssm_scan(ggml_context * ctx, ggml_tensor * s, ggml_tensor * x, ggml_tensor * dt, ggml_tensor * A, ggml_tensor * B, ggml_tensor * C, ggml_tensor * ids, int64_t K)
 
     ggml_cgraph * ggml_new_graph_custom(ggml_context * ctx, size_t size, bint grads)
     void ggml_build_forward_expand(ggml_cgraph * cgraph, ggml_tensor * tensor)

@@ -402,9 +402,42 @@ def _rope_a(c):
     ("new_tensor", lambda c, s: c.new_tensor(F32, (-1,)), ["non-negative"]),
     ("new_tensor", lambda c, s: c.new_tensor(F32, (1, 2, 3, 4, 5)), ["1 to 4 dimensions"]),
     ("new_graph", lambda c, s: c.new_graph(0), ["size must be in"]),
+    ("ssm_conv", lambda c, s: c.ssm_conv(s.new_tensor(F32, (3, 4, 2)), s.new_tensor(F32, (4, 4))),
+     ["sx.ne[0] >= c.ne[0]", ne(3, 4, 2), ne(4, 4)]),
+    ("ssm_conv", lambda c, s: c.ssm_conv(s.new_tensor(F32, (6, 4, 2)), s.new_tensor(F32, (3, 5))),
+     ["c.ne[1] channels"]),
+    ("ssm_conv", lambda c, s: c.ssm_conv(s.transpose(s.new_tensor(F32, (4, 6))), s.new_tensor(F32, (3, 4))),
+     ["packed in dims 0 and 1"]),
+    ("ssm_conv", lambda c, s: c.ssm_conv(s.new_tensor(F32, (6, 4, 2, 2)), s.new_tensor(F32, (3, 4))),
+     ["sx must be 3-d"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, A=(8, 2)), K=2), ["K > 1 needs Mamba-2's A"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, A=(3, 2))), ["A must be ne (1, n_head)"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, dt=(2, 2, 2))), ["dt must be ne (n_head, n_seq_tokens"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, B=(8, 3, 3, 2), C=(8, 3, 3, 2))), ["n_group dividing n_head"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, s=(8, 4, 3, 2))), ["s must be ne (d_state, head_dim"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, ids=(3,))), ["ids must be ne (n_seqs,)"]),
+    ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s), K=0), ["K must be in [1, 2**31)"]),
 ])
 def test_invalid_parameters(env, op, call, frags):
     expect(env, GGMLValueError, op, lambda: call(env.ctx, env.src), *frags)
+
+
+def _scan_args(src, **shapes):
+    """ssm_scan's seven inputs in ``src`` (d_state 8, head_dim 4, 2 heads, 3 tokens, 2 sequences), ``shapes``
+    replacing some: a name -> its ne."""
+    ne = {"s": (8, 4, 2, 3), "x": (4, 2, 3, 2), "dt": (2, 3, 2), "A": (1, 2), "B": (8, 1, 3, 2),
+          "C": (8, 1, 3, 2), "ids": (2,), **shapes}
+    return [src.new_tensor(I32 if k == "ids" else F32, ne[k]) for k in ("s", "x", "dt", "A", "B", "C", "ids")]
+
+
+def test_ssm_scan_types(env):
+    s, x, dt, A, B, C, ids = _scan_args(env.src)
+    expect(env, GGMLTypeError, "ssm_scan", lambda: env.ctx.ssm_scan(s, x, dt, A, B, C, env.src.new_tensor(I64, (2,))),
+           "ids has type i64")
+    expect(env, GGMLTypeError, "ssm_scan", lambda: env.ctx.ssm_scan(s, env.src.new_tensor(F16, x.ne), dt, A, B, C, ids),
+           "x has type f16")
+    expect(env, GGMLTypeError, "ssm_conv", lambda: env.ctx.ssm_conv(env.src.new_tensor(F32, (6, 4, 2)),
+                                                                    env.src.new_tensor(F16, (3, 4))), "c has type f16")
 
 
 def test_huge_parameters_do_not_wrap(env):
@@ -699,6 +732,12 @@ def test_get_rows_out_of_range_index_raises_before_compute():
         a = ctx.from_numpy(np.ones((1, 2, 4), np.float32)); b = ctx.from_numpy(np.ones((3, 4), np.float32))
         idx = ctx.from_numpy(np.array([[0, 9]], np.int32)); r = ctx.add_id(a, b, idx)
         good = np.array([[0, 2]], np.int32)"""),
+    ("ssm_scan", """
+        st = ctx.from_numpy(np.zeros((2, 1, 2, 4), np.float32)); x = ctx.from_numpy(np.ones((1, 1, 1, 2), np.float32))
+        dt = ctx.from_numpy(np.zeros((1, 1, 1), np.float32)); A = ctx.from_numpy(-np.ones((1, 1), np.float32))
+        B = ctx.from_numpy(np.ones((1, 1, 1, 4), np.float32))
+        idx = ctx.from_numpy(np.array([2], np.int32)); r = ctx.ssm_scan(st, x, dt, A, B, B, idx)
+        good = np.array([1], np.int32)"""),
 ])
 def test_other_index_ops_out_of_range(op, code):
     assert_child_ok(f"""

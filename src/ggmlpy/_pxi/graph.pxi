@@ -491,7 +491,7 @@ cdef int _default_threads():
 
 
 cdef int _plan_index_check(g.ggml_tensor * t, list checks) except -1:
-    # Index-driven kernels (get_rows, set_rows, mul_mat_id, add_id) read or
+    # Index-driven kernels (get_rows, set_rows, mul_mat_id, add_id, ssm_scan) read or
     # write out of bounds -- or abort -- on a bad index, which depends on data.
     # Indices whose values exist before compute (leafs and views of leafs) are
     # scanned before every compute; computed indices are accepted only from ops
@@ -507,6 +507,8 @@ cdef int _plan_index_check(g.ggml_tensor * t, list checks) except -1:
         idx, bound, name = t.src[2], t.src[0].ne[2], "mul_mat_id"
     elif t.op == g.GGML_OP_ADD_ID:
         idx, bound, name = t.src[2], t.src[1].ne[1], "add_id"
+    elif t.op == g.GGML_OP_SSM_SCAN:
+        idx, bound, name = t.src[6], t.src[0].ne[3], "ssm_scan"
     else:
         return 0
     p = idx.view_src if idx.view_src != NULL else idx

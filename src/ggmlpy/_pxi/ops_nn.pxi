@@ -292,6 +292,114 @@ cdef class _ContextNN(_ContextOps):
         self._room("timestep_embedding", _out_bytes(g.GGML_TYPE_F32, dim + (dim % 2), timesteps.ptr.ne[0], 1, 1), 1)
         return _res(self, g.ggml_timestep_embedding(self.ptr, timesteps.ptr, dim, max_period), timesteps)
 
+    # -- state-space models -------------------------------------------------------------
+
+    def ssm_conv(self, Tensor sx, Tensor c):
+        """Depthwise causal convolution of each sequence (Mamba's conv1d, LFM2's short convolution).
+
+        ``sx`` f32 ne ``(d_conv - 1 + n_t, d_inner, n_seqs)``: per sequence and channel, the ``d_conv - 1``
+        previous inputs (the conv state) followed by the ``n_t`` new ones, time along ``ne[0]`` (dims 0 and 1
+        packed); ``c`` f32 contiguous ne ``(d_conv, d_inner)``, one kernel per channel. Result f32 ne
+        ``(d_inner, n_t, n_seqs)``: ``out[s, t, i] = sum_k sx[s, i, t + k] * c[i, k]`` (numpy order), no bias.
+        """
+        cdef int64_t d_conv, n_t
+        self._ensure_op("ssm_conv")
+        _arg(sx, "ssm_conv", "sx"); _arg(c, "ssm_conv", "c")
+        _types(sx, "ssm_conv", "sx", M_F32); _types(c, "ssm_conv", "c", M_F32)
+        _nonzero_dims(sx, "ssm_conv", "sx", 0); _nonzero_dims(c, "ssm_conv", "c", 0)
+        _contig(c, "ssm_conv", "c")
+        if not (sx.ptr.nb[0] == 4 and sx.ptr.nb[1] == sx.ptr.ne[0] * 4):
+            _fail("ssm_conv", f"sx must be packed in dims 0 and 1 (got sx: {_desc(sx)} nb={sx.nb}); "
+                  f"call ctx.cont(sx) first")
+        if not (sx.ptr.ne[3] == 1 and c.ptr.ne[2] == 1 and c.ptr.ne[3] == 1):
+            _fail("ssm_conv", f"sx must be 3-d and c 2-d (got sx: {_desc(sx)}, c: {_desc(c)})")
+        d_conv = c.ptr.ne[0]
+        n_t = sx.ptr.ne[0] - d_conv + 1
+        if not (sx.ptr.ne[1] == c.ptr.ne[1] and n_t >= 1):
+            _fail("ssm_conv", f"shapes do not match (got sx: {_desc(sx)}, c: {_desc(c)}; expected sx.ne[1] == "
+                  f"c.ne[1] channels and sx.ne[0] >= c.ne[0], the state plus at least one input)")
+        self._room("ssm_conv", _out_bytes(g.GGML_TYPE_F32, c.ptr.ne[1], n_t, sx.ptr.ne[2], 1), 1)
+        return _res(self, g.ggml_ssm_conv(self.ptr, sx.ptr, c.ptr), sx, c)
+
+    def ssm_scan(self, Tensor s, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor ids, K=1):
+        """The selective scan of Mamba (``A`` ne ``(d_state, n_head)``) and Mamba-2 (``A`` ne ``(1, n_head)``).
+
+        Per sequence ``j`` and head ``h``, from the state ``s[ids[j]]`` and for each token ``t`` in order:
+        ``d = softplus(dt[t, h])``, ``state = state * exp(d * A[h]) + B[t, g] * (x[t, h] * d)``,
+        ``y[t, h] = state @ C[t, g]`` (``g`` the head's group: ``h // (n_head / n_group)``), no skip term.
+
+        Parameters
+        ----------
+        s : Tensor
+            f32 contiguous ne ``(d_state, head_dim, n_head, n_rows)``: a store of states; ``ids`` picks them.
+        x : Tensor
+            f32 ne ``(head_dim, n_head, n_seq_tokens, n_seqs)``, dims 0 and 1 packed.
+        dt : Tensor
+            f32 contiguous ne ``(n_head, n_seq_tokens, n_seqs)``, before softplus.
+        A : Tensor
+            f32 contiguous ne ``(1, n_head)`` or ``(d_state, n_head)`` (then ``K`` must be 1).
+        B, C : Tensor
+            f32 ne ``(d_state, n_group, n_seq_tokens, n_seqs)``, dims 0 and 1 packed; ``n_group`` divides ``n_head``.
+        ids : Tensor
+            i32 ne ``(n_seqs,)``: the row of ``s`` each sequence starts from, in ``[0, n_rows)`` (checked before
+            each compute).
+        K : int
+            States kept per sequence: the final one, then (``K > 1``) those 1 .. ``K - 1`` tokens back.
+
+        Returns
+        -------
+        Tensor
+            f32, 1-d: ``y`` (``head_dim * n_head * n_seq_tokens * n_seqs`` values, laid out as ``x`` packed)
+            followed by ``K`` blocks of ``n_seqs`` states (``d_state * head_dim * n_head`` values each), slot
+            ``k`` holding each sequence's state ``k`` tokens before its last (unwritten where ``k >=
+            n_seq_tokens``).
+        """
+        K = _index(K, "ssm_scan", "K", _K_INT64)
+        cdef int64_t d_state, head_dim, n_head, n_tok, n_seqs, n_group
+        cdef double total
+        cdef Tensor t
+        cdef tuple args = (("s", s), ("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("ids", ids))
+        self._ensure_op("ssm_scan")
+        for name, t in args:
+            _arg(t, "ssm_scan", name)
+            _types(t, "ssm_scan", name, M_I32 if name == "ids" else M_F32)
+            _nonzero_dims(t, "ssm_scan", name, 0)
+        for name, t in (("s", s), ("dt", dt), ("A", A), ("ids", ids)):
+            _contig(t, "ssm_scan", name)
+        for name, t in (("x", x), ("B", B), ("C", C)):
+            if not (t.ptr.nb[0] == 4 and t.ptr.nb[1] == t.ptr.ne[0] * 4):
+                _fail("ssm_scan", f"{name} must be packed in dims 0 and 1 (got {name}: {_desc(t)} nb={t.nb}); "
+                      f"call ctx.cont({name}) first")
+        if not (1 <= K <= 2147483647):
+            _fail("ssm_scan", f"K must be in [1, 2**31) (got {K})")
+        d_state, head_dim, n_head = s.ptr.ne[0], x.ptr.ne[0], x.ptr.ne[1]
+        n_tok, n_seqs, n_group = x.ptr.ne[2], x.ptr.ne[3], B.ptr.ne[1]
+        if not (s.ptr.ne[1] == head_dim and s.ptr.ne[2] == n_head):
+            _fail("ssm_scan", f"s must be ne (d_state, head_dim, n_head, n_rows) for x's heads (got s: {_desc(s)}, "
+                  f"x: {_desc(x)})")
+        if not (dt.ptr.ne[0] == n_head and dt.ptr.ne[1] == n_tok and dt.ptr.ne[2] == n_seqs and dt.ptr.ne[3] == 1):
+            _fail("ssm_scan", f"dt must be ne (n_head, n_seq_tokens, n_seqs) (got dt: {_desc(dt)}, x: {_desc(x)})")
+        if not (A.ptr.ne[1] == n_head and A.ptr.ne[2] == 1 and A.ptr.ne[3] == 1 and A.ptr.ne[0] in (1, d_state)):
+            _fail("ssm_scan", f"A must be ne (1, n_head) or (d_state, n_head) (got A: {_desc(A)}, s: {_desc(s)})")
+        if not (A.ptr.ne[0] == 1 or K == 1):
+            _fail("ssm_scan", f"K > 1 needs Mamba-2's A of ne (1, n_head) (got A: {_desc(A)}, K={K})")
+        if not (g.ggml_are_same_shape(B.ptr, C.ptr) and B.ptr.ne[0] == d_state and B.ptr.ne[2] == n_tok
+                and B.ptr.ne[3] == n_seqs and n_head % n_group == 0):
+            _fail("ssm_scan", f"B and C must both be ne (d_state, n_group, n_seq_tokens, n_seqs), n_group dividing "
+                  f"n_head (got B: {_desc(B)}, C: {_desc(C)}, x: {_desc(x)})")
+        if not (ids.ptr.ne[0] == n_seqs and ids.ptr.ne[1] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1):
+            _fail("ssm_scan", f"ids must be ne (n_seqs,) (got ids: {_desc(ids)}, x: {_desc(x)})")
+        total = <double> g.ggml_nelements(x.ptr) + <double> K * d_state * head_dim * n_head * n_seqs
+        if not (total < 4.0e18 / 4):
+            _fail("ssm_scan", f"the result would hold {total:.3g} values")
+        self._room("ssm_scan", _out_bytes(g.GGML_TYPE_F32, <int64_t> total, 1, 1, 1), 1)
+        cdef Tensor out = _res(self, g.ggml_ssm_scan(self.ptr, s.ptr, x.ptr, dt.ptr, A.ptr, B.ptr, C.ptr, ids.ptr, K),
+                               s, x, dt, A)
+        for t in (B, C, ids):
+            if t.ctx is not self:
+                _add_dep(self, t)
+        return out
+
     # -- graphs ---------------------------------------------------------------------------
 
     def new_graph(self, size=g.GGML_DEFAULT_GRAPH_SIZE, bint grads=False):
