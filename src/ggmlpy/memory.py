@@ -1,7 +1,7 @@
 """Memory per device and per purpose: :class:`MemoryReport` and its rows, :class:`DeviceMemory`.
 
-What every device holds (weights, KV cache, compute graph; per layer group and per buffer type) and
-whether each allocation succeeded, after llama.cpp's memory breakdown. The weights
+What every device holds (weights, KV cache, recurrent states, compute graph; per layer group and per buffer
+type) and whether each allocation succeeded, after llama.cpp's memory breakdown. The weights
 (:class:`ggmlpy.weights.Weights`), the caches (:mod:`ggmlpy.kvcache`) and the scheduler's reservation
 (:meth:`ggmlpy.backend.Runtime.reserve`) record into one report; a failed allocation raises
 :class:`~ggmlpy.GGMLMemoryError` carrying it. Re-exported by :mod:`ggmlpy.backend`.
@@ -23,13 +23,16 @@ __all__ = ["DeviceMemory", "Group", "MemoryReport"]
 
 @dataclass
 class DeviceMemory:
-    """What one device holds: bytes per layer group for weights and cache, the compute graph, and outcomes."""
+    """What one device holds: bytes per layer group for weights, cache and recurrent states, the compute graph,
+    and outcomes (``cache_ok`` covers the states too)."""
 
     name: str
     description: str
     n_layers: int
     weights: dict[Group, int] = field(default_factory=dict)
     cache: dict[Group, int] = field(default_factory=dict)
+    #: recurrent states (a recurrent layer's per-sequence state and its checkpoints): fixed, whatever the context
+    state: dict[Group, int] = field(default_factory=dict)
     #: weight bytes per buffer type (``"CPU"``, ``"CPU_REPACK"``...)
     weight_buffers: dict[str, int] = field(default_factory=dict)
     graph: int = 0
@@ -50,9 +53,18 @@ class DeviceMemory:
         return sum(self.cache.values())
 
     @property
+    def state_total(self) -> int:
+        return sum(self.state.values())
+
+    @property
+    def context_total(self) -> int:
+        """The K/V cache and the recurrent states: llama.cpp's "context"."""
+        return self.cache_total + self.state_total
+
+    @property
     def self_total(self) -> int:
         """model + context + compute, in llama.cpp's words."""
-        return self.weights_total + self.cache_total + self.graph
+        return self.weights_total + self.context_total + self.graph
 
     @property
     def unaccounted(self) -> int:
@@ -73,9 +85,10 @@ class DeviceMemory:
             "name": self.name, "description": self.description,
             "weights": {str(k): v for k, v in self.weights.items()},
             "cache": {str(k): v for k, v in self.cache.items()},
+            "state": {str(k): v for k, v in self.state.items()},
             "weight_buffers": dict(self.weight_buffers),
             "graph": self.graph, "graphs": dict(self.graphs),
-            "weights_total": self.weights_total, "cache_total": self.cache_total,
+            "weights_total": self.weights_total, "cache_total": self.cache_total, "state_total": self.state_total,
             "self": self.self_total, "free": self.free, "total": self.total, "unaccounted": self.unaccounted,
             "allocated": {"weights": self.weights_ok, "cache": self.cache_ok, "graph": self.graph_ok},
         }
@@ -90,7 +103,7 @@ def _status(ok: bool | None) -> str:
 
 
 class MemoryReport:
-    """Memory per device and per purpose (weights, KV cache, compute graph), per layer.
+    """Memory per device and per purpose (weights, KV cache, recurrent states, compute graph), per layer.
 
     ``str(report)`` is an aligned table in MiB with one row per device and a
     llama.cpp-style breakdown ``total = free + (self = model + context +
@@ -121,6 +134,11 @@ class MemoryReport:
         m = self.device(dev)
         m.cache[group] = m.cache.get(group, 0) + int(nbytes)
 
+    def add_state(self, dev: Device, group: Group, nbytes: int) -> None:
+        """Recurrent state bytes of ``group`` (a layer) on ``dev`` (:class:`~ggmlpy.kvcache.Recurrent`)."""
+        m = self.device(dev)
+        m.state[group] = m.state.get(group, 0) + int(nbytes)
+
     def set_graph(self, dev: Device, nbytes: int, ok: bool = True) -> None:
         m = self.device(dev)
         m.graph = int(nbytes)
@@ -145,32 +163,44 @@ class MemoryReport:
     def to_json(self, **kwargs) -> str:
         return json.dumps(self.to_dict(), **kwargs)
 
+    @property
+    def has_state(self) -> bool:
+        """Whether any device holds recurrent states (the tables then show them in a column of their own)."""
+        return any(m.state_total for m in self.devices.values())
+
     def layer_table(self) -> str:
-        """Weights and cache per layer group and device, in MiB."""
+        """Weights and cache (and recurrent states, where there are) per layer group and device, in MiB."""
         groups: list[Group] = ["input", *range(self.n_layers), "output"]
         names = list(self.devices)
-        rows = [["layer", *[f"{n} weights" for n in names], *[f"{n} cache" for n in names]]]
+        state = self.has_state
+        rows = [["layer", *[f"{n} weights" for n in names], *[f"{n} cache" for n in names],
+                 *([f"{n} state" for n in names] if state else [])]]
         for gname in groups:
             w = [self.devices[n].weights.get(gname, 0) for n in names]
             cch = [self.devices[n].cache.get(gname, 0) for n in names]
-            if any(w) or any(cch):
-                rows.append([str(gname), *map(_mib, w), *map(_mib, cch)])
+            st = [self.devices[n].state.get(gname, 0) for n in names] if state else []
+            if any(w) or any(cch) or any(st):
+                rows.append([str(gname), *map(_mib, w), *map(_mib, cch), *map(_mib, st)])
         return _table(rows)
 
     def __str__(self) -> str:
-        rows = [["device", "weights", "cache", "graph", "self", "free", "total"]]
+        # a "state" column only for models with recurrent layers: the table of every other model stays as it was
+        state = self.has_state
+        rows = [["device", "weights", "cache", *(["state"] if state else []), "graph", "self", "free", "total"]]
         for m in self.devices.values():
             rows.append([m.name, _mib(m.weights_total) + _status(m.weights_ok),
-                         _mib(m.cache_total) + _status(m.cache_ok), _mib(m.graph) + _status(m.graph_ok),
-                         _mib(m.self_total), _mib(m.free), _mib(m.total)])
+                         _mib(m.cache_total) + _status(m.cache_ok),
+                         *([_mib(m.state_total) + _status(m.cache_ok)] if state else []),
+                         _mib(m.graph) + _status(m.graph_ok), _mib(m.self_total), _mib(m.free), _mib(m.total)])
         rows.append(["total", _mib(sum(m.weights_total for m in self.devices.values())),
                      _mib(sum(m.cache_total for m in self.devices.values())),
+                     *([_mib(sum(m.state_total for m in self.devices.values()))] if state else []),
                      _mib(sum(m.graph for m in self.devices.values())), _mib(self.total), "", ""])
         lines = ["memory [MiB]", _table(rows), "", "memory breakdown [MiB] | total = free + (self = model + context + "
-                 "compute) + unaccounted"]
+                 "compute) + unaccounted" + (" (context: cache + state)" if state else "")]
         for m in self.devices.values():
             lines.append(f"  - {m.name} ({m.description}) | {_mib(m.total)} = {_mib(m.free)} + ({_mib(m.self_total)} = "
-                         f"{_mib(m.weights_total)} + {_mib(m.cache_total)} + {_mib(m.graph)}) + {_mib(m.unaccounted)}"
+                         f"{_mib(m.weights_total)} + {_mib(m.context_total)} + {_mib(m.graph)}) + {_mib(m.unaccounted)}"
                          + (" *" if m.unaccounted < 0 else ""))
         if any(m.unaccounted < 0 for m in self.devices.values()):
             lines.append("  * unaccounted < 0: this report counts more than the device shows as used; host "

@@ -208,7 +208,8 @@ FORGED = [
     ("no seq", LLAMA, _drop(["seq"]), r"missing keys \['seq'\]"),
     ("seq a bool", LLAMA, _set(["seq"], True), r"'seq' must be a sequence id, not True"),
     ("seq negative", LLAMA, _set(["seq"], -1), r"'seq' must be a sequence id"),
-    ("kind lower case", LLAMA, _set(["kind"], "causal"), r"'kind' must be 'Causal' or 'Wrapper', not 'causal'"),
+    ("kind lower case", LLAMA, _set(["kind"], "causal"),
+     r"'kind' must be 'Causal', 'Recurrent' or 'Wrapper', not 'causal'"),
     ("kind of the other cache", LLAMA, _set(["kind"], "Wrapper"), r"missing keys \['layer_to_cache'\]"),
     ("routing on a Causal", LLAMA, _set(["layer_to_cache"], [0, 0]), r"unknown keys \['layer_to_cache'\]"),
     ("routing of bools", GEMMA, lambda st: _edit(st, lambda h: h.update(
@@ -231,7 +232,7 @@ FORGED = [
     # the bytes (checksum not fixed)
     ("a data byte flipped", LLAMA, _flip(lambda st: len(st.data) - 100), "checksum mismatch"),
     ("a header byte flipped", GEMMA, _flip(lambda st: 40), "checksum mismatch|not valid JSON|header"),
-    ("version 2", LLAMA, lambda st: st.build(version=2), "version 2 is newer"),
+    ("version 3", LLAMA, lambda st: st.build(version=3), "version 3 is newer"),
     ("truncated", LLAMA, lambda st: st.data[:-1], "truncated"),
     ("a byte more", LLAMA, lambda st: st.data + b"\0", "extra bytes"),
 ]

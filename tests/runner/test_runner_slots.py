@@ -728,6 +728,25 @@ def test_load_slot_forks_a_busy_prefix_and_falls_back_when_the_cache_cannot_resu
     assert t[1].tokens == [] and cache.seqs[1] == []
 
 
+def test_load_slot_goes_back_to_the_caches_resume_point():
+    """A cache of recurrent states resumes only where it kept a state (``resume_point``): a fork of 3 positions
+    whose state was kept at 2 resumes at 2, the copied K/V trimmed to it (the third is computed again);
+    without a fork, the cache is trimmed to 2 too."""
+    t, cache = _filled(2, True)
+    cache.resume_point = lambda seq, pos: min(int(pos), 2)
+    t.committed(0, [1, 2, 3, 4])
+    cache.seqs[0] = [1, 2, 3, 4]
+    t[0].in_use = True
+    assert t.load_slot([1, 2, 3, 9]) == (1, 2)
+    assert cache.seqs[1] == [1, 2] and t[1].tokens == [1, 2]
+    assert cache.calls[-2:] == [("copy_prefix", 0, 1, 3), ("remove", 1, 2, None)]
+    t.release(0)
+    t.release(1)
+    t.reset(1)
+    cache.seqs[1] = []
+    assert t.load_slot([1, 2, 3, 4, 5]) == (0, 2) and cache.seqs[0] == [1, 2]
+
+
 def test_load_slot_failure_clears_and_releases_the_slot():
     t, cache = _filled(1, False)
 

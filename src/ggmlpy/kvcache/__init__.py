@@ -7,10 +7,15 @@
 * :mod:`~ggmlpy.kvcache.forward`: a batch through a :class:`Causal`: its plan
   (:class:`ForwardPlan`: cells, visible range, mask) and commit, and one
   graph's view of the cache (:class:`Forward`);
+* :mod:`~ggmlpy.kvcache.recurrent`: :class:`Recurrent`, one fixed-size state
+  per sequence and recurrent layer (short convolutions, Mamba scans), with
+  prefix sharing and checkpoints (:mod:`~ggmlpy.kvcache.rows`:
+  :class:`StateRows`, its bookkeeping); it cannot shift or cut its history;
 * :mod:`~ggmlpy.kvcache.composite`: :class:`Wrapper` (layers routed to
-  several caches, for interleaved sliding-window models; an encoder's cache,
-  K/V stored once per input, comes back with the first encoder-decoder model);
-* :mod:`~ggmlpy.kvcache.state`: save and load one sequence's K/V
+  several caches, for interleaved sliding-window models and for hybrid
+  models of attention and recurrent layers; an encoder's cache, K/V stored
+  once per input, comes back with the first encoder-decoder model);
+* :mod:`~ggmlpy.kvcache.state`: save and load one sequence's K/V and states
   (``cache.save_seq`` / ``cache.load_seq``, :class:`StateError`).
 
 A model makes the cache it needs (``model.new_cache(...)``); the runner never
@@ -26,15 +31,22 @@ from ggmlpy._core import Context, Type
 
 from .causal import V_TRANS_TYPES, Causal
 from .cells import CacheStateError, Cells, NotSupported
-from .composite import Wrapper, WrapperForward, WrapperPlan
+from .composite import Wrapper, WrapperForward, WrapperPlan, resume_point
 from .forward import Forward, ForwardPlan, KVCacheFull
+from .recurrent import Recurrent, RecurrentForward, RecurrentPlan
+from .rows import StateRows
 from .state import StateError
 
 
 @runtime_checkable
 class Cache(Protocol):
     """What the runner calls on the cache a model made (``model.new_cache``; Ollama's ``kvcache.Cache``).
-    :class:`Causal` and :class:`Wrapper` are the two there are."""
+    :class:`Causal`, :class:`Recurrent` and :class:`Wrapper` are the three there are.
+
+    A cache may also have ``split_equal`` (true: a batch gives each sequence as many consecutive rows, as a
+    recurrent state needs; the runner cuts its micro-batches so), ``resume_point(seq, pos)`` (the most tokens
+    ``<= pos`` it can go on from, where that is not simply ``pos`` or 0: a recurrent cache's checkpoints) and
+    ``want_checkpoint(seq, n)`` (keep the sequence's state at ``n`` tokens)."""
 
     # Allocate room for capacity cells per sequence, n_seq_max sequences, max_batch tokens per batch
     # (on the devices of the model's layers; the memory report gets what each took).
@@ -79,4 +91,5 @@ CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type
                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
 __all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "Cache", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan",
-           "KVCacheFull", "NotSupported", "StateError", "Wrapper", "WrapperForward", "WrapperPlan"]
+           "KVCacheFull", "NotSupported", "Recurrent", "RecurrentForward", "RecurrentPlan", "StateError", "StateRows",
+           "Wrapper", "WrapperForward", "WrapperPlan", "resume_point"]

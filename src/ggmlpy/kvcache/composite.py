@@ -1,5 +1,7 @@
 """Caches made of caches: :class:`Wrapper` routes each model layer to one of several caches (a
-sliding-window cache for local layers and a full one for global layers, as gemma-style models need).
+sliding-window cache for local layers and a full one for global layers, as gemma-style models need; a
+:class:`~ggmlpy.kvcache.Causal` for attention layers and a :class:`~ggmlpy.kvcache.Recurrent` for the
+recurrent ones, as hybrid models need).
 """
 
 from __future__ import annotations
@@ -10,8 +12,18 @@ from typing import Optional
 from ggmlpy._core import Context, GGMLTypeError, GGMLValueError, Tensor
 
 from .causal import Causal
+from .recurrent import Recurrent
 
-__all__ = ["Wrapper", "WrapperForward", "WrapperPlan"]
+__all__ = ["Wrapper", "WrapperForward", "WrapperPlan", "resume_point"]
+
+
+def resume_point(cache, seq: int, pos: int) -> int:
+    """The most tokens ``<= pos`` a cache can go on from for ``seq``: its ``resume_point`` where it has one
+    (recurrent states: a checkpoint), else ``pos`` when it can resume there and 0 when not."""
+    fn = getattr(cache, "resume_point", None)
+    if fn is not None:
+        return int(fn(seq, pos))
+    return int(pos) if int(pos) == 0 or cache.can_resume(seq, pos) else 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,55 @@ class WrapperForward:
     def get(self) -> tuple:
         return self._current().get()
 
+    # a recurrent layer's (its cache a Recurrent): the state writes join ``pending`` in layer order too
+
+    def _recurrent(self, what: str):
+        part = self._current()
+        if not hasattr(part, "conv"):
+            raise GGMLValueError(f"{what}: layer is an attention layer (its cache is a {type(part.cache).__name__})")
+        return part
+
+    def _tracked(self, part, call):
+        n = len(part.pending)
+        out = call()
+        self.pending.extend(part.pending[n:])
+        return out
+
+    def conv(self, x: Tensor, weight: Tensor, name: str = "conv") -> Tensor:
+        """:meth:`RecurrentForward.conv <ggmlpy.kvcache.recurrent.RecurrentForward.conv>` on the layer's cache."""
+        part = self._recurrent("conv")
+        return self._tracked(part, lambda: part.conv(x, weight, name))
+
+    def scan(self, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, name: str = "ssm") -> Tensor:
+        """:meth:`RecurrentForward.scan <ggmlpy.kvcache.recurrent.RecurrentForward.scan>` on the layer's cache."""
+        part = self._recurrent("scan")
+        return self._tracked(part, lambda: part.scan(x, dt, A, B, C, name))
+
+    def get_state(self, name: str) -> Tensor:
+        """:meth:`RecurrentForward.get <ggmlpy.kvcache.recurrent.RecurrentForward.get>` on the layer's cache."""
+        return self._recurrent("get_state").get(name)
+
+    def put_state(self, name: str, new: Tensor) -> Tensor:
+        """:meth:`RecurrentForward.put <ggmlpy.kvcache.recurrent.RecurrentForward.put>` on the layer's cache."""
+        part = self._recurrent("put_state")
+        return self._tracked(part, lambda: part.put(name, new))
+
+    @property
+    def n_seqs(self) -> int:
+        """The batch's sequences, as its recurrent cache lays them out (:class:`RecurrentForward`)."""
+        return self._layout()[0]
+
+    @property
+    def n_seq_tokens(self) -> int:
+        """Rows of each sequence in the batch, as its recurrent cache lays them out."""
+        return self._layout()[1]
+
+    def _layout(self) -> tuple:
+        for p in self.parts:
+            if hasattr(p, "n_seq_tokens"):
+                return p.n_seqs, p.n_seq_tokens
+        raise GGMLValueError("this Wrapper has no recurrent cache: its batches have no sequence layout")
+
     def fill(self, plan: Optional[WrapperPlan] = None) -> None:
         for i, f in enumerate(self.parts):
             f.fill(None if plan is None else plan.plans[i])
@@ -85,7 +146,7 @@ class Wrapper:
 
     Parameters
     ----------
-    caches : sequence of Causal
+    caches : sequence of Causal or Recurrent
         The wrapped caches.
     layer_to_cache : sequence of int
         Cache index of every model layer.
@@ -132,11 +193,11 @@ class Wrapper:
         return [i for i, c in enumerate(self.layer_to_cache) if c == k]
 
     def init(self, capacity: int, n_seq_max: int, max_batch: int, **kw) -> None:
-        """Initialise every cache (see :meth:`Causal.init`): each on the devices of the model layers routed
-        to it, recorded in the report under those layers. All or nothing."""
+        """Initialise every cache (see :meth:`Causal.init`, :meth:`Recurrent.init`): each on the devices of the
+        model layers routed to it, recorded in the report under those layers. All or nothing."""
         try:
             for k, cache in enumerate(self.caches):
-                if isinstance(cache, Causal):
+                if isinstance(cache, (Causal, Recurrent)):
                     cache.init(capacity, n_seq_max, max_batch, layers=self._layers(k), **kw)
                 else:
                     cache.init(capacity, n_seq_max, max_batch)
@@ -147,8 +208,18 @@ class Wrapper:
     def host_bytes(self, capacity: int, n_seq_max: int, max_batch: int, placement=None) -> int:
         """The sum of the wrapped caches' :meth:`Causal.host_bytes` (each over its own layers)."""
         return sum(c.host_bytes(capacity, n_seq_max, max_batch, placement, self._layers(k))
-                   if isinstance(c, Causal) else c.host_bytes(capacity, n_seq_max, max_batch)
+                   if isinstance(c, (Causal, Recurrent)) else c.host_bytes(capacity, n_seq_max, max_batch)
                    for k, c in enumerate(self.caches))
+
+    @property
+    def n_checkpoints(self) -> int:
+        """Checkpoints per sequence its recurrent cache keeps (0 without one)."""
+        return max(getattr(c, "n_checkpoints", 0) for c in self.caches)
+
+    @property
+    def split_equal(self) -> bool:
+        """Whether a batch must give each sequence as many consecutive rows (a wrapped cache says so)."""
+        return any(getattr(c, "split_equal", False) for c in self.caches)
 
     def seq_pos_max(self, seq: int) -> int:
         """The highest position any wrapped cache holds for ``seq`` (-1: none)."""
@@ -200,6 +271,23 @@ class Wrapper:
     def can_resume(self, seq: int, pos: int) -> bool:
         """True iff every cache can resume."""
         return all(c.can_resume(seq, pos) for c in self.caches)
+
+    def resume_point(self, seq: int, pos: int) -> int:
+        """The most tokens ``<= pos`` from which every cache can go on (0 when none): each cache's own point
+        (a recurrent cache's checkpoints), until they agree."""
+        pos = int(pos)
+        while pos > 0:
+            nxt = min(resume_point(c, seq, pos) for c in self.caches)
+            if nxt == pos:
+                break
+            pos = nxt
+        return max(pos, 0)
+
+    def want_checkpoint(self, seq: int, n: int) -> None:
+        """Ask every cache that keeps checkpoints (a :class:`Recurrent`) for one at ``n`` tokens."""
+        for c in self.caches:
+            if hasattr(c, "want_checkpoint"):
+                c.want_checkpoint(seq, n)
 
     def remove(self, seq: int, begin: int, end: Optional[int] = None) -> None:
         """Remove from every cache; checked on all first, so :class:`NotSupported` changes nothing."""

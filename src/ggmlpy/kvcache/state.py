@@ -5,8 +5,8 @@ of a :class:`~ggmlpy.kvcache.Wrapper`), with the cache configuration it is only 
 caller's ``meta`` dict (a runner puts its token ids and a model fingerprint there). It is loaded into the
 same or another cache of the same configuration, under the same or another sequence id.
 
-File format (version 1)
------------------------
+File format (version 2; version 1, without recurrent sections, is read too)
+--------------------------------------------------------------------------
 All integers little-endian; K/V data as the cache stores it (ggml's in-memory layout).
 
 =============  ====================================================================================
@@ -22,10 +22,11 @@ per cache      a section for each entry of ``header["caches"]``, in order (below
 
 The header::
 
-    {"format": "ggmlpy.kvcache.seq", "kind": "Causal" | "Wrapper", "seq": <saved sequence id>,
+    {"format": "ggmlpy.kvcache.seq", "kind": "Causal" | "Recurrent" | "Wrapper", "seq": <saved sequence id>,
      "layer_to_cache": [...] (Wrapper only), "meta": {... the caller's dict ...},
      "caches": [{"n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v" (ggml type names),
-                 "v_trans", "window", "memory", "k_row_bytes", "v_row_bytes", "count"}, ...]}
+                 "v_trans", "window", "memory", "k_row_bytes", "v_row_bytes", "count"}        (a K/V section)
+                | {"kind": "recurrent", "n_layers", "states": [[name, [sizes...]], ...], "count"}, ...]}
 
 ``count`` is the number of cells the sequence holds in that cache. A section is then, with ``n =
 count`` and the sequence's cells in increasing position order:
@@ -37,16 +38,22 @@ count`` and the sequence's cells in increasing position order:
 
 Cells shared with other sequences (a forked prefix) are saved as the sequence's own.
 
+A recurrent section (a :class:`~ggmlpy.kvcache.Recurrent`: version 2) holds the sequence's live state:
+``count`` is 1 (0: the sequence holds nothing), then ``int32[count]``: the last position the state
+covers, then for every layer and every state (in the header's order) its F32 values (``4 * prod(sizes)``
+bytes). Its checkpoints are not saved: a loaded sequence goes on from its end.
+
 Loading
 -------
 :func:`load_seq` validates the whole file before the first byte of the cache or its cell table changes:
 the magic and version; the header's size (at most :data:`MAX_HEADER` bytes) and JSON nesting (at most
 :data:`MAX_DEPTH` levels), both bounded before it is parsed; its schema (exactly the keys above, each of
 its JSON type and in range: ``count``, sizes and ids non-negative 32-bit integers, ``v_trans`` a
-boolean, ``window``/``memory`` null or positive); the configuration (every key but ``memory`` and
-``count`` must equal the cache's, types included; for a Wrapper also the layer routing); the exact
-size; the checksum; the positions (non-negative, strictly increasing; for a Wrapper every cache's last
-position the same); ``expect_meta`` (equal as JSON: ``1`` is not ``1.0`` nor ``true``); and the
+boolean, ``window``/``memory`` null or positive; a recurrent section's states a list of names and sizes,
+its ``count`` 0 or 1); the configuration (every key but ``memory`` and ``count`` must equal the cache's,
+types included, a recurrent section's states their names and sizes; for a Wrapper also the layer
+routing); the exact size; the checksum; the positions (non-negative, strictly increasing; for a Wrapper
+every cache's last position the same); ``expect_meta`` (equal as JSON: ``1`` is not ``1.0`` nor ``true``); and the
 caller's ``check(meta, positions)``; then that the cells fit (the sequence's current cells, unless
 shared, count as free). Any problem raises :class:`StateError` (:class:`KVCacheFull` when the cells do
 not fit) naming what is wrong, and nothing has changed. Then the sequence is cleared, its cells are
@@ -84,13 +91,16 @@ from ggmlpy._files import replacing
 from .causal import Causal
 from .cells import _INT32_MAX, NotSupported
 from .forward import KVCacheFull
+from .recurrent import Recurrent
+from .rows import StateRows
 
 __all__ = ["MAGIC", "MAX_DEPTH", "MAX_HEADER", "VERSION", "StateError", "load_seq", "save_seq"]
 
 #: First bytes of a sequence state file.
 MAGIC = b"GGMLKVSQ"
-#: Format version written; a loader refuses a newer one.
-VERSION = 1
+#: Format version written when a state has a recurrent section (1 otherwise: what older ggmlpy reads); a
+#: loader refuses a newer one.
+VERSION = 2
 
 #: Largest header (its JSON, the caller's ``meta`` included) written or read: a runner's record of a
 #: million tokens takes about 7 MiB. Checked before the header is read.
@@ -109,6 +119,8 @@ _COMPARED = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v"
 _INTS = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "k_row_bytes", "v_row_bytes", "count")
 _CACHE_KEYS = frozenset(_INTS + ("type_k", "type_v", "v_trans", "window", "memory"))
 _TOP_KEYS = frozenset(("format", "kind", "seq", "meta", "caches"))
+_RS_KEYS = frozenset(("kind", "n_layers", "states", "count"))
+_MAX_STATES = 16            # states per recurrent layer (a convolution's, a scan's...)
 _MAX_CACHES = 256           # a Wrapper routes layers to a few caches
 _MAX_LAYERS = 1 << 16       # layer_to_cache entries
 
@@ -125,27 +137,38 @@ class StateError(GGMLValueError):
 
 
 def _caches(cache) -> tuple[str, list, Optional[list]]:
-    """``(kind, the Causal caches, layer routing or None)`` of a Causal or a Wrapper."""
+    """``(kind, the Causal and Recurrent caches, layer routing or None)`` of a Causal, a Recurrent or a Wrapper."""
     if isinstance(cache, Causal):
         return "Causal", [cache], None
+    if isinstance(cache, Recurrent):
+        return "Recurrent", [cache], None
     from .composite import Wrapper
 
     if isinstance(cache, Wrapper):
-        bad = [type(c).__name__ for c in cache.caches if not isinstance(c, Causal)]
+        bad = [type(c).__name__ for c in cache.caches if not isinstance(c, (Causal, Recurrent))]
         if bad:
             raise NotSupported(f"sequence state: a Wrapper of {', '.join(bad)} has no per-sequence state to save")
         return "Wrapper", list(cache.caches), list(cache.layer_to_cache)
-    raise GGMLTypeError(f"sequence state: a Causal or Wrapper cache, not {type(cache).__name__}")
+    raise GGMLTypeError(f"sequence state: a Causal, Recurrent or Wrapper cache, not {type(cache).__name__}")
 
 
-def _config(c: Causal) -> dict:
+def _config(c) -> dict:
+    if isinstance(c, Recurrent):
+        return {"kind": "recurrent", "n_layers": c.n_layers, "states": [[n, list(sh)] for n, sh in c.states.items()]}
     return {"n_layers": c.n_layers, "n_embd_k": c.n_embd_k, "n_embd_v": c.n_embd_v, "n_head_kv": c.n_head_kv,
             "type_k": c.dtype.name, "type_v": c.dtype_v.name, "v_trans": c.v_trans, "window": c.window,
             "memory": c.memory, "k_row_bytes": c.dtype.row_size(c.n_embd_k),
             "v_row_bytes": c.dtype_v.row_size(c.n_embd_v)}
 
 
+def _state_bytes(cfg: dict) -> int:
+    """Bytes of one layer's states in a recurrent section (F32 values)."""
+    return sum(4 * int(np.prod(shape)) for _name, shape in cfg["states"])
+
+
 def _section_bytes(cfg: dict) -> int:
+    if "kind" in cfg:
+        return cfg["count"] * (4 + cfg["n_layers"] * _state_bytes(cfg))
     return cfg["count"] * (4 + cfg["n_layers"] * (cfg["k_row_bytes"] + cfg["v_row_bytes"]))
 
 
@@ -208,8 +231,14 @@ def _write(t: Tensor, cell_ids: np.ndarray, data: np.ndarray, trans: bool, es: i
         t.set_bytes(np.ascontiguousarray(data[i:i + n]), first * row)
 
 
-def _layers(c: Causal):
-    """``(tensor, transposed, element bytes)`` of K then V of every layer, in file order."""
+def _layers(c):
+    """``(tensor, transposed, element bytes)`` of K then V of every layer (a recurrent cache: each state of
+    every layer), in file order."""
+    if isinstance(c, Recurrent):
+        for states in c.tensors:
+            for name in c.states:
+                yield states[name], False, 0
+        return
     es = c.dtype_v.type_size
     for k, v in zip(c.keys, c.values):
         yield k, False, 0
@@ -295,6 +324,12 @@ def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
     kind, caches, routing = _caches(cache)
     picked = []
     for c in caches:
+        if isinstance(c, Recurrent):
+            rows = c.rows
+            s = rows.check_seq(seq)
+            held = np.array([rows.tail[s]] if rows.tail[s] >= 0 else [], np.int64)
+            picked.append((held, np.array([rows.length[s] - 1] if held.size else [], np.int64)))
+            continue
         cells = c.cells
         s = cells._check_seq(seq)
         held = np.flatnonzero(cells.seqs[:, s])
@@ -307,6 +342,8 @@ def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
         picked.append((held, pos))
     header = {"format": _FORMAT, "kind": kind, "seq": int(seq), "meta": _meta_json(meta),
               "caches": [dict(_config(c), count=int(h.size)) for c, (h, _p) in zip(caches, picked)]}
+    # version 1 where it says everything (older ggmlpy reads those), 2 for a recurrent section
+    version = VERSION if any(isinstance(c, Recurrent) for c in caches) else 1
     if routing is not None:
         header["layer_to_cache"] = routing
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -319,7 +356,7 @@ def save_seq(cache, seq: int, file, meta: Optional[dict] = None) -> int:
 
     def dump(f) -> int:
         out = _Out(f)
-        out.write(_PRE.pack(MAGIC, VERSION, len(head)))
+        out.write(_PRE.pack(MAGIC, version, len(head)))
         out.write(head)
         for c, (held, pos) in zip(caches, picked):
             out.write(pos.astype("<i4"))
@@ -419,17 +456,27 @@ def _header(f, avail: Optional[int]) -> tuple[dict, bytes]:
         header = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise StateError(f"sequence state header is not valid JSON: {e}") from None
-    _check_schema(header)
+    _check_schema(header, version)
     return header, pre + raw
 
 
-def _check_schema(header) -> None:
+def _check_states(i: int, states) -> None:
+    """A recurrent section's ``states``: ``[[name, [sizes...]], ...]``, 1 to :data:`_MAX_STATES`, distinct names."""
+    ok = isinstance(states, list) and 0 < len(states) <= _MAX_STATES and all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) and 0 < len(e[0]) <= 64
+        and isinstance(e[1], list) and 1 <= len(e[1]) <= 3 and all(_is_int(d, 1) for d in e[1]) for e in states)
+    if not ok or len({e[0] for e in states}) != len(states):
+        raise StateError(f"sequence state header: cache {i} has bad 'states' (a list of [name, [sizes]]): "
+                         f"{_show(states)}")
+
+
+def _check_schema(header, version: int = VERSION) -> None:
     """Every key of the header present, of its JSON type and in range; no other key."""
     if not isinstance(header, dict) or header.get("format") != _FORMAT:
         raise StateError("sequence state header is not a ggmlpy.kvcache.seq header")
     kind = header.get("kind")
-    if kind not in ("Causal", "Wrapper"):
-        raise StateError(f"sequence state header: 'kind' must be 'Causal' or 'Wrapper', not {_show(kind)}")
+    if kind not in ("Causal", "Recurrent", "Wrapper"):
+        raise StateError(f"sequence state header: 'kind' must be 'Causal', 'Recurrent' or 'Wrapper', not {_show(kind)}")
     want = _TOP_KEYS | ({"layer_to_cache"} if kind == "Wrapper" else set())
     if set(header) != want:
         extra, missing = sorted(set(header) - want), sorted(want - set(header))
@@ -450,6 +497,16 @@ def _check_schema(header) -> None:
             raise StateError(f"sequence state header: 'layer_to_cache' must be a list of cache indices, not "
                              f"{_show(routing)}")
     for i, cfg in enumerate(caches):
+        if "kind" in cfg:
+            # a recurrent section: version 2 files only
+            if set(cfg) != _RS_KEYS or cfg["kind"] != "recurrent" or version < 2:
+                raise StateError(f"sequence state header: cache {i} is not a K/V section nor a recurrent one of "
+                                 f"version 2 (keys {_show(sorted(cfg))}, kind {_show(cfg['kind'])}, version {version})")
+            if not _is_int(cfg["n_layers"]) or not _is_int(cfg["count"], 0, 1):
+                raise StateError(f"sequence state header: cache {i} has a bad 'n_layers' or 'count' (0 or 1): "
+                                 f"{_show(cfg['n_layers'])}, {_show(cfg['count'])}")
+            _check_states(i, cfg["states"])
+            continue
         if set(cfg) != _CACHE_KEYS:
             extra, missing = sorted(set(cfg) - _CACHE_KEYS), sorted(_CACHE_KEYS - set(cfg))
             raise StateError(f"sequence state header: cache {i} has "
@@ -477,11 +534,22 @@ def _check_config(header: dict, kind: str, caches: list, routing) -> None:
         raise StateError(f"sequence state layer routing {_show(header['layer_to_cache'])} differs from this "
                          f"Wrapper's {routing}")
     for i, (cfg, c) in enumerate(zip(saved, caches)):
+        where = "" if len(caches) == 1 else f" of cache {i}"
+        if ("kind" in cfg) != isinstance(c, Recurrent):
+            have = "a recurrent" if "kind" in cfg else "a K/V"
+            raise StateError(f"sequence state: {have} section{where}, where this cache has "
+                             f"{'a recurrent' if isinstance(c, Recurrent) else 'a K/V'} one")
+        if isinstance(c, Recurrent):
+            mine = _config(c)
+            if cfg["n_layers"] != mine["n_layers"] or cfg["states"] != mine["states"]:
+                raise StateError(f"sequence state configuration{where} differs: recurrent states of "
+                                 f"{cfg['n_layers']} layers {_show(cfg['states'])} in the file, {mine['n_layers']} "
+                                 f"layers {mine['states']} here")
+            continue
         mine = _config(c)
         # the schema fixed every value's JSON type, so == compares like with like
         diff = [f"{k} {cfg[k]!r} in the file, {mine[k]!r} here" for k in _COMPARED if cfg[k] != mine[k]]
         if diff:
-            where = "" if len(caches) == 1 else f" of cache {i}"
             raise StateError(f"sequence state configuration{where} differs: {'; '.join(diff)}")
 
 
@@ -552,8 +620,8 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None,
         The sequence's cells do not fit. Nothing has changed.
     """
     kind, caches, routing = _caches(cache)
-    cells = [c.cells for c in caches]
-    seq = cells[0]._check_seq(seq)
+    cells = [c.rows if isinstance(c, Recurrent) else c.cells for c in caches]
+    seq = cells[0].check_seq(seq) if isinstance(caches[0], Recurrent) else cells[0]._check_seq(seq)
     want = _meta_json(expect_meta)
     if check is not None and not callable(check):
         raise GGMLTypeError(f"check must be callable, got {type(check).__name__}")
@@ -597,6 +665,13 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None,
         # plan every cache before touching any: the cells kept (a sliding window's memory) and their cell_ids
         plans = []
         for c, cl, pos in zip(caches, cells, positions):
+            if isinstance(c, Recurrent):
+                # one row, free once the sequence is cleared (its checkpoints go too: it goes on from its end)
+                trial = cl.copy()
+                trial.clear(seq)
+                free = [r for r, k in enumerate(trial.refs) if k == 0]
+                plans.append((0, np.array(free[:pos.size], np.int64)))
+                continue
             first = 0
             if c.memory is not None and pos.size:
                 first = int(np.searchsorted(pos, int(pos[-1]) + 1 - c.memory - c.max_batch))
@@ -639,6 +714,11 @@ def load_seq(cache, seq: int, file, expect_meta: Optional[dict] = None,
             raise
         f.seek(end)
     for cl, pos, (first, cell_ids) in zip(cells, positions, plans):
+        if isinstance(cl, StateRows):
+            cl.clear(seq)
+            if pos.size:
+                cl.load(seq, int(pos[-1]) + 1, int(cell_ids[0]))
+            continue
         cl.clear(seq)
         cl.apply(cell_ids, pos[first:], np.full(cell_ids.size, seq))
     return meta

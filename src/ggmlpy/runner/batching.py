@@ -85,3 +85,35 @@ def _drop_graphs(batch: _Batch) -> None:
         if ub.built is not None:
             ub.built.free()
             ub.built = None
+
+
+def split_equal(n_ubatch: int, tokens, positions, seqs, want, tied) -> list:
+    """:func:`~.loop.split_ubatches` with ``equal``: micro-batches that give each of their sequences as many
+    consecutive rows (a cache with recurrent states), the rows in their order."""
+    seqs = np.asarray(seqs)
+    n = len(tokens)
+    bounds = np.concatenate(([0], np.flatnonzero(np.diff(seqs)) + 1, [n])).tolist()
+    pieces = []                     # (first row, rows): each run cut at n_ubatch, never inside a tied group
+    for a, e in zip(bounds[:-1], bounds[1:]):
+        while a < e:
+            b = min(a + n_ubatch, e)
+            if tied is not None and b < e:
+                c = b
+                while c > a and tied[c]:
+                    c -= 1
+                if c > a:
+                    b = c
+            pieces.append((a, b - a))
+            a = b
+    groups: list[list] = []
+    for a, k in pieces:
+        g = groups[-1] if groups else None
+        if g and g[0][1] == k and (len(g) + 1) * k <= n_ubatch and all(seqs[x] != seqs[a] for x, _ in g):
+            g.append((a, k))
+        else:
+            groups.append([(a, k)])
+    out = []
+    for g in groups:
+        a, b = g[0][0], g[-1][0] + g[-1][1]
+        out.append(_UBatch(tokens[a:b], positions[a:b], seqs[a:b], np.flatnonzero(want[a:b])))
+    return out

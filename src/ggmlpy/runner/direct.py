@@ -115,7 +115,8 @@ class DirectCalls:
             if pos.min() < 0 or pos.max() >= self.n_ctx:
                 raise GGMLValueError(f"decode: positions {int(pos.min())}..{int(pos.max())} are outside the "
                                      f"context [0, {self.n_ctx}) of sequence {seq}")
-            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want, tied),
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, np.full(n, seq, np.int64), want, tied,
+                                                   equal=getattr(self.cache, "split_equal", False)),
                                     [seq],
                                     embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
                                     if positions is None else None)
@@ -197,5 +198,6 @@ class DirectCalls:
         want = np.zeros(toks.size, dtype=bool)
         want[np.asarray(logits)] = True
         with self._direct("decode_batch"):
-            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want),
+            return self._run_direct(split_ubatches(self.n_ubatch, toks, pos, seqs, want,
+                                                   equal=getattr(self.cache, "split_equal", False)),
                                     [int(s) for s in np.unique(seqs)], embedding=False)

@@ -5,7 +5,8 @@ what every device really needed, and moves layers until each device holds what i
 ``--fit`` does the same. :func:`fit_model` does it with ggmlpy's own allocation path:
 
 1. Each *try* is one allocation pass on a candidate :class:`~ggmlpy.backend.Placement`: the weights
-   (allocated, no data read), the KV cache at the requested context and the worst-case graphs a
+   (allocated, no data read), the KV cache at the requested context (and a recurrent model's states, whose
+   size does not follow the context) and the worst-case graphs a
    :class:`~ggmlpy.runner.Runner` reserves, on every device. What each device needed comes from the
    memory report; everything is freed again, except after the try that is kept, whose weights are
    then loaded (the data is read once).
@@ -150,6 +151,8 @@ class _Search:
         self.overrides = overrides
         self.overridden = dict(overridden or {})
         self.cache: dict[Unit, int] = {}
+        #: recurrent states per unit: measured like the cache, but their size does not follow the context
+        self.state: dict[Unit, int] = {}
         self.graph: dict[tuple[str, bool], int] = {}
         self.caps: dict[tuple[int, int], int] = {}
         self.steps: list[FitStep] = []
@@ -158,7 +161,7 @@ class _Search:
     # -------------------------------------------------------------- candidates
 
     def _size(self, u: Unit) -> int:
-        return self.weights.get(u, 0) + self.cache.get(u, 0)
+        return self.weights.get(u, 0) + self.cache.get(u, 0) + self.state.get(u, 0)
 
     def _graph(self, d: Device, output: bool) -> int:
         g = self.graph.get((d.name, output))
@@ -259,13 +262,17 @@ class _Search:
             for g, v in m.cache.items():
                 if v:
                     self.cache[g] = v
+            for g, v in m.state.items():
+                if v:
+                    self.state[g] = v
             if m.graph:         # what it needed, also when that allocation failed
                 self.graph[(m.name, placement.output.name == m.name)] = m.graph
         self.weights.update({u: v for u, v in units.items() if v})
         self.last_report = report
 
     def rescale_cache(self, ratio: float) -> None:
-        """A new context: the cache per layer scales with it; the graphs are measured again."""
+        """A new context: the cache per layer scales with it (not the recurrent states); the graphs are measured
+        again."""
         self.cache = {u: int(v * ratio) for u, v in self.cache.items()}
         self.graph.clear()
 
@@ -406,11 +413,13 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
         raise GGMLValueError("fit_model: open_model is required (load_model passes it)")
     s = _Search(path, devs, cfg.n_layer, tensor_bytes, budgets, open_model, runner_kw, overrides,
                 overridden)
-    # the first estimate of the cache: K and V rows of every cell (no window, no padding); tries measure it
+    # the first estimate of the cache: K and V rows of every cell (no window, no padding) of the attention layers
+    # (a recurrent layer's state is measured by the first try); tries measure it
     row = getattr(cfg, "n_head_kv", 0) * getattr(cfg, "head_dim", 0)
+    recurrent = getattr(cfg, "recurrent_layers", ()) or (False,) * cfg.n_layer
     if row:
         per_cell = _core.row_size(tk, row) + _core.row_size(tv, row)
-        s.cache = {u: per_cell * ctx * int(n_seq_max) for u in range(cfg.n_layer)}
+        s.cache = {u: per_cell * ctx * int(n_seq_max) for u in range(cfg.n_layer) if not recurrent[u]}
     tried: list[tuple[int, int, tuple]] = []          # (units offloaded, n_ctx, counts) per context that fitted
     while True:
         model, step = s.search(ctx)

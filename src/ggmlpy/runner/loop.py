@@ -34,7 +34,7 @@ from ggmlpy.sampling import Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sampling.chain import sample_batch
 
-from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch
+from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch, split_equal
 from .inputs import Prompt
 from .requests import Completion, DoneReason, Handle, TokenEvent
 from .slots import InputTooLong, group_sizes, shift_discard, truncate_indices
@@ -72,6 +72,7 @@ class _Request:
         self.t_start: Optional[float] = None
         self.t_first: Optional[float] = None
         self.placeholder = None          # _Placeholder standing for the token prev's compute will sample
+        self.cut: Optional[int] = None   # a batch ends this sequence's rows at this position (a checkpoint)
         self.text = None                 # text.TextStream of a request that produces text
         self.reply = None                # chat.ReplyStream of a chat: its reply parsed as it streams
 
@@ -266,6 +267,16 @@ class RequestLoop:
         req.record = self.slots[slot]
         req.pending = deque(as_units(req.prompt[n_past:], req.same_batch[n_past:]))
         req.n_prompt_left = len(req.prompt) - n_past
+        req.cut = None
+        n = len(req.prompt)
+        if getattr(self.cache, "n_checkpoints", 0) and not req.embedding:
+            # recurrent states go back only to a checkpoint: keep one at the prompt's end (a conversation goes
+            # on from there) and one token before it (the same prompt again computes only its last token),
+            # the batch cut there so that a micro-batch ends at it (llama.cpp's server checkpoints likewise)
+            for k in (n - 1, n):
+                if k > n_past:
+                    self.cache.want_checkpoint(slot, k)
+            req.cut = n - 1 if n - 1 > n_past else None
         req.result.n_cached = n_past
         req.result.prompt_eval_count = len(req.prompt)
         req.t_start = time.perf_counter()
@@ -363,6 +374,12 @@ class RequestLoop:
             while req.pending and len(toks) < limit:
                 unit = req.pending[0]
                 need = len(unit) if type(unit) is tuple else 1
+                if req.cut is not None:
+                    at = len(rec.tokens) + n_in
+                    if at == req.cut and n_in:
+                        break                 # this sequence's rows end at its checkpoint (_load_slot)
+                    if at >= req.cut or at + need > req.cut:
+                        req.cut = None        # reached, or inside a same-batch group: no cut
                 if need > limit:
                     if toks:
                         break                 # a group bigger than the batch goes first in the next one
@@ -420,7 +437,7 @@ class RequestLoop:
         tok_a = np.array([0 if isinstance(t, _Placeholder) and t.value is None else int(t) for t in toks],
                          dtype=np.int32)
         ubs = split_ubatches(self.n_ubatch, tok_a, np.asarray(pos, np.int64), np.asarray(rows_seq, np.int64),
-                             np.asarray(want), np.asarray(tied, bool))
+                             np.asarray(want), np.asarray(tied, bool), equal=getattr(self.cache, "split_equal", False))
         starts = np.cumsum([0] + [len(ub.tokens) for ub in ubs])
         for t in toks:
             if isinstance(t, _Placeholder):
@@ -699,12 +716,20 @@ class RequestLoop:
                 w.join()
 
 
-def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None) -> list:
+def split_ubatches(n_ubatch: int, tokens, positions, seqs, want, tied=None, equal: bool = False) -> list:
     """Cut one logical batch into :class:`_UBatch` es of at most ``n_ubatch`` rows.
 
     ``tied[i]`` marks a row that must stay with the row before it (a
     same-batch group): a cut moves back to the group's start.
+
+    ``equal`` (a cache with recurrent states: ``cache.split_equal``): every micro-batch gives each of its
+    sequences the same number of consecutive rows, as ``ssm_conv`` and ``ssm_scan`` take them
+    (llama.cpp's ``split_equal``). The rows keep their order: consecutive runs of one sequence each, cut
+    at ``n_ubatch``, go together while they are as long and of different sequences (decoding sequences
+    share one micro-batch; a prompt's rows take their own).
     """
+    if equal:
+        return split_equal(n_ubatch, tokens, positions, seqs, want, tied)
     out = []
     a, n = 0, len(tokens)
     while a < n:

@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ggmlpy._core import GGMLError, GGMLTypeError, GGMLValueError
-from ggmlpy.kvcache import NotSupported
+from ggmlpy.kvcache import NotSupported, resume_point
 
 __all__ = [
     "InputTooLong",
@@ -426,10 +426,13 @@ class LoadPlan:
     :meth:`SlotTable.load_slot` applies the plan to the cache as Ollama's ``LoadCacheSlot`` does:
 
     1. if ``fork_from`` is set, ``cache.copy_prefix(fork_from, slot, n_past)``;
-    2. if ``n_past > 0`` and not ``cache.can_resume(slot, n_past)``, fall back
-       to ``n_past = 0`` (:meth:`SlotTable.rewind`);
-    3. ``cache.remove(slot, n_past, None)``; if that fails, remove everything
-       and rewind to 0.
+    2. if ``n_past > 0``, go back to where the cache can resume: ``n_past`` when
+       ``cache.can_resume(slot, n_past)``, else 0; a cache with recurrent states
+       goes back to its last checkpoint at or before ``n_past``
+       (``cache.resume_point``; :meth:`SlotTable.rewind`);
+    3. ``cache.remove(slot, n_past, None)`` (after a fork, only when step 2 went
+       back from the copied length); if that fails, remove everything and
+       rewind to 0.
     """
 
     slot: int
@@ -677,11 +680,14 @@ class SlotTable:
             if fork:
                 cache.clear(slot)
                 cache.copy_prefix(lp.fork_from, slot, n_past)
-            if n_past > 0 and not cache.can_resume(slot, n_past):
-                n_past = 0                       # e.g. a sliding window evicted what the prompt needs
+            if n_past > 0:
+                # e.g. a sliding window evicted what the prompt needs (0); a recurrent state goes on only from
+                # its end or a checkpoint (the most tokens <= n_past it holds)
+                n_past = resume_point(cache, slot, n_past)
             if n_past == 0:
                 cache.clear(slot)
-            elif not fork:
+            elif not fork or n_past < lp.n_past:
+                # (a fork copied lp.n_past positions: the caches that hold more than the resume point drop them)
                 try:
                     cache.remove(slot, n_past, None)
                 except NotSupported:

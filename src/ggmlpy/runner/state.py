@@ -8,7 +8,7 @@ writes and takes back (:meth:`~ggmlpy.runner.slots.SlotTable.save`, :meth:`~ggml
 
 from __future__ import annotations
 
-from ggmlpy.kvcache import StateError
+from ggmlpy.kvcache import Recurrent, StateError
 
 from .images import FIRST_IMAGE_ID
 
@@ -73,6 +73,13 @@ def check_state(meta: dict, positions: list, model, cache, n_ctx: int) -> list:
         # the record says every position 0..last was computed: a cache holds them all, without a gap
         # (a sliding window's, at least those the next token sees)
         for i, (c, p) in enumerate(zip(getattr(cache, "caches", [cache]), positions)):
+            if isinstance(c, Recurrent):
+                # a recurrent state is one row: the state after the last position, which covers them all
+                if p.size != 1 or int(p[0]) != last:
+                    raise StateError(f"load_state: the state's cache {i} holds a recurrent state of positions "
+                                     f"{p.tolist()[:4]}, not the one after position {last} its {len(tokens)} "
+                                     "tokens say")
+                continue
             window = getattr(c, "window", None)
             need = 0 if window is None else max(0, last + 1 - window)
             if p.size != last + 1 - int(p[0]) or int(p[0]) > need:    # increasing, ending at last
