@@ -21,9 +21,11 @@ full one holding layers on each side). Then the same runner session, F32 cache, 
   holds its own copy of the factors (``DecoderModel._copy_to_layer_devices``), and each side of a split
   is one split of the graph.
 
-Sources: llama (4 layers), Mixtral (a llama file with experts), qwen3, qwen3moe and gemma3 (13 layers:
-local 0-4, global 5, local 6-10, global 11, local 12; window 8) are ggmlpy's synthetic files, rewritten
-as F32; gemma2, phi3 (LongRoPE), olmo2 and granite (tied output, multipliers) are the files llama.cpp's
+Sources: llama (4 layers), Mixtral (a llama file with experts), qwen3, qwen3moe, gemma3 (13 layers:
+local 0-4, global 5, local 6-10, global 11, local 12; window 8) and lfm2 (6 layers: attention 1 and 4,
+short convolutions with recurrent states elsewhere; its context shift is the runner's fallback, the
+kept tokens computed again) are ggmlpy's synthetic files, rewritten as F32; gemma2, phi3 (LongRoPE),
+olmo2 and granite (tied output, multipliers) are the files llama.cpp's
 converter writes for the architecture tests' tiny transformers models (test_arch_gemma, test_arch_phi3,
 test_arch_olmo_granite), converted once for this module.
 
@@ -41,7 +43,7 @@ import pytest
 from test_core_backend import rpc_server  # noqa: F401  (the loopback server fixture)
 
 from ggmlpy import gguf
-from ggmlpy.kvcache import Wrapper
+from ggmlpy.kvcache import NotSupported, Recurrent, Wrapper
 from ggmlpy.models import blocks, load_model
 from ggmlpy.models.synthetic import SIZES, for_arch, write_synthetic
 from ggmlpy.runner import Runner
@@ -77,6 +79,8 @@ SYNTHETIC = {
     "qwen3": for_arch(_TINY, "qwen3"),
     "qwen3moe": for_arch(_TINY, "qwen3moe"),
     "gemma3": replace(for_arch(replace(_TINY, n_layer=13), "gemma3"), sliding_window=8),
+    # attention in layers 1 and 4, short convolutions (recurrent states) in the others
+    "lfm2": for_arch(replace(_TINY, n_layer=6), "lfm2"),
 }
 
 # name: (n_gpu_layers, flash attention). n_gpu_layers > n_layer puts every layer and the output head on the
@@ -92,6 +96,7 @@ CASES = {
     "phi3": (3, True),
     "olmo2": (1, False),
     "granite": (3, False),
+    "lfm2": (3, True),            # convolution layers 3, 5 and attention layer 4 on the server
 }
 CONVERTED = ("gemma2", "phi3", "olmo2", "granite")
 
@@ -152,9 +157,15 @@ def files(tmp_path_factory):
 
 
 def _layer_kv(cache, layer: int):
-    """The K and V tensors of model layer ``layer`` (through a Wrapper's routing)."""
+    """The K and V tensors of model layer ``layer`` (through a Wrapper's routing), or its recurrent states."""
     c, i = cache.route(layer) if isinstance(cache, Wrapper) else (cache, layer)
+    if isinstance(c, Recurrent):
+        return tuple(c.tensors[i].values())
     return c.keys[i], c.values[i]
+
+
+def _recurrent_layers(model) -> set:
+    return {i for i, r in enumerate(getattr(model.config, "recurrent_layers", ())) if r}
 
 
 def _session(model, flash: bool, check=None) -> dict:
@@ -168,7 +179,13 @@ def _session(model, flash: bool, check=None) -> dict:
         n0 = len(PROMPT) + len(STEPS)
         out["two seqs"] = rt.decode_batch(SECOND + [NEXT], [*range(len(SECOND)), n0], [1] * len(SECOND) + [0],
                                           logits=np.ones(len(SECOND) + 1, bool))
-        rt.cache.remove(0, KEEP, KEEP + DISCARD)
+        try:
+            rt.cache.remove(0, KEEP, KEEP + DISCARD)
+        except NotSupported:
+            # recurrent states cannot shift: the runner's fallback, the kept tokens computed again
+            rt.clear(0)
+            held = PROMPT + STEPS + [NEXT]
+            rt.decode(held[:KEEP] + held[KEEP + DISCARD:], logits=None)
         assert rt.cache.seq_pos_max(0) == n0 - DISCARD
         out["shift"] = rt.decode([9, 10], logits="all")
         # one token, two, one again: the third takes the first's graph from the runner's pool, which the
@@ -223,8 +240,10 @@ def test_split_equals_cpu(name, files, rpc_server):  # noqa: F811
             # (phi3's factors on the CPU alone made every remote layer several)
             assert rt.rt.stats["tg"][1] <= 3 and rt.rt.stats["pp"][1] <= 3, rt.rt.stats
             cache = rt.memory_report().devices
-            assert {g for g, b in cache[remote.name].cache.items() if b} == on_server
-            assert {g for g, b in cache["CPU"].cache.items() if b} == set(range(n)) - on_server
+            rec = _recurrent_layers(model)
+            for kind, layers in (("cache", set(range(n)) - rec), ("state", rec)):
+                assert {g for g, b in getattr(cache[remote.name], kind).items() if b} == on_server & layers
+                assert {g for g, b in getattr(cache["CPU"], kind).items() if b} == layers - on_server
             for i in range(n):
                 assert all(t.is_host == (i not in on_server) for t in _layer_kv(rt.cache, i)), i
             if name.startswith("gemma"):
@@ -232,6 +251,11 @@ def test_split_equals_cpu(name, files, rpc_server):  # noqa: F811
                 assert isinstance(rt.cache, Wrapper) and len(rt.cache.caches) == 2
                 for c in rt.cache.caches:
                     assert len({t.is_host for t in c.keys}) == 2, c.model_layers
+            if name == "lfm2":
+                # the attention cache and the recurrent one each hold layers on both devices
+                kv, rs = rt.cache.caches
+                assert isinstance(rs, Recurrent) and len({t.is_host for t in kv.keys}) == 2
+                assert len({ts["conv"].is_host for ts in rs.tensors}) == 2
 
         got = _session(model, flash, check)
     worst = {}

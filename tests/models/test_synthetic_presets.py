@@ -36,6 +36,7 @@ PUBLIC = {
     "qwen3-4B": (4.022e9, True, 128, "qwen3"),
     "qwen3-8B": (8.191e9, False, 128, "qwen3"),
     "qwen3-30B-A3B-24L": (15.58e9, False, 128, "qwen3moe"),
+    "lfm2-1.2B": (1.170e9, True, 64, "lfm2"),
 }
 
 
@@ -55,7 +56,8 @@ def test_each_preset_has_its_models_shape(name):
 
 def test_counts_pick_the_nearest_size():
     assert parse_size("8B") == "qwen3-8B" and parse_size("3B") == "llama3.2-3B"
-    assert parse_size("1B") == "1B" and parse_size("1.2B") == "llama3.2-1B" and parse_size("110M") == "110M"
+    assert parse_size("1B") == "1B" and parse_size("1.24B") == "llama3.2-1B" and parse_size("110M") == "110M"
+    assert parse_size("1.2B") == "lfm2-1.2B"              # 1.17B: nearer than Llama-3.2-1B's 1.24B
 
 
 def test_tied_heads_get_q6_k_in_q4_k_m_as_llama_cpp_gives_them():
@@ -66,14 +68,17 @@ def test_tied_heads_get_q6_k_in_q4_k_m_as_llama_cpp_gives_them():
 
 
 def _small(name):
-    """The preset with 1 layer and a 1024-token vocabulary (its widths, heads and tying kept)."""
+    """The preset with 1 layer and a 1024-token vocabulary (its widths, heads and tying kept; lfm2: 2 layers, a
+    convolution and an attention layer)."""
     c = SIZES[name]
+    if c.conv_layers:
+        return replace(c, n_layer=2, n_vocab=1024, conv_layers=(True, False))
     return replace(c, n_layer=1, n_vocab=1024, n_expert=min(c.n_expert, 8), n_expert_used=min(c.n_expert_used, 2))
 
 
 # (the 8B shape's widths are the 4B's head layout in a wider model: the 1.7B and MoE cuts cover an
 # untied head and head size 128 at a test's cost)
-@pytest.mark.parametrize("name", ["llama3.2-1B", "qwen3-1.7B", "qwen3-30B-A3B-24L"])
+@pytest.mark.parametrize("name", ["llama3.2-1B", "qwen3-1.7B", "qwen3-30B-A3B-24L", "lfm2-1.2B"])
 @pytest.mark.parametrize("type", ["Q4_K_M", "Q8_0"])
 def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     cfg = _small(name)
@@ -84,7 +89,9 @@ def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     default = cfg.n_embd // cfg.n_head                           # llama.cpp's head size without the keys
     assert md.get(f"{a}.attention.key_length", default) == md.get(f"{a}.attention.value_length", default) \
         == cfg.head_dim
-    assert md[f"{a}.attention.head_count_kv"] == cfg.n_head_kv
+    kv = md[f"{a}.attention.head_count_kv"]
+    # lfm2: one per layer, 0 for a convolution layer
+    assert list(kv) == [0 if c else cfg.n_head_kv for c in cfg.conv_layers] if cfg.conv_layers else kv == cfg.n_head_kv
     types = {t.name: t.type.name for t in r.tensors}
     assert ("output.weight" in types) != cfg.tied
     if type == "Q4_K_M":

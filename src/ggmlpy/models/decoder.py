@@ -453,6 +453,8 @@ class DecoderModel(WeightLoader):
         gf = ctx.new_graph(size)
         for t in memory.pending:          # cache writes before anything reads the cache
             gf.build_forward_expand(t)
+        # the positions are an input of every graph, also one no layer reads (recurrent layers only)
+        gf.build_forward_expand(pos)
         gf.build_forward_expand(out)
         built = BuiltGraph(ctx, gf, tokens, pos, memory, out_ids, out, n, n_out)
         if n_embd_rows:

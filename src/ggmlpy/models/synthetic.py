@@ -5,9 +5,10 @@ module writes one: a GGUF with the shapes of a known model
 (llama2.c's *stories* models, TinyLlama) and random weights drawn from a seeded
 numpy generator, in one of :data:`ARCHS`: ``llama`` (the default), ``qwen3``
 (per-head Q/K norms), ``qwen3moe`` (8 experts, 2 used per token, each expert
-an eighth of the dense feed-forward, so the parameter count stays close) or
+an eighth of the dense feed-forward, so the parameter count stays close),
 ``gemma3`` (Q/K norms, post-norms, GeGLU, tied output, 5 sliding-window layers
-of 512 then one global, as llama.cpp assumes), each with the metadata keys
+of 512 then one global, as llama.cpp assumes) or ``lfm2`` (LFM2's short
+convolutions of 3 taps, attention in every third layer), each with the metadata keys
 and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
 benchmarked by llama.cpp for a side-by-side comparison.
@@ -61,7 +62,7 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2")
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,8 @@ class SyntheticConfig:
     n_embd_head: int = 0         # head size where it is not n_embd / n_head (Qwen3: 128)
     tied: bool = False           # the output head is token_embd.weight (no output.weight)
     nominal: float = 0.0         # the parameter count a preset stands for (its name is not a count)
+    conv_layers: tuple = ()      # lfm2: the short-convolution layers (the others attend)
+    conv_l_cache: int = 3        # lfm2: taps of each convolution
 
     @property
     def head_dim(self) -> int:
@@ -143,12 +146,16 @@ SIZES: dict[str, SyntheticConfig] = {
         SyntheticConfig("qwen3-30B-A3B-24L", 2048, 24, 32, 4, 6144, 151936, 40960,
                         "Qwen3-30B-A3B, 24 of its 48 layers", rope_freq_base=1e6, rms_eps=1e-6, arch="qwen3moe",
                         n_embd_head=128, n_expert=128, n_expert_used=8, n_ff_exp=768, nominal=15.6e9),
+        # LFM2-1.2B: 10 short-convolution layers and 6 attention layers (its config's full_attn_idxs)
+        SyntheticConfig("lfm2-1.2B", 2048, 16, 32, 8, 8192, 65536, 128000, "LFM2-1.2B", rope_freq_base=1e6,
+                        arch="lfm2", tied=True, nominal=1.17e9,
+                        conv_layers=tuple(i not in (2, 5, 8, 10, 12, 14) for i in range(16))),
     )
 }
 
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
-PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L")
+PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
@@ -165,6 +172,11 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     if arch == "qwen3moe":
         return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, n_expert=8, n_expert_used=2,
                        n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32))
+    if arch == "lfm2":
+        # LFM2's mix: attention in every third layer (its 16-layer models attend in 6), from the second (so the
+        # 2-layer tiny size has one: llama.cpp does not run an lfm2 file without attention layers)
+        return replace(cfg, arch=arch, rope_freq_base=1e6, tied=True,
+                       conv_layers=tuple(i % 3 != 1 for i in range(cfg.n_layer)))
     return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
 
 
@@ -254,14 +266,27 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
     Returns
     -------
     list of (name, numpy_shape, kind)
-        ``kind`` is ``"norm"`` (F32 ones) or ``"matrix"`` (random, written in the
-        model's type). Shapes are in numpy order (the reverse of ggml's ``ne``).
+        ``kind`` is ``"norm"`` (F32 ones), ``"matrix"`` (random, written in the
+        model's type), or ``"router"`` / ``"conv"`` (random, F32: an expert router, a
+        convolution kernel). Shapes are in numpy order (the reverse of ggml's ``ne``).
     """
     d, hd = cfg.n_embd, cfg.head_dim
     specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (cfg.n_vocab, d), "matrix")]
-    qk_norm = cfg.arch in ("qwen3", "qwen3moe", "gemma3")
+    qk_norm = cfg.arch in ("qwen3", "qwen3moe", "gemma3", "lfm2")
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
+        if cfg.conv_layers and cfg.conv_layers[i]:
+            specs += [
+                (b + "attn_norm.weight", (d,), "norm"),
+                (b + "shortconv.in_proj.weight", (3 * d, d), "matrix"),
+                (b + "shortconv.conv.weight", (d, cfg.conv_l_cache), "conv"),
+                (b + "shortconv.out_proj.weight", (d, d), "matrix"),
+                (b + "ffn_norm.weight", (d,), "norm"),
+                (b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"),
+                (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
+                (b + "ffn_down.weight", (d, cfg.n_ff), "matrix"),
+            ]
+            continue
         specs += [
             (b + "attn_norm.weight", (d,), "norm"),
             (b + "attn_q.weight", (cfg.n_head * hd, d), "matrix"),
@@ -290,7 +315,8 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
             ]
         if cfg.arch == "gemma3":
             specs.append((b + "post_ffw_norm.weight", (d,), "norm"))
-    specs.append(("output_norm.weight", (d,), "norm"))
+    # (lfm2's output norm has the name llama.cpp reads: token_embd_norm)
+    specs.append(("token_embd_norm.weight" if cfg.arch == "lfm2" else "output_norm.weight", (d,), "norm"))
     if cfg.arch != "gemma3" and not cfg.tied:   # gemma ties the output to the embeddings
         specs.append(("output.weight", (cfg.n_vocab, d), "matrix"))
     return specs
@@ -341,7 +367,9 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         (f"{a}.block_count", cfg.n_layer, "UINT32"),
         (f"{a}.feed_forward_length", cfg.n_ff, "UINT32"),
         (f"{a}.attention.head_count", cfg.n_head, "UINT32"),
-        (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
+        # lfm2: one per layer, 0 for a convolution layer (as llama.cpp's converter writes it)
+        (f"{a}.attention.head_count_kv", [0 if c else cfg.n_head_kv for c in cfg.conv_layers], "ARRAY")
+        if cfg.conv_layers else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
         (f"{a}.rope.dimension_count", cfg.head_dim, "UINT32"),
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
@@ -355,6 +383,8 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
     if cfg.sliding_window:
         md += [(f"{a}.attention.sliding_window", cfg.sliding_window, "UINT32"),
                (f"{a}.rope.freq_base_swa", cfg.rope_freq_base_swa, "FLOAT32")]
+    if cfg.conv_layers:
+        md += [(f"{a}.shortconv.l_cache", cfg.conv_l_cache, "UINT32")]
     md += [
         ("tokenizer.ggml.model", "none", "STRING"),
         ("ggmlpy.synthetic.size", cfg.name, "STRING"),
@@ -426,7 +456,7 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     for index, (name, shape, kind) in enumerate(specs):
         if kind == "norm":
             w.add_tensor(name, np.ones(shape, np.float32), type="F32")
-        elif kind == "router":                  # llama.cpp keeps the expert router in F32
+        elif kind in ("router", "conv"):        # llama.cpp keeps the expert router and conv kernels in F32
             w.add_tensor(name, _random_matrix(shape, seed, index), type="F32")
         elif type in ("F32", "F16"):
             w.add_tensor(name, _random_matrix(shape, seed, index).astype({"F32": np.float32, "F16": np.float16}[type]),
