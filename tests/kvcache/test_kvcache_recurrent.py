@@ -197,16 +197,21 @@ def _conv_ref(hist):
     return np.stack([(full[t:t + W + 1] * KERN.T).sum(0) for t in range(len(hist))])
 
 
-def _run_conv(cache, seqs, t, layer=0):
+def _run_conv(cache, seqs, t, layer=0, strided=False):
     """One batch of ``t`` tokens for each of ``seqs`` through the convolution state of ``layer``: the inputs
-    (random) and outputs ``(n_seqs, t, C)``."""
+    (random; ``strided``: given as a view of wider rows, as a projection's part is) and outputs ``(n_seqs, t, C)``."""
     rows = cache.rows if isinstance(cache, Recurrent) else cache.caches[1].rows
     pos = np.concatenate([rows.length[s] + np.arange(t) for s in seqs])
     plan = cache.start_forward(pos, np.repeat(seqs, t))
     x = RNG.standard_normal((len(seqs) * t, C)).astype(np.float32)
     with ggmlpy.Context(1 << 22) as ctx:
         fw = cache.forward(ctx, plan).set_layer(layer)
-        out = fw.conv(ctx.from_numpy(x), ctx.from_numpy(KERN))
+        if strided:
+            wide = ctx.from_numpy(np.concatenate([np.zeros((len(x), 3), np.float32), x], 1))
+            xt = ctx.view(wide, (C, len(x)), (wide.nb[1],), 3 * 4)
+        else:
+            xt = ctx.from_numpy(x)
+        out = fw.conv(xt, ctx.from_numpy(KERN))
         gf = ctx.new_graph(128)
         for w in fw.pending:
             gf.build_forward_expand(w)
@@ -223,7 +228,7 @@ def test_conv_state_over_batches_forks_and_checkpoints():
     hist = {s: np.zeros((0, C), np.float32) for s in range(3)}
 
     def step(seqs, t):
-        x, y = _run_conv(cache, seqs, t)
+        x, y = _run_conv(cache, seqs, t, strided=t == 2)
         for j, s in enumerate(seqs):
             hist[s] = np.concatenate([hist[s], x[j]])
             np.testing.assert_allclose(y[j], _conv_ref(hist[s])[-t:], rtol=1e-5, atol=1e-5)

@@ -147,8 +147,9 @@ class RecurrentForward(_LayerView):
     def conv(self, x: Tensor, weight: Tensor, name: str = "conv") -> Tensor:
         """The causal depthwise convolution of ``x`` with the state ``name``, the state updated.
 
-        ``x`` is ``ne = (channels, n_batch)`` with the batch's rows (grouped by sequence, see the class)
-        or already ``(channels, n_seq_tokens, n_seqs)``; ``weight`` F32 ``ne = (d_conv, channels)``, the
+        ``x`` is ``ne = (channels, n_batch)`` with the batch's rows (grouped by sequence, see the class;
+        the rows may be strided, a view of a wider projection) or already ``(channels, n_seq_tokens,
+        n_seqs)``; F32; ``weight`` F32 ``ne = (d_conv, channels)``, the
         state's shape ``(d_conv - 1, channels)``. Each sequence's last ``d_conv - 1`` inputs (the state)
         go before its tokens, time along ``ne[0]``, as ``ssm_conv`` takes them; the last ``d_conv - 1``
         of that become the new state. Returns ``ne = (channels, n_seq_tokens, n_seqs)``, no bias.
@@ -162,7 +163,13 @@ class RecurrentForward(_LayerView):
         if x.ne[0] != channels or x.ne[1] * x.ne[2] * x.ne[3] != t * s:
             raise GGMLValueError(f"recurrent conv {name!r}: x of ne={x.ne} for {s} sequences of {t} tokens of "
                                  f"{channels} channels")
-        x3 = ctx.reshape(x if x.is_contiguous else ctx.cont(x), (channels, t, s))
+        if x.ne[1:3] == (t, s):
+            x3 = x
+        elif x.ne[2] * x.ne[3] == 1 and x.nb[0] == 4:
+            # (channels, n): rows of the batch, possibly strided (a view of a wider projection: no copy)
+            x3 = ctx.view(x, (channels, t, s), (x.nb[1], x.nb[1] * t), 0)
+        else:
+            x3 = ctx.reshape(ctx.cont(x), (channels, t, s))
         prev = ctx.reshape(self.get(name), (width, channels, s))
         sx = ctx.concat(prev, ctx.transpose(x3), 0)                      # (width + t, channels, s), time first
         last = ctx.view(sx, (width, channels, s), (sx.nb[1], sx.nb[2]), t * sx.nb[0])
@@ -413,6 +420,19 @@ class Recurrent:
             n_seqs, t = (n, 1) if n <= rows.n_seq_max else (1, n)
             return RecurrentPlan(np.arange(n_seqs, dtype=np.int64), t, np.full(n_seqs, rows.n_rows, np.int32),
                                  np.arange(n_seqs, dtype=np.int64), True, rows.n_rows)
+        if n == 1:
+            # one generation step, the hot path: the checks below from scalars
+            s, p = int(seq_ids[0]), int(positions[0])
+            if not 0 <= s < rows.n_seq_max:
+                raise GGMLValueError(f"sequence id {s} out of range [0, {rows.n_seq_max})")
+            if p != rows.length[s]:
+                raise GGMLValueError(f"recurrent cache: sequence {s} holds {rows.length[s]} tokens; its rows must "
+                                     f"be at positions {rows.length[s]}.. in order, got [{p}] (a recurrent state "
+                                     "cannot go back or skip)")
+            trial = rows.copy()
+            (src,), dst = trial.advance([s], 1)
+            return RecurrentPlan(seq_ids[:1], 1, np.array([rows.n_rows if src < 0 else src], np.int32),
+                                 np.array(dst, np.int64), False, rows.n_rows, _base=(rows, rows.version), _after=trial)
         bad = (seq_ids < 0) | (seq_ids >= rows.n_seq_max)
         if bad.any():
             raise GGMLValueError(f"sequence id {int(seq_ids[bad][0])} out of range [0, {rows.n_seq_max})")
