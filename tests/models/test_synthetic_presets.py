@@ -37,6 +37,8 @@ PUBLIC = {
     "qwen3-8B": (8.191e9, False, 128, "qwen3"),
     "qwen3-30B-A3B-24L": (15.58e9, False, 128, "qwen3moe"),
     "lfm2-1.2B": (1.170e9, True, 64, "lfm2"),
+    # the count of the shape it copies (llama.cpp's granitehybrid 7B-A1B type): no count of IBM's is at hand here
+    "granitehybrid-7B-A1B": (6.939e9, True, 128, "granitehybrid"),
 }
 
 
@@ -71,14 +73,16 @@ def _small(name):
     """The preset with 1 layer and a 1024-token vocabulary (its widths, heads and tying kept; lfm2: 2 layers, a
     convolution and an attention layer)."""
     c = SIZES[name]
-    if c.conv_layers:
-        return replace(c, n_layer=2, n_vocab=1024, conv_layers=(True, False))
+    if c.recurrent_layers:
+        return replace(c, n_layer=2, n_vocab=1024, recurrent_layers=(True, False), n_expert=min(c.n_expert, 8),
+                       n_expert_used=min(c.n_expert_used, 2))
     return replace(c, n_layer=1, n_vocab=1024, n_expert=min(c.n_expert, 8), n_expert_used=min(c.n_expert_used, 2))
 
 
 # (the 8B shape's widths are the 4B's head layout in a wider model: the 1.7B and MoE cuts cover an
 # untied head and head size 128 at a test's cost)
-@pytest.mark.parametrize("name", ["llama3.2-1B", "qwen3-1.7B", "qwen3-30B-A3B-24L", "lfm2-1.2B"])
+@pytest.mark.parametrize("name", ["llama3.2-1B", "qwen3-1.7B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
+                                  "granitehybrid-7B-A1B"])
 @pytest.mark.parametrize("type", ["Q4_K_M", "Q8_0"])
 def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     cfg = _small(name)
@@ -90,8 +94,10 @@ def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     assert md.get(f"{a}.attention.key_length", default) == md.get(f"{a}.attention.value_length", default) \
         == cfg.head_dim
     kv = md[f"{a}.attention.head_count_kv"]
-    # lfm2: one per layer, 0 for a convolution layer
-    assert list(kv) == [0 if c else cfg.n_head_kv for c in cfg.conv_layers] if cfg.conv_layers else kv == cfg.n_head_kv
+    if cfg.recurrent_layers:                  # one per layer, 0 for a recurrent layer
+        assert list(kv) == [0 if c else cfg.n_head_kv for c in cfg.recurrent_layers]
+    else:
+        assert kv == cfg.n_head_kv
     types = {t.name: t.type.name for t in r.tensors}
     assert ("output.weight" in types) != cfg.tied
     if type == "Q4_K_M":

@@ -21,14 +21,15 @@ report exists before any data is read) and then loads the data with progress.
   :mod:`~ggmlpy.models.olmo2`, :mod:`~ggmlpy.models.granite`, :mod:`~ggmlpy.models.lfm2` (LFM2: short
   convolutions with a recurrent state per sequence and attention layers, through a
   :class:`~ggmlpy.kvcache.Wrapper` of a :class:`~ggmlpy.kvcache.Recurrent` and a
-  :class:`~ggmlpy.kvcache.Causal`);
+  :class:`~ggmlpy.kvcache.Causal`), :mod:`~ggmlpy.models.granitehybrid` (Granite 4.0 H: Mamba-2 layers and
+  attention layers the same way, experts with a shared one);
 * :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
 
 from __future__ import annotations
 
-from . import gemma, gptoss, granite, lfm2, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
+from . import gemma, gptoss, granite, granitehybrid, lfm2, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
 from .base import (
            ARCHITECTURES,
            BuiltGraph,

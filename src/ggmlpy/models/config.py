@@ -6,6 +6,7 @@
   :attr:`DecoderConfig.ROPE_TYPES` (the ``general.architecture`` values it reads) and extends
   :meth:`DecoderConfig._read` and :meth:`DecoderConfig._problems` for its own keys.
 * :func:`read_routing` checks a mixture-of-experts file's routing keys against what a graph builds.
+* :func:`layer_kv_heads` reads a hybrid model's KV head count per layer (0: a recurrent layer).
 * The ``_MAX_*`` bounds every reader checks sizes against before anything is sized from them.
 
 The model that reads the file's tensors with this config is :class:`~ggmlpy.models.decoder.DecoderModel`.
@@ -26,7 +27,7 @@ from ggmlpy.weights import MetaReader
 
 from .base import UnknownArchitecture
 
-__all__ = ["DecoderConfig", "read_routing"]
+__all__ = ["DecoderConfig", "layer_kv_heads", "read_routing"]
 
 _log = logging.getLogger("ggmlpy")
 
@@ -235,3 +236,29 @@ def read_routing(m: MetaReader, arch: str, built: dict, norm_default: bool) -> b
     if not isinstance(norm, (bool, np.bool_)):
         raise MetadataTypeError(m.path, m.key("expert_weights_norm"), f"expected a bool, got {norm!r:.80}")
     return bool(norm)
+
+
+def layer_kv_heads(m: MetaReader, n_layer: int) -> list[int]:
+    """``attention.head_count_kv`` per layer, as hybrid models write it (lfm2, granitehybrid): an array with 0
+    for a recurrent layer and one head count for every attention layer, or one value for all.
+
+    Raises
+    ------
+    MetadataError, MetadataTypeError
+        Naming the key: missing, an array of another length, values that are not integers, attention layers
+        of different head counts.
+    """
+    key = m.key("attention.head_count_kv")
+    raw = m.md.get(key)
+    if raw is None:
+        raise MetadataError(m.path, key, "is missing (it says which layers are recurrent: 0)")
+    vals = list(raw) if isinstance(raw, (list, np.ndarray)) else [raw] * n_layer
+    if len(vals) != n_layer:
+        raise MetadataError(m.path, key, f"an array of {len(vals)} values for {n_layer} layers")
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in vals):
+        raise MetadataTypeError(m.path, key, "expected integers (one per layer)")
+    vals = [int(v) for v in vals]
+    if any(not 0 <= v <= _MAX_HEADS for v in vals) or len({v for v in vals if v}) > 1:
+        raise MetadataError(m.path, key, f"{vals[:8]}{'...' if len(vals) > 8 else ''}: 0 for a recurrent layer, "
+                                         "one head count for every attention layer")
+    return vals

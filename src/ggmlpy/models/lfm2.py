@@ -41,7 +41,7 @@ from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
-from .config import _MAX_HEADS, _MAX_LAYERS, DecoderConfig
+from .config import _MAX_LAYERS, DecoderConfig, layer_kv_heads
 from .decoder import DecoderModel
 
 __all__ = ["Lfm2Config", "Lfm2Model"]
@@ -70,7 +70,7 @@ class Lfm2Config(DecoderConfig):
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
         n_layer = m.geti("block_count", lo=1, hi=_MAX_LAYERS)
-        kv = cls._kv_heads(m, n_layer)
+        kv = layer_kv_heads(m, n_layer)
         attn = [k for k in kv if k]
         # the common reader takes one head count: the attention layers' (any, when there are none)
         md = dict(m.md)
@@ -89,25 +89,6 @@ class Lfm2Config(DecoderConfig):
         d["conv_l_cache"] = m.geti("shortconv.l_cache", lo=2, hi=1024) if 0 in kv else \
             m.geti("shortconv.l_cache", 3, lo=2, hi=1024)
         return d
-
-    @staticmethod
-    def _kv_heads(m: MetaReader, n_layer: int) -> list[int]:
-        """``attention.head_count_kv`` per layer: an array (0 for a convolution layer) or one value for all."""
-        key = m.key("attention.head_count_kv")
-        raw = m.md.get(key)
-        if raw is None:
-            raise MetadataError(m.path, key, "is missing (it says which layers are convolutions: 0)")
-        vals = list(raw) if isinstance(raw, (list, np.ndarray)) else [raw] * n_layer
-        if len(vals) != n_layer:
-            raise MetadataError(m.path, key, f"an array of {len(vals)} values for {n_layer} layers")
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)) for v in vals):
-            raise MetadataTypeError(m.path, key, "expected integers (one per layer)")
-        vals = [int(v) for v in vals]
-        heads = {v for v in vals if v}
-        if any(not 0 <= v <= _MAX_HEADS for v in vals) or len(heads) > 1:
-            raise MetadataError(m.path, key, f"{vals[:8]}{'...' if len(vals) > 8 else ''}: 0 for a convolution "
-                                             "layer, one head count for every attention layer")
-        return vals
 
     def _problems(self) -> list[str]:
         bad = super()._problems()

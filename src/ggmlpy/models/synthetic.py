@@ -7,8 +7,9 @@ numpy generator, in one of :data:`ARCHS`: ``llama`` (the default), ``qwen3``
 (per-head Q/K norms), ``qwen3moe`` (8 experts, 2 used per token, each expert
 an eighth of the dense feed-forward, so the parameter count stays close),
 ``gemma3`` (Q/K norms, post-norms, GeGLU, tied output, 5 sliding-window layers
-of 512 then one global, as llama.cpp assumes) or ``lfm2`` (LFM2's short
-convolutions of 3 taps, attention in every third layer), each with the metadata keys
+of 512 then one global, as llama.cpp assumes), ``lfm2`` (LFM2's short
+convolutions of 3 taps, attention in every third layer) or ``granitehybrid`` (Granite 4.0 H:
+Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers), each with the metadata keys
 and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
 benchmarked by llama.cpp for a side-by-side comparison.
@@ -62,7 +63,7 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid")
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,12 @@ class SyntheticConfig:
     n_embd_head: int = 0         # head size where it is not n_embd / n_head (Qwen3: 128)
     tied: bool = False           # the output head is token_embd.weight (no output.weight)
     nominal: float = 0.0         # the parameter count a preset stands for (its name is not a count)
-    conv_layers: tuple = ()      # lfm2: the short-convolution layers (the others attend)
+    recurrent_layers: tuple = ()  # lfm2, granitehybrid: the recurrent layers (convolutions, Mamba-2; others attend)
     conv_l_cache: int = 3        # lfm2: taps of each convolution
+    ssm_d_state: int = 128       # granitehybrid: Mamba-2 state size, head size (the inner width is 2 n_embd), groups
+    ssm_head_dim: int = 64
+    ssm_n_group: int = 1
+    n_ff_shexp: int = 0          # granitehybrid with experts: the shared expert's width
 
     @property
     def head_dim(self) -> int:
@@ -149,13 +154,20 @@ SIZES: dict[str, SyntheticConfig] = {
         # LFM2-1.2B: 10 short-convolution layers and 6 attention layers (its config's full_attn_idxs)
         SyntheticConfig("lfm2-1.2B", 2048, 16, 32, 8, 8192, 65536, 128000, "LFM2-1.2B", rope_freq_base=1e6,
                         arch="lfm2", tied=True, nominal=1.17e9,
-                        conv_layers=tuple(i not in (2, 5, 8, 10, 12, 14) for i in range(16))),
+                        recurrent_layers=tuple(i not in (2, 5, 8, 10, 12, 14) for i in range(16))),
+        # llama.cpp's granitehybrid 7B-A1B (n_embd 1536, experts 512 wide: Granite-4.0-H-Tiny): 40 layers, attention
+        # in 4, 64 experts of which 6 per token and a shared one, Mamba-2 of 48 heads of 64 and a 128 state
+        SyntheticConfig("granitehybrid-7B-A1B", 1536, 40, 12, 4, 512, 100352, 131072,
+                        "Granite-4.0-H-Tiny's layout (llama.cpp's granitehybrid 7B-A1B)", arch="granitehybrid",
+                        tied=True, n_expert=64, n_expert_used=6, n_ff_exp=512, n_ff_shexp=1024, nominal=6.94e9,
+                        recurrent_layers=tuple(i % 10 != 5 for i in range(40))),
     )
 }
 
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
-PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B")
+PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
+           "granitehybrid-7B-A1B")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
@@ -176,7 +188,12 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
         # LFM2's mix: attention in every third layer (its 16-layer models attend in 6), from the second (so the
         # 2-layer tiny size has one: llama.cpp does not run an lfm2 file without attention layers)
         return replace(cfg, arch=arch, rope_freq_base=1e6, tied=True,
-                       conv_layers=tuple(i % 3 != 1 for i in range(cfg.n_layer)))
+                       recurrent_layers=tuple(i % 3 != 1 for i in range(cfg.n_layer)))
+    if arch == "granitehybrid":
+        # Granite 4.0 H's mix: attention in every fourth layer (from the second), Mamba-2 (heads of 64, state 128)
+        # in the others; a dense feed-forward (Micro's)
+        return replace(cfg, arch=arch, tied=True, ssm_head_dim=min(64, cfg.n_embd), ssm_d_state=min(128, cfg.n_embd),
+                       recurrent_layers=tuple(i % 4 != 1 for i in range(cfg.n_layer)))
     return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
 
 
@@ -267,15 +284,19 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
     -------
     list of (name, numpy_shape, kind)
         ``kind`` is ``"norm"`` (F32 ones), ``"matrix"`` (random, written in the
-        model's type), or ``"router"`` / ``"conv"`` (random, F32: an expert router, a
-        convolution kernel). Shapes are in numpy order (the reverse of ggml's ``ne``).
+        model's type), ``"router"`` / ``"conv"`` (random, F32: an expert router, a
+        convolution kernel or bias) or ``"decay"`` (F32, negative: Mamba-2's A). Shapes
+        are in numpy order (the reverse of ggml's ``ne``).
     """
     d, hd = cfg.n_embd, cfg.head_dim
     specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (cfg.n_vocab, d), "matrix")]
     qk_norm = cfg.arch in ("qwen3", "qwen3moe", "gemma3", "lfm2")
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        if cfg.conv_layers and cfg.conv_layers[i]:
+        if cfg.arch == "granitehybrid":
+            specs += _granitehybrid_layer(cfg, b, cfg.recurrent_layers[i])
+            continue
+        if cfg.recurrent_layers and cfg.recurrent_layers[i]:
             specs += [
                 (b + "attn_norm.weight", (d,), "norm"),
                 (b + "shortconv.in_proj.weight", (3 * d, d), "matrix"),
@@ -319,6 +340,37 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
     specs.append(("token_embd_norm.weight" if cfg.arch == "lfm2" else "output_norm.weight", (d,), "norm"))
     if cfg.arch != "gemma3" and not cfg.tied:   # gemma ties the output to the embeddings
         specs.append(("output.weight", (cfg.n_vocab, d), "matrix"))
+    return specs
+
+
+def _granitehybrid_layer(cfg: SyntheticConfig, b: str, mamba: bool) -> list:
+    """One granitehybrid layer's tensors: Mamba-2 (inner width 2 n_embd) or attention, then the feed-forward (the
+    experts and the shared one, or dense)."""
+    d, hd = cfg.n_embd, cfg.head_dim
+    specs = [(b + "attn_norm.weight", (d,), "norm")]
+    if mamba:
+        di, ds, ng = 2 * d, cfg.ssm_d_state, cfg.ssm_n_group
+        nh, conv = di // cfg.ssm_head_dim, di + 2 * ng * ds
+        specs += [(b + "ssm_in.weight", (2 * di + 2 * ng * ds + nh, d), "matrix"),
+                  (b + "ssm_conv1d.weight", (conv, 4), "conv"), (b + "ssm_conv1d.bias", (conv,), "conv"),
+                  (b + "ssm_dt.bias", (nh,), "conv"), (b + "ssm_a", (nh, 1), "decay"), (b + "ssm_d", (nh, 1), "norm"),
+                  (b + "ssm_norm.weight", (ng, di // ng), "norm"), (b + "ssm_out.weight", (d, di), "matrix")]
+    else:
+        specs += [(b + "attn_q.weight", (cfg.n_head * hd, d), "matrix"),
+                  (b + "attn_k.weight", (cfg.n_head_kv * hd, d), "matrix"),
+                  (b + "attn_v.weight", (cfg.n_head_kv * hd, d), "matrix"),
+                  (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix")]
+    specs.append((b + "ffn_norm.weight", (d,), "norm"))
+    if cfg.n_expert:
+        e, f, s = cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
+        specs += [(b + "ffn_gate_inp.weight", (e, d), "router"), (b + "ffn_gate_exps.weight", (e, f, d), "matrix"),
+                  (b + "ffn_up_exps.weight", (e, f, d), "matrix"), (b + "ffn_down_exps.weight", (e, d, f), "matrix")]
+        if s:
+            specs += [(b + "ffn_gate_shexp.weight", (s, d), "matrix"), (b + "ffn_up_shexp.weight", (s, d), "matrix"),
+                      (b + "ffn_down_shexp.weight", (d, s), "matrix")]
+    else:
+        specs += [(b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"), (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
+                  (b + "ffn_down.weight", (d, cfg.n_ff), "matrix")]
     return specs
 
 
@@ -368,8 +420,8 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         (f"{a}.feed_forward_length", cfg.n_ff, "UINT32"),
         (f"{a}.attention.head_count", cfg.n_head, "UINT32"),
         # lfm2: one per layer, 0 for a convolution layer (as llama.cpp's converter writes it)
-        (f"{a}.attention.head_count_kv", [0 if c else cfg.n_head_kv for c in cfg.conv_layers], "ARRAY")
-        if cfg.conv_layers else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
+        (f"{a}.attention.head_count_kv", [0 if c else cfg.n_head_kv for c in cfg.recurrent_layers], "ARRAY")
+        if cfg.recurrent_layers else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
         (f"{a}.rope.dimension_count", cfg.head_dim, "UINT32"),
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
@@ -383,8 +435,19 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
     if cfg.sliding_window:
         md += [(f"{a}.attention.sliding_window", cfg.sliding_window, "UINT32"),
                (f"{a}.rope.freq_base_swa", cfg.rope_freq_base_swa, "FLOAT32")]
-    if cfg.conv_layers:
+    if cfg.recurrent_layers and a == "lfm2":
         md += [(f"{a}.shortconv.l_cache", cfg.conv_l_cache, "UINT32")]
+    if a == "granitehybrid":
+        # Granite 4.0 H: Mamba-2 with an inner width of 2 n_embd, no RoPE, Granite's multipliers
+        di = 2 * cfg.n_embd
+        md += [(f"{a}.ssm.conv_kernel", 4, "UINT32"), (f"{a}.ssm.inner_size", di, "UINT32"),
+               (f"{a}.ssm.state_size", cfg.ssm_d_state, "UINT32"),
+               (f"{a}.ssm.time_step_rank", di // cfg.ssm_head_dim, "UINT32"),
+               (f"{a}.ssm.group_count", cfg.ssm_n_group, "UINT32"), (f"{a}.rope.scaling.finetuned", False, "BOOL"),
+               (f"{a}.embedding_scale", 12.0, "FLOAT32"), (f"{a}.residual_scale", 0.22, "FLOAT32"),
+               (f"{a}.attention.scale", 1.0 / cfg.head_dim, "FLOAT32"), (f"{a}.logit_scale", 6.0, "FLOAT32")]
+        if cfg.n_ff_shexp:
+            md += [(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp, "UINT32")]
     md += [
         ("tokenizer.ggml.model", "none", "STRING"),
         ("ggmlpy.synthetic.size", cfg.name, "STRING"),
@@ -458,6 +521,8 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
             w.add_tensor(name, np.ones(shape, np.float32), type="F32")
         elif kind in ("router", "conv"):        # llama.cpp keeps the expert router and conv kernels in F32
             w.add_tensor(name, _random_matrix(shape, seed, index), type="F32")
+        elif kind == "decay":                   # Mamba-2's A = -exp(A_log): negative, about -1 to -16
+            w.add_tensor(name, -np.exp(np.abs(_random_matrix(shape, seed, index)) / WEIGHT_STD * 0.7), type="F32")
         elif type in ("F32", "F16"):
             w.add_tensor(name, _random_matrix(shape, seed, index).astype({"F32": np.float32, "F16": np.float16}[type]),
                          type=type)
