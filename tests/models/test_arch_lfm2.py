@@ -207,19 +207,21 @@ def test_converter_quantized_files_track_transformers(conv, outtype):
 # ------------------------------------------------------------------ the runner over recurrent states
 
 
-def _generate(conv, prompts, **kw):
+def _generate(conv, prompts, pipeline=False):
     with load_model(conv.path(), devices="cpu") as model, \
-            Runner(model, n_ctx=64, n_seq_max=len(prompts), n_batch=16, **F32) as rt:
+            Runner(model, n_ctx=64, n_seq_max=len(prompts), n_batch=16, pipeline=pipeline, **F32) as rt:
         hs = [rt.submit(p, max_tokens=6, temperature=0, logprobs=True) for p in prompts]
         return [h.result() for h in hs], rt.batch_sizes, rt.reallocations
 
 
-def test_requests_together_generate_what_each_does_alone(conv):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_requests_together_generate_what_each_does_alone(conv, pipeline):
     """Three requests served together (their prompts cut into micro-batches of equal rows per sequence, their
-    generation steps one micro-batch of three) generate what each does alone, logprobs too, and transformers'
+    generation steps one micro-batch of three; pipelined too: the next batch planned while one computes, its
+    state rows read after that one wrote them) generate what each does alone, logprobs too, and transformers'
     greedy tokens."""
     prompts = [conv.tokens[:6], conv.tokens[5:17], conv.tokens[-4:]]
-    together, sizes, reallocations = _generate(conv, prompts)
+    together, sizes, reallocations = _generate(conv, prompts, pipeline)
     assert [3] in sizes and reallocations == 0
     for p, r in zip(prompts, together):
         (alone,), _, _ = _generate(conv, [p])
@@ -228,16 +230,18 @@ def test_requests_together_generate_what_each_does_alone(conv):
         assert r.tokens == hf_greedy(conv.hf, p, len(r.tokens))
 
 
-def test_prefix_reuse_from_checkpoints(conv):
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_prefix_reuse_from_checkpoints(conv, pipeline):
     """A recurrent state goes back only to a checkpoint: the runner keeps the state at the end of each prompt and
     one token before it. A conversation that goes on from a prompt (after 2 of its 4 generated tokens) reuses
     the prompt's 12 tokens (its state after the generation cannot go back to 14); the same prompt again reuses
     11 and computes the last; a prompt that branches off at 8 reuses nothing. A fork into another slot takes the
-    checkpoint too. Each computes what a fresh runner does."""
+    checkpoint too. Each computes what a fresh runner does (pipelined too: a generation step is planned while
+    the one before computes)."""
     prompt = conv.tokens[:12]
     cont = prompt + [9, 10, 11]
     with load_model(conv.path(), devices="cpu") as model:
-        with Runner(model, n_ctx=64, n_seq_max=2, **F32) as rt:
+        with Runner(model, n_ctx=64, n_seq_max=2, pipeline=pipeline, **F32) as rt:
             a = rt.generate(prompt, max_tokens=4, temperature=0)
             rs = rt.cache.caches[1]
             assert [k for k, _ in rs.rows.checkpoints[0]] == [11, 12]
