@@ -1397,3 +1397,58 @@ case("ssm_scan", "mamba2_snapshots", _ssm_scan_build(16, 8, 2, 1, 6, 3, 4, K=3),
 case("ssm_scan", "mamba2_x_strided", _ssm_scan_build(8, 4, 3, 1, 4, 2, 2, x_strided=True), FIXED, SSM_TOL,
      out_type=Type.F32)
 case("ssm_scan", "mamba1", _ssm_scan_build(8, 6, 1, 1, 4, 2, 2, mamba1=True), FIXED, SSM_TOL, out_type=Type.F32)
+
+
+def _gated_delta_ref(q, k, v, g, beta, state, K):
+    """The gated delta rule in float64, numpy order: q, k (n_seqs, n_tok, H_k, S), v (n_seqs, n_tok, H, S),
+    g (n_seqs, n_tok, H, 1 or S), beta (n_seqs, n_tok, H, 1), state (n_seqs, H, S, S) with state[s, h, j, i]
+    = S[i][j]. Written from the delta rule itself (S = diag(exp g) S; S += k (beta (v - S^T k))^T;
+    o = S^T q / sqrt(S)), not from ggml's loop. Returns ggml's 2-d result: o, then K blocks of states."""
+    n_seqs, n_tok, H, S = v.shape
+    o = np.zeros(v.shape)
+    snaps = np.zeros((K,) + state.shape)
+    for j in range(n_seqs):
+        for h in range(H):
+            hk = h % q.shape[2]                     # value head h reads key head h % H_k (ggml's tiling)
+            M = state[j, h].T.copy()                # M[i, jj] = S[i][jj]
+            for t in range(n_tok):
+                M = np.exp(g[j, t, h])[:, None] * M  # a scalar gate broadcasts; a KDA gate scales row i
+                kt, qt = k[j, t, hk], q[j, t, hk]
+                M = M + np.outer(kt, beta[j, t, h, 0] * (v[j, t, h] - M.T @ kt))
+                o[j, t, h] = M.T @ qt / np.sqrt(S)
+                if n_tok - 1 - t < K:
+                    snaps[n_tok - 1 - t, j, h] = M.T
+    return np.concatenate([o.ravel(), snaps.ravel()]).reshape(-1, H * S)   # ggml's ne (S_v * H, rows)
+
+
+def _gated_delta_build(S, H_k, H, n_tok, n_seqs, kda=False, K=1, q_strided=False):
+    def build(ctx, rng, dtype):
+        def l2(a):
+            return a / np.linalg.norm(a, axis=-1, keepdims=True)
+        q = l2(randn(rng, (n_seqs, n_tok, H_k, S))).astype(np.float32)
+        k = l2(randn(rng, (n_seqs, n_tok, H_k, S))).astype(np.float32)
+        v = randn(rng, (n_seqs, n_tok, H, S))
+        g = -uniform(rng, 0.05, 1.0, (n_seqs, n_tok, H, S if kda else 1))
+        beta = uniform(rng, 0.1, 0.9, (n_seqs, n_tok, H, 1))
+        st = randn(rng, (n_seqs, H, S, S), 0.5)
+        if q_strided:
+            # q's heads at a stride wider than packed (rows stay contiguous), as a view of a wider projection
+            wide = np.zeros((n_seqs, n_tok, H_k, S + 3), np.float32)
+            wide[..., :S] = q
+            base = ctx.from_numpy(wide)
+            qt = ctx.view(base, (S, H_k, n_tok, n_seqs), base.nb[1:], 0)
+        else:
+            qt = ctx.from_numpy(q)
+        out = ctx.gated_delta_net(qt, ctx.from_numpy(k), ctx.from_numpy(v), ctx.from_numpy(g), ctx.from_numpy(beta),
+                                  ctx.from_numpy(st), K)
+        exp = _gated_delta_ref(*(a.astype(np.float64) for a in (q, k, v, g, beta, st)), K)
+        return out, exp
+    return build
+
+
+case("gated_delta_net", "one_token", _gated_delta_build(8, 2, 2, 1, 3), FIXED, SSM_TOL, out_type=Type.F32)
+case("gated_delta_net", "prompt_gqa", _gated_delta_build(16, 2, 4, 7, 2), FIXED, SSM_TOL, out_type=Type.F32)
+case("gated_delta_net", "kda_gate", _gated_delta_build(8, 1, 2, 5, 2, kda=True), FIXED, SSM_TOL, out_type=Type.F32)
+case("gated_delta_net", "snapshots", _gated_delta_build(8, 2, 2, 6, 2, K=3), FIXED, SSM_TOL, out_type=Type.F32)
+case("gated_delta_net", "q_strided", _gated_delta_build(8, 1, 1, 4, 2, q_strided=True), FIXED, SSM_TOL,
+     out_type=Type.F32)

@@ -304,6 +304,7 @@ cdef extern from "ggml.h" nogil:
     void ggml_flash_attn_ext_add_sinks(ggml_tensor * a, ggml_tensor * sinks)
     ggml_tensor * ggml_ssm_conv(ggml_context * ctx, ggml_tensor * sx, ggml_tensor * c)
     ggml_tensor * ggml_ssm_scan(ggml_context * ctx, ggml_tensor * s, ggml_tensor * x, ggml_tensor * dt, ggml_tensor * A, ggml_tensor * B, ggml_tensor * C, ggml_tensor * ids, int64_t K)
+    ggml_tensor * ggml_gated_delta_net(ggml_context * ctx, ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * g, ggml_tensor * beta, ggml_tensor * state, int64_t K)
 
     ggml_cgraph * ggml_new_graph_custom(ggml_context * ctx, size_t size, bint grads)
     void ggml_build_forward_expand(ggml_cgraph * cgraph, ggml_tensor * tensor)

@@ -60,7 +60,7 @@ def test_table_covers_the_required_ops():
         flash_attn_ext im2col conv_1d conv_2d pool_1d pool_2d upscale interpolate pad arange
         timestep_embedding view_1d view_2d view_3d view_4d reshape_1d reshape_2d reshape_3d reshape_4d
         permute transpose cont cont_1d cont_2d cont_3d cont_4d get_rows set_rows cpy concat repeat cast
-        cumsum fill roll diag_mask_zero count_equal ssm_conv ssm_scan""".split()
+        cumsum fill roll diag_mask_zero count_equal ssm_conv ssm_scan gated_delta_net""".split()
     have = {c.op for c in CASES}
     assert not set(required) - have, f"missing ops: {sorted(set(required) - have)}"
     ids = [c.id for c in CASES]

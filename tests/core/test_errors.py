@@ -417,6 +417,19 @@ def _rope_a(c):
     ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, s=(8, 4, 3, 2))), ["s must be ne (d_state, head_dim"]),
     ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s, ids=(3,))), ["ids must be ne (n_seqs,)"]),
     ("ssm_scan", lambda c, s: c.ssm_scan(*_scan_args(s), K=0), ["K must be in [1, 2**31)"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s, q=(4, 3, 3, 2), k=(4, 3, 3, 2))),
+     ["q and k must both be ne (S_v, H_k", "H_k dividing"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s, k=(4, 1, 3, 2))), ["q and k must both"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s, q=(8, 2, 3, 2), k=(8, 2, 3, 2))),
+     ["q and k must both"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s, gate=(2, 4, 3, 2))), ["gate must be ne (1, H"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s, beta=(4, 4, 3, 2))), ["beta must be ne (1, H"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s, state=(4, 4, 4, 3))), ["state must be ne"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s), K=0), ["K must be in [1, 2**31)"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(s.transpose(s.new_tensor(F32, (3, 4))),
+                                                       *_gdn_args(s)[1:]), ["q must have contiguous rows"]),
+    ("gated_delta_net", lambda c, s: c.gated_delta_net(*_gdn_args(s)[:3], s.transpose(s.new_tensor(F32, (4, 1))),
+                                                       *_gdn_args(s)[4:]), ["gate"]),
 ])
 def test_invalid_parameters(env, op, call, frags):
     expect(env, GGMLValueError, op, lambda: call(env.ctx, env.src), *frags)
@@ -430,6 +443,14 @@ def _scan_args(src, **shapes):
     return [src.new_tensor(I32 if k == "ids" else F32, ne[k]) for k in ("s", "x", "dt", "A", "B", "C", "ids")]
 
 
+def _gdn_args(src, **shapes):
+    """gated_delta_net's six inputs in ``src`` (S_v 4, 2 key heads, 4 value heads, 3 tokens, 2 sequences),
+    ``shapes`` replacing some: a name -> its ne."""
+    ne = {"q": (4, 2, 3, 2), "k": (4, 2, 3, 2), "v": (4, 4, 3, 2), "gate": (1, 4, 3, 2), "beta": (1, 4, 3, 2),
+          "state": (4, 4, 4, 2), **shapes}
+    return [src.new_tensor(F32, ne[k]) for k in ("q", "k", "v", "gate", "beta", "state")]
+
+
 def test_ssm_scan_types(env):
     s, x, dt, A, B, C, ids = _scan_args(env.src)
     expect(env, GGMLTypeError, "ssm_scan", lambda: env.ctx.ssm_scan(s, x, dt, A, B, C, env.src.new_tensor(I64, (2,))),
@@ -438,6 +459,9 @@ def test_ssm_scan_types(env):
            "x has type f16")
     expect(env, GGMLTypeError, "ssm_conv", lambda: env.ctx.ssm_conv(env.src.new_tensor(F32, (6, 4, 2)),
                                                                     env.src.new_tensor(F16, (3, 4))), "c has type f16")
+    q, k, v, gate, beta, st = _gdn_args(env.src)
+    expect(env, GGMLTypeError, "gated_delta_net",
+           lambda: env.ctx.gated_delta_net(q, k, v, gate, env.src.new_tensor(F16, beta.ne), st), "beta has type f16")
 
 
 def test_huge_parameters_do_not_wrap(env):

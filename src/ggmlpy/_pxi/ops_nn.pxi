@@ -400,6 +400,84 @@ cdef class _ContextNN(_ContextOps):
                 _add_dep(self, t)
         return out
 
+    def gated_delta_net(self, Tensor q, Tensor k, Tensor v, Tensor gate, Tensor beta, Tensor state, K=1):
+        """The gated delta rule of Gated DeltaNet (Qwen3-Next, Qwen3.5; Kimi's KDA with a per-channel gate).
+
+        Per sequence and value head ``h`` (query/key head ``h % H_k``), from the state ``S`` (``S_v x S_v``)
+        and for each token in order: ``S = S * exp(gate)`` (``gate`` scalar per head, or per key channel: row ``i``
+        scaled by ``exp(gate[i])``), ``d = beta * (v - S^T k)``, ``S = S + outer(k, d)``,
+        ``out = S^T q / sqrt(S_v)``. ``q`` and ``k`` are used as given (the model L2-normalises them first).
+
+        Parameters
+        ----------
+        q, k : Tensor
+            f32 ne ``(S_v, H_k, n_tokens, n_seqs)``, rows contiguous (``nb[0] == 4``); ``H_k`` divides ``H``.
+        v : Tensor
+            f32 ne ``(S_v, H, n_tokens, n_seqs)``, rows contiguous.
+        gate : Tensor
+            ggml's ``g``: f32 contiguous ne ``(1, H, n_tokens, n_seqs)`` (the log of the decay) or
+            ``(S_v, H, n_tokens, n_seqs)``.
+        beta : Tensor
+            f32 contiguous ne ``(1, H, n_tokens, n_seqs)``: the write strength (after the sigmoid).
+        state : Tensor
+            f32 contiguous ne ``(S_v, S_v, H, n_seqs)``: each sequence's initial state, stored transposed
+            (``state[s, h, j, i]`` in numpy order is ``S[i][j]``).
+        K : int
+            States kept per sequence: the final one, then (``K > 1``) those 1 .. ``K - 1`` tokens back.
+
+        Returns
+        -------
+        Tensor
+            f32 ne ``(S_v * H, n_tokens * n_seqs + K * S_v * n_seqs)``: the outputs (laid out as ``v`` packed),
+            then ``K`` blocks of every sequence's state (slot ``k`` holding the state ``k`` tokens before the
+            last; unwritten where ``k >= n_tokens``).
+        """
+        K = _index(K, "gated_delta_net", "K", _K_INT64)
+        cdef int64_t S_v, H, n_tok, n_seqs
+        cdef double total
+        cdef Tensor t
+        cdef tuple args = (("q", q), ("k", k), ("v", v), ("gate", gate), ("beta", beta), ("state", state))
+        self._ensure_op("gated_delta_net")
+        for name, t in args:
+            _arg(t, "gated_delta_net", name)
+            _types(t, "gated_delta_net", name, M_F32)
+            _nonzero_dims(t, "gated_delta_net", name, 0)
+        for name, t in (("gate", gate), ("beta", beta), ("state", state)):
+            _contig(t, "gated_delta_net", name)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.ptr.nb[0] != 4:
+                _fail("gated_delta_net", f"{name} must have contiguous rows (got {name}: {_desc(t)} nb={t.nb}); "
+                      f"call ctx.cont({name}) first")
+        if not (1 <= K <= 2147483647):
+            _fail("gated_delta_net", f"K must be in [1, 2**31) (got {K})")
+        S_v, H, n_tok, n_seqs = v.ptr.ne[0], v.ptr.ne[1], v.ptr.ne[2], v.ptr.ne[3]
+        # the kernel reads S_v values of q and k per head and maps value head h to key head h % H_k
+        if not (g.ggml_are_same_shape(q.ptr, k.ptr) and q.ptr.ne[0] == S_v and H % q.ptr.ne[1] == 0
+                and q.ptr.ne[2] == n_tok and q.ptr.ne[3] == n_seqs):
+            _fail("gated_delta_net", f"q and k must both be ne (S_v, H_k, n_tokens, n_seqs) with H_k dividing v's "
+                  f"heads (got q: {_desc(q)}, k: {_desc(k)}, v: {_desc(v)})")
+        if not (gate.ptr.ne[0] in (1, S_v) and gate.ptr.ne[1] == H and gate.ptr.ne[2] == n_tok
+                and gate.ptr.ne[3] == n_seqs):
+            _fail("gated_delta_net", f"gate must be ne (1, H, n_tokens, n_seqs) or (S_v, H, n_tokens, n_seqs) "
+                  f"(got gate: {_desc(gate)}, v: {_desc(v)})")
+        if not (beta.ptr.ne[0] == 1 and beta.ptr.ne[1] == H and beta.ptr.ne[2] == n_tok and beta.ptr.ne[3] == n_seqs):
+            _fail("gated_delta_net", f"beta must be ne (1, H, n_tokens, n_seqs) (got beta: {_desc(beta)}, "
+                  f"v: {_desc(v)})")
+        if not (state.ptr.ne[0] == S_v and state.ptr.ne[1] == S_v and state.ptr.ne[2] == H
+                and state.ptr.ne[3] == n_seqs):
+            _fail("gated_delta_net", f"state must be ne (S_v, S_v, H, n_seqs) (got state: {_desc(state)}, "
+                  f"v: {_desc(v)})")
+        total = <double> g.ggml_nelements(v.ptr) + <double> K * S_v * S_v * H * n_seqs
+        if not (total < 4.0e18 / 4):
+            _fail("gated_delta_net", f"the result would hold {total:.3g} values")
+        self._room("gated_delta_net", _out_bytes(g.GGML_TYPE_F32, S_v * H, n_tok * n_seqs + K * S_v * n_seqs, 1, 1), 1)
+        cdef Tensor out = _res(self, g.ggml_gated_delta_net(self.ptr, q.ptr, k.ptr, v.ptr, gate.ptr, beta.ptr,
+                                                             state.ptr, K), q, k, v, gate)
+        for t in (beta, state):
+            if t.ctx is not self:
+                _add_dep(self, t)
+        return out
+
     # -- graphs ---------------------------------------------------------------------------
 
     def new_graph(self, size=g.GGML_DEFAULT_GRAPH_SIZE, bint grads=False):
