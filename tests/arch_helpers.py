@@ -22,13 +22,14 @@ class Converted:
     def __init__(self, hf, vocab: str, tokens: list, out_dir, config_edit=None):
         self.hf, self.vocab, self.tokens, self.out_dir = hf, vocab, tokens, out_dir
         self.config_edit = config_edit            # hf_convert.convert's, for every file converted
+        self.extra_args: tuple = ()               # converter arguments for every file (qwen3next: --no-mtp)
         self.paths: dict = {}
 
     def path(self, outtype: str = "f32"):
         """The file converted with ``--outtype outtype`` (converted on first use)."""
         if outtype not in self.paths:
             self.paths[outtype] = hf_convert.convert(self.hf, self.out_dir, self.vocab, outtype=outtype, name=outtype,
-                                                     config_edit=self.config_edit)
+                                                     config_edit=self.config_edit, extra_args=self.extra_args)
         return self.paths[outtype]
 
 

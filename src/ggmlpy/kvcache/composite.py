@@ -105,6 +105,12 @@ class WrapperForward:
         part = self._recurrent("scan")
         return self._tracked(part, lambda: part.scan(x, dt, A, B, C, name))
 
+    def delta(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor, name: str = "ssm") -> Tensor:
+        """:meth:`RecurrentForward.delta <ggmlpy.kvcache.recurrent.RecurrentForward.delta>` on the layer's
+        cache."""
+        part = self._recurrent("delta")
+        return self._tracked(part, lambda: part.delta(q, k, v, gate, beta, name))
+
     def get_state(self, name: str) -> Tensor:
         """:meth:`RecurrentForward.get <ggmlpy.kvcache.recurrent.RecurrentForward.get>` on the layer's cache."""
         return self._recurrent("get_state").get(name)

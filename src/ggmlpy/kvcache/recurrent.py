@@ -196,6 +196,27 @@ class RecurrentForward(_LayerView):
         self.put(name, ctx.view(out, (store.ne[0], self.n_seqs), (4 * store.ne[0],), 4 * n_y))
         return y
 
+    def delta(self, q: Tensor, k: Tensor, v: Tensor, gate: Tensor, beta: Tensor, name: str = "ssm") -> Tensor:
+        """The gated delta rule (:meth:`~ggmlpy.Context.gated_delta_net`) from the state ``name``, the state
+        updated.
+
+        The state's shape is ``(S_v, S_v, n_head)``; ``q`` and ``k`` are ``ne = (S_v, n_head, n_seq_tokens,
+        n_seqs)`` (already one per value head), ``v`` the same, ``gate`` and ``beta`` ``(1, n_head, n_seq_tokens,
+        n_seqs)``. Returns the output as ``v``'s shape.
+        """
+        ctx = self.ctx
+        shape = self.cache.state_shape(name)
+        t, s = self.n_seq_tokens, self.n_seqs
+        if len(shape) != 3 or shape[0] != shape[1] or v.ne != (shape[0], shape[2], t, s):
+            raise GGMLValueError(f"recurrent delta {name!r}: v of ne={v.ne} for a state of {shape} and {s} "
+                                 f"sequences of {t} tokens")
+        state = ctx.reshape(self.get(name), (*shape, s))
+        out = ctx.gated_delta_net(q, k, v, gate, beta, state, 1)
+        n_y, per = math.prod(v.ne), math.prod(shape)
+        y = ctx.view(out, v.ne, (4 * v.ne[0], 4 * v.ne[0] * v.ne[1], 4 * v.ne[0] * v.ne[1] * t), 0)
+        self.put(name, ctx.view(out, (per, s), (4 * per,), 4 * n_y))
+        return y
+
     def fill(self, plan: Optional[RecurrentPlan] = None) -> None:
         """Upload the rows of ``plan`` (default: the plan built with); it must have this graph's key."""
         if plan is None:

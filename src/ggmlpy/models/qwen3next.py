@@ -1,0 +1,323 @@
+"""Qwen3-Next from GGUF: qwen3next, gated DeltaNet layers and gated attention layers, experts with a shared one.
+
+As llama.cpp's ``qwen3next`` graph builds Hugging Face's ``Qwen3NextForCausalLM`` (the file says which layer is
+which: ``qwen3next.attention.recurrent_layers``, else every ``full_attention_interval``-th layer, default 4, is
+attention):
+
+* every layer is pre-norm (``attn_norm``), then its mixer, then a pre-norm (``post_attention_norm``) feed-forward,
+  each added to the residual;
+* a **gated DeltaNet** layer (``ssm.*`` keys: ``conv_kernel``, ``state_size`` the key head size,
+  ``group_count`` the key heads, ``time_step_rank`` the value heads, ``inner_size`` their width): ``attn_qkv``
+  gives q, k and v (every key head's q, then k, then v), ``attn_gate`` the output gate ``z``, ``ssm_ba`` per key
+  head its value heads' ``b`` then ``a``; q, k and v go through a causal depthwise convolution (``ssm_conv1d``, no
+  bias) and SiLU, q and k are L2-normalised per head and repeated for the value heads that share them; then
+  the gated delta rule (``gated_delta_net``) with ``beta = sigmoid(b)`` and the log decay
+  ``softplus(a + ssm_dt.bias) * ssm_a`` (the converter stores ``ssm_a = -exp(A_log)``); its output RMS-normed
+  per head (``ssm_norm``), times ``SiLU(z)``, projected (``ssm_out``). Two states per sequence
+  (:class:`~ggmlpy.kvcache.Recurrent`): the convolution's last ``conv_kernel - 1`` inputs and the delta rule's
+  ``S x S`` matrix per value head;
+* a **gated attention** layer: ``attn_q`` gives per head the query and an output gate, Q/K RMS norms per head,
+  NEOX RoPE over the first ``rope.dimension_count`` values of each head (partial rotary), grouped-query
+  attention through a :class:`~ggmlpy.kvcache.Causal`, the output times ``sigmoid(gate)`` before ``attn_output``;
+* the feed-forward: softmax routing to ``expert_used_count`` experts (weights renormalised unless the file says
+  ``expert_weights_norm = false``) plus the shared expert (``ffn_*_shexp``) scaled by
+  ``sigmoid(ffn_gate_inp_shexp . x)``.
+
+The cache is a :class:`~ggmlpy.kvcache.Wrapper` of the two (see :mod:`ggmlpy.models.lfm2` for what the runner
+does with a state that cannot shift). The multi-token-prediction layers llama.cpp can load are not run (convert
+with ``--no-mtp``; a file with ``nextn_predict_layers`` is refused naming the key). Refused, naming the key: key
+and value heads of different sizes (ggml's ``gated_delta_net`` takes one), value heads not a multiple of the key
+heads, a sliding window, routing other than softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from ggmlpy._core import Context, RopeType, Tensor, Type
+from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
+from ggmlpy.kvcache import Causal, Recurrent, Wrapper
+from ggmlpy.weights import MetaReader
+
+from . import blocks
+from .base import register
+from .config import _MAX_EMBD, _MAX_HEADS, _MAX_LAYERS, DecoderConfig, read_routing
+from .decoder import DecoderModel
+
+__all__ = ["Qwen3NextConfig", "Qwen3NextModel"]
+
+#: Checkpoints of the states kept per sequence (see :class:`~ggmlpy.kvcache.rows.StateRows`).
+CHECKPOINTS = 2
+#: The routing keys and the values that mean what this graph builds (softmax over every expert).
+_ROUTING = {"expert_gating_func": (0, 1), "expert_group_count": (0, 1)}
+
+
+@dataclass(frozen=True)
+class Qwen3NextConfig(DecoderConfig):
+    """Hyperparameters of qwen3next files (see :class:`~ggmlpy.models.config.DecoderConfig` and the module
+    docstring).
+
+    Attributes
+    ----------
+    recurrent_layers : tuple of bool
+        Per layer: gated DeltaNet (True) or attention.
+    ssm_d_conv, ssm_d_state, ssm_n_group, ssm_n_head, ssm_d_inner : int
+        The DeltaNet layers' convolution taps, head size, key heads, value heads, value width.
+    n_expert, n_expert_used, n_ff_exp, n_ff_shexp : int
+        Experts, used per token, an expert's width, the shared expert's width.
+    expert_norm : bool
+        Renormalise the chosen experts' weights to sum to 1.
+    """
+
+    ROPE_TYPES = {"qwen3next": RopeType.NEOX}
+    READS_EXPERTS = True
+
+    recurrent_layers: tuple = ()
+    ssm_d_conv: int = 4
+    ssm_d_state: int = 0
+    ssm_n_group: int = 1
+    ssm_n_head: int = 1
+    ssm_d_inner: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    expert_norm: bool = True
+
+    @classmethod
+    def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
+        d = super()._read(m, n_vocab)
+        n_layer = d["n_layer"]
+        if d["sliding_window"]:
+            raise MetadataError(m.path, m.key("attention.sliding_window"), f"{d['sliding_window']}: sliding-window "
+                                                                           "attention is not supported")
+        if m.geti("nextn_predict_layers", 0, lo=0):
+            raise MetadataError(m.path, m.key("nextn_predict_layers"), "multi-token-prediction layers are not "
+                                                                       "supported (convert with --no-mtp)")
+        rec = m.md.get(m.key("attention.recurrent_layers"))
+        if rec is None:
+            every = m.geti("full_attention_interval", 4, lo=1, hi=_MAX_LAYERS)
+            recurrent = tuple((i + 1) % every != 0 for i in range(n_layer))
+        else:
+            arr = np.asarray(rec)
+            if arr.dtype != np.bool_ or arr.ndim != 1:
+                raise MetadataTypeError(m.path, m.key("attention.recurrent_layers"),
+                                        f"expected an array of bools, got {rec!r:.80}")
+            if len(arr) != n_layer:
+                raise MetadataError(m.path, m.key("attention.recurrent_layers"), f"{len(arr)} values for "
+                                                                                f"{n_layer} layers")
+            recurrent = tuple(bool(x) for x in arr)
+        d["recurrent_layers"] = recurrent
+        if any(recurrent):
+            d.update(ssm_d_conv=m.geti("ssm.conv_kernel", lo=2, hi=1024),
+                     ssm_d_state=m.geti("ssm.state_size", lo=1, hi=1 << 12),
+                     ssm_n_group=m.geti("ssm.group_count", lo=1, hi=_MAX_HEADS),
+                     ssm_n_head=m.geti("ssm.time_step_rank", lo=1, hi=_MAX_HEADS),
+                     ssm_d_inner=m.geti("ssm.inner_size", lo=1, hi=_MAX_EMBD * 8))
+        n_expert = m.geti("expert_count", lo=1, hi=1 << 12)
+        used = meta_int(m.md, m.key("expert_used_count"), lo=1, hi=n_expert, per_layer=True, path=m.path)
+        norm = read_routing(m, m.arch, _ROUTING, norm_default=True)
+        n_ff_exp = meta_int(m.md, m.key("expert_feed_forward_length"), 0, lo=0, hi=_MAX_EMBD * 8, per_layer=True,
+                            path=m.path) or d["n_ff"] // used
+        d.update(n_expert=n_expert, n_expert_used=used, n_ff_exp=n_ff_exp, expert_norm=norm,
+                 n_ff_shexp=m.geti("expert_shared_feed_forward_length", 0, lo=0, hi=_MAX_EMBD * 8) or d["n_ff"])
+        return d
+
+    def _problems(self) -> list[str]:
+        bad = super()._problems()
+        a = self.arch
+        if any(self.recurrent_layers):
+            ds, nk, nv, di = self.ssm_d_state, self.ssm_n_group, self.ssm_n_head, self.ssm_d_inner
+            if nv % nk:
+                bad.append(f"{a}.ssm.time_step_rank {nv} (value heads) must be a multiple of ssm.group_count {nk} "
+                           f"(key heads)")
+            if di != nv * ds:
+                # ggml's gated_delta_net takes keys and values of one head size
+                bad.append(f"{a}.ssm.inner_size {di} must be ssm.time_step_rank {nv} x ssm.state_size {ds} (value "
+                           f"heads of the key heads' size)")
+        return bad
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """Channels of the convolution: q, k and v."""
+        return 2 * self.ssm_n_group * self.ssm_d_state + self.ssm_d_inner
+
+
+@register(*Qwen3NextConfig.ROPE_TYPES)
+class Qwen3NextModel(DecoderModel):
+    """A qwen3next model (see the module docstring and :class:`~ggmlpy.models.decoder.DecoderModel`)."""
+
+    config_class = Qwen3NextConfig
+    config: Qwen3NextConfig
+    #: the DeltaNet layer's views, convolution, norms, repeats, delta rule and gate; the experts' routing
+    NODES_PER_LAYER = 128
+
+    @classmethod
+    def read_config(cls, reader, path: str = "") -> Qwen3NextConfig:
+        """As :meth:`DecoderModel.read_config`, the layer kinds checked against the tensors."""
+        cfg = super().read_config(reader, path)
+        for i, rec in enumerate(cfg.recurrent_layers):
+            other = f"blk.{i}.{'attn_q' if rec else 'attn_qkv'}.weight"
+            if other in reader:
+                raise MetadataError(path, f"{cfg.arch}.attention.recurrent_layers", f"layer {i} is "
+                                    f"{'gated DeltaNet' if rec else 'attention'} by it, but the file has {other}")
+        return cfg
+
+    def _expected(self):
+        c = self.config
+        yield from self._expected_io()
+        f32 = (Type.F32,)
+        nv, di = c.ssm_n_head, c.ssm_d_inner
+        n_q = c.n_head * c.head_dim
+        for i, rec in enumerate(c.recurrent_layers):
+            p = f"blk.{i}."
+            yield self._expected_norm(i, "attn_norm")
+            if rec:
+                yield p + "attn_qkv.weight", (c.n_embd, c.ssm_conv_dim), i, None, "mul_mat"
+                yield p + "attn_gate.weight", (c.n_embd, di), i, None, "mul_mat"
+                yield p + "ssm_ba.weight", (c.n_embd, 2 * nv), i, None, "mul_mat"
+                # ggml's ssm_conv reads an F32 kernel (the converter and llama-quantize keep these so)
+                yield p + "ssm_conv1d.weight", (c.ssm_d_conv, c.ssm_conv_dim), i, f32, None
+                yield p + "ssm_dt.bias", (nv,), i, f32, None
+                yield p + "ssm_a", (nv,), i, f32, None
+                yield p + "ssm_norm.weight", (di // nv,), i, f32, None
+                yield p + "ssm_out.weight", (di, c.n_embd), i, None, "mul_mat"
+            else:
+                kv = c.n_head_kv * c.head_dim
+                yield p + "attn_q.weight", (c.n_embd, 2 * n_q), i, None, "mul_mat"
+                yield p + "attn_k.weight", (c.n_embd, kv), i, None, "mul_mat"
+                yield p + "attn_v.weight", (c.n_embd, kv), i, None, "mul_mat"
+                yield self._expected_norm(i, "attn_q_norm", c.head_dim)
+                yield self._expected_norm(i, "attn_k_norm", c.head_dim)
+                yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
+            yield self._expected_norm(i, "post_attention_norm")
+            yield p + "ffn_gate_inp.weight", (c.n_embd, c.n_expert), i, None, "mul_mat"
+            for part, ne in (("gate", (c.n_embd, c.n_ff_exp, c.n_expert)), ("up", (c.n_embd, c.n_ff_exp, c.n_expert)),
+                             ("down", (c.n_ff_exp, c.n_embd, c.n_expert))):
+                yield p + f"ffn_{part}_exps.weight", ne, i, None, "mul_mat_id"
+            yield p + "ffn_gate_inp_shexp.weight", (c.n_embd,), i, None, "mul_mat"
+            for part, ne in (("gate", (c.n_embd, c.n_ff_shexp)), ("up", (c.n_embd, c.n_ff_shexp)),
+                             ("down", (c.n_ff_shexp, c.n_embd))):
+                yield p + f"ffn_{part}_shexp.weight", ne, i, None, "mul_mat"
+
+    def graph_size(self) -> int:
+        c = self.config
+        return self.NODES_PER_LAYER * c.n_layer + 256 + c.n_layer * 2 * c.n_expert_used
+
+    def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
+        return blocks.rope_shift(ctx, k, offsets, self.config)
+
+    def new_cache(self, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True):
+        """The K/V of the attention layers (:class:`~ggmlpy.kvcache.Causal`) and the DeltaNet layers' two states
+        (:class:`~ggmlpy.kvcache.Recurrent`) behind a :class:`~ggmlpy.kvcache.Wrapper`; one alone for a file
+        of one kind of layer."""
+        c = self.config
+        n_rec = sum(c.recurrent_layers)
+        caches, index = [], {}
+        if c.n_layer - n_rec:
+            kv = c.head_dim * c.n_head_kv
+            index[False] = len(caches)
+            caches.append(Causal(c.n_layer - n_rec, kv, kv, type_k, dtype_v=type_v, padding=256 if flash_attn else 32,
+                                 n_head_kv=c.n_head_kv, shift_fn=self.shift_fn, v_trans=not flash_attn))
+        if n_rec:
+            index[True] = len(caches)
+            caches.append(Recurrent(n_rec, {"conv": (c.ssm_d_conv - 1, c.ssm_conv_dim),
+                                            "ssm": (c.ssm_d_state, c.ssm_d_state, c.ssm_n_head)},
+                                    checkpoints=CHECKPOINTS))
+        if len(caches) == 1:
+            return caches[0]
+        return Wrapper(caches, [index[r] for r in c.recurrent_layers])
+
+    # ------------------------------------------------------------------ graph
+
+    def _l2_norm(self, ctx: Context, x: Tensor) -> Tensor:
+        """Each row over its L2 norm, ``x / sqrt(sum(x**2) + eps)`` (transformers' ``l2norm``), as llama.cpp
+        writes it: an RMS norm with ``eps / n``, scaled by ``1 / sqrt(n)``."""
+        n = x.ne[0]
+        return ctx.scale(ctx.rms_norm(x, self.config.rms_eps / n), 1.0 / math.sqrt(n))
+
+    def _delta_net(self, ctx: Context, memory, il: int, cur: Tensor) -> Tensor:
+        """Layer ``il``'s gated DeltaNet on the normed ``cur`` (``ne = (n_embd, n)``), as llama.cpp's
+        ``build_layer_attn_linear``."""
+        c, w, p = self.config, self.weights, f"blk.{il}."
+        ds, nk, nv = c.ssm_d_state, c.ssm_n_group, c.ssm_n_head
+        r = nv // nk
+        n = cur.ne[1]
+        memory.set_layer(il)
+        t, s = memory.n_seq_tokens, memory.n_seqs
+        qkv = blocks.linear(ctx, w[p + "attn_qkv.weight"], cur)              # (conv_dim, n): q, k, v
+        z = blocks.linear(ctx, w[p + "attn_gate.weight"], cur)               # (nv ds, n)
+        ba = ctx.reshape(blocks.linear(ctx, w[p + "ssm_ba.weight"], cur), (2 * r, nk, t, s))
+        # per key head: its value heads' b, then their a
+        b = ctx.view(ba, (r, nk, t, s), ba.nb[1:], 0)
+        a = ctx.view(ba, (r, nk, t, s), ba.nb[1:], r * ba.nb[0])
+        beta = ctx.reshape(ctx.sigmoid(ctx.cont(b)), (1, nv, t, s))
+        alpha = ctx.add(ctx.cont_3d(a, nv, t, s), w[p + "ssm_dt.bias"])
+        gate = ctx.reshape(ctx.mul(ctx.softplus(alpha), w[p + "ssm_a"]), (1, nv, t, s))
+        conv = ctx.silu(memory.conv(qkv, w[p + "ssm_conv1d.weight"]))       # (conv_dim, t, s)
+        nb = (conv.nb[1], conv.nb[2])
+        q = ctx.view(conv, (ds, nk, t, s), (ds * 4, *nb), 0)
+        k = ctx.view(conv, (ds, nk, t, s), (ds * 4, *nb), nk * ds * 4)
+        v = ctx.view(conv, (ds, nv, t, s), (ds * 4, *nb), 2 * nk * ds * 4)
+        q, k = self._l2_norm(ctx, q), self._l2_norm(ctx, k)
+        if r > 1:
+            # value head h reads key head h // r (transformers' repeat_interleave); ggml's op would tile them
+            q, k = (ctx.reshape(ctx.repeat_4d(ctx.reshape(x, (ds, 1, nk, t * s)), ds, r, nk, t * s), (ds, nv, t, s))
+                    for x in (q, k))
+        y = memory.delta(q, k, ctx.cont(v), gate, beta)                      # (ds, nv, t, s)
+        y = blocks.rms_norm(ctx, y, w[p + "ssm_norm.weight"], c.rms_eps)
+        y = ctx.swiglu_split(ctx.reshape(z, (ds, nv, t, s)), y)              # SiLU(z) * norm(y)
+        return blocks.linear(ctx, w[p + "ssm_out.weight"], ctx.reshape(y, (nv * ds, n)))
+
+    def _attention(self, ctx: Context, memory, il: int, cur: Tensor, pos: Tensor, flash_attn: bool) -> Tensor:
+        c, w, p = self.config, self.weights, f"blk.{il}."
+        hd, nh, nkv, n = c.head_dim, c.n_head, c.n_head_kv, cur.ne[1]
+        if p + "attn_qkv.weight" in w:
+            # the loader fused attn_q (per head: the query, then its gate), attn_k and attn_v
+            f = blocks.linear(ctx, w[p + "attn_qkv.weight"], cur)
+            es, row = f.nb[0], f.nb[1]
+            q, g = (ctx.view(f, (hd, nh, n), (2 * hd * es, row), o * hd * es) for o in (0, 1))
+            k, v = (ctx.view(f, (hd, nkv, n), (hd * es, row), (2 * nh + o * nkv) * hd * es) for o in (0, 1))
+        else:
+            qg = ctx.reshape(blocks.linear(ctx, w[p + "attn_q.weight"], cur), (2 * hd, nh, n))   # per head: q, gate
+            q = ctx.view(qg, (hd, nh, n), qg.nb[1:3], 0)
+            g = ctx.view(qg, (hd, nh, n), qg.nb[1:3], hd * qg.nb[0])
+            k = ctx.reshape(blocks.linear(ctx, w[p + "attn_k.weight"], cur), (hd, nkv, n))
+            v = ctx.reshape(blocks.linear(ctx, w[p + "attn_v.weight"], cur), (hd, nkv, n))
+        q = blocks.rms_norm(ctx, q, w[p + "attn_q_norm.weight"], c.rms_eps)
+        k = blocks.rms_norm(ctx, k, w[p + "attn_k_norm.weight"], c.rms_eps)
+        q, k = self.rope(ctx, q, pos, il), self.rope(ctx, k, pos, il)
+        o = blocks.attention(ctx, memory, il, q, k, v, scale=1.0 / math.sqrt(hd), flash_attn=flash_attn,
+                             on_cpu=self.on_cpu(il))
+        o = ctx.mul(ctx.reshape(o, (hd * nh, n)), ctx.sigmoid(ctx.cont_2d(g, hd * nh, n)))
+        return blocks.linear(ctx, w[p + "attn_output.weight"], o)
+
+    def _ffn(self, ctx: Context, p: str, cur: Tensor) -> Tensor:
+        c, w = self.config, self.weights
+        out = blocks.moe_ffn(ctx, w, p, cur, n_expert_used=c.n_expert_used, norm_weights=c.expert_norm)
+        h = ctx.swiglu_split(blocks.linear(ctx, w[p + "ffn_gate_shexp.weight"], cur),
+                             blocks.linear(ctx, w[p + "ffn_up_shexp.weight"], cur))
+        shared = blocks.linear(ctx, w[p + "ffn_down_shexp.weight"], h)
+        gate = ctx.sigmoid(ctx.mul_mat(w[p + "ffn_gate_inp_shexp.weight"], cur))     # (1, n): one per token
+        return ctx.add(out, ctx.mul(shared, gate))
+
+    def _forward(self, ctx: Context, tokens: Tensor, pos: Tensor, memory, out_ids: Tensor, *, flash_attn: bool,
+                 embeddings: bool) -> Tensor:
+        c, w = self.config, self.weights
+        x = self.embed_tokens(ctx, tokens)
+        for il, rec in enumerate(c.recurrent_layers):
+            p = f"blk.{il}."
+            cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], c.rms_eps)
+            o = self._delta_net(ctx, memory, il, cur) if rec else self._attention(ctx, memory, il, cur, pos,
+                                                                                  flash_attn)
+            if il == c.n_layer - 1:
+                # only the rows that produce output go further
+                o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
+            x = ctx.add(x, o)
+            cur = blocks.rms_norm(ctx, x, w[p + "post_attention_norm.weight"], c.rms_eps)
+            x = ctx.add(x, self._ffn(ctx, p, cur))
+        return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
