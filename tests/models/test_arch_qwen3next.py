@@ -32,10 +32,11 @@ from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 
 from ggmlpy import Type, gguf  # noqa: E402
 from ggmlpy.gguf import MetadataError  # noqa: E402
-from ggmlpy.kvcache import Causal, Recurrent, Wrapper  # noqa: E402
-from ggmlpy.models import load_model  # noqa: E402
+from ggmlpy.kvcache import Causal, NotSupported, Recurrent, Wrapper  # noqa: E402
+from ggmlpy.models import MissingTensor, load_model  # noqa: E402
 from ggmlpy.models.qwen3next import CHECKPOINTS, Qwen3NextConfig, Qwen3NextModel  # noqa: E402
-from ggmlpy.runner import Runner  # noqa: E402
+from ggmlpy.runner import DoneReason, Runner  # noqa: E402
+from ggmlpy.runner.slots import shift_discard  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -193,6 +194,49 @@ def test_prefix_reuse_from_checkpoints(conv):
     assert c.tokens == a.tokens
 
 
+def test_context_shift_falls_back_to_computing_again(conv):
+    """The states cannot drop a middle range: cache.remove raises NotSupported. A request that outgrows its
+    context (n_ctx 24, n_keep 4) is shifted by the runner's fallback, the kept tokens computed again from the
+    start, and generates what direct calls doing that generate."""
+    toks, n_ctx, keep = conv.tokens, 24, 4
+    prompt = toks[:14]
+    with load_model(conv.path(), devices="cpu") as model, Runner(model, n_ctx=n_ctx, **F32) as rt:
+        rt.decode(prompt, logits=None)
+        with pytest.raises(NotSupported, match="shifting positions"):
+            rt.cache.remove(0, keep, keep + 3)
+        rt.clear()
+        res = rt.submit(prompt, max_tokens=20, n_keep=keep, temperature=0).result()
+        assert res.error is None and res.done_reason == DoneReason.LENGTH and res.n_shifts >= 1
+        rt.clear()
+        record, out, shifts = list(prompt), [], 0
+        logits = rt.decode(prompt)
+        while True:
+            out.append(int(logits[-1].argmax()))
+            if len(out) == 20:
+                break
+            if len(record) + 1 > n_ctx:
+                discard = shift_discard(len(record), keep, n_ctx)
+                record = record[:keep] + record[keep + discard:]
+                rt.clear()
+                rt.decode(record, logits=None)
+                shifts += 1
+            logits = rt.decode([out[-1]])
+            record.append(out[-1])
+    assert res.tokens == out and res.n_shifts == shifts
+
+
+def test_embeddings_match_transformers(conv):
+    """Pooled final-normed hidden states (no head) of the whole input in one batch."""
+    toks = conv.tokens[:30]
+    with load_model(conv.path(), devices="cpu") as model, Runner(model, n_ctx=64, **F32) as rt:
+        got = rt.embed(toks)
+    with torch.no_grad():
+        hidden = conv.hf.model(torch.tensor([toks])).last_hidden_state[0].numpy()
+    want = hidden.mean(0)
+    want /= np.linalg.norm(want)
+    assert np.abs(got - want).max() <= TOL * np.abs(want).max()
+
+
 def test_state_save_and_load(conv, tmp_path):
     """Runner.save_state/load_state of a sequence held in both caches (its K/V, its convolution and delta-rule
     states), into another sequence of a runner with more sequences: it goes on as transformers."""
@@ -236,3 +280,17 @@ def test_without_the_recurrent_layers_key_every_third_is_attention(conv):
     assert Qwen3NextConfig.from_metadata(md, "m.gguf").recurrent_layers == RECURRENT
     md[f"{A}.full_attention_interval"] = 2
     assert Qwen3NextConfig.from_metadata(md, "m.gguf").recurrent_layers == (True, False, True, False)
+
+
+def test_the_layer_kinds_are_checked_against_the_tensors(conv, tmp_path):
+    """Recurrent layers that call the attention layer a DeltaNet layer are named with the tensor they contradict,
+    before anything is allocated; a convolution kernel not in F32 (ggml's ssm_conv reads F32) is refused naming
+    the tensor."""
+    wrong = copy_gguf(conv.path(), tmp_path / "kinds.gguf", meta={f"{A}.attention.recurrent_layers": [True] * 4})
+    with pytest.raises(MetadataError, match=r"'qwen3next\.attention\.recurrent_layers': layer 2 is gated DeltaNet "
+                                            r"by it, but the file has blk\.2\.attn_q\.weight"):
+        load_model(wrong, devices="cpu")
+    f16 = copy_gguf(conv.path(), tmp_path / "f16.gguf",
+                    types=lambda name, old: Type.F16 if name.endswith("ssm_conv1d.weight") else old)
+    with pytest.raises(MissingTensor, match=r"blk\.0\.ssm_conv1d\.weight"):
+        load_model(f16, devices="cpu")
