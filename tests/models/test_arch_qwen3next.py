@@ -313,3 +313,19 @@ def test_the_layer_kinds_are_checked_against_the_tensors(conv, tmp_path):
                     types=lambda name, old: Type.F16 if name.endswith("ssm_conv1d.weight") else old)
     with pytest.raises(MissingTensor, match=r"blk\.0\.ssm_conv1d\.weight"):
         load_model(f16, devices="cpu")
+
+
+def test_the_benchmarks_synthetic_models_run(tmp_path):
+    """ggmlpy bench --arch qwen3next: the built-in file (llama.cpp's keys, F32 kernels) loads, gives one batch's
+    logits token by token too, and llama.cpp reads it and computes the same logits."""
+    from ggmlpy.models.synthetic import synthetic_path
+
+    path = synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch="qwen3next")
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_model(path, devices="cpu") as model:
+        c = model.config
+        assert type(model) is Qwen3NextModel and c.recurrent_layers == (True, False)
+        assert (c.ssm_n_group, c.ssm_n_head, c.n_expert, c.rope_dim) == (2, 4, 8, 4)
+    full, steps = run_batch(path, toks), run_steps(path, toks)
+    assert np.isfinite(full).all() and np.abs(full).max() > 0 and errors(steps, full).max() <= 1e-3
+    assert errors(llama_cpp_logits(path, toks, tmp_path), full).max() <= 1e-3

@@ -24,7 +24,8 @@ full one holding layers on each side). Then the same runner session, F32 cache, 
 Sources: llama (4 layers), Mixtral (a llama file with experts), qwen3, qwen3moe, gemma3 (13 layers:
 local 0-4, global 5, local 6-10, global 11, local 12; window 8) and lfm2 (6 layers: attention 1 and 4,
 short convolutions with recurrent states elsewhere; its context shift is the runner's fallback, the
-kept tokens computed again) and granitehybrid (6 layers: attention 1 and 5, Mamba-2 elsewhere) are
+kept tokens computed again), granitehybrid (6 layers: attention 1 and 5, Mamba-2 elsewhere) and qwen3next (6
+layers: gated attention 1 and 5, gated DeltaNet elsewhere) are
 ggmlpy's synthetic files, rewritten as F32; gemma2, phi3 (LongRoPE), olmo2 and granite (tied output,
 multipliers) are the files llama.cpp's
 converter writes for the architecture tests' tiny transformers models (test_arch_gemma, test_arch_phi3,
@@ -84,6 +85,8 @@ SYNTHETIC = {
     "lfm2": for_arch(replace(_TINY, n_layer=6), "lfm2"),
     # attention in layers 1 and 5, Mamba-2 (convolution and scan states) in the others
     "granitehybrid": for_arch(replace(_TINY, n_layer=6), "granitehybrid"),
+    # gated attention in layers 1 and 5, gated DeltaNet (convolution and delta-rule states) in the others
+    "qwen3next": for_arch(replace(_TINY, n_layer=6), "qwen3next"),
 }
 
 # name: (n_gpu_layers, flash attention). n_gpu_layers > n_layer puts every layer and the output head on the
@@ -101,6 +104,7 @@ CASES = {
     "granite": (3, False),
     "lfm2": (3, True),            # convolution layers 3, 5 and attention layer 4 on the server
     "granitehybrid": (3, False),  # Mamba-2 layers 3, 4 and attention layer 5 on the server
+    "qwen3next": (3, True),       # DeltaNet layers 3, 4 and attention layer 5 on the server
 }
 CONVERTED = ("gemma2", "phi3", "olmo2", "granite")
 
@@ -255,7 +259,7 @@ def test_split_equals_cpu(name, files, rpc_server):  # noqa: F811
                 assert isinstance(rt.cache, Wrapper) and len(rt.cache.caches) == 2
                 for c in rt.cache.caches:
                     assert len({t.is_host for t in c.keys}) == 2, c.model_layers
-            if name in ("lfm2", "granitehybrid"):
+            if name in ("lfm2", "granitehybrid", "qwen3next"):
                 # the attention cache and the recurrent one each hold layers on both devices
                 kv, rs = rt.cache.caches
                 assert isinstance(rs, Recurrent) and len({t.is_host for t in kv.keys}) == 2

@@ -8,8 +8,9 @@ numpy generator, in one of :data:`ARCHS`: ``llama`` (the default), ``qwen3``
 an eighth of the dense feed-forward, so the parameter count stays close),
 ``gemma3`` (Q/K norms, post-norms, GeGLU, tied output, 5 sliding-window layers
 of 512 then one global, as llama.cpp assumes), ``lfm2`` (LFM2's short
-convolutions of 3 taps, attention in every third layer) or ``granitehybrid`` (Granite 4.0 H:
-Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers), each with the metadata keys
+convolutions of 3 taps, attention in every third layer), ``granitehybrid`` (Granite 4.0 H:
+Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers) or ``qwen3next`` (Qwen3-Next:
+gated DeltaNet layers, gated attention in every fourth, 8 experts and a shared one), each with the metadata keys
 and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
 benchmarked by llama.cpp for a side-by-side comparison.
@@ -63,7 +64,7 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next")
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,15 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
         # in the others; a dense feed-forward (Micro's)
         return replace(cfg, arch=arch, tied=True, ssm_head_dim=min(64, cfg.n_embd), ssm_d_state=min(128, cfg.n_embd),
                        recurrent_layers=tuple(i % 4 != 1 for i in range(cfg.n_layer)))
+    if arch == "qwen3next":
+        # Qwen3-Next's mix: gated attention in every fourth layer (from the second, so the 2-layer tiny size has
+        # one), gated DeltaNet in the others (heads of the attention head size up to 128, twice as many value
+        # heads as key heads, values n_embd wide); 8 experts, 2 used, and a shared one
+        ds = min(128, cfg.head_dim)
+        f = max(32, cfg.n_ff // 8 // 32 * 32)
+        return replace(cfg, arch=arch, rope_freq_base=1e7, rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=f,
+                       n_ff_shexp=f, ssm_d_state=ds, ssm_n_group=max(1, cfg.n_embd // (2 * ds)),
+                       recurrent_layers=tuple(i % 4 != 1 for i in range(cfg.n_layer)))
     return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
 
 
@@ -296,6 +306,9 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
         if cfg.arch == "granitehybrid":
             specs += _granitehybrid_layer(cfg, b, cfg.recurrent_layers[i])
             continue
+        if cfg.arch == "qwen3next":
+            specs += _qwen3next_layer(cfg, b, cfg.recurrent_layers[i])
+            continue
         if cfg.recurrent_layers and cfg.recurrent_layers[i]:
             specs += [
                 (b + "attn_norm.weight", (d,), "norm"),
@@ -374,6 +387,35 @@ def _granitehybrid_layer(cfg: SyntheticConfig, b: str, mamba: bool) -> list:
     return specs
 
 
+def _qwen3next_layer(cfg: SyntheticConfig, b: str, delta: bool) -> list:
+    """One qwen3next layer's tensors: gated DeltaNet (``ssm_n_group`` key heads, twice as many value heads, all of
+    ``ssm_d_state``) or gated attention (a query and an output gate per head), then the experts and the shared
+    one."""
+    d, hd = cfg.n_embd, cfg.head_dim
+    specs = [(b + "attn_norm.weight", (d,), "norm")]
+    if delta:
+        ds, nk = cfg.ssm_d_state, cfg.ssm_n_group
+        nv = 2 * nk
+        conv = 2 * nk * ds + nv * ds
+        specs += [(b + "attn_qkv.weight", (conv, d), "matrix"), (b + "attn_gate.weight", (nv * ds, d), "matrix"),
+                  (b + "ssm_ba.weight", (2 * nv, d), "matrix"), (b + "ssm_conv1d.weight", (conv, 4), "conv"),
+                  (b + "ssm_dt.bias", (nv,), "conv"), (b + "ssm_a", (nv,), "decay"),
+                  (b + "ssm_norm.weight", (ds,), "norm"), (b + "ssm_out.weight", (d, nv * ds), "matrix")]
+    else:
+        specs += [(b + "attn_q.weight", (2 * cfg.n_head * hd, d), "matrix"),
+                  (b + "attn_k.weight", (cfg.n_head_kv * hd, d), "matrix"),
+                  (b + "attn_v.weight", (cfg.n_head_kv * hd, d), "matrix"),
+                  (b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm"),
+                  (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix")]
+    e, f, s = cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
+    specs += [(b + "post_attention_norm.weight", (d,), "norm"), (b + "ffn_gate_inp.weight", (e, d), "router"),
+              (b + "ffn_gate_exps.weight", (e, f, d), "matrix"), (b + "ffn_up_exps.weight", (e, f, d), "matrix"),
+              (b + "ffn_down_exps.weight", (e, d, f), "matrix"), (b + "ffn_gate_inp_shexp.weight", (d,), "router"),
+              (b + "ffn_gate_shexp.weight", (s, d), "matrix"), (b + "ffn_up_shexp.weight", (s, d), "matrix"),
+              (b + "ffn_down_shexp.weight", (d, s), "matrix")]
+    return specs
+
+
 def _more_bits(layer: int, n_layer: int) -> bool:
     # the layers llama.cpp's Q4_K_M gives Q6_K for attn_v and ffn_down: the first and last eighth, and
     # every third layer in between
@@ -421,8 +463,9 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         (f"{a}.attention.head_count", cfg.n_head, "UINT32"),
         # lfm2: one per layer, 0 for a convolution layer (as llama.cpp's converter writes it)
         (f"{a}.attention.head_count_kv", [0 if c else cfg.n_head_kv for c in cfg.recurrent_layers], "ARRAY")
-        if cfg.recurrent_layers else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
-        (f"{a}.rope.dimension_count", cfg.head_dim, "UINT32"),
+        if cfg.recurrent_layers and a != "qwen3next" else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
+        # qwen3next rotates a quarter of each head (partial rotary)
+        (f"{a}.rope.dimension_count", cfg.head_dim // 4 if a == "qwen3next" else cfg.head_dim, "UINT32"),
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
     ]
@@ -448,6 +491,13 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
                (f"{a}.attention.scale", 1.0 / cfg.head_dim, "FLOAT32"), (f"{a}.logit_scale", 6.0, "FLOAT32")]
         if cfg.n_ff_shexp:
             md += [(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp, "UINT32")]
+    if a == "qwen3next":
+        ds, nk = cfg.ssm_d_state, cfg.ssm_n_group
+        md += [(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp, "UINT32"),
+               (f"{a}.ssm.conv_kernel", 4, "UINT32"), (f"{a}.ssm.state_size", ds, "UINT32"),
+               (f"{a}.ssm.group_count", nk, "UINT32"), (f"{a}.ssm.time_step_rank", 2 * nk, "UINT32"),
+               (f"{a}.ssm.inner_size", 2 * nk * ds, "UINT32"),
+               (f"{a}.attention.recurrent_layers", list(cfg.recurrent_layers), "ARRAY")]
     md += [
         ("tokenizer.ggml.model", "none", "STRING"),
         ("ggmlpy.synthetic.size", cfg.name, "STRING"),
