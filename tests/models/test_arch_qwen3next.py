@@ -104,6 +104,11 @@ def test_the_cache_recipe(conv):
         kv, rs = w.caches
         assert [w.underlying(i) is rs for i in range(4)] == list(RECURRENT)
         assert rs.states == {"conv": (3, 128), "ssm": (16, 16, 4)} and rs.n_checkpoints == CHECKPOINTS
+        assert kv.n_layers == 1 and rs.n_layers == 3
+        # per layer: both states of each sequence, its checkpoints, and one scratch row
+        assert rs.bytes_per_layer(2) == 4 * (3 * 128 + 16 * 16 * 4) * (2 * (1 + CHECKPOINTS) + 1)
+        cpu = rt.memory_report().devices["CPU"]
+        assert set(cpu.state) == {0, 1, 3} and {g for g, b in cpu.cache.items() if b} == {2}
 
 
 # ------------------------------------------------------------------ logits against transformers
@@ -169,18 +174,19 @@ def test_converter_quantized_files_track_transformers(conv, outtype):
 # ------------------------------------------------------------------ the runner over recurrent states
 
 
-def _generate(conv, prompts):
+def _generate(conv, prompts, pipeline=False):
     with load_model(conv.path(), devices="cpu") as model, \
-            Runner(model, n_ctx=64, n_seq_max=len(prompts), n_batch=16, **F32) as rt:
+            Runner(model, n_ctx=64, n_seq_max=len(prompts), n_batch=16, pipeline=pipeline, **F32) as rt:
         hs = [rt.submit(p, max_tokens=6, temperature=0, logprobs=True) for p in prompts]
         return [h.result() for h in hs], rt.batch_sizes
 
 
-def test_requests_together_generate_what_each_does_alone(conv):
-    """Three requests served together generate what each does alone, logprobs too, and transformers' greedy
-    tokens."""
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_requests_together_generate_what_each_does_alone(conv, pipeline):
+    """Three requests served together (pipelined too: the next batch planned while one computes) generate what
+    each does alone, logprobs too, and transformers' greedy tokens."""
     prompts = [conv.tokens[:6], conv.tokens[5:17], conv.tokens[-4:]]
-    together, sizes = _generate(conv, prompts)
+    together, sizes = _generate(conv, prompts, pipeline)
     assert [3] in sizes
     for p, r in zip(prompts, together):
         (alone,), _ = _generate(conv, [p])

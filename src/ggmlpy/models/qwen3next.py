@@ -268,7 +268,7 @@ class Qwen3NextModel(DecoderModel):
             # value head h reads key head h // r (transformers' repeat_interleave); ggml's op would tile them
             q, k = (ctx.reshape(ctx.repeat_4d(ctx.reshape(x, (ds, 1, nk, t * s)), ds, r, nk, t * s), (ds, nv, t, s))
                     for x in (q, k))
-        y = memory.delta(q, k, ctx.cont(v), gate, beta)                      # (ds, nv, t, s)
+        y = memory.delta(q, k, v, gate, beta)                                # (ds, nv, t, s)
         y = blocks.rms_norm(ctx, y, w[p + "ssm_norm.weight"], c.rms_eps)
         y = ctx.swiglu_split(ctx.reshape(z, (ds, nv, t, s)), y)              # SiLU(z) * norm(y)
         return blocks.linear(ctx, w[p + "ssm_out.weight"], ctx.reshape(y, (nv * ds, n)))
