@@ -1,4 +1,4 @@
-"""Qwen3-Next from GGUF: qwen3next, gated DeltaNet layers and gated attention layers, experts with a shared one.
+"""Qwen3-Next and Qwen3.5 from GGUF: qwen3next and qwen35, gated DeltaNet layers and gated attention layers.
 
 As llama.cpp's ``qwen3next`` graph builds Hugging Face's ``Qwen3NextForCausalLM`` (the file says which layer is
 which: ``qwen3next.attention.recurrent_layers``, else every ``full_attention_interval``-th layer, default 4, is
@@ -28,6 +28,12 @@ does with a state that cannot shift). The multi-token-prediction layers llama.cp
 with ``--no-mtp``; a file with ``nextn_predict_layers`` is refused naming the key). Refused, naming the key: key
 and value heads of different sizes (ggml's ``gated_delta_net`` takes one), value heads not a multiple of the key
 heads, a sliding window, routing other than softmax.
+
+qwen35 (Qwen3.5's text model, :class:`Qwen35Model`) has the same layers with three differences, as llama.cpp's
+``qwen35`` graph: ``ssm_beta`` and ``ssm_alpha`` are two projections (one value per value head each); the
+converter orders the value heads so that head ``h`` reads key head ``h % n_key_heads`` (ggml's own pairing, no
+repeat); a SwiGLU feed-forward (``ffn_gate``/``ffn_up``/``ffn_down``) instead of experts. Its multimodal RoPE
+sections are not read: a text token has the same position in every section, which is NEOX RoPE.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from .base import register
 from .config import _MAX_EMBD, _MAX_HEADS, _MAX_LAYERS, DecoderConfig, read_routing
 from .decoder import DecoderModel
 
-__all__ = ["Qwen3NextConfig", "Qwen3NextModel"]
+__all__ = ["Qwen35Config", "Qwen35Model", "Qwen3NextConfig", "Qwen3NextModel"]
 
 #: Checkpoints of the states kept per sequence (see :class:`~ggmlpy.kvcache.rows.StateRows`).
 CHECKPOINTS = 2
@@ -118,6 +124,8 @@ class Qwen3NextConfig(DecoderConfig):
                      ssm_n_group=m.geti("ssm.group_count", lo=1, hi=_MAX_HEADS),
                      ssm_n_head=m.geti("ssm.time_step_rank", lo=1, hi=_MAX_HEADS),
                      ssm_d_inner=m.geti("ssm.inner_size", lo=1, hi=_MAX_EMBD * 8))
+        if not cls.READS_EXPERTS:
+            return d
         n_expert = m.geti("expert_count", lo=1, hi=1 << 12)
         used = meta_int(m.md, m.key("expert_used_count"), lo=1, hi=n_expert, per_layer=True, path=m.path)
         norm = read_routing(m, m.arch, _ROUTING, norm_default=True)
@@ -155,6 +163,9 @@ class Qwen3NextModel(DecoderModel):
     config: Qwen3NextConfig
     #: the DeltaNet layer's views, convolution, norms, repeats, delta rule and gate; the experts' routing
     NODES_PER_LAYER = 128
+    #: value head ``h`` reads key head ``h % n_key_heads`` (qwen35's converter orders the value heads so), not
+    #: ``h // (n_v_heads / n_key_heads)``
+    TILED_KEY_HEADS = False
 
     @classmethod
     def read_config(cls, reader, path: str = "") -> Qwen3NextConfig:
@@ -179,7 +190,7 @@ class Qwen3NextModel(DecoderModel):
             if rec:
                 yield p + "attn_qkv.weight", (c.n_embd, c.ssm_conv_dim), i, None, "mul_mat"
                 yield p + "attn_gate.weight", (c.n_embd, di), i, None, "mul_mat"
-                yield p + "ssm_ba.weight", (c.n_embd, 2 * nv), i, None, "mul_mat"
+                yield from self._expected_beta_alpha(i)
                 # ggml's ssm_conv reads an F32 kernel (the converter and llama-quantize keep these so)
                 yield p + "ssm_conv1d.weight", (c.ssm_d_conv, c.ssm_conv_dim), i, f32, None
                 yield p + "ssm_dt.bias", (nv,), i, f32, None
@@ -195,14 +206,21 @@ class Qwen3NextModel(DecoderModel):
                 yield self._expected_norm(i, "attn_k_norm", c.head_dim)
                 yield p + "attn_output.weight", (n_q, c.n_embd), i, None, "mul_mat"
             yield self._expected_norm(i, "post_attention_norm")
-            yield p + "ffn_gate_inp.weight", (c.n_embd, c.n_expert), i, None, "mul_mat"
-            for part, ne in (("gate", (c.n_embd, c.n_ff_exp, c.n_expert)), ("up", (c.n_embd, c.n_ff_exp, c.n_expert)),
-                             ("down", (c.n_ff_exp, c.n_embd, c.n_expert))):
-                yield p + f"ffn_{part}_exps.weight", ne, i, None, "mul_mat_id"
-            yield p + "ffn_gate_inp_shexp.weight", (c.n_embd,), i, None, "mul_mat"
-            for part, ne in (("gate", (c.n_embd, c.n_ff_shexp)), ("up", (c.n_embd, c.n_ff_shexp)),
-                             ("down", (c.n_ff_shexp, c.n_embd))):
-                yield p + f"ffn_{part}_shexp.weight", ne, i, None, "mul_mat"
+            yield from self._expected_moe(i)
+
+    def _expected_beta_alpha(self, i: int):
+        yield f"blk.{i}.ssm_ba.weight", (self.config.n_embd, 2 * self.config.ssm_n_head), i, None, "mul_mat"
+
+    def _expected_moe(self, i: int):
+        c, p = self.config, f"blk.{i}."
+        yield p + "ffn_gate_inp.weight", (c.n_embd, c.n_expert), i, None, "mul_mat"
+        for part, ne in (("gate", (c.n_embd, c.n_ff_exp, c.n_expert)), ("up", (c.n_embd, c.n_ff_exp, c.n_expert)),
+                         ("down", (c.n_ff_exp, c.n_embd, c.n_expert))):
+            yield p + f"ffn_{part}_exps.weight", ne, i, None, "mul_mat_id"
+        yield p + "ffn_gate_inp_shexp.weight", (c.n_embd,), i, None, "mul_mat"
+        for part, ne in (("gate", (c.n_embd, c.n_ff_shexp)), ("up", (c.n_embd, c.n_ff_shexp)),
+                         ("down", (c.n_ff_shexp, c.n_embd))):
+            yield p + f"ffn_{part}_shexp.weight", ne, i, None, "mul_mat"
 
     def graph_size(self) -> int:
         c = self.config
@@ -251,12 +269,9 @@ class Qwen3NextModel(DecoderModel):
         t, s = memory.n_seq_tokens, memory.n_seqs
         qkv = blocks.linear(ctx, w[p + "attn_qkv.weight"], cur)              # (conv_dim, n): q, k, v
         z = blocks.linear(ctx, w[p + "attn_gate.weight"], cur)               # (nv ds, n)
-        ba = ctx.reshape(blocks.linear(ctx, w[p + "ssm_ba.weight"], cur), (2 * r, nk, t, s))
-        # per key head: its value heads' b, then their a
-        b = ctx.view(ba, (r, nk, t, s), ba.nb[1:], 0)
-        a = ctx.view(ba, (r, nk, t, s), ba.nb[1:], r * ba.nb[0])
-        beta = ctx.reshape(ctx.sigmoid(ctx.cont(b)), (1, nv, t, s))
-        alpha = ctx.add(ctx.cont_3d(a, nv, t, s), w[p + "ssm_dt.bias"])
+        b, a = self._beta_alpha(ctx, p, cur, t, s)
+        beta = ctx.reshape(ctx.sigmoid(b), (1, nv, t, s))
+        alpha = ctx.add(a, w[p + "ssm_dt.bias"])
         gate = ctx.reshape(ctx.mul(ctx.softplus(alpha), w[p + "ssm_a"]), (1, nv, t, s))
         conv = ctx.silu(memory.conv(qkv, w[p + "ssm_conv1d.weight"]))       # (conv_dim, t, s)
         nb = (conv.nb[1], conv.nb[2])
@@ -264,7 +279,7 @@ class Qwen3NextModel(DecoderModel):
         k = ctx.view(conv, (ds, nk, t, s), (ds * 4, *nb), nk * ds * 4)
         v = ctx.view(conv, (ds, nv, t, s), (ds * 4, *nb), 2 * nk * ds * 4)
         q, k = self._l2_norm(ctx, q), self._l2_norm(ctx, k)
-        if r > 1:
+        if r > 1 and not self.TILED_KEY_HEADS:
             # value head h reads key head h // r (transformers' repeat_interleave); ggml's op would tile them
             q, k = (ctx.reshape(ctx.repeat_4d(ctx.reshape(x, (ds, 1, nk, t * s)), ds, r, nk, t * s), (ds, nv, t, s))
                     for x in (q, k))
@@ -272,6 +287,17 @@ class Qwen3NextModel(DecoderModel):
         y = blocks.rms_norm(ctx, y, w[p + "ssm_norm.weight"], c.rms_eps)
         y = ctx.swiglu_split(ctx.reshape(z, (ds, nv, t, s)), y)              # SiLU(z) * norm(y)
         return blocks.linear(ctx, w[p + "ssm_out.weight"], ctx.reshape(y, (nv * ds, n)))
+
+    def _beta_alpha(self, ctx: Context, p: str, cur: Tensor, t: int, s: int) -> tuple[Tensor, Tensor]:
+        """The DeltaNet layer's ``b`` and ``a``, ``ne = (n_v_heads, t, s)`` each, contiguous: ``ssm_ba`` holds per
+        key head its value heads' ``b``, then their ``a``."""
+        c = self.config
+        nk, nv = c.ssm_n_group, c.ssm_n_head
+        r = nv // nk
+        ba = ctx.reshape(blocks.linear(ctx, self.weights[p + "ssm_ba.weight"], cur), (2 * r, nk, t, s))
+        b = ctx.view(ba, (r, nk, t, s), ba.nb[1:], 0)
+        a = ctx.view(ba, (r, nk, t, s), ba.nb[1:], r * ba.nb[0])
+        return ctx.cont_3d(b, nv, t, s), ctx.cont_3d(a, nv, t, s)
 
     def _attention(self, ctx: Context, memory, il: int, cur: Tensor, pos: Tensor, flash_attn: bool) -> Tensor:
         c, w, p = self.config, self.weights, f"blk.{il}."
@@ -321,3 +347,39 @@ class Qwen3NextModel(DecoderModel):
             cur = blocks.rms_norm(ctx, x, w[p + "post_attention_norm.weight"], c.rms_eps)
             x = ctx.add(x, self._ffn(ctx, p, cur))
         return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
+
+
+@dataclass(frozen=True)
+class Qwen35Config(Qwen3NextConfig):
+    """Hyperparameters of qwen35 files: qwen3next's, with a dense feed-forward (``feed_forward_length``) instead
+    of experts. ``rope.dimension_sections`` (Qwen3.5's interleaved multimodal RoPE) is not read: for text every
+    section has the token's position, which makes it NEOX RoPE over ``rope.dimension_count`` values."""
+
+    ROPE_TYPES = {"qwen35": RopeType.NEOX}
+    READS_EXPERTS = False
+
+
+@register(*Qwen35Config.ROPE_TYPES)
+class Qwen35Model(Qwen3NextModel):
+    """A qwen35 model (Qwen3.5, text): qwen3next's layers with separate ``ssm_beta`` / ``ssm_alpha`` projections,
+    value heads in the order ggml's ``gated_delta_net`` pairs with the key heads (no repeat), a SwiGLU
+    feed-forward (``ffn_gate``/``ffn_up``/``ffn_down``), as llama.cpp's ``qwen35`` graph builds them."""
+
+    config_class = Qwen35Config
+    config: Qwen35Config
+    TILED_KEY_HEADS = True
+
+    def _expected_beta_alpha(self, i: int):
+        for name in ("ssm_beta", "ssm_alpha"):
+            yield f"blk.{i}.{name}.weight", (self.config.n_embd, self.config.ssm_n_head), i, None, "mul_mat"
+
+    def _expected_moe(self, i: int):
+        yield from self._expected_ffn(i)
+
+    def _beta_alpha(self, ctx: Context, p: str, cur: Tensor, t: int, s: int) -> tuple[Tensor, Tensor]:
+        nv = self.config.ssm_n_head
+        return tuple(ctx.reshape(blocks.linear(ctx, self.weights[p + f"ssm_{x}.weight"], cur), (nv, t, s))
+                     for x in ("beta", "alpha"))
+
+    def _ffn(self, ctx: Context, p: str, cur: Tensor) -> Tensor:
+        return blocks.ffn_glu(ctx, self.weights, p, cur)
