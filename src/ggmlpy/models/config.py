@@ -79,6 +79,10 @@ class DecoderConfig:
     eos_token_ids: tuple = ()
     bos_token_id: Optional[int] = None
     file_type: Optional[int] = None
+    #: Multi-token-prediction (NextN) layers the file holds after the ``n_layer`` it runs (``block_count``
+    #: counts both): an architecture that reads ``nextn_predict_layers`` sets it; their tensors are not
+    #: loaded, as llama.cpp skips them unless asked for speculative decoding.
+    n_layer_nextn: int = 0
 
     @classmethod
     def from_metadata(cls, md: dict, path: str = "", n_vocab: Optional[int] = None) -> DecoderConfig:
