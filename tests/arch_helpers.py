@@ -128,18 +128,19 @@ _LLAMA_CPP_LOGITS = """
 import json, sys
 import numpy as np
 import llama_cpp
-path, toks, out, type_kv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+path, toks, out, type_kv, flash = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
 llm = llama_cpp.Llama(path, n_ctx=max(64, len(toks)), n_batch=len(toks), logits_all=True, n_threads=2,
-                      verbose=False, type_k=type_kv, type_v=type_kv)
+                      verbose=False, type_k=type_kv, type_v=type_kv, flash_attn=flash == "1")
 llm.eval(toks)
 np.save(out, np.asarray(llm.scores[:len(toks)], np.float32))
 """
 
 
-def llama_cpp_logits(path, tokens, tmp_path, f32_cache: bool = True) -> np.ndarray:
+def llama_cpp_logits(path, tokens, tmp_path, f32_cache: bool = True, flash: bool = False) -> np.ndarray:
     """Every position's logits of ``tokens`` in one batch as llama.cpp computes them on the same file, through
-    llama-cpp-python in a child process (its libggml and ggmlpy's must not share one: the same soname).
-    Skips when llama-cpp-python is not installed (an optional peer)."""
+    llama-cpp-python in a child process (its libggml and ggmlpy's must not share one: the same soname), with
+    flash attention or not (llama.cpp then casts an F32 cache to F16). Skips when llama-cpp-python is not
+    installed (an optional peer)."""
     import importlib.util
     import json
     import subprocess
@@ -151,6 +152,7 @@ def llama_cpp_logits(path, tokens, tmp_path, f32_cache: bool = True) -> np.ndarr
         pytest.skip("llama-cpp-python is not installed (optional peer)")
     out = tmp_path / "llama_cpp_logits.npy"
     r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_LOGITS, str(path), json.dumps([int(t) for t in tokens]),
-                        str(out), "0" if f32_cache else "1"], capture_output=True, text=True, timeout=600)
+                        str(out), "0" if f32_cache else "1", "1" if flash else "0"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return np.load(out)

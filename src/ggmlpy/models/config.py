@@ -180,6 +180,11 @@ class DecoderConfig:
             rope_ext_factor=ext_factor, rope_attn_factor=attn_factor, n_ctx_orig=n_ctx_orig, sliding_window=window,
             eos_token_ids=eos_ids, bos_token_id=tok["bos"], file_type=m.geti("general.file_type", None, lo=0))
 
+    def cache_rows(self) -> tuple[int, int]:
+        """Values one token stores per layer in the K cache and in the V cache (V 0 where V is part of K: a
+        latent cache, :class:`~ggmlpy.kvcache.Causal`'s ``v_in_k``)."""
+        return self.n_head_kv * self.head_dim, self.n_head_kv * self.head_dim
+
     def validate(self, path: str = "") -> None:
         """Check the relations between the hyperparameters (and their ranges, for a config made by hand).
 

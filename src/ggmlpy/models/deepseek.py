@@ -216,10 +216,11 @@ class DeepseekConfig(DeepseekMoeConfig):
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
         path = m.path
-        if "attention.key_length_mla" not in m and "attention.value_length_mla" not in m:
-            raise MetadataError(path, m.key("attention.key_length_mla"), "is missing: a deepseek2 file from before "
-                                "llama.cpp's converter split attn_kv_b for multi-head latent attention is not "
-                                "supported (convert the model again)")
+        for key in ("attention.key_length_mla", "attention.value_length_mla"):
+            if key not in m:
+                raise MetadataError(path, m.key(key), "is missing: a deepseek2 file from before llama.cpp's converter "
+                                    "split attn_kv_b for multi-head latent attention is not supported (convert the "
+                                    "model again)")
         k_mla = m.geti("attention.key_length_mla", lo=1, hi=_MAX_EMBD)
         v_mla = m.geti("attention.value_length_mla", lo=1, hi=_MAX_EMBD)
         kv_lora = m.geti("attention.kv_lora_rank", lo=1, hi=_MAX_EMBD)
@@ -282,6 +283,10 @@ class DeepseekConfig(DeepseekMoeConfig):
     def cache_row(self) -> int:
         """Values one token takes in a layer's cache: the latent and the rotated key part."""
         return self.n_lora_kv + self.rope_dim
+
+    def cache_rows(self) -> tuple[int, int]:
+        """The latent cache's row as K; no V apart (see :meth:`DecoderConfig.cache_rows`)."""
+        return self.cache_row, 0
 
 
 @register(*DeepseekConfig.ROPE_TYPES)
