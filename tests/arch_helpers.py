@@ -19,16 +19,18 @@ from ggmlpy.runner import Runner
 class Converted:
     """An HF model, the GGUF files made from it (by converter ``--outtype``) and a test prompt."""
 
-    def __init__(self, hf, vocab: str, tokens: list, out_dir, config_edit=None):
+    def __init__(self, hf, vocab: str, tokens: list, out_dir, config_edit=None, tokenizer=None):
         self.hf, self.vocab, self.tokens, self.out_dir = hf, vocab, tokens, out_dir
         self.config_edit = config_edit            # hf_convert.convert's, for every file converted
+        self.tokenizer = tokenizer                # saved instead of vocab's files (hf_convert.save_model_dir)
         self.paths: dict = {}
 
     def path(self, outtype: str = "f32"):
         """The file converted with ``--outtype outtype`` (converted on first use)."""
         if outtype not in self.paths:
             self.paths[outtype] = hf_convert.convert(self.hf, self.out_dir, self.vocab, outtype=outtype, name=outtype,
-                                                     config_edit=self.config_edit)
+                                                     config_edit=self.config_edit,
+                                                     tokenizer=self.tokenizer)
         return self.paths[outtype]
 
 

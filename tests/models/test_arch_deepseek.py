@@ -29,8 +29,8 @@ Converter files (``--outtype f16`` / ``q8_0``: the layers' matrices, the per-hea
 included, in that type; router, bias and norms F32), F16 cache, against transformers: F16 at most 3e-3
 everywhere (measured 1.9e-3, median 1.1e-3); Q8_0 median 3e-2 and max 0.1 at the positions whose routing is
 clear (in every layer the last kept group's and the last chosen expert's scores lead the next by more than
-0.005: 33 of the 39), the tolerances of the other architectures' tests (measured median 0.025, max 0.043
-there; 0.10 to 0.20 at four of the six near ties, where llama.cpp's error is the same). llama.cpp on the same
+0.01: 31 of the 39), the tolerances of the other architectures' tests (measured median 0.025, max 0.043
+there; 0.10 to 0.20 at four of the eight near ties, where llama.cpp's error is the same). llama.cpp on the same
 files gives the same logits at the clear positions to 2e-3 of the largest logit, the rounding of F16
 activations summed in another order by its build of ggml (measured 5e-4 for F16, 0 for Q8_0).
 """
@@ -326,8 +326,8 @@ def test_converter_quantized_files_track_transformers(v3, outtype):
             got = rt.decode(v3.tokens, logits="all")
     err = errors(got, v3.ref)
     med, worst = QUANT_TOL[outtype]
-    clear = routing_lead(v3.hf, v3.tokens) > 0.005
-    assert clear.sum() >= len(clear) - 6
+    clear = routing_lead(v3.hf, v3.tokens) > 0.01
+    assert clear.sum() >= len(clear) - 8
     assert np.median(err) <= med and err[clear].max() <= worst, err
     if importlib.util.find_spec("llama_cpp") is None:
         return

@@ -23,14 +23,15 @@ report exists before any data is read) and then loads the data with progress.
   :class:`~ggmlpy.kvcache.Wrapper` of a :class:`~ggmlpy.kvcache.Recurrent` and a
   :class:`~ggmlpy.kvcache.Causal`), :mod:`~ggmlpy.models.granitehybrid` (Granite 4.0 H: Mamba-2 layers and
   attention layers the same way, experts with a shared one), :mod:`~ggmlpy.models.deepseek`
-  (deepseek2: multi-head latent attention over a latent cache, DeepSeek's experts);
+  (deepseek2: multi-head latent attention over a latent cache, DeepSeek's experts),
+  :mod:`~ggmlpy.models.glm4moe` (GLM-4.5: partial RoPE, DeepSeek's experts);
 * :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
 
 from __future__ import annotations
 
-from . import deepseek, gemma, gptoss, granite, granitehybrid, lfm2, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
+from . import deepseek, gemma, glm4moe, gptoss, granite, granitehybrid, lfm2, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
 from .base import (
            ARCHITECTURES,
            BuiltGraph,

@@ -9,9 +9,11 @@ an eighth of the dense feed-forward, so the parameter count stays close),
 ``gemma3`` (Q/K norms, post-norms, GeGLU, tied output, 5 sliding-window layers
 of 512 then one global, as llama.cpp assumes), ``lfm2`` (LFM2's short
 convolutions of 3 taps, attention in every third layer), ``granitehybrid`` (Granite 4.0 H:
-Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers) or ``deepseek2``
+Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers), ``deepseek2``
 (multi-head latent attention, the first layer dense, then 8 experts in 4 groups with a shared
-one and sigmoid routing: DeepSeek-V3's layout scaled to the size), each with the metadata keys
+one and sigmoid routing: DeepSeek-V3's layout scaled to the size) or ``glm4moe`` (GLM-4.5's:
+Q/K/V biases, Q/K norms, half of each head rotated, DeepSeek's experts without groups), each
+with the metadata keys
 and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
 benchmarked by llama.cpp for a side-by-side comparison.
@@ -65,7 +67,7 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "deepseek2")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "deepseek2", "glm4moe")
 
 
 @dataclass(frozen=True)
@@ -174,6 +176,12 @@ SIZES: dict[str, SyntheticConfig] = {
                         "Granite-4.0-H-Tiny's layout (llama.cpp's granitehybrid 7B-A1B)", arch="granitehybrid",
                         tied=True, n_expert=64, n_expert_used=6, n_ff_exp=512, n_ff_shexp=1024, nominal=6.94e9,
                         recurrent_layers=tuple(i % 10 != 5 for i in range(40))),
+        # GLM-4.5-Air's widths (96 heads of 128 over 8 KV heads, half of each rotated, its 128 experts of 1408
+        # with 8 used and 1 shared, its 151k vocabulary) in 8 of its 46 layers (the first dense, as its): 17.9B
+        # parameters, Q4_K_M in about 11 GB; per token it reads what the real model's first 8 layers do
+        SyntheticConfig("glm4.5-air-8L", 4096, 8, 96, 8, 10944, 151552, 131072, "GLM-4.5-Air, 8 of its 46 layers",
+                        rope_freq_base=1e6, arch="glm4moe", n_embd_head=128, n_rot=64, n_expert=128, n_expert_used=8,
+                        n_ff_exp=1408, n_expert_shared=1, n_dense_lead=1, nominal=17.9e9),
         # DeepSeek-V3's widths (128 heads of latent attention, its 1.5k/512 compressions, 2k-wide experts, its
         # 129k vocabulary) in 12 of its 61 layers (the first 3 dense, as its) with 32 of its 256 experts (8
         # used, in 8 groups of which 4 are kept, 1 shared): 18.4B parameters, Q4_K_M in about 11 GB
@@ -188,7 +196,7 @@ SIZES: dict[str, SyntheticConfig] = {
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
 PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
-           "granitehybrid-7B-A1B", "deepseek-v3-12L-32E")
+           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
@@ -227,6 +235,12 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
                        n_embd_head_v=nope, n_lora_q=lora, n_lora_kv=lora, n_expert=8, n_expert_used=2,
                        n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32), n_expert_shared=1,
                        n_dense_lead=1 if cfg.n_layer > 1 else 0, n_group=4, n_group_used=2)
+    if arch == "glm4moe":
+        # GLM-4.5's proportions: half of each head rotated, Q/K/V biases and Q/K norms, 8 experts of an eighth
+        # of the dense width (2 used, 1 shared, no groups), the first layer dense
+        return replace(cfg, arch=arch, rope_freq_base=1e6, n_rot=cfg.head_dim // 2, n_expert=8, n_expert_used=2,
+                       n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32), n_expert_shared=1,
+                       n_dense_lead=1 if cfg.n_layer > 1 else 0, n_group=0, n_group_used=0)
     return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
 
 
@@ -450,8 +464,25 @@ def _deepseek_ffn(cfg: SyntheticConfig, i: int) -> list[tuple[str, tuple[int, ..
             (b + "ffn_down_shexp.weight", (d, fs), "matrix")]
 
 
+def _glm4moe_layers(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The layers of a glm4moe file (GLM-4.5's: Q/K/V biases, per-head Q/K norms, the pre-feed-forward norm
+    named ``post_attention_norm``, DeepSeek's feed-forward layout)."""
+    d, hd = cfg.n_embd, cfg.head_dim
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        specs.append((b + "attn_norm.weight", (d,), "norm"))
+        for x, rows in (("q", cfg.n_head * hd), ("k", cfg.n_head_kv * hd), ("v", cfg.n_head_kv * hd)):
+            specs += [(f"{b}attn_{x}.weight", (rows, d), "matrix"), (f"{b}attn_{x}.bias", (rows,), "bias")]
+        specs += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm"),
+                  (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix"),
+                  (b + "post_attention_norm.weight", (d,), "norm")]
+        specs += _deepseek_ffn(cfg, i)
+    return specs
+
+
 #: The architectures whose layers :func:`tensor_specs` takes from a function of their own.
-_LAYERS: dict[str, Callable[[SyntheticConfig], list]] = {"deepseek2": _deepseek2_layers}
+_LAYERS: dict[str, Callable[[SyntheticConfig], list]] = {"deepseek2": _deepseek2_layers, "glm4moe": _glm4moe_layers}
 
 
 def _more_bits(layer: int, n_layer: int) -> bool:
@@ -513,6 +544,13 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
     ]
     if a == "deepseek2":
         md += _deepseek2_metadata(cfg)
+    elif a == "glm4moe":
+        md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
+               (f"{a}.attention.value_length", cfg.head_dim, "UINT32"),
+               (f"{a}.leading_dense_block_count", cfg.n_dense_lead, "UINT32"),
+               (f"{a}.expert_shared_count", cfg.n_expert_shared, "UINT32"),
+               (f"{a}.expert_gating_func", 2, "UINT32"), (f"{a}.expert_weights_norm", True, "BOOL"),
+               (f"{a}.expert_weights_scale", 2.5, "FLOAT32")]
     elif a != "llama" or cfg.n_embd_head:         # (the llama files stay as they were: no format change)
         md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
                (f"{a}.attention.value_length", cfg.head_dim, "UINT32")]
