@@ -13,8 +13,8 @@ and llama-cpp-python for the peer::
     python bench/architectures.py                                  # all, F16 and Q4_0, 3 rounds
     python bench/architectures.py --arch phi3,gemma2 --type f16 --rounds 5
 
-The built-in synthetic models cover llama, qwen3, qwen3moe and gemma3 without the converter:
-``ggmlpy bench --arch llama,qwen3,qwen3moe,gemma3 --type F16,Q4_0 --vs llama.cpp``.
+The built-in synthetic models cover llama, qwen3, qwen3moe, gemma3, deepseek2 and glm4moe without the
+converter: ``ggmlpy bench --arch llama,qwen3,qwen3moe,gemma3,deepseek2,glm4moe --type F16,Q4_0 --vs llama.cpp``.
 """
 
 from __future__ import annotations

@@ -19,17 +19,19 @@ from ggmlpy.runner import Runner
 class Converted:
     """An HF model, the GGUF files made from it (by converter ``--outtype``) and a test prompt."""
 
-    def __init__(self, hf, vocab: str, tokens: list, out_dir, config_edit=None):
+    def __init__(self, hf, vocab: str, tokens: list, out_dir, config_edit=None, tokenizer=None):
         self.hf, self.vocab, self.tokens, self.out_dir = hf, vocab, tokens, out_dir
         self.config_edit = config_edit            # hf_convert.convert's, for every file converted
         self.extra_args: tuple = ()               # converter arguments for every file (qwen3next: --no-mtp)
+        self.tokenizer = tokenizer                # saved instead of vocab's files (hf_convert.save_model_dir)
         self.paths: dict = {}
 
     def path(self, outtype: str = "f32"):
         """The file converted with ``--outtype outtype`` (converted on first use)."""
         if outtype not in self.paths:
             self.paths[outtype] = hf_convert.convert(self.hf, self.out_dir, self.vocab, outtype=outtype, name=outtype,
-                                                     config_edit=self.config_edit, extra_args=self.extra_args)
+                                                     config_edit=self.config_edit, extra_args=self.extra_args,
+                                                     tokenizer=self.tokenizer)
         return self.paths[outtype]
 
 
@@ -129,18 +131,19 @@ _LLAMA_CPP_LOGITS = """
 import json, sys
 import numpy as np
 import llama_cpp
-path, toks, out, type_kv = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+path, toks, out, type_kv, flash = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
 llm = llama_cpp.Llama(path, n_ctx=max(64, len(toks)), n_batch=len(toks), logits_all=True, n_threads=2,
-                      verbose=False, type_k=type_kv, type_v=type_kv)
+                      verbose=False, type_k=type_kv, type_v=type_kv, flash_attn=flash == "1")
 llm.eval(toks)
 np.save(out, np.asarray(llm.scores[:len(toks)], np.float32))
 """
 
 
-def llama_cpp_logits(path, tokens, tmp_path, f32_cache: bool = True) -> np.ndarray:
+def llama_cpp_logits(path, tokens, tmp_path, f32_cache: bool = True, flash: bool = False) -> np.ndarray:
     """Every position's logits of ``tokens`` in one batch as llama.cpp computes them on the same file, through
-    llama-cpp-python in a child process (its libggml and ggmlpy's must not share one: the same soname).
-    Skips when llama-cpp-python is not installed (an optional peer)."""
+    llama-cpp-python in a child process (its libggml and ggmlpy's must not share one: the same soname), with
+    flash attention or not (llama.cpp then casts an F32 cache to F16). Skips when llama-cpp-python is not
+    installed (an optional peer)."""
     import importlib.util
     import json
     import subprocess
@@ -152,6 +155,7 @@ def llama_cpp_logits(path, tokens, tmp_path, f32_cache: bool = True) -> np.ndarr
         pytest.skip("llama-cpp-python is not installed (optional peer)")
     out = tmp_path / "llama_cpp_logits.npy"
     r = subprocess.run([sys.executable, "-c", _LLAMA_CPP_LOGITS, str(path), json.dumps([int(t) for t in tokens]),
-                        str(out), "0" if f32_cache else "1"], capture_output=True, text=True, timeout=600)
+                        str(out), "0" if f32_cache else "1", "1" if flash else "0"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return np.load(out)

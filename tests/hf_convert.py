@@ -334,11 +334,12 @@ def perturb_constant_weights(model, seed: int = 0, scale: float = 0.1) -> list[s
     return names
 
 
-def save_model_dir(hf_model, hf_dir: str | os.PathLike, vocab: str, config_edit=None) -> Path:
+def save_model_dir(hf_model, hf_dir: str | os.PathLike, vocab: str, config_edit=None, tokenizer=None) -> Path:
     """``save_pretrained`` the model (safetensors) and beside it the tokenizer of ``vocab``: the files of
-    :func:`tokenizer_dir`, or for ``vocab="spm"`` :func:`spm_tokenizer_model` as ``tokenizer.model``.
-    ``config_edit(config)`` changes the saved ``config.json`` (a dict) in place first, where the converter
-    reads what this transformers writes otherwise than the published checkpoints do."""
+    :func:`tokenizer_dir`, or for ``vocab="spm"`` :func:`spm_tokenizer_model` as ``tokenizer.model``; or
+    ``tokenizer`` itself (a transformers tokenizer: ``vocab``'s with tokens added that a converter looks up,
+    such as GLM's ``[gMASK]``). ``config_edit(config)`` changes the saved ``config.json`` (a dict) in place
+    first, where the converter reads what this transformers writes otherwise than the published checkpoints do."""
     import json
 
     hf_dir = Path(hf_dir)
@@ -348,7 +349,9 @@ def save_model_dir(hf_model, hf_dir: str | os.PathLike, vocab: str, config_edit=
         config = json.loads(path.read_text())
         config_edit(config)
         path.write_text(json.dumps(config, indent=2))
-    if vocab == SPM:
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(hf_dir))
+    elif vocab == SPM:
         shutil.copyfile(spm_tokenizer_model(), hf_dir / "tokenizer.model")
     else:
         shutil.copytree(tokenizer_dir(vocab), hf_dir, dirs_exist_ok=True)
@@ -356,7 +359,8 @@ def save_model_dir(hf_model, hf_dir: str | os.PathLike, vocab: str, config_edit=
 
 
 def convert(hf_model, out_dir: str | os.PathLike, vocab: str, outtype: str = "f32",
-            extra_args: Sequence[str] = (), name: str = "model", timeout: float = 600, config_edit=None) -> Path:
+            extra_args: Sequence[str] = (), name: str = "model", timeout: float = 600, config_edit=None,
+            tokenizer=None) -> Path:
     """Convert ``hf_model`` with llama.cpp's ``convert_hf_to_gguf.py``; return the GGUF file's path.
 
     The model is saved with its tokenizer (:func:`save_model_dir`) into ``out_dir/name-hf`` and
@@ -377,6 +381,9 @@ def convert(hf_model, out_dir: str | os.PathLike, vocab: str, outtype: str = "f3
         More converter arguments (``--mmproj`` writes the projector file instead).
     config_edit
         Changes the saved ``config.json`` first (see :func:`save_model_dir`).
+    tokenizer
+        A transformers tokenizer to save beside the model instead of ``vocab``'s files
+        (:func:`save_model_dir`).
 
     Raises
     ------
@@ -387,7 +394,7 @@ def convert(hf_model, out_dir: str | os.PathLike, vocab: str, outtype: str = "f3
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     script = llama_cpp_dir() / "convert_hf_to_gguf.py"
-    hf_dir = save_model_dir(hf_model, out_dir / f"{name}-hf", vocab, config_edit)
+    hf_dir = save_model_dir(hf_model, out_dir / f"{name}-hf", vocab, config_edit, tokenizer)
     outfile = out_dir / f"{name}-{outtype}.gguf"
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)   # that would make it import PyPI's gguf, which it does not work with

@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -202,9 +203,11 @@ def test_scheduler_rules():
 @pytest.fixture(scope="module")
 def rpc_server():
     port = free_port()
+    # its output goes to a file: a pipe nobody reads fills up (64 KiB of per-connection lines over the
+    # architectures test_arch_rpc runs) and the server then blocks in a write, its next handshake timing out
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "ggmlpy.cli", "rpc-server", "--host", "127.0.0.1",
-                             "--port", str(port), "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--port", str(port), "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
@@ -218,6 +221,7 @@ def rpc_server():
     yield f"127.0.0.1:{port}"
     proc.kill()
     proc.wait(timeout=10)
+    log.close()
 
 
 @pytest.mark.rpc

@@ -246,3 +246,99 @@ def test_swa_mem_evicts_idle_sequence_and_fills():
     assert plan.cell_ids.tolist() == [0, 1]
     with pytest.raises(KVCacheFull):
         c.start_forward([2, 3, 4], [1, 1, 1])
+
+
+# ---------------------------------------------------------------- 4. K-only cache (V read from K's rows)
+
+
+def _k_only(n_layers=2, dtype=Type.F32, **kw) -> Causal:
+    # rows of 6: a "latent" of 4 (the V) then 2 more values; one KV head, as multi-head latent attention
+    c = Causal(n_layers, 6, 4, dtype, n_head_kv=1, v_in_k=True, **kw)
+    c.init(16, 2, 8)
+    return c
+
+
+def test_k_only_cache_reads_v_from_k():
+    """put writes K alone (v=None); get's V is the first n_embd_v values of each K row, the same memory."""
+    c = _k_only()
+    assert c.values == [] and [k.ne[:2] for k in c.keys] == [(6, c.n_cells)] * 2
+    x = np.arange(3 * 6, dtype=np.float32).reshape(3, 1, 6) + 1
+    plan = c.start_forward([0, 1, 2], [0, 0, 0])
+    with ggmlpy.Context(1 << 20) as ctx:
+        gf = ctx.new_graph(64)
+        kt = ctx.new_tensor(Type.F32, (6, 1, 3))
+        kt.set(x)
+        writes = c.put(ctx, 1, plan, kt, None)
+        assert len(writes) == 1
+        for t in writes:
+            gf.build_forward_expand(t)
+        kv, vv, _ = c.get(ctx, 1, plan)
+        assert kv.ne[:3] == (6, plan.n_kv, 1) and vv.ne[:3] == (4, plan.n_kv, 1)
+        kc, vc = ctx.cont(kv), ctx.cont(vv)
+        gf.build_forward_expand(kc)
+        gf.build_forward_expand(vc)
+        gf.compute(1)
+        np.testing.assert_array_equal(kc.numpy().reshape(-1, 6)[:3], x[:, 0])
+        np.testing.assert_array_equal(vc.numpy().reshape(-1, 4)[:3], x[:, 0, :4])
+        with pytest.raises(ValueError, match="K-only cache"):
+            c.put(ctx, 0, plan, kt, kt)
+    c.apply(plan)
+    assert c.bytes_per_layer() == c.keys[0].nbytes == c.n_cells * 6 * 4
+
+
+def test_k_only_cache_options_are_checked():
+    with pytest.raises(ValueError, match="n_embd_v <= n_embd_k"):
+        Causal(1, 4, 6, v_in_k=True)
+    with pytest.raises(ValueError, match="K's type"):
+        Causal(1, 6, 4, Type.F16, dtype_v=Type.F32, v_in_k=True)
+    with pytest.raises(ValueError, match="transposed"):
+        Causal(1, 6, 4, v_in_k=True, v_trans=True)
+    c = Causal(1, 64, 32, Type.F16, v_in_k=True)
+    assert c.dtype_v == Type.F16 and c.host_bytes(16, 1, 4) == Causal(1, 64, 32, Type.F16).host_bytes(16, 1, 4) \
+        - 16 * 32 * 2
+
+
+def test_k_only_cache_placed_reports_k_alone():
+    """On a device: one tensor per layer, and the memory report's cache is its bytes (no V)."""
+    from ggmlpy import backend as bk
+
+    cpu = bk.choose_devices("cpu")[-1]
+    placement = bk.Placement(layers=[cpu] * 2, output=cpu, input=cpu)
+    report = bk.MemoryReport(2)
+    c = Causal(2, 96, 64, Type.F16, v_in_k=True)
+    c.init(capacity=32, n_seq_max=1, max_batch=4, placement=placement, report=report)
+    try:
+        assert c.values == [] and len(c.keys) == 2
+        assert sum(report.devices["CPU"].cache.values()) == 2 * c.n_cells * 96 * 2
+    finally:
+        c.close()
+
+
+def test_k_only_cache_state_round_trip(tmp_path):
+    """save_seq/load_seq write and read K rows only (v_row_bytes 0); a full cache's file is refused."""
+    c = _k_only()
+    x = np.random.default_rng(0).standard_normal((5, 1, 6)).astype(np.float32)
+    for layer in range(2):
+        plan = c.start_forward(list(range(5)), [1] * 5)
+        with ggmlpy.Context(1 << 20) as ctx:
+            gf = ctx.new_graph(16)
+            kt = ctx.new_tensor(Type.F32, (6, 1, 5))
+            kt.set(x * (layer + 1))
+            for t in c.put(ctx, layer, plan, kt, None):
+                gf.build_forward_expand(t)
+            gf.compute(1)
+        if layer == 1:
+            c.apply(plan)
+    n = c.save_seq(1, tmp_path / "s.bin")
+    assert n < 5 * 2 * 6 * 4 + 4096
+    d = _k_only()
+    d.load_seq(0, tmp_path / "s.bin")
+    cells = np.flatnonzero(d.cells.seqs[:, 0])
+    for layer in range(2):
+        np.testing.assert_array_equal(d.keys[layer].numpy()[cells], x[:, 0] * (layer + 1))
+    full = Causal(2, 6, 4, Type.F32, n_head_kv=1)
+    full.init(16, 2, 8)
+    from ggmlpy.kvcache import StateError
+
+    with pytest.raises(StateError, match="v_row_bytes"):
+        full.load_seq(0, tmp_path / "s.bin")

@@ -22,7 +22,8 @@ full one holding layers on each side). Then the same runner session, F32 cache, 
   is one split of the graph.
 
 Sources: llama (4 layers), Mixtral (a llama file with experts), qwen3, qwen3moe, gemma3 (13 layers:
-local 0-4, global 5, local 6-10, global 11, local 12; window 8) and lfm2 (6 layers: attention 1 and 4,
+local 0-4, global 5, local 6-10, global 11, local 12; window 8), deepseek2 (4 layers, the
+first dense; a K-only latent cache), glm4moe (4 layers, the first dense) and lfm2 (6 layers: attention 1 and 4,
 short convolutions with recurrent states elsewhere; its context shift is the runner's fallback, the
 kept tokens computed again), granitehybrid (6 layers: attention 1 and 5, Mamba-2 elsewhere) and qwen3next (6
 layers: gated attention 1 and 5, gated DeltaNet elsewhere) are
@@ -87,6 +88,9 @@ SYNTHETIC = {
     "granitehybrid": for_arch(replace(_TINY, n_layer=6), "granitehybrid"),
     # gated attention in layers 1 and 5, gated DeltaNet (convolution and delta-rule states) in the others
     "qwen3next": for_arch(replace(_TINY, n_layer=6), "qwen3next"),
+    # the first layer dense, then experts in groups; the latent cache (K rows only) on both sides
+    "deepseek2": replace(for_arch(_TINY, "deepseek2"), n_layer=4),
+    "glm4moe": replace(for_arch(_TINY, "glm4moe"), n_layer=4),
 }
 
 # name: (n_gpu_layers, flash attention). n_gpu_layers > n_layer puts every layer and the output head on the
@@ -105,6 +109,8 @@ CASES = {
     "lfm2": (3, True),            # convolution layers 3, 5 and attention layer 4 on the server
     "granitehybrid": (3, False),  # Mamba-2 layers 3, 4 and attention layer 5 on the server
     "qwen3next": (3, True),       # DeltaNet layers 3, 4 and attention layer 5 on the server
+    "deepseek2": (3, True),       # layers 1-3 (experts) on the server, the dense layer 0 on the CPU
+    "glm4moe": (2, False),        # layers 2-3 (experts) on the server; the dense layer 0 and layer 1 on the CPU
 }
 CONVERTED = ("gemma2", "phi3", "olmo2", "granite")
 
@@ -165,11 +171,12 @@ def files(tmp_path_factory):
 
 
 def _layer_kv(cache, layer: int):
-    """The K and V tensors of model layer ``layer`` (through a Wrapper's routing), or its recurrent states."""
+    """The K and V tensors of model layer ``layer`` (through a Wrapper's routing; K alone for a K-only cache), or
+    its recurrent states."""
     c, i = cache.route(layer) if isinstance(cache, Wrapper) else (cache, layer)
     if isinstance(c, Recurrent):
         return tuple(c.tensors[i].values())
-    return c.keys[i], c.values[i]
+    return (c.keys[i],) + ((c.values[i],) if c.values else ())
 
 
 def _recurrent_layers(model) -> set:

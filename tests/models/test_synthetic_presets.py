@@ -39,6 +39,12 @@ PUBLIC = {
     "lfm2-1.2B": (1.170e9, True, 64, "lfm2"),
     # the count of the shape it copies (llama.cpp's granitehybrid 7B-A1B type): no count of IBM's is at hand here
     "granitehybrid-7B-A1B": (6.939e9, True, 128, "granitehybrid"),
+    # transformers' DeepseekV3ForCausalLM with these layers and experts (test_arch_deepseek counts it) and the
+    # routing bias the file stores as weights; head size: a query head's (position-free + rotated part)
+    "deepseek-v3-12L-32E": (18.37e9, False, 192, "deepseek2"),
+    # transformers' Glm4MoeForCausalLM with these layers (test_arch_glm4moe counts it), GLM-4.5's Q/K norms and
+    # the routing bias
+    "glm4.5-air-8L": (17.876e9, False, 128, "glm4moe"),
 }
 
 

@@ -52,7 +52,8 @@ same numbers):
   embeddings path has none). KV: for each generated token at position ``pos``
   and each attention layer, ``n_kv × n_head_kv × (head_dim_k × size(-ctk) +
   head_dim_v × size(-ctv))`` where ``n_kv = pos + 1``, or ``min(pos + 1,
-  window)`` in a sliding-window layer; averaged over the test's tokens
+  window)`` in a sliding-window layer (no V term where V is part of K's rows:
+  deepseek2's latent cache); averaged over the test's tokens
   (positions ``-d`` (+ the prompt of a pg test) onwards). Not counted: the
   padding of the visible range that engines read and mask, activations, the
   K/V row written, norms' and biases' re-reads (all small or engine-specific).
@@ -418,6 +419,7 @@ class AttentionLayer:
     head_dim_k: int
     head_dim_v: int
     window: int | None = None          # positions a token attends (itself included); None: all before it
+    v_in_k: bool = False               # V is read from K's rows (a latent cache): no V bytes of its own
 
 
 def attended(start: int, n: int, window: int | None) -> int:
@@ -580,7 +582,9 @@ class ModelWork:
                 continue
             dk = int(meta("attention.key_length", 0) or 0) or n_embd // n_head[il]
             dv = int(meta("attention.value_length", 0) or 0) or dk
-            out.append(AttentionLayer(n_head[il], n_head_kv[il], dk, dv, window if swa[il] else None))
+            # deepseek2's latent cache: V is the first values of K's rows (models/deepseek.py)
+            v_in_k = cfg is not None and hasattr(cfg, "cache_rows") and cfg.cache_rows()[1] == 0
+            out.append(AttentionLayer(n_head[il], n_head_kv[il], dk, dv, window if swa[il] else None, v_in_k))
         return out
 
     # ---- per test
@@ -595,7 +599,8 @@ class ModelWork:
     def kv_bytes(self, start: int, n: int, type_k: str = "f16", type_v: str = "f16") -> float:
         """KV-cache bytes read by ``n`` tokens at positions ``start .. start+n-1`` (all of them together)."""
         bk, bv = _bytes_per_element(type_k), _bytes_per_element(type_v)
-        return sum(attended(start, n, ly.window) * ly.n_head_kv * (ly.head_dim_k * bk + ly.head_dim_v * bv)
+        return sum(attended(start, n, ly.window) * ly.n_head_kv * (ly.head_dim_k * bk + (0 if ly.v_in_k else
+                                                                                        ly.head_dim_v * bv))
                    for ly in self.layers)
 
     def attention_flops(self, start: int, n: int) -> float:

@@ -94,6 +94,12 @@ class Causal(_CausalForward):
         Ollama's ``PermutedV``), so :meth:`get` returns a V view
         ``ne = (hi - lo, head_dim_v, n_head_kv)`` that ``mul_mat(v, kq)``
         uses without a copy. V of F32/F16/BF16 only. Not usable with ``flash_attn_ext``.
+    v_in_k : bool
+        Store K only, and read V as the first ``head_dim_v`` values of each K head (llama.cpp's K-only
+        cache: DeepSeek's multi-head latent attention keeps the compressed latent and the RoPE part of
+        each token in one row, and its value is that latent). ``n_embd_v`` must be at most ``n_embd_k``;
+        V has K's type (``dtype_v`` must be None or ``dtype``); not with ``v_trans``. :meth:`put` then
+        takes ``v=None`` and writes K only; no V tensors exist (:attr:`values` is empty).
     memory : int, optional
         With ``window``: keep ``memory`` positions (``>= window``) per
         sequence for prefix reuse while the mask still uses ``window``
@@ -114,13 +120,19 @@ class Causal(_CausalForward):
     def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
                  window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
                  shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None,
-                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None) -> None:
+                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None, v_in_k: bool = False) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
         self.dtype = Type(dtype)
         self.dtype_v = self.dtype if dtype_v is None else Type(dtype_v)
         self.n_head_kv = int(n_head_kv)
+        self.v_in_k = bool(v_in_k)
+        if self.v_in_k and (self.dtype_v != self.dtype or v_trans or self.n_embd_v > self.n_embd_k):
+            raise GGMLValueError(f"v_in_k: V is read from K's rows, so it needs n_embd_v <= n_embd_k (got "
+                                 f"{self.n_embd_v} > {self.n_embd_k})" if self.n_embd_v > self.n_embd_k else
+                                 "v_in_k: V is read from K's rows: it has K's type (dtype_v None or dtype) and "
+                                 "cannot be stored transposed (v_trans)")
         if self.n_layers < 1 or self.n_embd_k < 1 or self.n_embd_v < 1:
             raise GGMLValueError("n_layers, n_embd_k and n_embd_v must be >= 1")
         if self.n_head_kv < 1 or self.n_embd_k % self.n_head_kv or self.n_embd_v % self.n_head_kv:
@@ -225,7 +237,7 @@ class Causal(_CausalForward):
         self.runtime = runtime
         self.max_batch = max_batch
         k_row = self.dtype.row_size(self.n_embd_k)
-        v_row = self.dtype_v.row_size(self.n_embd_v)
+        v_row = self._v_row_bytes()
         size = self.n_layers * ((k_row + v_row) * n + 2 * (tensor_overhead() + 64))
         v_ne = (n, self.n_embd_v) if self.v_trans else (self.n_embd_v, n)
         if placement is not None:
@@ -235,14 +247,15 @@ class Causal(_CausalForward):
         ctx = Context(size + 1024, no_alloc=False)
         keys, values = [], []
         zeros_k = np.zeros((n, self.n_embd_k), dtype=np.float32)
-        zeros_v = np.zeros(v_ne[::-1], dtype=np.float32)
+        zeros_v = None if self.v_in_k else np.zeros(v_ne[::-1], dtype=np.float32)
         for i in range(self.n_layers):
             k = ctx.new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
-            v = ctx.new_tensor(self.dtype_v, v_ne, name=f"cache_v_l{i}")
             k.set(zeros_k)
-            v.set(zeros_v)
             keys.append(k)
-            values.append(v)
+            if not self.v_in_k:
+                v = ctx.new_tensor(self.dtype_v, v_ne, name=f"cache_v_l{i}")
+                v.set(zeros_v)
+                values.append(v)
         self._ctx = ctx
         self.keys, self.values = keys, values
         self._cells = Cells(n, n_seq_max)
@@ -283,7 +296,11 @@ class Causal(_CausalForward):
         meta = 2 * n * (4 + int(n_seq_max))
         layers = self._model_layers(layers)
         on_cpu = len(layers) if placement is None else sum(placement.device_of(i).type == "CPU" for i in layers)
-        return mask + meta + on_cpu * n * (self.dtype.row_size(self.n_embd_k) + self.dtype_v.row_size(self.n_embd_v))
+        return mask + meta + on_cpu * n * (self.dtype.row_size(self.n_embd_k) + self._v_row_bytes())
+
+    def _v_row_bytes(self) -> int:
+        """Bytes of one cell's V as stored apart from K (0 for a K-only cache: ``v_in_k``)."""
+        return 0 if self.v_in_k else self.dtype_v.row_size(self.n_embd_v)
 
     def _init_placed(self, n: int, v_ne, placement, report, layers: list) -> None:
         # One no_alloc context and one buffer per device, as the weights do.
@@ -298,10 +315,9 @@ class Causal(_CausalForward):
             ctx = ctxs.get(dev.name)
             if ctx is None:
                 ctx = ctxs[dev.name] = (dev, Context.for_tensors(2 * self.n_layers, no_alloc=True))
-            k = ctx[1].new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}")
-            v = ctx[1].new_tensor(self.dtype_v, v_ne, name=f"cache_v_l{i}")
-            keys.append(k)
-            values.append(v)
+            keys.append(ctx[1].new_tensor(self.dtype, (self.n_embd_k, n), name=f"cache_k_l{i}"))
+            if not self.v_in_k:
+                values.append(ctx[1].new_tensor(self.dtype_v, v_ne, name=f"cache_v_l{i}"))
         failed = None
         # this cache replaces what an earlier one on the same model recorded, on whatever device that was
         # (a runner without KV offload keeps on the CPU the layers an earlier one kept on their devices)
@@ -312,9 +328,10 @@ class Causal(_CausalForward):
             report.device(dev).cache[i] = 0
         for dev, ctx in ctxs.values():
             bt = dev.buffer_type()
-            for i, d, k, v in zip(layers, devs, keys, values):
+            for j, (i, d) in enumerate(zip(layers, devs)):
                 if d == dev:
-                    report.add_cache(dev, i, sum(-(-bt.alloc_size(t) // bt.alignment) * bt.alignment for t in (k, v)))
+                    stored = (keys[j],) if self.v_in_k else (keys[j], values[j])
+                    report.add_cache(dev, i, sum(-(-bt.alloc_size(t) // bt.alignment) * bt.alignment for t in stored))
             try:
                 buf = _core.alloc_ctx_tensors(ctx, bt)
             except MemoryError as e:
@@ -361,7 +378,7 @@ class Causal(_CausalForward):
 
     def bytes_per_layer(self) -> int:
         """Bytes of K plus V storage of one layer."""
-        return self.keys[0].nbytes + self.values[0].nbytes if self.keys else 0
+        return self.keys[0].nbytes + (self.values[0].nbytes if self.values else 0) if self.keys else 0
 
     def close(self) -> None:
         """Free the storage; the cache must be initialised again to be used."""

@@ -135,8 +135,9 @@ class Forward(_LayerView):
         """Whether the current layer's V is stored transposed (see :class:`~ggmlpy.kvcache.Causal`)."""
         return self.cache.v_trans
 
-    def put(self, k: Tensor, v: Tensor) -> tuple:
-        """Write this batch's K and V for the current layer (a batch-size mismatch raises ValueError)."""
+    def put(self, k: Tensor, v: Optional[Tensor]) -> tuple:
+        """Write this batch's K and V for the current layer (a batch-size mismatch raises ValueError; ``v`` is
+        None for a K-only cache, ``v_in_k``)."""
         layer = self._need_layer()
         if self._idx is None:
             self._idx = self.cache.index_tensor(self.ctx, self.plan)
@@ -378,20 +379,25 @@ class _CausalForward:
         """The mask tensor ``ne = (hi - lo, n_batch)``, created in ``ctx`` (filled as :meth:`index_tensor`)."""
         return _CausalForward._input(ctx, dtype, (plan.n_kv, plan.n_batch), "kv_mask", plan.mask)
 
-    def put(self, ctx: Context, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
-            *, idx: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    def put(self, ctx: Context, layer: int, plan: ForwardPlan, k: Tensor, v: Optional[Tensor],
+            *, idx: Optional[Tensor] = None) -> tuple[Tensor, ...]:
         """Write a batch's K and V (``ne = (head_dim, n_head_kv, n_batch)``) at ``plan.cell_ids``.
 
         ``k`` and ``v`` must be f32 or f16. With ``v_trans`` V is scattered
         along the cell axis of a ``(1, cells, n_embd_v)`` view of the
-        transposed storage. The index tensor is made with
+        transposed storage. A K-only cache (``v_in_k``) takes ``v=None``: its V
+        is part of K. The index tensor is made with
         :meth:`index_tensor` unless ``idx`` is given (share it between layers).
-        Returns the two ``set_rows`` results; expand both into the graph.
+        Returns the ``set_rows`` results (K and V, or K alone); expand them into the graph.
         """
         self._check_plan(plan)
         layer = self._check_layer(layer)
         n = plan.n_batch
-        for name, t, embd in (("k", k, self.n_embd_k), ("v", v, self.n_embd_v)):
+        if (v is None) != self.v_in_k:
+            raise GGMLValueError("put: a K-only cache (v_in_k) takes v=None, its V being part of K" if self.v_in_k
+                                 else "put: v is None, but this cache stores V")
+        parts = (("k", k, self.n_embd_k),) if self.v_in_k else (("k", k, self.n_embd_k), ("v", v, self.n_embd_v))
+        for name, t, embd in parts:
             ne = t.ne
             if ne[0] * ne[1] != embd or ne[2] * ne[3] != n:
                 raise GGMLValueError(f"put: {name} ne={ne} does not hold {n} rows of {embd} "
@@ -399,8 +405,10 @@ class _CausalForward:
         if idx is None:
             idx = self.index_tensor(ctx, plan)
         out = []
-        for t, cache, embd in ((k, self.keys[layer], self.n_embd_k),
-                               (v, self.values[layer], self.n_embd_v)):
+        stores = [(k, self.keys[layer], self.n_embd_k)]
+        if not self.v_in_k:
+            stores.append((v, self.values[layer], self.n_embd_v))
+        for t, cache, embd in stores:
             if t.is_contiguous:
                 rows = ctx.reshape(t, (embd, n))
             elif t.nb[1] == t.ne[0] * t.nb[0] == t.type.row_size(t.ne[0]) and t.ne[3] == 1:
@@ -409,7 +417,7 @@ class _CausalForward:
                 rows = ctx.view(t, (embd, n), (t.nb[2],), 0)
             else:
                 rows = ctx.reshape(ctx.cont(t), (embd, n))
-            if cache is self.values[layer] and self.v_trans:
+            if self.v_trans and cache is self.values[layer]:
                 # one-element rows: row i of channel j is token i's value j
                 et = rows.nb[0]
                 src = ctx.view(rows, (1, n, embd), (rows.nb[1], et))
@@ -419,7 +427,7 @@ class _CausalForward:
                 out.append(ctx.set_rows(dst, src, idx))
             else:
                 out.append(ctx.set_rows(cache, rows, idx))
-        return out[0], out[1]
+        return tuple(out)
 
     def get(self, ctx: Context, layer: int, plan: ForwardPlan, *, mask: Optional[Tensor] = None,
             mask_type=Type.F16) -> tuple[Tensor, Tensor, Tensor]:
@@ -432,7 +440,8 @@ class _CausalForward:
         ``ctx.cont`` first where needed. With ``v_trans``, ``v`` is instead
         ``ne = (hi - lo, head_dim_v, n_head_kv)``, ready for
         ``mul_mat(v, softmax(kq))`` with ``kq`` ``ne = (hi - lo, n_batch, n_head)``.
-        ``mask`` is ``ne = (hi - lo, n_batch)``
+        For a K-only cache (``v_in_k``) ``v`` is the same kind of view of the K storage, its first
+        ``head_dim_v`` values of each head. ``mask`` is ``ne = (hi - lo, n_batch)``
         in ``mask_type``, made with :meth:`mask_tensor` unless given (share it
         between layers). The views read the cache as it is at compute time, so
         expand the :meth:`put` results into the graph first.
@@ -442,15 +451,17 @@ class _CausalForward:
         if plan.n_kv == 0:
             raise GGMLValueError("get: empty visible range")
         views = []
-        for cache, hd in ((self.keys[layer], self.head_dim_k), (self.values[layer], self.head_dim_v)):
+        keys = self.keys[layer]
+        for cache, hd in ((keys, self.head_dim_k), (keys if self.v_in_k else self.values[layer], self.head_dim_v)):
             row = cache.nb[1]
-            if cache is self.values[layer] and self.v_trans:
+            if self.v_trans and cache is self.values[layer]:
                 es = cache.nb[0]
                 views.append(ctx.view(cache, (plan.n_kv, hd, self.n_head_kv),
                                       (row, hd * row), plan.lo * es))
                 continue
+            # a head starts every head_dim_k values (in a K-only cache, V's heads too)
             views.append(ctx.view(cache, (hd, plan.n_kv, self.n_head_kv),
-                                  (row, cache.type.row_size(hd)), plan.lo * row))
+                                  (row, cache.type.row_size(self.head_dim_k if self.v_in_k else hd)), plan.lo * row))
         if mask is None:
             mask = self.mask_tensor(ctx, plan, mask_type)
         return views[0], views[1], mask

@@ -34,7 +34,8 @@ count`` and the sequence's cells in increasing position order:
 * ``int32[n]``: their positions, strictly increasing;
 * for every layer ``0 .. n_layers - 1``: K, ``n`` rows of ``k_row_bytes`` (each a cell's ``n_embd_k``
   values in ``type_k``), then V: ``n`` rows of ``v_row_bytes`` or, with ``v_trans``, the
-  sequence's columns of the transposed V, ``n_embd_v`` rows (one per channel) of ``n`` elements.
+  sequence's columns of the transposed V, ``n_embd_v`` rows (one per channel) of ``n`` elements. A K-only
+  cache (``v_in_k``: V is part of K's rows) has ``v_row_bytes`` 0 and no V rows.
 
 Cells shared with other sequences (a forked prefix) are saved as the sequence's own.
 
@@ -155,10 +156,11 @@ def _caches(cache) -> tuple[str, list, Optional[list]]:
 def _config(c) -> dict:
     if isinstance(c, Recurrent):
         return {"kind": "recurrent", "n_layers": c.n_layers, "states": [[n, list(sh)] for n, sh in c.states.items()]}
+    # a K-only cache (v_in_k: V read from K's rows) stores no V: v_row_bytes 0, which no other cache has
     return {"n_layers": c.n_layers, "n_embd_k": c.n_embd_k, "n_embd_v": c.n_embd_v, "n_head_kv": c.n_head_kv,
             "type_k": c.dtype.name, "type_v": c.dtype_v.name, "v_trans": c.v_trans, "window": c.window,
             "memory": c.memory, "k_row_bytes": c.dtype.row_size(c.n_embd_k),
-            "v_row_bytes": c.dtype_v.row_size(c.n_embd_v)}
+            "v_row_bytes": c._v_row_bytes()}
 
 
 def _state_bytes(cfg: dict) -> int:
@@ -232,17 +234,18 @@ def _write(t: Tensor, cell_ids: np.ndarray, data: np.ndarray, trans: bool, es: i
 
 
 def _layers(c):
-    """``(tensor, transposed, element bytes)`` of K then V of every layer (a recurrent cache: each state of
-    every layer), in file order."""
+    """``(tensor, transposed, element bytes)`` of K then V of every layer, in file order (K alone for a K-only
+    cache; a recurrent cache: each state of every layer)."""
     if isinstance(c, Recurrent):
         for states in c.tensors:
             for name in c.states:
                 yield states[name], False, 0
         return
     es = c.dtype_v.type_size
-    for k, v in zip(c.keys, c.values):
+    for i, k in enumerate(c.keys):
         yield k, False, 0
-        yield v, c.v_trans, es
+        if not c.v_in_k:
+            yield c.values[i], c.v_trans, es
 
 
 # ------------------------------------------------------------------------------------------ saving

@@ -12,7 +12,7 @@ report exists before any data is read) and then loads the data with progress.
   checked, fused, placed and loaded; the graph's inputs; the cache recipe) and its two frames,
   ``PreNormDecoder`` and ``LocalGlobalDecoder``;
 * :mod:`~ggmlpy.models.blocks`: the graph functions architectures compose (norms, RoPE, Q/K/V,
-  attention through the cache, gated and mixture-of-experts feed-forward, output head);
+  attention through the cache, latent attention, gated and mixture-of-experts feed-forward, output head);
 * one module per architecture family, each a :class:`DecoderModel` registered with :func:`register`:
   :mod:`~ggmlpy.models.llama` (llama, mistral, qwen2; Mixtral: a llama file with experts),
   :mod:`~ggmlpy.models.qwen3` (qwen3, qwen3moe), :mod:`~ggmlpy.models.gemma` (gemma2, gemma3 text:
@@ -22,22 +22,37 @@ report exists before any data is read) and then loads the data with progress.
   convolutions with a recurrent state per sequence and attention layers, through a
   :class:`~ggmlpy.kvcache.Wrapper` of a :class:`~ggmlpy.kvcache.Recurrent` and a
   :class:`~ggmlpy.kvcache.Causal`), :mod:`~ggmlpy.models.granitehybrid` (Granite 4.0 H: Mamba-2 layers and
-  attention layers the same way, experts with a shared one);
+  attention layers the same way, experts with a shared one), :mod:`~ggmlpy.models.qwen3next` (qwen3next,
+  qwen35: gated DeltaNet layers and gated attention layers the same way), :mod:`~ggmlpy.models.deepseek`
+  (deepseek2: multi-head latent attention over a latent cache, DeepSeek's experts),
+  :mod:`~ggmlpy.models.glm4moe` (GLM-4.5: partial RoPE, DeepSeek's experts);
 * :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
 
 from __future__ import annotations
 
-from . import gemma, gptoss, granite, granitehybrid, lfm2, olmo2, phi3, qwen3, qwen3next  # noqa: F401  (each registers its architectures)
+from . import (  # noqa: F401  (each registers its architectures)
+    deepseek,
+    gemma,
+    glm4moe,
+    gptoss,
+    granite,
+    granitehybrid,
+    lfm2,
+    olmo2,
+    phi3,
+    qwen3,
+    qwen3next,
+)
 from .base import (
-           ARCHITECTURES,
-           BuiltGraph,
-           Cache,
-           Model,
-           UnknownArchitecture,
-           model_class,
-           register,
+    ARCHITECTURES,
+    BuiltGraph,
+    Cache,
+    Model,
+    UnknownArchitecture,
+    model_class,
+    register,
 )
 from .config import DecoderConfig
 from .decoder import DecoderModel, MetaReader, MissingTensor

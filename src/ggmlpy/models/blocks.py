@@ -32,8 +32,8 @@ from ggmlpy._core import Context, GGMLValueError, Tensor, Type
 
 from . import kernels
 
-__all__ = ["GLU", "SWIGLU_OAI", "attention", "ffn_glu", "moe_ffn", "norm", "output", "qkv", "rms_norm", "rope",
-           "softcap"]
+__all__ = ["GATINGS", "GLU", "SWIGLU_OAI", "attention", "ffn_glu", "mla", "moe_ffn", "norm", "output", "qkv",
+           "rms_norm", "rope", "softcap"]
 
 #: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
 #: gate and up). Both apply the activation to the gate and multiply by up; "gelu" is the tanh
@@ -111,9 +111,9 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
             ctx.reshape(v, (head_dim, n_head_kv, n)))
 
 
-def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor, *, scale: float,
+def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Optional[Tensor], *, scale: float,
               flash_attn: bool, logit_softcap: float = 0.0, sinks: Optional[Tensor] = None,
-              on_cpu: bool = False) -> Tensor:
+              on_cpu: bool = False, v_mla: Optional[Tensor] = None) -> Tensor:
     """Write this batch's ``k`` and ``v`` into the cache and attend ``q`` over what the cache shows.
 
     ``memory`` is the graph's view of the cache (``cache.forward(ctx, plan)``): the layer's K/V go in
@@ -127,7 +127,8 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     q : Tensor
         ``ne = (head_dim, n_head, n)``, RoPE applied.
     k, v : Tensor
-        ``ne = (head_dim, n_head_kv, n)``.
+        ``ne = (head_dim, n_head_kv, n)``; ``v`` is None for a K-only cache (``v_in_k``: V is the first
+        values of each K head, multi-head latent attention's compressed latent).
     scale : float
         Applied to ``q·k`` before the softmax (usually ``1 / sqrt(head_dim)``).
     logit_softcap : float
@@ -137,6 +138,10 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
         Attention sinks (gpt-oss): F32 ``ne = (n_head,)``, one learned logit per head that joins every
         query's softmax as if it were one more key, with no value: ``softmax([logits, sink])`` with the
         sink's share dropped, so a head may attend to nothing.
+    v_mla : Tensor, optional
+        Multi-head latent attention's decompression (DeepSeek's ``attn_v_b``, ``ne = (head_dim_v_cache,
+        head_dim_out, n_head)``): each head's attention output, a mix of the cached latents, goes through
+        its own matrix (llama.cpp's ``v_mla``); the result is ``ne = (head_dim_out * n_head, n)``.
 
     With ``flash_attn``, ``on_cpu`` (the layer computes on the CPU backend: the caller's placement
     says so), a float16/float32 cache in host memory and no sinks, ggmlpy's own CPU kernels run
@@ -153,6 +158,8 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     head_dim, n_head, n = q.ne[0], q.ne[1], q.ne[2]
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
+    if v_mla is not None:
+        return _attention_mla(ctx, q, kv_k, kv_v, mask, v_mla, scale=scale, flash_attn=flash_attn)
     if flash_attn and on_cpu and sinks is None and _kernel_ok(kv_k, kv_v):
         site = kernels.attn_site("attn_decode", kv_k, kv_v, n_head)
         if n < DECODE_MAX_ROWS and decode_kernel and not logit_softcap \
@@ -179,6 +186,67 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Tensor,
     else:
         o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)
     return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (head_dim * n_head, n))
+
+
+def mla(ctx: Context, w, prefix: str, cur: Tensor, pos: Tensor, memory, layer: int, cfg: Any, *, n_head: int,
+        kv_lora: int, head_dim: int, eps: float, scale: float, flash_attn: bool) -> Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3) of the normed ``cur`` (``ne = (n_embd, n)``), as llama.cpp
+    builds it with the absorption optimisation: the cache holds per token one row of the compressed latent
+    and the RoPE'd key part (a K-only :class:`~ggmlpy.kvcache.Causal`, ``v_in_k``), not each head's K and V.
+
+    * Q: ``{prefix}attn_q_a`` → RMSNorm (``attn_q_a_norm``) → ``attn_q_b``, or ``attn_q`` where ``w`` has it
+      (no query compression: V2-Lite); ``head_dim`` values per head, the first ``head_dim - rope_dim`` without
+      position (``q_nope``), the rest rotated (``q_pe``);
+    * ``attn_kv_a_mqa`` gives per token the latent (``kv_lora`` values, RMSNorm'd by ``attn_kv_a_norm``) and
+      one key part shared by every head (``rope_dim`` values, rotated);
+    * absorbed: each head's ``q_nope`` times its ``attn_k_b`` (``ne = (head_dim - rope_dim, kv_lora, n_head)``)
+      is a query against the latent, so a head's query is ``[q_nope · k_b, q_pe]`` and the key
+      ``[latent, k_pe]`` (``kv_lora + rope_dim`` values, one head): multi-query attention whose value is
+      the latent; each head's output goes through its ``attn_v_b`` (:func:`attention`'s ``v_mla``).
+
+    ``cfg`` holds the RoPE settings as :func:`rope` reads them (``rope_dim``: the rotated part). ``scale``
+    multiplies ``q·k`` (``1 / sqrt(head_dim)``, with YaRN's ``mscale`` squared). Returns
+    ``ne = (head_dim_v * n_head, n)``, before the output projection.
+    """
+    n, rd = cur.ne[1], cfg.rope_dim
+    nope = head_dim - rd
+    if prefix + "attn_q.weight" in w:
+        q = linear(ctx, w[prefix + "attn_q.weight"], cur)
+    else:
+        q = rms_norm(ctx, linear(ctx, w[prefix + "attn_q_a.weight"], cur), w[prefix + "attn_q_a_norm.weight"], eps)
+        q = linear(ctx, w[prefix + "attn_q_b.weight"], q)
+    q = ctx.reshape(q, (head_dim, n_head, n))
+    es = q.nb[0]
+    q_nope = ctx.view(q, (nope, n_head, n), (q.nb[1], q.nb[2]), 0)
+    q_pe = rope(ctx, ctx.view(q, (rd, n_head, n), (q.nb[1], q.nb[2]), nope * es), pos, cfg)
+    kv = linear(ctx, w[prefix + "attn_kv_a_mqa.weight"], cur)                     # (kv_lora + rd, n)
+    row = kv.nb[1]
+    latent = rms_norm(ctx, ctx.view(kv, (kv_lora, n), (row,), 0), w[prefix + "attn_kv_a_norm.weight"], eps)
+    k_pe = rope(ctx, ctx.view(kv, (rd, 1, n), (row, row), kv_lora * kv.nb[0]), pos, cfg)
+    # each head's query against the latent: (nope, n, n_head) through its k_b -> (kv_lora, n, n_head)
+    q_abs = ctx.mul_mat(w[prefix + "attn_k_b.weight"], ctx.permute(q_nope, 0, 2, 1, 3))
+    # the latent first and the rotated part last, as llama.cpp lays a cache row out (its shift rotates the end)
+    qk = ctx.concat(ctx.permute(q_abs, 0, 2, 1, 3), q_pe, 0)                      # (kv_lora + rd, n_head, n)
+    k = ctx.concat(ctx.reshape(latent, (kv_lora, 1, n)), k_pe, 0)                # (kv_lora + rd, 1, n)
+    return attention(ctx, memory, layer, qk, k, None, scale=scale, flash_attn=flash_attn,
+                     v_mla=w[prefix + "attn_v_b.weight"])
+
+
+def _attention_mla(ctx: Context, q: Tensor, kv_k: Tensor, kv_v: Tensor, mask: Tensor, v_mla: Tensor, *,
+                   scale: float, flash_attn: bool) -> Tensor:
+    """:func:`attention` over a latent cache: every head of ``q`` attends to the one cached head (MQA), and
+    each head's mix of latents goes through its own ``v_mla`` matrix (llama.cpp's ``build_attn_mha``).
+    ggml's attention only: ggmlpy's CPU kernels read heads of one size whose V rows are their own."""
+    n_head, n = q.ne[1], q.ne[2]
+    qp = ctx.permute(q, 0, 2, 1, 3)                      # (dk, n, n_head)
+    if flash_attn:
+        o = ctx.flash_attn_ext(qp, kv_k, kv_v, mask, scale=scale)             # (dv, n_head, n)
+        o = ctx.permute(o, 0, 2, 1, 3)                                        # (dv, n, n_head): a view
+    else:
+        kq = ctx.soft_max_ext(ctx.mul_mat(kv_k, qp), mask, scale=scale)      # (n_kv, n, n_head)
+        o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)          # (dv, n, n_head)
+    o = ctx.mul_mat(v_mla, o)                                                 # (d_out, n, n_head)
+    return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (v_mla.ne[1] * n_head, n))
 
 
 #: Whether :func:`attention` uses :meth:`~ggmlpy.Context.attn_decode` where it can (module-wide, read when a
@@ -258,12 +326,14 @@ def _glu(act: str) -> tuple:
 glu_kernel = True
 
 
-def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu", on_cpu: bool = False) -> Tensor:
+def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu", on_cpu: bool = False,
+            suffix: str = "") -> Tensor:
     """Gated feed-forward of ``cur`` (``ne = (n_embd, n)``): ``down(act(gate(cur)) * up(cur))``.
 
     Reads ``{prefix}ffn_gate_up.weight`` (gate rows then up rows) or ``ffn_gate`` and ``ffn_up``, and
-    ``ffn_down``. ``act``: ``"silu"`` (SwiGLU: llama, qwen, mistral) or ``"gelu"`` (GeGLU: gemma);
-    see :data:`GLU`. Returns ``ne = (n_embd, n)``.
+    ``ffn_down``; each name with ``suffix`` after ``ffn_gate``/``ffn_up``/``ffn_down`` (``"_shexp"``: a
+    mixture of experts' shared experts, ``ffn_gate_shexp``...). ``act``: ``"silu"`` (SwiGLU: llama, qwen,
+    mistral) or ``"gelu"`` (GeGLU: gemma); see :data:`GLU`. Returns ``ne = (n_embd, n)``.
 
     GeGLU on a layer computing on the CPU (``on_cpu``, the caller's placement) where the CPU has
     AVX-512 takes :meth:`~ggmlpy.Context.geglu_tanh` (ggmlpy's kernel: GELU evaluated, not read
@@ -271,14 +341,16 @@ def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu", on_cpu
     ``blocks.glu_kernel = False`` turns that off.
     """
     fused, split = _glu(act)
+    down = f"{prefix}ffn_down{suffix}.weight"
     if act == "gelu" and on_cpu and glu_kernel and _core._geglu_vectorized() \
-            and kernels.use(kernels.geglu_site(w[prefix + "ffn_down.weight"].ne[0], cur.ne[1])):
+            and kernels.use(kernels.geglu_site(w[down].ne[0], cur.ne[1])):
         fused, split = Context.geglu_tanh, Context.geglu_tanh
-    if prefix + "ffn_gate_up.weight" in w:
-        h = fused(ctx, linear(ctx, w[prefix + "ffn_gate_up.weight"], cur))
+    if f"{prefix}ffn_gate_up{suffix}.weight" in w:
+        h = fused(ctx, linear(ctx, w[f"{prefix}ffn_gate_up{suffix}.weight"], cur))
     else:
-        h = split(ctx, linear(ctx, w[prefix + "ffn_gate.weight"], cur), linear(ctx, w[prefix + "ffn_up.weight"], cur))
-    return linear(ctx, w[prefix + "ffn_down.weight"], h)
+        h = split(ctx, linear(ctx, w[f"{prefix}ffn_gate{suffix}.weight"], cur),
+                  linear(ctx, w[f"{prefix}ffn_up{suffix}.weight"], cur))
+    return linear(ctx, w[down], h)
 
 
 #: gpt-oss's clamped SwiGLU (``act="swiglu_oai"`` of :func:`moe_ffn`): (alpha, limit). llama.cpp builds it with
@@ -286,9 +358,15 @@ def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu", on_cpu
 SWIGLU_OAI = (1.702, 7.0)
 
 
+#: The routings :func:`moe_ffn` builds (its ``gating``), as llama.cpp's ``expert_gating_func`` numbers them.
+GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+
+
 def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, norm_weights: bool = True,
-            act: str = "silu", gating: str = "softmax", swiglu_oai: tuple = SWIGLU_OAI) -> Tensor:
-    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss.
+            act: str = "silu", gating: str = "softmax", swiglu_oai: tuple = SWIGLU_OAI, weights_scale: float = 0.0,
+            n_group: int = 0, n_group_used: int = 0) -> Tensor:
+    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss,
+    deepseek2, glm4moe (llama.cpp's ``build_moe_ffn``).
 
     Each token's router logits (``{prefix}ffn_gate_inp.weight``, ``ne = (n_embd, n_expert)``, plus
     ``ffn_gate_inp.bias`` where ``w`` has it) choose ``n_expert_used`` experts, each a gated feed-forward
@@ -301,7 +379,17 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     * ``"softmax"`` (mixtral, qwen3moe): the softmax over all experts; the most probable are chosen and
       weighted by their probabilities, renormalised to sum to 1 with ``norm_weights``;
     * ``"softmax_weight"`` (gpt-oss): the largest logits are chosen and weighted by the softmax over
-      the chosen ones only (llama.cpp's ``SOFTMAX_WEIGHT``; they sum to 1 already).
+      the chosen ones only (llama.cpp's ``SOFTMAX_WEIGHT``; they sum to 1 already);
+    * ``"sigmoid"`` (DeepSeek-V3, GLM-4.5): each expert's sigmoid of its logit; the largest are chosen
+      and weighted by it (renormalised with ``norm_weights``).
+
+    Where ``w`` has ``{prefix}exp_probs_b.bias`` (``ne = (n_expert,)``, DeepSeek-V3's correction bias) it is
+    added to the probabilities that choose the experts, not to the weights. With ``n_group > 1`` the experts
+    are ``n_group`` groups of consecutive experts, each scored by the sum of its two largest (biased)
+    probabilities; only the ``n_group_used`` best groups' experts may be chosen (DeepSeek-V3's group-limited
+    routing, as llama.cpp builds it for every gating). A ``weights_scale`` other than 0 and 1 multiplies
+    the weights (DeepSeek's ``routed_scaling_factor``). Renormalised sums are clamped at float16's smallest
+    normal number first, as llama.cpp does.
 
     ``act``: ``"silu"`` or ``"gelu"`` (:data:`GLU`), or ``"swiglu_oai"``: gpt-oss's SwiGLU with the gate
     clamped above and up on both sides at ``limit``, ``gate * sigmoid(alpha * gate) * (up + 1)``, with
@@ -319,8 +407,8 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
             return ctx.swiglu_oai(g, u, alpha, limit)
     else:
         _, split = _glu(act)
-    if gating not in ("softmax", "softmax_weight"):
-        raise GGMLValueError(f"moe_ffn: gating {gating!r} is not supported (softmax, softmax_weight)")
+    if gating not in GATINGS.values():
+        raise GGMLValueError(f"moe_ffn: gating {gating!r} is not supported ({', '.join(GATINGS.values())})")
     n_embd, n = cur.ne[0], cur.ne[1]
     k = int(n_expert_used)
     logits = ctx.mul_mat(w[prefix + "ffn_gate_inp.weight"], cur)                   # (n_expert, n)
@@ -329,14 +417,23 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     n_expert = logits.ne[0]
     if not 1 <= k <= n_expert:
         raise GGMLValueError(f"moe_ffn: n_expert_used must be in [1, {n_expert}] (got {k})")
-    probs = ctx.soft_max(logits) if gating == "softmax" else logits
-    chosen = ctx.top_k(probs, k)                                                     # (k, n) i32
+    probs = {"softmax": ctx.soft_max, "sigmoid": ctx.sigmoid}.get(gating, lambda t: t)(logits)
+    select = probs
+    if prefix + "exp_probs_b.bias" in w:
+        select = ctx.add(probs, w[prefix + "exp_probs_b.bias"])
+    if n_group > 1:
+        select = _group_limited(ctx, select, int(n_group), int(n_group_used), k)
+    chosen = ctx.top_k(select, k)                                                    # (k, n) i32
     weights = ctx.get_rows(ctx.reshape(probs, (1, n_expert, n)), chosen)            # (1, k, n)
     if gating == "softmax_weight":
         weights = ctx.reshape(ctx.soft_max(ctx.reshape(weights, (k, n))), (1, k, n))
     elif norm_weights:
         weights = ctx.reshape(weights, (k, n))
-        weights = ctx.reshape(ctx.div(weights, ctx.sum_rows(weights)), (1, k, n))
+        # float16's smallest normal number, as llama.cpp: a sum of sigmoids can underflow to 0
+        total = ctx.clamp(ctx.sum_rows(weights), 6.103515625e-5, math.inf)
+        weights = ctx.reshape(ctx.div(weights, total), (1, k, n))
+    if weights_scale not in (0.0, 1.0):
+        weights = ctx.scale(weights, float(weights_scale))
     x = ctx.reshape(cur, (n_embd, 1, n))            # one input row per token, shared by its experts
 
     def experts_of(name, inp):
@@ -357,6 +454,26 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
         e = ctx.view(experts, (n_embd, n), (experts.nb[2],), i * experts.nb[1])
         out = e if out is None else ctx.add(out, e)
     return ctx.cont(out) if k == 1 else out
+
+
+def _group_limited(ctx: Context, probs: Tensor, n_group: int, n_group_used: int, k: int) -> Tensor:
+    """``probs`` (``ne = (n_expert, n)``) with every expert outside each token's ``n_group_used`` best groups
+    at -inf: groups of ``n_expert / n_group`` consecutive experts, each scored by the sum of its two largest
+    probabilities (DeepSeek-V3's ``noaux_tc`` routing; llama.cpp scores every model's groups so)."""
+    n_expert, n = probs.ne[0], probs.ne[1]
+    if n_expert % n_group or not 0 < n_group_used < n_group or n_expert // n_group < 2 \
+            or k > n_group_used * (n_expert // n_group):
+        raise GGMLValueError(f"moe_ffn: {n_expert} experts in {n_group} groups, {n_group_used} of them used, "
+                             f"{k} experts chosen: the groups must divide the experts (2 or more each), "
+                             "0 < groups used < groups, and the used groups hold the chosen experts")
+    per = n_expert // n_group
+    groups = ctx.reshape(probs, (per, n_group, n))
+    top2 = ctx.top_k(groups, 2)                                                       # (2, n_group, n)
+    best = ctx.get_rows(ctx.reshape(groups, (1, per, n_group, n)), top2)             # (1, 2, n_group, n)
+    scores = ctx.reshape(ctx.sum_rows(ctx.reshape(best, (2, n_group, n))), (n_group, n))
+    kept = ctx.top_k(scores, n_group_used)                                            # (n_group_used, n)
+    masked = ctx.set_rows(ctx.fill(groups, -math.inf), ctx.get_rows(groups, kept), kept)
+    return ctx.reshape(masked, (n_expert, n))
 
 
 def output(ctx: Context, w, x: Tensor, eps: float, *, embeddings: bool = False) -> Tensor:

@@ -79,6 +79,10 @@ class DecoderConfig:
     eos_token_ids: tuple = ()
     bos_token_id: Optional[int] = None
     file_type: Optional[int] = None
+    #: Multi-token-prediction (NextN) layers the file holds after the ``n_layer`` it runs (``block_count``
+    #: counts both): an architecture that reads ``nextn_predict_layers`` sets it; their tensors are not
+    #: loaded, as llama.cpp skips them unless asked for speculative decoding.
+    n_layer_nextn: int = 0
 
     @classmethod
     def from_metadata(cls, md: dict, path: str = "", n_vocab: Optional[int] = None) -> DecoderConfig:
@@ -175,6 +179,11 @@ class DecoderConfig:
             rope_dim=rope_dim, rope_mode=int(cls.ROPE_TYPES[arch]), rope_scaling=scaling, rope_freq_scale=freq_scale,
             rope_ext_factor=ext_factor, rope_attn_factor=attn_factor, n_ctx_orig=n_ctx_orig, sliding_window=window,
             eos_token_ids=eos_ids, bos_token_id=tok["bos"], file_type=m.geti("general.file_type", None, lo=0))
+
+    def cache_rows(self) -> tuple[int, int]:
+        """Values one token stores per layer in the K cache and in the V cache (V 0 where V is part of K: a
+        latent cache, :class:`~ggmlpy.kvcache.Causal`'s ``v_in_k``)."""
+        return self.n_head_kv * self.head_dim, self.n_head_kv * self.head_dim
 
     def validate(self, path: str = "") -> None:
         """Check the relations between the hyperparameters (and their ranges, for a config made by hand).

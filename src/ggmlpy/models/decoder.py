@@ -156,7 +156,9 @@ class DecoderModel(WeightLoader):
         try:
             for name, ne, _group, types, _op in expected:
                 self._check(reader, name, ne, types)
-            used = {e[0] for e in expected}
+            # a NextN layer's tensors (after the layers run) are not loaded, as llama.cpp skips them
+            used = {e[0] for e in expected} | {t.name for t in reader.tensors if (m := _LAYER_RE.match(t.name))
+                                               and int(m.group(1)) >= cfg.n_layer}
             for name, ne, group, _types, op in self._fuse(reader, expected) if fuse else expected:
                 parts = self.fused.get(name, (name,))
                 self.weights.add(name, reader.tensor_info(parts[0]).type, ne, group, op=op, names=parts)
@@ -201,10 +203,11 @@ class DecoderModel(WeightLoader):
         a = cfg.arch
         layers = {int(m.group(1)) for t in reader.tensors if (m := _LAYER_RE.match(t.name))}
         n_file = max(layers) + 1 if layers else 0
-        if cfg.n_layer != n_file:
-            raise MetadataError(path, f"{a}.block_count", f"{cfg.n_layer}, but the file has tensors for {n_file} "
+        n_all = cfg.n_layer + cfg.n_layer_nextn           # NextN layers follow the ones run
+        if n_all != n_file and not (cfg.n_layer_nextn and n_file == cfg.n_layer):
+            raise MetadataError(path, f"{a}.block_count", f"{n_all}, but the file has tensors for {n_file} "
                                                          f"layers (blk.0 .. blk.{n_file - 1})" if n_file else
-                                f"{cfg.n_layer}, but the file has no blk.N tensors")
+                                f"{n_all}, but the file has no blk.N tensors")
         if len(layers) != n_file:
             missing = sorted(set(range(n_file)) - layers)[:5]
             raise MissingTensor(f"{path}: no tensors for layers {missing} of {n_file}")

@@ -9,8 +9,12 @@ an eighth of the dense feed-forward, so the parameter count stays close),
 ``gemma3`` (Q/K norms, post-norms, GeGLU, tied output, 5 sliding-window layers
 of 512 then one global, as llama.cpp assumes), ``lfm2`` (LFM2's short
 convolutions of 3 taps, attention in every third layer), ``granitehybrid`` (Granite 4.0 H:
-Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers) or ``qwen3next`` (Qwen3-Next:
-gated DeltaNet layers, gated attention in every fourth, 8 experts and a shared one), each with the metadata keys
+Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers), ``qwen3next`` (Qwen3-Next:
+gated DeltaNet layers, gated attention in every fourth, 8 experts and a shared one), ``deepseek2``
+(multi-head latent attention, the first layer dense, then 8 experts in 4 groups with a shared
+one and sigmoid routing: DeepSeek-V3's layout scaled to the size) or ``glm4moe`` (GLM-4.5's:
+Q/K/V biases, Q/K norms, half of each head rotated, DeepSeek's experts without groups), each
+with the metadata keys
 and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
 benchmarked by llama.cpp for a side-by-side comparison.
@@ -64,7 +68,7 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next", "deepseek2", "glm4moe")
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,17 @@ class SyntheticConfig:
     ssm_head_dim: int = 64
     ssm_n_group: int = 1
     n_ff_shexp: int = 0          # granitehybrid with experts: the shared expert's width
+    # deepseek2 (multi-head latent attention, DeepSeek's mixture of experts): the query's compressed size
+    # (0: none), the latent's, the rotated part of a query head (n_embd_head: its whole size), a head's output
+    # size; shared experts (each n_ff_exp wide), leading dense layers, expert groups and those kept per token
+    n_lora_q: int = 0
+    n_lora_kv: int = 0
+    n_rot: int = 0
+    n_embd_head_v: int = 0
+    n_expert_shared: int = 0
+    n_dense_lead: int = 0
+    n_group: int = 0
+    n_group_used: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -162,13 +177,27 @@ SIZES: dict[str, SyntheticConfig] = {
                         "Granite-4.0-H-Tiny's layout (llama.cpp's granitehybrid 7B-A1B)", arch="granitehybrid",
                         tied=True, n_expert=64, n_expert_used=6, n_ff_exp=512, n_ff_shexp=1024, nominal=6.94e9,
                         recurrent_layers=tuple(i % 10 != 5 for i in range(40))),
+        # GLM-4.5-Air's widths (96 heads of 128 over 8 KV heads, half of each rotated, its 128 experts of 1408
+        # with 8 used and 1 shared, its 151k vocabulary) in 8 of its 46 layers (the first dense, as its): 17.9B
+        # parameters, Q4_K_M in about 11 GB; per token it reads what the real model's first 8 layers do
+        SyntheticConfig("glm4.5-air-8L", 4096, 8, 96, 8, 10944, 151552, 131072, "GLM-4.5-Air, 8 of its 46 layers",
+                        rope_freq_base=1e6, arch="glm4moe", n_embd_head=128, n_rot=64, n_expert=128, n_expert_used=8,
+                        n_ff_exp=1408, n_expert_shared=1, n_dense_lead=1, nominal=17.9e9),
+        # DeepSeek-V3's widths (128 heads of latent attention, its 1.5k/512 compressions, 2k-wide experts, its
+        # 129k vocabulary) in 12 of its 61 layers (the first 3 dense, as its) with 32 of its 256 experts (8
+        # used, in 8 groups of which 4 are kept, 1 shared): 18.4B parameters, Q4_K_M in about 11 GB
+        SyntheticConfig("deepseek-v3-12L-32E", 7168, 12, 128, 1, 18432, 129280, 163840,
+                        "DeepSeek-V3, 12 of its 61 layers and 32 of its 256 experts", rms_eps=1e-6, arch="deepseek2",
+                        n_embd_head=192, n_expert=32, n_expert_used=8, n_ff_exp=2048, n_lora_q=1536, n_lora_kv=512,
+                        n_rot=64, n_embd_head_v=128, n_expert_shared=1, n_dense_lead=3, n_group=8, n_group_used=4,
+                        nominal=18.4e9),
     )
 }
 
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
 PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
-           "granitehybrid-7B-A1B")
+           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
@@ -204,6 +233,24 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
         return replace(cfg, arch=arch, rope_freq_base=1e7, rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=f,
                        n_ff_shexp=f, ssm_d_state=ds, ssm_n_group=max(1, cfg.n_embd // (2 * ds)),
                        recurrent_layers=tuple(i % 4 != 1 for i in range(cfg.n_layer)))
+    if arch == "deepseek2":
+        # DeepSeek-V3's proportions at this width: heads of a position-free part as wide as the llama head
+        # and a rotated part half that, compressions a third of n_embd (whole K-quant blocks from 768 on),
+        # 8 experts of an eighth of the dense width, 2 used, in 4 groups of which 2 are kept, 1 shared,
+        # the first layer dense; every row a whole number of 32-value blocks
+        hd = cfg.head_dim
+        nope, rot = max(32, hd), max(16, hd // 2)
+        lora = max(256, cfg.n_embd // 3 // 256 * 256) if cfg.n_embd >= 768 else max(32, cfg.n_embd // 3 // 32 * 32)
+        return replace(cfg, arch=arch, n_head_kv=1, rms_eps=1e-6, n_embd_head=nope + rot, n_rot=rot,
+                       n_embd_head_v=nope, n_lora_q=lora, n_lora_kv=lora, n_expert=8, n_expert_used=2,
+                       n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32), n_expert_shared=1,
+                       n_dense_lead=1 if cfg.n_layer > 1 else 0, n_group=4, n_group_used=2)
+    if arch == "glm4moe":
+        # GLM-4.5's proportions: half of each head rotated, Q/K/V biases and Q/K norms, 8 experts of an eighth
+        # of the dense width (2 used, 1 shared, no groups), the first layer dense
+        return replace(cfg, arch=arch, rope_freq_base=1e6, n_rot=cfg.head_dim // 2, n_expert=8, n_expert_used=2,
+                       n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32), n_expert_shared=1,
+                       n_dense_lead=1 if cfg.n_layer > 1 else 0, n_group=0, n_group_used=0)
     return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
 
 
@@ -294,14 +341,18 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
     -------
     list of (name, numpy_shape, kind)
         ``kind`` is ``"norm"`` (F32 ones), ``"matrix"`` (random, written in the
-        model's type), ``"router"`` / ``"conv"`` (random, F32: an expert router, a
-        convolution kernel or bias) or ``"decay"`` (F32, negative: Mamba-2's A). Shapes
-        are in numpy order (the reverse of ggml's ``ne``).
+        model's type), ``"router"`` / ``"conv"`` / ``"bias"`` (random, F32: an expert router, a
+        convolution kernel or bias, a routing bias), ``"decay"`` (F32, negative: Mamba-2's A) or ``"mla"``
+        (deepseek2's per-head matrices: random, Q8_0 in a quantized file). Shapes are in numpy order (the
+        reverse of ggml's ``ne``).
     """
     d, hd = cfg.n_embd, cfg.head_dim
     specs: list[tuple[str, tuple[int, ...], str]] = [("token_embd.weight", (cfg.n_vocab, d), "matrix")]
+    layers = _LAYERS.get(cfg.arch)
+    if layers is not None:
+        specs += layers(cfg)
     qk_norm = cfg.arch in ("qwen3", "qwen3moe", "gemma3", "lfm2")
-    for i in range(cfg.n_layer):
+    for i in range(cfg.n_layer if layers is None else 0):
         b = f"blk.{i}."
         if cfg.arch == "granitehybrid":
             specs += _granitehybrid_layer(cfg, b, cfg.recurrent_layers[i])
@@ -416,6 +467,66 @@ def _qwen3next_layer(cfg: SyntheticConfig, b: str, delta: bool) -> list:
     return specs
 
 
+def _deepseek2_layers(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The layers of a deepseek2 file (llama.cpp's names; shapes in numpy order): latent attention (the query
+    compressed or not, the per-head ``attn_k_b``/``attn_v_b`` of kind ``"mla"``), then DeepSeek's feed-forward."""
+    d, hd, rot, v = cfg.n_embd, cfg.head_dim, cfg.n_rot, cfg.n_embd_head_v
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        specs.append((b + "attn_norm.weight", (d,), "norm"))
+        if cfg.n_lora_q:
+            specs += [(b + "attn_q_a.weight", (cfg.n_lora_q, d), "matrix"),
+                      (b + "attn_q_a_norm.weight", (cfg.n_lora_q,), "norm"),
+                      (b + "attn_q_b.weight", (cfg.n_head * hd, cfg.n_lora_q), "matrix")]
+        else:
+            specs.append((b + "attn_q.weight", (cfg.n_head * hd, d), "matrix"))
+        specs += [(b + "attn_kv_a_mqa.weight", (cfg.n_lora_kv + rot, d), "matrix"),
+                  (b + "attn_kv_a_norm.weight", (cfg.n_lora_kv,), "norm"),
+                  (b + "attn_k_b.weight", (cfg.n_head, cfg.n_lora_kv, hd - rot), "mla"),
+                  (b + "attn_v_b.weight", (cfg.n_head, v, cfg.n_lora_kv), "mla"),
+                  (b + "attn_output.weight", (d, cfg.n_head * v), "matrix"),
+                  (b + "ffn_norm.weight", (d,), "norm")]
+        specs += _deepseek_ffn(cfg, i)
+    return specs
+
+
+def _deepseek_ffn(cfg: SyntheticConfig, i: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """Layer ``i``'s feed-forward in DeepSeek's layout: dense in the leading layers, else the experts with their
+    routing bias (kind ``"bias"``, F32) and the shared experts."""
+    b, d, e, f = f"blk.{i}.", cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
+    fs = f * cfg.n_expert_shared
+    if i < cfg.n_dense_lead or not e:
+        return [(b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"), (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
+                (b + "ffn_down.weight", (d, cfg.n_ff), "matrix")]
+    return [(b + "ffn_gate_inp.weight", (e, d), "router"), (b + "exp_probs_b.bias", (e,), "bias"),
+            (b + "ffn_gate_exps.weight", (e, f, d), "matrix"), (b + "ffn_up_exps.weight", (e, f, d), "matrix"),
+            (b + "ffn_down_exps.weight", (e, d, f), "matrix"),
+            (b + "ffn_gate_shexp.weight", (fs, d), "matrix"), (b + "ffn_up_shexp.weight", (fs, d), "matrix"),
+            (b + "ffn_down_shexp.weight", (d, fs), "matrix")]
+
+
+def _glm4moe_layers(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The layers of a glm4moe file (GLM-4.5's: Q/K/V biases, per-head Q/K norms, the pre-feed-forward norm
+    named ``post_attention_norm``, DeepSeek's feed-forward layout)."""
+    d, hd = cfg.n_embd, cfg.head_dim
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        specs.append((b + "attn_norm.weight", (d,), "norm"))
+        for x, rows in (("q", cfg.n_head * hd), ("k", cfg.n_head_kv * hd), ("v", cfg.n_head_kv * hd)):
+            specs += [(f"{b}attn_{x}.weight", (rows, d), "matrix"), (f"{b}attn_{x}.bias", (rows,), "bias")]
+        specs += [(b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm"),
+                  (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix"),
+                  (b + "post_attention_norm.weight", (d,), "norm")]
+        specs += _deepseek_ffn(cfg, i)
+    return specs
+
+
+#: The architectures whose layers :func:`tensor_specs` takes from a function of their own.
+_LAYERS: dict[str, Callable[[SyntheticConfig], list]] = {"deepseek2": _deepseek2_layers, "glm4moe": _glm4moe_layers}
+
+
 def _more_bits(layer: int, n_layer: int) -> bool:
     # the layers llama.cpp's Q4_K_M gives Q6_K for attn_v and ffn_down: the first and last eighth, and
     # every third layer in between
@@ -437,7 +548,12 @@ def matrix_type(type: str, name: str, n_layer: int, tied: bool = False) -> str:
 
 def _check_type_fits(cfg: SyntheticConfig, type: str) -> None:
     n_ff = cfg.n_ff_exp if cfg.n_expert else cfg.n_ff
-    if type == "Q4_K_M" and (cfg.n_embd % 256 or n_ff % 256 or (cfg.n_head * cfg.head_dim) % 256):
+    # the row lengths of the K-quant matrices (deepseek2's per-head attn_k_b/attn_v_b are Q8_0: write_synthetic)
+    rows = (cfg.n_embd, n_ff, cfg.n_head * cfg.head_dim) if cfg.arch != "deepseek2" else \
+        (cfg.n_embd, n_ff, cfg.n_lora_q or cfg.n_embd, cfg.n_head * cfg.n_embd_head_v)
+    if cfg.n_dense_lead and cfg.n_expert:       # a leading dense layer's down rows too
+        rows += (cfg.n_ff,)
+    if type == "Q4_K_M" and any(r % 256 for r in rows):
         fits = ", ".join(n for n, c in SIZES.items() if not (c.n_embd % 256 or c.n_ff % 256))
         raise GGMLValueError(f"synthetic model {cfg.name} Q4_K_M: K-quants need rows that are multiples of 256 "
                              f"(n_embd {cfg.n_embd}, n_ff {cfg.n_ff}); sizes that fit: {fits}")
@@ -464,12 +580,21 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         # lfm2: one per layer, 0 for a convolution layer (as llama.cpp's converter writes it)
         (f"{a}.attention.head_count_kv", [0 if c else cfg.n_head_kv for c in cfg.recurrent_layers], "ARRAY")
         if cfg.recurrent_layers and a != "qwen3next" else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
-        # qwen3next rotates a quarter of each head (partial rotary)
-        (f"{a}.rope.dimension_count", cfg.head_dim // 4 if a == "qwen3next" else cfg.head_dim, "UINT32"),
+        # qwen3next rotates a quarter of each head (partial rotary), deepseek2 and glm4moe their n_rot
+        (f"{a}.rope.dimension_count", cfg.head_dim // 4 if a == "qwen3next" else cfg.n_rot or cfg.head_dim, "UINT32"),
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
     ]
-    if a != "llama" or cfg.n_embd_head:         # (the llama files stay as they were: no format change)
+    if a == "deepseek2":
+        md += _deepseek2_metadata(cfg)
+    elif a == "glm4moe":
+        md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
+               (f"{a}.attention.value_length", cfg.head_dim, "UINT32"),
+               (f"{a}.leading_dense_block_count", cfg.n_dense_lead, "UINT32"),
+               (f"{a}.expert_shared_count", cfg.n_expert_shared, "UINT32"),
+               (f"{a}.expert_gating_func", 2, "UINT32"), (f"{a}.expert_weights_norm", True, "BOOL"),
+               (f"{a}.expert_weights_scale", 2.5, "FLOAT32")]
+    elif a != "llama" or cfg.n_embd_head:         # (the llama files stay as they were: no format change)
         md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
                (f"{a}.attention.value_length", cfg.head_dim, "UINT32")]
     if cfg.n_expert:
@@ -504,6 +629,29 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         ("ggmlpy.synthetic.seed", int(seed), "UINT32"),
         ("ggmlpy.synthetic.format_version", FORMAT_VERSION, "UINT32"),
     ]
+    return md
+
+
+def _deepseek2_metadata(cfg: SyntheticConfig) -> list[tuple[str, object, str]]:
+    """deepseek2's keys as llama.cpp's converter writes them for DeepSeek-V3: the latent cache row as the key
+    length (one KV head), the heads' sizes as the ``_mla`` lengths, sigmoid routing with groups, renormalised
+    and scaled by 2.5."""
+    a = "deepseek2"
+    md = [(f"{a}.attention.key_length", cfg.n_lora_kv + cfg.n_rot, "UINT32"),
+          (f"{a}.attention.value_length", cfg.n_lora_kv, "UINT32"),
+          (f"{a}.attention.key_length_mla", cfg.head_dim, "UINT32"),
+          (f"{a}.attention.value_length_mla", cfg.n_embd_head_v, "UINT32"),
+          (f"{a}.attention.kv_lora_rank", cfg.n_lora_kv, "UINT32"),
+          (f"{a}.leading_dense_block_count", cfg.n_dense_lead, "UINT32"),
+          (f"{a}.expert_shared_count", cfg.n_expert_shared, "UINT32")]
+    if cfg.n_lora_q:
+        md.append((f"{a}.attention.q_lora_rank", cfg.n_lora_q, "UINT32"))
+    if cfg.n_expert:
+        md += [(f"{a}.expert_gating_func", 2, "UINT32"), (f"{a}.expert_weights_norm", True, "BOOL"),
+               (f"{a}.expert_weights_scale", 2.5, "FLOAT32")]
+    if cfg.n_group:
+        md += [(f"{a}.expert_group_count", cfg.n_group, "UINT32"),
+               (f"{a}.expert_group_used_count", cfg.n_group_used, "UINT32")]
     return md
 
 
@@ -569,8 +717,12 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     for index, (name, shape, kind) in enumerate(specs):
         if kind == "norm":
             w.add_tensor(name, np.ones(shape, np.float32), type="F32")
-        elif kind in ("router", "conv"):        # llama.cpp keeps the expert router and conv kernels in F32
+        elif kind in ("router", "conv", "bias"):  # llama.cpp keeps routers, their bias and conv kernels in F32
             w.add_tensor(name, _random_matrix(shape, seed, index), type="F32")
+        elif kind == "mla" and type not in ("F32", "F16"):
+            # deepseek2's per-head matrices: rows of the head size, no K-quant blocks; Q8_0 in every quantized file
+            w.add_tensor(name, quantize(_random_matrix(shape, seed, index), Type.Q8_0), type="Q8_0",
+                         ne=tuple(reversed(shape)))
         elif kind == "decay":                   # Mamba-2's A = -exp(A_log): negative, about -1 to -16
             w.add_tensor(name, -np.exp(np.abs(_random_matrix(shape, seed, index)) / WEIGHT_STD * 0.7), type="F32")
         elif type in ("F32", "F16"):

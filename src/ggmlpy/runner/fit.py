@@ -413,12 +413,13 @@ def fit_model(path, *, devices: Union[str, Sequence[str]] = "auto", rpc: Sequenc
         raise GGMLValueError("fit_model: open_model is required (load_model passes it)")
     s = _Search(path, devs, cfg.n_layer, tensor_bytes, budgets, open_model, runner_kw, overrides,
                 overridden)
-    # the first estimate of the cache: K and V rows of every cell (no window, no padding) of the attention layers
-    # (a recurrent layer's state is measured by the first try); tries measure it
-    row = getattr(cfg, "n_head_kv", 0) * getattr(cfg, "head_dim", 0)
+    # the first estimate of the cache: K and V rows of every cell (no window, no padding; no V apart for a
+    # latent cache) of the attention layers (a recurrent layer's state is measured by the first try); tries
+    # measure it
+    rk, rv = cfg.cache_rows() if hasattr(cfg, "cache_rows") else (0, 0)
     recurrent = getattr(cfg, "recurrent_layers", ()) or (False,) * cfg.n_layer
-    if row:
-        per_cell = _core.row_size(tk, row) + _core.row_size(tv, row)
+    if rk:
+        per_cell = _core.row_size(tk, rk) + (_core.row_size(tv, rv) if rv else 0)
         s.cache = {u: per_cell * ctx * int(n_seq_max) for u in range(cfg.n_layer) if not recurrent[u]}
     tried: list[tuple[int, int, tuple]] = []          # (units offloaded, n_ctx, counts) per context that fitted
     while True:
