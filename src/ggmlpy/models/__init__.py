@@ -29,7 +29,7 @@ report exists before any data is read) and then loads the data with progress.
 
 from __future__ import annotations
 
-from . import gemma, gptoss, granite, granitehybrid, lfm2, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
+from . import bert, gemma, gptoss, granite, granitehybrid, lfm2, olmo2, phi3, qwen3  # noqa: F401  (each registers its architectures)
 from .base import (
            ARCHITECTURES,
            BuiltGraph,

@@ -53,6 +53,9 @@ log = logging.getLogger("ggmlpy")
 #: the constructor's defaults for settings a fitted model may give instead (``n_ctx``: at most the model's
 #: training context, :func:`ggmlpy.defaults.n_ctx_for`)
 _DEFAULTS = {k: DEFAULTS[k] for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "type_k", "type_v")}
+#: ``n_seq_max`` when not given, for a non-causal model (an encoder): it keeps no cache per sequence, so a
+#: batch of short inputs is that many sequences in one micro-batch
+ENCODER_N_SEQ_MAX = 64
 
 
 class Runner(DirectCalls, RequestLoop):
@@ -144,6 +147,13 @@ class Runner(DirectCalls, RequestLoop):
         self.n_ctx = int(n_ctx)
         self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
+        if not getattr(model, "causal", True):
+            # a non-causal model reads a batch in one micro-batch (llama.cpp asserts n_ubatch >= the batch;
+            # llama-server sets n_batch = n_ubatch for embeddings)
+            self.n_batch = self.n_ubatch
+            if given["n_seq_max"] is None and "n_seq_max" not in fitted:
+                # an encoder keeps nothing per sequence: the inputs of a batch are as many sequences
+                n_seq_max = ENCODER_N_SEQ_MAX
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
         self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
@@ -414,7 +424,7 @@ class Runner(DirectCalls, RequestLoop):
                min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
                top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
                stop: Sequence[int | str] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
-               embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+               embedding: bool = False, pooling: Optional[str] = None, normalize: bool | int = True,
                same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
                detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
@@ -454,7 +464,9 @@ class Runner(DirectCalls, RequestLoop):
             Tokens kept on a context shift (-1: the prompt); shift when full (else ``length``); cut a
             prompt longer than ``n_ctx`` (else :class:`InputTooLong`).
         embedding, pooling, normalize
-            Return the pooled (``mean``, ``cls``, ``last``) final hidden state instead of generating.
+            Return the input's embedding instead of generating (see :meth:`embed`): ``pooling`` one of
+            ``none``, ``mean``, ``cls``, ``last``, ``rank`` (default: the model file's ``pooling_type``,
+            else ``mean``), ``normalize`` as llama.cpp's ``embd_normalize`` (True: Euclidean).
         same_batch : list of int, optional
             Per prompt token, how many following tokens must share its micro-batch.
         parse_special : bool
@@ -503,8 +515,8 @@ class Runner(DirectCalls, RequestLoop):
                  min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
                  top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
                  stop: Sequence[int | str] = (), stream: bool = False, n_keep: int = 0, shift: bool = True,
-                 truncate: bool = False, embedding: bool = False, pooling: str = "mean", normalize: bool = True,
-                 same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+                 truncate: bool = False, embedding: bool = False, pooling: Optional[str] = None,
+                 normalize: bool | int = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
                  detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Completion | Stream:
         """Generate a continuation of ``prompt``: wait for its :class:`Completion`, or with ``stream=True``
         iterate its tokens as they come.
@@ -581,8 +593,8 @@ class Runner(DirectCalls, RequestLoop):
                     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
                     seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
                     sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
-                    shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
-                    normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+                    shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: Optional[str] = None,
+                    normalize: bool | int = True, same_batch: Optional[Sequence[int]] = None,
                     detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Handle:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
@@ -663,7 +675,7 @@ class Runner(DirectCalls, RequestLoop):
              seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
              sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), stream: bool = False,
              n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
-             pooling: str = "mean", normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+             pooling: Optional[str] = None, normalize: bool | int = True, same_batch: Optional[Sequence[int]] = None,
              detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Completion | Stream:
         """The assistant's reply to ``messages``: wait for its :class:`Completion` (``.text``), or with
         ``stream=True`` iterate its tokens (``ev.text``) as they come.
@@ -694,11 +706,142 @@ class Runner(DirectCalls, RequestLoop):
                              **settings)
         return Stream(h) if stream else h.result()
 
-    def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
-        """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch
-        (a str is encoded as :meth:`submit` does)."""
-        r = self.submit(tokens, embedding=True, pooling=pooling, normalize=normalize).result()
-        return r.embedding
+    def embed(self, inputs, pooling: Optional[str] = None, normalize: bool | int = True,
+              truncate: bool = False) -> np.ndarray | list:
+        """Embeddings of one input or of several, computed together.
+
+        Each input is read whole, as one sequence: as many as fit go into one batch, side by side (an
+        encoder's each see only their own tokens), as llama.cpp's embedding path does; up to ``n_seq_max``
+        at once.
+
+        Parameters
+        ----------
+        inputs : str, token ids, or a list of them
+            A str is encoded as :meth:`submit` does (with the vocabulary's BOS/EOS or BERT's [CLS]/[SEP]).
+        pooling : str, optional
+            How a sequence's last hidden states become its embedding: ``"mean"`` (their mean), ``"cls"``
+            (the first token's), ``"last"`` (the last token's), ``"none"`` (every token's, one row each) or
+            ``"rank"`` (a reranker's classification scores, ``float32[n_cls_out]``, not normalised; see
+            :meth:`rerank`). Default: the model file's ``pooling_type``, else ``"mean"``.
+        normalize : bool or int
+            llama.cpp's ``embd_normalize``: True (2, Euclidean; default), False (-1, none), 0 (scaled to the
+            int16 range by the largest absolute value), 1 (taxicab), p > 2 (p-norm).
+        truncate : bool
+            Cut an input longer than :attr:`max_embedding_tokens` to its first tokens (else
+            :class:`InputTooLong`).
+
+        Returns
+        -------
+        numpy.ndarray
+            For one input: ``float32[n_embd]`` (``[n_tokens, n_embd]`` for ``"none"``, ``[n_cls_out]`` for
+            ``"rank"``). For a list: those stacked, ``float32[n_inputs, ...]`` (a list of arrays for
+            ``"none"``, whose lengths differ).
+
+        Raises
+        ------
+        GGMLValueError
+            An unknown pooling, ``"rank"`` for a model without a classification head, a bad ``normalize``.
+        InputTooLong
+            An input longer than :attr:`max_embedding_tokens` without ``truncate``.
+        """
+        one = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (int, np.integer))) \
+            or (isinstance(inputs, np.ndarray) and inputs.ndim == 1)
+        items = [inputs] if one else list(inputs)
+        if not items:
+            raise GGMLValueError("embed: no inputs")
+        handles = self.submit_embeddings(items, pooling=pooling, normalize=normalize, truncate=truncate,
+                                         what="embed")
+        try:
+            vectors = [h.result().embedding for h in handles]
+        except BaseException:
+            for h in handles:
+                h.cancel()
+            raise
+        if one:
+            return vectors[0]
+        return vectors if pooling == "none" else np.stack(vectors)
+
+    def submit_embeddings(self, inputs: Sequence, *, pooling: Optional[str] = None, normalize: bool | int = True,
+                          truncate: bool = False, what: str = "submit_embeddings") -> list[Handle]:
+        """Queue one embedding request per input, all at once (thread-safe), and return their handles in
+        order: the loop sees them together, so as many as fit are computed in one batch (see :meth:`embed`,
+        whose parameters these are; ``Completion.embedding`` holds each result). Every input is checked
+        before any is queued: a bad one raises and queues nothing."""
+        self._check_open(what)
+        if isinstance(inputs, str):
+            raise GGMLValueError(f"{what}: inputs must be a list of str or of token-id lists, got one str")
+        items = list(inputs)
+        if not items:
+            raise GGMLValueError(f"{what}: no inputs")
+        pooling = self.embedding_pooling(pooling, what)
+        text = self._text_options((), None, True, False)
+        held: list = []
+        handles = [self._queue(self.inputs.prompt(x, what), text, truncate=truncate, embedding=True, pooling=pooling,
+                               normalize=normalize, hold=held) for x in items]
+        self._enqueue(*held)
+        return handles
+
+    def rerank_prompt(self, query: str, document: str) -> list[int]:
+        """The token ids :meth:`rerank` scores for one document, as llama-server forms them
+        (``format_prompt_rerank``): the file's ``rerank`` chat template with ``{query}`` and ``{document}``
+        put in, where it has one; else BOS (if the vocabulary adds it), the query, EOS (if it adds EOS; SEP
+        where it has no EOS), SEP (if it adds SEP), the document, EOS: ``[CLS] query [SEP] document [SEP]``
+        for a BERT vocabulary, ``<s> query </s></s> document </s>`` for XLM-RoBERTa's."""
+        tok = self.tokenizer
+        template = tok.chat_templates.get("rerank")
+        if template:
+            return tok.encode(template.replace("{query}", query).replace("{document}", document),
+                              add_special=False, parse_special=True)
+        eos = tok.eos if tok.eos is not None else tok.sep
+        ids = [tok.bos] if tok.add_bos and tok.bos is not None else []
+        ids += tok.encode(query, add_special=False, parse_special=False)
+        if tok.add_eos and eos is not None:
+            ids.append(eos)
+        if tok.add_sep and tok.sep is not None:
+            ids.append(tok.sep)
+        ids += tok.encode(document, add_special=False, parse_special=False)
+        if tok.add_eos and eos is not None:
+            ids.append(eos)
+        return ids
+
+    def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> np.ndarray:
+        """How relevant each document is to ``query``: a reranker's score of each pair, in ``documents``' order.
+
+        Each pair is one input (:meth:`rerank_prompt`) through the model's classification head (pooling
+        ``rank``: the first token's last hidden state, the dense + tanh layer where the file has one, then
+        ``cls.output``); its first output is the score, raw (a logit, not normalised), as llama-server's
+        ``/v1/rerank`` returns it. The pairs are computed together, as :meth:`embed` does.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``float32[len(documents)]``.
+
+        Raises
+        ------
+        GGMLValueError
+            A model without a classification head (a decoder, or an embedding model: not a reranker), no
+            documents, or a query or document that is not a str.
+        InputTooLong
+            A pair longer than :attr:`max_embedding_tokens` without ``truncate``.
+        """
+        self._check_open("rerank")
+        if not getattr(self.model, "n_cls_out", 0):
+            raise GGMLValueError(f"rerank: this {self.model.config.arch} model has no classification head "
+                                 "(cls.output): it is not a reranker")
+        if not isinstance(query, str):
+            raise GGMLValueError(f"rerank: query must be a str, got {type(query).__name__}")
+        if isinstance(documents, str):
+            raise GGMLValueError("rerank: documents must be a list of str, got one str")
+        docs = list(documents)
+        if not docs:
+            raise GGMLValueError("rerank: no documents")
+        for i, d in enumerate(docs):
+            if not isinstance(d, str):
+                raise GGMLValueError(f"rerank: documents[{i}] must be a str, got {type(d).__name__}")
+        prompts = [self.rerank_prompt(query, d) for d in docs]
+        scores = self.embed(prompts, pooling="rank", normalize=False, truncate=truncate)
+        return np.ascontiguousarray(scores[:, 0], dtype=np.float32)
 
     def close(self) -> None:
         """Stop serving and free the cache, the scheduler and the graphs.
