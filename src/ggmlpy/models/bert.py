@@ -149,7 +149,7 @@ class BertModel(DecoderModel):
         a = cfg.arch
         if cfg.cls_labels and "cls.output.weight" in reader:
             ne = reader.tensor_info("cls.output.weight").ne
-            if len(ne) == 2 and ne[1] != len(cfg.cls_labels):
+            if (ne[1] if len(ne) > 1 else 1) != len(cfg.cls_labels):
                 raise MetadataError(path, f"{a}.classifier.output_labels", f"{len(cfg.cls_labels)} labels, but "
                                                                            f"cls.output.weight has ne={tuple(ne)}")
         if cfg.n_expert and cfg.n_layer > 1 and "blk.1.ffn_gate_inp.weight" in reader:
@@ -164,7 +164,8 @@ class BertModel(DecoderModel):
         self._has = {t.name for t in reader.tensors}
         self.tied_output = False           # no language-model head to tie (DecoderModel would copy one)
         out = reader.tensor_info("cls.output.weight") if "cls.output.weight" in reader else None
-        self.n_cls_out = int(out.ne[1]) if out is not None and len(out.ne) == 2 else 0
+        # a single score's head is ne = (n_embd,) in the file (GGUF drops trailing 1s)
+        self.n_cls_out = 0 if out is None else int(out.ne[1]) if len(out.ne) > 1 else 1
         if "cls.weight" in reader and not self.n_cls_out:
             # llama.cpp's head without cls.output (jina-reranker-v1) gives the dense layer's n_embd values;
             # no bert/nomic converter writes one

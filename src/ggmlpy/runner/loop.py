@@ -174,10 +174,8 @@ class RequestLoop:
         if not embedding and (max_tokens == 0 or max_tokens < -2):
             raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
                                  f"full) (got {max_tokens})")
-        if not embedding and not getattr(self.model, "can_generate", True):
-            raise GGMLValueError(f"submit: this {self.model.config.arch} model is an encoder (embeddings and "
-                                 "reranking): it has no head to generate text with; use embed() or rerank() "
-                                 "(or submit with embedding=True)")
+        if not embedding:
+            self._check_generates("submit")
         params = sampling if sampling is not None else SamplingParams()
         if sb is None:
             sb = [0] * len(ids)
@@ -216,6 +214,13 @@ class RequestLoop:
         else:
             self._enqueue(req)
         return Handle(self, req)
+
+    def _check_generates(self, what: str) -> None:
+        """Refuse generation on a model without a language-model head (an encoder)."""
+        if not getattr(self.model, "can_generate", True):
+            raise GGMLValueError(f"{what}: this {self.model.config.arch} model is an encoder (embeddings and "
+                                 "reranking): it has no head to generate text with; use embed() or rerank() "
+                                 "(or embedding=True)")
 
     def embedding_pooling(self, pooling: Optional[str], what: str) -> str:
         """The pooling of an embedding request: ``pooling`` checked, or (None) the model file's

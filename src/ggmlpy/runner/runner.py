@@ -145,9 +145,11 @@ class Runner(DirectCalls, RequestLoop):
         self._formats: dict = {}              # chat reply formats by template (see _chat_format)
         self._formats_lock = threading.Lock()
         self.n_ctx = int(n_ctx)
-        self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
+        causal = getattr(model, "causal", True)
+        # a causal batch never exceeds the context; a non-causal one holds many sequences, each within it
+        self.n_batch = min(int(n_batch), self.n_ctx) if causal else int(n_batch)
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
-        if not getattr(model, "causal", True):
+        if not causal:
             # a non-causal model reads a batch in one micro-batch (llama.cpp asserts n_ubatch >= the batch;
             # llama-server sets n_batch = n_ubatch for embeddings)
             self.n_batch = self.n_ubatch
@@ -630,6 +632,8 @@ class Runner(DirectCalls, RequestLoop):
         if detokenize is not None and not detokenize:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
         self._check_open("submit_chat")
+        if not embedding:
+            self._check_generates("submit_chat")
         params = sampling_params("submit_chat", sampling, self.sampling_defaults, temperature=temperature,
                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs,
                                  top_logprobs=top_logprobs, **settings)
