@@ -6,6 +6,7 @@ llama.cpp's own outputs on the same files (llama-cpp-python), as the reference f
 * :func:`nomic_dir`: a transformers ``NomicBertModel`` saved in nomic's own checkpoint layout (the one
   llama.cpp's converter reads: ``config.json`` with nomic's keys, ``Wqkv``, ``fc11``/``fc12``...), optionally
   with nomic-bert-moe's experts;
+* :func:`make_hf`, :func:`bert_gguf`, :func:`xlmr_gguf`: the tiny models of the tests and their files;
 * :func:`llama_cpp_outputs`: llama.cpp's embeddings (or rank scores) of token-id inputs.
 """
 
@@ -20,6 +21,39 @@ import numpy as np
 
 #: llama.cpp's pooling numbers (LLAMA_POOLING_TYPE_*)
 POOLING_IDS = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
+
+
+#: the tiny models' shape: two layers, n_embd 64, 4 heads
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
+
+def make_hf(cls_name: str, cfg_name: str, seed: int = 3, **cfg):
+    """A random-weight ``transformers.<cls_name>`` from ``<cfg_name>(**cfg)``, its constant weights made random."""
+    import torch
+    import transformers
+
+    config = getattr(transformers, cfg_name)(attn_implementation="eager", **cfg)
+    torch.manual_seed(seed)
+    hf = getattr(transformers, cls_name)(config).float().eval()
+    hf_convert.perturb_constant_weights(hf, seed=seed + 1)
+    return hf
+
+
+def bert_gguf(out: Path, pooling: str = "mean", outtype: str = "f32", hf=None):
+    """``(hf, path)``: a ``BertModel`` (bert-bge vocabulary, 64 positions) converted with ``pooling``."""
+    if hf is None:
+        hf = make_hf("BertModel", "BertConfig", vocab_size=len(hf_convert.tokenizer("bert-bge")),
+                     max_position_embeddings=64, **COMMON)
+    return hf, hf_convert.convert(hf, out, "bert-bge", outtype=outtype, files=pooling_files(pooling))
+
+
+def xlmr_gguf(out: Path):
+    """``(hf, path)``: an XLM-RoBERTa reranker (the classifier's dense + tanh + out_proj, one label; weights wide
+    enough that the scores differ by more than rounding), converted."""
+    hf = make_hf("XLMRobertaForSequenceClassification", "XLMRobertaConfig",
+                 vocab_size=len(hf_convert.tokenizer(hf_convert.XLMR)), num_labels=1, max_position_embeddings=66,
+                 type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2, initializer_range=0.2, **COMMON)
+    return hf, hf_convert.convert(hf, out, hf_convert.XLMR)
 
 
 def pooling_files(mode: str) -> dict:

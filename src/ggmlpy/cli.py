@@ -1,5 +1,5 @@
-"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat``,
-``ggmlpy cache`` and ``ggmlpy rpc-server``.
+"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat``, ``ggmlpy embed``,
+``ggmlpy serve``, ``ggmlpy cache`` and ``ggmlpy rpc-server``.
 
 Every subcommand answers a mistake the same way (:mod:`ggmlpy._cliargs`): one line naming the flag,
 ``ggmlpy <command>: error: -t 0: must be at least 1``, exit status 2 for a usage error (reported before
@@ -271,6 +271,11 @@ def _open_runner(args: argparse.Namespace, prog: str, n_seq_max: int = 1, progre
     try:
         if n_ctx <= 0:
             n_ctx = n_ctx_for(getattr(model.config, "n_ctx_train", None))
+        if not getattr(model, "causal", True):
+            from ggmlpy.runner.runner import ENCODER_N_SEQ_MAX
+
+            # an encoder keeps no cache per sequence: a batch packs that many inputs (-np is the least)
+            n_seq_max = max(n_seq_max, ENCODER_N_SEQ_MAX)
         rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, DEFAULTS["n_ubatch"]),
                     n_threads=args.threads or 0, op_offload=not args.no_op_offload, flash_attn=fa,
                     type_k=args.cache_type_k, type_v=args.cache_type_v, n_seq_max=n_seq_max)
@@ -284,6 +289,56 @@ def _open_runner(args: argparse.Namespace, prog: str, n_seq_max: int = 1, progre
         model.close()
         raise
     return model, rt
+
+
+def _embed_inputs(args: argparse.Namespace) -> list:
+    """``ggmlpy embed``'s inputs: each -p, else each line of -f (``-``: stdin), empty lines skipped."""
+    if args.prompt:
+        return list(args.prompt)
+    if args.file is None:
+        raise UsageError("an input is needed: -p TEXT (repeatable) or -f FILE (one input per line, '-' for stdin)")
+    text = sys.stdin.read() if args.file == "-" else _read_text(args.file, "-f")
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"-f {args.file}: no inputs (every line is empty)")
+    return lines
+
+
+def _cmd_embed(args: argparse.Namespace) -> int:
+    """``ggmlpy embed`` (llama.cpp's ``llama-embedding``): each input's embedding, or with --query each input's
+    score as a document for it (a reranker)."""
+    import numpy as np
+
+    if args.embd_normalize < -1:
+        raise UsageError(f"--embd-normalize {args.embd_normalize}: must be at least -1 (-1 none, 0 max-abs, "
+                         "1 taxicab, 2 Euclidean, p > 2 p-norm)")
+    inputs = _embed_inputs(args)
+    _lenient(sys.stdout)
+    model, rt = _open_runner(args, "ggmlpy embed")
+    try:
+        if args.query is not None:
+            vectors = [np.array([s]) for s in rt.rerank(args.query, inputs, truncate=args.truncate)]
+            label = "rerank score"
+        else:
+            got = rt.embed(inputs, pooling=args.pooling, normalize=args.embd_normalize, truncate=args.truncate)
+            vectors = [np.asarray(v) for v in got]
+            label = "embedding"
+    finally:
+        rt.close()
+        model.close()
+    fmt = args.embd_output_format
+    if fmt == "json":
+        data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]
+        print(json.dumps({"object": "list", "data": data}))
+    elif fmt == "array":
+        print(json.dumps([v.tolist() for v in vectors]))
+    else:
+        for i, v in enumerate(vectors):
+            rows = v.reshape(-1, v.shape[-1]) if v.ndim > 1 else [v]
+            for j, row in enumerate(rows):
+                tag = f"{label} {i}" + (f" token {j}" if v.ndim > 1 else "")
+                print(f"{tag}: " + " ".join(f"{x:9.6f}" for x in row))
+    return 0
 
 
 def _template(args: argparse.Namespace) -> Optional[str]:
@@ -700,6 +755,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the speed after each reply, on a line of its own")
     _add_model_args(p)
     p.set_defaults(func=_cmd_chat)
+    p = command("embed", help="embeddings of texts (an embedding model: bert, nomic-bert..., or a decoder), or "
+                              "with --query a reranker's scores")
+    p.add_argument("-p", "--prompt", action="append", default=None, help="an input (repeatable)")
+    p.add_argument("-f", "--file", default=None, help="read the inputs from FILE, one per line ('-': stdin)")
+    p.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
+                   help="how a text's token states become its embedding (default: the file's pooling_type, "
+                        "else mean); none: one per token")
+    p.add_argument("--embd-normalize", type=int, default=2, metavar="N",
+                   help="llama.cpp's: -1 none, 0 max-abs (int16 range), 1 taxicab, 2 Euclidean (default), "
+                        "p > 2 p-norm")
+    p.add_argument("--embd-output-format", default="text", choices=("text", "array", "json"),
+                   help="text (default): one line per embedding; array: a JSON array of them; json: OpenAI's "
+                        "embedding list")
+    p.add_argument("--query", default=None,
+                   help="score each input as a document for this query (a reranker: a model with a "
+                        "classification head), instead of embedding it")
+    p.add_argument("--truncate", action="store_true", help="cut an input longer than the model reads at once")
+    _add_model_args(p)
+    p.set_defaults(func=_cmd_embed)
     p = command("serve", help="an HTTP server with OpenAI's and Ollama's APIs (pip install 'ggmlpy[server]')",
                 allow_abbrev=False)      # whole flags only: run's --chat or -f is not --chat-template-file or -fa
     _add_model_args(p, serve=True)
@@ -734,7 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: The subcommands (for naming the one a usage error is in before the command line is parsed).
-COMMANDS = ("info", "bench", "run", "chat", "serve", "cache", "rpc-server")
+COMMANDS = ("info", "bench", "run", "chat", "embed", "serve", "cache", "rpc-server")
 
 
 def _prog(argv: list[str]) -> str:
@@ -754,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = build_parser().parse_known_args(argv)
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
-        if args.command in ("run", "chat", "serve"):
+        if args.command in ("run", "chat", "embed", "serve"):
             _check_model_args(args)
         if args.command == "serve":
             from ggmlpy.server.flags import check_server_args

@@ -34,11 +34,14 @@ llama_cpp = pytest.importorskip("llama_cpp") if not os.environ.get("CI") else __
 import hf_convert  # noqa: E402
 from arch_helpers import copy_gguf  # noqa: E402
 from encoder_helpers import (  # noqa: E402
+    COMMON,
+    bert_gguf,
     llama_cpp_outputs,
     llama_cpp_rerank_prompt,
     llama_cpp_tokenize,
+    make_hf,
     nomic_dir,
-    pooling_files,
+    xlmr_gguf,
 )
 
 from ggmlpy import GGMLValueError, gguf  # noqa: E402
@@ -49,7 +52,6 @@ from ggmlpy.runner import InputTooLong, Runner  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog.", "a", "naïve café résumé, 42 times!",
          "Embeddings map text to vectors; rerankers score pairs."]
 QUERY = "what is a tensor"
@@ -77,20 +79,10 @@ def hf_pool(h: np.ndarray, pooling: str) -> np.ndarray:
     return {"mean": h.mean(0), "cls": h[0], "last": h[-1]}[pooling]
 
 
-def make_hf(cls_name: str, cfg_name: str, seed: int = 3, **cfg):
-    config = getattr(transformers, cfg_name)(attn_implementation="eager", **cfg)
-    torch.manual_seed(seed)
-    hf = getattr(transformers, cls_name)(config).float().eval()
-    hf_convert.perturb_constant_weights(hf, seed=seed + 1)
-    return hf
-
-
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):
     """A BertModel with mean pooling, converted (F32), and the test texts' token ids."""
-    tok = hf_convert.tokenizer("bert-bge")
-    hf = make_hf("BertModel", "BertConfig", vocab_size=len(tok), max_position_embeddings=64, **COMMON)
-    path = hf_convert.convert(hf, tmp_path_factory.mktemp("bert"), "bert-bge", files=pooling_files("mean"))
+    hf, path = bert_gguf(tmp_path_factory.mktemp("bert"))
     with load_model(path, devices="cpu") as m:
         ids = [m.tokenizer.encode(t) for t in TEXTS]
     return hf, path, ids
@@ -207,8 +199,7 @@ def test_quantized_files(bert, tmp_path_factory, outtype, bound):
     """The converter's F16 and Q8_0 files: pooled embeddings within a bound of transformers' (measured: F16 2e-4,
     Q8_0 3.2e-3, as llama.cpp's) and within 3x llama.cpp's error on the same file."""
     hf, _, ids = bert
-    path = hf_convert.convert(hf, tmp_path_factory.mktemp(f"bert-{outtype}"), "bert-bge", outtype=outtype,
-                              files=pooling_files("mean"))
+    _, path = bert_gguf(tmp_path_factory.mktemp(f"bert-{outtype}"), outtype=outtype, hf=hf)
     with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
         got = rt.embed(ids)
     lcpp = llama_cpp_outputs(path, ids, "mean", 64)
@@ -281,14 +272,7 @@ def test_nomic_bert_moe_matches_llama_cpp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def xlmr(tmp_path_factory):
-    """An XLM-RoBERTa reranker (classifier dense + tanh + out_proj; one label), its weights wide enough that the
-    scores differ by more than rounding."""
-    tok = hf_convert.tokenizer(hf_convert.XLMR)
-    hf = make_hf("XLMRobertaForSequenceClassification", "XLMRobertaConfig", vocab_size=len(tok), num_labels=1,
-                 max_position_embeddings=66, type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                 initializer_range=0.2, **COMMON)
-    path = hf_convert.convert(hf, tmp_path_factory.mktemp("xlmr"), hf_convert.XLMR)
-    return hf, path
+    return xlmr_gguf(tmp_path_factory.mktemp("xlmr"))
 
 
 def test_rerank_scores_are_the_classifier_logits(xlmr):
@@ -341,3 +325,26 @@ def test_bert_classifier_is_scored_as_the_file_holds_it(tmp_path_factory):
     assert np.abs(logits - file_ref).max() > 100 * TOL * scale       # the pooler mattered
     lcpp = np.array([s[0] for s in llama_cpp_outputs(path, prompts, "rank", 1)])
     assert np.abs(lcpp - file_ref).max() < 1e-2 * scale
+
+
+def test_embed_command(bert, xlmr):
+    """``ggmlpy embed``: each -p's embedding (the file's pooling, normalised) as Runner.embed gives it, as a JSON
+    array; with --query a reranker's scores as Runner.rerank gives them."""
+    import json
+    import subprocess
+    import sys
+
+    _, path, _ = bert
+    cmd = [sys.executable, "-m", "ggmlpy", "embed", "-m", str(path), "--embd-output-format", "array"]
+    out = subprocess.run([*cmd, "-p", TEXTS[0], "-p", TEXTS[1]], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    with load_model(path, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
+        ref = rt.embed(TEXTS[:2])
+    np.testing.assert_allclose(np.array(json.loads(out.stdout)), ref, rtol=0, atol=1e-6)
+    _, rr = xlmr
+    cmd = [sys.executable, "-m", "ggmlpy", "embed", "-m", str(rr), "--query", QUERY, "--embd-output-format", "array"]
+    out = subprocess.run([*cmd, *(x for d in DOCS for x in ("-p", d))], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    with load_model(rr, devices="cpu") as model, Runner(model, n_ctx=64) as rt:
+        ref = rt.rerank(QUERY, DOCS)
+    np.testing.assert_allclose(np.array(json.loads(out.stdout))[:, 0], ref, rtol=0, atol=1e-6)
