@@ -22,7 +22,9 @@ report exists before any data is read) and then loads the data with progress.
   convolutions with a recurrent state per sequence and attention layers, through a
   :class:`~ggmlpy.kvcache.Wrapper` of a :class:`~ggmlpy.kvcache.Recurrent` and a
   :class:`~ggmlpy.kvcache.Causal`), :mod:`~ggmlpy.models.granitehybrid` (Granite 4.0 H: Mamba-2 layers and
-  attention layers the same way, experts with a shared one);
+  attention layers the same way, experts with a shared one); and the encoders of
+  :mod:`~ggmlpy.models.bert` (bert, nomic-bert, nomic-bert-moe: embeddings and reranking, non-causal,
+  through an :class:`~ggmlpy.kvcache.Encoder` cache);
 * :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
 * :mod:`~ggmlpy.models.synthetic`: the benchmark's built-in model files.
 """
