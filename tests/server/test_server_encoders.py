@@ -40,7 +40,9 @@ def reranker(tmp_path_factory):
 
 
 def reference(path, fn):
-    with load_model(str(path), devices="cpu") as model, Runner(model, n_ctx=64, reuse_graphs=False) as rt:
+    # ggml's kernels, as ServerProcess runs the server with
+    with load_model(str(path), devices="cpu") as model, \
+            Runner(model, n_ctx=64, reuse_graphs=False, kernels="ggml") as rt:
         return fn(rt)
 
 
