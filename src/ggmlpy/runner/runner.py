@@ -153,9 +153,10 @@ class Runner(DirectCalls, RequestLoop):
             # a non-causal model reads a batch in one micro-batch (llama.cpp asserts n_ubatch >= the batch;
             # llama-server sets n_batch = n_ubatch for embeddings)
             self.n_batch = self.n_ubatch
-            if given["n_seq_max"] is None and "n_seq_max" not in fitted:
-                # an encoder keeps nothing per sequence: the inputs of a batch are as many sequences
-                n_seq_max = ENCODER_N_SEQ_MAX
+            if given["n_seq_max"] is None:
+                # an encoder keeps nothing per sequence (its memory does not grow with them, so a fit's number
+                # is no bound): the inputs of a batch are as many sequences
+                n_seq_max = max(int(n_seq_max), ENCODER_N_SEQ_MAX)
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
         self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
@@ -753,6 +754,7 @@ class Runner(DirectCalls, RequestLoop):
         items = [inputs] if one else list(inputs)
         if not items:
             raise GGMLValueError("embed: no inputs")
+        pooling = self.embedding_pooling(pooling, "embed")
         handles = self.submit_embeddings(items, pooling=pooling, normalize=normalize, truncate=truncate,
                                          what="embed")
         try:
