@@ -23,6 +23,7 @@ from ggmlpy._cliargs import (
     EXIT_USAGE,
     ArgParser,
     UsageError,
+    Version,
     add_model_source_args,
     add_sampling_args,
     at_least,
@@ -35,26 +36,8 @@ from ggmlpy._cliargs import (
 )
 from ggmlpy._cliargs import read_text as _read_text
 from ggmlpy._cliargs import sampling_from_args as _sampling
+from ggmlpy._cliembed import add_embed_args
 from ggmlpy.defaults import CLI_N_PREDICT, DEFAULTS, n_ctx_for
-
-
-def version_text() -> str:
-    """``ggmlpy --version``: ggmlpy's version, ggml's and the commit of the ggml source it was built from."""
-    from ggmlpy._system import ggml_commit, ggml_version
-    from ggmlpy._version import __version__
-
-    return f"ggmlpy {__version__} (ggml {ggml_version()}, commit {ggml_commit()})"
-
-
-class _Version(argparse.Action):
-    """``--version``, with the text made only when asked for (it loads ggml)."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
-        parser.exit()
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -289,56 +272,6 @@ def _open_runner(args: argparse.Namespace, prog: str, n_seq_max: int = 1, progre
         model.close()
         raise
     return model, rt
-
-
-def _embed_inputs(args: argparse.Namespace) -> list:
-    """``ggmlpy embed``'s inputs: each -p, else each line of -f (``-``: stdin), empty lines skipped."""
-    if args.prompt:
-        return list(args.prompt)
-    if args.file is None:
-        raise UsageError("an input is needed: -p TEXT (repeatable) or -f FILE (one input per line, '-' for stdin)")
-    text = sys.stdin.read() if args.file == "-" else _read_text(args.file, "-f")
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
-        raise UsageError(f"-f {args.file}: no inputs (every line is empty)")
-    return lines
-
-
-def _cmd_embed(args: argparse.Namespace) -> int:
-    """``ggmlpy embed`` (llama.cpp's ``llama-embedding``): each input's embedding, or with --query each input's
-    score as a document for it (a reranker)."""
-    import numpy as np
-
-    if args.embd_normalize < -1:
-        raise UsageError(f"--embd-normalize {args.embd_normalize}: must be at least -1 (-1 none, 0 max-abs, "
-                         "1 taxicab, 2 Euclidean, p > 2 p-norm)")
-    inputs = _embed_inputs(args)
-    _lenient(sys.stdout)
-    model, rt = _open_runner(args, "ggmlpy embed")
-    try:
-        if args.query is not None:
-            vectors = [np.array([s]) for s in rt.rerank(args.query, inputs, truncate=args.truncate)]
-            label = "rerank score"
-        else:
-            got = rt.embed(inputs, pooling=args.pooling, normalize=args.embd_normalize, truncate=args.truncate)
-            vectors = [np.asarray(v) for v in got]
-            label = "embedding"
-    finally:
-        rt.close()
-        model.close()
-    fmt = args.embd_output_format
-    if fmt == "json":
-        data = [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]
-        print(json.dumps({"object": "list", "data": data}))
-    elif fmt == "array":
-        print(json.dumps([v.tolist() for v in vectors]))
-    else:
-        for i, v in enumerate(vectors):
-            rows = v.reshape(-1, v.shape[-1]) if v.ndim > 1 else [v]
-            for j, row in enumerate(rows):
-                tag = f"{label} {i}" + (f" token {j}" if v.ndim > 1 else "")
-                print(f"{tag}: " + " ".join(f"{x:9.6f}" for x in row))
-    return 0
 
 
 def _template(args: argparse.Namespace) -> Optional[str]:
@@ -726,7 +659,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, text generation and chat, "
                    "its cache folder, RPC server")
-    ap.add_argument("--version", action=_Version, help="print ggmlpy's, ggml's version and ggml's commit, and exit")
+    ap.add_argument("--version", action=Version, help="print ggmlpy's, ggml's version and ggml's commit, and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, **kw) -> argparse.ArgumentParser:
@@ -757,23 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_chat)
     p = command("embed", help="embeddings of texts (an embedding model: bert, nomic-bert..., or a decoder), or "
                               "with --query a reranker's scores")
-    p.add_argument("-p", "--prompt", action="append", default=None, help="an input (repeatable)")
-    p.add_argument("-f", "--file", default=None, help="read the inputs from FILE, one per line ('-': stdin)")
-    p.add_argument("--pooling", default=None, choices=("none", "mean", "cls", "last", "rank"),
-                   help="how a text's token states become its embedding (default: the file's pooling_type, "
-                        "else mean); none: one per token")
-    p.add_argument("--embd-normalize", type=int, default=2, metavar="N",
-                   help="llama.cpp's: -1 none, 0 max-abs (int16 range), 1 taxicab, 2 Euclidean (default), "
-                        "p > 2 p-norm")
-    p.add_argument("--embd-output-format", default="text", choices=("text", "array", "json"),
-                   help="text (default): one line per embedding; array: a JSON array of them; json: OpenAI's "
-                        "embedding list")
-    p.add_argument("--query", default=None,
-                   help="score each input as a document for this query (a reranker: a model with a "
-                        "classification head), instead of embedding it")
-    p.add_argument("--truncate", action="store_true", help="cut an input longer than the model reads at once")
-    _add_model_args(p)
-    p.set_defaults(func=_cmd_embed)
+    add_embed_args(p, _add_model_args)
     p = command("serve", help="an HTTP server with OpenAI's and Ollama's APIs (pip install 'ggmlpy[server]')",
                 allow_abbrev=False)      # whole flags only: run's --chat or -f is not --chat-template-file or -fa
     _add_model_args(p, serve=True)

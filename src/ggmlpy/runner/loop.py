@@ -30,12 +30,12 @@ from typing import Optional
 import numpy as np
 
 from ggmlpy._core import ClosedError, GGMLValueError
-from ggmlpy.models.config import POOLING
 from ggmlpy.sampling import Sampler, SamplingParams
 from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sampling.chain import sample_batch
 
 from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch, split_equal
+from .embeddings import embedding_norm, pool
 from .inputs import Prompt
 from .requests import Completion, DoneReason, Handle, TokenEvent
 from .slots import InputTooLong, group_sizes, shift_discard, truncate_indices
@@ -221,24 +221,6 @@ class RequestLoop:
             raise GGMLValueError(f"{what}: this {self.model.config.arch} model is an encoder (embeddings and "
                                  "reranking): it has no head to generate text with; use embed() or rerank() "
                                  "(or embedding=True)")
-
-    def embedding_pooling(self, pooling: Optional[str], what: str) -> str:
-        """The pooling of an embedding request: ``pooling`` checked, or (None) the model file's
-        ``pooling_type``, else ``"mean"``; ``"rank"`` only for a model with a classification head."""
-        if pooling is None:
-            pooling = getattr(self.model, "pooling", None) or "mean"
-        if pooling not in POOLING:
-            raise GGMLValueError(f"{what}: pooling must be one of {', '.join(POOLING)} (got {pooling!r})")
-        if pooling == "rank" and not getattr(self.model, "n_cls_out", 0):
-            raise GGMLValueError(f"{what}: this {self.model.config.arch} model has no classification head "
-                                 "(cls.output): it is not a reranker, and cannot pool by rank")
-        return pooling
-
-    @property
-    def max_embedding_tokens(self) -> int:
-        """The longest embedding input: ``n_ctx``, and for a non-causal model (an encoder reads an input in
-        one micro-batch) at most ``n_ubatch``."""
-        return self.n_ctx if getattr(self.model, "causal", True) else min(self.n_ctx, self.n_ubatch)
 
     def _sampler(self, params: SamplingParams, ids: list) -> Sampler:
         """A request's sampler chain, with the prompt's tokens in its history (image rows left out): the
@@ -810,43 +792,3 @@ def as_units(tokens: list, same_batch: list) -> list:
         units.append(tokens[a] if k == 1 else tuple(tokens[a:a + k]))
         a += k
     return units
-
-
-def embedding_norm(normalize, what: str) -> int:
-    """``normalize`` as llama.cpp's ``embd_normalize``: True -> 2 (Euclidean), False -> -1 (none), or an
-    int: 0 (max-abs, to the int16 range), 1 (taxicab), p > 2 (p-norm)."""
-    if isinstance(normalize, (bool, np.bool_)):
-        return 2 if normalize else -1
-    if not isinstance(normalize, (int, np.integer)) or normalize < -1:
-        raise GGMLValueError(f"{what}: normalize must be a bool or an int >= -1 (llama.cpp's embd_normalize: -1 "
-                             f"none, 0 max-abs, 1 taxicab, 2 Euclidean, p > 2 p-norm), got {normalize!r}")
-    return int(normalize)
-
-
-def normalized(v: np.ndarray, norm: int) -> np.ndarray:
-    """``v`` (float32, one vector per row of the last axis) normalised as llama.cpp's ``common_embd_normalize``
-    with ``embd_norm = norm`` (sums in float64, as there)."""
-    x = v.astype(np.float64)
-    if norm == -1:
-        return v
-    a = np.abs(x)
-    if norm == 0:
-        s = a.max(axis=-1, keepdims=True) / 32760.0          # to the int16 range
-    elif norm == 2:
-        s = np.sqrt((x * x).sum(axis=-1, keepdims=True))
-    else:
-        s = (a ** norm).sum(axis=-1, keepdims=True) ** (1.0 / norm)
-    scale = np.where(s > 0, 1.0 / np.where(s > 0, s, 1.0), 0.0).astype(np.float32)
-    return v * scale
-
-
-def pool(hidden: np.ndarray, pooling: str, norm: int) -> np.ndarray:
-    """An embedding from the output rows of one input (``hidden``: float32 ``(rows, dim)``, the rows its
-    pooling asked for): ``mean`` of them, the one row of ``cls``/``last``, every row for ``none`` (each
-    normalised); ``rank``'s row is the classification scores, not normalised (as llama.cpp's)."""
-    if pooling == "rank":
-        return hidden[0].astype(np.float32)
-    if pooling == "none":
-        return normalized(hidden.astype(np.float32), norm)
-    v = hidden.mean(axis=0, dtype=np.float64).astype(np.float32) if pooling == "mean" else hidden[0]
-    return normalized(v.astype(np.float32), norm)

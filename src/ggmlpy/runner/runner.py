@@ -4,7 +4,8 @@ The runner owns what one model needs to serve requests and direct calls: the cac
 recipe), the runtime over the model's devices, the :class:`~.step.Step` that computes a micro-batch
 with them, the :class:`~.slots.SlotTable` of what each cache sequence holds, and the
 :class:`~.inputs.Inputs` that prepare prompts. The request loop is its base class
-(:class:`~.loop.RequestLoop`). Details of every setting and option: ``docs/runner.md``.
+(:class:`~.loop.RequestLoop`), as are the direct calls (:class:`~.direct.DirectCalls`) and the embedding and
+reranking calls (:class:`~.embeddings.EmbeddingCalls`). Details of every setting and option: ``docs/runner.md``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Optional
-
-import numpy as np
 
 from ggmlpy._core import (
     GGMLError,
@@ -35,6 +34,7 @@ from ggmlpy.sampling import SamplingParams, gguf_sampling_defaults, sampling_par
 from ggmlpy.sampling.params import sampling_keywords
 
 from .direct import DirectCalls
+from .embeddings import EmbeddingCalls
 from .images import ImageStore
 from .inputs import Inputs
 from .loop import RequestLoop
@@ -58,7 +58,7 @@ _DEFAULTS = {k: DEFAULTS[k] for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max
 ENCODER_N_SEQ_MAX = 64
 
 
-class Runner(DirectCalls, RequestLoop):
+class Runner(DirectCalls, EmbeddingCalls, RequestLoop):
     """A model plus its cache, scheduler and request loop.
 
     Parameters
@@ -710,144 +710,6 @@ class Runner(DirectCalls, RequestLoop):
                              normalize=normalize, same_batch=same_batch, detokenize=detokenize, images=images,
                              **settings)
         return Stream(h) if stream else h.result()
-
-    def embed(self, inputs, pooling: Optional[str] = None, normalize: bool | int = True,
-              truncate: bool = False) -> np.ndarray | list:
-        """Embeddings of one input or of several, computed together.
-
-        Each input is read whole, as one sequence: as many as fit go into one batch, side by side (an
-        encoder's each see only their own tokens), as llama.cpp's embedding path does; up to ``n_seq_max``
-        at once.
-
-        Parameters
-        ----------
-        inputs : str, token ids, or a list of them
-            A str is encoded as :meth:`submit` does (with the vocabulary's BOS/EOS or BERT's [CLS]/[SEP]).
-        pooling : str, optional
-            How a sequence's last hidden states become its embedding: ``"mean"`` (their mean), ``"cls"``
-            (the first token's), ``"last"`` (the last token's), ``"none"`` (every token's, one row each) or
-            ``"rank"`` (a reranker's classification scores, ``float32[n_cls_out]``, not normalised; see
-            :meth:`rerank`). Default: the model file's ``pooling_type``, else ``"mean"``.
-        normalize : bool or int
-            llama.cpp's ``embd_normalize``: True (2, Euclidean; default), False (-1, none), 0 (scaled to the
-            int16 range by the largest absolute value), 1 (taxicab), p > 2 (p-norm).
-        truncate : bool
-            Cut an input longer than :attr:`max_embedding_tokens` to its first tokens (else
-            :class:`InputTooLong`).
-
-        Returns
-        -------
-        numpy.ndarray
-            For one input: ``float32[n_embd]`` (``[n_tokens, n_embd]`` for ``"none"``, ``[n_cls_out]`` for
-            ``"rank"``). For a list: those stacked, ``float32[n_inputs, ...]`` (a list of arrays for
-            ``"none"``, whose lengths differ).
-
-        Raises
-        ------
-        GGMLValueError
-            An unknown pooling, ``"rank"`` for a model without a classification head, a bad ``normalize``.
-        InputTooLong
-            An input longer than :attr:`max_embedding_tokens` without ``truncate``.
-        """
-        one = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (int, np.integer))) \
-            or (isinstance(inputs, np.ndarray) and inputs.ndim == 1)
-        items = [inputs] if one else list(inputs)
-        if not items:
-            raise GGMLValueError("embed: no inputs")
-        pooling = self.embedding_pooling(pooling, "embed")
-        handles = self.submit_embeddings(items, pooling=pooling, normalize=normalize, truncate=truncate,
-                                         what="embed")
-        try:
-            vectors = [h.result().embedding for h in handles]
-        except BaseException:
-            for h in handles:
-                h.cancel()
-            raise
-        if one:
-            return vectors[0]
-        return vectors if pooling == "none" else np.stack(vectors)
-
-    def submit_embeddings(self, inputs: Sequence, *, pooling: Optional[str] = None, normalize: bool | int = True,
-                          truncate: bool = False, what: str = "submit_embeddings") -> list[Handle]:
-        """Queue one embedding request per input, all at once (thread-safe), and return their handles in
-        order: the loop sees them together, so as many as fit are computed in one batch (see :meth:`embed`,
-        whose parameters these are; ``Completion.embedding`` holds each result). Every input is checked
-        before any is queued: a bad one raises and queues nothing."""
-        self._check_open(what)
-        if isinstance(inputs, str):
-            raise GGMLValueError(f"{what}: inputs must be a list of str or of token-id lists, got one str")
-        items = list(inputs)
-        if not items:
-            raise GGMLValueError(f"{what}: no inputs")
-        pooling = self.embedding_pooling(pooling, what)
-        text = self._text_options((), None, True, False)
-        held: list = []
-        handles = [self._queue(self.inputs.prompt(x, what), text, truncate=truncate, embedding=True, pooling=pooling,
-                               normalize=normalize, hold=held) for x in items]
-        self._enqueue(*held)
-        return handles
-
-    def rerank_prompt(self, query: str, document: str) -> list[int]:
-        """The token ids :meth:`rerank` scores for one document, as llama-server forms them
-        (``format_prompt_rerank``): the file's ``rerank`` chat template with ``{query}`` and ``{document}``
-        put in, where it has one; else BOS (if the vocabulary adds it), the query, EOS (if it adds EOS; SEP
-        where it has no EOS), SEP (if it adds SEP), the document, EOS: ``[CLS] query [SEP] document [SEP]``
-        for a BERT vocabulary, ``<s> query </s></s> document </s>`` for XLM-RoBERTa's."""
-        tok = self.tokenizer
-        template = tok.chat_templates.get("rerank")
-        if template:
-            return tok.encode(template.replace("{query}", query).replace("{document}", document),
-                              add_special=False, parse_special=True)
-        eos = tok.eos if tok.eos is not None else tok.sep
-        ids = [tok.bos] if tok.add_bos and tok.bos is not None else []
-        ids += tok.encode(query, add_special=False, parse_special=False)
-        if tok.add_eos and eos is not None:
-            ids.append(eos)
-        if tok.add_sep and tok.sep is not None:
-            ids.append(tok.sep)
-        ids += tok.encode(document, add_special=False, parse_special=False)
-        if tok.add_eos and eos is not None:
-            ids.append(eos)
-        return ids
-
-    def rerank(self, query: str, documents: Sequence[str], truncate: bool = False) -> np.ndarray:
-        """How relevant each document is to ``query``: a reranker's score of each pair, in ``documents``' order.
-
-        Each pair is one input (:meth:`rerank_prompt`) through the model's classification head (pooling
-        ``rank``: the first token's last hidden state, the dense + tanh layer where the file has one, then
-        ``cls.output``); its first output is the score, raw (a logit, not normalised), as llama-server's
-        ``/v1/rerank`` returns it. The pairs are computed together, as :meth:`embed` does.
-
-        Returns
-        -------
-        numpy.ndarray
-            ``float32[len(documents)]``.
-
-        Raises
-        ------
-        GGMLValueError
-            A model without a classification head (a decoder, or an embedding model: not a reranker), no
-            documents, or a query or document that is not a str.
-        InputTooLong
-            A pair longer than :attr:`max_embedding_tokens` without ``truncate``.
-        """
-        self._check_open("rerank")
-        if not getattr(self.model, "n_cls_out", 0):
-            raise GGMLValueError(f"rerank: this {self.model.config.arch} model has no classification head "
-                                 "(cls.output): it is not a reranker")
-        if not isinstance(query, str):
-            raise GGMLValueError(f"rerank: query must be a str, got {type(query).__name__}")
-        if isinstance(documents, str):
-            raise GGMLValueError("rerank: documents must be a list of str, got one str")
-        docs = list(documents)
-        if not docs:
-            raise GGMLValueError("rerank: no documents")
-        for i, d in enumerate(docs):
-            if not isinstance(d, str):
-                raise GGMLValueError(f"rerank: documents[{i}] must be a str, got {type(d).__name__}")
-        prompts = [self.rerank_prompt(query, d) for d in docs]
-        scores = self.embed(prompts, pooling="rank", normalize=False, truncate=truncate)
-        return np.ascontiguousarray(scores[:, 0], dtype=np.float32)
 
     def close(self) -> None:
         """Stop serving and free the cache, the scheduler and the graphs.
