@@ -31,6 +31,7 @@ import tarfile
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -57,6 +58,10 @@ VOCAB_TEST_SEPARATOR = "\n__ggml_vocab_test__\n"
 PARTS_VERSION = 3
 #: name of the vocabulary that :func:`convert` takes as "copy :func:`spm_tokenizer_model` in"
 SPM = "spm"
+#: name of the vocabulary :func:`tokenizer_dir` makes as an XLM-RoBERTa tokenizer (``tokenizer.json``, Unigram)
+#: over :func:`unigram_model`: the converter's route for ``XLMRoberta*`` models without
+#: ``sentencepiece.bpe.model`` (which it would read through protobuf, not a test dependency)
+XLMR = "xlmr-unigram"
 #: BPE vocabularies to which llama.cpp adds BOS when the file does not say (llama-vocab.cpp: the llama3
 #: pre-tokenizers). Llama 3's tokenizer.json adds it through its post-processor, which transformers'
 #: GGUF reader does not rebuild; without it the converter's pre-tokenizer hash (of encode() with
@@ -247,12 +252,17 @@ def tokenizer_dir(vocab: str) -> Path:
     dest = cache_dir() / "tokenizers" / f"{vocab}-transformers{transformers.__version__}-v{FORMAT}"
     if (dest / "tokenizer_config.json").is_file():
         return dest
-    src = vocab_file(vocab)
+    src = vocab_file(vocab) if vocab != XLMR else None
     with _locked(dest.with_name(dest.name + ".lock")):
         if (dest / "tokenizer_config.json").is_file():
             return dest
-        tok = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-        if _adds_bos(src, vocab):
+        if vocab == XLMR:
+            tok = _xlmr_tokenizer()
+        elif _gguf_tokenizer_model(src) == "bert":
+            tok = _wpm_tokenizer(src)
+        else:
+            tok = transformers.AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        if src is not None and _adds_bos(src, vocab):
             tok.add_bos_token = True    # rebuilds the post-processor, saved in tokenizer.json
         tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".", dir=dest.parent))
         try:
@@ -262,6 +272,96 @@ def tokenizer_dir(vocab: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return dest
+
+
+def _gguf_tokenizer_model(path: Path) -> str:
+    from ggmlpy import gguf
+
+    with gguf.GGUFReader(str(path)) as r:
+        return r.metadata.get("tokenizer.ggml.model", "")
+
+
+def _wpm_tokenizer(path: Path):
+    """A BERT tokenizer (WordPiece, lower-cased) over a ``bert`` vocabulary file (transformers cannot read
+    those): the converter stored each word-start token as ``▁word`` and each continuation as ``piece``
+    (its "phantom space"); undone, they are BERT's ``word`` and ``##piece``, control tokens as they are."""
+    import transformers
+
+    from ggmlpy import gguf
+
+    with gguf.GGUFReader(str(path)) as r:
+        tokens, types = r.metadata["tokenizer.ggml.tokens"], r.metadata["tokenizer.ggml.token_type"]
+    vocab: dict = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        word = t if int(ty) == 3 else t[1:] if t.startswith("\u2581") else "##" + t
+        vocab.setdefault(word, i)
+    return transformers.BertTokenizerFast(vocab=vocab, do_lower_case=True)
+
+
+def unigram_model(vocab_size: int = 1000) -> Path:
+    """A small SentencePiece Unigram model (XLM-RoBERTa's kind; cached), trained as :func:`spm_tokenizer_model`
+    with SentencePiece's default normalisation (NFKC: a real charsmap) and XLM-R's ids (unk 0, bos 1, eos 2)."""
+    sentencepiece = _require("sentencepiece")
+    dest = cache_dir() / f"spm-unigram-{vocab_size}-sentencepiece{sentencepiece.__version__}-v{FORMAT}.model"
+    if dest.is_file():
+        return dest
+    sources = sorted((llama_cpp_dir() / "conversion").glob("*.py"))
+    with _locked(dest.with_name(dest.name + ".lock")):
+        if dest.is_file():
+            return dest
+        with tempfile.TemporaryDirectory(prefix="spm-", dir=cache_dir()) as tmp:
+            text = Path(tmp) / "text.txt"
+            text.write_text("".join(p.read_text(encoding="utf-8") for p in sources), encoding="utf-8")
+            sentencepiece.SentencePieceTrainer.train(
+                input=str(text), model_prefix=str(Path(tmp) / "m"), vocab_size=vocab_size, model_type="unigram",
+                unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+            os.replace(Path(tmp) / "m.model", dest)
+    return dest
+
+
+def _proto_fields(buf: bytes):
+    """(field number, bytes or None) of a protobuf message, read by hand (protobuf is not a test dependency)."""
+    def varint(i):
+        n, shift = 0, 0
+        while True:
+            b = buf[i]
+            i += 1
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if b < 0x80:
+                return n, i
+    i = 0
+    while i < len(buf):
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, i = varint(i)
+            yield field, None
+        elif wire == 2:
+            n, i = varint(i)
+            yield field, buf[i:i + n]
+            i += n
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+            yield field, None
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+
+
+def _xlmr_tokenizer():
+    """XLM-RoBERTa's fast tokenizer over :func:`unigram_model`, ids as fairseq's: ``<s> <pad> </s> <unk>``,
+    then the model's pieces from its 4th (each one up), then ``<mask>``; its NFKC charsmap as the normaliser
+    (``ModelProto.normalizer_spec.precompiled_charsmap``: fields 3 and 2)."""
+    import transformers
+
+    sentencepiece = _require("sentencepiece")
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(unigram_model()))
+    proto = sp.serialized_model_proto()
+    spec = next(v for f, v in _proto_fields(proto) if f == 3)
+    charsmap = next(v for f, v in _proto_fields(spec) if f == 2)
+    vocab = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    vocab += [(sp.id_to_piece(i), sp.get_score(i)) for i in range(3, sp.vocab_size())] + [("<mask>", 0.0)]
+    return transformers.XLMRobertaTokenizerFast(vocab=vocab, _spm_precompiled_charsmap=charsmap)
 
 
 def _adds_bos(path: Path, vocab: str) -> bool:
@@ -360,7 +460,7 @@ def save_model_dir(hf_model, hf_dir: str | os.PathLike, vocab: str, config_edit=
 
 def convert(hf_model, out_dir: str | os.PathLike, vocab: str, outtype: str = "f32",
             extra_args: Sequence[str] = (), name: str = "model", timeout: float = 600, config_edit=None,
-            tokenizer=None) -> Path:
+            tokenizer=None, files: Optional[dict] = None) -> Path:
     """Convert ``hf_model`` with llama.cpp's ``convert_hf_to_gguf.py``; return the GGUF file's path.
 
     The model is saved with its tokenizer (:func:`save_model_dir`) into ``out_dir/name-hf`` and
@@ -384,6 +484,9 @@ def convert(hf_model, out_dir: str | os.PathLike, vocab: str, outtype: str = "f3
     tokenizer
         A transformers tokenizer to save beside the model instead of ``vocab``'s files
         (:func:`save_model_dir`).
+    files
+        More files for the model folder: relative path -> text (sentence-transformers' ``modules.json`` and
+        ``1_Pooling/config.json``, from which the converter writes ``pooling_type``).
 
     Raises
     ------
@@ -393,9 +496,26 @@ def convert(hf_model, out_dir: str | os.PathLike, vocab: str, outtype: str = "f3
     _require("sentencepiece")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    script = llama_cpp_dir() / "convert_hf_to_gguf.py"
     hf_dir = save_model_dir(hf_model, out_dir / f"{name}-hf", vocab, config_edit, tokenizer)
-    outfile = out_dir / f"{name}-{outtype}.gguf"
+    for rel, text in (files or {}).items():
+        (hf_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (hf_dir / rel).write_text(text, encoding="utf-8")
+    return convert_dir(hf_dir, out_dir / f"{name}-{outtype}.gguf", outtype, extra_args, timeout)
+
+
+def convert_dir(hf_dir: str | os.PathLike, outfile: str | os.PathLike, outtype: str = "f32",
+                extra_args: Sequence[str] = (), timeout: float = 600) -> Path:
+    """Run llama.cpp's ``convert_hf_to_gguf.py`` on a model folder made ready (:func:`convert` saves one;
+    a test may write its own, as for a checkpoint layout transformers does not save); return ``outfile``.
+
+    Raises
+    ------
+    ConverterError
+        As :func:`convert`.
+    """
+    _require("sentencepiece")
+    script = llama_cpp_dir() / "convert_hf_to_gguf.py"
+    hf_dir, outfile = Path(hf_dir), Path(outfile)
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)   # that would make it import PyPI's gguf, which it does not work with
     # nothing is fetched from a hub: the model folder is complete, and a test must not wait on a network

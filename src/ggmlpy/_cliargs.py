@@ -31,9 +31,9 @@ from typing import Callable, Optional
 from ggmlpy.defaults import DEFAULTS
 
 __all__ = ["EXIT_BROKEN_PIPE", "EXIT_FAILURE", "EXIT_INTERRUPTED", "EXIT_USAGE", "ArgParser", "UsageError",
-           "add_model_source_args", "add_sampling_args", "at_least", "check_model_source", "debug_requested",
+           "Version", "add_model_source_args", "add_sampling_args", "at_least", "check_model_source", "debug_requested",
            "gpu_layers_note", "model_file", "model_source", "one_line_warnings", "override_problem", "read_text",
-           "sampling_from_args", "sampling_overrides", "usage_text"]
+           "sampling_from_args", "sampling_overrides", "usage_text", "version_text"]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -419,3 +419,23 @@ def sampling_overrides(args: argparse.Namespace) -> dict:
     if getattr(args, "logit_bias", None):
         out["logit_bias"] = dict(sampling_from_args(args).logit_bias)
     return out
+
+
+# ``--version`` (every command line ggmlpy has: the CLI's; moved here from cli.py, which stays under 800 lines)
+def version_text() -> str:
+    """``ggmlpy --version``: ggmlpy's version, ggml's and the commit of the ggml source it was built from."""
+    from ggmlpy._system import ggml_commit, ggml_version
+    from ggmlpy._version import __version__
+
+    return f"ggmlpy {__version__} (ggml {ggml_version()}, commit {ggml_commit()})"
+
+
+class Version(argparse.Action):
+    """``--version``, with the text made only when asked for (it loads ggml)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()

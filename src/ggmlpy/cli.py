@@ -1,5 +1,5 @@
-"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat``,
-``ggmlpy cache`` and ``ggmlpy rpc-server``.
+"""The ``ggmlpy`` command: ``ggmlpy info``, ``ggmlpy bench``, ``ggmlpy run``, ``ggmlpy chat``, ``ggmlpy embed``,
+``ggmlpy serve``, ``ggmlpy cache`` and ``ggmlpy rpc-server``.
 
 Every subcommand answers a mistake the same way (:mod:`ggmlpy._cliargs`): one line naming the flag,
 ``ggmlpy <command>: error: -t 0: must be at least 1``, exit status 2 for a usage error (reported before
@@ -23,6 +23,7 @@ from ggmlpy._cliargs import (
     EXIT_USAGE,
     ArgParser,
     UsageError,
+    Version,
     add_model_source_args,
     add_sampling_args,
     at_least,
@@ -35,26 +36,8 @@ from ggmlpy._cliargs import (
 )
 from ggmlpy._cliargs import read_text as _read_text
 from ggmlpy._cliargs import sampling_from_args as _sampling
+from ggmlpy._cliembed import add_embed_args
 from ggmlpy.defaults import CLI_N_PREDICT, DEFAULTS, n_ctx_for
-
-
-def version_text() -> str:
-    """``ggmlpy --version``: ggmlpy's version, ggml's and the commit of the ggml source it was built from."""
-    from ggmlpy._system import ggml_commit, ggml_version
-    from ggmlpy._version import __version__
-
-    return f"ggmlpy {__version__} (ggml {ggml_version()}, commit {ggml_commit()})"
-
-
-class _Version(argparse.Action):
-    """``--version``, with the text made only when asked for (it loads ggml)."""
-
-    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
-        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(version_text())
-        parser.exit()
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -271,6 +254,11 @@ def _open_runner(args: argparse.Namespace, prog: str, n_seq_max: int = 1, progre
     try:
         if n_ctx <= 0:
             n_ctx = n_ctx_for(getattr(model.config, "n_ctx_train", None))
+        if not getattr(model, "causal", True):
+            from ggmlpy.runner.runner import ENCODER_N_SEQ_MAX
+
+            # an encoder keeps no cache per sequence: a batch packs that many inputs (-np is the least)
+            n_seq_max = max(n_seq_max, ENCODER_N_SEQ_MAX)
         rt = Runner(model, n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, DEFAULTS["n_ubatch"]),
                     n_threads=args.threads or 0, op_offload=not args.no_op_offload, flash_attn=fa,
                     type_k=args.cache_type_k, type_v=args.cache_type_v, n_seq_max=n_seq_max)
@@ -671,7 +659,7 @@ def _cmd_cache(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgParser(prog="ggmlpy", description="ggml from Python: info, benchmarks, text generation and chat, "
                    "its cache folder, RPC server")
-    ap.add_argument("--version", action=_Version, help="print ggmlpy's, ggml's version and ggml's commit, and exit")
+    ap.add_argument("--version", action=Version, help="print ggmlpy's, ggml's version and ggml's commit, and exit")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, **kw) -> argparse.ArgumentParser:
@@ -700,6 +688,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true", help="print the speed after each reply, on a line of its own")
     _add_model_args(p)
     p.set_defaults(func=_cmd_chat)
+    p = command("embed", help="embeddings of texts (an embedding model: bert, nomic-bert..., or a decoder), or "
+                              "with --query a reranker's scores")
+    add_embed_args(p, _add_model_args)
     p = command("serve", help="an HTTP server with OpenAI's and Ollama's APIs (pip install 'ggmlpy[server]')",
                 allow_abbrev=False)      # whole flags only: run's --chat or -f is not --chat-template-file or -fa
     _add_model_args(p, serve=True)
@@ -734,7 +725,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 #: The subcommands (for naming the one a usage error is in before the command line is parsed).
-COMMANDS = ("info", "bench", "run", "chat", "serve", "cache", "rpc-server")
+COMMANDS = ("info", "bench", "run", "chat", "embed", "serve", "cache", "rpc-server")
 
 
 def _prog(argv: list[str]) -> str:
@@ -754,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         args, extra = build_parser().parse_known_args(argv)
         if extra:
             raise UsageError(f"unrecognized arguments: {' '.join(extra)}")
-        if args.command in ("run", "chat", "serve"):
+        if args.command in ("run", "chat", "embed", "serve"):
             _check_model_args(args)
         if args.command == "serve":
             from ggmlpy.server.flags import check_server_args

@@ -49,7 +49,8 @@ def _one_error(err: str) -> str:
 # ---------------------------------------------------------------------------------------------- mistakes
 
 #: What each subcommand needs besides the mistake to get as far as its checks.
-COMMANDS = {"run": ["run", "-p", "x"], "chat": ["chat"], "bench": ["bench", "-p", "8", "-n", "0", "-r", "1"]}
+COMMANDS = {"run": ["run", "-p", "x"], "chat": ["chat"], "embed": ["embed", "-p", "x"],
+            "bench": ["bench", "-p", "8", "-n", "0", "-r", "1"]}
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -72,7 +72,7 @@ FLOORS = [
     ["runner", "sequences"],
     ["load", "api"],
     ["benchmark", "_cliargs", "server"],      # _cliargs: the flags' checks and errors bench and the CLI share
-    ["cli", "__main__", "__init__"],
+    ["cli", "_cliembed", "__main__", "__init__"],     # _cliembed: `ggmlpy embed`
 ]
 #: The upward imports allowed, each a lazy re-export kept for callers of the old place (a module
 #: __getattr__: nothing runs it at import): (module, imported room).

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hf_helpers import VOCAB, export_gguf, hf_logits, hf_model
 
+from ggmlpy import GGMLValueError
 from ggmlpy.models import load_model
 from ggmlpy.runner import DoneReason, InputTooLong, Runner, RunnerError
 from ggmlpy.sampling import SamplingParams
@@ -350,6 +351,29 @@ def test_decode_embeddings_are_the_hidden_states_embed_pools(model):
     np.testing.assert_allclose(rows.mean(0), mean, rtol=0, atol=1e-5 * np.abs(mean).max())
     np.testing.assert_allclose(rows[-1], last, rtol=0, atol=1e-5 * np.abs(last).max())
     np.testing.assert_allclose(full, np.concatenate([rows[:1], step]), rtol=0, atol=1e-5 * np.abs(full).max())
+
+
+def test_embeddings_of_several_inputs_on_a_decoder(model):
+    """A decoder's embeddings of several inputs, queued together, are each input's alone (each a sequence of its
+    own through the causal cache, packed into one batch); pooling none gives every row; the pooling types a
+    decoder has no head for are refused."""
+    inputs = [PROMPT, PROMPT[3:9], [9, 8, 7, 6, 5]]
+    with Runner(model, n_ctx=64, n_seq_max=3, type_k="f32", type_v="f32") as rt:
+        alone = [rt.embed(x, normalize=False) for x in inputs]
+        rt.clear()                        # decode continues what sequence 0 holds (an embedding left it there)
+        rows = rt.decode(PROMPT, logits="all", embeddings=True)
+        rt.clear()
+        before = rt.n_batches
+        together = rt.embed(inputs, normalize=False)
+        assert rt.n_batches == before + 1 and rt.batch_sizes[-1] == [sum(map(len, inputs))]
+        per_token = rt.embed(PROMPT, pooling="none", normalize=False)
+        np.testing.assert_allclose(rt.embed(PROMPT, normalize=1), alone[0] / np.abs(alone[0]).sum(), rtol=1e-5)
+        with pytest.raises(GGMLValueError, match="not a reranker"):
+            rt.rerank("q", ["d"])
+        with pytest.raises(GGMLValueError, match="no classification head"):
+            rt.embed(PROMPT, pooling="rank")
+    np.testing.assert_allclose(together, np.stack(alone), rtol=0, atol=1e-5 * np.abs(together).max())
+    np.testing.assert_allclose(per_token, rows, rtol=0, atol=1e-5 * np.abs(rows).max())
 
 
 @pytest.mark.parametrize("flash", [True, False])

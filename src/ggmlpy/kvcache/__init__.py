@@ -15,6 +15,9 @@
   several caches, for interleaved sliding-window models and for hybrid
   models of attention and recurrent layers; an encoder's cache, K/V stored
   once per input, comes back with the first encoder-decoder model);
+* :mod:`~ggmlpy.kvcache.encoder`: :class:`Encoder`, the cache of a
+  non-causal encoder (BERT): nothing stored, each micro-batch attends over
+  itself, one sequence seeing only its own rows;
 * :mod:`~ggmlpy.kvcache.state`: save and load one sequence's K/V and states
   (``cache.save_seq`` / ``cache.load_seq``, :class:`StateError`).
 
@@ -32,6 +35,7 @@ from ggmlpy._core import Context, Type
 from .causal import V_TRANS_TYPES, Causal
 from .cells import CacheStateError, Cells, NotSupported
 from .composite import Wrapper, WrapperForward, WrapperPlan, resume_point
+from .encoder import Encoder, EncoderForward, EncoderPlan
 from .forward import Forward, ForwardPlan, KVCacheFull
 from .recurrent import Recurrent, RecurrentForward, RecurrentPlan
 from .rows import StateRows
@@ -41,7 +45,7 @@ from .state import StateError
 @runtime_checkable
 class Cache(Protocol):
     """What the runner calls on the cache a model made (``model.new_cache``; Ollama's ``kvcache.Cache``).
-    :class:`Causal`, :class:`Recurrent` and :class:`Wrapper` are the three there are.
+    :class:`Causal`, :class:`Recurrent` and :class:`Wrapper`, and for encoders :class:`Encoder`.
 
     A cache may also have ``split_equal`` (true: a batch gives each sequence as many consecutive rows, as a
     recurrent state needs; the runner cuts its micro-batches so), ``resume_point(seq, pos)`` (the most tokens
@@ -90,6 +94,7 @@ class Cache(Protocol):
 CACHE_TYPES = {"f32": Type.F32, "f16": Type.F16, "bf16": Type.BF16, "q8_0": Type.Q8_0, "q4_0": Type.Q4_0,
                "q4_1": Type.Q4_1, "q5_0": Type.Q5_0, "q5_1": Type.Q5_1, "iq4_nl": Type.IQ4_NL}
 
-__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "Cache", "CacheStateError", "Causal", "Cells", "Forward", "ForwardPlan",
-           "KVCacheFull", "NotSupported", "Recurrent", "RecurrentForward", "RecurrentPlan", "StateError", "StateRows",
-           "Wrapper", "WrapperForward", "WrapperPlan", "resume_point"]
+__all__ = ["CACHE_TYPES", "V_TRANS_TYPES", "Cache", "CacheStateError", "Causal", "Cells", "Encoder",
+           "EncoderForward", "EncoderPlan", "Forward", "ForwardPlan", "KVCacheFull", "NotSupported", "Recurrent",
+           "RecurrentForward", "RecurrentPlan", "resume_point", "StateError", "StateRows", "Wrapper",
+           "WrapperForward", "WrapperPlan"]

@@ -353,6 +353,9 @@ def ffn_glu(ctx: Context, w, prefix: str, cur: Tensor, act: str = "silu", on_cpu
     return linear(ctx, w[down], h)
 
 
+#: Activations of experts without a gate (:func:`moe_ffn`): name -> op.
+_PLAIN_ACT = {"gelu_erf": Context.gelu_erf, "gelu": Context.gelu, "silu": Context.silu}
+
 #: gpt-oss's clamped SwiGLU (``act="swiglu_oai"`` of :func:`moe_ffn`): (alpha, limit). llama.cpp builds it with
 #: these constants; the HF config's ``swiglu_alpha`` and ``swiglu_limit`` default to them.
 SWIGLU_OAI = (1.702, 7.0)
@@ -393,7 +396,8 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
 
     ``act``: ``"silu"`` or ``"gelu"`` (:data:`GLU`), or ``"swiglu_oai"``: gpt-oss's SwiGLU with the gate
     clamped above and up on both sides at ``limit``, ``gate * sigmoid(alpha * gate) * (up + 1)``, with
-    ``swiglu_oai = (alpha, limit)``.
+    ``swiglu_oai = (alpha, limit)``. Experts without a gate (no ``ffn_gate_exps`` in ``w``: nomic-bert-moe)
+    are ``down(act(up x))`` with ``act`` one of :data:`_PLAIN_ACT` (``"gelu_erf"``, ``"gelu"``, ``"silu"``).
 
     Returns
     -------
@@ -405,6 +409,11 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
 
         def split(ctx, g, u):
             return ctx.swiglu_oai(g, u, alpha, limit)
+    elif prefix + "ffn_gate_exps.weight" not in w:
+        split = None                     # experts without a gate: act(up), act one of _PLAIN_ACT
+        if act not in _PLAIN_ACT:
+            raise GGMLValueError(f"moe_ffn: activation {act!r} of gate-less experts is not supported "
+                                 f"({', '.join(_PLAIN_ACT)})")
     else:
         _, split = _glu(act)
     if gating not in GATINGS.values():
@@ -446,7 +455,10 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
             y = ctx.mul_mat_id(exps, inp, chosen)                                   # (rows, k, n)
         return ctx.add_id(y, w[f"{prefix}{name}.bias"], chosen) if f"{prefix}{name}.bias" in w else y
 
-    h = split(ctx, experts_of("ffn_gate_exps", x), experts_of("ffn_up_exps", x))      # (n_ff, k, n)
+    if split is None:
+        h = _PLAIN_ACT[act](ctx, experts_of("ffn_up_exps", x))                        # (n_ff, k, n)
+    else:
+        h = split(ctx, experts_of("ffn_gate_exps", x), experts_of("ffn_up_exps", x))  # (n_ff, k, n)
     experts = ctx.mul(experts_of("ffn_down_exps", h), weights)                       # (n_embd, k, n)
     # the sum over the k experts: views of one expert's rows across the tokens, added
     out = None

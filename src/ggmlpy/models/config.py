@@ -27,7 +27,7 @@ from ggmlpy.weights import MetaReader
 
 from .base import UnknownArchitecture
 
-__all__ = ["DecoderConfig", "layer_kv_heads", "read_routing"]
+__all__ = ["POOLING", "DecoderConfig", "layer_kv_heads", "read_pooling", "read_routing"]
 
 _log = logging.getLogger("ggmlpy")
 
@@ -38,6 +38,10 @@ _MAX_EMBD = 1 << 20
 _MAX_HEADS = 1 << 14
 _MAX_VOCAB = 1 << 24
 _MAX_CTX = 1 << 27          # token positions are I32; the longest trained contexts are ~1e7
+
+#: llama.cpp's pooling types in the order of their numbers (``LLAMA_POOLING_TYPE_*``, the files'
+#: ``{arch}.pooling_type``): how a sequence's hidden states become its embedding.
+POOLING = ("none", "mean", "cls", "last", "rank")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class DecoderConfig:
     #: Whether the config reads ``{arch}.expert_count`` itself (a mixture-of-experts feed-forward); where it
     #: does not, a file with experts is refused here, naming the key.
     READS_EXPERTS: ClassVar[bool] = False
+    #: The key of the norms' epsilon (read into ``rms_eps``): RMSNorm's; a LayerNorm model (BERT) reads
+    #: ``attention.layer_norm_epsilon``.
+    EPS_KEY: ClassVar[str] = "attention.layer_norm_rms_epsilon"
 
     arch: str
     n_vocab: int
@@ -143,7 +150,7 @@ class DecoderConfig:
             raise MetadataError(path, "tokenizer.ggml.tokens", f"vocabulary size {vocab} is out of range "
                                                                f"[1, {_MAX_VOCAB}]")
         n_ctx_train = m.geti("context_length", lo=1, hi=_MAX_CTX)
-        rms_eps = m.getf("attention.layer_norm_rms_epsilon", lo=0.0, lo_open=True, hi=1.0)
+        rms_eps = m.getf(cls.EPS_KEY, lo=0.0, lo_open=True, hi=1.0)
         rope_base = m.getf("rope.freq_base", 10000.0, lo=0.0, lo_open=True)
         rope_dim = m.geti("rope.dimension_count", head_dim, lo=1, hi=_MAX_EMBD)
         scaling = m.gets("rope.scaling.type", "none")
@@ -214,7 +221,7 @@ class DecoderConfig:
             bad.append(f"{a}.vocab_size and {a}.feed_forward_length must be >= 1")
         # not (x > 0) is also true for NaN
         if not (math.isfinite(self.rms_eps) and 0 < self.rms_eps < 1):
-            bad.append(f"{a}.attention.layer_norm_rms_epsilon {self.rms_eps} must be finite and in (0, 1)")
+            bad.append(f"{a}.{self.EPS_KEY} {self.rms_eps} must be finite and in (0, 1)")
         for key, v in (("rope.freq_base", self.rope_base), ("rope.scaling.factor", self.rope_freq_scale),
                        ("rope.scaling.attn_factor", self.rope_attn_factor)):
             if not (math.isfinite(v) and v > 0):
@@ -271,3 +278,19 @@ def layer_kv_heads(m: MetaReader, n_layer: int) -> list[int]:
         raise MetadataError(m.path, key, f"{vals[:8]}{'...' if len(vals) > 8 else ''}: 0 for a recurrent layer, "
                                          "one head count for every attention layer")
     return vals
+
+
+def read_pooling(md: dict, arch: str, path: str = "") -> Optional[str]:
+    """A file's ``{arch}.pooling_type`` by its name in :data:`POOLING`, or None where the file has none.
+
+    Raises
+    ------
+    MetadataError, MetadataTypeError
+        A number that is no pooling type, or not an integer (naming the key).
+    """
+    from ggmlpy.gguf import meta_int
+
+    key = f"{arch}.pooling_type"
+    if key not in md:
+        return None
+    return POOLING[meta_int(md, key, lo=0, hi=len(POOLING) - 1, path=path)]

@@ -44,7 +44,7 @@ from ggmlpy.weights import (
 
 from . import blocks
 from .base import BuiltGraph
-from .config import DecoderConfig
+from .config import DecoderConfig, read_pooling
 
 # DecoderConfig, MetaReader and MissingTensor are re-exported for callers of this module's old names
 __all__ = ["DecoderConfig", "DecoderModel", "MetaReader", "MissingTensor", "PreNormDecoder"]
@@ -133,6 +133,12 @@ class DecoderModel(WeightLoader):
     NODES_PER_LAYER: ClassVar[int] = 64
     #: The image encoder loaded with the model (``load_model(..., mmproj=...)``), closed with it.
     vision: Any = None
+    #: Whether attention is causal (an encoder's is not: :class:`~ggmlpy.models.bert.BertModel`).
+    causal: ClassVar[bool] = True
+    #: Whether the model has a language-model head to generate with (an encoder has none).
+    can_generate: ClassVar[bool] = True
+    #: Scores a classification head gives per input (0: no head; a reranker has one).
+    n_cls_out: int = 0
 
     def __init__(self, reader, placement: Optional[Placement] = None, repack: bool = True,
                  fuse: bool = True) -> None:
@@ -146,6 +152,7 @@ class DecoderModel(WeightLoader):
         self._reader = reader
         #: the file's ``general.sampling.*`` keys: the model maker's recommended sampling (the runner reads them)
         self.sampling_metadata = {k: v for k, v in reader.metadata.items() if k.startswith("general.sampling.")}
+        self._file_pooling = read_pooling(reader.metadata, cfg.arch, self.path)
         self._inspect(reader)
         expected = list(self._expected())
         self.weights = Weights(placement, max_tensors=len(expected) + 8, repack=repack)
@@ -375,6 +382,12 @@ class DecoderModel(WeightLoader):
         check_tensor(reader, self.path, self.config.arch, name, ne, types)
 
     # ------------------------------------------------------------------ graph
+
+    @property
+    def pooling(self) -> Optional[str]:
+        """How an embedding request pools by default: the file's ``{arch}.pooling_type`` (a name of
+        :data:`~ggmlpy.models.config.POOLING`), or None where the file has none (the runner then means)."""
+        return self._file_pooling
 
     def rope(self, ctx: Context, x: Tensor, pos: Tensor, layer: int) -> Tensor:
         """RoPE of ``x`` at ``pos`` in ``layer`` with the model's settings (and ``rope_freqs.weight`` if the file

@@ -15,6 +15,8 @@ One job per module:
 * :mod:`.inputs`: text, chat messages and images -> one prepared prompt, checked once (with
   :mod:`.text`'s rules for BOS, special tokens and chat templates, and its streaming of text back);
 * :mod:`.loop`: the request loop: admit, form a batch, launch, complete, pipelining;
+* :mod:`.embeddings`: ``embed``, ``submit_embeddings`` and ``rerank`` (inputs queued together, packed into a
+  batch as sequences), and the pooling and normalisation of an input's output rows, as llama.cpp's;
 * :mod:`.slots`: the slot table, the record of what each cache sequence holds, which makes the cache
   calls that change it;
 * :mod:`.batching`: the batch and micro-batch records; :mod:`.step`: one micro-batch computed (plan, graph,

@@ -40,12 +40,13 @@ class _Member:
     req: _Request
     n_in: int                    # inputs of this sequence in the batch
     has_out: bool                # whether the batch produces its output (a sample, or the embedding rows)
+    n_out: int = 1               # its output rows in the batch's output (an embedding's: what its pooling reads)
 
 
 @dataclass
 class _Batch:
     ubatches: list
-    embedding: bool
+    embedding: object            # False (logits), True (hidden states) or "rank" (classification scores)
     members: list
     outputs: list = field(default_factory=list)
     done: Optional[threading.Event] = None    # set by the compute thread (pipelining)

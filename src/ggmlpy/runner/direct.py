@@ -74,6 +74,8 @@ class DirectCalls:
         """
         self._check_open("decode")
         seq = self._check_seq_id(seq, "decode")
+        if not embeddings and logits is not None and logits is not False:
+            self._check_logits("decode")
         one_row = type(logits) is str and logits in ("last", "all")
         tied = None
         if images is not None and len(images):
@@ -120,6 +122,11 @@ class DirectCalls:
                                     [seq],
                                     embedding=bool(embeddings), appended=(int(pos[0]), toks.tolist())
                                     if positions is None else None)
+
+    def _check_logits(self, what: str) -> None:
+        if not getattr(self.model, "can_generate", True):
+            raise GGMLValueError(f"{what}: this {self.model.config.arch} model is an encoder: it has no output head "
+                                 "for logits (decode(..., embeddings=True) gives its hidden states)")
 
     def _decode_one(self, tok: int, seq: int, want: bool, embedding: bool) -> Optional[np.ndarray]:
         # One generation step, the hot path of token-by-token decoding: what decode() + _run_direct do
@@ -185,6 +192,7 @@ class DirectCalls:
         ``logits`` is a boolean mask (or indices) of the rows to return, in order.
         """
         self._check_open("decode_batch")
+        self._check_logits("decode_batch")
         toks = self.inputs.check_tokens(tokens, "decode_batch")
         pos = np.asarray(positions, dtype=np.int64)
         seqs = np.asarray(seq_ids, dtype=np.int64)

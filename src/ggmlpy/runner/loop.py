@@ -35,6 +35,7 @@ from ggmlpy.sampling import logprobs as _logprobs
 from ggmlpy.sampling.chain import sample_batch
 
 from .batching import _Batch, _drop_graphs, _Member, _Placeholder, _UBatch, split_equal
+from .embeddings import embedding_norm, pool
 from .inputs import Prompt
 from .requests import Completion, DoneReason, Handle, TokenEvent
 from .slots import InputTooLong, group_sizes, shift_discard, truncate_indices
@@ -60,6 +61,9 @@ class _Request:
         self.shift = shift
         self.embedding = embedding
         self.pooling = pooling
+        # what its batch outputs: logits (False), hidden states (True) or classification scores ("rank"); a
+        # batch holds requests of one kind (one graph)
+        self.kind = ("rank" if pooling == "rank" else True) if embedding else False
         self.normalize = normalize
         self.slot: Optional[int] = None
         self.record = None               # the SlotTable's Slot: the one record of what the cache holds
@@ -158,26 +162,36 @@ class RequestLoop:
 
     def _queue(self, prompt: Prompt, text: tuple, *, max_tokens: int = 128, sampling: Optional[SamplingParams] = None,
                n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
-               pooling: str = "mean", normalize: bool = True, reply=None) -> Handle:
-        """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context)."""
+               pooling: Optional[str] = None, normalize: bool | int = True, reply=None,
+               hold: Optional[list] = None) -> Handle:
+        """Queue a prepared prompt as a request (the request options checked, the prompt fitted to the context);
+        with ``hold`` (a list) the request is appended to it instead, for :meth:`_enqueue` of them all at once."""
         stop_ids, stop_texts, tok = text
         ids, sb = prompt.ids, prompt.same_batch
         if not ids:
             raise GGMLValueError("submit: empty prompt")
-        if pooling not in ("mean", "cls", "last"):
-            raise GGMLValueError(f"submit: pooling must be mean, cls or last (got {pooling!r})")
         max_tokens = int(max_tokens)
         if not embedding and (max_tokens == 0 or max_tokens < -2):
             raise GGMLValueError(f"submit: max_tokens must be >= 1, -1 (no limit) or -2 (until the context is "
                                  f"full) (got {max_tokens})")
+        if not embedding:
+            self._check_generates("submit")
         params = sampling if sampling is not None else SamplingParams()
         if sb is None:
             sb = [0] * len(ids)
         n_keep = len(ids) if n_keep < 0 else int(n_keep)
         n_keep = min(n_keep, self.n_ctx - 1)
         if embedding:
-            if len(ids) > self.n_ctx:
-                raise InputTooLong(f"input too long: {len(ids)} tokens for an embedding with context {self.n_ctx}")
+            pooling = self.embedding_pooling(pooling, "submit")
+            normalize = embedding_norm(normalize, "submit")
+            limit = self.max_embedding_tokens
+            if len(ids) > limit:
+                if not truncate or any(sb):
+                    why = f"context {self.n_ctx}" if limit == self.n_ctx else \
+                        f"n_ubatch {self.n_ubatch} (a non-causal model reads an input in one micro-batch)"
+                    raise InputTooLong(f"input too long: {len(ids)} tokens for an embedding, at most {limit} "
+                                       f"({why}){'' if any(sb) else '; truncate=True keeps the first ones'}")
+                ids, sb = ids[:limit], sb[:limit]
         elif len(ids) > self.n_ctx:
             keep_idx = truncate_indices(len(ids), self.n_ctx, n_keep, same_batch=sb, truncate=truncate)
             ids = [ids[i] for i in keep_idx]
@@ -195,8 +209,18 @@ class RequestLoop:
             req.text = TextStream(tok.detokenizer(skip_special=True), stop_texts)
             req.result.text = ""
             req.reply = reply
-        self._enqueue(req)
+        if hold is not None:
+            hold.append(req)
+        else:
+            self._enqueue(req)
         return Handle(self, req)
+
+    def _check_generates(self, what: str) -> None:
+        """Refuse generation on a model without a language-model head (an encoder)."""
+        if not getattr(self.model, "can_generate", True):
+            raise GGMLValueError(f"{what}: this {self.model.config.arch} model is an encoder (embeddings and "
+                                 "reranking): it has no head to generate text with; use embed() or rerank() "
+                                 "(or embedding=True)")
 
     def _sampler(self, params: SamplingParams, ids: list) -> Sampler:
         """A request's sampler chain, with the prompt's tokens in its history (image rows left out): the
@@ -218,15 +242,16 @@ class RequestLoop:
         s.accept([t for t in ids if t >= 0])
         return s
 
-    def _enqueue(self, req: _Request) -> None:
-        """Queue a request for the loop (starting the loop thread if needed)."""
+    def _enqueue(self, *reqs: _Request) -> None:
+        """Queue requests for the loop (starting the loop thread if needed), all at once: the loop sees all
+        or none of them (the inputs of one embed() call are packed into one batch where they fit)."""
         with self._lock:
             # checked again under the lock: close() sets _closing under it, so a request is either
             # refused here or seen by whoever ends the requests (the loop, or close() itself)
             self._check_open("submit")
             if self._direct_busy:
                 raise GGMLValueError("submit: a direct decode()/clear() is running on this runner")
-            self._waiting.append(req)
+            self._waiting.extend(reqs)
             self._ensure_loop()
             self._lock.notify_all()
 
@@ -354,7 +379,8 @@ class RequestLoop:
         if not ready:
             return None
         order = [s for s in ready if s >= self._next_seq] + [s for s in ready if s < self._next_seq]
-        embedding = self._active[order[0]].embedding
+        kind = self._active[order[0]].kind
+        embedding = kind is not False
         toks: list = []
         pos, rows_seq, want, tied = [], [], [], []
         members = []
@@ -362,12 +388,17 @@ class RequestLoop:
         resume = None
         for slot in order:
             req = self._active.get(slot)
-            if req is None or req.embedding != embedding or not req.pending:
+            if req is None or req.kind != kind or not req.pending:
                 continue
             if embedding:
-                if toks:
-                    break
-                limit = max(limit, len(req.pending))       # the whole input in one batch
+                # whole inputs only, as many as fit: llama.cpp's embedding batch of several sequences
+                n_need = sum(len(u) if type(u) is tuple else 1 for u in req.pending)
+                if toks and len(toks) + n_need > limit:
+                    if resume is None:
+                        resume = slot
+                    continue
+                limit = max(limit, n_need)                 # the whole input in one batch
+                first_row = len(toks)
             n_in = 0
             rec = req.record
             new_toks, new_sb = [], []                # what this batch adds to the slot's record
@@ -409,11 +440,12 @@ class RequestLoop:
                     else:
                         new_toks.append(tok)
                     new_sb.append(need - 1 if j == 0 else 0)
-                    tied.append(j > 0)
+                    # an embedding input is kept in one micro-batch where it fits (an encoder must be)
+                    tied.append(j > 0 or (embedding and n_in > 0))
                     pos.append(p0 + j)
                     toks.append(tok)
                     rows_seq.append(slot)
-                    want.append(embedding)
+                    want.append(embedding and req.pooling in ("mean", "none"))
                 n_in += need
                 req.n_prompt_left = max(req.n_prompt_left - need, 0)
             if n_in:
@@ -421,11 +453,19 @@ class RequestLoop:
             if req.finished.is_set():
                 continue
             if n_in:
-                # generation: one output row, the last input, once the prompt is all in
+                # generation: one output row, the last input, once the prompt is all in; an embedding: the
+                # rows its pooling reads (cls and rank the first, last the last, mean and none all)
                 has_out = embedding or req.n_prompt_left == 0
+                n_out = 1
                 if not embedding and has_out:
                     want[-1] = True
-                members.append(_Member(req, n_in, has_out))
+                elif req.pooling in ("cls", "rank"):
+                    want[first_row] = True
+                elif req.pooling == "last":
+                    want[-1] = True
+                else:
+                    n_out = n_in
+                members.append(_Member(req, n_in, has_out, n_out))
             if req.pending and resume is None:
                 resume = slot
             if len(toks) >= limit:
@@ -444,7 +484,7 @@ class RequestLoop:
                 k = int(np.searchsorted(starts, t.row, side="right")) - 1
                 t.ubatch, t.row = ubs[k], t.row - int(starts[k])
         self.batch_sizes.append([len(ub.tokens) for ub in ubs])
-        return _Batch(ubs, embedding, members)
+        return _Batch(ubs, kind, members)
 
     def _launch(self, batch: _Batch) -> None:
         """Compute a built batch: on the compute thread when pipelining (ggml releases the GIL), else here."""
@@ -509,13 +549,13 @@ class RequestLoop:
             req = m.req
             if not m.has_out:
                 continue
-            n_rows = m.n_in if batch.embedding else 1
+            n_rows = m.n_out
             rows = out[base:base + n_rows]
             base += n_rows
             if req.finished.is_set():
                 continue
             if batch.embedding:
-                req.result.embedding = _pool(rows, req.pooling, req.normalize)
+                req.result.embedding = pool(rows, req.pooling, req.normalize)
                 req.result.prompt_eval_duration = now - req.t_start
                 self._finish(req, DoneReason.STOP)
                 continue
@@ -752,18 +792,3 @@ def as_units(tokens: list, same_batch: list) -> list:
         units.append(tokens[a] if k == 1 else tuple(tokens[a:a + k]))
         a += k
     return units
-
-
-def _pool(hidden: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
-    if pooling == "mean":
-        v = hidden.mean(axis=0)
-    elif pooling == "cls":
-        v = hidden[0]
-    else:
-        v = hidden[-1]
-    v = v.astype(np.float32)
-    if normalize:
-        n = float(np.linalg.norm(v))
-        if n > 0:
-            v = v / n
-    return v

@@ -4,7 +4,8 @@ The runner owns what one model needs to serve requests and direct calls: the cac
 recipe), the runtime over the model's devices, the :class:`~.step.Step` that computes a micro-batch
 with them, the :class:`~.slots.SlotTable` of what each cache sequence holds, and the
 :class:`~.inputs.Inputs` that prepare prompts. The request loop is its base class
-(:class:`~.loop.RequestLoop`). Details of every setting and option: ``docs/runner.md``.
+(:class:`~.loop.RequestLoop`), as are the direct calls (:class:`~.direct.DirectCalls`) and the embedding and
+reranking calls (:class:`~.embeddings.EmbeddingCalls`). Details of every setting and option: ``docs/runner.md``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Optional
-
-import numpy as np
 
 from ggmlpy._core import (
     GGMLError,
@@ -35,6 +34,7 @@ from ggmlpy.sampling import SamplingParams, gguf_sampling_defaults, sampling_par
 from ggmlpy.sampling.params import sampling_keywords
 
 from .direct import DirectCalls
+from .embeddings import EmbeddingCalls
 from .images import ImageStore
 from .inputs import Inputs
 from .loop import RequestLoop
@@ -53,9 +53,12 @@ log = logging.getLogger("ggmlpy")
 #: the constructor's defaults for settings a fitted model may give instead (``n_ctx``: at most the model's
 #: training context, :func:`ggmlpy.defaults.n_ctx_for`)
 _DEFAULTS = {k: DEFAULTS[k] for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "type_k", "type_v")}
+#: ``n_seq_max`` when not given, for a non-causal model (an encoder): it keeps no cache per sequence, so a
+#: batch of short inputs is that many sequences in one micro-batch
+ENCODER_N_SEQ_MAX = 64
 
 
-class Runner(DirectCalls, RequestLoop):
+class Runner(DirectCalls, EmbeddingCalls, RequestLoop):
     """A model plus its cache, scheduler and request loop.
 
     Parameters
@@ -142,8 +145,18 @@ class Runner(DirectCalls, RequestLoop):
         self._formats: dict = {}              # chat reply formats by template (see _chat_format)
         self._formats_lock = threading.Lock()
         self.n_ctx = int(n_ctx)
-        self.n_batch = min(int(n_batch), self.n_ctx)          # a batch never exceeds the context
+        causal = getattr(model, "causal", True)
+        # a causal batch never exceeds the context; a non-causal one holds many sequences, each within it
+        self.n_batch = min(int(n_batch), self.n_ctx) if causal else int(n_batch)
         self.n_ubatch = min(int(n_ubatch), self.n_batch)
+        if not causal:
+            # a non-causal model reads a batch in one micro-batch (llama.cpp asserts n_ubatch >= the batch;
+            # llama-server sets n_batch = n_ubatch for embeddings)
+            self.n_batch = self.n_ubatch
+            if given["n_seq_max"] is None:
+                # an encoder keeps nothing per sequence (its memory does not grow with them, so a fit's number
+                # is no bound): the inputs of a batch are as many sequences
+                n_seq_max = max(int(n_seq_max), ENCODER_N_SEQ_MAX)
         self.n_seq_max = int(n_seq_max)
         self.flash_attn = bool(flash_attn)
         self.type_k, self.type_v = dtype_k.name.lower(), dtype_v.name.lower()
@@ -414,7 +427,7 @@ class Runner(DirectCalls, RequestLoop):
                min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
                top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
                stop: Sequence[int | str] = (), n_keep: int = 0, shift: bool = True, truncate: bool = False,
-               embedding: bool = False, pooling: str = "mean", normalize: bool = True,
+               embedding: bool = False, pooling: Optional[str] = None, normalize: bool | int = True,
                same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
                detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Handle:
         """Queue a request (thread-safe) and return its :class:`Handle`.
@@ -454,7 +467,9 @@ class Runner(DirectCalls, RequestLoop):
             Tokens kept on a context shift (-1: the prompt); shift when full (else ``length``); cut a
             prompt longer than ``n_ctx`` (else :class:`InputTooLong`).
         embedding, pooling, normalize
-            Return the pooled (``mean``, ``cls``, ``last``) final hidden state instead of generating.
+            Return the input's embedding instead of generating (see :meth:`embed`): ``pooling`` one of
+            ``none``, ``mean``, ``cls``, ``last``, ``rank`` (default: the model file's ``pooling_type``,
+            else ``mean``), ``normalize`` as llama.cpp's ``embd_normalize`` (True: Euclidean).
         same_batch : list of int, optional
             Per prompt token, how many following tokens must share its micro-batch.
         parse_special : bool
@@ -503,8 +518,8 @@ class Runner(DirectCalls, RequestLoop):
                  min_p: Optional[float] = None, seed: Optional[int] = None, logprobs: Optional[bool] = None,
                  top_logprobs: Optional[int] = None, sampling: Optional[SamplingParams] = None,
                  stop: Sequence[int | str] = (), stream: bool = False, n_keep: int = 0, shift: bool = True,
-                 truncate: bool = False, embedding: bool = False, pooling: str = "mean", normalize: bool = True,
-                 same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
+                 truncate: bool = False, embedding: bool = False, pooling: Optional[str] = None,
+                 normalize: bool | int = True, same_batch: Optional[Sequence[int]] = None, parse_special: bool = True,
                  detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Completion | Stream:
         """Generate a continuation of ``prompt``: wait for its :class:`Completion`, or with ``stream=True``
         iterate its tokens as they come.
@@ -581,8 +596,8 @@ class Runner(DirectCalls, RequestLoop):
                     top_k: Optional[int] = None, top_p: Optional[float] = None, min_p: Optional[float] = None,
                     seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
                     sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), n_keep: int = 0,
-                    shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: str = "mean",
-                    normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+                    shift: bool = True, truncate: bool = False, embedding: bool = False, pooling: Optional[str] = None,
+                    normalize: bool | int = True, same_batch: Optional[Sequence[int]] = None,
                     detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Handle:
         """Queue the assistant's reply to ``messages`` and return its :class:`Handle` (streams text).
 
@@ -618,6 +633,8 @@ class Runner(DirectCalls, RequestLoop):
         if detokenize is not None and not detokenize:
             raise GGMLValueError("submit_chat: a chat always produces text (detokenize=False given)")
         self._check_open("submit_chat")
+        if not embedding:
+            self._check_generates("submit_chat")
         params = sampling_params("submit_chat", sampling, self.sampling_defaults, temperature=temperature,
                                  top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs,
                                  top_logprobs=top_logprobs, **settings)
@@ -663,7 +680,7 @@ class Runner(DirectCalls, RequestLoop):
              seed: Optional[int] = None, logprobs: Optional[bool] = None, top_logprobs: Optional[int] = None,
              sampling: Optional[SamplingParams] = None, stop: Sequence[int | str] = (), stream: bool = False,
              n_keep: int = 0, shift: bool = True, truncate: bool = False, embedding: bool = False,
-             pooling: str = "mean", normalize: bool = True, same_batch: Optional[Sequence[int]] = None,
+             pooling: Optional[str] = None, normalize: bool | int = True, same_batch: Optional[Sequence[int]] = None,
              detokenize: Optional[bool] = None, images: Sequence = (), **settings) -> Completion | Stream:
         """The assistant's reply to ``messages``: wait for its :class:`Completion` (``.text``), or with
         ``stream=True`` iterate its tokens (``ev.text``) as they come.
@@ -693,12 +710,6 @@ class Runner(DirectCalls, RequestLoop):
                              normalize=normalize, same_batch=same_batch, detokenize=detokenize, images=images,
                              **settings)
         return Stream(h) if stream else h.result()
-
-    def embed(self, tokens: str | Sequence[int], pooling: str = "mean", normalize: bool = True) -> np.ndarray:
-        """The pooled final hidden state of ``tokens`` (``float32[n_embd]``), whole input in one batch
-        (a str is encoded as :meth:`submit` does)."""
-        r = self.submit(tokens, embedding=True, pooling=pooling, normalize=normalize).result()
-        return r.embedding
 
     def close(self) -> None:
         """Stop serving and free the cache, the scheduler and the graphs.

@@ -130,7 +130,17 @@ class Step:
         kw = {"n_embd_rows": self.vision.config.tokens_per_image} \
             if self.vision is not None and n >= self.vision.config.tokens_per_image else {}
         with kernels.using(self.kernels):
-            return self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn, **kw)
+            return self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn,
+                                    embeddings=self.worst_output(), **kw)
+
+    def worst_output(self):
+        """What the worst-case graphs output: logits (False), or for a model that cannot generate (an
+        encoder) its hidden states (True), or its classification scores (``"rank"``) where it has a head:
+        that graph is the hidden states' plus the head."""
+        m = self.model
+        if getattr(m, "can_generate", True):
+            return False
+        return "rank" if getattr(m, "n_cls_out", 0) else True
 
     def reserve(self, n_prompt: int, n_decode: int) -> None:
         """Reserve the compute buffers for the worst case: a prompt micro-batch, a decode one and, with a

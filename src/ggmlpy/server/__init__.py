@@ -15,6 +15,8 @@ job per module:
   when the client goes away or the server stops, streamed with back-pressure as SSE or NDJSON; the one path
   (:func:`~.bridge.answer`) both APIs' generating routes take;
 * :mod:`.openai_routes`: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``;
+* :mod:`.rerank_routes`: llama-server's ``/v1/rerank`` (and ``/rerank``), Jina's and TEI's shapes, for a
+  reranker;
 * :mod:`.ollama` and :mod:`.ollama_routes`: Ollama's JSON mapped to the runner's keywords and back, and its
   ``/api/...`` routes;
 * :mod:`.extras` and :mod:`.extras_routes`: llama-server's ``/slots``, ``/tokenize``, ``/metrics``, ``/props``...;

@@ -175,9 +175,9 @@ def _route_modules() -> list:
     """The API modules present: OpenAI's always, Ollama's and llama-server's extras when installed."""
     import importlib
 
-    from . import openai_routes
+    from . import openai_routes, rerank_routes
 
-    mods = [openai_routes]
+    mods = [openai_routes, rerank_routes]
     for name in ("ollama_routes", "extras_routes"):
         try:
             mods.append(importlib.import_module(f"{__package__}.{name}"))

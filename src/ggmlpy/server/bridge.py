@@ -371,14 +371,26 @@ async def answer(request, route: str, n: int, make: Callable, *, stream: bool, b
 
 
 async def run_batches(request, n: int, make: Callable, step: int, submit_error: Callable[[BaseException], ApiError],
-                      run_error: Optional[Callable[[BaseException], ApiError]] = None) -> Optional[list]:
+                      run_error: Optional[Callable[[BaseException], ApiError]] = None,
+                      together: Optional[Callable] = None) -> Optional[list]:
     """The completions of ``n`` runner requests (``make(i)``) submitted ``step`` at a time (embeddings: one
-    pump thread each), the connection watched; None when the client left (the rest is not submitted)."""
+    pump thread each), the connection watched; None when the client left (the rest is not submitted).
+    ``together(start, stop)``, where given, queues requests ``start .. stop - 1`` at once instead and returns
+    their handles (:meth:`~ggmlpy.runner.Runner.submit_embeddings`: the runner then batches them together)."""
     state: ServerState = request.app.state.server
     out: list = []
     for start in range(0, n, step):
-        job = Job(state, await submit(lambda i, start=start: make(start + i), min(step, n - start), submit_error),
-                  error_of=run_error)
+        stop = min(n, start + step)
+        if together is not None:
+            try:
+                handles = await asyncio.to_thread(together, start, stop)
+            except ApiError:
+                raise
+            except Exception as e:
+                raise submit_error(e) from None
+        else:
+            handles = await submit(lambda i, start=start: make(start + i), stop - start, submit_error)
+        job = Job(state, handles, error_of=run_error)
         if not await run_to_end(job, request.receive):
             return None
         out.extend(_check_results(job))

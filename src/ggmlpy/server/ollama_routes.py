@@ -174,9 +174,10 @@ async def _embeddings(request: Request, inputs: list, truncate: bool, normalize:
     started = time.monotonic()
     with state.admit(cost=len(inputs), ollama=True):
         try:
-            results = await run_batches(request, len(inputs), lambda i: runner.submit(
-                inputs[i], embedding=True, truncate=truncate, normalize=normalize), max(1, 2 * state.n_parallel),
-                _api_error, _api_error)
+            # queued together, as many as the runner computes at once (an encoder: one batch)
+            results = await run_batches(request, len(inputs), None, max(1, 2 * state.n_parallel, runner.n_seq_max),
+                                        _api_error, _api_error, together=lambda a, b: runner.submit_embeddings(
+                                            inputs[a:b], truncate=truncate, normalize=normalize, what="submit"))
         except ApiError:
             state.count(request.url.path, "error")
             raise

@@ -184,11 +184,22 @@ async def embeddings(request: Request) -> Response:
     if req["dimensions"] is not None and req["dimensions"] != n_embd:
         raise bad_request(f"dimensions: this model's embeddings have {n_embd} dimensions, got {req['dimensions']}",
                           "dimensions")
-    inputs = req["inputs"]
-    step = max(1, 2 * state.n_parallel)         # a few at a time: one pump thread each
+    pooling = runner.embedding_pooling(None, "embeddings")
+    if pooling in ("none", "rank"):
+        # llama-server's answer: OpenAI's embeddings are one vector per input
+        raise bad_request(f"this model pools by {pooling!r} (its pooling_type): not OpenAI-compatible, which wants "
+                          "one vector per input" + (" (a reranker: use /v1/rerank)" if pooling == "rank" else ""))
+    inputs, norm = req["inputs"], req["embd_normalize"]
+    # as many at a time as the runner computes together (an encoder packs them into one batch), queued at once;
+    # one pump thread each
+    step = max(1, 2 * state.n_parallel, runner.n_seq_max)
+
+    def together(start: int, stop: int) -> list:
+        return runner.submit_embeddings(inputs[start:stop], normalize=norm, what="embeddings")
+
     with state.admit(1):
-        results = await run_batches(request, len(inputs), lambda i: runner.submit(inputs[i], embedding=True), step,
-                                    runner_error)
+        results = await run_batches(request, len(inputs), None, step, lambda e: runner_error(e, param="input"),
+                                    together=together)
     if results is None:
         state.count("/v1/embeddings", "cancelled")
         return Response(status_code=CLIENT_GONE)

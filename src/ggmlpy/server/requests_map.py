@@ -509,14 +509,16 @@ def _inputs(value: Any, param: str, allow_empty_text: bool = False) -> list:
 
 
 def embedding_request(state: ServerState, body: dict) -> dict:
-    """``/v1/embeddings``: ``{"inputs", "encoding_format"}``."""
+    """``/v1/embeddings``: ``{"inputs", "encoding_format", "dimensions", "embd_normalize"}`` (``embd_normalize``
+    llama-server's: -1 none, 0 max-abs, 1 taxicab, 2 Euclidean (default), p > 2 p-norm)."""
     check_model(state, body)
     inputs = _inputs(body.get("input"), "input")
     fmt = _field(body, "encoding_format", _STR, "float")
     if fmt not in ("float", "base64"):
         raise bad_request(f"encoding_format must be float or base64, got {fmt[:40]!r}", "encoding_format")
     dims = _field(body, "dimensions", _INT, None, 1)
-    return {"inputs": inputs, "encoding_format": fmt, "dimensions": dims}
+    norm = _field(body, "embd_normalize", _INT, 2, -1)
+    return {"inputs": inputs, "encoding_format": fmt, "dimensions": dims, "embd_normalize": norm}
 
 
 def runner_error(e: BaseException, param: Optional[str] = None, ollama: bool = False,

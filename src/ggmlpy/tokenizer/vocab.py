@@ -88,6 +88,9 @@ class Tokenizer(_WpmMethods):
         :meth:`decode` removes spaces before ``. , ! ?`` and in contractions, as llama.cpp does.
     chat_template : str or None
         ``tokenizer.chat_template``.
+    chat_templates : dict of str to str
+        The file's named templates, ``tokenizer.chat_template.<name>`` by name (a reranker's ``rerank``,
+        with ``{query}`` and ``{document}`` to fill in).
     """
 
     def __init__(self, md: dict, source: str = "<metadata>") -> None:
@@ -119,6 +122,9 @@ class Tokenizer(_WpmMethods):
         self.chat_template: str | None = md.get("tokenizer.chat_template")
         if self.chat_template is not None and not isinstance(self.chat_template, str):
             self.chat_template = None
+        named = "tokenizer.chat_template."
+        self.chat_templates: dict[str, str] = {k[len(named):]: v for k, v in md.items()
+                                               if k.startswith(named) and isinstance(v, str)}
         self._setup_type(md)
         self._setup_special(md)
         # None: a piece too big to keep for every token, made when it is asked for (see _piece)
@@ -562,7 +568,8 @@ class Tokenizer(_WpmMethods):
         text : str or bytes
             bytes must be UTF-8.
         add_special : bool
-            Add BOS/EOS (and BERT's SEP) as the vocabulary says (:attr:`add_bos`, :attr:`add_eos`).
+            Add BOS/EOS as the vocabulary says (:attr:`add_bos`, :attr:`add_eos`); a BERT (WPM) vocabulary
+            always gets its BOS ([CLS]) and SEP ([SEP]) and nothing else, as in llama.cpp.
         parse_special : bool
             Turn the text of control tokens (``<|im_start|>``, ``<s>``) into their ids; without it they
             are tokenized as plain text. User-defined tokens are always matched.
@@ -607,7 +614,9 @@ class Tokenizer(_WpmMethods):
                 else:
                     out.extend(encoded[-1 - p])
         if add_special:
-            if self.add_eos:
+            # llama.cpp's WPM session ends with SEP whatever add_eos says (the converter writes add_eos true
+            # for BERT vocabularies: their EOS is [SEP] too, which must not come twice)
+            if self.add_eos and self.kind != "WPM":
                 if self.eos is None:
                     raise TokenizerError(f"encode: the vocabulary adds EOS but defines no EOS token ({self.source})")
                 out.append(self.eos)
