@@ -122,7 +122,7 @@ def test_lists_repeats_and_aliases():
     (["-o", "xml"], "invalid choice"),
     (["--type", "Q5_K"], "--type"),
     (["--synthetic", "huge"], "synthetic"),
-    (["--synthetic", "7B"], r"^--synthetic: synthetic model size '7B' is not built in; the built-in sizes .* are "
+    (["--synthetic", "70B"], r"^--synthetic: synthetic model size '70B' is not built in; the built-in sizes .* are "
                             r"tiny \(164K\), 15M \(24M\), 42M \(58M\), 110M \(134M\), 1B \(1.1B\), .*qwen3-8B "
                             r"\(8.2B\)"),
     (["-p", "1-100000000"], r"^-p: range '1-100000000' has 100,000,000 values; one list takes at most 1,024"),
@@ -195,9 +195,10 @@ def test_synthetic_sizes():
     assert parse_size("110M") == "110M" and parse_size("tiny") == "tiny"
     assert parse_size("0.1B") == "110M" and parse_size("1.1b") == "1B" and parse_size("134M") == "110M"
     assert parse_size("8B") == "qwen3-8B" and parse_size("3b") == "llama3.2-3B"
-    # a count that names no built-in size is refused, not replaced by the nearest (7B was the 8B shape,
-    # 20M the 15M one): the message lists the sizes with the parameters each writes
-    for text in ("7B", "20M", "1M", "30B"):
+    assert parse_size("7B") == "granitehybrid-7B-A1B"          # (6.9B: before that preset, 7B was refused)
+    # a count that names no built-in size is refused, not replaced by the nearest (70B is not the 30B shape,
+    # 20M not the 15M one): the message lists the sizes with the parameters each writes
+    for text in ("70B", "20M", "1M", "30B"):
         with pytest.raises(ValueError, match=f"'{text}' is not built in; .*110M \\(134M\\)"):
             parse_size(text)
     c = SIZES["110M"]
