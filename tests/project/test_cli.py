@@ -166,9 +166,9 @@ def test_ggml_commit_names_the_pinned_source():
 
 def test_synthetic_size_not_built_in_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path / "cache"))
-    assert cli.main(["bench", "--synthetic", "7B", "-p", "8", "-n", "0"]) == 2
+    assert cli.main(["bench", "--synthetic", "70B", "-p", "8", "-n", "0"]) == 2
     line = _one_error(capsys.readouterr().err)
-    assert "'7B' is not built in" in line and "110M (134M)" in line and "qwen3-8B (8.2B)" in line
+    assert "'70B' is not built in" in line and "110M (134M)" in line and "qwen3-8B (8.2B)" in line
     assert not (tmp_path / "cache").exists()
 
 

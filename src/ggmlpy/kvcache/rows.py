@@ -123,7 +123,7 @@ class StateRows:
     def _free_rows(self, n: int) -> list[int]:
         rows = [r for r, k in enumerate(self.refs) if k == 0][:n]
         if len(rows) < n:          # cannot happen (the module docstring says why): a bookkeeping bug
-            raise RuntimeError(f"recurrent state: {n} free rows needed, {len(rows)} free of {self.n_rows}")
+            raise CacheStateError(f"recurrent state: {n} free rows needed, {len(rows)} free of {self.n_rows}")
         return rows
 
     def advance(self, seqs: list[int], n_tokens: int) -> tuple[list[int], list[int]]:
