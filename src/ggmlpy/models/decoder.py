@@ -31,7 +31,7 @@ import numpy as np
 from ggmlpy._core import Context, GGMLValueError, Tensor, Type
 from ggmlpy.backend import N_CPU_MOE_PATTERN, Placement, choose_devices, split_layers
 from ggmlpy.gguf import MetadataError
-from ggmlpy.kvcache import Causal, Wrapper
+from ggmlpy.kvcache import Causal, Recurrent, Wrapper
 from ggmlpy.memory import MemoryReport
 from ggmlpy.weights import (
     MetaReader,
@@ -65,6 +65,10 @@ def _size_label(n: int) -> str:
 
 
 _LAYER_RE = re.compile(r"blk\.(\d+)\.")
+
+#: Checkpoints of the recurrent states kept per sequence by a hybrid model's cache (see
+#: :class:`~ggmlpy.kvcache.rows.StateRows`): one at a prompt's end and one a token before it.
+RECURRENT_CHECKPOINTS = 2
 
 #: One weight the model reads: (name, ne, layer group, allowed types or None, op). ``op`` is
 #: ``"mul_mat"`` for weights only a matrix product reads, ``"mul_mat_id"`` for a stack of experts only
@@ -428,6 +432,26 @@ class DecoderModel(WeightLoader):
         return Causal(c.n_layer, c.head_dim * c.n_head_kv, c.head_dim * c.n_head_kv, type_k, dtype_v=type_v,
                       window=window, padding=256 if flash_attn else 32, n_head_kv=c.n_head_kv,
                       shift_fn=self.shift_fn, v_trans=not flash_attn)
+
+    def hybrid_cache(self, states: dict, type_k=Type.F16, type_v=Type.F16, *, flash_attn: bool = True):
+        """The cache of a model with recurrent layers (``config.recurrent_layers``): the K/V of its attention
+        layers (a :class:`~ggmlpy.kvcache.Causal` as :meth:`new_cache` makes, no window) and the recurrent
+        layers' ``states`` (name -> shape, a :class:`~ggmlpy.kvcache.Recurrent`), behind a
+        :class:`~ggmlpy.kvcache.Wrapper`; one of them alone for a file of one kind of layer."""
+        c = self.config
+        n_rec = sum(c.recurrent_layers)
+        caches, index = [], {}
+        if c.n_layer - n_rec:
+            kv = c.head_dim * c.n_head_kv
+            index[False] = len(caches)
+            caches.append(Causal(c.n_layer - n_rec, kv, kv, type_k, dtype_v=type_v, padding=256 if flash_attn else 32,
+                                 n_head_kv=c.n_head_kv, shift_fn=self.shift_fn, v_trans=not flash_attn))
+        if n_rec:
+            index[True] = len(caches)
+            caches.append(Recurrent(n_rec, states, checkpoints=RECURRENT_CHECKPOINTS))
+        if len(caches) == 1:
+            return caches[0]
+        return Wrapper(caches, [index[r] for r in c.recurrent_layers])
 
     #: The graph can take input embeddings for some rows (an image's, :meth:`embed_tokens`) in place of
     #: their tokens' (``build(..., n_embd_rows=k)``); an architecture whose ``_forward`` reads them sets it.

@@ -36,7 +36,6 @@ import numpy as np
 
 from ggmlpy._core import Context, RopeType, Tensor, Type
 from ggmlpy.gguf import MetadataError, MetadataTypeError, meta_int
-from ggmlpy.kvcache import Causal, Recurrent, Wrapper
 from ggmlpy.weights import MetaReader, check_expert_shapes
 
 from . import blocks
@@ -46,8 +45,6 @@ from .decoder import DecoderModel
 
 __all__ = ["GraniteHybridConfig", "GraniteHybridModel"]
 
-#: Checkpoints of the states kept per sequence (see :class:`~ggmlpy.kvcache.rows.StateRows`).
-CHECKPOINTS = 2
 #: The routing keys and the values that mean what this graph builds (softmax over every expert).
 _ROUTING = {"expert_gating_func": (0, 1), "expert_group_count": (0, 1), "expert_shared_count": (0, 1)}
 
@@ -235,21 +232,8 @@ class GraniteHybridModel(DecoderModel):
         (:class:`~ggmlpy.kvcache.Recurrent`) behind a :class:`~ggmlpy.kvcache.Wrapper`; one alone for a file
         of one kind of layer."""
         c = self.config
-        n_rec = sum(c.recurrent_layers)
-        caches, index = [], {}
-        if c.n_layer - n_rec:
-            kv = c.head_dim * c.n_head_kv
-            index[False] = len(caches)
-            caches.append(Causal(c.n_layer - n_rec, kv, kv, type_k, dtype_v=type_v, padding=256 if flash_attn else 32,
-                                 n_head_kv=c.n_head_kv, shift_fn=self.shift_fn, v_trans=not flash_attn))
-        if n_rec:
-            index[True] = len(caches)
-            caches.append(Recurrent(n_rec, {"conv": (c.ssm_d_conv - 1, c.ssm_conv_dim),
-                                            "ssm": (c.ssm_d_state, c.ssm_head_dim, c.ssm_n_head)},
-                                    checkpoints=CHECKPOINTS))
-        if len(caches) == 1:
-            return caches[0]
-        return Wrapper(caches, [index[r] for r in c.recurrent_layers])
+        states = {"conv": (c.ssm_d_conv - 1, c.ssm_conv_dim), "ssm": (c.ssm_d_state, c.ssm_head_dim, c.ssm_n_head)}
+        return self.hybrid_cache(states, type_k, type_v, flash_attn=flash_attn)
 
     # ------------------------------------------------------------------ graph
 

@@ -36,18 +36,16 @@ import numpy as np
 
 from ggmlpy._core import Context, RopeType, Tensor, Type
 from ggmlpy.gguf import MetadataError, MetadataTypeError
-from ggmlpy.kvcache import Causal, Recurrent, Wrapper
 from ggmlpy.weights import MetaReader
 
 from . import blocks
 from .base import register
 from .config import _MAX_LAYERS, DecoderConfig, layer_kv_heads
-from .decoder import DecoderModel
+from .decoder import RECURRENT_CHECKPOINTS, DecoderModel
 
 __all__ = ["Lfm2Config", "Lfm2Model"]
 
-#: Checkpoints of the convolution state kept per sequence (see :class:`~ggmlpy.kvcache.rows.StateRows`).
-CHECKPOINTS = 2
+CHECKPOINTS = RECURRENT_CHECKPOINTS   # (the tests read it here)
 
 
 @dataclass(frozen=True)
@@ -156,20 +154,7 @@ class Lfm2Model(DecoderModel):
         convolution states of the others (a :class:`~ggmlpy.kvcache.Recurrent`), behind a
         :class:`~ggmlpy.kvcache.Wrapper`; one of them alone for a file of one kind of layer."""
         c = self.config
-        n_rec = sum(c.recurrent_layers)
-        n_attn = c.n_layer - n_rec
-        caches, index = [], {}
-        if n_attn:
-            kv = c.head_dim * c.n_head_kv
-            index[False] = len(caches)
-            caches.append(Causal(n_attn, kv, kv, type_k, dtype_v=type_v, padding=256 if flash_attn else 32,
-                                 n_head_kv=c.n_head_kv, shift_fn=self.shift_fn, v_trans=not flash_attn))
-        if n_rec:
-            index[True] = len(caches)
-            caches.append(Recurrent(n_rec, {"conv": (c.conv_l_cache - 1, c.n_embd)}, checkpoints=CHECKPOINTS))
-        if len(caches) == 1:
-            return caches[0]
-        return Wrapper(caches, [index[r] for r in c.recurrent_layers])
+        return self.hybrid_cache({"conv": (c.conv_l_cache - 1, c.n_embd)}, type_k, type_v, flash_attn=flash_attn)
 
     def shift_fn(self, ctx: Context, layer: int, k: Tensor, offsets: Tensor) -> Tensor:
         return blocks.rope_shift(ctx, k, offsets, self.config)
