@@ -344,8 +344,18 @@ def test_q4_k_m_is_llama_cpps_mix(q4_k_m_path):
     assert [i for i in range(8) if types[f"blk.{i}.ffn_down.weight"] == "Q6_K"] == [0, 3, 6, 7]
     assert [i for i in range(8) if types[f"blk.{i}.attn_v.weight"] == "Q6_K"] == [0, 3, 6, 7]
     assert {types[f"blk.{i}.{n}.weight"] for i in range(8) for n in ("attn_q", "ffn_up", "ffn_gate")} == {"Q4_K"}
-    with pytest.raises(gp.GGMLValueError, match="multiples of 256"):
-        write_synthetic(q4_k_m_path.parent / "no.gguf", "tiny", "Q4_K_M")
+    # rows of 64 or 192 (the tiny shape) fall back as llama.cpp's quantizer does: Q4_K to Q5_0, Q6_K to Q8_0;
+    # rows no 32-block divides to F16
+    tiny = {t.name: t.type.name for t in gguf.GGUFReader(
+        write_synthetic(q4_k_m_path.parent / "tiny.gguf", "tiny", "Q4_K_M")).tensors}
+    assert tiny["blk.0.attn_q.weight"] == "Q5_0" and tiny["blk.1.ffn_down.weight"] == "Q8_0"
+    assert tiny["output.weight"] == "Q8_0" and tiny["blk.1.ffn_up.weight"] == "Q5_0"
+    from ggmlpy.models.synthetic import matrix_type
+
+    assert matrix_type("Q4_K_M", "blk.0.ffn_down.weight", 46, n_cols=10944) == "Q8_0"     # GLM-4.5's dense layer
+    assert matrix_type("Q4_K_M", "blk.5.ffn_up.weight", 46, n_cols=4096) == "Q4_K"
+    assert matrix_type("Q4_K_M", "blk.5.ffn_up.weight", 46, n_cols=80) == "F16"
+    assert matrix_type("Q8_0", "blk.5.ffn_up.weight", 46, n_cols=80) == "F16"
 
 
 @pytest.fixture(scope="module")

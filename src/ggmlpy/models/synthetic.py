@@ -60,8 +60,8 @@ FORMAT_VERSION = 1
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}
 
 #: Weight types the generator writes for the 2-D matrices. ``Q4_K_M`` is llama.cpp's mix of that name:
-#: Q4_K, with Q6_K for ``output`` and for ``attn_v``/``ffn_down`` in the layers that get more bits; its
-#: K-quant blocks need every matrix's row length to be a multiple of 256 (sizes 110M and 1B).
+#: Q4_K, with Q6_K for ``output`` and for ``attn_v``/``ffn_down`` in the layers that get more bits; a matrix
+#: whose rows are not a multiple of 256 falls back as llama.cpp's quantizer does (:func:`matrix_type`).
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 
 #: Standard deviation of the random matrix entries (norm weights are 1).
@@ -533,30 +533,29 @@ def _more_bits(layer: int, n_layer: int) -> bool:
     return layer < n_layer // 8 or layer >= 7 * n_layer // 8 or (layer - n_layer // 8) % 3 == 2
 
 
-def matrix_type(type: str, name: str, n_layer: int, tied: bool = False) -> str:
+#: llama.cpp's quantizer's fallback for a matrix whose rows its block does not divide (``tensor_type_fallback``)
+_FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
+_BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q8_0": 32, "Q4_0": 32}
+
+
+def matrix_type(type: str, name: str, n_layer: int, tied: bool = False, n_cols: int | None = None) -> str:
     """The ggml type a matrix called ``name`` is written in, for the model type ``type`` (``tied``: the
-    embeddings are the output head, which llama.cpp's Q4_K_M gives Q6_K as it would ``output``)."""
-    if type != "Q4_K_M":
-        return type
-    if name == "output.weight" or (tied and name == "token_embd.weight"):
-        return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and \
-            _more_bits(int(name.split(".")[1]), n_layer):
-        return "Q6_K"
-    return "Q4_K"
-
-
-def _check_type_fits(cfg: SyntheticConfig, type: str) -> None:
-    n_ff = cfg.n_ff_exp if cfg.n_expert else cfg.n_ff
-    # the row lengths of the K-quant matrices (deepseek2's per-head attn_k_b/attn_v_b are Q8_0: write_synthetic)
-    rows = (cfg.n_embd, n_ff, cfg.n_head * cfg.head_dim) if cfg.arch != "deepseek2" else \
-        (cfg.n_embd, n_ff, cfg.n_lora_q or cfg.n_embd, cfg.n_head * cfg.n_embd_head_v)
-    if cfg.n_dense_lead and cfg.n_expert:       # a leading dense layer's down rows too
-        rows += (cfg.n_ff,)
-    if type == "Q4_K_M" and any(r % 256 for r in rows):
-        fits = ", ".join(n for n, c in SIZES.items() if not (c.n_embd % 256 or c.n_ff % 256))
-        raise GGMLValueError(f"synthetic model {cfg.name} Q4_K_M: K-quants need rows that are multiples of 256 "
-                             f"(n_embd {cfg.n_embd}, n_ff {cfg.n_ff}); sizes that fit: {fits}")
+    embeddings are the output head, which llama.cpp's Q4_K_M gives Q6_K as it would ``output``). With the row
+    length ``n_cols``, a type whose block does not divide it falls back as llama.cpp's quantizer does (Q4_K to
+    Q5_0, Q6_K to Q8_0, then F16): GLM-4.5's dense ``ffn_down`` rows of 10944, say."""
+    t = type
+    if type == "Q4_K_M":
+        t = "Q4_K"
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            t = "Q6_K"
+        elif name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and \
+                _more_bits(int(name.split(".")[1]), n_layer):
+            t = "Q6_K"
+    if n_cols is not None and t in _BLOCK and n_cols % _BLOCK[t]:
+        t = _FALLBACK.get(t, t)
+        if n_cols % _BLOCK[t]:
+            t = "F16"
+    return t
 
 
 def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, object, str]]:
@@ -704,7 +703,6 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     if arch is not None:
         cfg = for_arch(cfg, arch)
     type = _normalize_type(type)
-    _check_type_fits(cfg, type)
     path = Path(path)
     specs = tensor_specs(cfg)
     total = sum(math.prod(s) for _, s, _ in specs)
@@ -731,9 +729,12 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
         else:
             # quantized now, not when the file is written: a writer holding every float32 matrix until
             # then would need 4 bytes per parameter (32 GB for the 8B shape)
-            t = matrix_type(type, name, cfg.n_layer, tied=cfg.tied)
-            w.add_tensor(name, quantize(_random_matrix(shape, seed, index), Type[t]), type=t,
-                         ne=tuple(reversed(shape)))
+            t = matrix_type(type, name, cfg.n_layer, tied=cfg.tied, n_cols=shape[-1])
+            m = _random_matrix(shape, seed, index)
+            if t == "F16":
+                w.add_tensor(name, m.astype(np.float16), type=t)
+            else:
+                w.add_tensor(name, quantize(m, Type[t]), type=t, ne=tuple(reversed(shape)))
         done += math.prod(shape)
         if progress is not None:
             progress(done, total)
