@@ -270,8 +270,8 @@ def _scan_ref(state, x, dt, A, B, Cm):
     return y, st_
 
 
-def test_scan_state_over_batches_and_a_fork():
-    ds, hd, nh = 8, 4, 2
+@pytest.mark.parametrize("ds, hd, nh", [(8, 4, 2), (32, 16, 8)])     # the second state moves as 4 rows of 1024
+def test_scan_state_over_batches_and_a_fork(ds, hd, nh):
     cache = Recurrent(1, {"ssm": (ds, hd, nh)}, checkpoints=0)
     cache.init(64, 2, 16)
     A = -RNG.uniform(0.2, 1.0, nh).astype(np.float32)
@@ -304,6 +304,39 @@ def test_scan_state_over_batches_and_a_fork():
     states[1] = states[0].copy()
     step([1, 0], 2)                     # one writes the shared row in place, the other a free one
     step([0, 1], 1)
+
+
+def test_large_states_move_as_several_rows_and_a_reused_graph_follows_its_plan():
+    """A state of 4096 values is read and written as 4 rows of 1024 (ggml shares a copy out among threads by
+    rows); the spread indices follow each plan when a graph built once is filled with the next one."""
+    from ggmlpy.kvcache.recurrent import _parts
+
+    assert [_parts(n) for n in (64, 2048, 4096, 196608, 4100, 4098)] == [1, 2, 4, 32, 4, 2]
+    cache = Recurrent(1, {"s": (64, 64)}, checkpoints=0)
+    cache.init(64, 2, 8)
+    held = {0: np.zeros(4096, np.float32), 1: np.zeros(4096, np.float32)}
+    with ggmlpy.Context(1 << 24, no_alloc=False) as ctx:
+        plan = cache.start_forward([0], [0])
+        fw = cache.forward(ctx, plan).set_layer(0)
+        new = ctx.new_tensor(Type.F32, (4096, 1))
+        old = fw.get("s")
+        out = ctx.scale(old, 1.0)                                          # what the step read, for the check
+        fw.put("s", ctx.add(ctx.scale(old, 0.0), new))                     # a write after the read, as a model's
+        assert {t.name for t in fw._index.values()} == {"rs_src_4", "rs_dst_4"}
+        gf = ctx.new_graph(64)
+        for w in fw.pending:
+            gf.build_forward_expand(w)
+        gf.build_forward_expand(out)
+        for step, seq in enumerate([0, 1, 0, 0, 1]):
+            if step:
+                plan = cache.start_forward([cache.rows.length[seq]], [seq])
+                fw.fill(plan)
+            value = RNG.standard_normal(4096).astype(np.float32)
+            new.set(value.reshape(1, 4096))
+            gf.compute(2)
+            np.testing.assert_array_equal(out.numpy().ravel(), held[seq])    # each reads its own last state
+            cache.apply(plan)
+            held[seq] = value
 
 
 def _hybrid(checkpoints=1):

@@ -45,6 +45,17 @@ from .rows import StateRows
 __all__ = ["Recurrent", "RecurrentForward", "RecurrentPlan"]
 
 
+def _parts(values: int) -> int:
+    """Rows a state of ``values`` is moved as. ggml's ``get_rows`` and ``set_rows`` share a copy out among
+    threads by rows, so one sequence's state as one row (Mamba-2's is 768 KiB at 110M) is one thread's memcpy
+    while the others wait; as up to 32 rows of at least 1024 values it is shared. The store is the same
+    memory viewed with shorter rows, and each index ``r`` becomes ``r * parts + (0 .. parts - 1)``."""
+    for k in (32, 16, 8, 4, 2):
+        if values % k == 0 and values // k >= 1024:
+            return k
+    return 1
+
+
 @dataclass(frozen=True)
 class RecurrentPlan:
     """Where one batch's recurrent states come from and go, from :meth:`Recurrent.start_forward`.
@@ -92,8 +103,9 @@ class RecurrentForward(_LayerView):
     """One graph's view of a :class:`Recurrent`: ``set_layer(i)``, then :meth:`conv` / :meth:`scan` (or
     :meth:`get` and :meth:`put`) for that layer's states.
 
-    The cache owns the two inputs: the rows read (I32, ``rs_src``) and written (I64, ``rs_dst``), shared by
-    every layer; in a ``no_alloc`` context they are filled by :meth:`fill` once allocated. ``pending``
+    The view owns the inputs: the rows read (I32, ``rs_src``) and written (I64, ``rs_dst``), shared by
+    every layer, and the same rows spread for large states moved as several rows (``rs_src_4``, ...:
+    :func:`_parts`); in a ``no_alloc`` context they are filled by :meth:`fill` once allocated. ``pending``
     collects the state writes, in layer order (a graph expands them first, as a :class:`~ggmlpy.kvcache.Forward`'s;
     each reads what it replaces before writing, through its inputs).
     """
@@ -103,8 +115,8 @@ class RecurrentForward(_LayerView):
         self._key = plan.key
         self.layer: Optional[int] = None
         self.pending: list = []
-        self._src: Optional[Tensor] = None
-        self._dst: Optional[Tensor] = None
+        # the rows read ("src", I32) and written ("dst", I64), each as indices for states moved as k rows
+        self._index: dict[tuple[str, int], Tensor] = {}
 
     @property
     def n_seqs(self) -> int:
@@ -115,23 +127,40 @@ class RecurrentForward(_LayerView):
         return self._key[2]
 
     def _input(self, type_: Type, name: str, data: np.ndarray) -> Tensor:
-        t = self.ctx.new_tensor(type_, (self.n_seqs,), name=name)
+        t = self.ctx.new_tensor(type_, (data.size,), name=name)
         if self.ctx.no_alloc:
             t.set_input()
         else:
             t.set(data)
         return t
 
-    def _rows(self) -> tuple[Tensor, Tensor]:
-        if self._src is None:
-            self._src = self._input(Type.I32, "rs_src", self.plan.src)
-            self._dst = self._input(Type.I64, "rs_dst", self.plan.dst)
-        return self._src, self._dst
+    @staticmethod
+    def _spread(rows: np.ndarray, k: int) -> np.ndarray:
+        if k == 1:
+            return rows
+        return (rows.astype(np.int64)[:, None] * k + np.arange(k)).ravel().astype(rows.dtype)
+
+    def _rows(self, kind: str, k: int = 1) -> Tensor:
+        """The rows the plan reads (``"src"``) or writes (``"dst"``), as indices into the stores viewed as
+        ``k`` rows a state (:func:`_parts`); each made once a graph, and only if the graph uses it (an input
+        outside the graph gets no buffer)."""
+        if (kind, k) not in self._index:
+            type_ = Type.I32 if kind == "src" else Type.I64
+            name = f"rs_{kind}" if k == 1 else f"rs_{kind}_{k}"
+            self._index[kind, k] = self._input(type_, name, self._spread(getattr(self.plan, kind), k))
+        return self._index[kind, k]
+
+    def _store_rows(self, store: Tensor, k: int) -> Tensor:
+        return self.ctx.reshape(store, (store.ne[0] // k, store.ne[1] * k))
 
     def get(self, name: str) -> Tensor:
         """The current layer's state ``name`` of each sequence: ``ne = (values, n_seqs)`` (F32)."""
         store = self.cache.tensor(self._need_layer(), name)
-        return self.ctx.get_rows(store, self._rows()[0])
+        k = _parts(store.ne[0])
+        if k == 1:
+            return self.ctx.get_rows(store, self._rows("src"))
+        got = self.ctx.get_rows(self._store_rows(store, k), self._rows("src", k))
+        return self.ctx.reshape(got, (store.ne[0], self.n_seqs))
 
     def put(self, name: str, new: Tensor) -> Tensor:
         """Write each sequence's new state ``name`` (``ne = (values, n_seqs)``, rows contiguous) for the
@@ -140,7 +169,13 @@ class RecurrentForward(_LayerView):
         if new.ne[0] != store.ne[0] or new.ne[1] != self.n_seqs or new.ne[2] * new.ne[3] != 1:
             raise GGMLValueError(f"recurrent state {name!r}: a new state of ne={new.ne} for {self.n_seqs} "
                                  f"sequences of {store.ne[0]} values")
-        w = self.ctx.set_rows(store, new, self._rows()[1])
+        k = _parts(store.ne[0])
+        if k == 1:
+            w = self.ctx.set_rows(store, new, self._rows("dst"))
+        else:
+            new = self.ctx.reshape(new if new.is_contiguous else self.ctx.cont(new),
+                                   (store.ne[0] // k, self.n_seqs * k))
+            w = self.ctx.set_rows(self._store_rows(store, k), new, self._rows("dst", k))
         self.pending.append(w)
         return w
 
@@ -189,7 +224,7 @@ class RecurrentForward(_LayerView):
         if len(shape) != 3 or x.ne[:2] != shape[1:] or x.ne[2:] != (self.n_seq_tokens, self.n_seqs):
             raise GGMLValueError(f"recurrent scan {name!r}: x of ne={x.ne} for a state of {shape} and {self.n_seqs} "
                                  f"sequences of {self.n_seq_tokens} tokens")
-        src, _dst = self._rows()
+        src = self._rows("src")
         out = ctx.ssm_scan(ctx.reshape(store, (*shape, store.ne[1])), x, dt, A, B, C, src)
         n_y = math.prod(x.ne)
         y = ctx.view(out, x.ne, (4 * x.ne[0], 4 * x.ne[0] * x.ne[1], 4 * x.ne[0] * x.ne[1] * x.ne[2]), 0)
@@ -225,9 +260,8 @@ class RecurrentForward(_LayerView):
                 raise GGMLValueError("fill: the plan this graph was built with was uploaded already; pass the next")
         elif plan.key != self._key:
             raise GGMLValueError(f"fill: a plan of layout {plan.key} for a graph built for {self._key}")
-        if self._src is not None:
-            self._src.set(plan.src)
-            self._dst.set(plan.dst)
+        for (kind, k), t in self._index.items():
+            t.set(self._spread(getattr(plan, kind), k))
         self.plan = None
 
 
