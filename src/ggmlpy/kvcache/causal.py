@@ -100,6 +100,11 @@ class Causal(_CausalForward):
         each token in one row, and its value is that latent). ``n_embd_v`` must be at most ``n_embd_k``;
         V has K's type (``dtype_v`` must be None or ``dtype``); not with ``v_trans``. :meth:`put` then
         takes ``v=None`` and writes K only; no V tensors exist (:attr:`values` is empty).
+    chunk : int, optional
+        Chunked attention (Llama 4's local layers, llama.cpp's ``LLAMA_SWA_TYPE_CHUNKED``): a token at
+        position ``p`` sees only the positions of its own chunk, ``[p - p % chunk, p]``. Not with ``window``.
+        Earlier chunks are masked, not evicted: the cache keeps every position, so prefix reuse and
+        context shift work as in a full cache (llama.cpp evicts them, and sizes the cache smaller).
     memory : int, optional
         With ``window``: keep ``memory`` positions (``>= window``) per
         sequence for prefix reuse while the mask still uses ``window``
@@ -120,7 +125,8 @@ class Causal(_CausalForward):
     def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
                  window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
                  shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None,
-                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None, v_in_k: bool = False) -> None:
+                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None, v_in_k: bool = False,
+                 chunk: Optional[int] = None) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
@@ -141,6 +147,9 @@ class Causal(_CausalForward):
             raise GGMLValueError(f"window must be >= 0, got {window}")
         # Ollama: window 0 means unlimited.
         self.window = None if not window else int(window)
+        if chunk is not None and (int(chunk) < 1 or self.window is not None):
+            raise GGMLValueError(f"chunk must be >= 1 and without a window, got chunk {chunk}, window {window}")
+        self.chunk = None if chunk is None else int(chunk)
         self.padding = max(1, int(padding))
         # a cache row is split into heads by views: a head must hold whole blocks
         for what, t, hd in (("K", self.dtype, self.n_embd_k // self.n_head_kv),
@@ -394,7 +403,7 @@ class Causal(_CausalForward):
         n = None if self._cells is None else self._cells.n_cells
         return (f"Causal(n_layers={self.n_layers}, n_embd_k={self.n_embd_k}, n_embd_v={self.n_embd_v}, "
                 f"dtype={self.dtype.name}{'' if self.dtype_v == self.dtype else '/' + self.dtype_v.name}, "
-                f"window={self.window}, cells={n})")
+                f"window={self.window}{'' if self.chunk is None else f', chunk={self.chunk}'}, cells={n})")
 
     # ------------------------------------------------------------------ management
 

@@ -43,6 +43,7 @@ from . import (  # noqa: F401  (each registers its architectures)
     granite,
     granitehybrid,
     lfm2,
+    llama4,
     olmo2,
     phi3,
     qwen3,

@@ -1,0 +1,194 @@
+"""models/llama4.py (``general.architecture = "llama4"``) against transformers, through files written by
+llama.cpp's converter.
+
+A tiny random-weight ``Llama4ForCausalLM`` with the real llama-bpe vocabulary (Llama 3's, which the converter
+recognises; Llama 4's own is of the same kind): n_embd 64, 4 heads of 16 over 2 KV heads, 4 layers (layers 0-2
+RoPE with chunked attention and L2-normed Q/K, layer 3 NoPE and global with the attention temperature),
+the feed-forward dense in layers 0 and 2 (96 wide) and a mixture of 4 experts of 32, one used, plus a shared
+expert in layers 1 and 3 (``interleave_moe_layer_step`` 2), Llama 3 RoPE scaling (``rope_freqs.weight``).
+
+The converter writes no key for the chunk size and the temperature (llama.cpp fixes them at 8192, 8192,
+0.1): the converted file, compared with transformers configured with those values and with llama.cpp, is
+``conv.path()``; ``small_chunks`` is the same file with ``attention.sliding_window = 8``,
+``attention.temperature_length = 4`` and ``attention.temperature_scale = 0.5`` (keys ggmlpy reads), compared
+with transformers configured so (``attention_chunk_size`` 8, ``floor_scale`` 4, ``attn_scale`` 0.5) on a
+prompt of 33 tokens: five chunks, and a temperature of 1 to 1.8.
+
+Tolerance with F32 weights and an F32 cache: per position, max |got - ref| / max |ref| at most 1e-5 (measured:
+see each test). The chunks, the temperature and the Q/K norms each matter: changed in a copied file or the
+reference, the logits leave the tolerance by far (:func:`test_the_chunks_matter`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
+transformers = pytest.importorskip("transformers") if not os.environ.get("CI") else __import__("transformers")
+
+import hf_convert  # noqa: E402
+from arch_helpers import copy_gguf, llama_cpp_logits, run_batch, run_steps, sequences_error  # noqa: E402
+from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
+
+from ggmlpy import gguf  # noqa: E402
+from ggmlpy.gguf import MetadataError  # noqa: E402
+from ggmlpy.kvcache import Causal, Wrapper  # noqa: E402
+from ggmlpy.models import load_model  # noqa: E402
+from ggmlpy.models.llama4 import Llama4Config, Llama4Model  # noqa: E402
+from ggmlpy.runner import Runner  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+A = "llama4"
+CHUNK, FLOOR, TEMP = 8, 4, 0.5
+CONFIG = dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+              interleave_moe_layer_step=2, use_qk_norm=True, max_position_embeddings=256, rms_norm_eps=1e-5,
+              initializer_range=0.1, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+SMALL = dict(attention_chunk_size=CHUNK, floor_scale=FLOOR, attn_scale=TEMP)
+SMALL_KEYS = {f"{A}.attention.sliding_window": CHUNK, f"{A}.attention.temperature_length": FLOOR,
+              f"{A}.attention.temperature_scale": TEMP}
+
+
+def hf_model(tok, **cfg):
+    config = transformers.Llama4TextConfig(attn_implementation="eager", vocab_size=len(tok),
+                                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                           **{**CONFIG, **cfg})
+    torch.manual_seed(11)
+    hf = transformers.Llama4ForCausalLM(config).float().eval()
+    hf_convert.perturb_constant_weights(hf, seed=12)
+    return hf
+
+
+class Conv:
+    def __init__(self, out_dir):
+        self.tok = tok = hf_convert.tokenizer("llama-bpe")
+        self.out_dir = out_dir
+        self.tokens = [tok.bos_token_id, *tok(TEXT + " " + TEXT, add_special_tokens=False)["input_ids"]][:33]
+        self.hf = hf_model(tok)                      # llama.cpp's fixed chunk and temperature
+        self.small = hf_model(tok, **SMALL)          # the same weights, small chunks and a visible temperature
+        self.small.load_state_dict(self.hf.state_dict())
+        self.ref = hf_logits(self.hf, self.tokens)
+        self.ref_small = hf_logits(self.small, self.tokens)
+        self.paths = {}
+
+    def path(self, outtype: str = "f32"):
+        if outtype not in self.paths:
+            self.paths[outtype] = hf_convert.convert(self.hf, self.out_dir, "llama-bpe", outtype=outtype,
+                                                     name=outtype)
+        return self.paths[outtype]
+
+    def derived(self, what: str, **kw):
+        if what not in self.paths:
+            self.paths[what] = copy_gguf(self.path(), self.out_dir / f"{what}.gguf", **kw)
+        return self.paths[what]
+
+    @property
+    def small_chunks(self):
+        return self.derived("small", meta=SMALL_KEYS)
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory):
+    c = Conv(tmp_path_factory.mktemp("llama4"))
+    assert len(c.tokens) == 33 and len(c.tokens) > 4 * CHUNK
+    return c
+
+
+# ------------------------------------------------------------------ the file and the model read from it
+
+
+def test_the_file_is_the_converters(conv):
+    """llama.cpp's keys and tensors (no key for the chunk size or the temperature); the model reads them."""
+    with gguf.GGUFReader(str(conv.path())) as r:
+        md, ne = r.metadata, {t.name: tuple(t.ne) for t in r.tensors}
+    assert md["general.architecture"] == A and md["tokenizer.ggml.pre"] == "llama-bpe"
+    assert md[f"{A}.interleave_moe_layer_step"] == 2 and md[f"{A}.expert_feed_forward_length"] == 32
+    assert md[f"{A}.feed_forward_length"] == 96 and md[f"{A}.expert_count"] == 4
+    assert f"{A}.attention.sliding_window" not in md and f"{A}.attention.temperature_scale" not in md
+    assert ne["rope_freqs.weight"] == (8,)
+    assert ne["blk.0.ffn_gate.weight"] == (64, 96) and "blk.0.ffn_gate_inp.weight" not in ne
+    assert ne["blk.1.ffn_gate_exps.weight"] == (64, 32, 4) and ne["blk.1.ffn_down_shexp.weight"] == (32, 64)
+    with load_model(conv.path(), devices="cpu") as model:
+        c = model.config
+        assert type(model) is Llama4Model and (c.chunk, c.temp_floor, c.temp_scale) == (8192, 8192, 0.1)
+        assert c.moe_layers == (False, True, False, True) and c.rope_layers == (True, True, True, False)
+        assert c.chunk_layers == c.rope_layers and c.qk_norm and (c.n_expert, c.n_expert_used) == (4, 1)
+        cache = model.new_cache()
+        assert type(cache) is Wrapper and [x.chunk for x in cache.caches] == [8192, None]
+    with load_model(conv.small_chunks, devices="cpu") as model:
+        assert (model.config.chunk, model.config.temp_floor, model.config.temp_scale) == (CHUNK, FLOOR, TEMP)
+
+
+def test_refusals(conv, tmp_path):
+    """A file without chunked layers (llama.cpp asserts on it) or with routing llama.cpp does not build for
+    llama4 is refused, naming the key."""
+    for key, value in ((f"{A}.attention.sliding_window", 0), (f"{A}.expert_weights_norm", True),
+                       (f"{A}.expert_gating_func", 1)):
+        bad = copy_gguf(conv.path(), tmp_path / "bad.gguf", meta={key: value})
+        with pytest.raises(MetadataError, match=key.replace(".", r"\.")):
+            load_model(bad, devices="cpu")
+
+
+# ------------------------------------------------------------------ logits against transformers (and llama.cpp)
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["chunk8192", "chunk8"])
+@pytest.mark.parametrize("flash", [False, True])
+def test_one_batch_matches_transformers(conv, flash, small):
+    path, ref = (conv.small_chunks, conv.ref_small) if small else (conv.path(), conv.ref)
+    err = errors(run_batch(path, conv.tokens, flash_attn=flash), ref)
+    assert err.max() <= TOL, err
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_token_by_token_matches_transformers(conv, flash):
+    err = errors(run_steps(conv.small_chunks, conv.tokens, flash_attn=flash), conv.ref_small)
+    assert err.max() <= TOL, err
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_several_sequences_in_one_batch(conv, flash):
+    """Three sequences interleaved in one batch (each crossing chunk boundaries), then one more token each."""
+    t = conv.tokens
+    small = Conv.__new__(Conv)
+    small.paths, small.hf = {"f32": conv.small_chunks}, conv.small
+    small.path = lambda outtype="f32": conv.small_chunks
+    seqs = [t[:20], t[3:14], t[5:30]]
+    assert sequences_error(small, seqs, [t[20], t[14], t[30]], flash=flash) <= TOL
+
+
+def test_the_chunks_matter(conv):
+    """Full attention in the local layers, no temperature, or no Q/K norms: the logits leave the tolerance by
+    far (each feature is what matches)."""
+    got = run_batch(conv.small_chunks, conv.tokens)
+    assert errors(got, conv.ref_small).max() <= TOL
+    # the same weights with full attention (chunk 8192): past the first chunk, far from the chunked reference
+    assert errors(conv.ref, conv.ref_small)[CHUNK:].min() > 100 * TOL
+    assert errors(run_batch(conv.path(), conv.tokens), conv.ref_small)[CHUNK:].min() > 100 * TOL
+    # no temperature (a scale 1e-9): the NoPE layer's queries unscaled from position FLOOR - 1 on
+    flat = conv.derived("no-temp", meta={**SMALL_KEYS, f"{A}.attention.temperature_scale": 1e-9})
+    assert errors(run_batch(flat, conv.tokens), conv.ref_small)[FLOOR:].min() > 100 * TOL
+    # no Q/K norms: llama.cpp's rule is 128 experts; transformers without them is another model
+    no_norm = hf_model(conv.tok, use_qk_norm=False, **SMALL)
+    no_norm.load_state_dict(conv.hf.state_dict())
+    assert errors(got, hf_logits(no_norm, conv.tokens)).max() > 100 * TOL
+
+
+def test_llama_cpp_on_the_same_file(conv, tmp_path):
+    """llama.cpp (llama-cpp-python 0.3.36, F32 cache, no flash attention) on the converted file: transformers'
+    logits (llama.cpp's chunk 8192 and temperature floor 8192 do not act on 33 tokens), and ggmlpy's. With
+    flash attention llama.cpp rounds K, V and Q to F16: transformers' logits to 3e-3 (measured 2.0e-3), as
+    ggmlpy's flash attention over an F16 cache (1.7e-3 from llama.cpp's)."""
+    ref = llama_cpp_logits(conv.path(), conv.tokens, tmp_path)
+    err_hf, err = errors(ref, conv.ref).max(), errors(run_batch(conv.path(), conv.tokens), ref).max()
+    assert err_hf <= TOL and err <= 1e-6, (err_hf, err)
+    ref = llama_cpp_logits(conv.path(), conv.tokens, tmp_path, flash=True)
+    got = run_batch(conv.path(), conv.tokens, flash_attn=True, type_k="f16", type_v="f16")
+    assert max(errors(ref, conv.ref).max(), errors(got, conv.ref).max(), errors(got, ref).max()) <= 3e-3
