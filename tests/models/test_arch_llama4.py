@@ -21,10 +21,8 @@ reference, the logits leave the tolerance by far (:func:`test_the_chunks_matter`
 
 from __future__ import annotations
 
-import io
 import os
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
@@ -36,10 +34,9 @@ from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 
 from ggmlpy import gguf  # noqa: E402
 from ggmlpy.gguf import MetadataError  # noqa: E402
-from ggmlpy.kvcache import Causal, Wrapper  # noqa: E402
+from ggmlpy.kvcache import Wrapper  # noqa: E402
 from ggmlpy.models import load_model  # noqa: E402
-from ggmlpy.models.llama4 import Llama4Config, Llama4Model  # noqa: E402
-from ggmlpy.runner import Runner  # noqa: E402
+from ggmlpy.models.llama4 import Llama4Model  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

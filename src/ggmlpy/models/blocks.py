@@ -368,7 +368,7 @@ GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, norm_weights: bool = True,
             act: str = "silu", gating: str = "softmax", swiglu_oai: tuple = SWIGLU_OAI, weights_scale: float = 0.0,
             n_group: int = 0, n_group_used: int = 0, weight_before: bool = False) -> Tensor:
-    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss,
+    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss, llama4,
     deepseek2, glm4moe (llama.cpp's ``build_moe_ffn``).
 
     Each token's router logits (``{prefix}ffn_gate_inp.weight``, ``ne = (n_embd, n_expert)``, plus
@@ -392,8 +392,8 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     probabilities; only the ``n_group_used`` best groups' experts may be chosen (DeepSeek-V3's group-limited
     routing, as llama.cpp builds it for every gating). A ``weights_scale`` other than 0 and 1 multiplies
     the weights (DeepSeek's ``routed_scaling_factor``). With ``weight_before`` (Llama 4) each chosen expert's
-    input is scaled by its weight and its output left as it is (llama.cpp's ``weight_before_ffn``). Renormalised sums are clamped at float16's smallest
-    normal number first, as llama.cpp does.
+    input is scaled by its weight and its output left as it is (llama.cpp's ``weight_before_ffn``).
+    Renormalised sums are clamped at float16's smallest normal number first, as llama.cpp does.
 
     ``act``: ``"silu"`` or ``"gelu"`` (:data:`GLU`), or ``"swiglu_oai"``: gpt-oss's SwiGLU with the gate
     clamped above and up on both sides at ``limit``, ``gate * sigmoid(alpha * gate) * (up + 1)``, with
