@@ -1,5 +1,6 @@
 """Tests for ggmlpy.kvcache.Causal's options: transposed V storage (Ollama's ``PermutedV``), non-causal
-spans, the memory-saving sliding window and chunked attention (Llama 4's local layers): what the cache stores, its masks, and attention computed
+spans, the memory-saving sliding window and chunked attention (Llama 4's local layers): what the cache
+stores, its masks, and attention computed
 through it against numpy. The Wrapper has its own file, test_kvcache_wrapper.py.
 
 Scenarios follow Ollama's ``kvcache/causal_test.go`` (padding 1, K = V).
