@@ -29,7 +29,15 @@ torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__
 transformers = pytest.importorskip("transformers") if not os.environ.get("CI") else __import__("transformers")
 
 import hf_convert  # noqa: E402
-from arch_helpers import copy_gguf, llama_cpp_logits, run_batch, run_steps, sequences_error  # noqa: E402
+from arch_helpers import (  # noqa: E402
+    copy_gguf,
+    llama_cpp_logits,
+    run_batch,
+    run_steps,
+    sequences_error,
+    shift_error,
+)
+from test_arch_deepseek import hf_greedy  # noqa: E402
 from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 
 from ggmlpy import gguf  # noqa: E402
@@ -37,6 +45,8 @@ from ggmlpy.gguf import MetadataError  # noqa: E402
 from ggmlpy.kvcache import Wrapper  # noqa: E402
 from ggmlpy.models import load_model  # noqa: E402
 from ggmlpy.models.llama4 import Llama4Model  # noqa: E402
+from ggmlpy.runner import DoneReason, Runner  # noqa: E402
+from ggmlpy.runner.slots import shift_discard  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -189,3 +199,93 @@ def test_llama_cpp_on_the_same_file(conv, tmp_path):
     ref = llama_cpp_logits(conv.path(), conv.tokens, tmp_path, flash=True)
     got = run_batch(conv.path(), conv.tokens, flash_attn=True, type_k="f16", type_v="f16")
     assert max(errors(ref, conv.ref).max(), errors(got, conv.ref).max(), errors(got, ref).max()) <= 3e-3
+
+
+# ------------------------------------------------------------------ the runner (small chunks)
+
+
+def test_generation_across_chunk_boundaries(conv):
+    """Greedy generation from a 6-token prompt for 14 tokens crosses the chunk boundaries at 8 and 16 one
+    token at a time (the planner's one-token path): transformers' greedy tokens."""
+    prompt = conv.tokens[:6]
+    with load_model(conv.small_chunks, devices="cpu") as model, \
+            Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+        r = rt.generate(prompt, max_tokens=14, temperature=0)
+    want = hf_greedy(conv.small, prompt, 14)
+    assert r.tokens == want[:len(r.tokens)] and (len(r.tokens) == 14 or r.done_reason == DoneReason.STOP)
+    assert len(r.tokens) + len(prompt) > 2 * CHUNK
+
+
+def test_requests_together_generate_each_as_alone(conv):
+    prompts = [conv.tokens[:6], conv.tokens[5:17], conv.tokens[-4:]]
+    with load_model(conv.small_chunks, devices="cpu") as model:
+        with Runner(model, n_ctx=64, n_seq_max=3, n_batch=16, type_k="f32", type_v="f32") as rt:
+            together = [h.result() for h in [rt.submit(p, max_tokens=8, temperature=0) for p in prompts]]
+            assert [3] in rt.batch_sizes, rt.batch_sizes
+            assert rt.reallocations == 0
+        with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+            alone = [rt.generate(p, max_tokens=8, temperature=0) for p in prompts]
+    for t, a in zip(together, alone):
+        assert t.tokens == a.tokens
+
+
+def test_prefix_reuse(conv):
+    """A second request continuing the first's tokens (past a chunk boundary) reuses them from the cache and
+    generates what a fresh runner does."""
+    prompt = conv.tokens[:12]
+    with load_model(conv.small_chunks, devices="cpu") as model:
+        with Runner(model, n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as rt:
+            a = rt.generate(prompt, max_tokens=4, temperature=0)
+            b = rt.generate(prompt + a.tokens[:2] + [9], max_tokens=4, temperature=0)
+            assert (a.n_cached, b.n_cached) == (0, len(prompt) + 2)
+        with Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt:
+            assert rt.generate(prompt + a.tokens[:2] + [9], max_tokens=4, temperature=0).tokens == b.tokens
+
+
+def one_layer(conv):
+    """The small-chunk file with only its first layer (RoPE, chunked, dense): a shift is exact there."""
+    return conv.derived("one-layer", meta={**SMALL_KEYS, f"{A}.block_count": 1},
+                        tensors=lambda name, data: [] if name.startswith("blk.") and not name.startswith("blk.0.")
+                        else [(name, data)])
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_context_shift_equals_from_scratch(conv, flash):
+    """remove(keep, keep + discard) re-rotates the kept keys (L2-normed after RoPE: a rotation keeps the norm);
+    the chunks follow the new positions, as a fresh run over the kept tokens has them."""
+    assert shift_error(one_layer(conv), conv.tokens[:24], 4, 10, flash).max() <= TOL
+
+
+def test_runner_context_shift(conv):
+    """The runner's context shift (on the one-layer file, where it is exact): the token after the shift is the
+    one a fresh run over the kept tokens predicts."""
+    prompt, n_ctx, keep = conv.tokens[:6], 16, 2
+    with load_model(one_layer(conv), devices="cpu") as model, \
+            Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32") as rt:
+        r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep, temperature=0)
+        if r.done_reason == DoneReason.STOP:
+            pytest.skip("the model generated its EOS before the context filled")
+        assert r.n_shifts == 1
+        full = (prompt + r.tokens[:-1])[:n_ctx]
+        d = shift_discard(len(full), keep, n_ctx)
+        rt.clear()
+        logits = rt.decode(full[:keep] + full[keep + d:] + (prompt + r.tokens[:-1])[n_ctx:])
+    assert int(logits[0].argmax()) == r.tokens[-1]
+
+
+def test_state_save_and_load(conv, tmp_path):
+    """A sequence's state (both caches of the Wrapper, the chunked one's chunk in its header) saved from one
+    slot and loaded into another continues as transformers does."""
+    toks = conv.tokens
+    with load_model(conv.small_chunks, devices="cpu") as model, \
+            Runner(model, n_ctx=64, n_seq_max=2, type_k="f32", type_v="f32") as rt:
+        rt.decode(toks[:30], seq=1, logits=None)
+        rt.save_state(1, tmp_path / "s.bin")
+        rt.clear()
+        assert rt.load_state(0, tmp_path / "s.bin") == toks[:30]
+        got = rt.decode([toks[30]], seq=0)
+    assert errors(got, conv.ref_small[30:31]).max() <= TOL
+    # the file with llama.cpp's chunk (8192) has another cache configuration: refused, naming the chunk
+    with load_model(conv.path(), devices="cpu") as model, \
+            Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt, pytest.raises(Exception, match="chunk"):
+        rt.load_state(0, tmp_path / "s.bin")

@@ -123,7 +123,7 @@ class Llama4Config(DecoderConfig):
         n_used = meta_int(m.md, m.key("expert_used_count"), lo=1, hi=n_expert, per_layer=True, path=path)
         n_ff_exp = meta_int(m.md, m.key("expert_feed_forward_length"), lo=1, hi=_MAX_EMBD * 8, per_layer=True,
                             path=path)
-        step = m.geti("interleave_moe_layer_step", lo=0, hi=n_layer)
+        step = m.geti("interleave_moe_layer_step", lo=0, hi=1 << 16)
         if read_routing(m, "llama4", _EXPERT_KEYS_BUILT, norm_default=False):
             raise MetadataError(path, m.key("expert_weights_norm"), "true is not supported for llama4 (each "
                                                                     "expert's sigmoid weight is used as it is)")
