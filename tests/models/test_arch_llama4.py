@@ -21,8 +21,10 @@ reference, the logits leave the tolerance by far (:func:`test_the_chunks_matter`
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
@@ -271,6 +273,11 @@ def test_runner_context_shift(conv):
         rt.clear()
         logits = rt.decode(full[:keep] + full[keep + d:] + (prompt + r.tokens[:-1])[n_ctx:])
     assert int(logits[0].argmax()) == r.tokens[-1]
+    # the whole model shifts too: its NoPE layer's keys stay as they are (the shift graph then reads no offsets)
+    with load_model(conv.small_chunks, devices="cpu") as model, \
+            Runner(model, n_ctx=n_ctx, type_k="f32", type_v="f32") as rt:
+        r = rt.generate(prompt, max_tokens=n_ctx - len(prompt) + 2, n_keep=keep, temperature=0)
+        assert r.n_shifts == 1 or r.done_reason == DoneReason.STOP
 
 
 def test_state_save_and_load(conv, tmp_path):
@@ -289,3 +296,44 @@ def test_state_save_and_load(conv, tmp_path):
     with load_model(conv.path(), devices="cpu") as model, \
             Runner(model, n_ctx=64, type_k="f32", type_v="f32") as rt, pytest.raises(Exception, match="chunk"):
         rt.load_state(0, tmp_path / "s.bin")
+
+
+# ------------------------------------------------------------------ the benchmark's files
+
+
+def test_the_benchmarks_synthetic_model_runs(tmp_path):
+    """ggmlpy bench --arch llama4: the built-in file (4 layers, dense and MoE in turn, the fourth NoPE) loads and
+    gives one batch's logits token by token too; llama.cpp gives the same."""
+    from ggmlpy.models.synthetic import synthetic_path
+
+    path = synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch=A)
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_model(path, devices="cpu") as model:
+        c = model.config
+        assert type(model) is Llama4Model and c.moe_layers == (False, True) * 2 and c.chunk == 8192
+        assert c.rope_layers == (True, True, True, False)
+        assert (c.head_dim, c.n_expert, c.n_expert_used, c.n_ff_exp) == (16, 8, 1, 32)
+    full, steps = run_batch(path, toks, flash_attn=False), run_steps(path, toks)
+    assert np.isfinite(full).all() and errors(steps, full).max() <= 1e-3
+    if importlib.util.find_spec("llama_cpp") is None:
+        return
+    assert errors(full, llama_cpp_logits(path, toks, tmp_path)).max() <= 1e-6
+
+
+def test_the_real_shape_preset_is_scouts_layers():
+    """The benchmark's llama4-scout-8L-8E: transformers' Llama4ForCausalLM with Llama-4-Scout's widths (its
+    config's defaults) in 8 layers with 8 experts has its parameters; every layer MoE, as Scout's."""
+    from ggmlpy.models.synthetic import SIZES
+
+    c = SIZES["llama4-scout-8L-8E"]
+    real = transformers.Llama4TextConfig()           # Llama-4-Scout-17B-16E's text model
+    assert (c.n_embd, c.n_head, c.n_head_kv, c.head_dim, c.n_ff, c.n_ff_exp, c.n_expert_used, c.n_vocab,
+            c.moe_step) == \
+        (real.hidden_size, real.num_attention_heads, real.num_key_value_heads, real.head_dim,
+         real.intermediate_size_mlp, real.intermediate_size, real.num_experts_per_tok, real.vocab_size,
+         real.interleave_moe_layer_step)
+    assert real.num_local_experts == 2 * c.n_expert
+    cfg = transformers.Llama4TextConfig(num_hidden_layers=c.n_layer, num_local_experts=c.n_expert)
+    with torch.device("meta"):
+        hf = transformers.Llama4ForCausalLM(cfg)
+    assert c.n_params == sum(p.numel() for p in hf.parameters())

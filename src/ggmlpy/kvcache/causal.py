@@ -471,6 +471,8 @@ class Causal(_CausalForward):
 
         def build(ctx, gf):
             pos = ctx.new_tensor(Type.I32, (n,), name="kv_shift_offsets")
+            # in the graph even when no layer reads it (Llama 4's NoPE layers keep their keys), so it is allocated
+            gf.build_forward_expand(pos)
             for layer, cache in enumerate(self.keys):
                 row = cache.nb[1]
                 view = ctx.view(cache, (hd, self.n_head_kv, n), (self.dtype.row_size(hd), row), start * row)
