@@ -127,8 +127,6 @@ class Llama4Config(DecoderConfig):
         if read_routing(m, "llama4", _EXPERT_KEYS_BUILT, norm_default=False):
             raise MetadataError(path, m.key("expert_weights_norm"), "true is not supported for llama4 (each "
                                                                     "expert's sigmoid weight is used as it is)")
-        if m.getf("expert_weights_scale", 0.0) not in (0.0, 1.0):
-            raise MetadataError(path, m.key("expert_weights_scale"), "a scale is not supported for llama4")
         d.update(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
                  moe_layers=tuple(step > 0 and (il + 1) % step == 0 for il in range(n_layer)),
                  rope_layers=tuple((il + 1) % _NO_ROPE_STEP != 0 for il in range(n_layer)),
