@@ -354,12 +354,20 @@ def test_chunk_mask():
     c = _cache(16, 2, 8, chunk=3)
     _, _, mask, _ = _step(c, [0, 1, 2, 3, 4, 0], [0, 0, 0, 0, 0, 1])
     assert np.array_equal(mask, _m("oxxxxx", "ooxxxx", "oooxxx", "xxxoxx", "xxxoox", "xxxxxo"))
-    # one token at a time (the planner's one-token path): the chunk's start moves with the position
-    for p, row in ((5, "xxxooxo"), (6, "xxxxxxxo")):      # cell 5 is sequence 1
-        _, _, mask, _ = _step(c, [p], [0])
-        assert np.array_equal(mask[:, :len(row)], _m(row)), (p, mask)
-    # nothing is evicted: the cache keeps every position, so the sequence resumes anywhere
-    assert c.seq_pos_min(0) == 0 and c.can_resume(0, 7)
+    # one token at a time (the planner's one-token path): the chunk's start moves with the position; each
+    # sequence keeps its last chunk + 1 positions (two sequences), the older cells are evicted and reused
+    assert (c.memory, c.n_cells) == (4, 16)
+    for p, seen in ((5, {3, 4, 5}), (6, {6}), (7, {6, 7})):
+        plan = c.start_forward([p], [0])
+        cells = c.cells.copy() if plan._after is None else plan._after
+        pos = np.asarray(cells.pos).copy()
+        pos[plan.cell_ids[0]] = p
+        visible = np.flatnonzero(plan.mask[0] == 0) + plan.lo
+        assert set(pos[visible].tolist()) == seen, (p, pos, plan.mask)
+        _step(c, [p], [0])
+    assert c.seq_pos_min(0) == 7 - 4 and c.can_resume(0, 8) and not c.can_resume(0, 9)
+    # a cache of one sequence keeps chunk positions; as large as the capacity, it keeps everything
+    assert _cache(16, 1, 8, chunk=3).memory == 3 and _cache(16, 1, 8, chunk=16).memory is None
 
 
 def test_chunk_masks_against_a_reference():

@@ -144,6 +144,20 @@ def test_the_file_is_the_converters(conv):
         assert (model.config.chunk, model.config.temp_floor, model.config.temp_scale) == (CHUNK, FLOOR, TEMP)
 
 
+def test_the_chunked_cache_keeps_the_last_chunk(conv):
+    """The local layers' cache holds each sequence's last chunk (plus one position, for several sequences) and is
+    sized so; the global layer's holds everything."""
+    with load_model(conv.small_chunks, devices="cpu") as model, \
+            Runner(model, n_ctx=1024, n_ubatch=16, type_k="f32", type_v="f32") as rt:
+        local, full = rt.cache.caches
+        assert (local.chunk, local.memory, full.chunk) == (CHUNK, CHUNK, None)
+        assert [rt.cache.underlying(i) is local for i in range(4)] == [True, True, True, False]
+        assert local.n_cells < full.n_cells == 1024
+        rt.decode(conv.tokens, logits=None)
+        assert local.cells.used < len(conv.tokens) == full.cells.used
+        assert local.seq_pos_min(0) >= len(conv.tokens) - 1 - CHUNK - 16
+
+
 def test_refusals(conv, tmp_path):
     """A file without chunked layers (llama.cpp asserts on it) or with routing llama.cpp does not build for
     llama4 is refused, naming the key."""

@@ -103,8 +103,10 @@ class Causal(_CausalForward):
     chunk : int, optional
         Chunked attention (Llama 4's local layers, llama.cpp's ``LLAMA_SWA_TYPE_CHUNKED``): a token at
         position ``p`` sees only the positions of its own chunk, ``[p - p % chunk, p]``. Not with ``window``.
-        Earlier chunks are masked, not evicted: the cache keeps every position, so prefix reuse and
-        context shift work as in a full cache (llama.cpp evicts them, and sizes the cache smaller).
+        Earlier chunks are masked, and evicted as a sliding window's cells are: each sequence keeps its last
+        ``chunk`` positions (``chunk + 1`` with several sequences), which hold every position its next token's
+        chunk needs, and the cache is sized as a window cache of that memory (llama.cpp's chunked cache keeps
+        the current chunk and sizes so too); :meth:`can_resume` then asks for the last ``chunk`` positions.
     memory : int, optional
         With ``window``: keep ``memory`` positions (``>= window``) per
         sequence for prefix reuse while the mask still uses ``window``
@@ -216,8 +218,8 @@ class Causal(_CausalForward):
 
         ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
         unlimited cache, ``n_seq_max * memory + max_batch`` with a sliding
-        window, rounded up to ``padding``. ``memory`` is the ``memory``
-        option (default the window), at least ``window + 1`` with several
+        window or chunks, rounded up to ``padding``. ``memory`` is the ``memory``
+        option (default the window, or the chunk), at least ``window + 1`` with several
         sequences, and unlimited when that reaches ``capacity``.
 
         With ``placement`` (a :class:`ggmlpy.backend.Placement`), each layer's
@@ -273,10 +275,11 @@ class Causal(_CausalForward):
         """``(cells, memory)`` that :meth:`init` would use (see there)."""
         if capacity < 1 or n_seq_max < 1 or max_batch < 1:
             raise GGMLValueError("capacity, n_seq_max and max_batch must be >= 1")
-        memory = self.memory_size or self.window
+        # a chunked cache keeps the last `chunk` positions: every position of the current chunk
+        memory = self.memory_size or self.window or self.chunk
         if memory is not None and n_seq_max > 1:
             # keep the stop token so a conversation can resume
-            memory = max(memory, self.window + 1)
+            memory = max(memory, (self.window or self.chunk) + 1)
         if memory is not None and memory >= capacity:
             memory = None
         n = n_seq_max * capacity if memory is None else n_seq_max * memory + max_batch
@@ -574,7 +577,7 @@ class Causal(_CausalForward):
         Unlike Ollama (which answers False there when the oldest positions
         were evicted), ``pos == 0`` is always resumable: it needs no history.
         """
-        return self.cells.can_resume(seq, pos, window=None if self.memory is None else self.window)
+        return self.cells.can_resume(seq, pos, window=None if self.memory is None else self.window or self.chunk)
 
     def seq_pos_min(self, seq: int) -> int:
         return self.cells.seq_pos_min(seq)

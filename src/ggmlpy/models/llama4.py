@@ -33,7 +33,8 @@ converter's mark of a model without chunked layers, MobileLLM-R1) is refused: ll
 reads a temperature scale of 0 and asserts.
 
 The cache is a :class:`~ggmlpy.kvcache.Wrapper` of a chunked :class:`~ggmlpy.kvcache.Causal` (the local
-layers) and a full one (the global layers); the chunked one masks earlier chunks and keeps their cells.
+layers) and a full one (the global layers); the chunked one masks earlier chunks and keeps only the last
+``chunk`` positions of each sequence (sized as a sliding-window cache of that memory).
 A context shift re-rotates the keys of RoPE layers (their L2 norm is unchanged by a rotation) and leaves
 the NoPE layers' keys as they are.
 """
