@@ -175,6 +175,7 @@ def test_refusals(conv, tmp_path):
     ("interleave_moe_layer_step", None, r"'llama4\.interleave_moe_layer_step': is missing"),
     ("expert_feed_forward_length", None, r"'llama4\.expert_feed_forward_length': is missing"),
     ("attention.temperature_scale", 0.0, r"'llama4\.attention\.temperature_scale'"),
+    ("rope.freq_base_swa", 10000.0, r"'llama4\.rope\.freq_base_swa': a local RoPE base"),
 ])
 def test_unsupported_metadata_names_the_key(conv, key, value, match):
     with gguf.GGUFReader(str(conv.path())) as r:

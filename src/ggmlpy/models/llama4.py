@@ -30,7 +30,8 @@ them at 8192, 8192 and 0.1 (the released models' values). This module reads them
 file has them and takes llama.cpp's values otherwise; a file with those keys (the tests' small chunks)
 is therefore read differently by llama.cpp, which ignores them. ``attention.sliding_window = 0`` (the
 converter's mark of a model without chunked layers, MobileLLM-R1) is refused: llama.cpp's graph for it
-reads a temperature scale of 0 and asserts.
+reads a temperature scale of 0 and asserts; so is a ``rope.freq_base_swa`` other than ``rope.freq_base``
+(llama.cpp would rotate the chunked layers with it; the converter never writes it).
 
 The cache is a :class:`~ggmlpy.kvcache.Wrapper` of a chunked :class:`~ggmlpy.kvcache.Causal` (the local
 layers) and a full one (the global layers); the chunked one masks earlier chunks and keeps only the last
@@ -128,6 +129,10 @@ class Llama4Config(DecoderConfig):
         if read_routing(m, "llama4", _EXPERT_KEYS_BUILT, norm_default=False):
             raise MetadataError(path, m.key("expert_weights_norm"), "true is not supported for llama4 (each "
                                                                     "expert's sigmoid weight is used as it is)")
+        if "rope.freq_base_swa" in m and m.getf("rope.freq_base_swa") != d["rope_base"]:
+            # llama.cpp would rotate the chunked layers with it; the converter never writes it for llama4
+            raise MetadataError(path, m.key("rope.freq_base_swa"), "a local RoPE base other than rope.freq_base is "
+                                                                   "not supported for llama4")
         d.update(n_expert=n_expert, n_expert_used=n_used, n_ff_exp=n_ff_exp,
                  moe_layers=tuple(step > 0 and (il + 1) % step == 0 for il in range(n_layer)),
                  rope_layers=tuple((il + 1) % _NO_ROPE_STEP != 0 for il in range(n_layer)),
