@@ -1,5 +1,6 @@
 """Tests for ggmlpy.kvcache.Causal's options: transposed V storage (Ollama's ``PermutedV``), non-causal
-spans and the memory-saving sliding window: what the cache stores, its masks, and attention computed
+spans, the memory-saving sliding window and chunked attention (Llama 4's local layers): what the cache
+stores, its masks, and attention computed
 through it against numpy. The Wrapper has its own file, test_kvcache_wrapper.py.
 
 Scenarios follow Ollama's ``kvcache/causal_test.go`` (padding 1, K = V).
@@ -82,13 +83,14 @@ def test_v_trans_rejects_quantized():
         Causal(1, 64, 64, Type.Q8_0, v_trans=True)
 
 
-def _reference(q, hist, positions, seqs, scale, group, window=None, except_rows=()):
+def _reference(q, hist, positions, seqs, scale, group, window=None, except_rows=(), chunk=None):
     n, n_head, d = q.shape
     out = np.zeros_like(q)
     for i, (p, s) in enumerate(zip(positions, seqs)):
         items = [(pp, kk, vv) for pp, kk, vv in hist[s]
                  if (pp <= p or i in except_rows)
-                 and (window is None or pp >= p - window)]
+                 and (window is None or pp >= p - window)
+                 and (chunk is None or pp >= p - p % chunk)]
         ks = np.stack([it[1] for it in items])
         vs = np.stack([it[2] for it in items])
         for h in range(n_head):
@@ -342,3 +344,81 @@ def test_k_only_cache_state_round_trip(tmp_path):
 
     with pytest.raises(StateError, match="v_row_bytes"):
         full.load_seq(0, tmp_path / "s.bin")
+
+
+# ---------------------------------------------------------------- 4. chunked attention
+
+
+def test_chunk_mask():
+    # chunk 3: positions 0-2, 3-5, 6-8 are the chunks; a token sees its own chunk up to itself
+    c = _cache(16, 2, 8, chunk=3)
+    _, _, mask, _ = _step(c, [0, 1, 2, 3, 4, 0], [0, 0, 0, 0, 0, 1])
+    assert np.array_equal(mask, _m("oxxxxx", "ooxxxx", "oooxxx", "xxxoxx", "xxxoox", "xxxxxo"))
+    # one token at a time (the planner's one-token path): the chunk's start moves with the position; each
+    # sequence keeps its last chunk + 1 positions (two sequences), the older cells are evicted and reused
+    assert (c.memory, c.n_cells) == (4, 16)
+    for p, seen in ((5, {3, 4, 5}), (6, {6}), (7, {6, 7})):
+        plan = c.start_forward([p], [0])
+        cells = c.cells.copy() if plan._after is None else plan._after
+        pos = np.asarray(cells.pos).copy()
+        pos[plan.cell_ids[0]] = p
+        visible = np.flatnonzero(plan.mask[0] == 0) + plan.lo
+        assert set(pos[visible].tolist()) == seen, (p, pos, plan.mask)
+        _step(c, [p], [0])
+    assert c.seq_pos_min(0) == 7 - 4 and c.can_resume(0, 8) and not c.can_resume(0, 9)
+    # a cache of one sequence keeps chunk positions; as large as the capacity, it keeps everything
+    assert _cache(16, 1, 8, chunk=3).memory == 3 and _cache(16, 1, 8, chunk=16).memory is None
+
+
+def test_chunk_masks_against_a_reference():
+    """Random batches of several sequences, one token or many, through caches of chunk 1 to 5: every plan's
+    mask is the rule's, computed from the cells (own sequence, not later, not before the row's chunk)."""
+    rng = np.random.default_rng(3)
+    for chunk in (1, 2, 3, 5):
+        c = _cache(64, 3, 8, chunk=chunk)
+        nxt = [0, 0, 0]
+        for _ in range(20):
+            n = int(rng.integers(1, 6))
+            seqs = rng.integers(0, 3, n).tolist()
+            positions = []
+            for s in seqs:
+                positions.append(nxt[s])
+                nxt[s] += 1
+            plan = c.start_forward(positions, seqs)
+            after = plan._after if plan._after is not None else None
+            pos, owned = (after.pos, after.seqs) if after is not None else (c.cells.pos.copy(), c.cells.seqs.copy())
+            if after is None:      # a one-token plan: its cell is written by apply
+                pos, owned = pos.copy(), owned.copy()
+                pos[plan.cell_ids[0]], owned[plan.cell_ids[0], seqs[0]] = positions[0], True
+            cp, co = pos[plan.lo:plan.hi], owned[plan.lo:plan.hi]
+            p = np.asarray(positions)[:, None]
+            want = co[:, seqs].T & (cp[None, :] <= p) & (cp[None, :] >= p - p % chunk)
+            np.testing.assert_array_equal(plan.mask == 0, want)
+            c.apply(plan)
+
+
+@VT
+def test_attention_chunked(v_trans):
+    c = _cache(16, 2, 8, Type.F16, head_dim=8, n_head_kv=2, v_trans=v_trans, chunk=3)
+    steps = [([0, 0, 1, 1, 2], [0, 1, 0, 1, 0]), ([3, 2, 3, 4], [0, 1, 1, 1]), ([4], [0]), ([5, 5, 6], [1, 0, 0])]
+    _attention_run(c, steps, 8, 4, 2, ref_kw={"chunk": 3})
+
+
+def test_chunk_validation_and_state(tmp_path):
+    with pytest.raises(ValueError, match="chunk"):
+        Causal(1, 8, 8, chunk=0)
+    with pytest.raises(ValueError, match="chunk"):
+        Causal(1, 8, 8, chunk=4, window=3)
+    c = _cache(16, 1, 8, head_dim=8, chunk=4)
+    _step(c, list(range(6)), [0] * 6, k=np.ones((6, 1, 8), np.float32))
+    path = tmp_path / "seq.bin"
+    with open(path, "wb") as f:
+        c.save_seq(0, f)
+    same = _cache(16, 1, 8, head_dim=8, chunk=4)
+    with open(path, "rb") as f:
+        same.load_seq(0, f)
+    assert same.seq_pos_max(0) == 5
+    # the chunk is part of the configuration a state must match
+    for other in (_cache(16, 1, 8, head_dim=8, chunk=2), _cache(16, 1, 8, head_dim=8)):
+        with open(path, "rb") as f, pytest.raises(Exception, match="chunk"):
+            other.load_seq(0, f)

@@ -23,7 +23,8 @@ full one holding layers on each side). Then the same runner session, F32 cache, 
 
 Sources: llama (4 layers), Mixtral (a llama file with experts), qwen3, qwen3moe, gemma3 (13 layers:
 local 0-4, global 5, local 6-10, global 11, local 12; window 8), deepseek2 (4 layers, the
-first dense; a K-only latent cache), glm4moe (4 layers, the first dense) and lfm2 (6 layers: attention 1 and 4,
+first dense; a K-only latent cache), glm4moe (4 layers, the first dense), llama4 (4 layers, dense and MoE in
+turn, the last NoPE) and lfm2 (6 layers: attention 1 and 4,
 short convolutions with recurrent states elsewhere; its context shift is the runner's fallback, the
 kept tokens computed again), granitehybrid (6 layers: attention 1 and 5, Mamba-2 elsewhere) and qwen3next (6
 layers: gated attention 1 and 5, gated DeltaNet elsewhere) are
@@ -91,6 +92,8 @@ SYNTHETIC = {
     # the first layer dense, then experts in groups; the latent cache (K rows only) on both sides
     "deepseek2": replace(for_arch(_TINY, "deepseek2"), n_layer=4),
     "glm4moe": replace(for_arch(_TINY, "glm4moe"), n_layer=4),
+    # dense and MoE layers in turn, chunked attention in 0-2, NoPE in 3 (a Wrapper of a chunked and a full cache)
+    "llama4": for_arch(_TINY, "llama4"),
 }
 
 # name: (n_gpu_layers, flash attention). n_gpu_layers > n_layer puts every layer and the output head on the
@@ -111,6 +114,7 @@ CASES = {
     "qwen3next": (3, True),       # DeltaNet layers 3, 4 and attention layer 5 on the server
     "deepseek2": (3, True),       # layers 1-3 (experts) on the server, the dense layer 0 on the CPU
     "glm4moe": (2, False),        # layers 2-3 (experts) on the server; the dense layer 0 and layer 1 on the CPU
+    "llama4": (2, True),          # chunked layer 2 (dense) and NoPE layer 3 (experts) on the server
 }
 CONVERTED = ("gemma2", "phi3", "olmo2", "granite")
 

@@ -45,6 +45,8 @@ PUBLIC = {
     # transformers' Glm4MoeForCausalLM with these layers (test_arch_glm4moe counts it), GLM-4.5's Q/K norms and
     # the routing bias
     "glm4.5-air-8L": (17.876e9, False, 128, "glm4moe"),
+    # transformers' Llama4ForCausalLM with these layers and experts (test_arch_llama4 counts it)
+    "llama4-scout-8L-8E": (11.632e9, False, 128, "llama4"),
 }
 
 

@@ -100,6 +100,13 @@ class Causal(_CausalForward):
         each token in one row, and its value is that latent). ``n_embd_v`` must be at most ``n_embd_k``;
         V has K's type (``dtype_v`` must be None or ``dtype``); not with ``v_trans``. :meth:`put` then
         takes ``v=None`` and writes K only; no V tensors exist (:attr:`values` is empty).
+    chunk : int, optional
+        Chunked attention (Llama 4's local layers, llama.cpp's ``LLAMA_SWA_TYPE_CHUNKED``): a token at
+        position ``p`` sees only the positions of its own chunk, ``[p - p % chunk, p]``. Not with ``window``.
+        Earlier chunks are masked, and evicted as a sliding window's cells are: each sequence keeps its last
+        ``chunk`` positions (``chunk + 1`` with several sequences), which hold every position its next token's
+        chunk needs, and the cache is sized as a window cache of that memory (llama.cpp's chunked cache keeps
+        the current chunk and sizes so too); :meth:`can_resume` then asks for the last ``chunk`` positions.
     memory : int, optional
         With ``window``: keep ``memory`` positions (``>= window``) per
         sequence for prefix reuse while the mask still uses ``window``
@@ -120,7 +127,8 @@ class Causal(_CausalForward):
     def __init__(self, n_layers: int, n_embd_k: int, n_embd_v: int, dtype=Type.F16, *,
                  window: Optional[int] = None, padding: int = 1, n_head_kv: int = 1,
                  shift_fn: Optional[Callable[[Context, int, Tensor, Tensor], Tensor]] = None,
-                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None, v_in_k: bool = False) -> None:
+                 v_trans: bool = False, memory: Optional[int] = None, dtype_v=None, v_in_k: bool = False,
+                 chunk: Optional[int] = None) -> None:
         self.n_layers = int(n_layers)
         self.n_embd_k = int(n_embd_k)
         self.n_embd_v = int(n_embd_v)
@@ -141,6 +149,9 @@ class Causal(_CausalForward):
             raise GGMLValueError(f"window must be >= 0, got {window}")
         # Ollama: window 0 means unlimited.
         self.window = None if not window else int(window)
+        if chunk is not None and (int(chunk) < 1 or self.window is not None):
+            raise GGMLValueError(f"chunk must be >= 1 and without a window, got chunk {chunk}, window {window}")
+        self.chunk = None if chunk is None else int(chunk)
         self.padding = max(1, int(padding))
         # a cache row is split into heads by views: a head must hold whole blocks
         for what, t, hd in (("K", self.dtype, self.n_embd_k // self.n_head_kv),
@@ -207,8 +218,8 @@ class Causal(_CausalForward):
 
         ``capacity`` is per sequence. Cells: ``n_seq_max * capacity`` for an
         unlimited cache, ``n_seq_max * memory + max_batch`` with a sliding
-        window, rounded up to ``padding``. ``memory`` is the ``memory``
-        option (default the window), at least ``window + 1`` with several
+        window or chunks, rounded up to ``padding``. ``memory`` is the ``memory``
+        option (default the window, or the chunk), at least ``window + 1`` with several
         sequences, and unlimited when that reaches ``capacity``.
 
         With ``placement`` (a :class:`ggmlpy.backend.Placement`), each layer's
@@ -264,10 +275,11 @@ class Causal(_CausalForward):
         """``(cells, memory)`` that :meth:`init` would use (see there)."""
         if capacity < 1 or n_seq_max < 1 or max_batch < 1:
             raise GGMLValueError("capacity, n_seq_max and max_batch must be >= 1")
-        memory = self.memory_size or self.window
+        # a chunked cache keeps the last `chunk` positions: every position of the current chunk
+        memory = self.memory_size or self.window or self.chunk
         if memory is not None and n_seq_max > 1:
             # keep the stop token so a conversation can resume
-            memory = max(memory, self.window + 1)
+            memory = max(memory, (self.window or self.chunk) + 1)
         if memory is not None and memory >= capacity:
             memory = None
         n = n_seq_max * capacity if memory is None else n_seq_max * memory + max_batch
@@ -394,7 +406,7 @@ class Causal(_CausalForward):
         n = None if self._cells is None else self._cells.n_cells
         return (f"Causal(n_layers={self.n_layers}, n_embd_k={self.n_embd_k}, n_embd_v={self.n_embd_v}, "
                 f"dtype={self.dtype.name}{'' if self.dtype_v == self.dtype else '/' + self.dtype_v.name}, "
-                f"window={self.window}, cells={n})")
+                f"window={self.window}{'' if self.chunk is None else f', chunk={self.chunk}'}, cells={n})")
 
     # ------------------------------------------------------------------ management
 
@@ -462,6 +474,8 @@ class Causal(_CausalForward):
 
         def build(ctx, gf):
             pos = ctx.new_tensor(Type.I32, (n,), name="kv_shift_offsets")
+            # in the graph even when no layer reads it (Llama 4's NoPE layers keep their keys), so it is allocated
+            gf.build_forward_expand(pos)
             for layer, cache in enumerate(self.keys):
                 row = cache.nb[1]
                 view = ctx.view(cache, (hd, self.n_head_kv, n), (self.dtype.row_size(hd), row), start * row)
@@ -563,7 +577,7 @@ class Causal(_CausalForward):
         Unlike Ollama (which answers False there when the oldest positions
         were evicted), ``pos == 0`` is always resumable: it needs no history.
         """
-        return self.cells.can_resume(seq, pos, window=None if self.memory is None else self.window)
+        return self.cells.can_resume(seq, pos, window=None if self.memory is None else self.window or self.chunk)
 
     def seq_pos_min(self, seq: int) -> int:
         return self.cells.seq_pos_min(seq)

@@ -90,6 +90,14 @@ class ForwardPlan:
         return (self.lo, self.hi)
 
 
+def _mask_chunks(mask: np.ndarray, cell_pos: np.ndarray, positions: np.ndarray, chunk: int) -> None:
+    """Chunked attention, in place: row ``i`` of ``mask`` (``[n_batch, hi - lo]``, cells ``lo..hi`` at
+    ``cell_pos``) hides the cells before its chunk, positions below ``p - p % chunk`` (llama.cpp's
+    ``LLAMA_SWA_TYPE_CHUNKED``); the causal, sequence and emptiness rules were applied already."""
+    start = positions - positions % chunk
+    mask[cell_pos[None, :] < start[:, None]] = -np.inf
+
+
 class _LayerView:
     """The current-layer cursor of a graph's view of a cache (``cache`` must have ``_check_layer``)."""
 
@@ -261,6 +269,8 @@ class _CausalForward:
         lo, hi = trial.visible_range(seq_ids, pad=self.padding)
         mask = trial.mask(positions, seq_ids, window=self.window, except_rows=except_rows, lo=lo, hi=hi,
                           dtype=np.float16)
+        if self.chunk is not None:
+            _mask_chunks(mask, trial.pos[lo:hi], positions, self.chunk)
         if span_list:
             # a span's rows see its own later rows, not what follows it in the batch
             cell_pos = trial.pos[lo:hi]
@@ -303,6 +313,10 @@ class _CausalForward:
                                           self.padding, -1 if self.window is None else self.window)
         if cell < 0:
             raise KVCacheFull(f"could not find a kv cache slot (cache: {cells.n_cells} batch: 1)")
+        if self.chunk is not None:
+            cell_pos = cells._pos[lo:hi].astype(np.int64)
+            cell_pos[cell - lo] = p                     # the token's own cell, not yet committed
+            _mask_chunks(mask, cell_pos, positions, self.chunk)
         return ForwardPlan(positions, seq_ids, np.array([cell], dtype=np.int64), lo, hi, mask, False, {},
                            cells.n_cells, _base=(cells, cells._version), _one=(cell, p, s))
 

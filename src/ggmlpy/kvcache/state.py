@@ -119,6 +119,8 @@ _COMPARED = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "type_k", "type_v"
              "k_row_bytes", "v_row_bytes")
 _INTS = ("n_layers", "n_embd_k", "n_embd_v", "n_head_kv", "k_row_bytes", "v_row_bytes", "count")
 _CACHE_KEYS = frozenset(_INTS + ("type_k", "type_v", "v_trans", "window", "memory"))
+# written only by a chunked cache (Llama 4's local layers), so files of every other cache read as before
+_OPTIONAL_KEYS = frozenset(("chunk",))
 _TOP_KEYS = frozenset(("format", "kind", "seq", "meta", "caches"))
 _RS_KEYS = frozenset(("kind", "n_layers", "states", "count"))
 _MAX_STATES = 16            # states per recurrent layer (a convolution's, a scan's...)
@@ -160,7 +162,7 @@ def _config(c) -> dict:
     return {"n_layers": c.n_layers, "n_embd_k": c.n_embd_k, "n_embd_v": c.n_embd_v, "n_head_kv": c.n_head_kv,
             "type_k": c.dtype.name, "type_v": c.dtype_v.name, "v_trans": c.v_trans, "window": c.window,
             "memory": c.memory, "k_row_bytes": c.dtype.row_size(c.n_embd_k),
-            "v_row_bytes": c._v_row_bytes()}
+            "v_row_bytes": c._v_row_bytes(), **({"chunk": c.chunk} if c.chunk is not None else {})}
 
 
 def _state_bytes(cfg: dict) -> int:
@@ -510,8 +512,8 @@ def _check_schema(header, version: int = VERSION) -> None:
                                  f"{_show(cfg['n_layers'])}, {_show(cfg['count'])}")
             _check_states(i, cfg["states"])
             continue
-        if set(cfg) != _CACHE_KEYS:
-            extra, missing = sorted(set(cfg) - _CACHE_KEYS), sorted(_CACHE_KEYS - set(cfg))
+        if not _CACHE_KEYS <= set(cfg) <= _CACHE_KEYS | _OPTIONAL_KEYS:
+            extra, missing = sorted(set(cfg) - _CACHE_KEYS - _OPTIONAL_KEYS), sorted(_CACHE_KEYS - set(cfg))
             raise StateError(f"sequence state header: cache {i} has "
                              f"{'unknown keys ' + _show(extra) if extra else 'no ' + _show(missing)}")
         for key in _INTS:
@@ -522,8 +524,8 @@ def _check_schema(header, version: int = VERSION) -> None:
                 raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {_show(cfg[key])}")
         if type(cfg["v_trans"]) is not bool:
             raise StateError(f"sequence state header: cache {i} has a bad 'v_trans': {_show(cfg['v_trans'])}")
-        for key in ("window", "memory"):
-            if cfg[key] is not None and not _is_int(cfg[key], 1):
+        for key in ("window", "memory", "chunk"):
+            if cfg.get(key) is not None and not _is_int(cfg[key], 1):
                 raise StateError(f"sequence state header: cache {i} has a bad {key!r}: {_show(cfg[key])}")
 
 
@@ -551,7 +553,8 @@ def _check_config(header: dict, kind: str, caches: list, routing) -> None:
             continue
         mine = _config(c)
         # the schema fixed every value's JSON type, so == compares like with like
-        diff = [f"{k} {cfg[k]!r} in the file, {mine[k]!r} here" for k in _COMPARED if cfg[k] != mine[k]]
+        diff = [f"{k} {cfg.get(k)!r} in the file, {mine.get(k)!r} here" for k in _COMPARED + ("chunk",)
+                if cfg.get(k) != mine.get(k)]
         if diff:
             raise StateError(f"sequence state configuration{where} differs: {'; '.join(diff)}")
 

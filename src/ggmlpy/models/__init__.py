@@ -25,7 +25,9 @@ report exists before any data is read) and then loads the data with progress.
   attention layers the same way, experts with a shared one), :mod:`~ggmlpy.models.qwen3next` (qwen3next,
   qwen35: gated DeltaNet layers and gated attention layers the same way), :mod:`~ggmlpy.models.deepseek`
   (deepseek2: multi-head latent attention over a latent cache, DeepSeek's experts),
-  :mod:`~ggmlpy.models.glm4moe` (GLM-4.5: partial RoPE, DeepSeek's experts); and the encoders of
+  :mod:`~ggmlpy.models.glm4moe` (GLM-4.5: partial RoPE, DeepSeek's experts), :mod:`~ggmlpy.models.llama4`
+  (Llama 4: chunked attention and NoPE layers through a :class:`~ggmlpy.kvcache.Wrapper`, interleaved
+  experts); and the encoders of
   :mod:`~ggmlpy.models.bert` (bert, nomic-bert, nomic-bert-moe: embeddings and reranking, non-causal,
   through an :class:`~ggmlpy.kvcache.Encoder` cache);
 * :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
@@ -43,6 +45,7 @@ from . import (  # noqa: F401  (each registers its architectures)
     granite,
     granitehybrid,
     lfm2,
+    llama4,
     olmo2,
     phi3,
     qwen3,

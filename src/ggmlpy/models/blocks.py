@@ -367,8 +367,8 @@ GATINGS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
 
 def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, norm_weights: bool = True,
             act: str = "silu", gating: str = "softmax", swiglu_oai: tuple = SWIGLU_OAI, weights_scale: float = 0.0,
-            n_group: int = 0, n_group_used: int = 0) -> Tensor:
-    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss,
+            n_group: int = 0, n_group_used: int = 0, weight_before: bool = False) -> Tensor:
+    """Mixture-of-experts feed-forward of ``cur`` (``ne = (n_embd, n)``): mixtral, qwen3moe, gpt-oss, llama4,
     deepseek2, glm4moe (llama.cpp's ``build_moe_ffn``).
 
     Each token's router logits (``{prefix}ffn_gate_inp.weight``, ``ne = (n_embd, n_expert)``, plus
@@ -391,8 +391,9 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     are ``n_group`` groups of consecutive experts, each scored by the sum of its two largest (biased)
     probabilities; only the ``n_group_used`` best groups' experts may be chosen (DeepSeek-V3's group-limited
     routing, as llama.cpp builds it for every gating). A ``weights_scale`` other than 0 and 1 multiplies
-    the weights (DeepSeek's ``routed_scaling_factor``). Renormalised sums are clamped at float16's smallest
-    normal number first, as llama.cpp does.
+    the weights (DeepSeek's ``routed_scaling_factor``). With ``weight_before`` (Llama 4) each chosen expert's
+    input is scaled by its weight and its output left as it is (llama.cpp's ``weight_before_ffn``).
+    Renormalised sums are clamped at float16's smallest normal number first, as llama.cpp does.
 
     ``act``: ``"silu"`` or ``"gelu"`` (:data:`GLU`), or ``"swiglu_oai"``: gpt-oss's SwiGLU with the gate
     clamped above and up on both sides at ``limit``, ``gate * sigmoid(alpha * gate) * (up + 1)``, with
@@ -444,6 +445,9 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     if weights_scale not in (0.0, 1.0):
         weights = ctx.scale(weights, float(weights_scale))
     x = ctx.reshape(cur, (n_embd, 1, n))            # one input row per token, shared by its experts
+    if weight_before:
+        # each chosen expert gets its own copy of the row, scaled by its weight
+        x = ctx.mul(ctx.repeat_4d(x, n_embd, k, n, 1), weights)
 
     def experts_of(name, inp):
         exps = w[f"{prefix}{name}.weight"]
@@ -459,7 +463,9 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
         h = _PLAIN_ACT[act](ctx, experts_of("ffn_up_exps", x))                        # (n_ff, k, n)
     else:
         h = split(ctx, experts_of("ffn_gate_exps", x), experts_of("ffn_up_exps", x))  # (n_ff, k, n)
-    experts = ctx.mul(experts_of("ffn_down_exps", h), weights)                       # (n_embd, k, n)
+    experts = experts_of("ffn_down_exps", h)                                         # (n_embd, k, n)
+    if not weight_before:
+        experts = ctx.mul(experts, weights)
     # the sum over the k experts: views of one expert's rows across the tokens, added
     out = None
     for i in range(k):

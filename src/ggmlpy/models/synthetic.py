@@ -12,8 +12,10 @@ convolutions of 3 taps, attention in every third layer), ``granitehybrid`` (Gran
 Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers), ``qwen3next`` (Qwen3-Next:
 gated DeltaNet layers, gated attention in every fourth, 8 experts and a shared one), ``deepseek2``
 (multi-head latent attention, the first layer dense, then 8 experts in 4 groups with a shared
-one and sigmoid routing: DeepSeek-V3's layout scaled to the size) or ``glm4moe`` (GLM-4.5's:
-Q/K/V biases, Q/K norms, half of each head rotated, DeepSeek's experts without groups), each
+one and sigmoid routing: DeepSeek-V3's layout scaled to the size), ``glm4moe`` (GLM-4.5's:
+Q/K/V biases, Q/K norms, half of each head rotated, DeepSeek's experts without groups) or ``llama4``
+(Llama 4's: dense and MoE layers in turn, 8 experts with one used and a shared one, chunked attention in
+three layers of four and NoPE in the fourth, as llama.cpp assumes for a file without the keys), each
 with the metadata keys
 and tensor names llama.cpp's loader reads. The file has no tokenizer (``tokenizer.ggml.model = "none"``
 plus ``llama.vocab_size``), which llama.cpp also loads, so the same file can be
@@ -68,7 +70,8 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next", "deepseek2", "glm4moe")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next", "deepseek2", "glm4moe",
+         "llama4")
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class SyntheticConfig:
     n_dense_lead: int = 0
     n_group: int = 0
     n_group_used: int = 0
+    moe_step: int = 0            # llama4: every moe_step-th layer has the experts (interleave_moe_layer_step)
 
     @property
     def head_dim(self) -> int:
@@ -191,13 +195,20 @@ SIZES: dict[str, SyntheticConfig] = {
                         n_embd_head=192, n_expert=32, n_expert_used=8, n_ff_exp=2048, n_lora_q=1536, n_lora_kv=512,
                         n_rot=64, n_embd_head_v=128, n_expert_shared=1, n_dense_lead=3, n_group=8, n_group_used=4,
                         nominal=18.4e9),
+        # Llama-4-Scout's widths (40 heads of 128 over 8 KV heads, 8k-wide experts with one used and a shared
+        # one, every layer MoE, its 202k vocabulary) in 8 of its 48 layers with 8 of its 16 experts: 11.6B
+        # parameters, Q4_K_M in about 7 GB; per token it reads what the real model's first 8 layers do
+        SyntheticConfig("llama4-scout-8L-8E", 5120, 8, 40, 8, 16384, 202048, 10485760,
+                        "Llama-4-Scout-17B-16E, 8 of its 48 layers and 8 of its 16 experts", rope_freq_base=500000.0,
+                        arch="llama4", n_embd_head=128, n_expert=8, n_expert_used=1, n_ff_exp=8192, moe_step=1,
+                        nominal=11.6e9),
     )
 }
 
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
 PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
-           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E")
+           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E", "llama4-scout-8L-8E")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
@@ -251,6 +262,14 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
         return replace(cfg, arch=arch, rope_freq_base=1e6, n_rot=cfg.head_dim // 2, n_expert=8, n_expert_used=2,
                        n_ff_exp=max(32, cfg.n_ff // 8 // 32 * 32), n_expert_shared=1,
                        n_dense_lead=1 if cfg.n_layer > 1 else 0, n_group=0, n_group_used=0)
+    if arch == "llama4":
+        # Llama 4's: dense and MoE layers in turn (Maverick's step; the tiny size's second layer has the experts),
+        # 8 experts of a quarter of the dense width, 1 used, and a shared one as wide; heads of 128 at most; 4
+        # layers at least, so that the fourth is NoPE (llama.cpp asserts on a file without one: its temperature
+        # input would be in no graph)
+        return replace(cfg, arch=arch, rope_freq_base=500000.0, n_embd_head=min(128, cfg.head_dim), n_expert=8,
+                       n_expert_used=1, n_ff_exp=max(32, cfg.n_ff // 4 // 32 * 32), moe_step=2,
+                       n_layer=max(4, cfg.n_layer))
     return replace(cfg, arch=arch, rope_freq_base=1e6, rms_eps=1e-6, sliding_window=min(512, cfg.n_ctx // 4))
 
 
@@ -523,8 +542,33 @@ def _glm4moe_layers(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], st
     return specs
 
 
+def _llama4_layers(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """The layers of a llama4 file: llama's attention, then a dense feed-forward or (every ``moe_step``-th
+    layer) the experts and a shared expert as wide as one."""
+    d, hd, e, f = cfg.n_embd, cfg.head_dim, cfg.n_expert, cfg.n_ff_exp
+    specs: list[tuple[str, tuple[int, ...], str]] = []
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        specs += [(b + "attn_norm.weight", (d,), "norm"), (b + "attn_q.weight", (cfg.n_head * hd, d), "matrix"),
+                  (b + "attn_k.weight", (cfg.n_head_kv * hd, d), "matrix"),
+                  (b + "attn_v.weight", (cfg.n_head_kv * hd, d), "matrix"),
+                  (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix"), (b + "ffn_norm.weight", (d,), "norm")]
+        if cfg.moe_step and (i + 1) % cfg.moe_step == 0:
+            specs += [(b + "ffn_gate_inp.weight", (e, d), "router"),
+                      (b + "ffn_gate_exps.weight", (e, f, d), "matrix"),
+                      (b + "ffn_up_exps.weight", (e, f, d), "matrix"),
+                      (b + "ffn_down_exps.weight", (e, d, f), "matrix"),
+                      (b + "ffn_gate_shexp.weight", (f, d), "matrix"), (b + "ffn_up_shexp.weight", (f, d), "matrix"),
+                      (b + "ffn_down_shexp.weight", (d, f), "matrix")]
+        else:
+            specs += [(b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"), (b + "ffn_up.weight", (cfg.n_ff, d), "matrix"),
+                      (b + "ffn_down.weight", (d, cfg.n_ff), "matrix")]
+    return specs
+
+
 #: The architectures whose layers :func:`tensor_specs` takes from a function of their own.
-_LAYERS: dict[str, Callable[[SyntheticConfig], list]] = {"deepseek2": _deepseek2_layers, "glm4moe": _glm4moe_layers}
+_LAYERS: dict[str, Callable[[SyntheticConfig], list]] = {"deepseek2": _deepseek2_layers, "glm4moe": _glm4moe_layers,
+                                                         "llama4": _llama4_layers}
 
 
 def _more_bits(layer: int, n_layer: int) -> bool:
@@ -593,6 +637,11 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
                (f"{a}.expert_shared_count", cfg.n_expert_shared, "UINT32"),
                (f"{a}.expert_gating_func", 2, "UINT32"), (f"{a}.expert_weights_norm", True, "BOOL"),
                (f"{a}.expert_weights_scale", 2.5, "FLOAT32")]
+    elif a == "llama4":
+        # no chunk size or temperature keys: llama.cpp's 8192, as its converter writes the released models
+        md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
+               (f"{a}.attention.value_length", cfg.head_dim, "UINT32"),
+               (f"{a}.interleave_moe_layer_step", cfg.moe_step, "UINT32")]
     elif a != "llama" or cfg.n_embd_head:         # (the llama files stay as they were: no format change)
         md += [(f"{a}.attention.key_length", cfg.head_dim, "UINT32"),
                (f"{a}.attention.value_length", cfg.head_dim, "UINT32")]
