@@ -23,6 +23,7 @@ transformers = pytest.importorskip("transformers") if not os.environ.get("CI") e
 
 import hf_convert  # noqa: E402
 from arch_helpers import llama_cpp_logits, make, run_batch, run_steps, sequences_error  # noqa: E402
+from test_arch_qwen3next import check_mtp_layers_are_left_unread  # noqa: E402
 from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 
 from ggmlpy import gguf  # noqa: E402
@@ -89,6 +90,11 @@ def test_several_sequences_in_one_batch(conv):
 def test_llama_cpps_error_on_the_same_file(conv, tmp_path):
     err = errors(llama_cpp_logits(conv.path(), conv.tokens, tmp_path), conv.ref)
     assert err.max() <= TOL, err
+
+
+def test_mtp_layers_are_left_unread(conv, tmp_path):
+    """As qwen3next's (the same reading): a file with an MTP layer runs the others, as llama.cpp does."""
+    check_mtp_layers_are_left_unread(conv, tmp_path)
 
 
 def test_requests_together_generate_what_each_does_alone(conv):

@@ -24,10 +24,11 @@ attention):
   ``sigmoid(ffn_gate_inp_shexp . x)``.
 
 The cache is a :class:`~ggmlpy.kvcache.Wrapper` of the two (see :mod:`ggmlpy.models.lfm2` for what the runner
-does with a state that cannot shift). The multi-token-prediction layers llama.cpp can load are not run (convert
-with ``--no-mtp``; a file with ``nextn_predict_layers`` is refused naming the key). Refused, naming the key: key
-and value heads of different sizes (ggml's ``gated_delta_net`` takes one), value heads not a multiple of the key
-heads, a sliding window, routing other than softmax.
+does with a state that cannot shift). Multi-token-prediction layers (``nextn_predict_layers``, the last
+layers of ``block_count``: what the converter writes from a checkpoint's ``mtp.*`` unless given ``--no-mtp``)
+are left in the file unread, as llama.cpp does unless asked for MTP: the model runs the others. Refused, naming
+the key: key and value heads of different sizes (ggml's ``gated_delta_net`` takes one), value heads not a
+multiple of the key heads, a sliding window, routing other than softmax.
 
 qwen35 (Qwen3.5's text model, :class:`Qwen35Model`) has the same layers with three differences, as llama.cpp's
 ``qwen35`` graph: ``ssm_beta`` and ``ssm_alpha`` are two projections (one value per value head each); the
@@ -99,9 +100,12 @@ class Qwen3NextConfig(DecoderConfig):
         if d["sliding_window"]:
             raise MetadataError(m.path, m.key("attention.sliding_window"), f"{d['sliding_window']}: sliding-window "
                                                                            "attention is not supported")
-        if m.geti("nextn_predict_layers", 0, lo=0):
-            raise MetadataError(m.path, m.key("nextn_predict_layers"), "multi-token-prediction layers are not "
-                                                                       "supported (convert with --no-mtp)")
+        # block_count counts the MTP layers the converter appends (llama.cpp runs the others and, unless asked
+        # for MTP, skips their tensors); the recurrent_layers array covers them all (they are attention layers)
+        n_all = n_layer
+        nextn = m.geti("nextn_predict_layers", 0, lo=0, hi=n_all - 1)
+        n_layer = n_all - nextn
+        d.update(n_layer=n_layer, n_layer_nextn=nextn)
         rec = m.md.get(m.key("attention.recurrent_layers"))
         if rec is None:
             every = m.geti("full_attention_interval", 4, lo=1, hi=_MAX_LAYERS)
@@ -111,10 +115,13 @@ class Qwen3NextConfig(DecoderConfig):
             if arr.dtype != np.bool_ or arr.ndim != 1:
                 raise MetadataTypeError(m.path, m.key("attention.recurrent_layers"),
                                         f"expected an array of bools, got {rec!r:.80}")
-            if len(arr) != n_layer:
+            if len(arr) != n_all:
                 raise MetadataError(m.path, m.key("attention.recurrent_layers"), f"{len(arr)} values for "
-                                                                                f"{n_layer} layers")
-            recurrent = tuple(bool(x) for x in arr)
+                                                                                f"{n_all} layers")
+            if arr[n_layer:].any():
+                raise MetadataError(m.path, m.key("attention.recurrent_layers"), "a multi-token-prediction layer "
+                                    f"(the last {nextn} of {n_all}) is marked recurrent")
+            recurrent = tuple(bool(x) for x in arr[:n_layer])
         d["recurrent_layers"] = recurrent
         if any(recurrent):
             d.update(ssm_d_conv=m.geti("ssm.conv_kernel", lo=2, hi=1024),
