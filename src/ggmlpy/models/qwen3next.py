@@ -1,4 +1,5 @@
-"""Qwen3-Next and Qwen3.5 from GGUF: qwen3next and qwen35, gated DeltaNet layers and gated attention layers.
+"""Qwen3-Next and Qwen3.5 from GGUF: qwen3next, qwen35 and qwen35moe, gated DeltaNet layers and gated attention
+layers.
 
 As llama.cpp's ``qwen3next`` graph builds Hugging Face's ``Qwen3NextForCausalLM`` (the file says which layer is
 which: ``qwen3next.attention.recurrent_layers``, else every ``full_attention_interval``-th layer, default 4, is
@@ -35,6 +36,10 @@ qwen35 (Qwen3.5's text model, :class:`Qwen35Model`) has the same layers with thr
 converter orders the value heads so that head ``h`` reads key head ``h % n_key_heads`` (ggml's own pairing, no
 repeat); a SwiGLU feed-forward (``ffn_gate``/``ffn_up``/``ffn_down``) instead of experts. Its multimodal RoPE
 sections are not read: a text token has the same position in every section, which is NEOX RoPE.
+
+qwen35moe (Qwen3.5 MoE, :class:`Qwen35MoeModel`) is qwen35's layers with qwen3next's feed-forward (experts and
+the gated shared expert); its converter writes no ``feed_forward_length`` (llama.cpp needs it only as the
+experts' fallback width).
 """
 
 from __future__ import annotations
@@ -95,6 +100,11 @@ class Qwen3NextConfig(DecoderConfig):
 
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
+        if cls.READS_EXPERTS and "feed_forward_length" not in m:
+            # qwen35moe's converter writes no dense width; llama.cpp needs it only as the experts' fallback
+            n_ff_exp = meta_int(m.md, m.key("expert_feed_forward_length"), lo=1, hi=_MAX_EMBD * 8, per_layer=True,
+                                path=m.path)
+            m = MetaReader({**m.md, m.key("feed_forward_length"): n_ff_exp}, m.arch, m.path)
         d = super()._read(m, n_vocab)
         n_layer = d["n_layer"]
         if d["sliding_window"]:
@@ -375,3 +385,23 @@ class Qwen35Model(Qwen3NextModel):
 
     def _ffn(self, ctx: Context, p: str, cur: Tensor) -> Tensor:
         return blocks.ffn_glu(ctx, self.weights, p, cur)
+
+
+@dataclass(frozen=True)
+class Qwen35MoeConfig(Qwen3NextConfig):
+    """Hyperparameters of qwen35moe files: qwen35's layers with qwen3next's experts (``expert_count``,
+    ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_feed_forward_length``)."""
+
+    ROPE_TYPES = {"qwen35moe": RopeType.NEOX}
+
+
+@register(*Qwen35MoeConfig.ROPE_TYPES)
+class Qwen35MoeModel(Qwen35Model):
+    """A qwen35moe model (Qwen3.5 MoE, text): :class:`Qwen35Model`'s layers with :class:`Qwen3NextModel`'s
+    feed-forward (softmax routing, the shared expert scaled by its sigmoid gate), as llama.cpp's ``qwen35moe``
+    graph builds them."""
+
+    config_class = Qwen35MoeConfig
+    config: Qwen35MoeConfig
+    _expected_moe = Qwen3NextModel._expected_moe
+    _ffn = Qwen3NextModel._ffn
