@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
@@ -34,7 +35,7 @@ from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 from ggmlpy import gguf  # noqa: E402
 from ggmlpy.kvcache import Causal, Recurrent, Wrapper  # noqa: E402
 from ggmlpy.models import load_model  # noqa: E402
-from ggmlpy.models.qwen3next import Qwen35MoeModel  # noqa: E402
+from ggmlpy.models.qwen3next import Qwen35Model, Qwen35MoeModel  # noqa: E402
 from ggmlpy.runner import Runner  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -128,3 +129,20 @@ def test_state_save_and_load(conv, tmp_path):
             assert rt.load_state(2, tmp_path / "s.bin") == toks[:30]
             got = rt.decode([toks[30]], seq=2)
     assert errors(got, conv.ref[30:31]).max() <= TOL
+
+
+@pytest.mark.parametrize("arch,model_type,n_expert", [("qwen35", Qwen35Model, 0), ("qwen35moe", Qwen35MoeModel, 8)])
+def test_the_benchmarks_synthetic_models_run(tmp_path, arch, model_type, n_expert):
+    """ggmlpy bench --arch qwen35 / qwen35moe: the built-in file (llama.cpp's keys, the RoPE sections it requires)
+    loads, gives one batch's logits token by token too, and llama.cpp reads it and computes the same logits."""
+    from ggmlpy.models.synthetic import synthetic_path
+
+    path = synthetic_path("tiny", "Q8_0", cache_dir=tmp_path, arch=arch)
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_model(path, devices="cpu") as model:
+        c = model.config
+        assert type(model) is model_type and c.recurrent_layers == (True, False)
+        assert (c.ssm_n_group, c.ssm_n_head, c.n_expert, c.rope_dim) == (2, 4, n_expert, 4)
+    full, steps = run_batch(path, toks), run_steps(path, toks)
+    assert np.isfinite(full).all() and np.abs(full).max() > 0 and errors(steps, full).max() <= 1e-3
+    assert errors(llama_cpp_logits(path, toks, tmp_path), full).max() <= 1e-3
