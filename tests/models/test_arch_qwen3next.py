@@ -385,3 +385,23 @@ def test_the_benchmarks_synthetic_models_run(tmp_path):
     full, steps = run_batch(path, toks), run_steps(path, toks)
     assert np.isfinite(full).all() and np.abs(full).max() > 0 and errors(steps, full).max() <= 1e-3
     assert errors(llama_cpp_logits(path, toks, tmp_path), full).max() <= 1e-3
+
+
+def test_the_qwen3_next_preset_cut_is_read_as_llama_cpp_reads_it(tmp_path):
+    """The qwen3-next-12L-128E preset's widths (heads of 256, 16 DeltaNet key heads of 128, 10 experts used) cut
+    to its first 4 layers (three DeltaNet, one attention), 16 experts and a 1024-token vocabulary: llama.cpp
+    computes the same logits (measured: identical)."""
+    from dataclasses import replace
+
+    from ggmlpy.models.synthetic import SIZES, write_synthetic
+
+    cfg = replace(SIZES["qwen3-next-12L-128E"], n_layer=4, n_vocab=1024, n_expert=16,
+                  recurrent_layers=(True, True, True, False))
+    path = write_synthetic(tmp_path / "m.gguf", cfg, "Q8_0")
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_model(path, devices="cpu") as model:
+        c = model.config
+        assert (c.head_dim, c.ssm_n_group, c.ssm_n_head, c.ssm_d_state, c.n_expert_used) == (256, 16, 32, 128, 10)
+    full = run_batch(path, toks)
+    assert np.isfinite(full).all() and np.abs(full).max() > 0
+    assert errors(llama_cpp_logits(path, toks, tmp_path), full).max() <= 1e-3

@@ -206,13 +206,24 @@ SIZES: dict[str, SyntheticConfig] = {
                         "Llama-4-Scout-17B-16E, 8 of its 48 layers and 8 of its 16 experts", rope_freq_base=500000.0,
                         arch="llama4", n_embd_head=128, n_expert=8, n_expert_used=1, n_ff_exp=8192, moe_step=1,
                         nominal=11.6e9),
+        # Qwen3-Next-80B-A3B's widths (16 attention heads of 256 over 2 KV heads with a rotary quarter, 16 DeltaNet
+        # key heads and 32 value heads of 128, its 512-wide experts with 10 used and a shared one, its 152k
+        # vocabulary) in 12 of its 48 layers (gated attention in every fourth, as its) with 128 of its 512 experts:
+        # 5.9B parameters (as transformers' Qwen3NextForCausalLM so cut), Q4_K_M in about 3.6 GB; per token it
+        # reads what the real model's first 12 layers do
+        SyntheticConfig("qwen3-next-12L-128E", 2048, 12, 16, 2, 5120, 151936, 262144,
+                        "Qwen3-Next-80B-A3B, 12 of its 48 layers and 128 of its 512 experts", rope_freq_base=1e7,
+                        rms_eps=1e-6, arch="qwen3next", n_embd_head=256, n_expert=128, n_expert_used=10,
+                        n_ff_exp=512, n_ff_shexp=512, ssm_d_state=128, ssm_n_group=16, nominal=5.88e9,
+                        recurrent_layers=tuple((i + 1) % 4 != 0 for i in range(12))),
     )
 }
 
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
 PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
-           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E", "llama4-scout-8L-8E")
+           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E", "llama4-scout-8L-8E",
+           "qwen3-next-12L-128E")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
