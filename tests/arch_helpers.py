@@ -91,8 +91,9 @@ def shift_error(path, tokens, keep: int, discard: int, flash: bool = False, n_ct
     return errors(shifted, scratch)
 
 
-def copy_gguf(src, dst, meta: dict = None, tensors=None, types=None):
-    """Copy a GGUF file with metadata values replaced (``meta``: key -> value, None deletes the key) and
+def copy_gguf(src, dst, meta: dict = None, tensors=None, types=None, meta_types: dict = None):
+    """Copy a GGUF file with metadata values replaced (``meta``: key -> value, None deletes the key; stored as
+    ``meta_types``: key -> ValueType says, else inferred: llama.cpp wants its counts UINT32) and
     each tensor passed through ``tensors(name, array) -> [(name, array), ...]`` (kept when None), stored
     as ``types(name, type) -> type`` says (from float data: converted or quantized; as in the file when None)."""
     from ggmlpy import gguf
@@ -106,7 +107,7 @@ def copy_gguf(src, dst, meta: dict = None, tensors=None, types=None):
             out.add(key, value, None if isinstance(value, (list, np.ndarray)) else rd.kv_type(key))
         for key, value in meta.items():
             if value is not None:
-                out.add(key, value)
+                out.add(key, value, (meta_types or {}).get(key))
         for info in rd.tensors:
             want = types(info.name, info.type) if types else info.type
             # a copy to convert: ggmlpy.quantize refuses the reader's read-only memory map

@@ -23,6 +23,11 @@ transformers = pytest.importorskip("transformers") if not os.environ.get("CI") e
 
 import hf_convert  # noqa: E402
 from arch_helpers import llama_cpp_logits, make, run_batch, run_steps, sequences_error  # noqa: E402
+from test_arch_qwen3next import (  # noqa: E402, F401  (the runner tests, collected here on this model)
+    check_mtp_layers_are_left_unread,
+    test_context_shift_falls_back_to_computing_again,
+    test_prefix_reuse_from_checkpoints,
+)
 from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
 
 from ggmlpy import gguf  # noqa: E402
@@ -91,6 +96,11 @@ def test_llama_cpps_error_on_the_same_file(conv, tmp_path):
     assert err.max() <= TOL, err
 
 
+def test_mtp_layers_are_left_unread(conv, tmp_path):
+    """As qwen3next's (the same reading): a file with an MTP layer runs the others, as llama.cpp does."""
+    check_mtp_layers_are_left_unread(conv, tmp_path)
+
+
 def test_requests_together_generate_what_each_does_alone(conv):
     prompts = [conv.tokens[:6], conv.tokens[5:17], conv.tokens[-4:]]
     with load_model(conv.path(), devices="cpu") as model:
@@ -116,7 +126,7 @@ def test_state_save_and_load(conv, tmp_path):
 
 
 def test_experts_are_refused_naming_the_key(conv):
-    """qwen35 is the dense model (Qwen3.5-MoE is qwen35moe, not supported): an expert count is refused."""
+    """qwen35 is the dense model (Qwen3.5-MoE is qwen35moe, a model of its own): an expert count is refused."""
     with gguf.GGUFReader(str(conv.path())) as r:
         md = dict(r.metadata)
     md[f"{A}.expert_count"] = 4

@@ -4,7 +4,8 @@ llama.cpp's converter; the recurrent state cache (ggmlpy.kvcache.Recurrent) thro
 A tiny random-weight ``Qwen3NextForCausalLM`` (4 layers: gated DeltaNet in 0, 1 and 3, gated attention in 2;
 n_embd 64, 4 attention heads of 16 over 2 KV heads with a rotary quarter; DeltaNet heads of 16, 2 key heads
 shared by 4 value heads, convolutions of 4 taps; 4 experts of 32, 2 used, a shared expert of 48; weights of std
-0.1) with the real qwen2 vocabulary, converted with ``--no-mtp``. The constant weights (norms, ``dt_bias``) are
+0.1) with the real qwen2 vocabulary, converted with ``--no-mtp`` (transformers keeps no MTP layers; a file with
+one is made from it, :func:`test_mtp_layers_are_left_unread`). The constant weights (norms, ``dt_bias``) are
 made random first.
 
 Tolerance with F32 weights and an F32 cache: per position, max |got - ref| / max |ref| at most ``TOL`` (1e-5) in
@@ -138,6 +139,54 @@ def test_llama_cpps_error_on_the_same_file(conv, tmp_path):
     as ggmlpy's)."""
     err = errors(llama_cpp_logits(conv.path(), conv.tokens, tmp_path), conv.ref)
     assert err.max() <= TOL, err
+
+
+def mtp_file(conv, tmp_path):
+    """``conv``'s file as the converter writes it from a checkpoint with one MTP layer (no ``--no-mtp``): one more
+    layer like the last attention one (its tensors, scaled so that running it would move the logits) with the
+    ``nextn.*`` tensors, ``block_count`` one more, ``nextn_predict_layers`` 1, ``recurrent_layers`` over all."""
+    with gguf.GGUFReader(str(conv.path())) as r:
+        a = r.metadata["general.architecture"]
+        n, rec = r.metadata[f"{a}.block_count"], list(r.metadata[f"{a}.attention.recurrent_layers"])
+        n_embd = r.tensor_info("token_embd.weight").ne[0]
+    attn = max(i for i in range(n) if not rec[i])
+    extra = {"nextn.eh_proj.weight": (2 * n_embd, n_embd), "nextn.enorm.weight": (n_embd,),
+             "nextn.hnorm.weight": (n_embd,), "nextn.shared_head_norm.weight": (n_embd,)}
+
+    def add_layer(name, data):
+        out = [(name, data)]
+        if name.startswith(f"blk.{attn}."):
+            out.append((f"blk.{n}." + name.split(".", 2)[2], data * 3))
+        if name == "output_norm.weight":
+            out += [(f"blk.{n}.{t}", np.ones(ne[::-1], np.float32)) for t, ne in extra.items()]
+        return out
+
+    path = tmp_path / "mtp.gguf"
+    copy_gguf(conv.path(), path, tensors=add_layer,
+              meta={f"{a}.block_count": n + 1, f"{a}.nextn_predict_layers": 1,
+                    f"{a}.attention.recurrent_layers": np.array(rec + [False])},
+              meta_types=dict.fromkeys([f"{a}.block_count", f"{a}.nextn_predict_layers"], gguf.ValueType.UINT32))
+    return path, n
+
+
+def check_mtp_layers_are_left_unread(conv, tmp_path, tol=TOL):
+    """A file with a multi-token-prediction layer (:func:`mtp_file`) runs the others, leaves the last layer in
+    the file, and gives transformers' logits; llama.cpp on the same file too (it skips the MTP tensors unless
+    asked for MTP). Returns the errors (ggmlpy's, llama.cpp's)."""
+    path, n = mtp_file(conv, tmp_path)
+    with load_model(path, devices="cpu") as model:
+        c = model.config
+        assert (c.n_layer, c.n_layer_nextn, len(c.recurrent_layers)) == (n, 1, n)
+        assert not any(t.startswith(f"blk.{n}.") for t in model.weights.tensors)
+    err = errors(run_batch(path, conv.tokens), conv.ref)
+    assert err.max() <= tol, err
+    ref_err = errors(llama_cpp_logits(path, conv.tokens, tmp_path), conv.ref)
+    assert ref_err.max() <= tol, ref_err
+    return err.max(), ref_err.max()
+
+
+def test_mtp_layers_are_left_unread(conv, tmp_path):
+    check_mtp_layers_are_left_unread(conv, tmp_path)
 
 
 @pytest.mark.parametrize("what", ["no-output-gate", "conv-taps-reversed"])
@@ -284,7 +333,8 @@ def test_state_save_and_load(conv, tmp_path):
     ("ssm.inner_size", 128, r"'qwen3next\.ssm\.inner_size'|ssm\.inner_size 128 must be"),
     ("ssm.group_count", 3, r"ssm\.time_step_rank 4 \(value heads\) must be a multiple"),
     ("attention.recurrent_layers", [True, False], r"'qwen3next\.attention\.recurrent_layers': 2 values for 4"),
-    ("nextn_predict_layers", 1, r"'qwen3next\.nextn_predict_layers': multi-token-prediction"),
+    ("nextn_predict_layers", 1, r"'qwen3next\.attention\.recurrent_layers': a multi-token-prediction layer"),
+    ("nextn_predict_layers", 4, r"'qwen3next\.nextn_predict_layers': 4 is out of range"),
     ("attention.sliding_window", 4, r"'qwen3next\.attention\.sliding_window': 4: sliding-window"),
     ("expert_gating_func", 2, r"'qwen3next\.expert_gating_func': 2 is not supported"),
 ])
@@ -334,4 +384,24 @@ def test_the_benchmarks_synthetic_models_run(tmp_path):
         assert (c.ssm_n_group, c.ssm_n_head, c.n_expert, c.rope_dim) == (2, 4, 8, 4)
     full, steps = run_batch(path, toks), run_steps(path, toks)
     assert np.isfinite(full).all() and np.abs(full).max() > 0 and errors(steps, full).max() <= 1e-3
+    assert errors(llama_cpp_logits(path, toks, tmp_path), full).max() <= 1e-3
+
+
+def test_the_qwen3_next_preset_cut_is_read_as_llama_cpp_reads_it(tmp_path):
+    """The qwen3-next-12L-128E preset's widths (heads of 256, 16 DeltaNet key heads of 128, 10 experts used) cut
+    to its first 4 layers (three DeltaNet, one attention), 16 experts and a 1024-token vocabulary: llama.cpp
+    computes the same logits (measured: identical)."""
+    from dataclasses import replace
+
+    from ggmlpy.models.synthetic import SIZES, write_synthetic
+
+    cfg = replace(SIZES["qwen3-next-12L-128E"], n_layer=4, n_vocab=1024, n_expert=16,
+                  recurrent_layers=(True, True, True, False))
+    path = write_synthetic(tmp_path / "m.gguf", cfg, "Q8_0")
+    toks = [3, 1, 4, 1, 5, 9, 2, 6]
+    with load_model(path, devices="cpu") as model:
+        c = model.config
+        assert (c.head_dim, c.ssm_n_group, c.ssm_n_head, c.ssm_d_state, c.n_expert_used) == (256, 16, 32, 128, 10)
+    full = run_batch(path, toks)
+    assert np.isfinite(full).all() and np.abs(full).max() > 0
     assert errors(llama_cpp_logits(path, toks, tmp_path), full).max() <= 1e-3

@@ -47,6 +47,8 @@ PUBLIC = {
     "glm4.5-air-8L": (17.876e9, False, 128, "glm4moe"),
     # transformers' Llama4ForCausalLM with these layers and experts (test_arch_llama4 counts it)
     "llama4-scout-8L-8E": (11.632e9, False, 128, "llama4"),
+    # transformers' Qwen3NextForCausalLM with these layers and experts (counted on the meta device)
+    "qwen3-next-12L-128E": (5.880e9, False, 256, "qwen3next"),
 }
 
 
@@ -90,7 +92,7 @@ def _small(name):
 # (the 8B shape's widths are the 4B's head layout in a wider model: the 1.7B and MoE cuts cover an
 # untied head and head size 128 at a test's cost)
 @pytest.mark.parametrize("name", ["llama3.2-1B", "qwen3-1.7B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
-                                  "granitehybrid-7B-A1B"])
+                                  "granitehybrid-7B-A1B", "qwen3-next-12L-128E"])
 @pytest.mark.parametrize("type", ["Q4_K_M", "Q8_0"])
 def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     cfg = _small(name)
@@ -102,7 +104,7 @@ def test_a_cut_preset_is_written_loaded_and_run(tmp_path, name, type):
     assert md.get(f"{a}.attention.key_length", default) == md.get(f"{a}.attention.value_length", default) \
         == cfg.head_dim
     kv = md[f"{a}.attention.head_count_kv"]
-    if cfg.recurrent_layers:                  # one per layer, 0 for a recurrent layer
+    if cfg.recurrent_layers and a != "qwen3next":     # one per layer, 0 for a recurrent layer (qwen3next: one)
         assert list(kv) == [0 if c else cfg.n_head_kv for c in cfg.recurrent_layers]
     else:
         assert kv == cfg.n_head_kv

@@ -23,7 +23,7 @@ report exists before any data is read) and then loads the data with progress.
   :class:`~ggmlpy.kvcache.Wrapper` of a :class:`~ggmlpy.kvcache.Recurrent` and a
   :class:`~ggmlpy.kvcache.Causal`), :mod:`~ggmlpy.models.granitehybrid` (Granite 4.0 H: Mamba-2 layers and
   attention layers the same way, experts with a shared one), :mod:`~ggmlpy.models.qwen3next` (qwen3next,
-  qwen35: gated DeltaNet layers and gated attention layers the same way), :mod:`~ggmlpy.models.deepseek`
+  qwen35, qwen35moe: gated DeltaNet layers and gated attention layers the same way), :mod:`~ggmlpy.models.deepseek`
   (deepseek2: multi-head latent attention over a latent cache, DeepSeek's experts),
   :mod:`~ggmlpy.models.glm4moe` (GLM-4.5: partial RoPE, DeepSeek's experts), :mod:`~ggmlpy.models.llama4`
   (Llama 4: chunked attention and NoPE layers through a :class:`~ggmlpy.kvcache.Wrapper`, interleaved

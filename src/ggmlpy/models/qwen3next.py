@@ -1,4 +1,5 @@
-"""Qwen3-Next and Qwen3.5 from GGUF: qwen3next and qwen35, gated DeltaNet layers and gated attention layers.
+"""Qwen3-Next and Qwen3.5 from GGUF: qwen3next, qwen35 and qwen35moe, gated DeltaNet layers and gated attention
+layers.
 
 As llama.cpp's ``qwen3next`` graph builds Hugging Face's ``Qwen3NextForCausalLM`` (the file says which layer is
 which: ``qwen3next.attention.recurrent_layers``, else every ``full_attention_interval``-th layer, default 4, is
@@ -24,16 +25,21 @@ attention):
   ``sigmoid(ffn_gate_inp_shexp . x)``.
 
 The cache is a :class:`~ggmlpy.kvcache.Wrapper` of the two (see :mod:`ggmlpy.models.lfm2` for what the runner
-does with a state that cannot shift). The multi-token-prediction layers llama.cpp can load are not run (convert
-with ``--no-mtp``; a file with ``nextn_predict_layers`` is refused naming the key). Refused, naming the key: key
-and value heads of different sizes (ggml's ``gated_delta_net`` takes one), value heads not a multiple of the key
-heads, a sliding window, routing other than softmax.
+does with a state that cannot shift). Multi-token-prediction layers (``nextn_predict_layers``, the last
+layers of ``block_count``: what the converter writes from a checkpoint's ``mtp.*`` unless given ``--no-mtp``)
+are left in the file unread, as llama.cpp does unless asked for MTP: the model runs the others. Refused, naming
+the key: key and value heads of different sizes (ggml's ``gated_delta_net`` takes one), value heads not a
+multiple of the key heads, a sliding window, routing other than softmax.
 
 qwen35 (Qwen3.5's text model, :class:`Qwen35Model`) has the same layers with three differences, as llama.cpp's
 ``qwen35`` graph: ``ssm_beta`` and ``ssm_alpha`` are two projections (one value per value head each); the
 converter orders the value heads so that head ``h`` reads key head ``h % n_key_heads`` (ggml's own pairing, no
 repeat); a SwiGLU feed-forward (``ffn_gate``/``ffn_up``/``ffn_down``) instead of experts. Its multimodal RoPE
 sections are not read: a text token has the same position in every section, which is NEOX RoPE.
+
+qwen35moe (Qwen3.5 MoE, :class:`Qwen35MoeModel`) is qwen35's layers with qwen3next's feed-forward (experts and
+the gated shared expert); its converter writes no ``feed_forward_length`` (llama.cpp needs it only as the
+experts' fallback width).
 """
 
 from __future__ import annotations
@@ -94,14 +100,22 @@ class Qwen3NextConfig(DecoderConfig):
 
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
+        if cls.READS_EXPERTS and "feed_forward_length" not in m:
+            # qwen35moe's converter writes no dense width; llama.cpp needs it only as the experts' fallback
+            n_ff_exp = meta_int(m.md, m.key("expert_feed_forward_length"), lo=1, hi=_MAX_EMBD * 8, per_layer=True,
+                                path=m.path)
+            m = MetaReader({**m.md, m.key("feed_forward_length"): n_ff_exp}, m.arch, m.path)
         d = super()._read(m, n_vocab)
         n_layer = d["n_layer"]
         if d["sliding_window"]:
             raise MetadataError(m.path, m.key("attention.sliding_window"), f"{d['sliding_window']}: sliding-window "
                                                                            "attention is not supported")
-        if m.geti("nextn_predict_layers", 0, lo=0):
-            raise MetadataError(m.path, m.key("nextn_predict_layers"), "multi-token-prediction layers are not "
-                                                                       "supported (convert with --no-mtp)")
+        # block_count counts the MTP layers the converter appends (llama.cpp runs the others and, unless asked
+        # for MTP, skips their tensors); the recurrent_layers array covers them all (they are attention layers)
+        n_all = n_layer
+        nextn = m.geti("nextn_predict_layers", 0, lo=0, hi=n_all - 1)
+        n_layer = n_all - nextn
+        d.update(n_layer=n_layer, n_layer_nextn=nextn)
         rec = m.md.get(m.key("attention.recurrent_layers"))
         if rec is None:
             every = m.geti("full_attention_interval", 4, lo=1, hi=_MAX_LAYERS)
@@ -111,10 +125,13 @@ class Qwen3NextConfig(DecoderConfig):
             if arr.dtype != np.bool_ or arr.ndim != 1:
                 raise MetadataTypeError(m.path, m.key("attention.recurrent_layers"),
                                         f"expected an array of bools, got {rec!r:.80}")
-            if len(arr) != n_layer:
+            if len(arr) != n_all:
                 raise MetadataError(m.path, m.key("attention.recurrent_layers"), f"{len(arr)} values for "
-                                                                                f"{n_layer} layers")
-            recurrent = tuple(bool(x) for x in arr)
+                                                                                f"{n_all} layers")
+            if arr[n_layer:].any():
+                raise MetadataError(m.path, m.key("attention.recurrent_layers"), "a multi-token-prediction layer "
+                                    f"(the last {nextn} of {n_all}) is marked recurrent")
+            recurrent = tuple(bool(x) for x in arr[:n_layer])
         d["recurrent_layers"] = recurrent
         if any(recurrent):
             d.update(ssm_d_conv=m.geti("ssm.conv_kernel", lo=2, hi=1024),
@@ -368,3 +385,23 @@ class Qwen35Model(Qwen3NextModel):
 
     def _ffn(self, ctx: Context, p: str, cur: Tensor) -> Tensor:
         return blocks.ffn_glu(ctx, self.weights, p, cur)
+
+
+@dataclass(frozen=True)
+class Qwen35MoeConfig(Qwen3NextConfig):
+    """Hyperparameters of qwen35moe files: qwen35's layers with qwen3next's experts (``expert_count``,
+    ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_feed_forward_length``)."""
+
+    ROPE_TYPES = {"qwen35moe": RopeType.NEOX}
+
+
+@register(*Qwen35MoeConfig.ROPE_TYPES)
+class Qwen35MoeModel(Qwen35Model):
+    """A qwen35moe model (Qwen3.5 MoE, text): :class:`Qwen35Model`'s layers with :class:`Qwen3NextModel`'s
+    feed-forward (softmax routing, the shared expert scaled by its sigmoid gate), as llama.cpp's ``qwen35moe``
+    graph builds them."""
+
+    config_class = Qwen35MoeConfig
+    config: Qwen35MoeConfig
+    _expected_moe = Qwen3NextModel._expected_moe
+    _ffn = Qwen3NextModel._ffn

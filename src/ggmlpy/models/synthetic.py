@@ -10,7 +10,8 @@ an eighth of the dense feed-forward, so the parameter count stays close),
 of 512 then one global, as llama.cpp assumes), ``lfm2`` (LFM2's short
 convolutions of 3 taps, attention in every third layer), ``granitehybrid`` (Granite 4.0 H:
 Mamba-2 layers, attention without RoPE in every fourth, Granite's multipliers), ``qwen3next`` (Qwen3-Next:
-gated DeltaNet layers, gated attention in every fourth, 8 experts and a shared one), ``deepseek2``
+gated DeltaNet layers, gated attention in every fourth, 8 experts and a shared one), ``qwen35`` and
+``qwen35moe`` (Qwen3.5's: qwen3next's layers, a dense feed-forward or qwen3next's experts), ``deepseek2``
 (multi-head latent attention, the first layer dense, then 8 experts in 4 groups with a shared
 one and sigmoid routing: DeepSeek-V3's layout scaled to the size), ``glm4moe`` (GLM-4.5's:
 Q/K/V biases, Q/K norms, half of each head rotated, DeepSeek's experts without groups) or ``llama4``
@@ -70,8 +71,11 @@ TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_K_M")
 WEIGHT_STD = 0.02
 
 #: The architectures the generator writes (``general.architecture``).
-ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next", "deepseek2", "glm4moe",
-         "llama4")
+ARCHS = ("llama", "qwen3", "qwen3moe", "gemma3", "lfm2", "granitehybrid", "qwen3next", "qwen35", "qwen35moe",
+         "deepseek2", "glm4moe", "llama4")
+#: Qwen3-Next's layers: qwen35 (Qwen3.5) has ``ssm_beta``/``ssm_alpha`` apart and a dense feed-forward,
+#: qwen35moe qwen3next's experts
+_QWEN_HYBRID = ("qwen3next", "qwen35", "qwen35moe")
 
 
 @dataclass(frozen=True)
@@ -202,13 +206,24 @@ SIZES: dict[str, SyntheticConfig] = {
                         "Llama-4-Scout-17B-16E, 8 of its 48 layers and 8 of its 16 experts", rope_freq_base=500000.0,
                         arch="llama4", n_embd_head=128, n_expert=8, n_expert_used=1, n_ff_exp=8192, moe_step=1,
                         nominal=11.6e9),
+        # Qwen3-Next-80B-A3B's widths (16 attention heads of 256 over 2 KV heads with a rotary quarter, 16 DeltaNet
+        # key heads and 32 value heads of 128, its 512-wide experts with 10 used and a shared one, its 152k
+        # vocabulary) in 12 of its 48 layers (gated attention in every fourth, as its) with 128 of its 512 experts:
+        # 5.9B parameters (as transformers' Qwen3NextForCausalLM so cut), Q4_K_M in about 3.6 GB; per token it
+        # reads what the real model's first 12 layers do
+        SyntheticConfig("qwen3-next-12L-128E", 2048, 12, 16, 2, 5120, 151936, 262144,
+                        "Qwen3-Next-80B-A3B, 12 of its 48 layers and 128 of its 512 experts", rope_freq_base=1e7,
+                        rms_eps=1e-6, arch="qwen3next", n_embd_head=256, n_expert=128, n_expert_used=10,
+                        n_ff_exp=512, n_ff_shexp=512, ssm_d_state=128, ssm_n_group=16, nominal=5.88e9,
+                        recurrent_layers=tuple((i + 1) % 4 != 0 for i in range(12))),
     )
 }
 
 #: The real-shape presets (the sizes after the llama2.c and TinyLlama shapes): what the benchmark's
 #: tables at the sizes users run are measured on.
 PRESETS = ("llama3.2-1B", "llama3.2-3B", "qwen3-1.7B", "qwen3-4B", "qwen3-8B", "qwen3-30B-A3B-24L", "lfm2-1.2B",
-           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E", "llama4-scout-8L-8E")
+           "granitehybrid-7B-A1B", "glm4.5-air-8L", "deepseek-v3-12L-32E", "llama4-scout-8L-8E",
+           "qwen3-next-12L-128E")
 
 def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
     """``cfg``'s shape as architecture ``arch`` (one of :data:`ARCHS`), with that family's usual settings;
@@ -235,14 +250,15 @@ def for_arch(cfg: SyntheticConfig, arch: str | None) -> SyntheticConfig:
         # in the others; a dense feed-forward (Micro's)
         return replace(cfg, arch=arch, tied=True, ssm_head_dim=min(64, cfg.n_embd), ssm_d_state=min(128, cfg.n_embd),
                        recurrent_layers=tuple(i % 4 != 1 for i in range(cfg.n_layer)))
-    if arch == "qwen3next":
+    if arch in _QWEN_HYBRID:
         # Qwen3-Next's mix: gated attention in every fourth layer (from the second, so the 2-layer tiny size has
         # one), gated DeltaNet in the others (heads of the attention head size up to 128, twice as many value
         # heads as key heads, values n_embd wide); 8 experts, 2 used, and a shared one
         ds = min(128, cfg.head_dim)
         f = max(32, cfg.n_ff // 8 // 32 * 32)
-        return replace(cfg, arch=arch, rope_freq_base=1e7, rms_eps=1e-6, n_expert=8, n_expert_used=2, n_ff_exp=f,
-                       n_ff_shexp=f, ssm_d_state=ds, ssm_n_group=max(1, cfg.n_embd // (2 * ds)),
+        moe = arch != "qwen35"
+        return replace(cfg, arch=arch, rope_freq_base=1e7, rms_eps=1e-6, n_expert=8 * moe, n_expert_used=2 * moe,
+                       n_ff_exp=f * moe, n_ff_shexp=f * moe, ssm_d_state=ds, ssm_n_group=max(1, cfg.n_embd // (2 * ds)),
                        recurrent_layers=tuple(i % 4 != 1 for i in range(cfg.n_layer)))
     if arch == "deepseek2":
         # DeepSeek-V3's proportions at this width: heads of a position-free part as wide as the llama head
@@ -376,7 +392,7 @@ def tensor_specs(cfg: SyntheticConfig) -> list[tuple[str, tuple[int, ...], str]]
         if cfg.arch == "granitehybrid":
             specs += _granitehybrid_layer(cfg, b, cfg.recurrent_layers[i])
             continue
-        if cfg.arch == "qwen3next":
+        if cfg.arch in _QWEN_HYBRID:
             specs += _qwen3next_layer(cfg, b, cfg.recurrent_layers[i])
             continue
         if cfg.recurrent_layers and cfg.recurrent_layers[i]:
@@ -468,7 +484,9 @@ def _qwen3next_layer(cfg: SyntheticConfig, b: str, delta: bool) -> list:
         nv = 2 * nk
         conv = 2 * nk * ds + nv * ds
         specs += [(b + "attn_qkv.weight", (conv, d), "matrix"), (b + "attn_gate.weight", (nv * ds, d), "matrix"),
-                  (b + "ssm_ba.weight", (2 * nv, d), "matrix"), (b + "ssm_conv1d.weight", (conv, 4), "conv"),
+                  *([(b + "ssm_ba.weight", (2 * nv, d), "matrix")] if cfg.arch == "qwen3next" else
+                    [(b + "ssm_beta.weight", (nv, d), "matrix"), (b + "ssm_alpha.weight", (nv, d), "matrix")]),
+                  (b + "ssm_conv1d.weight", (conv, 4), "conv"),
                   (b + "ssm_dt.bias", (nv,), "conv"), (b + "ssm_a", (nv,), "decay"),
                   (b + "ssm_norm.weight", (ds,), "norm"), (b + "ssm_out.weight", (d, nv * ds), "matrix")]
     else:
@@ -478,7 +496,12 @@ def _qwen3next_layer(cfg: SyntheticConfig, b: str, delta: bool) -> list:
                   (b + "attn_q_norm.weight", (hd,), "norm"), (b + "attn_k_norm.weight", (hd,), "norm"),
                   (b + "attn_output.weight", (d, cfg.n_head * hd), "matrix")]
     e, f, s = cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp
-    specs += [(b + "post_attention_norm.weight", (d,), "norm"), (b + "ffn_gate_inp.weight", (e, d), "router"),
+    specs.append((b + "post_attention_norm.weight", (d,), "norm"))
+    if not e:                                     # qwen35: dense
+        return specs + [(b + "ffn_gate.weight", (cfg.n_ff, d), "matrix"), (b + "ffn_up.weight", (cfg.n_ff, d),
+                                                                             "matrix"),
+                        (b + "ffn_down.weight", (d, cfg.n_ff), "matrix")]
+    specs += [(b + "ffn_gate_inp.weight", (e, d), "router"),
               (b + "ffn_gate_exps.weight", (e, f, d), "matrix"), (b + "ffn_up_exps.weight", (e, f, d), "matrix"),
               (b + "ffn_down_exps.weight", (e, d, f), "matrix"), (b + "ffn_gate_inp_shexp.weight", (d,), "router"),
               (b + "ffn_gate_shexp.weight", (s, d), "matrix"), (b + "ffn_up_shexp.weight", (s, d), "matrix"),
@@ -622,9 +645,11 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
         (f"{a}.attention.head_count", cfg.n_head, "UINT32"),
         # lfm2: one per layer, 0 for a convolution layer (as llama.cpp's converter writes it)
         (f"{a}.attention.head_count_kv", [0 if c else cfg.n_head_kv for c in cfg.recurrent_layers], "ARRAY")
-        if cfg.recurrent_layers and a != "qwen3next" else (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
+        if cfg.recurrent_layers and a not in _QWEN_HYBRID else
+        (f"{a}.attention.head_count_kv", cfg.n_head_kv, "UINT32"),
         # qwen3next rotates a quarter of each head (partial rotary), deepseek2 and glm4moe their n_rot
-        (f"{a}.rope.dimension_count", cfg.head_dim // 4 if a == "qwen3next" else cfg.n_rot or cfg.head_dim, "UINT32"),
+        (f"{a}.rope.dimension_count", cfg.head_dim // 4 if a in _QWEN_HYBRID else cfg.n_rot or cfg.head_dim,
+         "UINT32"),
         (f"{a}.rope.freq_base", cfg.rope_freq_base, "FLOAT32"),
         (f"{a}.attention.layer_norm_rms_epsilon", cfg.rms_eps, "FLOAT32"),
     ]
@@ -664,10 +689,17 @@ def _metadata(cfg: SyntheticConfig, type: str, seed: int) -> list[tuple[str, obj
                (f"{a}.attention.scale", 1.0 / cfg.head_dim, "FLOAT32"), (f"{a}.logit_scale", 6.0, "FLOAT32")]
         if cfg.n_ff_shexp:
             md += [(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp, "UINT32")]
-    if a == "qwen3next":
+    if a in _QWEN_HYBRID:
         ds, nk = cfg.ssm_d_state, cfg.ssm_n_group
-        md += [(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp, "UINT32"),
-               (f"{a}.ssm.conv_kernel", 4, "UINT32"), (f"{a}.ssm.state_size", ds, "UINT32"),
+        if cfg.n_expert:
+            md += [(f"{a}.expert_shared_feed_forward_length", cfg.n_ff_shexp, "UINT32")]
+        if a != "qwen3next":
+            # Qwen3.5's multimodal RoPE sections (llama.cpp requires them), split as the released models' 11 + 11 +
+            # 10 of 32: llama.cpp interleaves them (pair i in section i % 3), so each must cover its third of the
+            # rotated pairs; for text every section has the same position (a pair outside them would not rotate)
+            half = cfg.head_dim // 8
+            md += [(f"{a}.rope.dimension_sections", [(half + 2) // 3, (half + 1) // 3, half // 3, 0], "ARRAY")]
+        md += [(f"{a}.ssm.conv_kernel", 4, "UINT32"), (f"{a}.ssm.state_size", ds, "UINT32"),
                (f"{a}.ssm.group_count", nk, "UINT32"), (f"{a}.ssm.time_step_rank", 2 * nk, "UINT32"),
                (f"{a}.ssm.inner_size", 2 * nk * ds, "UINT32"),
                (f"{a}.attention.recurrent_layers", list(cfg.recurrent_layers), "ARRAY")]
