@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
@@ -132,3 +133,20 @@ def test_experts_are_refused_naming_the_key(conv):
     md[f"{A}.expert_count"] = 4
     with pytest.raises((UnknownArchitecture, MetadataError), match=r"qwen35"):
         Qwen35Config.from_metadata(md, "m.gguf").validate("m.gguf")
+
+
+@pytest.mark.parametrize("sections, ok", [([11, 11, 10, 0], True), ([2, 1, 1, 0], True), ([0, 0, 2, 0], False),
+                                          ([1, 1, 1, 1], False), ([4, 0, 0, 0], False), ([1, 2], False),
+                                          ([0, 0, 0, 0], False)])
+def test_rope_sections_that_text_cannot_use_are_refused(conv, sections, ok):
+    """The interleaved multimodal sections are NEOX RoPE for text only when every rotated pair (4 here) takes the
+    temporal, height or width position; otherwise a pair would rotate by the fourth position (llama.cpp: 0 for
+    text, measured 0.17 off with [0, 0, 2, 0]): refused, naming the key."""
+    with gguf.GGUFReader(str(conv.path())) as r:
+        md = dict(r.metadata)
+    md[f"{A}.rope.dimension_sections"] = np.array(sections, np.int32)
+    if ok:
+        assert Qwen35Config.from_metadata(md, "m.gguf").rope_dim == 8
+    else:
+        with pytest.raises(MetadataError, match=r"qwen35\.rope\.dimension_sections"):
+            Qwen35Config.from_metadata(md, "m.gguf")

@@ -35,7 +35,8 @@ qwen35 (Qwen3.5's text model, :class:`Qwen35Model`) has the same layers with thr
 ``qwen35`` graph: ``ssm_beta`` and ``ssm_alpha`` are two projections (one value per value head each); the
 converter orders the value heads so that head ``h`` reads key head ``h % n_key_heads`` (ggml's own pairing, no
 repeat); a SwiGLU feed-forward (``ffn_gate``/``ffn_up``/``ffn_down``) instead of experts. Its multimodal RoPE
-sections are not read: a text token has the same position in every section, which is NEOX RoPE.
+sections are NEOX RoPE for a text token (the same position in every section) when they give every rotated pair
+the temporal, height or width position, as the released files' do; other sections are refused, naming the key.
 
 qwen35moe (Qwen3.5 MoE, :class:`Qwen35MoeModel`) is qwen35's layers with qwen3next's feed-forward (experts and
 the gated shared expert); its converter writes no ``feed_forward_length`` (llama.cpp needs it only as the
@@ -106,6 +107,8 @@ class Qwen3NextConfig(DecoderConfig):
                                 path=m.path)
             m = MetaReader({**m.md, m.key("feed_forward_length"): n_ff_exp}, m.arch, m.path)
         d = super()._read(m, n_vocab)
+        if m.arch in ("qwen35", "qwen35moe"):
+            _check_text_rope_sections(m, d["rope_dim"])
         n_layer = d["n_layer"]
         if d["sliding_window"]:
             raise MetadataError(m.path, m.key("attention.sliding_window"), f"{d['sliding_window']}: sliding-window "
@@ -349,6 +352,28 @@ class Qwen3NextModel(DecoderModel):
             cur = blocks.rms_norm(ctx, x, w[p + "post_attention_norm.weight"], c.rms_eps)
             x = ctx.add(x, self._ffn(ctx, p, cur))
         return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
+
+
+def _check_text_rope_sections(m: MetaReader, rope_dim: int) -> None:
+    """Qwen3.5's interleaved multimodal RoPE (``rope.dimension_sections``, ggml's IMROPE) is NEOX RoPE for text only
+    when every rotated pair takes the temporal, height or width position (all the token's position): a pair
+    whose sector falls to the fourth section rotates by llama.cpp's fourth position instead (0 for text).
+    Sections that leave such a pair (none in the released files: 11/11/10/0 over 32 pairs) are refused."""
+    key = m.key("rope.dimension_sections")
+    raw = m.md.get(key)
+    if raw is None:
+        return
+    sec = np.asarray(raw).ravel()
+    if sec.size != 4 or sec.dtype.kind not in "iu" or (sec < 0).any() or sec.sum() < 1 or sec.sum() > 1 << 16:
+        raise MetadataError(m.path, key, f"{sec.tolist()[:8]}: expected 4 non-negative section sizes, not all 0")
+    t, h, w, _ = (int(x) for x in sec)
+    total = int(sec.sum())
+    left = [k for k in range(min(total, rope_dim // 2))
+            if not ((k % 3 == 0 and k < 3 * t) or (k % 3 == 1 and k < 3 * h) or (k % 3 == 2 and k < 3 * w))]
+    if left:
+        raise MetadataError(m.path, key, f"{sec.tolist()}: rotated pairs {left[:8]} take the fourth position, which "
+                                         "text does not have; only sections that give every pair the temporal, "
+                                         "height or width position are supported")
 
 
 @dataclass(frozen=True)
