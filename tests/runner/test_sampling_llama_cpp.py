@@ -295,7 +295,7 @@ DRY_TEXTS = [
 
 
 @pytest.mark.parametrize("text", DRY_TEXTS)
-@pytest.mark.parametrize("allowed,last_n", [(2, -1), (1, 16), (3, -1)])
+@pytest.mark.parametrize("allowed,last_n", [(2, -1), (1, 16), (3, -1), (0, 16), (0, -1)])
 def test_dry_with_the_llama_bpe_vocabulary(bpe_vocab, text, allowed, last_n):
     vocab, texts = bpe_vocab
     n = len(texts)
@@ -315,6 +315,59 @@ def test_dry_with_the_llama_bpe_vocabulary(bpe_vocab, text, allowed, last_n):
     assert_same(ggml_dist(kw, x, history, texts, n_ctx=64), want, f"DRY on {text!r}")
     strs = [t.decode("utf-8", errors="replace") for t in texts]
     assert_same(ref_dist(kw, x, history, n_ctx=64, breakers=R.dry_breakers(strs, BREAKERS)), want)
+
+
+#: breakers beyond one ASCII character: multi-byte ones (heads ending inside a character: tails tokenized from
+#: bytes that are not UTF-8, which llama.cpp reads as U+FFFD each), and one of 42 bytes cut to 40 inside its
+#: last "。": the cut's tail holds no whole "。" run, so unlike a cut to 13 whole characters it breaks nothing
+WIDE_BREAKERS = [
+    ("猫が座った。猫が座った。猫が座った。猫が座った", ("。",)),
+    ("café au lait; café au lait; café au lait; café au", ("é", "; c")),
+    ("猫が座った。。。。。。。。。。。。。。猫が座った。。。。。。。。。。。。。。猫が座った", ("。" * 14,)),
+]
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer():
+    hf_convert = pytest.importorskip("hf_convert")
+    from ggmlpy.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(hf_convert.vocab_file("llama-bpe"))
+
+
+@pytest.mark.parametrize("text,breakers", WIDE_BREAKERS)
+def test_dry_wide_breakers_equal_llama_cpp(bpe_vocab, bpe_tokenizer, text, breakers):
+    """The breakers reach llama.cpp as the user gave them (llama.cpp cuts them itself); ggmlpy's cut and its
+    breaker tokens give llama.cpp's candidates, and the breakers change the result (not a vacuous test)."""
+    vocab, texts = bpe_vocab
+    n = len(texts)
+    history = tokenize(vocab, text)
+    x = logits_from(len(text), n, 2.0)
+    kw = dict(OFF, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=1, dry_penalty_last_n=-1,
+              samplers=("dry",))
+    raw = [b.encode() for b in breakers]
+    smpl = L.llama_sampler_init_dry(vocab, 0.8, 1.75, 1, 64, (ctypes.c_char_p * len(raw))(*raw), len(raw))
+    ch = Chain(dict(kw, dry_multiplier=0.0), n, n_ctx=64)    # the array plumbing; its DRY is the one added
+    L.llama_sampler_chain_add(ch.ptr, smpl)
+    try:
+        ch.accept(history)
+        want = ch.candidates(x)
+    finally:
+        ch.close()
+
+    def mine(bs):
+        s = Sampler(SamplingParams(**kw, dry_sequence_breakers=bs), tokenizer=bpe_tokenizer, n_ctx=64)
+        s.accept(history)
+        return canon(*s.distribution(x))
+
+    def differs(g):
+        return g[0] != want[0] or not np.allclose(g[1], want[1], rtol=1e-3)
+
+    assert_same(mine(breakers), want, f"DRY with breakers {breakers!r} on {text!r}")
+    if len(breakers[0]) < 14:
+        assert differs(mine(())), "the breakers change nothing here: not a test"
+    else:                                # a cut to the 13 whole characters would break the repeats
+        assert differs(mine(("。" * 13,)))
 
 
 # ---------------------------------------------------------------------------------------------- 3. greedy on a model

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -213,6 +214,86 @@ def test_dry_breakers_from_a_vocabulary():
     assert () in heads[ord(":")] and () in heads[270]
     assert tuple(b"br>") in heads[271] and tuple(b"br>") in heads[ord("<")]
     assert DryBreakers.of(tok, (":", "<br>")) is DryBreakers.of(tok, (":", "<br>"))      # built once
+
+
+def _breaker_heads_plain(tokenizer, breakers) -> dict:
+    """llama.cpp's get_overlapping_token_sequences restated plainly (a scan of every token's bytes per
+    breaker), over the breakers as SamplingParams keeps them: what DryBreakers' numpy build must equal."""
+    pieces = [tokenizer.token_to_piece(t, True) for t in range(len(tokenizer))]
+    heads: dict = {}
+    tails: dict = {}
+    for text in breakers:
+        b = text.encode()[:40]
+        for tid, word in enumerate(pieces):
+            if b in word:
+                heads.setdefault(tid, set()).add(())
+                continue
+            for i in range(1, min(len(word), len(b) - 1) + 1):
+                if word.endswith(b[:i]):
+                    # the rest, as llama.cpp's tokenizer reads bytes: each one not UTF-8 is U+FFFD
+                    if b[i:] not in tails:
+                        rest = re.sub(r"\\x[0-9a-f]{2}", "\ufffd", b[i:].decode("utf-8", "backslashreplace"))
+                        tails[b[i:]] = tuple(tokenizer.encode(rest, add_special=False, parse_special=False)[:20])
+                    heads.setdefault(tid, set()).add(tails[b[i:]])
+    return heads
+
+
+@pytest.fixture(scope="module")
+def qwen2_tokenizer():
+    import hf_convert
+
+    from ggmlpy.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(hf_convert.vocab_file("qwen2"))
+
+
+def test_dry_breakers_are_bounded_and_cut_as_llama_cpp():
+    # at most MAX_BREAKERS, the error naming the field (API, CLI and server alike go through here)
+    from ggmlpy.sampling.params import MAX_BREAKERS
+
+    with pytest.raises(GGMLValueError, match=f"dry_sequence_breakers: at most {MAX_BREAKERS} breakers, got 65"):
+        SamplingParams(dry_sequence_breakers=["a"] * (MAX_BREAKERS + 1))
+    with pytest.raises(GGMLValueError, match=r"dry_sequence_breakers\[1\] must be a string, got int"):
+        SamplingParams(dry_sequence_breakers=["a", 3])
+    with pytest.raises(GGMLValueError, match="dry_sequence_breakers must be a sequence of strings, got str"):
+        SamplingParams(dry_sequence_breakers="\n")
+    # each is cut to 40 bytes, as llama.cpp cuts it; kept as the characters that cover them (DRY cuts the
+    # bytes), so a cut inside a character is llama.cpp's; empty ones are dropped
+    got = SamplingParams(dry_sequence_breakers=["x" * 10_000, "a" * 39 + "é", "é" * 30, "。" * 14, "", "ab"])
+    assert got.dry_sequence_breakers == ("x" * 40, "a" * 39 + "é", "é" * 20, "。" * 14, "ab")
+
+
+@pytest.mark.parametrize("breakers", [("\n", ":", '"', "*"), ("。", "é", "ing "), ("。" * 14, "a" * 39 + "é"),
+                                      ("the cat sat on the mat and the cat sat on the mat",)])
+def test_dry_breakers_equal_the_plain_scan(qwen2_tokenizer, breakers):
+    """The numpy build of the breaker tokens equals the plain scan on a 152k vocabulary: multi-byte
+    breakers (heads ending inside a character, whose tails are not UTF-8: llama.cpp's U+FFFD), a cut
+    inside a character, a long one with many heads."""
+    kept = SamplingParams(dry_sequence_breakers=breakers).dry_sequence_breakers
+    heads = DryBreakers.of(qwen2_tokenizer, kept).heads
+    assert heads == _breaker_heads_plain(qwen2_tokenizer, kept)
+    assert heads
+
+
+def test_dry_breakers_build_fast_and_the_cache_is_bounded(qwen2_tokenizer):
+    """A request's own breakers (the most, each 40 bytes) are built in well under a second each on a 152k
+    vocabulary (the scan once took seconds per breaker: a server's requests could stall it); the built
+    lists and breakers kept per tokenizer are bounded."""
+    import time
+
+    from ggmlpy.sampling import dry
+    from ggmlpy.sampling.params import MAX_BREAKERS
+
+    t0 = time.perf_counter()
+    for k in range(3):
+        DryBreakers.of(qwen2_tokenizer, tuple(f"{k}-{i:02d}-" + "word " * 7 for i in range(MAX_BREAKERS)))
+    took = time.perf_counter() - t0
+    assert took < 60, f"{3 * MAX_BREAKERS} breakers took {took:.1f} s"
+    for k in range(dry._CACHE_LISTS + 4):
+        DryBreakers.of(qwen2_tokenizer, (f"<{k}>",))
+    per = DryBreakers._cache[qwen2_tokenizer]
+    assert len(per.lists) == dry._CACHE_LISTS and len(per.singles) <= dry._CACHE_BREAKERS
+    assert (f"<{dry._CACHE_LISTS + 3}>",) in per.lists and ("<0>",) not in per.lists
 
 
 def test_dry_penalises_the_token_that_extends_a_repetition():

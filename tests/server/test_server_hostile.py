@@ -54,6 +54,11 @@ def _serves(srv) -> None:
     ({**OK, "stop": [1, 2]}, 400, "stop", "strings"),
     ({**OK, "logit_bias": {"cat": 1}}, 400, "logit_bias", "token ids"),
     ({**OK, "samplers": ["top_k", "telepathy"]}, 400, "samplers", "telepathy"),
+    ({**OK, "repeat_last_n": -2}, 400, "repeat_last_n", "at least -1"),
+    ({**OK, "dry_penalty_last_n": -2}, 400, "dry_penalty_last_n", "at least -1"),
+    ({**OK, "dry_allowed_length": -1}, 400, "dry_allowed_length", "at least 0"),
+    ({**OK, "dry_multiplier": 0.8, "dry_sequence_breakers": ["x"] * 65}, 400, "dry_sequence_breakers", "at most 64"),
+    ({**OK, "dry_sequence_breakers": ["\n", ""]}, 400, "dry_sequence_breakers", "non-empty strings"),
     ({**OK, "tools": [{"type": "function"}]}, 400, "tools[0]", "function"),
     ({**OK, "tool_choice": "required"}, 400, "tool_choice", "no tools"),
     ({**OK, "response_format": {"type": "yaml"}}, 400, "response_format", "json_schema"),
@@ -71,6 +76,14 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_goes_on(server, body, statu
     if param is not None:
         assert err["param"] == param
     _serves(server)
+
+
+def test_long_wide_breakers_and_minus_one_windows_are_served(server):
+    """A breaker of 100k characters is cut to llama.cpp's 40 bytes, multi-byte ones work, and -1 windows (the
+    context size) are taken: the request is served."""
+    r = _post(server, {**OK, "dry_multiplier": 0.8, "dry_allowed_length": 0, "dry_penalty_last_n": -1,
+                       "repeat_penalty": 1.1, "repeat_last_n": -1, "dry_sequence_breakers": ["。" * 100_000, "é"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop"), r.text
 
 
 def test_unknown_fields_are_ignored_as_openai_does(server):

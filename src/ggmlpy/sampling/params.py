@@ -145,8 +145,35 @@ _RANGES = {
 _NOT_NUMBERS = ("seed", "logprobs", "logit_bias", "dry_sequence_breakers", "samplers", "logits_processor", "grammar",
                 "json_schema")
 _INTS = {"top_k", "min_keep", "repeat_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "top_logprobs"}
-#: a sequence breaker longer than this is cut, as llama.cpp does (MAX_CHAR_LEN)
+#: a sequence breaker longer than this many bytes is cut, as llama.cpp does (MAX_CHAR_LEN)
 MAX_BREAKER_BYTES = 40
+#: the most sequence breakers (llama.cpp has no bound; each is a pass over the vocabulary, so a request's
+#: list is bounded, as llama-server's body is)
+MAX_BREAKERS = 64
+
+
+def _breakers(value: object) -> tuple:
+    """``dry_sequence_breakers`` checked and cut as llama.cpp cuts them: empty ones dropped, each to the
+    characters that cover its first :data:`MAX_BREAKER_BYTES` bytes (DRY cuts the bytes: a cut inside a
+    character is llama.cpp's cut)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise GGMLValueError(f"dry_sequence_breakers must be a sequence of strings, got {type(value).__name__}")
+    if len(value) > MAX_BREAKERS:
+        raise GGMLValueError(f"dry_sequence_breakers: at most {MAX_BREAKERS} breakers, got {len(value)}")
+    for i, b in enumerate(value):
+        if not isinstance(b, str):
+            raise GGMLValueError(f"dry_sequence_breakers[{i}] must be a string, got {type(b).__name__}")
+    out = []
+    for b in value:
+        if not b:
+            continue
+        b = b[:MAX_BREAKER_BYTES]               # a character is at least a byte: these cover the cut
+        enc = b.encode("utf-8")
+        if len(enc) > MAX_BREAKER_BYTES:
+            keep = len(enc[:MAX_BREAKER_BYTES].decode("utf-8", "ignore"))     # the whole characters in it
+            b = b[:keep + (len(b[:keep].encode("utf-8")) < MAX_BREAKER_BYTES)]  # and the one cut inside
+        out.append(b)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -296,13 +323,7 @@ class SamplingParams:
             raise GGMLValueError(f"logprobs must be a bool, got {self.logprobs!r}")
         object.__setattr__(self, "logprobs", bool(self.logprobs))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
-        breakers = self.dry_sequence_breakers
-        if isinstance(breakers, str) or not isinstance(breakers, (list, tuple)) \
-                or not all(isinstance(b, str) for b in breakers):
-            raise GGMLValueError(f"dry_sequence_breakers must be a sequence of strings, got {breakers!r}")
-        # llama.cpp skips empty breakers and cuts long ones to 40 bytes
-        cut = tuple(b.encode("utf-8")[:MAX_BREAKER_BYTES].decode("utf-8", "ignore") for b in breakers if b)
-        object.__setattr__(self, "dry_sequence_breakers", cut)
+        object.__setattr__(self, "dry_sequence_breakers", _breakers(self.dry_sequence_breakers))
         object.__setattr__(self, "samplers", parse_samplers(self.samplers))
         if self.logits_processor is not None and not callable(self.logits_processor):
             raise GGMLValueError(f"logits_processor must be callable, got {type(self.logits_processor).__name__}")

@@ -167,8 +167,12 @@ def sampling_kwargs(body: dict, prefix: str = "") -> dict:
         kw["logit_bias"] = _logit_bias(bias, prefix + "logit_bias")
     breakers = body.get("dry_sequence_breakers")
     if breakers is not None:
-        if not isinstance(breakers, list) or not all(isinstance(b, str) and b for b in breakers) or len(breakers) > 64:
-            raise bad_request(f"{prefix}dry_sequence_breakers must be an array of at most 64 non-empty strings",
+        from ggmlpy.sampling.params import MAX_BREAKERS
+
+        if not isinstance(breakers, list) or len(breakers) > MAX_BREAKERS or \
+                not all(isinstance(b, str) and b for b in breakers):
+            raise bad_request(f"{prefix}dry_sequence_breakers must be an array of at most {MAX_BREAKERS} non-empty "
+                              "strings (each cut to its first 40 bytes, as llama.cpp does)",
                               prefix + "dry_sequence_breakers")
         kw["dry_sequence_breakers"] = tuple(breakers)
     samplers = body.get("samplers")
