@@ -3,7 +3,8 @@
 For each vocabulary (``models/ggml-vocab-*.gguf`` that tests/hf_convert.py fetches; qwen2's 151,936
 tokens by default) it times building the :class:`VocabBridge` (once per tokenizer), then runs the
 tests' garbage-preferring model (random float32 logits each step, the arg-max after the mask) under a
-JSON schema and under llama.cpp's json.gbnf, and reports per token, median and 95th percentile:
+JSON schema and under llama.cpp's json.gbnf (as GBNF means it, one character a lexeme, and with
+llguidance's greedy lexemes: ``lexemes=True``), and reports per token, median and 95th percentile:
 
 * ``mask``: llguidance computing the next mask (:meth:`GrammarMatcher.prepare`, the part that can run
   during the forward pass, with the GIL released);
@@ -86,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
-    grammars = {"json_schema": Grammar.json_schema(SCHEMA), "gbnf json": Grammar.gbnf(hf_convert.grammars()["json"])}
+    json_gbnf = hf_convert.grammars()["json"]
+    grammars = {"json_schema": Grammar.json_schema(SCHEMA), "gbnf json": Grammar.gbnf(json_gbnf),
+                "gbnf json lexemes": Grammar.gbnf(json_gbnf, lexemes=True)}
     results = []
-    print(f"{'vocab':<12} {'n_vocab':>8} {'bridge s':>9} {'grammar':<12} "
+    print(f"{'vocab':<12} {'n_vocab':>8} {'bridge s':>9} {'grammar':<18} "
           f"{'mask us (p50/p95)':>18} {'apply us':>14} {'accept us':>14}")
     for name in args.vocab.split(","):
         tok = Tokenizer.from_gguf(hf_convert.vocab_file(name))
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run(g, bridge, args.tokens, args.seed)
             results.append({"vocab": name, "n_vocab": bridge.n_vocab, "bridge_s": bridge.build_seconds,
                             "grammar": gname, **r})
-            print(f"{name:<12} {bridge.n_vocab:>8} {bridge.build_seconds:>9.2f} {gname:<12} "
+            print(f"{name:<12} {bridge.n_vocab:>8} {bridge.build_seconds:>9.2f} {gname:<18} "
                   + " ".join(f"{r[k]['median_us']:>7.0f}/{r[k]['p95_us']:<6.0f}" for k in ("mask", "apply", "accept")))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -388,8 +388,7 @@ def _arith_ok(text: str) -> bool:
     return lines(0)
 
 
-#: arithmetic.gbnf under llguidance ends a line only after a parenthesised term (see
-#: test_gbnf_lexemes_are_greedy): the finishing model opens and closes one
+#: the finishing model for arithmetic.gbnf: it opens and closes a parenthesised term
 _ARITH_FINISH = ((b"(", 95), (b")", 90), (b"=", 70), (b"\n", 60), (b"0", 40), (b"+", 30))
 
 
@@ -416,18 +415,24 @@ def test_llama_cpp_gbnf(vocab, gbnf, name, seed):
     assert all(m.accept(t) for t in tok.encode(text, add_special=False)) and m.is_accepting, text
 
 
-def test_gbnf_lexemes_are_greedy(vocab, gbnf):
-    # A known difference from llama.cpp's own GBNF engine, recorded so a change shows: llguidance's
-    # converter turns rules made only of characters (arithmetic.gbnf's `num ::= [0-9]+ ws`, with
-    # `ws ::= [ \t\n]*`) into lexemes, and its lexer is greedy, so the trailing ws swallows the "\n"
-    # that `(expr "=" ws term "\n")+` needs next: "x=1\n" never completes; "x=(1)\n" does.
+def test_gbnf_has_llama_cpp_meaning_and_lexemes_are_opt_in(vocab, gbnf):
+    # llama.cpp's engine steps one character at a time: "x=1\n" is a whole line of arithmetic.gbnf.
+    # llguidance's own conversion (lexemes=True) makes `num ::= [0-9]+ ws` (ws ::= [ \t\n]*) a greedy
+    # lexeme, whose ws swallows the "\n" the line needs: "x=1\n" never completes there, "x=(1)\n" does.
+    # (tests/runner/test_gbnf_llama_cpp.py compares the masks with llama.cpp's at every step.)
     b = vocab("gpt-2")
-    g = Grammar.gbnf(gbnf["arithmetic"])
-    for text, complete in (("x=1\n", False), ("x=(1)\n", True), ("(a+b)=(1)\n", True)):
-        m = g.matcher(b)
-        assert all(m.accept(t) for t in b.tokenizer.encode(text, add_special=False))
-        assert m.is_accepting == complete and _arith_ok(text), text
+    for text, greedy in (("x=1\n", False), ("x=(1)\n", True), ("(a+b)=(1)\n", True), ("x=1\ny=22\n", False)):
+        ids = b.tokenizer.encode(text, add_special=False)
+        for lexemes, complete in ((False, True), (True, greedy)):
+            m = Grammar.gbnf(gbnf["arithmetic"], lexemes=lexemes).matcher(b)
+            assert (all(m.accept(t) for t in ids) and m.is_accepting) == complete and _arith_ok(text), (text, lexemes)
     assert not _arith_ok("x=1") and not _arith_ok("x==1\n") and not _arith_ok("x=(1\n")
+    for gb, text in (('root ::= [a-z]+ "ing"', "singing"), ('root ::= x "bc"\nx ::= "a" | "ab"', "abc"),
+                     ('root ::= "a" . "b"', "a\nb"), ('root ::= "\\u00e9" "\\U0001F600"', "é😀")):
+        m = Grammar.gbnf(gb).matcher(b)
+        assert all(m.accept(t) for t in b.tokenizer.encode(text, add_special=False)) and m.is_accepting, gb
+    with pytest.raises(GGMLValueError, match="past the last code point"):
+        Grammar.gbnf('root ::= "\\U00110000"')
 
 
 @pytest.mark.parametrize("name, bad", [

@@ -254,9 +254,11 @@ class SamplingParams:
         returns the logits to sample from (same shape), as llama-cpp-python's and transformers' logits
         processors. It runs first, on every token; an exception in it ends that request with it.
     grammar : str or Grammar, optional
-        Constrain the output: llama.cpp's GBNF text, or a :class:`~ggmlpy.sampling.grammar.Grammar`
-        (Lark, a regular expression, a JSON schema, OpenAI's ``response_format``). Compiled here: a
-        grammar that does not compile is a GGMLValueError before anything runs.
+        Constrain the output: llama.cpp's GBNF text (with llama.cpp's meaning; text starting with
+        ``%llguidance`` is llguidance's Lark, as in llama.cpp), or a
+        :class:`~ggmlpy.sampling.grammar.Grammar` (Lark, a regular expression, a JSON schema, OpenAI's
+        ``response_format``). Compiled here: a grammar that does not compile is a GGMLValueError before
+        anything runs.
     json_schema : dict or str, optional
         Constrain the output to JSON valid under this schema (``{}`` or ``True``: any JSON value); kept
         as canonical JSON text. Not with ``grammar``.
@@ -347,7 +349,8 @@ class SamplingParams:
         if isinstance(g, Grammar):
             return g
         if isinstance(g, str):
-            return Grammar.gbnf(g)
+            # llama.cpp's convention: text that starts with %llguidance is llguidance's Lark
+            return Grammar.lark(g) if g.lstrip().startswith("%llguidance") else Grammar.gbnf(g)
         raise GGMLValueError(f"grammar must be GBNF text or a ggmlpy.sampling.grammar.Grammar, got "
                              f"{type(g).__name__}")
 
