@@ -268,6 +268,37 @@ def test_raw_encoded_tensors_and_conversions(tmp_path):
     assert r.tensor_data("empty").shape == (2, 0, 34) and r.tensor_data("empty0").shape == (3, 0)
 
 
+def test_tensors_made_by_callables_are_made_at_write_in_order(tmp_path):
+    # the lazy form: nothing is made when added; write() makes each tensor as it reaches it, in order
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    made = []
+
+    def make(name, data):
+        def run():
+            made.append(name)
+            return data
+        return run
+
+    w = GGUFWriter(tmp_path / "lazy.gguf")
+    w.add_tensor("a", make("a", ggmlpy.quantize(x, Type.Q8_0)), type="Q8_0", ne=(64, 4))
+    w.add_tensor("b", make("b", x.astype(np.float16)), type="F16", ne=(64, 4))
+    w.add_tensor("c", make("c", x.tobytes()), type="F32", ne=(64, 4))
+    assert made == []
+    w.write()
+    assert made == ["a", "b", "c"]
+    r = GGUFReader(tmp_path / "lazy.gguf")
+    assert r.tensor_data("a").tobytes() == ggmlpy.quantize(x, Type.Q8_0)
+    assert np.array_equal(r.tensor_data("b"), x.astype(np.float16)) and np.array_equal(r.tensor_data("c"), x)
+    # a callable that makes the wrong size fails the write; no file is left
+    w = GGUFWriter(tmp_path / "bad.gguf")
+    w.add_tensor("a", lambda: b"\0" * 10, type="F32", ne=(64, 4))
+    with pytest.raises(GGUFError, match="tensor 'a' encoded to 10 bytes, expected 1024"):
+        w.write()
+    assert not (tmp_path / "bad.gguf").exists()
+    with pytest.raises(ggmlpy.GGMLTypeError, match="callable needs ne= and type="):
+        GGUFWriter(tmp_path / "x.gguf").add_tensor("a", lambda: x)
+
+
 def test_conversion_in_slices_gives_the_same_bytes(tmp_path, monkeypatch):
     # The writer encodes a few rows at a time; force many slices.
     monkeypatch.setattr(gguf_writer, "_CHUNK_BYTES", 300)     # where _Pending.pieces reads it

@@ -155,7 +155,12 @@ class _Pending:
     def pieces(self) -> Iterator[Any]:
         """The encoded bytes, in pieces of bounded size (buffers)."""
         if self.raw:
-            yield self.data
+            data = self.data
+            if callable(data):      # made now, one tensor at a time (add_tensor's lazy form)
+                data = data()
+                data = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)) \
+                    if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+            yield data
             return
         arr, t = self.data, self.type
         if arr.size == 0:
@@ -342,7 +347,10 @@ class GGUFWriter:
           size).
         * ``ne`` given: ``data`` is already encoded in ``type`` (bytes, a
           buffer, or a numpy array whose bytes are used); its size must be
-          ``row_size(type, ne[0]) * ne[1] * ...``.
+          ``row_size(type, ne[0]) * ne[1] * ...``. ``data`` may also be a
+          callable returning such data: it is called when ``write()`` reaches
+          the tensor, so a file larger than memory is made one tensor at a
+          time (a wrong size is then a GGUFError from ``write()``).
 
         Raises
         ------
@@ -369,6 +377,9 @@ class GGUFWriter:
                     raise GGMLTypeError(f"{what}: raw data with ne= needs type=")
             t = _as_ggml_type(type, what)
             _, _, ne, nbytes = _core._gguf_check_tensor(name, t, ne)
+            if callable(data):
+                self._tensors[name] = _Pending(name, t, ne, nbytes, data, True)
+                return
             if isinstance(data, np.ndarray):
                 buf = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             else:
@@ -383,6 +394,8 @@ class GGUFWriter:
                                 f"bytes ({rows} rows of {t.row_size(ne[0])} bytes)")
             self._tensors[name] = _Pending(name, t, ne, nbytes, buf, True)
             return
+        if callable(data):
+            raise GGMLTypeError(f"{what}: data made by a callable needs ne= and type= (its shape and encoding)")
         arr = np.asarray(data)
         if arr.dtype.kind not in "iuf":
             raise GGMLTypeError(f"{what}: data must be a numeric numpy array, got dtype {arr.dtype}")

@@ -38,6 +38,7 @@ Examples
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -521,7 +522,6 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     2
     """
     from ggmlpy import gguf
-    from ggmlpy._core import Type, quantize
 
     cfg = size if isinstance(size, SyntheticConfig) else SIZES[parse_size(size)]
     if arch is not None:
@@ -536,34 +536,50 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
     done = 0
     if progress is not None:
         progress(0, total)
+
+    def lazy(make, n: int):
+        # each tensor made when the writer reaches it: one tensor's float32 in memory at a time, not the
+        # whole file (20 GB of quantized tensors held for an 11 GB file before)
+        def run():
+            nonlocal done
+            data = make()
+            done += n
+            if progress is not None:
+                progress(done, total)
+            return data
+        return run
+
     for index, (name, shape, kind) in enumerate(specs):
-        if kind == "norm":
-            w.add_tensor(name, np.ones(shape, np.float32), type="F32")
-        elif kind in ("router", "conv", "bias"):  # llama.cpp keeps routers, their bias and conv kernels in F32
-            w.add_tensor(name, _random_matrix(shape, seed, index), type="F32")
-        elif kind == "mla" and type not in ("F32", "F16"):
-            # deepseek2's per-head matrices: rows of the head size, no K-quant blocks; Q8_0 in every quantized file
-            w.add_tensor(name, quantize(_random_matrix(shape, seed, index), Type.Q8_0), type="Q8_0",
-                         ne=tuple(reversed(shape)))
-        elif kind == "decay":                   # Mamba-2's A = -exp(A_log): negative, about -1 to -16
-            w.add_tensor(name, -np.exp(np.abs(_random_matrix(shape, seed, index)) / WEIGHT_STD * 0.7), type="F32")
-        elif type in ("F32", "F16"):
-            w.add_tensor(name, _random_matrix(shape, seed, index).astype({"F32": np.float32, "F16": np.float16}[type]),
-                         type=type)
-        else:
-            # quantized now, not when the file is written: a writer holding every float32 matrix until
-            # then would need 4 bytes per parameter (32 GB for the 8B shape)
-            t = matrix_type(type, name, cfg.n_layer, tied=cfg.tied, n_cols=shape[-1])
-            m = _random_matrix(shape, seed, index)
-            if t == "F16":
-                w.add_tensor(name, m.astype(np.float16), type=t)
-            else:
-                w.add_tensor(name, quantize(m, Type[t]), type=t, ne=tuple(reversed(shape)))
-        done += math.prod(shape)
-        if progress is not None:
-            progress(done, total)
+        t = _tensor_type(cfg, type, name, shape, kind)
+        w.add_tensor(name, lazy(functools.partial(_tensor_data, shape, kind, t, seed, index), math.prod(shape)),
+                     type=t, ne=tuple(reversed(shape)))
     w.write()
     return path
+
+
+def _tensor_type(cfg: SyntheticConfig, type: str, name: str, shape: tuple, kind: str) -> str:
+    """The GGUF type of one synthetic tensor in a file of ``type``."""
+    if kind == "norm" or kind in ("router", "conv", "bias", "decay"):
+        return "F32"        # llama.cpp keeps norms, routers, their bias, conv kernels and SSM decays in F32
+    if kind == "mla" and type not in ("F32", "F16"):
+        return "Q8_0"       # deepseek2's per-head matrices: rows of the head size, no K-quant blocks
+    if type in ("F32", "F16"):
+        return type
+    return matrix_type(type, name, cfg.n_layer, tied=cfg.tied, n_cols=shape[-1])
+
+
+def _tensor_data(shape: tuple, kind: str, t: str, seed: int, index: int) -> np.ndarray:
+    """One synthetic tensor's data, encoded in ``t``."""
+    from ggmlpy._core import Type, quantize
+
+    if kind == "norm":
+        return np.ones(shape, np.float32)
+    m = _random_matrix(shape, seed, index)
+    if kind == "decay":                     # Mamba-2's A = -exp(A_log): negative, about -1 to -16
+        return -np.exp(np.abs(m) / WEIGHT_STD * 0.7)
+    if t in ("F32", "F16"):
+        return m.astype({"F32": np.float32, "F16": np.float16}[t])
+    return quantize(m, Type[t])
 
 
 def _is_complete(path: Path, cfg: SyntheticConfig, type: str, seed: int) -> bool:
