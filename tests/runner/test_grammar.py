@@ -431,6 +431,8 @@ def test_gbnf_has_llama_cpp_meaning_and_lexemes_are_opt_in(vocab, gbnf):
                      ('root ::= "a" . "b"', "a\nb"), ('root ::= "\\u00e9" "\\U0001F600"', "é😀")):
         m = Grammar.gbnf(gb).matcher(b)
         assert all(m.accept(t) for t in b.tokenizer.encode(text, add_special=False)) and m.is_accepting, gb
+    assert repr(Grammar.gbnf('root ::= "a"', lexemes=True)) == """Grammar.gbnf('root ::= "a"', lexemes=True)"""
+    assert repr(Grammar.gbnf('root ::= "a"')) == """Grammar.gbnf('root ::= "a"')"""
     with pytest.raises(GGMLValueError, match="past the last code point"):
         Grammar.gbnf('root ::= "\\U00110000"')
 

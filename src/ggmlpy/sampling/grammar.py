@@ -272,7 +272,7 @@ class Grammar:
         The text it was made from (a JSON schema as JSON text).
     """
 
-    __slots__ = ("_ll", "kind", "source")
+    __slots__ = ("_ll", "kind", "source", "_note")
 
     def __init__(self, *args, **kwargs) -> None:
         raise GGMLTypeError("Grammar cannot be constructed directly; use Grammar.gbnf(), .lark(), .regex(), "
@@ -287,6 +287,7 @@ class Grammar:
         object.__setattr__(g, "kind", kind)
         object.__setattr__(g, "source", source)
         object.__setattr__(g, "_ll", ll)
+        object.__setattr__(g, "_note", "")
         return g
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -294,7 +295,7 @@ class Grammar:
 
     def __repr__(self) -> str:
         src = self.source if len(self.source) <= 60 else self.source[:57] + "..."
-        return f"Grammar.{self.kind}({src!r})"
+        return f"Grammar.{self.kind}({src!r}{self._note})"
 
     # ------------------------------------------------------------------ constructors
 
@@ -330,7 +331,10 @@ class Grammar:
             raise GGMLValueError("gbnf grammar: nested too deeply to convert") from None
         except Exception as e:   # GbnfToLarkError, and plain Exception for rule errors
             raise GGMLValueError(f"gbnf grammar: {e}") from None
-        return cls._make("gbnf", text, _llg().LLMatcher.grammar_from_lark(lark))
+        g = cls._make("gbnf", text, _llg().LLMatcher.grammar_from_lark(lark))
+        if lexemes:
+            object.__setattr__(g, "_note", ", lexemes=True")
+        return g
 
     @classmethod
     def lark(cls, text: str) -> Grammar:
