@@ -559,7 +559,7 @@ def write_synthetic(path: str | os.PathLike, size: str | SyntheticConfig = "110M
 
 def _tensor_type(cfg: SyntheticConfig, type: str, name: str, shape: tuple, kind: str) -> str:
     """The GGUF type of one synthetic tensor in a file of ``type``."""
-    if kind == "norm" or kind in ("router", "conv", "bias", "decay"):
+    if kind in ("norm", "router", "conv", "bias", "decay"):
         return "F32"        # llama.cpp keeps norms, routers, their bias, conv kernels and SSM decays in F32
     if kind == "mla" and type not in ("F32", "F16"):
         return "Q8_0"       # deepseek2's per-head matrices: rows of the head size, no K-quant blocks
