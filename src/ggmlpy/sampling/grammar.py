@@ -310,7 +310,7 @@ class Grammar:
         lexemes : bool
             ``True``: llguidance's own conversion instead, rules made only of characters becoming
             greedy lexemes: a mask ~30x cheaper on character-heavy grammars (json.gbnf at a 152k
-            vocabulary: ~0.16 ms a token against ~5 ms), but text llama.cpp accepts may be refused
+            vocabulary: ~0.07 ms a token against ~5 ms), but text llama.cpp accepts may be refused
             (arithmetic.gbnf's ``x=1\\n``: its trailing ``ws`` swallows the newline the line needs).
 
         Raises
