@@ -13,7 +13,7 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 __all__ = ["ImageConfig"]
 
 #: The projector types :mod:`ggmlpy.vision.preprocess` preprocesses for.
-PROJECTOR_TYPES = ("gemma3", "idefics3")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4")
 
 # mmproj GGUF keys, as llama.cpp's converter writes them.
 KEY_PROJECTOR_TYPE = "clip.projector_type"
