@@ -268,11 +268,14 @@ class VisionModel(WeightLoader):
         #: the text a chat template writes for an image part (``{"type": "image"}``), which becomes the
         #: image's prompt as the processor expands it (Gemma 3's ``boi_token``, Idefics3's ``image_token``)
         self.image_placeholder = _PLACEHOLDER[c.projector]
-        #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image)
+        #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image;
+        #: llama4: the largest canvas and the global tile)
         # (the first resize caps the longest edge at IDEFICS3_MAX_IMAGE_SIZE, as preprocess does)
         edge = min(self.image_config.longest_edge or 0, IDEFICS3_MAX_IMAGE_SIZE)
         grid = -(-edge // c.image_size) if c.projector == "idefics3" else 0
         self.max_tiles = grid * grid + 1 if grid > 1 else 1
+        if c.projector == "llama4" and self.image_config.max_patches > 1:
+            self.max_tiles = self.image_config.max_patches + 1
         expected = list(self._expected())
         self.fused: dict[str, tuple[str, ...]] = {}
         # (the text model's tensor overrides are not the encoder's: llama.cpp's -ot skips the mmproj too)
