@@ -43,15 +43,17 @@ from .resize import IDEFICS3_MAX_IMAGE_SIZE, PreprocessedImage
 __all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
 
 #: projector types (``clip.projector_type``) this module builds
-PROJECTORS = ("gemma3", "idefics3")
+PROJECTORS = ("gemma3", "idefics3", "llama4")
 #: the scale factor a file without ``clip.vision.projector.scale_factor`` means (llama.cpp's defaults)
-_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2}
+_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2}
 #: the token text the HF processors write for each image position
-_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>"}
+_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>", "llama4": "<|patch|>"}
 #: what the family's chat templates write for an image part, which its processor then expands
-_PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>"}
+_PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>", "llama4": "<|image|>"}
 #: gemma3's projection, which the file stores as ``ne = (n_embd_text, n_embd)``
 _PROJ_T = "mm.input_projection.weight"
+#: llama4's 2D RoPE base (llama.cpp fixes it; the converter writes none, transformers' default)
+_LLAMA4_ROPE_THETA = 10000.0
 #: graph nodes per encoder layer (with headroom)
 _NODES_PER_LAYER = 64
 #: the range of ``clip.vision.image_mean`` / ``image_std`` values: the pixels are rescaled to [0, 1] first, so a
@@ -212,9 +214,13 @@ class EncodedGraph:
     output: Tensor          # F32 ne = (n_embd_text, tokens_per_image, n_images)
     n_images: int
     key: tuple = ()
+    #: inputs that do not change with the images: (tensor, values), set with the pixels (llama4's positions)
+    consts: tuple = ()
 
     def set_inputs(self, pixels: np.ndarray) -> None:
         self.pixels.set(np.ascontiguousarray(pixels, dtype=np.float32))
+        for t, values in self.consts:
+            t.set(values)
 
     def free(self) -> None:
         self.ctx.free()
@@ -262,11 +268,14 @@ class VisionModel(WeightLoader):
         #: the text a chat template writes for an image part (``{"type": "image"}``), which becomes the
         #: image's prompt as the processor expands it (Gemma 3's ``boi_token``, Idefics3's ``image_token``)
         self.image_placeholder = _PLACEHOLDER[c.projector]
-        #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image)
+        #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image;
+        #: llama4: the largest canvas and the global tile)
         # (the first resize caps the longest edge at IDEFICS3_MAX_IMAGE_SIZE, as preprocess does)
         edge = min(self.image_config.longest_edge or 0, IDEFICS3_MAX_IMAGE_SIZE)
         grid = -(-edge // c.image_size) if c.projector == "idefics3" else 0
         self.max_tiles = grid * grid + 1 if grid > 1 else 1
+        if c.projector == "llama4" and self.image_config.max_patches > 1:
+            self.max_tiles = self.image_config.max_patches + 1
         expected = list(self._expected())
         self.fused: dict[str, tuple[str, ...]] = {}
         # (the text model's tensor overrides are not the encoder's: llama.cpp's -ot skips the mmproj too)
@@ -301,6 +310,9 @@ class VisionModel(WeightLoader):
         c = self.config
         f32 = (Type.F32,)
         p, e, ff = c.patch_size, c.n_embd, c.n_ff
+        if c.projector == "llama4":
+            yield from self._expected_llama4()
+            return
         yield "v.patch_embd.weight", (p, p, 3, e), (Type.F32, Type.F16)
         yield "v.patch_embd.bias", (e,), f32
         # F32 only: it is added to the F32 patches (the converter writes it so)
@@ -325,6 +337,39 @@ class VisionModel(WeightLoader):
         else:
             yield "mm.model.fc.weight", (e * c.scale_factor ** 2, c.n_embd_text), None
 
+    def _expected_llama4(self):
+        """Llama 4's tensors: the patch embedding a linear map without bias, the class embedding (placed
+        after the patches), pre- and post-norms, layers whose pre-FFN norm the converter names
+        ``attn_post_norm`` (transformers' ``post_attention_layernorm``), the adapter's two linear maps and
+        the projection, none with a bias."""
+        c = self.config
+        f32 = (Type.F32,)
+        p, e, ff, s = c.patch_size, c.n_embd, c.n_ff, c.scale_factor
+        yield "v.patch_embd.weight", (3 * p * p, e), (Type.F32, Type.F16)
+        yield "v.class_embd", (e,), f32
+        yield "v.position_embd.weight", (e, c.n_patches + 1), f32
+        for x in ("pre_ln", "post_ln"):
+            yield f"v.{x}.weight", (e,), f32
+            yield f"v.{x}.bias", (e,), f32
+        for i in range(c.n_layer):
+            b = f"v.blk.{i}."
+            for x in ("q", "k", "v", "out"):
+                yield f"{b}attn_{x}.weight", (e, e), None
+                yield f"{b}attn_{x}.bias", (e,), f32
+            for x in ("ln1", "attn_post_norm"):
+                yield f"{b}{x}.weight", (e,), f32
+                yield f"{b}{x}.bias", (e,), f32
+            yield f"{b}ffn_up.weight", (e, ff), None
+            yield f"{b}ffn_up.bias", (ff,), f32
+            yield f"{b}ffn_down.weight", (ff, e), None
+            yield f"{b}ffn_down.bias", (e,), f32
+        info = self._reader.tensor_info("mm.model.mlp.1.weight") if "mm.model.mlp.1.weight" in self._reader \
+            else None
+        hidden = info.ne[1] if info is not None and len(info.ne) == 2 else c.n_embd_text
+        yield "mm.model.mlp.1.weight", (e * s * s, hidden), None
+        yield "mm.model.mlp.2.weight", (hidden, hidden), None
+        yield "mm.model.fc.weight", (hidden, c.n_embd_text), None
+
     # ------------------------------------------------------------------ graph
 
     def graph_size(self) -> int:
@@ -341,7 +386,11 @@ class VisionModel(WeightLoader):
         ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
         try:
             pixels = ctx.new_tensor(Type.F32, (c.image_size, c.image_size, 3, n), name="inp_pixels").set_input()
-            x = self._transformer(ctx, pixels, n)
+            consts: tuple = ()
+            if c.projector == "llama4":
+                x, consts = self._transformer_llama4(ctx, pixels, n)
+            else:
+                x = self._transformer(ctx, pixels, n)
             x = self._project(ctx, x, n)
             x.set_output()
             gf = ctx.new_graph(size)
@@ -349,7 +398,7 @@ class VisionModel(WeightLoader):
         except BaseException:
             ctx.free()
             raise
-        return EncodedGraph(ctx, gf, pixels, x, n)
+        return EncodedGraph(ctx, gf, pixels, x, n, consts=consts)
 
     def _transformer(self, ctx: Context, pixels: Tensor, n: int) -> Tensor:
         """SigLIP: the patches' final hidden states, ``ne = (n_embd, n_patches, n)``."""
@@ -382,6 +431,58 @@ class VisionModel(WeightLoader):
             x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
         return _layer_norm(ctx, x, w, "v.post_ln", c.eps)
 
+    def _transformer_llama4(self, ctx: Context, pixels: Tensor, n: int) -> tuple[Tensor, tuple]:
+        """Llama 4's ViT: the patches' final hidden states ``ne = (n_embd, n_patches, n)`` (the class token
+        dropped), and the position inputs to set. As transformers computes it: the patches then the class
+        token, learned positions, a pre-norm, layers with 2D RoPE on Q and K (the first half of each head
+        rotated by the patch's column + 1, the second by its row + 1, pairs of adjacent values; the class
+        token not rotated) and an exact GELU, a post-norm."""
+        c, w = self.config, self.weights
+        e, npatch, hd, p, side = c.n_embd, c.n_patches, c.head_dim, c.patch_size, c.patches_per_side
+        npos = npatch + 1
+        kern = w["v.patch_embd.weight"]                                                   # (3 p p, e)
+        cols = ctx.im2col(ctx.reshape_4d(kern, p, p, 3, e), pixels, p, p, 0, 0, 1, 1, True, Type.F32)
+        x = ctx.mul_mat(kern, ctx.reshape_2d(cols, cols.ne[0], npatch * n))
+        x = ctx.reshape_3d(x, e, npatch, n)
+        cls = ctx.reshape_3d(w["v.class_embd"], e, 1, 1)
+        if n > 1:
+            cls = ctx.repeat(cls, ctx.view_3d(x, e, 1, n, x.nb[1], x.nb[2], 0))
+        x = ctx.concat(x, cls, 1)                                                         # (e, npos, n)
+        x = ctx.add(x, w["v.position_embd.weight"])
+        x = _layer_norm(ctx, x, w, "v.pre_ln", c.eps)
+        pos_x = ctx.new_tensor(Type.I32, (npos,), name="inp_pos_x").set_input()
+        pos_y = ctx.new_tensor(Type.I32, (npos,), name="inp_pos_y").set_input()
+        k = np.arange(npatch)
+        px = np.append(k % side + 1, 0).astype(np.int32)
+        py = np.append(k // side + 1, 0).astype(np.int32)
+
+        def rope2d(t: Tensor) -> Tensor:
+            t = ctx.reshape_4d(t, hd, c.n_head, npos, n)
+            half = hd // 2
+            parts = [ctx.rope_ext(ctx.view_4d(t, half, c.n_head, npos, n, t.nb[1], t.nb[2], t.nb[3], off * 4),
+                                  pos, n_dims=half, mode=0, freq_base=_LLAMA4_ROPE_THETA)
+                     for off, pos in ((0, pos_x), (half, pos_y))]
+            return ctx.concat(parts[0], parts[1], 0)                                       # (hd, head, npos, n)
+
+        scale = 1.0 / math.sqrt(hd)
+        for i in range(c.n_layer):
+            b = f"v.blk.{i}."
+            cur = _layer_norm(ctx, x, w, b + "ln1", c.eps)
+            q = ctx.permute(rope2d(_linear(ctx, w, b + "attn_q", cur)), 0, 2, 1, 3)       # (hd, npos, head, n)
+            kk = ctx.permute(rope2d(_linear(ctx, w, b + "attn_k", cur)), 0, 2, 1, 3)
+            v = _linear(ctx, w, b + "attn_v", cur)
+            v = ctx.cont(ctx.permute(ctx.reshape_4d(v, hd, c.n_head, npos, n), 1, 2, 0, 3))  # (npos, hd, head, n)
+            kq = ctx.soft_max_ext(ctx.mul_mat(kk, q), None, scale)
+            o = ctx.mul_mat(v, kq)                                                         # (hd, npos, head, n)
+            o = ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), e, npos, n)
+            x = ctx.add(x, _linear(ctx, w, b + "attn_out", o))
+            cur = _layer_norm(ctx, x, w, b + "attn_post_norm", c.eps)
+            cur = ctx.gelu_erf(_linear(ctx, w, b + "ffn_up", cur))
+            x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
+        x = _layer_norm(ctx, x, w, "v.post_ln", c.eps)
+        x = ctx.view_3d(x, e, npatch, n, x.nb[1], x.nb[2], 0)                             # the class token dropped
+        return ctx.cont(x), ((pos_x, px), (pos_y, py))
+
     def _project(self, ctx: Context, x: Tensor, n: int) -> Tensor:
         """The projector: ``ne = (n_embd_text, tokens_per_image, n)``."""
         c, w = self.config, self.weights
@@ -401,6 +502,11 @@ class VisionModel(WeightLoader):
         x = ctx.reshape_4d(x, e * s * s, side // s, side // s, n)                          # (e s s, H/s, W/s, n)
         x = ctx.cont(ctx.permute(x, 0, 2, 1, 3))                                           # (e s s, W/s, H/s, n)
         x = ctx.reshape_3d(x, e * s * s, (side // s) ** 2, n)
+        if c.projector == "llama4":
+            # transformers' pixel shuffle is Idefics3's (the same token order and channel layout); then the
+            # adapter (two linear maps, each followed by an exact GELU) and the projection
+            x = ctx.gelu_erf(ctx.mul_mat(w["mm.model.mlp.1.weight"], x))
+            x = ctx.gelu_erf(ctx.mul_mat(w["mm.model.mlp.2.weight"], x))
         return ctx.mul_mat(w["mm.model.fc.weight"], x)
 
     # ------------------------------------------------------------------ running

@@ -13,7 +13,7 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 __all__ = ["ImageConfig"]
 
 #: The projector types :mod:`ggmlpy.vision.preprocess` preprocesses for.
-PROJECTOR_TYPES = ("gemma3", "idefics3")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4")
 
 # mmproj GGUF keys, as llama.cpp's converter writes them.
 KEY_PROJECTOR_TYPE = "clip.projector_type"
@@ -27,8 +27,10 @@ KEY_SCALE_FACTOR = "clip.vision.projector.scale_factor"
 
 # llama.cpp's default when a gemma3 file has no scale factor (the converter writes it only when it is not 4).
 _GEMMA3_SCALE_FACTOR = 4
-# Idefics3Config's default, used when ImageConfig is built by hand without one.
+# Idefics3Config's default, used when ImageConfig is built by hand without one (and Llama 4's: 1 / 0.5).
 _IDEFICS3_SCALE_FACTOR = 2
+# Llama4ImageProcessor's default most tiles on a canvas (the GGUF does not carry it).
+_LLAMA4_MAX_PATCHES = 16
 
 
 def _check_int(name: str, v: Any, minimum: int = 1) -> int:
@@ -56,7 +58,7 @@ class ImageConfig:
 
     Parameters
     ----------
-    projector_type : {"gemma3", "idefics3"}
+    projector_type : {"gemma3", "idefics3", "llama4"}
         The mmproj projector, which picks the preprocessing pipeline.
     image_size : int
         The encoder's input side in pixels: the tile size (HF's ``size`` for gemma3, ``max_image_size``'s
@@ -75,6 +77,9 @@ class ImageConfig:
         Defaults to ``4 * image_size``, the ratio every published Idefics3/SmolVLM processor uses.
     do_image_splitting : bool
         idefics3 only: split into tiles plus a global image (HF's default) or resize to one tile.
+    max_patches : int
+        llama4 only: the most tiles on an image's canvas (``Llama4ImageProcessor``'s ``max_patches``,
+        16); a canvas of more than one tile adds a global tile.
 
     Raises
     ------
@@ -90,6 +95,7 @@ class ImageConfig:
     scale_factor: int | None = None
     longest_edge: int | None = None
     do_image_splitting: bool = True
+    max_patches: int = _LLAMA4_MAX_PATCHES
 
     def __post_init__(self) -> None:
         if self.projector_type not in PROJECTOR_TYPES:
@@ -116,6 +122,7 @@ class ImageConfig:
         if not isinstance(self.do_image_splitting, (bool, np.bool_)):
             raise GGMLTypeError(f"ImageConfig: do_image_splitting is {self.do_image_splitting!r}; expected a bool")
         set_(self, "do_image_splitting", bool(self.do_image_splitting))
+        set_(self, "max_patches", _check_int("max_patches", self.max_patches))
 
     @property
     def tokens_per_tile(self) -> int:

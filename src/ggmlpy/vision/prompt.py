@@ -1,5 +1,6 @@
 """The prompt text of an image: what the model's Hugging Face processor puts in place of the image's
-placeholder token (:func:`image_prompt`; per projector :func:`gemma3_image_prompt`, :func:`idefics3_image_prompt`)."""
+placeholder token (:func:`image_prompt`; per projector :func:`gemma3_image_prompt`, :func:`idefics3_image_prompt`,
+:func:`llama4_image_prompt`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 from .image_config import ImageConfig
 from .resize import PreprocessedImage
 
-__all__ = ["gemma3_image_prompt", "idefics3_image_prompt", "image_prompt"]
+__all__ = ["gemma3_image_prompt", "idefics3_image_prompt", "image_prompt", "llama4_image_prompt"]
 
 
 def gemma3_image_prompt(n_tokens: int = 256, *, boi_token: str = "<start_of_image>",
@@ -74,11 +75,37 @@ def idefics3_image_prompt(rows: int, cols: int, image_seq_len: int, *,
     return f"{grid}\n{global_part}"
 
 
+def llama4_image_prompt(rows: int, cols: int, n_tokens: int = 144, *, patch_token: str = "<|patch|>") -> str:
+    """The text ``Llama4Processor`` puts in place of each ``<|image|>`` in the prompt.
+
+    ``<|image_start|>``; for a canvas of more than one tile, each row's tiles as ``n_tokens`` patch tokens,
+    ``<|tile_x_separator|>`` between the tiles of a row and ``<|tile_y_separator|>`` after every row; then
+    ``<|image|>`` and the global tile's (or the only tile's) patch tokens; ``<|image_end|>``.
+
+    Parameters
+    ----------
+    rows, cols : int
+        :attr:`PreprocessedImage.rows` and ``cols`` (0 and 0, or 1 and 1, for a single tile).
+    n_tokens : int
+        Tokens per tile (:attr:`ImageConfig.tokens_per_tile`: 144 for 336 / 14 with the pixel shuffle's 2).
+    patch_token : str
+        The tokenizer's ``<|patch|>``, where the image's features go.
+    """
+    rows = _check_prompt_int("rows", rows, 0)
+    cols = _check_prompt_int("cols", cols, 0)
+    n_tokens = _check_prompt_int("n_tokens", n_tokens, 1)
+    tile = patch_token * n_tokens
+    grid = ""
+    if rows * cols > 1:
+        grid = "".join("<|tile_x_separator|>".join([tile] * cols) + "<|tile_y_separator|>" for _ in range(rows))
+    return f"<|image_start|>{grid}<|image|>{tile}<|image_end|>"
+
+
 def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
     """The prompt text for a preprocessed image, as the model's HF processor expands its placeholder.
 
-    The placeholder the text holds before expansion is ``<start_of_image>`` for gemma3 and ``<image>`` for
-    idefics3; the returned text replaces it.
+    The placeholder the text holds before expansion is ``<start_of_image>`` for gemma3, ``<image>`` for
+    idefics3 and ``<|image|>`` for llama4; the returned text replaces it.
     """
     if not isinstance(image, PreprocessedImage):
         raise GGMLTypeError(f"image_prompt: image is {type(image).__name__}; expected a PreprocessedImage")
@@ -86,6 +113,8 @@ def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
         raise GGMLTypeError(f"image_prompt: cfg is {type(cfg).__name__}; expected an ImageConfig")
     if cfg.projector_type == "gemma3":
         return gemma3_image_prompt(cfg.tokens_per_tile)
+    if cfg.projector_type == "llama4":
+        return llama4_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
     return idefics3_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
 
 

@@ -1,8 +1,10 @@
 """Resizing, tiling and normalising an RGB image as the model's Hugging Face image processor does, into a
-:class:`PreprocessedImage` (gemma3: one tile; idefics3: a grid of tiles and the global image).
+:class:`PreprocessedImage` (gemma3: one tile; idefics3 and llama4: a grid of tiles and the global image).
 
-Every resize goes through Pillow on uint8 pixels, so the result is bit for bit what transformers gives; the
-rescale is done in float64 and rounded to float32, the normalisation in float32, again as transformers does.
+For gemma3 and idefics3 every resize goes through Pillow on uint8 pixels (HF's PIL backend), so the result is
+bit for bit what transformers gives; the rescale is done in float64 and rounded to float32, the normalisation
+in float32, again as transformers does. Llama 4's processor has only a torchvision backend: its resize and
+bfloat16 normalisation are reproduced in :mod:`.canvas`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .canvas import normalize_bf16, resize_aa, tile_canvas
 from .decode import _pil
 from .image_config import ImageConfig
 
@@ -131,6 +134,8 @@ def resize_and_tile(img: _PILImageModule.Image, cfg: ImageConfig) -> Preprocesse
     if cfg.projector_type == "gemma3":
         tile = np.asarray(img.resize((size, size), resampling.BILINEAR))
         return PreprocessedImage([_normalize(tile, cfg)], source_size=source_size)
+    if cfg.projector_type == "llama4":
+        return _llama4_tiles(np.asarray(img), cfg, source_size)
 
     lanczos = resampling.LANCZOS
     assert cfg.longest_edge is not None  # set by ImageConfig.__post_init__ for idefics3
@@ -152,4 +157,21 @@ def resize_and_tile(img: _PILImageModule.Image, cfg: ImageConfig) -> Preprocesse
              for r in range(rows) for c in range(cols)]
     # the global image is the tiled image (not the original) resized to one tile
     tiles.append(_normalize(np.asarray(img.resize((size, size), lanczos)), cfg))
+    return PreprocessedImage(tiles, rows=rows, cols=cols, has_global=True, source_size=source_size)
+
+
+def _llama4_tiles(pixels: np.ndarray, cfg: ImageConfig, source_size: tuple[int, int]) -> PreprocessedImage:
+    """Llama 4: the best-fit canvas of tiles, then the stretched global tile (:mod:`.canvas`)."""
+    size = cfg.image_size
+
+    def norm(hwc: np.ndarray) -> np.ndarray:
+        return normalize_bf16(hwc, cfg.image_mean, cfg.image_std, RESCALE_FACTOR)
+
+    canvas, rows, cols = tile_canvas(pixels, size, cfg.max_patches)
+    tiles = [norm(canvas[r * size:(r + 1) * size, c * size:(c + 1) * size])
+             for r in range(rows) for c in range(cols)]
+    if rows * cols == 1:
+        return PreprocessedImage(tiles, source_size=source_size)
+    # the global tile is the original image stretched to one tile (not the canvas, unlike Idefics3's)
+    tiles.append(norm(resize_aa(pixels, size, size)))
     return PreprocessedImage(tiles, rows=rows, cols=cols, has_global=True, source_size=source_size)
