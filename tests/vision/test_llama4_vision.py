@@ -26,7 +26,7 @@ import vision_helpers as vh  # noqa: E402
 from ggmlpy import GGMLValueError, gguf  # noqa: E402
 from ggmlpy.models import load_model  # noqa: E402
 from ggmlpy.runner import Runner  # noqa: E402
-from ggmlpy.vision.preprocess import image_prompt, preprocess  # noqa: E402
+from ggmlpy.vision.preprocess import ImageConfig, image_prompt, preprocess  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -137,6 +137,26 @@ def test_features_match_hf(fx, hw):
     ref = _features(fx, pre.pixel_values).reshape(got.shape)
     assert np.abs(ref).max() > 1e-2                      # features large enough to see an error
     assert _err(got, ref) < 3e-6                        # measured 6-7e-7
+
+
+def test_older_files_name_the_norm_ln2(fx, tmp_path):
+    """A file whose pre-FFN norm is ``ln2`` (llama4 mmproj files converted before the tensor map moved it)
+    gives the same features; with neither name the error names the tensor."""
+    from arch_helpers import copy_gguf
+
+    def rename(to):
+        return lambda name, a: [(name.replace(".attn_post_norm.", f".{to}."), a)]
+
+    old = copy_gguf(fx.mmproj_path, tmp_path / "ln2.gguf", tensors=rename("ln2"))
+    pre = preprocess(_image(100, 90, seed=1), ImageConfig("llama4", TILE, PATCH))
+    feats = []
+    for path in (fx.mmproj_path, old):
+        with load_model(fx.text_path, mmproj=path, devices="cpu") as model:
+            feats.append(model.vision.encode(pre.pixel_values))
+    np.testing.assert_array_equal(feats[0], feats[1])
+    bad = copy_gguf(fx.mmproj_path, tmp_path / "bad.gguf", tensors=rename("ln_x"))
+    with pytest.raises(GGMLValueError, match="attn_post_norm"):
+        load_model(fx.text_path, mmproj=bad, devices="cpu")
 
 
 def test_logits_match_hf(fx):

@@ -340,11 +340,13 @@ class VisionModel(WeightLoader):
     def _expected_llama4(self):
         """Llama 4's tensors: the patch embedding a linear map without bias, the class embedding (placed
         after the patches), pre- and post-norms, layers whose pre-FFN norm the converter names
-        ``attn_post_norm`` (transformers' ``post_attention_layernorm``), the adapter's two linear maps and
-        the projection, none with a bias."""
+        ``attn_post_norm`` (transformers' ``post_attention_layernorm``; ``ln2`` in older files, read as
+        the same norm), the adapter's two linear maps and the projection, none with a bias."""
         c = self.config
         f32 = (Type.F32,)
         p, e, ff, s = c.patch_size, c.n_embd, c.n_ff, c.scale_factor
+        # files converted before llama.cpp's tensor map sent that norm to attn_post_norm call it ln2
+        self._llama4_ln2 = "ln2" if "v.blk.0.ln2.weight" in self._reader else "attn_post_norm"
         yield "v.patch_embd.weight", (3 * p * p, e), (Type.F32, Type.F16)
         yield "v.class_embd", (e,), f32
         yield "v.position_embd.weight", (e, c.n_patches + 1), f32
@@ -356,7 +358,7 @@ class VisionModel(WeightLoader):
             for x in ("q", "k", "v", "out"):
                 yield f"{b}attn_{x}.weight", (e, e), None
                 yield f"{b}attn_{x}.bias", (e,), f32
-            for x in ("ln1", "attn_post_norm"):
+            for x in ("ln1", self._llama4_ln2):
                 yield f"{b}{x}.weight", (e,), f32
                 yield f"{b}{x}.bias", (e,), f32
             yield f"{b}ffn_up.weight", (e, ff), None
@@ -476,7 +478,7 @@ class VisionModel(WeightLoader):
             o = ctx.mul_mat(v, kq)                                                         # (hd, npos, head, n)
             o = ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), e, npos, n)
             x = ctx.add(x, _linear(ctx, w, b + "attn_out", o))
-            cur = _layer_norm(ctx, x, w, b + "attn_post_norm", c.eps)
+            cur = _layer_norm(ctx, x, w, b + self._llama4_ln2, c.eps)
             cur = ctx.gelu_erf(_linear(ctx, w, b + "ffn_up", cur))
             x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
         x = _layer_norm(ctx, x, w, "v.post_ln", c.eps)
