@@ -35,7 +35,7 @@ def open(path: str | os.PathLike, *, devices: str | Sequence[str] = DEFAULTS["de
          type_v: Optional[str] = None, mmproj: Optional[str | os.PathLike] = None, rpc: Sequence[str] = (),
          tensor_split: Optional[Sequence[float]] = None, tensor_overrides: Optional[str | Sequence] = None,
          n_cpu_moe: int = 0, mmap: bool = False, progress: Optional[Callable[[int, int], None]] = None,
-         tokenizer=None, kernels: Optional[str] = None) -> Runner:
+         tokenizer=None, kernels: Optional[str] = None, vision_precision: str = "exact") -> Runner:
     """Load the model in ``path`` and start a :class:`~ggmlpy.runner.Runner` over it, which owns it:
     closing the runner (``close()``, the end of a ``with`` block) closes the model too.
 
@@ -57,9 +57,9 @@ def open(path: str | os.PathLike, *, devices: str | Sequence[str] = DEFAULTS["de
     n_batch, n_ubatch, n_seq_max, n_threads, flash_attn, type_k, type_v, kernels, tokenizer
         The :class:`~ggmlpy.runner.Runner`'s settings (defaults there; with ``n_gpu_layers="auto"`` the
         placement is searched for these).
-    mmproj, rpc, tensor_split, tensor_overrides, n_cpu_moe, mmap, progress
-        :func:`ggmlpy.load_model`'s: a vision encoder (then prompts take images), RPC servers, the
-        placement's options, the read.
+    mmproj, vision_precision, rpc, tensor_split, tensor_overrides, n_cpu_moe, mmap, progress
+        :func:`ggmlpy.load_model`'s: a vision encoder (then prompts take images) and its numerics
+        (``"exact"`` or ``"fast"``), RPC servers, the placement's options, the read.
 
     Returns
     -------
@@ -89,7 +89,7 @@ def open(path: str | os.PathLike, *, devices: str | Sequence[str] = DEFAULTS["de
     fit_kw = {k: v for k, v in {**runner_kw, "n_ctx": n_ctx}.items() if v is not None}
     model = load_model(path, devices=devices, n_gpu_layers=n_gpu_layers, progress=progress, rpc=rpc, mmap=mmap,
                        mmproj=mmproj, tensor_split=tensor_split, tensor_overrides=tensor_overrides,
-                       n_cpu_moe=n_cpu_moe, **fit_kw)
+                       n_cpu_moe=n_cpu_moe, vision_precision=vision_precision, **fit_kw)
     try:
         # n_ctx "auto": the searched context, which the runner takes from model.fit
         rt = Runner(model, n_ctx=None if isinstance(n_ctx, str) else n_ctx, n_threads=n_threads, tokenizer=tokenizer,

@@ -250,7 +250,7 @@ def _open_runner(args: argparse.Namespace, prog: str, n_seq_max: int = 1, progre
         kw.update(n_ctx=n_ctx, n_batch=args.batch_size, n_ubatch=min(args.batch_size, 512),
                   type_k=args.cache_type_k or "f16", type_v=args.cache_type_v or "f16", flash_attn=fa)
     model = load_model(path, devices=devices, n_gpu_layers=args.n_gpu_layers, mmproj=mmproj, progress=progress,
-                       **kw)
+                       vision_precision=getattr(args, "vision_precision", "exact"), **kw)
     try:
         if n_ctx <= 0:
             n_ctx = n_ctx_for(getattr(model.config, "n_ctx_train", None))
@@ -544,6 +544,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _add_model_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, placement, runner and sampling flags of run, chat and serve (serve: no constrained output)."""
     add_model_source_args(p)            # -m, -hf, -hff, --mmproj
+    p.add_argument("--vision-precision", choices=("exact", "fast"), default="exact",
+                   help="the vision encoder's numerics: exact (default; image features ~1e-6 of transformers') "
+                        "or fast (ggml's flash attention and GELU table, as llama.cpp's mtmd: ~1e-3, faster)")
     # the defaults are ggmlpy.defaults' table, the API's own
     p.add_argument("-c", "--ctx-size", type=int, default=0,
                    help=f"context size (default 0: the model's training context, at most {DEFAULTS['n_ctx']})")

@@ -34,7 +34,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
                type_k: str = DEFAULTS["type_k"], type_v: str = DEFAULTS["type_v"], flash_attn: Optional[bool] = None,
                margin: Optional[int | dict] = None, memory: Optional[dict] = None,
                tensor_split: Optional[Sequence[float]] = None,
-               tensor_overrides: Optional[str | Sequence] = None, n_cpu_moe: int = 0) -> Model:
+               tensor_overrides: Optional[str | Sequence] = None, n_cpu_moe: int = 0,
+               vision_precision: str = "exact") -> Model:
     """Open a GGUF file, pick its architecture's model class, place and allocate its weights, and load them.
 
     Parameters
@@ -95,6 +96,9 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
         weights in the model's memory report; a :class:`~ggmlpy.runner.Runner` then takes images.
         Closed with the model. An ``hf://`` reference too; ``"hf://ORG/REPO"`` alone is the repository's
         vision encoder for the model (``mmproj*.gguf``, chosen as llama.cpp's ``-hf`` chooses it).
+    vision_precision : the vision encoder's numerics, ``"exact"`` (default: features ~1e-6 of transformers')
+        or ``"fast"`` (ggml's flash attention and GELU table, as llama.cpp's mtmd: ~1e-3, faster); see
+        :class:`~ggmlpy.vision.VisionModel`
 
     Raises
     ------
@@ -165,7 +169,8 @@ def load_model(path: str | os.PathLike, devices: str | Sequence[str] = DEFAULTS[
 
             if not getattr(model, "EMBD_INPUT", False):
                 raise GGMLValueError(f"{path}: {model.config.arch} models take no image embeddings (mmproj given)")
-            model.vision = load_mmproj(mmproj, placement=model.placement, report=model.report, load=False)
+            model.vision = load_mmproj(mmproj, placement=model.placement, report=model.report, load=False,
+                                       precision=vision_precision)
         if load:
             model.load(progress, check_tensors, mmap=mmap)
             if mmproj is not None:

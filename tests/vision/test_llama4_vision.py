@@ -139,6 +139,15 @@ def test_features_match_hf(fx, hw):
     assert _err(got, ref) < 3e-6                        # measured 6-7e-7
 
 
+def test_fast_precision(fx):
+    """vision_precision="fast": flash attention with F16 K/V (the GELU stays exact: Llama 4's is erf)."""
+    pre = preprocess(_image(100, 90, seed=2), ImageConfig("llama4", TILE, PATCH))
+    ref = _features(fx, pre.pixel_values)
+    with load_model(fx.text_path, mmproj=fx.mmproj_path, devices="cpu", vision_precision="fast") as model:
+        got = model.vision.encode(pre.pixel_values)
+    assert 1e-6 < _err(got, ref.reshape(got.shape)) < 2e-3
+
+
 def test_older_files_name_the_norm_ln2(fx, tmp_path):
     """A file whose pre-FFN norm is ``ln2`` (llama4 mmproj files converted before the tensor map moved it)
     gives the same features; with neither name the error names the tensor."""

@@ -81,6 +81,27 @@ def test_features_and_pixels_match_hf(fixtures, family):
     assert _err(got, ref) < TOL
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_precision(fixtures, family):
+    """vision_precision="fast" (ggml's flash attention with F16 K/V and GELU table): features within
+    llama.cpp's error of transformers', not the exact mode's numbers; the rest of the runner unchanged."""
+    fx = fixtures[family]
+    img = vh.sample_image(100, 70, seed=3)
+    px = vh.pixel_values(fx, [img])
+    ref = vh.image_features(fx, px)
+    with load_mmproj(fx.mmproj_path, precision="fast") as fast, load_mmproj(fx.mmproj_path) as exact:
+        assert "fast" in repr(fast)
+        got, want = fast.encode(px), exact.encode(px)
+    assert 1e-6 < _err(got, ref) < 2e-3
+    assert _err(want, ref) < TOL
+    with pytest.raises(GGMLValueError, match="precision 'quick'"):
+        load_mmproj(fx.mmproj_path, precision="quick")
+    model = load_model(fx.text_path, mmproj=fx.mmproj_path, devices="cpu", vision_precision="fast")
+    with model, Runner(model, n_ctx=256, type_k="f32", type_v="f32") as rt:
+        assert model.vision.precision == "fast"
+        np.testing.assert_array_equal(rt.encode_image(img), got.reshape(-1, got.shape[-1]))
+
+
 def test_encode_image(fixtures):
     """Runner.encode_image: the rows a prompt's image tokens get, as transformers' image features."""
     fx = fixtures["idefics3"]

@@ -228,7 +228,7 @@ def run(p: BenchParams, out: TextIO | None = None, err: TextIO | None = None,
             pr.header()
         if p.kernels_refresh:
             forget_kernel_timings()
-        engine = engine or GgmlpyEngine(rpc=p.rpc, kernels=p.kernels)
+        engine = engine or GgmlpyEngine(rpc=p.rpc, kernels=p.kernels, vision_precision=p.vision_precision)
         failed = 0
         unsupported: set[tuple[str, str]] = set()
         results: list[Result] = []

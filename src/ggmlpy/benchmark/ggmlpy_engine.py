@@ -44,10 +44,12 @@ class GgmlpyEngine(Engine):
 
     name = "ggmlpy"
 
-    def __init__(self, rpc: list[str] | None = None, kernels: str | None = None) -> None:
+    def __init__(self, rpc: list[str] | None = None, kernels: str | None = None,
+                 vision_precision: str = "exact") -> None:
         super().__init__()
         self.rpc = list(rpc or [])           # -rpc servers: "auto" device choice takes only those named
         self.kernels = kernels               # --kernels: the runners' own-kernel mode
+        self.vision_precision = vision_precision     # --vision-precision: the encoder's numerics (-i)
         self.kernel_notes: dict[str, None] = {}     # each distinct choice's footnote, in order
         self.version = __version__
         self.model: Any = None
@@ -88,7 +90,8 @@ class GgmlpyEngine(Engine):
             except GGMLValueError as e:
                 raise BenchError(str(e)) from None
         self.model = load_model(inst.model, devices=devices, rpc=rpc, mmap=inst.load_mode == "mmap",
-                                repack=inst.repack, mmproj=inst.mmproj or None, n_cpu_moe=inst.n_cpu_moe, **kw)
+                                repack=inst.repack, mmproj=inst.mmproj or None, n_cpu_moe=inst.n_cpu_moe,
+                                vision_precision=self.vision_precision, **kw)
         m = self.model
         self.info = {"desc": m.desc, "size": int(m.size), "n_params": int(m.n_params),
                      "n_vocab": int(m.n_vocab), "backends": m.backend_names}

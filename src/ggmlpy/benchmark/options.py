@@ -351,6 +351,7 @@ class BenchParams:
     roofline_refresh: bool = False
     kernels: str | None = None
     kernels_refresh: bool = False
+    vision_precision: str = "exact"
     n_images: list[int] = field(default_factory=list)
     mmproj: list[str] = field(default_factory=list)
 
@@ -498,6 +499,9 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
                          "(none); default $GGMLPY_KERNELS or measure. The table's footnote says which ran")
     ap.add_argument("--kernels-refresh", action="store_true",
                     help="measure the own kernels again instead of reading the cache")
+    ap.add_argument("--vision-precision", default="exact", choices=("exact", "fast"),
+                    help="ggmlpy's vision encoder in image tests (-i): exact (default) or fast (ggml's flash "
+                         "attention and GELU table, llama.cpp mtmd's numerics)")
     return ap
 
 
@@ -573,6 +577,7 @@ def parse_args(argv: list[str] | None = None) -> BenchParams:
     params.roofline_refresh = args.roofline_refresh
     params.roofline = args.roofline or args.roofline_refresh
     params.kernels, params.kernels_refresh = args.kernels, args.kernels_refresh
+    params.vision_precision = args.vision_precision
     _validate(params)
     return params
 

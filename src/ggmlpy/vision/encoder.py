@@ -40,7 +40,10 @@ from .preprocess import preprocess
 from .prompt import image_prompt
 from .resize import IDEFICS3_MAX_IMAGE_SIZE, PreprocessedImage
 
-__all__ = ["PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
+__all__ = ["PRECISIONS", "PROJECTORS", "EncodedGraph", "VisionConfig", "VisionModel", "load_mmproj"]
+
+#: the encoder's numerics (:class:`VisionModel`'s ``precision``)
+PRECISIONS = ("exact", "fast")
 
 #: projector types (``clip.projector_type``) this module builds
 PROJECTORS = ("gemma3", "idefics3", "llama4")
@@ -238,6 +241,12 @@ class VisionModel(WeightLoader):
         Default: the CPU.
     report : ggmlpy.memory.MemoryReport, optional
         Where the weights are recorded (the text model's report, so that one report shows both).
+    precision : {"exact", "fast"}
+        ``"exact"`` (default): attention as ``mul_mat`` + ``soft_max`` in F32 and GELU from F32 ops, image
+        features within ~1e-6 of transformers'. ``"fast"``: ggml's flash attention (K and V rounded to
+        F16) and ggml's GELU (an F16 table on the CPU), as llama.cpp's mtmd computes them: features within
+        ~1e-3 of transformers' (llama.cpp's error on the same file), the encoder faster (bench/README).
+        Fixed at load, since the worst-case reservation is built with it.
 
     Attributes
     ----------
@@ -247,7 +256,10 @@ class VisionModel(WeightLoader):
         Bytes and number of weight values.
     """
 
-    def __init__(self, reader, placement: Optional[Placement] = None, report=None) -> None:
+    def __init__(self, reader, placement: Optional[Placement] = None, report=None, precision: str = "exact") -> None:
+        if precision not in PRECISIONS:
+            raise GGMLValueError(f"vision precision {precision!r}: expected one of {PRECISIONS}")
+        self.precision = precision
         self.path = str(reader.path)
         self._reader = reader
         self.config = cfg = VisionConfig.from_metadata(reader.metadata, self.path)
@@ -423,15 +435,27 @@ class VisionModel(WeightLoader):
             v = _linear(ctx, w, b + "attn_v", cur)
             q = ctx.permute(ctx.reshape_4d(q, hd, c.n_head, npatch, n), 0, 2, 1, 3)        # (hd, npatch, head, n)
             k = ctx.permute(ctx.reshape_4d(k, hd, c.n_head, npatch, n), 0, 2, 1, 3)
-            v = ctx.cont(ctx.permute(ctx.reshape_4d(v, hd, c.n_head, npatch, n), 1, 2, 0, 3))  # (npatch, hd, head, n)
-            kq = ctx.soft_max_ext(ctx.mul_mat(k, q), None, scale)                          # (npatch_k, npatch_q, ...)
-            o = ctx.mul_mat(v, kq)                                                         # (hd, npatch, head, n)
-            o = ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), e, npatch, n)
-            x = ctx.add(x, _linear(ctx, w, b + "attn_out", o))
+            v = ctx.reshape_4d(v, hd, c.n_head, npatch, n)
+            x = ctx.add(x, _linear(ctx, w, b + "attn_out", self._attention(ctx, q, k, v, scale)))
             cur = _layer_norm(ctx, x, w, b + "ln2", c.eps)
-            cur = _gelu_tanh(ctx, _linear(ctx, w, b + "ffn_up", cur))
+            up = _linear(ctx, w, b + "ffn_up", cur)
+            cur = ctx.gelu(up) if self.precision == "fast" else _gelu_tanh(ctx, up)
             x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
         return _layer_norm(ctx, x, w, "v.post_ln", c.eps)
+
+    def _attention(self, ctx: Context, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+        """Every token of an image over all of its tokens: ``q``, ``k`` ``ne = (hd, tokens, head, n)``, ``v``
+        ``(hd, head, tokens, n)``; the heads' outputs ``ne = (hd * head, tokens, n)``. Exact: ``mul_mat`` +
+        ``soft_max`` in F32; fast: ggml's flash attention with K and V in F16 (as llama.cpp's)."""
+        hd, ntok, nh, n = q.ne
+        if self.precision == "fast":
+            v = ctx.permute(v, 0, 2, 1, 3)                                                 # (hd, tokens, head, n)
+            o = ctx.flash_attn_ext(q, ctx.cast(k, Type.F16), ctx.cast(v, Type.F16), None, scale=scale)
+            return ctx.reshape_3d(o, hd * nh, ntok, n)                                     # o: (hd, head, tokens, n)
+        v = ctx.cont(ctx.permute(v, 1, 2, 0, 3))                                           # (tokens, hd, head, n)
+        kq = ctx.soft_max_ext(ctx.mul_mat(k, q), None, scale)                              # (tokens_k, tokens_q, ...)
+        o = ctx.mul_mat(v, kq)                                                             # (hd, tokens, head, n)
+        return ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), hd * nh, ntok, n)
 
     def _transformer_llama4(self, ctx: Context, pixels: Tensor, n: int) -> tuple[Tensor, tuple]:
         """Llama 4's ViT: the patches' final hidden states ``ne = (n_embd, n_patches, n)`` (the class token
@@ -472,12 +496,8 @@ class VisionModel(WeightLoader):
             cur = _layer_norm(ctx, x, w, b + "ln1", c.eps)
             q = ctx.permute(rope2d(_linear(ctx, w, b + "attn_q", cur)), 0, 2, 1, 3)       # (hd, npos, head, n)
             kk = ctx.permute(rope2d(_linear(ctx, w, b + "attn_k", cur)), 0, 2, 1, 3)
-            v = _linear(ctx, w, b + "attn_v", cur)
-            v = ctx.cont(ctx.permute(ctx.reshape_4d(v, hd, c.n_head, npos, n), 1, 2, 0, 3))  # (npos, hd, head, n)
-            kq = ctx.soft_max_ext(ctx.mul_mat(kk, q), None, scale)
-            o = ctx.mul_mat(v, kq)                                                         # (hd, npos, head, n)
-            o = ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), e, npos, n)
-            x = ctx.add(x, _linear(ctx, w, b + "attn_out", o))
+            v = ctx.reshape_4d(_linear(ctx, w, b + "attn_v", cur), hd, c.n_head, npos, n)
+            x = ctx.add(x, _linear(ctx, w, b + "attn_out", self._attention(ctx, q, kk, v, scale)))
             cur = _layer_norm(ctx, x, w, b + self._llama4_ln2, c.eps)
             cur = ctx.gelu_erf(_linear(ctx, w, b + "ffn_up", cur))
             x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
@@ -589,7 +609,8 @@ class VisionModel(WeightLoader):
     def __repr__(self) -> str:
         c = self.config
         return (f"VisionModel({c.projector!r}, image {c.image_size}px / patch {c.patch_size}, n_layer={c.n_layer}, "
-                f"n_embd={c.n_embd} -> {c.n_embd_text}, {c.tokens_per_image} tokens per image, on {self.device.name})")
+                f"n_embd={c.n_embd} -> {c.n_embd_text}, {c.tokens_per_image} tokens per image, {self.precision}, "
+                f"on {self.device.name})")
 
 
 def _linear(ctx: Context, w, name: str, x: Tensor) -> Tensor:
@@ -612,7 +633,7 @@ def _layer_norm(ctx: Context, x: Tensor, w, name: str, eps: float) -> Tensor:
 
 def load_mmproj(path: str | os.PathLike, placement: Optional[Placement] = None, report=None,
                 progress: Optional[Callable[[int, int], None]] = None, load: bool = True,
-                check_tensors: bool = False) -> VisionModel:
+                check_tensors: bool = False, precision: str = "exact") -> VisionModel:
     """Open an mmproj GGUF file, place and allocate its weights, and load them.
 
     Parameters
@@ -621,6 +642,7 @@ def load_mmproj(path: str | os.PathLike, placement: Optional[Placement] = None, 
     placement : the text model's placement (the encoder goes to its output device); default the CPU
     report : a MemoryReport to record the weights in (the text model's)
     progress, load, check_tensors : as :func:`ggmlpy.models.load_model`
+    precision : ``"exact"`` (default) or ``"fast"``: see :class:`VisionModel`
 
     Raises
     ------
@@ -635,7 +657,7 @@ def load_mmproj(path: str | os.PathLike, placement: Optional[Placement] = None, 
     """
     reader = GGUFReader(path)
     try:
-        model = VisionModel(reader, placement, report)
+        model = VisionModel(reader, placement, report, precision)
     except BaseException:
         reader.close()
         raise
