@@ -318,8 +318,8 @@ def test_ggmlpy_encodes_through_the_runners_scheduler(fixtures, monkeypatch):
             super().__init__(model, **kw)         # (its reservation builds the largest image's graph too)
             real_build, real_run = self.vision.build, self.rt.run
 
-            def build(n=1):
-                g = real_build(n)
+            def build(n=1, size=None):
+                g = real_build(n, size)
                 built.append((n, g.graph))
                 return g
 

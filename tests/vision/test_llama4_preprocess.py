@@ -3,7 +3,8 @@
 That processor has only a torchvision backend, and PyPI's torchvision does not load against the CPU
 build of torch these tests run on. Its module needs torchvision for three functions only (``resize``,
 ``pad``, ``normalize``), so the test imports it with a stand-in for ``torchvision.transforms.v2.functional``
-that does what torchvision 0.28 does with them (below) and runs transformers' own ``_preprocess``: the
+that does what torchvision 0.28 does with them (tests/torchvision_stub.py) and runs transformers' own
+``_preprocess``: the
 canvas choice, the resize sizes with their float32/float64 mixture, the padding, the bfloat16
 normalisation, the tiles and the global tile are all transformers' code. torchvision's resize of a
 uint8 image on a CPU with AVX2/AVX-512 (or ARM) is ``torch.nn.functional.interpolate`` on the uint8
@@ -13,9 +14,7 @@ ggmlpy is checked against the same call on its own (``test_resize_aa_equals_torc
 
 from __future__ import annotations
 
-import enum
 import os
-import sys
 import types
 
 import numpy as np
@@ -36,72 +35,16 @@ Image = pytest.importorskip("PIL.Image") if not os.environ.get("CI") else __impo
 
 F = torch.nn.functional
 
-
-class _Interp(enum.Enum):
-    NEAREST = "nearest"
-    BILINEAR = "bilinear"
-    BICUBIC = "bicubic"
-    LANCZOS = "lanczos"
-
-
-def _tv_resize(image, size, interpolation=_Interp.BILINEAR, antialias=True, **_):
-    # torchvision 0.28 resize_image: unchanged sizes are returned as they are; uint8 bilinear stays uint8
-    # on AVX2/AVX-512/ARM CPUs (where torch has its fixed-point kernel); these tests run on such a CPU
-    h, w = (int(size[0]), int(size[1]))
-    if tuple(image.shape[-2:]) == (h, w):
-        return image
-    assert image.dtype == torch.uint8 and interpolation == _Interp.BILINEAR
-    shape = image.shape
-    flat = image.reshape(-1, *shape[-3:])
-    out = F.interpolate(flat, size=[h, w], mode="bilinear", align_corners=False, antialias=antialias)
-    return out.reshape(*shape[:-2], h, w)
-
-
-def _tv_pad(image, padding, fill=0, **_):
-    left, top, right, bottom = padding
-    fills = set(fill) if isinstance(fill, (list, tuple)) else {fill}
-    assert len(fills) == 1, "the stand-in pads with one value"
-    return F.pad(image, (left, right, top, bottom), value=fills.pop())
-
-
-def _tv_normalize(image, mean, std, inplace=False):
-    # torchvision 0.28 normalize_image: mean and std in the image's dtype, sub then div
-    mean_t = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-    std_t = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-    return image.sub(mean_t).div_(std_t)
+import torchvision_stub  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def hf():
     """transformers' llama4 image processor and processor modules, imported with the stand-in."""
-    import transformers.image_processing_backends as backends
-
-    stub = types.ModuleType("torchvision.transforms.v2.functional")
-    stub.InterpolationMode = _Interp
-    stub.resize, stub.pad, stub.normalize = _tv_resize, _tv_pad, _tv_normalize
-    names = ["torchvision", "torchvision.transforms", "torchvision.transforms.v2", stub.__name__]
-    saved = {n: sys.modules.get(n) for n in names}
-    mods = [types.ModuleType(n) for n in names[:-1]] + [stub]
-    for parent, child in zip(mods, mods[1:]):
-        setattr(parent, child.__name__.rsplit(".", 1)[1], child)
-    sys.modules.update(zip(names, mods))
-    try:
-        import transformers.models.llama4.image_processing_llama4 as ip
-        import transformers.models.llama4.processing_llama4 as proc
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
-    had = hasattr(backends, "tvF")
-    old = getattr(backends, "tvF", None)
-    backends.tvF = stub                 # TorchvisionBackend.resize/normalize look it up there
-    yield types.SimpleNamespace(ip=ip, proc=proc)
-    if had:
-        backends.tvF = old
-    else:
-        del backends.tvF
+    ip, proc = torchvision_stub.import_with_stub("transformers.models.llama4.image_processing_llama4",
+                                                 "transformers.models.llama4.processing_llama4")
+    with torchvision_stub.backends_with_stub():
+        yield types.SimpleNamespace(ip=ip, proc=proc)
 
 
 def _hf_pixels(hf, rgb: np.ndarray, size: int, max_patches: int = 16):
@@ -203,7 +146,7 @@ def test_resize_aa_equals_torch():
 def test_normalize_bf16_equals_torch(mean, std):
     levels = np.broadcast_to(np.arange(256, dtype=np.uint8)[None, :, None], (1, 256, 3)).copy()
     t = torch.from_numpy(levels).permute(2, 0, 1).to(torch.bfloat16) * (1 / 255)
-    want = _tv_normalize(t, list(mean), list(std)).float().numpy()
+    want = torchvision_stub.normalize(t, list(mean), list(std)).float().numpy()
     np.testing.assert_array_equal(normalize_bf16(levels, mean, std, 1 / 255), want)
 
 

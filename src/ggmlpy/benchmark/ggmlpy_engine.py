@@ -139,7 +139,7 @@ class GgmlpyEngine(Engine):
         vision = self._vision(inst)
         self.pixels = preprocess(image, vision.image_config)
         tiles = len(self.pixels.tiles)
-        return tiles, tiles * int(vision.config.tokens_per_image)
+        return tiles, sum(vision.runs(self.pixels.pixel_values))
 
     def encode_images(self, n: int) -> None:
         # the runner's own path (preprocessed once, untimed): graph, inputs, compute, output read

@@ -62,7 +62,11 @@ class LlamaConfig(DecoderConfig):
     (llama.cpp always renormalises for llama and qwen3moe; their converters never write the key).
     """
 
-    ROPE_TYPES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "qwen2": RopeType.NEOX}
+    #: ``mistral3`` is the text model of Mistral Small 3.x (llama.cpp's converter names it so): llama's
+    #: graph; a file with llama 4-style attention temperature (``attention.temperature_scale``, Ministral 3)
+    #: is refused
+    ROPE_TYPES = {"llama": RopeType.NORMAL, "mistral": RopeType.NORMAL, "mistral3": RopeType.NORMAL,
+                  "qwen2": RopeType.NEOX}
     #: The architectures whose feed-forward may be a mixture of experts, and whether it must be
     #: (``True``) or may be (``False``: mixtral is a ``llama`` file with experts). Others have none.
     EXPERTS: ClassVar[dict[str, bool]] = {"llama": False}
@@ -76,6 +80,9 @@ class LlamaConfig(DecoderConfig):
     @classmethod
     def _read(cls, m: MetaReader, n_vocab: Optional[int]) -> dict[str, Any]:
         d = super()._read(m, n_vocab)
+        if m.arch == "mistral3" and "attention.temperature_scale" in m:
+            raise MetadataError(m.path, m.key("attention.temperature_scale"), "attention temperature scaling "
+                                "(Ministral 3) is not supported")
         return dict(d, **cls._read_experts(m, d["n_ff"]))
 
     @classmethod

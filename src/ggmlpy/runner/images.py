@@ -1,9 +1,11 @@
 """Images in the runner's input stream (Ollama's multimodal inputs, llama.cpp's ``mtmd`` chunks).
 
 An image enters a prompt as the rows of its embedding: one *chunk* of ``tokens_per_image`` rows per
-encoded tile (Gemma 3: one tile; Idefics3: the tiles and the global image). In the prompt a chunk
-stands where the model's processor puts its image tokens: a run of the image token id (Gemma 3's
-``<image_soft_token>``, Idefics3's ``<image>``), each run one chunk, in order.
+encoded tile (Gemma 3: one tile; Idefics3, Llama 4: the tiles and the global image), or for an encoder
+of images of any size (Pixtral) one chunk per row of its token grid (:meth:`~ggmlpy.vision.VisionModel.runs`).
+In the prompt a chunk stands where the model's processor puts its image tokens: a run of the image token
+id (Gemma 3's ``<image_soft_token>``, Idefics3's ``<image>``, Llama 4's ``<|patch|>``, Pixtral's
+``[IMG]``), each run one chunk, in order.
 
 Inside the runner each row of a chunk is a token id below ``-1``, unique to (image, row):
 ``-(2 + base + row)`` where the :class:`ImageStore` gives each distinct image (by the hash of its
@@ -39,11 +41,11 @@ class ImageEntry:
 
     __slots__ = ("key", "base", "tiles", "n_rows", "embd")
 
-    def __init__(self, key: bytes, base: int, tiles: np.ndarray, rows_per_tile: int) -> None:
+    def __init__(self, key: bytes, base: int, tiles: np.ndarray, n_rows: int) -> None:
         self.key = key
         self.base = base
-        self.tiles = tiles                   # float32 (n_tiles, 3, S, S)
-        self.n_rows = len(tiles) * rows_per_tile
+        self.tiles = tiles                   # float32 (n_tiles, 3, S, S); pixtral (1, 3, H, W)
+        self.n_rows = n_rows
         self.embd: Optional[np.ndarray] = None   # float32 (n_rows, n_embd_text)
 
 
@@ -64,9 +66,9 @@ class ImageStore:
         self._lock = threading.Lock()
         self.n_encoded = 0                      # images encoded so far (diagnostics, tests)
 
-    def add(self, tiles: np.ndarray) -> list[int]:
+    def add(self, tiles: np.ndarray, n_rows: Optional[int] = None) -> list[int]:
         """The row ids of an image with these preprocessed tiles (a new entry, or the one seen before):
-        ``tokens_per_image`` per tile, in order."""
+        ``n_rows`` of them (default ``tokens_per_image`` per tile), in order."""
         tiles = np.ascontiguousarray(tiles, dtype=np.float32)
         h = hashlib.blake2b(repr(tiles.shape).encode(), digest_size=16)
         h.update(memoryview(tiles).cast("B"))
@@ -74,7 +76,8 @@ class ImageStore:
         with self._lock:
             e = self._by_key.get(key)
             if e is None:
-                e = ImageEntry(key, self._next, tiles, self.rows_per_tile)
+                rows = len(tiles) * self.rows_per_tile if n_rows is None else int(n_rows)
+                e = ImageEntry(key, self._next, tiles, rows)
                 self._next += e.n_rows
                 self._by_key[key] = e
                 self._bases.append(e.base)

@@ -240,25 +240,34 @@ class Inputs:
 
     def _place(self, ids: list[int], pixels: list[np.ndarray], what: str) -> Prompt:
         """Checked ids and pixels -> a Prompt: each image in the store, its rows where its tokens were."""
-        rows = [self.images.add(px) for px in pixels]
-        return Prompt(*place_images(ids, rows, self.image_token, self.vision.config.tokens_per_image, what))
+        runs = [self.vision.runs(px) for px in pixels]
+        rows = [self.images.add(px, sum(r)) for px, r in zip(pixels, runs)]
+        return Prompt(*place_images(ids, rows, self.image_token, runs, what))
 
 
-def place_images(tokens: Sequence[int], images: Sequence[list[int]], image_token: int, rows_per_tile: int,
-                 what: str = "submit") -> tuple[list[int], list[int]]:
+def place_images(tokens: Sequence[int], images: Sequence[list[int]], image_token: int,
+                 runs: int | Sequence[Sequence[int]], what: str = "submit") -> tuple[list[int], list[int]]:
     """Put the images' rows where the prompt has its runs of ``image_token``; also the same-batch markers.
 
     ``images`` holds each image's row ids (:meth:`~.images.ImageStore.add`). Each run of the image token
-    id is one chunk (tile) of ``rows_per_tile`` rows, taken in order from the images' tiles. Returns
+    id is one chunk of rows, taken in order from the images: ``runs`` gives each image's chunk lengths
+    (:meth:`~ggmlpy.vision.VisionModel.runs`), or one length for every chunk (a tile's rows). Returns
     ``(tokens, same_batch)``.
 
     Raises
     ------
     GGMLValueError
-        A run of another length, or fewer or more runs than the images have tiles.
+        A run of another length, or fewer or more runs than the images have chunks.
     """
     toks = [int(t) for t in tokens]
-    chunks = [r[i:i + rows_per_tile] for r in images for i in range(0, len(r), rows_per_tile)]
+    if isinstance(runs, int):
+        runs = [[runs] * (len(r) // runs) for r in images]
+    chunks = []
+    for r, lengths in zip(images, runs):
+        at = 0
+        for n in lengths:
+            chunks.append(r[at:at + n])
+            at += n
     out, sb = list(toks), [0] * len(toks)
     i, k, n = 0, 0, len(toks)
     while i < n:
@@ -270,17 +279,17 @@ def place_images(tokens: Sequence[int], images: Sequence[list[int]], image_token
             j += 1
         if k >= len(chunks):
             raise GGMLValueError(f"{what}: the prompt has more image placeholders than the {len(images)} image(s) "
-                                 f"fill ({len(chunks)} tile(s) of {rows_per_tile} image tokens)")
-        if j - i != rows_per_tile:
-            raise GGMLValueError(f"{what}: a run of {j - i} image tokens (id {image_token}) at index {i}; each image "
-                                 f"tile takes exactly {rows_per_tile}")
+                                 f"fill ({len(chunks)} run(s) of image tokens)")
+        if j - i != len(chunks[k]):
+            raise GGMLValueError(f"{what}: a run of {j - i} image tokens (id {image_token}) at index {i}; the "
+                                 f"image's run there takes exactly {len(chunks[k])}")
         out[i:j] = chunks[k]
-        sb[i] = rows_per_tile - 1
+        sb[i] = len(chunks[k]) - 1
         k += 1
         i = j
     if k != len(chunks):
-        raise GGMLValueError(f"{what}: {len(images)} image(s) ({len(chunks)} tile(s)) but the prompt has {k} image "
-                             f"placeholder run(s) of {rows_per_tile} image tokens (id {image_token})")
+        raise GGMLValueError(f"{what}: {len(images)} image(s) ({len(chunks)} run(s) of image tokens) but the prompt "
+                             f"has {k} image placeholder run(s) (id {image_token})")
     return out, sb
 
 

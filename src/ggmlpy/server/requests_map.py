@@ -422,7 +422,7 @@ def check_images(runner, where: list, truncate: bool = False, ollama: bool = Fal
         raise ApiError(400, f"{where[0]}: this server takes no images: it was started without a vision projector "
                             "(ggmlpy serve --mmproj FILE, the model's mmproj GGUF)", param=where[0], ollama=ollama)
     n_ctx = int(runner.n_ctx)
-    least = len(where) * int(vision.config.tokens_per_image)
+    least = len(where) * int(vision.config.min_image_tokens)
     if least > n_ctx and not truncate:
         msg = (f"the prompt does not fit the context: {len(where)} images take at least {least} tokens, more than "
                f"the context ({n_ctx} tokens per request)")

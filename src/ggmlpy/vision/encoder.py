@@ -35,6 +35,7 @@ from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
+from . import pixtral
 from .image_config import ImageConfig
 from .preprocess import preprocess
 from .prompt import image_prompt
@@ -46,13 +47,13 @@ __all__ = ["PRECISIONS", "PROJECTORS", "EncodedGraph", "VisionConfig", "VisionMo
 PRECISIONS = ("exact", "fast")
 
 #: projector types (``clip.projector_type``) this module builds
-PROJECTORS = ("gemma3", "idefics3", "llama4")
+PROJECTORS = ("gemma3", "idefics3", "llama4", "pixtral")
 #: the scale factor a file without ``clip.vision.projector.scale_factor`` means (llama.cpp's defaults)
-_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2}
+_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2, "pixtral": 1}
 #: the token text the HF processors write for each image position
-_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>", "llama4": "<|patch|>"}
+_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>", "llama4": "<|patch|>", "pixtral": "[IMG]"}
 #: what the family's chat templates write for an image part, which its processor then expands
-_PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>", "llama4": "<|image|>"}
+_PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>", "llama4": "<|image|>", "pixtral": "[IMG]"}
 #: gemma3's projection, which the file stores as ``ne = (n_embd_text, n_embd)``
 _PROJ_T = "mm.input_projection.weight"
 #: llama4's 2D RoPE base (llama.cpp fixes it; the converter writes none, transformers' default)
@@ -84,10 +85,13 @@ class VisionConfig:
         Per-channel normalisation of the pixels (after scaling to [0, 1]): means in [0, 1], stds in
         [0.001, 1].
     scale_factor : int
-        gemma3: the pooling kernel; idefics3: the pixel-shuffle factor.
+        gemma3: the pooling kernel; idefics3, llama4: the pixel-shuffle factor; pixtral: the patch merger's
+        (``clip.vision.spatial_merge_size``, 1 without a merger).
     preproc_image_size : int or None
         idefics3: the longest edge images are resized to before they are cut into tiles (at most 4096,
         where the HF processor caps it).
+    act : str
+        The MLP's activation: ``"gelu"``, or ``"silu"`` (pixtral files with ``clip.use_silu``).
     """
 
     projector: str
@@ -103,6 +107,7 @@ class VisionConfig:
     image_std: tuple
     scale_factor: int
     preproc_image_size: Optional[int] = None
+    act: str = "gelu"
 
     @property
     def patches_per_side(self) -> int:
@@ -114,8 +119,16 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
-        """Text positions one encoded image (one tile for idefics3) takes."""
+        """Text positions one encoded image (one tile for idefics3 and llama4) takes; pixtral: the most one
+        row of an image takes (its longest side's tokens), the longest run of image tokens in a prompt."""
+        if self.projector == "pixtral":
+            return -(-self.image_size // (self.patch_size * self.scale_factor))
         return self.n_patches // self.scale_factor ** 2
+
+    @property
+    def min_image_tokens(self) -> int:
+        """The fewest image positions an image takes (pixtral: one token; the others: one tile)."""
+        return 1 if self.projector == "pixtral" else self.tokens_per_image
 
     @property
     def head_dim(self) -> int:
@@ -145,12 +158,13 @@ class VisionConfig:
         proj = m.gets(key[len("clip."):])
         if proj not in PROJECTORS:
             raise MetadataError(path, key, f"{proj!r:.80} is not supported (supported: {', '.join(PROJECTORS)})")
-        if _meta_bool(md, "clip.use_silu", False, path):
+        silu = _meta_bool(md, "clip.use_silu", False, path)
+        if silu and proj != "pixtral":
             raise MetadataError(path, "clip.use_silu", "the file asks for SiLU; the encoder computes GELU")
-        if not _meta_bool(md, "clip.use_gelu", False, path):
+        if not silu and not _meta_bool(md, "clip.use_gelu", False, path):
             raise MetadataError(path, "clip.use_gelu", "not true: the file asks for a quick GELU (llama.cpp's "
                                                        "default); the encoder computes GELU")
-        d: dict[str, Any] = {"projector": proj}
+        d: dict[str, Any] = {"projector": proj, "act": "silu" if silu else "gelu"}
         d["image_size"] = m.geti("vision.image_size", lo=1, hi=1 << 14)
         d["patch_size"] = m.geti("vision.patch_size", lo=1, hi=d["image_size"])
         d["n_embd"] = m.geti("vision.embedding_length", lo=1, hi=1 << 16)
@@ -159,7 +173,8 @@ class VisionConfig:
         d["n_head"] = m.geti("vision.attention.head_count", lo=1, hi=d["n_embd"])
         d["eps"] = m.getf("vision.attention.layer_norm_epsilon", 1e-6, lo=0.0, lo_open=True, hi=1.0)
         d["n_embd_text"] = m.geti("vision.projection_dim", lo=1, hi=1 << 17)
-        d["scale_factor"] = m.geti("vision.projector.scale_factor", _DEFAULT_SCALE[proj], lo=1, hi=64)
+        scale_key = "vision.spatial_merge_size" if proj == "pixtral" else "vision.projector.scale_factor"
+        d["scale_factor"] = m.geti(scale_key, _DEFAULT_SCALE[proj], lo=1, hi=64)
         pre = md.get("clip.vision.preproc_image_size")
         d["preproc_image_size"] = None if pre is None else m.geti("vision.preproc_image_size", lo=1,
                                                                   hi=IDEFICS3_MAX_IMAGE_SIZE)
@@ -168,7 +183,9 @@ class VisionConfig:
             d[key] = _meta_triple(md, f"clip.vision.{key}", default, lo, hi, path)
         cfg = cls(**d)
         bad = []
-        if cfg.image_size % cfg.patch_size:
+        if proj == "pixtral":
+            pass                   # any image size: image_size is only the longest edge
+        elif cfg.image_size % cfg.patch_size:
             bad.append(f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}")
         elif cfg.patches_per_side % cfg.scale_factor:
             bad.append(f"{cfg.patches_per_side} patches per side are not a multiple of the projector's scale "
@@ -325,6 +342,9 @@ class VisionModel(WeightLoader):
         if c.projector == "llama4":
             yield from self._expected_llama4()
             return
+        if c.projector == "pixtral":
+            yield from pixtral.expected(self)
+            return
         yield "v.patch_embd.weight", (p, p, 3, e), (Type.F32, Type.F16)
         yield "v.patch_embd.bias", (e,), f32
         # F32 only: it is added to the F32 patches (the converter writes it so)
@@ -389,25 +409,54 @@ class VisionModel(WeightLoader):
     def graph_size(self) -> int:
         return _NODES_PER_LAYER * self.config.n_layer + 64
 
-    def build(self, n_images: int = 1) -> EncodedGraph:
+    @property
+    def largest_image(self) -> tuple[int, int]:
+        """The ``(height, width)`` in pixels of the largest image (tile) the encoder takes: ``image_size``
+        square; pixtral: its longest edge rounded up to whole tokens, both ways (the worst case the
+        reservation is built for)."""
+        c = self.config
+        if c.projector == "pixtral":
+            side = c.tokens_per_image * c.patch_size * c.scale_factor
+            return side, side
+        return c.image_size, c.image_size
+
+    def runs(self, pixels: np.ndarray) -> list[int]:
+        """The lengths of the runs of image tokens checked pixels take in a prompt, in order: one run of
+        ``tokens_per_image`` per tile; pixtral: one per row of the image's token grid."""
+        c = self.config
+        if c.projector == "pixtral":
+            align = c.patch_size * c.scale_factor
+            return [pixels.shape[-1] // align] * (pixels.shape[-2] // align)
+        return [c.tokens_per_image] * len(pixels)
+
+    def build(self, n_images: int = 1, size: Optional[tuple[int, int]] = None) -> EncodedGraph:
         """The encoder graph for ``n_images`` preprocessed images (unallocated; compute it through a
-        :class:`~ggmlpy.backend.Runtime`, then read :attr:`EncodedGraph.output`)."""
+        :class:`~ggmlpy.backend.Runtime`, then read :attr:`EncodedGraph.output`). pixtral: one image of
+        ``size`` = ``(height, width)`` pixels (default :attr:`largest_image`)."""
         c = self.config
         n = int(n_images)
         if n < 1:
             raise GGMLValueError(f"vision build: n_images must be >= 1 (got {n_images})")
-        size = self.graph_size()
-        ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
+        h, w = self.largest_image if size is None else (int(size[0]), int(size[1]))
+        if c.projector == "pixtral" and n != 1:
+            raise GGMLValueError(f"vision build: pixtral encodes one image at a time (got n_images={n})")
+        gsize = self.graph_size()
+        ctx = Context.for_tensors(gsize, graph_size=gsize, no_alloc=True)
         try:
-            pixels = ctx.new_tensor(Type.F32, (c.image_size, c.image_size, 3, n), name="inp_pixels").set_input()
+            pixels = ctx.new_tensor(Type.F32, (w, h, 3, n), name="inp_pixels").set_input()
             consts: tuple = ()
-            if c.projector == "llama4":
+            if c.projector == "pixtral":
+                gh, gw = h // c.patch_size, w // c.patch_size
+                x, consts = pixtral.transformer(self, ctx, pixels, gh, gw)
+                x = pixtral.project(self, ctx, x, gh, gw)
+            elif c.projector == "llama4":
                 x, consts = self._transformer_llama4(ctx, pixels, n)
             else:
                 x = self._transformer(ctx, pixels, n)
-            x = self._project(ctx, x, n)
+            if c.projector != "pixtral":
+                x = self._project(ctx, x, n)
             x.set_output()
-            gf = ctx.new_graph(size)
+            gf = ctx.new_graph(gsize)
             gf.build_forward_expand(x)
         except BaseException:
             ctx.free()
@@ -559,13 +608,13 @@ class VisionModel(WeightLoader):
         """:meth:`encode` of pixels already checked (:meth:`check_pixels`) on ``runtime``: the one route
         from pixels to embeddings, which a runner's step takes too."""
         n = pixels.shape[0]
-        g = self.build(n)
+        g = self.build(n, pixels.shape[2:])
         try:
             runtime.run(g.graph, lambda: g.set_inputs(pixels))
             out = g.output.get()
         finally:
             g.free()
-        return np.asarray(out, dtype=np.float32).reshape(n, self.config.tokens_per_image, self.config.n_embd_text)
+        return np.asarray(out, dtype=np.float32).reshape(n, -1, self.config.n_embd_text)
 
     def prepare(self, image, what: str = "prepare", allow_local_files: bool = True) -> tuple[np.ndarray, str]:
         """One image for a prompt: its checked pixels (float32 ``(tiles, 3, S, S)``) and the text its
@@ -590,15 +639,25 @@ class VisionModel(WeightLoader):
         return pixels, image_prompt(pre, self.image_config)
 
     def check_pixels(self, pixels) -> np.ndarray:
-        """``pixels`` as float32 ``(n, 3, S, S)``, or a clear error naming the shape expected."""
+        """``pixels`` as float32 ``(n, 3, S, S)`` (pixtral: ``(1, 3, H, W)``), or a clear error naming the
+        shape expected."""
         c = self.config
         a = np.asarray(pixels)
         if a.ndim == 3:
             a = a[None]
-        want = (3, c.image_size, c.image_size)
-        if a.ndim != 4 or a.shape[1:] != want or a.shape[0] < 1:
-            raise GGMLValueError(f"vision encode: pixels of shape {np.shape(pixels)}; expected (n, {want[0]}, "
-                                 f"{want[1]}, {want[2]}) (preprocess the images with ggmlpy.vision.preprocess)")
+        if c.projector == "pixtral":
+            align = c.patch_size * c.scale_factor
+            big = self.largest_image[0]
+            if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] != 3 or not all(
+                    0 < d <= big and d % align == 0 for d in a.shape[2:]):
+                raise GGMLValueError(f"vision encode: pixels of shape {np.shape(pixels)}; expected one image (1, 3, "
+                                     f"H, W) with H and W multiples of {align} up to {big} (preprocess it with "
+                                     f"ggmlpy.vision.preprocess)")
+        else:
+            want = (3, c.image_size, c.image_size)
+            if a.ndim != 4 or a.shape[1:] != want or a.shape[0] < 1:
+                raise GGMLValueError(f"vision encode: pixels of shape {np.shape(pixels)}; expected (n, {want[0]}, "
+                                     f"{want[1]}, {want[2]}) (preprocess the images with ggmlpy.vision.preprocess)")
         if a.dtype.kind != "f":
             raise GGMLValueError(f"vision encode: pixels of dtype {a.dtype}; expected float32 (normalised values)")
         a = np.ascontiguousarray(a, dtype=np.float32)

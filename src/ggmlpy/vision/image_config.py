@@ -13,7 +13,7 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 __all__ = ["ImageConfig"]
 
 #: The projector types :mod:`ggmlpy.vision.preprocess` preprocesses for.
-PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4", "pixtral")
 
 # mmproj GGUF keys, as llama.cpp's converter writes them.
 KEY_PROJECTOR_TYPE = "clip.projector_type"
@@ -24,6 +24,7 @@ KEY_IMAGE_MEAN = "clip.vision.image_mean"
 KEY_IMAGE_STD = "clip.vision.image_std"
 KEY_PREPROC_IMAGE_SIZE = "clip.vision.preproc_image_size"
 KEY_SCALE_FACTOR = "clip.vision.projector.scale_factor"
+KEY_SPATIAL_MERGE = "clip.vision.spatial_merge_size"     # pixtral's scale factor (Mistral 3's patch merger)
 
 # llama.cpp's default when a gemma3 file has no scale factor (the converter writes it only when it is not 4).
 _GEMMA3_SCALE_FACTOR = 4
@@ -58,20 +59,22 @@ class ImageConfig:
 
     Parameters
     ----------
-    projector_type : {"gemma3", "idefics3", "llama4"}
+    projector_type : {"gemma3", "idefics3", "llama4", "pixtral"}
         The mmproj projector, which picks the preprocessing pipeline.
     image_size : int
         The encoder's input side in pixels: the tile size (HF's ``size`` for gemma3, ``max_image_size``'s
-        ``longest_edge`` for idefics3). A multiple of ``patch_size``.
+        ``longest_edge`` for idefics3). A multiple of ``patch_size``. pixtral: the longest edge an image is
+        scaled down to (``size["longest_edge"]``; its images have any size up to that).
     patch_size : int
         The encoder's patch side in pixels.
     image_mean, image_std : tuple of 3 floats
         Per-channel normalisation, ``(x / 255 - mean) / std``; both default to transformers'
         ``IMAGENET_STANDARD_MEAN``/``STD`` (0.5), which Gemma 3 and Idefics3/SmolVLM use.
     scale_factor : int, optional
-        Patches merged per side by the projector (Gemma 3's pooling kernel, Idefics3's pixel shuffle); it sets
-        the number of tokens per tile. Defaults to 4 for gemma3 (llama.cpp's default) and 2 for idefics3
-        (``Idefics3Config``'s). ``image_size / patch_size`` must be a multiple of it.
+        Patches merged per side by the projector (Gemma 3's pooling kernel, Idefics3's pixel shuffle, Mistral
+        3's patch merger); it sets the number of tokens per tile. Defaults to 4 for gemma3 (llama.cpp's
+        default), 2 for idefics3 (``Idefics3Config``'s) and 1 for pixtral (Pixtral-12B has no merger).
+        ``image_size / patch_size`` must be a multiple of it (not for pixtral).
     longest_edge : int, optional
         idefics3 only (ignored for gemma3): the first resize's longest edge, HF's ``size["longest_edge"]``.
         Defaults to ``4 * image_size``, the ratio every published Idefics3/SmolVLM processor uses.
@@ -104,15 +107,15 @@ class ImageConfig:
         set_ = object.__setattr__  # frozen: normalise the fields in place once, here
         set_(self, "image_size", _check_int("image_size", self.image_size))
         set_(self, "patch_size", _check_int("patch_size", self.patch_size))
-        if self.image_size % self.patch_size:
+        if self.image_size % self.patch_size and self.projector_type != "pixtral":
             raise GGMLValueError(f"ImageConfig: image_size is {self.image_size}, not a multiple of patch_size "
                                  f"{self.patch_size}")
         set_(self, "image_mean", _check_triple("image_mean", self.image_mean, positive=False))
         set_(self, "image_std", _check_triple("image_std", self.image_std, positive=True))
-        default_scale = _GEMMA3_SCALE_FACTOR if self.projector_type == "gemma3" else _IDEFICS3_SCALE_FACTOR
+        default_scale = {"gemma3": _GEMMA3_SCALE_FACTOR, "pixtral": 1}.get(self.projector_type, _IDEFICS3_SCALE_FACTOR)
         scale = default_scale if self.scale_factor is None else _check_int("scale_factor", self.scale_factor)
         side = self.image_size // self.patch_size
-        if side % scale:
+        if side % scale and self.projector_type != "pixtral":
             raise GGMLValueError(f"ImageConfig: scale_factor is {scale}, which does not divide the {side} patches "
                                  f"per side (image_size {self.image_size} / patch_size {self.patch_size})")
         set_(self, "scale_factor", scale)
@@ -123,6 +126,13 @@ class ImageConfig:
             raise GGMLTypeError(f"ImageConfig: do_image_splitting is {self.do_image_splitting!r}; expected a bool")
         set_(self, "do_image_splitting", bool(self.do_image_splitting))
         set_(self, "max_patches", _check_int("max_patches", self.max_patches))
+
+    @property
+    def align(self) -> int:
+        """pixtral: the pixels per output token along a side, ``patch_size * scale_factor`` (what
+        ``PixtralProcessor`` rounds the image's sides up to)."""
+        assert self.scale_factor is not None
+        return self.patch_size * self.scale_factor
 
     @property
     def tokens_per_tile(self) -> int:
@@ -183,6 +193,8 @@ class ImageConfig:
             "image_std": (KEY_IMAGE_STD, get(KEY_IMAGE_STD)),
             "scale_factor": (KEY_SCALE_FACTOR, get(KEY_SCALE_FACTOR, required=ptype == "idefics3")),
         }
+        if ptype == "pixtral":
+            fields["scale_factor"] = (KEY_SPATIAL_MERGE, get(KEY_SPATIAL_MERGE, required=False))
         if ptype == "idefics3":
             fields["longest_edge"] = (KEY_PREPROC_IMAGE_SIZE, get(KEY_PREPROC_IMAGE_SIZE, required=False))
         kwargs = {name: value for name, (_, value) in fields.items()}

@@ -110,7 +110,13 @@ from .image_config import (  # noqa: F401  (the mmproj keys and projector types:
     PROJECTOR_TYPES,
     ImageConfig,
 )
-from .prompt import gemma3_image_prompt, idefics3_image_prompt, image_prompt, llama4_image_prompt
+from .prompt import (
+    gemma3_image_prompt,
+    idefics3_image_prompt,
+    image_prompt,
+    llama4_image_prompt,
+    pixtral_image_prompt,
+)
 from .resize import IDEFICS3_MAX_IMAGE_SIZE, RESCALE_FACTOR, PreprocessedImage, resize_and_tile  # noqa: F401 (same)
 
 if TYPE_CHECKING:
@@ -131,6 +137,7 @@ __all__ = [
     "image_prompt",
     "llama4_image_prompt",
     "load_image",
+    "pixtral_image_prompt",
     "preprocess",
 ]
 

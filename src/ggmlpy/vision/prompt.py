@@ -1,6 +1,6 @@
 """The prompt text of an image: what the model's Hugging Face processor puts in place of the image's
 placeholder token (:func:`image_prompt`; per projector :func:`gemma3_image_prompt`, :func:`idefics3_image_prompt`,
-:func:`llama4_image_prompt`)."""
+:func:`llama4_image_prompt`, :func:`pixtral_image_prompt`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 from .image_config import ImageConfig
 from .resize import PreprocessedImage
 
-__all__ = ["gemma3_image_prompt", "idefics3_image_prompt", "image_prompt", "llama4_image_prompt"]
+__all__ = ["gemma3_image_prompt", "idefics3_image_prompt", "image_prompt", "llama4_image_prompt",
+           "pixtral_image_prompt"]
 
 
 def gemma3_image_prompt(n_tokens: int = 256, *, boi_token: str = "<start_of_image>",
@@ -101,11 +102,29 @@ def llama4_image_prompt(rows: int, cols: int, n_tokens: int = 144, *, patch_toke
     return f"<|image_start|>{grid}<|image|>{tile}<|image_end|>"
 
 
+def pixtral_image_prompt(rows: int, cols: int, *, image_token: str = "[IMG]", break_token: str = "[IMG_BREAK]",
+                         end_token: str = "[IMG_END]") -> str:
+    """The text ``PixtralProcessor`` puts in place of each ``[IMG]``: ``rows`` rows of ``cols`` image tokens,
+    each row followed by ``[IMG_BREAK]`` except the last, followed by ``[IMG_END]``.
+
+    Parameters
+    ----------
+    rows, cols : int
+        The image's grid of output tokens (:attr:`PreprocessedImage.rows` and ``cols``), both >= 1.
+    image_token, break_token, end_token : str
+        The tokenizer's spellings.
+    """
+    rows = _check_prompt_int("rows", rows, 1)
+    cols = _check_prompt_int("cols", cols, 1)
+    row = image_token * cols
+    return break_token.join([row] * rows) + end_token
+
+
 def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
     """The prompt text for a preprocessed image, as the model's HF processor expands its placeholder.
 
     The placeholder the text holds before expansion is ``<start_of_image>`` for gemma3, ``<image>`` for
-    idefics3 and ``<|image|>`` for llama4; the returned text replaces it.
+    idefics3, ``<|image|>`` for llama4 and ``[IMG]`` for pixtral; the returned text replaces it.
     """
     if not isinstance(image, PreprocessedImage):
         raise GGMLTypeError(f"image_prompt: image is {type(image).__name__}; expected a PreprocessedImage")
@@ -115,6 +134,8 @@ def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
         return gemma3_image_prompt(cfg.tokens_per_tile)
     if cfg.projector_type == "llama4":
         return llama4_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
+    if cfg.projector_type == "pixtral":
+        return pixtral_image_prompt(image.rows, image.cols)
     return idefics3_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
 
 

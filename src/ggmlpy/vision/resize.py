@@ -22,7 +22,7 @@ from .image_config import ImageConfig
 if TYPE_CHECKING:
     from PIL import Image as _PILImageModule
 
-__all__ = ["PreprocessedImage", "resize_and_tile"]
+__all__ = ["PreprocessedImage", "pixtral_size", "resize_and_tile"]
 
 #: transformers' ``rescale_factor`` default, 1/255 as a Python float (the exact value matters for bit equality).
 RESCALE_FACTOR = 1 / 255
@@ -39,9 +39,11 @@ class PreprocessedImage:
     ----------
     tiles : list of numpy.ndarray
         float32 arrays ``(3, image_size, image_size)`` (channel-first, HF's ``pixel_values`` layout), in the
-        order the model consumes them: for idefics3 the grid tiles row by row, then the global image.
+        order the model consumes them: for idefics3 and llama4 the grid tiles row by row, then the global
+        image. pixtral: one array ``(3, H, W)`` of the image's own size (multiples of ``ImageConfig.align``).
     rows, cols : int
-        The idefics3 tile grid; both 0 when the image was not split (gemma3 always).
+        The idefics3 / llama4 tile grid; both 0 when the image was not split (gemma3 always). pixtral: the
+        grid of output tokens, ``H / align`` rows of ``W / align``.
     has_global : bool
         Whether the last tile is the whole image downscaled, appended after the ``rows * cols`` grid tiles
         (idefics3 when split). An image that is not split is a single tile and ``has_global`` is False.
@@ -122,6 +124,18 @@ def _idefics3_grid_size(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
+def pixtral_size(height: int, width: int, longest_edge: int, align: int) -> tuple[int, int]:
+    """``PixtralImageProcessor``'s target size: scaled down (never up) so that the longest edge is at most
+    ``longest_edge`` (each side floored), then each side rounded up to a multiple of ``align`` (the patch
+    side times the merge size, as ``PixtralProcessor`` passes it). The two roundings do not keep the aspect
+    ratio exactly: the image is stretched to that size. A side scaled down to 0 (an image over
+    ``longest_edge`` times longer than it is wide) is kept at one ``align``, where transformers fails."""
+    ratio = max(height / longest_edge, width / longest_edge)
+    if ratio > 1:
+        height, width = math.floor(height / ratio), math.floor(width / ratio)
+    return max(-(-height // align), 1) * align, max(-(-width // align), 1) * align
+
+
 def resize_and_tile(img: _PILImageModule.Image, cfg: ImageConfig) -> PreprocessedImage:
     """The tiles of an RGB PIL image (from :func:`~ggmlpy.vision.preprocess.load_image`) for ``cfg``'s
     projector: resized, tiled and normalised as its HF image processor does (see
@@ -136,6 +150,11 @@ def resize_and_tile(img: _PILImageModule.Image, cfg: ImageConfig) -> Preprocesse
         return PreprocessedImage([_normalize(tile, cfg)], source_size=source_size)
     if cfg.projector_type == "llama4":
         return _llama4_tiles(np.asarray(img), cfg, source_size)
+    if cfg.projector_type == "pixtral":
+        h, w = pixtral_size(img.height, img.width, cfg.image_size, cfg.align)
+        tile = np.asarray(img.resize((w, h), resampling.BICUBIC))
+        return PreprocessedImage([_normalize(tile, cfg)], rows=h // cfg.align, cols=w // cfg.align,
+                                 source_size=source_size)
 
     lanczos = resampling.LANCZOS
     assert cfg.longest_edge is not None  # set by ImageConfig.__post_init__ for idefics3
