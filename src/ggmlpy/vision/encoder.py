@@ -497,6 +497,13 @@ class VisionModel(WeightLoader):
         ``(hd, head, tokens, n)``; the heads' outputs ``ne = (hd * head, tokens, n)``. Exact: ``mul_mat`` +
         ``soft_max`` in F32; fast: ggml's flash attention with K and V in F16 (as llama.cpp's)."""
         hd, ntok, nh, n = q.ne
+        if self.precision == "exact" and self.config.projector == "pixtral" and self.device.type == "CPU":
+            # one image of up to ~12k patches (Mistral Small's 1540 px): ggmlpy's prompt kernel keeps F32
+            # and needs no (tokens x tokens x heads) score matrix, which mul_mat would reserve (9 GiB there)
+            qh = ctx.reshape_3d(ctx.cont(ctx.permute(q, 0, 2, 1, 3)), hd, nh, ntok)        # (hd, head, tokens)
+            kh = ctx.reshape_3d(ctx.cont(k), hd, ntok, nh)                                  # (hd, tokens, head)
+            vh = ctx.reshape_3d(ctx.cont(ctx.permute(v, 0, 2, 1, 3)), hd, ntok, nh)
+            return ctx.reshape_3d(ctx.attn_prefill(qh, kh, vh, None, scale=scale), hd * nh, ntok, 1)
         if self.precision == "fast":
             v = ctx.permute(v, 0, 2, 1, 3)                                                 # (hd, tokens, head, n)
             o = ctx.flash_attn_ext(q, ctx.cast(k, Type.F16), ctx.cast(v, Type.F16), None, scale=scale)
