@@ -184,7 +184,10 @@ class Runner(DirectCalls, EmbeddingCalls, RequestLoop):
         self.images: Optional[ImageStore] = self.inputs.images
         try:
             self._check_host_memory()
-            self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * model.graph_size(),
+            # the scheduler computes the encoder's graphs too, which may be the larger (a vision tower deeper
+            # than a small text model)
+            nodes = max(model.graph_size(), self.vision.graph_size() if self.vision is not None else 0)
+            self.rt = Runtime(model.placement.devices(), n_threads=n_threads, graph_size=2 * nodes,
                               report=self.report, reuse_graphs=self.reuse_graphs, op_offload=op_offload)
             self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report, runtime=self.rt)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ggmlpy import _core
 from ggmlpy._core import Context, GGMLValueError, PoolOp, Tensor, Type
 from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
@@ -497,9 +498,11 @@ class VisionModel(WeightLoader):
         ``(hd, head, tokens, n)``; the heads' outputs ``ne = (hd * head, tokens, n)``. Exact: ``mul_mat`` +
         ``soft_max`` in F32; fast: ggml's flash attention with K and V in F16 (as llama.cpp's)."""
         hd, ntok, nh, n = q.ne
-        if self.precision == "exact" and self.config.projector == "pixtral" and self.device.type == "CPU":
+        if self.config.projector == "pixtral" and self.device.type == "CPU" and (
+                self.precision == "exact" or _core._attn_prefill_vectorized(hd, hd)):
             # one image of up to ~12k patches (Mistral Small's 1540 px): ggmlpy's prompt kernel keeps F32
-            # and needs no (tokens x tokens x heads) score matrix, which mul_mat would reserve (9 GiB there)
+            # and needs no (tokens x tokens x heads) score matrix, which mul_mat would reserve (9 GiB there);
+            # where it is vectorised (AVX-512, head sizes multiples of 16) it is faster than flash_attn_ext
             qh = ctx.reshape_3d(ctx.cont(ctx.permute(q, 0, 2, 1, 3)), hd, nh, ntok)        # (hd, head, tokens)
             kh = ctx.reshape_3d(ctx.cont(k), hd, ntok, nh)                                  # (hd, tokens, head)
             vh = ctx.reshape_3d(ctx.cont(ctx.permute(v, 0, 2, 1, 3)), hd, ntok, nh)
@@ -512,6 +515,10 @@ class VisionModel(WeightLoader):
         kq = ctx.soft_max_ext(ctx.mul_mat(k, q), None, scale)                              # (tokens_k, tokens_q, ...)
         o = ctx.mul_mat(v, kq)                                                             # (hd, tokens, head, n)
         return ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), hd * nh, ntok, n)
+
+    def _gelu_erf(self, ctx: Context, x: Tensor) -> Tensor:
+        """transformers' exact GELU; fast: ggml's (the tanh form from an F16 table, as llama.cpp's mtmd)."""
+        return ctx.gelu(x) if self.precision == "fast" else ctx.gelu_erf(x)
 
     def _transformer_llama4(self, ctx: Context, pixels: Tensor, n: int) -> tuple[Tensor, tuple]:
         """Llama 4's ViT: the patches' final hidden states ``ne = (n_embd, n_patches, n)`` (the class token
@@ -555,7 +562,7 @@ class VisionModel(WeightLoader):
             v = ctx.reshape_4d(_linear(ctx, w, b + "attn_v", cur), hd, c.n_head, npos, n)
             x = ctx.add(x, _linear(ctx, w, b + "attn_out", self._attention(ctx, q, kk, v, scale)))
             cur = _layer_norm(ctx, x, w, b + self._llama4_ln2, c.eps)
-            cur = ctx.gelu_erf(_linear(ctx, w, b + "ffn_up", cur))
+            cur = self._gelu_erf(ctx, _linear(ctx, w, b + "ffn_up", cur))
             x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
         x = _layer_norm(ctx, x, w, "v.post_ln", c.eps)
         x = ctx.view_3d(x, e, npatch, n, x.nb[1], x.nb[2], 0)                             # the class token dropped
@@ -583,8 +590,8 @@ class VisionModel(WeightLoader):
         if c.projector == "llama4":
             # transformers' pixel shuffle is Idefics3's (the same token order and channel layout); then the
             # adapter (two linear maps, each followed by an exact GELU) and the projection
-            x = ctx.gelu_erf(ctx.mul_mat(w["mm.model.mlp.1.weight"], x))
-            x = ctx.gelu_erf(ctx.mul_mat(w["mm.model.mlp.2.weight"], x))
+            x = self._gelu_erf(ctx, ctx.mul_mat(w["mm.model.mlp.1.weight"], x))
+            x = self._gelu_erf(ctx, ctx.mul_mat(w["mm.model.mlp.2.weight"], x))
         return ctx.mul_mat(w["mm.model.fc.weight"], x)
 
     # ------------------------------------------------------------------ running
