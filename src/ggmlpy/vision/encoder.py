@@ -352,16 +352,7 @@ class VisionModel(WeightLoader):
         yield "v.position_embd.weight", (e, c.n_patches), (Type.F32,)
         for i in range(c.n_layer):
             b = f"v.blk.{i}."
-            for x in ("q", "k", "v", "out"):
-                yield f"{b}attn_{x}.weight", (e, e), None
-                yield f"{b}attn_{x}.bias", (e,), f32
-            for x in ("ln1", "ln2"):
-                yield f"{b}{x}.weight", (e,), f32
-                yield f"{b}{x}.bias", (e,), f32
-            yield f"{b}ffn_up.weight", (e, ff), None
-            yield f"{b}ffn_up.bias", (ff,), f32
-            yield f"{b}ffn_down.weight", (ff, e), None
-            yield f"{b}ffn_down.bias", (e,), f32
+            yield from _vit_layer(b, e, ff, "ln2")
         yield "v.post_ln.weight", (e,), f32
         yield "v.post_ln.bias", (e,), f32
         if c.projector == "gemma3":
@@ -388,16 +379,7 @@ class VisionModel(WeightLoader):
             yield f"v.{x}.bias", (e,), f32
         for i in range(c.n_layer):
             b = f"v.blk.{i}."
-            for x in ("q", "k", "v", "out"):
-                yield f"{b}attn_{x}.weight", (e, e), None
-                yield f"{b}attn_{x}.bias", (e,), f32
-            for x in ("ln1", self._llama4_ln2):
-                yield f"{b}{x}.weight", (e,), f32
-                yield f"{b}{x}.bias", (e,), f32
-            yield f"{b}ffn_up.weight", (e, ff), None
-            yield f"{b}ffn_up.bias", (ff,), f32
-            yield f"{b}ffn_down.weight", (ff, e), None
-            yield f"{b}ffn_down.bias", (e,), f32
+            yield from _vit_layer(b, e, ff, self._llama4_ln2)
         info = self._reader.tensor_info("mm.model.mlp.1.weight") if "mm.model.mlp.1.weight" in self._reader \
             else None
         hidden = info.ne[1] if info is not None and len(info.ne) == 2 else c.n_embd_text
@@ -684,6 +666,22 @@ class VisionModel(WeightLoader):
         return (f"VisionModel({c.projector!r}, image {c.image_size}px / patch {c.patch_size}, n_layer={c.n_layer}, "
                 f"n_embd={c.n_embd} -> {c.n_embd_text}, {c.tokens_per_image} tokens per image, {self.precision}, "
                 f"on {self.device.name})")
+
+
+def _vit_layer(b: str, e: int, ff: int, ln2: str):
+    """A pre-norm ViT layer's tensors (LayerNorms, attention and MLP, all with biases), named as llama.cpp's
+    converter writes them; ``ln2`` the pre-FFN norm's name."""
+    f32 = (Type.F32,)
+    for x in ("q", "k", "v", "out"):
+        yield f"{b}attn_{x}.weight", (e, e), None
+        yield f"{b}attn_{x}.bias", (e,), f32
+    for x in ("ln1", ln2):
+        yield f"{b}{x}.weight", (e,), f32
+        yield f"{b}{x}.bias", (e,), f32
+    yield f"{b}ffn_up.weight", (e, ff), None
+    yield f"{b}ffn_up.bias", (ff,), f32
+    yield f"{b}ffn_down.weight", (ff, e), None
+    yield f"{b}ffn_down.bias", (e,), f32
 
 
 def _linear(ctx: Context, w, name: str, x: Tensor) -> Tensor:
