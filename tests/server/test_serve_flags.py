@@ -26,7 +26,7 @@ MODEL = {"-m", "--model", "-hf", "--hf-repo", "-hff", "--hf-file", "--mmproj", "
          "-t", "--threads", "-ngl", "--n-gpu-layers", "-dev", "--device", "-sm", "--split-mode", "-ts",
          "--tensor-split", "-mg", "--main-gpu", "-nopo", "--no-op-offload", "-ot", "--override-tensor", "-ncmoe",
          "--n-cpu-moe", "-cmoe", "--cpu-moe", "-rpc", "--rpc", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v",
-         "-fa", "--flash-attn", "--chat-template-file"}
+         "-fa", "--flash-attn", "--chat-template-file", "--vision-precision"}
 REQUEST_DEFAULTS = {"-n", "--n-predict", "--stop", "-s", "--seed", "--samplers", "--sampling-seq", "--sampler-seq",
                     "--dry-sequence-breaker", "-l", "--logit-bias"}
 REQUEST_DEFAULTS |= {f for flags, *_ in _SAMPLING_FLAGS for f in flags}
