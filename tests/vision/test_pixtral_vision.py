@@ -235,6 +235,9 @@ def test_largest_image_and_bad_pixels(fx):
         for shape in [(1, 3, EDGE + align, align), (1, 3, align + 1, align), (2, 3, align, align)]:
             with pytest.raises(GGMLValueError, match="pixels of shape"):
                 vm.encode(np.zeros(shape, np.float32))
+        for size in [(align + 1, align), (EDGE + align, align), (0, align)]:
+            with pytest.raises(GGMLValueError, match="vision build: an image of"):
+                vm.build(1, size)
 
 
 def test_files_that_ask_for_more(fx, tmp_path):

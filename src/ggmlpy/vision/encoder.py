@@ -421,8 +421,16 @@ class VisionModel(WeightLoader):
         if n < 1:
             raise GGMLValueError(f"vision build: n_images must be >= 1 (got {n_images})")
         h, w = self.largest_image if size is None else (int(size[0]), int(size[1]))
-        if c.projector == "pixtral" and n != 1:
-            raise GGMLValueError(f"vision build: pixtral encodes one image at a time (got n_images={n})")
+        if c.projector == "pixtral":
+            align, big = c.patch_size * c.scale_factor, self.largest_image[0]
+            if n != 1:
+                raise GGMLValueError(f"vision build: pixtral encodes one image at a time (got n_images={n})")
+            if not all(0 < d <= big and d % align == 0 for d in (h, w)):
+                raise GGMLValueError(f"vision build: an image of {h}x{w} pixels; pixtral takes sides that are "
+                                     f"multiples of {align} up to {big}")
+        elif (h, w) != (c.image_size, c.image_size):
+            raise GGMLValueError(f"vision build: an image of {h}x{w} pixels; this encoder takes "
+                                 f"{c.image_size}x{c.image_size} tiles")
         gsize = self.graph_size()
         ctx = Context.for_tensors(gsize, graph_size=gsize, no_alloc=True)
         try:
