@@ -241,9 +241,14 @@ def test_largest_image_and_bad_pixels(fx):
 
 
 def test_files_that_ask_for_more(fx, tmp_path):
-    """A merge size without the merger, and Ministral 3's attention temperature: refused by key."""
+    """A head size the 2D RoPE cannot split, a merge size without the merger, and Ministral 3's attention
+    temperature: refused by key."""
     from arch_helpers import copy_gguf
 
+    odd = copy_gguf(fx.mmproj, tmp_path / "h.gguf", meta={"clip.vision.attention.head_count": 16},
+                    meta_types={"clip.vision.attention.head_count": gguf.ValueType.UINT32})
+    with pytest.raises(GGMLValueError, match="head size 2 .* multiple of 4"):
+        load_mmproj(odd)
     if fx.layout == "llava":
         bad = copy_gguf(fx.mmproj, tmp_path / "m.gguf", meta={"clip.vision.spatial_merge_size": 2},
                         meta_types={"clip.vision.spatial_merge_size": gguf.ValueType.UINT32})

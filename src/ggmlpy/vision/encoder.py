@@ -193,6 +193,10 @@ class VisionConfig:
                        f"factor {cfg.scale_factor}")
         if cfg.n_embd % cfg.n_head:
             bad.append(f"embedding_length {cfg.n_embd} is not a multiple of head_count {cfg.n_head}")
+        elif proj in ("llama4", "pixtral") and cfg.head_dim % 4:
+            # the 2D RoPE rotates pairs in each half of a head
+            bad.append(f"head size {cfg.head_dim} (embedding_length / head_count) is not a multiple of 4, which "
+                       f"the {proj} encoder's 2D RoPE needs")
         if bad:
             raise MetadataError(path, "clip.vision", "; ".join(bad))
         return cfg

@@ -57,7 +57,6 @@ def expected(vm: VisionModel):
         yield f"{b}ffn_gate.weight", (e, ff), None
         yield f"{b}ffn_up.weight", (e, ff), None
         yield f"{b}ffn_down.weight", (ff, e), None
-    width = e
     if MERGER in reader:
         s = c.scale_factor
         yield INPUT_NORM, (e,), f32
@@ -66,7 +65,7 @@ def expected(vm: VisionModel):
         raise GGMLValueError(f"{vm.path}: clip.vision.spatial_merge_size is {c.scale_factor} but the file has no "
                              f"{MERGER}")
     hidden = reader.tensor_info("mm.1.weight").ne[1] if "mm.1.weight" in reader else c.n_embd_text
-    yield "mm.1.weight", (width, hidden), None
+    yield "mm.1.weight", (e, hidden), None
     if "mm.1.bias" in reader:
         yield "mm.1.bias", (hidden,), f32
     yield "mm.2.weight", (hidden, c.n_embd_text), None
@@ -99,16 +98,16 @@ def transformer(vm: VisionModel, ctx: Context, pixels: Tensor, gh: int, gw: int)
     def rope2d(t: Tensor) -> Tensor:
         t = ctx.reshape_3d(t, hd, nh, n)
         parts = [ctx.rope_ext(ctx.view_3d(t, half, nh, n, t.nb[1], t.nb[2], off * t.nb[0]), pos, n_dims=half,
-                              mode=0, freq_base=ROPE_THETA, freq_scale=scale)
-                 for off, pos, scale in ((0, pos_h, 1.0), (half, pos_w, odd))]
+                              mode=0, freq_base=ROPE_THETA, freq_scale=fs)
+                 for off, pos, fs in ((0, pos_h, 1.0), (half, pos_w, odd))]
         return ctx.concat(parts[0], parts[1], 0)                                           # (hd, nh, n)
 
     scale = 1.0 / math.sqrt(hd)
     for i in range(c.n_layer):
         b = f"v.blk.{i}."
         cur = _rms(ctx, x, w[b + "ln1.weight"], c.eps)
-        q, k = (ctx.permute(ctx.reshape_4d(rope2d(ctx.mul_mat(w[b + f"attn_{x}.weight"], cur)), hd, nh, n, 1),
-                            0, 2, 1, 3) for x in "qk")                                     # (hd, n, nh, 1)
+        q, k = (ctx.permute(ctx.reshape_4d(rope2d(ctx.mul_mat(w[f"{b}attn_{qk}.weight"], cur)), hd, nh, n, 1),
+                            0, 2, 1, 3) for qk in "qk")                                     # (hd, n, nh, 1)
         v = ctx.reshape_4d(ctx.mul_mat(w[b + "attn_v.weight"], cur), hd, nh, n, 1)
         o = ctx.reshape_2d(vm._attention(ctx, q, k, v, scale), e, n)
         x = ctx.add(x, ctx.mul_mat(w[b + "attn_out.weight"], o))
