@@ -27,7 +27,8 @@ report exists before any data is read) and then loads the data with progress.
   (deepseek2: multi-head latent attention over a latent cache, DeepSeek's experts),
   :mod:`~ggmlpy.models.glm4moe` (GLM-4.5: partial RoPE, DeepSeek's experts), :mod:`~ggmlpy.models.llama4`
   (Llama 4: chunked attention and NoPE layers through a :class:`~ggmlpy.kvcache.Wrapper`, interleaved
-  experts); and the encoders of
+  experts), :mod:`~ggmlpy.models.qwenvl` (qwen2vl, qwen3vl: Qwen-VL's text models, multi-section RoPE and
+  deepstack); and the encoders of
   :mod:`~ggmlpy.models.bert` (bert, nomic-bert, nomic-bert-moe: embeddings and reranking, non-causal,
   through an :class:`~ggmlpy.kvcache.Encoder` cache);
 * :func:`load_model` (:mod:`ggmlpy.load`, a floor up: it opens the vision encoder and runs the fit);
@@ -50,6 +51,7 @@ from . import (  # noqa: F401  (each registers its architectures)
     phi3,
     qwen3,
     qwen3next,
+    qwenvl,
 )
 from .base import (
     ARCHITECTURES,

@@ -456,6 +456,14 @@ class DecoderModel(WeightLoader):
     #: The graph can take input embeddings for some rows (an image's, :meth:`embed_tokens`) in place of
     #: their tokens' (``build(..., n_embd_rows=k)``); an architecture whose ``_forward`` reads them sets it.
     EMBD_INPUT: ClassVar[bool] = False
+    #: Positions per token in ``inp_pos``: 1, or 4 for multi-section RoPE (:mod:`~ggmlpy.models.qwenvl`),
+    #: laid out as ggml's ``rope_multi`` reads them (each position kind for all tokens, in turn)
+    POS_PER_TOKEN: ClassVar[int] = 1
+
+    @property
+    def embd_width(self) -> int:
+        """Values of one input embedding row (``inp_embd``): ``n_embd`` (Qwen3-VL's rows carry deepstack too)."""
+        return self.config.n_embd
 
     def build(self, cache, plan, n_tokens: int, n_out: int, *, flash_attn: bool = False,
               embeddings: bool = False, n_embd_rows: int = 0) -> BuiltGraph:
@@ -479,14 +487,14 @@ class DecoderModel(WeightLoader):
         size = self.graph_size()
         ctx = Context.for_tensors(size, graph_size=size, no_alloc=True)
         tokens = ctx.new_tensor(Type.I32, (n,), name="inp_tokens").set_input()
-        pos = ctx.new_tensor(Type.I32, (n,), name="inp_pos").set_input()
+        pos = ctx.new_tensor(Type.I32, (n * self.POS_PER_TOKEN,), name="inp_pos").set_input()
         memory = cache.forward(ctx, plan)           # the cache's own inputs: destination rows, mask
         # always present (even when every row is output) so that every graph has the topology the
         # worst-case reservation measured
         out_ids = ctx.new_tensor(Type.I32, (n_out,), name="inp_out_ids").set_input()
         kw = {}
         if n_embd_rows:
-            kw["embd"] = (ctx.new_tensor(Type.F32, (self.config.n_embd, n_embd_rows), name="inp_embd").set_input(),
+            kw["embd"] = (ctx.new_tensor(Type.F32, (self.embd_width, n_embd_rows), name="inp_embd").set_input(),
                           ctx.new_tensor(Type.I64, (n_embd_rows,), name="inp_embd_rows").set_input())
         out = self._forward(ctx, tokens, pos, memory, out_ids, flash_attn=flash_attn, embeddings=embeddings, **kw)
         out.set_output()
@@ -607,8 +615,12 @@ class PreNormDecoder(DecoderModel):
                 o, x = ctx.get_rows(o, out_ids), ctx.get_rows(x, out_ids)
             x = ctx.add(x, o)
             cur = blocks.rms_norm(ctx, x, w[p + "ffn_norm.weight"], c.rms_eps)
-            x = ctx.add(x, self._ffn(ctx, p, cur))
+            x = self._layer_out(ctx, il, ctx.add(x, self._ffn(ctx, p, cur)), embd)
         return blocks.output(ctx, w, x, c.rms_eps, embeddings=embeddings)
+
+    def _layer_out(self, ctx: Context, layer: int, x: Tensor, embd: Optional[tuple]) -> Tensor:
+        """A layer's output as the next layer takes it (Qwen3-VL adds its image rows' deepstack slices)."""
+        return x
 
 
 class LocalGlobalDecoder(DecoderModel):

@@ -179,11 +179,19 @@ class DirectCalls:
         records are dropped (a request re-processes them).
         """
         rows = []
+        # a continuation is recorded micro-batch by micro-batch: the next one's M-RoPE positions read what the
+        # sequence holds before it (:mod:`.mrope`)
+        grow = appended is not None and len(self.slots[seqs[0]].tokens) == appended[0]
         for ub in ubatches:
             r = self._run_ubatch(ub, embedding, seqs)
             if r is not None:
                 rows.append(r)
-        self._record_direct(seqs, appended)
+            if grow:
+                self.slots.committed(seqs[0], ub.tokens.tolist())
+        if grow:
+            self.n_batches += 1
+        else:
+            self._record_direct(seqs, appended)
         return (rows[0] if len(rows) == 1 else np.concatenate(rows)) if rows else None
 
     def decode_batch(self, tokens, positions, seq_ids, logits) -> np.ndarray:

@@ -66,6 +66,11 @@ class ImageStore:
         self._lock = threading.Lock()
         self.n_encoded = 0                      # images encoded so far (diagnostics, tests)
 
+    @property
+    def empty(self) -> bool:
+        """Whether no image was ever added (no token can be an image row)."""
+        return self._next == 0
+
     def add(self, tiles: np.ndarray, n_rows: Optional[int] = None) -> list[int]:
         """The row ids of an image with these preprocessed tiles (a new entry, or the one seen before):
         ``n_rows`` of them (default ``tokens_per_image`` per tile), in order."""

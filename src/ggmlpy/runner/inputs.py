@@ -233,7 +233,10 @@ class Inputs:
                 raise GGMLValueError(f"{what}: {len(prepared)} image(s) but the prompt has {n_mark} {marker} "
                                      f"marker(s)")
             parts = prompt.split(marker)
-            text = parts[0] + "".join(t + rest for (_, t), rest in zip(prepared, parts[1:]))
+            # a plain prompt's marker stands for the whole image (Qwen-VL: with its vision start and end);
+            # a chat template's placeholder is only what the processor expands
+            a, b = self.vision.marker_wrap if marker == MEDIA_MARKER else ("", "")
+            text = parts[0] + "".join(a + t + b + rest for (_, t), rest in zip(prepared, parts[1:]))
             prompt = encode_prompt(self.tokenizer, text, parse_special=parse_special) if encode is None \
                 else encode(text)
         return self.ids(prompt, what), pixels
@@ -242,17 +245,18 @@ class Inputs:
         """Checked ids and pixels -> a Prompt: each image in the store, its rows where its tokens were."""
         runs = [self.vision.runs(px) for px in pixels]
         rows = [self.images.add(px, sum(r)) for px, r in zip(pixels, runs)]
-        return Prompt(*place_images(ids, rows, self.image_token, runs, what))
+        return Prompt(*place_images(ids, rows, self.image_token, runs, what, tie=self.vision.tie_images))
 
 
 def place_images(tokens: Sequence[int], images: Sequence[list[int]], image_token: int,
-                 runs: int | Sequence[Sequence[int]], what: str = "submit") -> tuple[list[int], list[int]]:
+                 runs: int | Sequence[Sequence[int]], what: str = "submit",
+                 tie: bool = True) -> tuple[list[int], list[int]]:
     """Put the images' rows where the prompt has its runs of ``image_token``; also the same-batch markers.
 
     ``images`` holds each image's row ids (:meth:`~.images.ImageStore.add`). Each run of the image token
     id is one chunk of rows, taken in order from the images: ``runs`` gives each image's chunk lengths
-    (:meth:`~ggmlpy.vision.VisionModel.runs`), or one length for every chunk (a tile's rows). Returns
-    ``(tokens, same_batch)``.
+    (:meth:`~ggmlpy.vision.VisionModel.runs`), or one length for every chunk (a tile's rows). Each chunk is a
+    same-batch group (kept in one micro-batch) with ``tie``. Returns ``(tokens, same_batch)``.
 
     Raises
     ------
@@ -284,7 +288,7 @@ def place_images(tokens: Sequence[int], images: Sequence[list[int]], image_token
             raise GGMLValueError(f"{what}: a run of {j - i} image tokens (id {image_token}) at index {i}; the "
                                  f"image's run there takes exactly {len(chunks[k])}")
         out[i:j] = chunks[k]
-        sb[i] = len(chunks[k]) - 1
+        sb[i] = len(chunks[k]) - 1 if tie else 0
         k += 1
         i = j
     if k != len(chunks):

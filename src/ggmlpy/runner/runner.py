@@ -192,7 +192,7 @@ class Runner(DirectCalls, EmbeddingCalls, RequestLoop):
             self.cache.init(self.n_ctx, self.n_seq_max, self.n_ubatch, placement=self._cache_placement(),
                             report=self.report, runtime=self.rt)
             self.step = Step(model, self.cache, self.rt, flash_attn=self.flash_attn, vision=self.vision,
-                             images=self.images)
+                             images=self.images, history=lambda seq: self.slots[seq].tokens)
             self.step.choose_kernels(kmode, self.n_ubatch, self.n_ctx,
                                      measuring=getattr(self, "_measuring", False))
             self.step.reserve(self.n_ubatch, min(self.n_seq_max, self.n_ubatch))
@@ -306,7 +306,11 @@ class Runner(DirectCalls, EmbeddingCalls, RequestLoop):
         if vc.n_embd_text != self.model.config.n_embd:
             raise GGMLValueError(f"runner: the vision encoder projects to {vc.n_embd_text} values, the text model's "
                                  f"embeddings have {self.model.config.n_embd} (a projector of another model?)")
-        if vc.tokens_per_image > self.n_ubatch:
+        width = getattr(self.model, "embd_width", self.model.config.n_embd)
+        if vc.n_embd_out != width:
+            raise GGMLValueError(f"runner: the vision encoder gives {vc.n_embd_out} values a token "
+                                 f"({len(vc.deepstack)} deepstack layers), the text model takes {width}")
+        if vision.tie_images and vc.tokens_per_image > self.n_ubatch:
             raise GGMLValueError(f"runner: an image takes {vc.tokens_per_image} tokens, more than n_ubatch "
                                  f"{self.n_ubatch}; it must fit in one micro-batch")
 

@@ -23,6 +23,7 @@ from ggmlpy.models.kernels import KernelChoices
 
 from .batching import _UBatch
 from .images import FIRST_IMAGE_ID, ImageStore, chunk_spans
+from .mrope import mrope_positions
 
 __all__ = ["Step"]
 
@@ -43,13 +44,18 @@ class Step:
     vision : ggmlpy.vision.VisionModel, optional
         The image encoder; with it ``images`` is the store whose rows micro-batches take.
     images : ImageStore, optional
+    history : callable, optional
+        ``history(seq)``: the token record of a cache sequence (the slot table's), from which a multi-section
+        RoPE model's positions follow (:mod:`.mrope`).
     """
 
     def __init__(self, model, cache, runtime, *, flash_attn: bool, vision=None,
-                 images: Optional[ImageStore] = None) -> None:
+                 images: Optional[ImageStore] = None, history=None) -> None:
         self.model, self.cache, self.rt = model, cache, runtime
         self.flash_attn = bool(flash_attn)
         self.vision, self.images = vision, images
+        self.history = history
+        self._mrope = getattr(model, "POS_PER_TOKEN", 1) == 4
         #: The own kernels' choices the graphs are built under (:mod:`ggmlpy.models.kernels`).
         self.kernels = KernelChoices("own")
 
@@ -101,15 +107,19 @@ class Step:
         (None when it wants none). The graph goes back to the pool."""
         b = ub.built
         out_rows = ub.out_rows if len(ub.out_rows) else np.array([len(ub.tokens) - 1], np.int32)
+        positions = ub.positions
+        if self._mrope:
+            positions = mrope_positions(ub.tokens, ub.positions, ub.seqs, self.history or (lambda s: ()),
+                                        self.images, self.vision.grid if self.vision is not None else None)
         if getattr(b, "embd", None) is not None:
             rows = np.flatnonzero(ub.tokens <= FIRST_IMAGE_ID)
             # images encoded on first use, straight through the encoder's one route
             encode = functools.partial(self.vision.run, runtime=self.rt)
             embd = (self.images.rows(ub.tokens[rows], encode), rows)
             toks = np.where(ub.tokens < 0, 0, ub.tokens)
-            self.rt.run(b.graph, lambda: b.set_inputs(toks, ub.positions, ub.plan, out_rows, embd))
+            self.rt.run(b.graph, lambda: b.set_inputs(toks, positions, ub.plan, out_rows, embd))
         else:
-            self.rt.run(b.graph, lambda: b.set_inputs(ub.tokens, ub.positions, ub.plan, out_rows))
+            self.rt.run(b.graph, lambda: b.set_inputs(ub.tokens, positions, ub.plan, out_rows))
         ub.plan = None          # its mask is uploaded: the micro-batches of a batch must not all hold one
         res = b.output.get() if len(ub.out_rows) else None
         ub.built = None
@@ -119,7 +129,7 @@ class Step:
     def encode(self, tiles: np.ndarray) -> np.ndarray:
         """An image's checked tiles -> its embedding rows ``float32 (rows, n_embd_text)``, computed on this
         runtime by the encoder's own route (:meth:`ggmlpy.vision.VisionModel.run`)."""
-        return self.vision.run(tiles, self.rt).reshape(-1, self.vision.config.n_embd_text)
+        return self.vision.run(tiles, self.rt).reshape(-1, self.vision.config.n_embd_out)
 
     # ------------------------------------------------------------------ start-up
 
@@ -127,8 +137,12 @@ class Step:
         """The forward graph of ``n`` tokens at full context (the reservation's), built under :attr:`kernels`."""
         plan = self.cache.start_forward(np.zeros(n, np.int64), np.zeros(n, np.int64), reserve=True)
         # the prompt batch with an image tile in it (the decode batch has no room for one)
-        kw = {"n_embd_rows": self.vision.config.tokens_per_image} \
-            if self.vision is not None and n >= self.vision.config.tokens_per_image else {}
+        kw = {}
+        if self.vision is not None:
+            tpi = self.vision.config.tokens_per_image
+            # an image's rows kept in one micro-batch fill a prompt one; Qwen-VL's may fill any
+            if not self.vision.tie_images or n >= tpi:
+                kw["n_embd_rows"] = min(tpi, n)
         with kernels.using(self.kernels):
             return self.model.build(self.cache, plan, n, n, flash_attn=self.flash_attn,
                                     embeddings=self.worst_output(), **kw)

@@ -36,8 +36,9 @@ from ggmlpy.backend import Placement, Runtime
 from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
-from . import pixtral
+from . import llama4, pixtral, qwenvl
 from .image_config import ImageConfig
+from .layers import _gelu_tanh, _layer_norm, _linear, _vit_layer
 from .preprocess import preprocess
 from .prompt import image_prompt
 from .resize import IDEFICS3_MAX_IMAGE_SIZE, PreprocessedImage
@@ -48,17 +49,22 @@ __all__ = ["PRECISIONS", "PROJECTORS", "EncodedGraph", "VisionConfig", "VisionMo
 PRECISIONS = ("exact", "fast")
 
 #: projector types (``clip.projector_type``) this module builds
-PROJECTORS = ("gemma3", "idefics3", "llama4", "pixtral")
+PROJECTORS = ("gemma3", "idefics3", "llama4", "pixtral", qwenvl.QWEN25, qwenvl.QWEN3)
+#: the encoders of images of any size (one image a pass, one run of tokens per row or per image)
+_ANY_SIZE = ("pixtral", qwenvl.QWEN25, qwenvl.QWEN3)
+_QWEN = (qwenvl.QWEN25, qwenvl.QWEN3)
 #: the scale factor a file without ``clip.vision.projector.scale_factor`` means (llama.cpp's defaults)
-_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2, "pixtral": 1}
+_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2, "pixtral": 1, qwenvl.QWEN25: 2, qwenvl.QWEN3: 2}
 #: the token text the HF processors write for each image position
-_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>", "llama4": "<|patch|>", "pixtral": "[IMG]"}
+_IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>", "llama4": "<|patch|>", "pixtral": "[IMG]",
+                qwenvl.QWEN25: "<|image_pad|>", qwenvl.QWEN3: "<|image_pad|>"}
 #: what the family's chat templates write for an image part, which its processor then expands
-_PLACEHOLDER = {"gemma3": "<start_of_image>", "idefics3": "<image>", "llama4": "<|image|>", "pixtral": "[IMG]"}
+_PLACEHOLDER = dict(_IMAGE_TOKEN, gemma3="<start_of_image>", llama4="<|image|>")
+#: what a plain prompt's media marker becomes around the image's tokens, where the chat template writes it
+_MARKER_WRAP = {qwenvl.QWEN25: ("<|vision_start|>", "<|vision_end|>"), qwenvl.QWEN3: ("<|vision_start|>",
+                                                                                     "<|vision_end|>")}
 #: gemma3's projection, which the file stores as ``ne = (n_embd_text, n_embd)``
 _PROJ_T = "mm.input_projection.weight"
-#: llama4's 2D RoPE base (llama.cpp fixes it; the converter writes none, transformers' default)
-_LLAMA4_ROPE_THETA = 10000.0
 #: graph nodes per encoder layer (with headroom)
 _NODES_PER_LAYER = 64
 #: the range of ``clip.vision.image_mean`` / ``image_std`` values: the pixels are rescaled to [0, 1] first, so a
@@ -92,7 +98,12 @@ class VisionConfig:
         idefics3: the longest edge images are resized to before they are cut into tiles (at most 4096,
         where the HF processor caps it).
     act : str
-        The MLP's activation: ``"gelu"``, or ``"silu"`` (pixtral files with ``clip.use_silu``).
+        The MLP's activation: ``"gelu"``, or ``"silu"`` (pixtral and Qwen2.5-VL files with ``clip.use_silu``).
+    wa_pattern : int
+        Qwen2.5-VL: every ``wa_pattern``-th layer attends over the whole image, the others within windows
+        (``clip.vision.n_wa_pattern``).
+    deepstack : tuple of int
+        Qwen3-VL: the layers whose outputs feed a deepstack merger (``clip.vision.is_deepstack_layers``).
     """
 
     projector: str
@@ -109,6 +120,8 @@ class VisionConfig:
     scale_factor: int
     preproc_image_size: Optional[int] = None
     act: str = "gelu"
+    wa_pattern: int = 0
+    deepstack: tuple = ()
 
     @property
     def patches_per_side(self) -> int:
@@ -124,12 +137,20 @@ class VisionConfig:
         row of an image takes (its longest side's tokens), the longest run of image tokens in a prompt."""
         if self.projector == "pixtral":
             return -(-self.image_size // (self.patch_size * self.scale_factor))
+        if self.projector in _QWEN:
+            return _qwen_image_config(self).max_tokens
         return self.n_patches // self.scale_factor ** 2
 
     @property
     def min_image_tokens(self) -> int:
-        """The fewest image positions an image takes (pixtral: one token; the others: one tile)."""
-        return 1 if self.projector == "pixtral" else self.tokens_per_image
+        """The fewest image positions an image takes (the any-size encoders: one token, a lower bound; the
+        others: one tile)."""
+        return 1 if self.projector in _ANY_SIZE else self.tokens_per_image
+
+    @property
+    def n_embd_out(self) -> int:
+        """Values per image token the encoder gives: ``n_embd_text``, times ``1 + len(deepstack)`` (Qwen3)."""
+        return self.n_embd_text * (1 + len(self.deepstack))
 
     @property
     def head_dim(self) -> int:
@@ -160,7 +181,7 @@ class VisionConfig:
         if proj not in PROJECTORS:
             raise MetadataError(path, key, f"{proj!r:.80} is not supported (supported: {', '.join(PROJECTORS)})")
         silu = _meta_bool(md, "clip.use_silu", False, path)
-        if silu and proj != "pixtral":
+        if silu and proj not in ("pixtral", qwenvl.QWEN25):
             raise MetadataError(path, "clip.use_silu", "the file asks for SiLU; the encoder computes GELU")
         if not silu and not _meta_bool(md, "clip.use_gelu", False, path):
             raise MetadataError(path, "clip.use_gelu", "not true: the file asks for a quick GELU (llama.cpp's "
@@ -174,7 +195,7 @@ class VisionConfig:
         d["n_head"] = m.geti("vision.attention.head_count", lo=1, hi=d["n_embd"])
         d["eps"] = m.getf("vision.attention.layer_norm_epsilon", 1e-6, lo=0.0, lo_open=True, hi=1.0)
         d["n_embd_text"] = m.geti("vision.projection_dim", lo=1, hi=1 << 17)
-        scale_key = "vision.spatial_merge_size" if proj == "pixtral" else "vision.projector.scale_factor"
+        scale_key = "vision.spatial_merge_size" if proj in _ANY_SIZE else "vision.projector.scale_factor"
         d["scale_factor"] = m.geti(scale_key, _DEFAULT_SCALE[proj], lo=1, hi=64)
         pre = md.get("clip.vision.preproc_image_size")
         d["preproc_image_size"] = None if pre is None else m.geti("vision.preproc_image_size", lo=1,
@@ -182,10 +203,19 @@ class VisionConfig:
         for key, default, (lo, hi) in (("image_mean", (0.5, 0.5, 0.5), _MEAN_RANGE),
                                        ("image_std", (0.5, 0.5, 0.5), _STD_RANGE)):
             d[key] = _meta_triple(md, f"clip.vision.{key}", default, lo, hi, path)
+        if proj == qwenvl.QWEN25:
+            d["wa_pattern"] = m.geti("vision.n_wa_pattern", lo=1, hi=d["n_layer"])
+        if proj == qwenvl.QWEN3 and "clip.vision.is_deepstack_layers" in md:
+            ds = md["clip.vision.is_deepstack_layers"]
+            if not isinstance(ds, (list, tuple, np.ndarray)) or len(ds) != d["n_layer"] or not all(
+                    isinstance(x, (bool, np.bool_)) for x in ds):
+                raise MetadataTypeError(path, "clip.vision.is_deepstack_layers", f"expected {d['n_layer']} bools "
+                                        f"(one per layer), got {ds!r:.80}")
+            d["deepstack"] = tuple(i for i, x in enumerate(ds) if x)
         cfg = cls(**d)
         bad = []
-        if proj == "pixtral":
-            pass                   # any image size: image_size is only the longest edge
+        if proj in _ANY_SIZE:
+            pass                   # any image size: image_size is only the longest edge (qwen: unused)
         elif cfg.image_size % cfg.patch_size:
             bad.append(f"image_size {cfg.image_size} is not a multiple of patch_size {cfg.patch_size}")
         elif cfg.patches_per_side % cfg.scale_factor:
@@ -193,13 +223,19 @@ class VisionConfig:
                        f"factor {cfg.scale_factor}")
         if cfg.n_embd % cfg.n_head:
             bad.append(f"embedding_length {cfg.n_embd} is not a multiple of head_count {cfg.n_head}")
-        elif proj in ("llama4", "pixtral") and cfg.head_dim % 4:
+        elif proj in ("llama4",) + _ANY_SIZE and cfg.head_dim % 4:
             # the 2D RoPE rotates pairs in each half of a head
             bad.append(f"head size {cfg.head_dim} (embedding_length / head_count) is not a multiple of 4, which "
                        f"the {proj} encoder's 2D RoPE needs")
+        if proj in _QWEN and cfg.scale_factor != qwenvl.MERGE:
+            bad.append(f"spatial_merge_size {cfg.scale_factor}: the Qwen-VL mergers take 2 x 2 patches")
         if bad:
             raise MetadataError(path, "clip.vision", "; ".join(bad))
         return cfg
+
+
+def _qwen_image_config(c: VisionConfig) -> ImageConfig:
+    return ImageConfig(c.projector, c.image_size, c.patch_size, c.image_mean, c.image_std, c.scale_factor)
 
 
 def _meta_bool(md: dict, key: str, default: bool, path: str) -> bool:
@@ -302,6 +338,12 @@ class VisionModel(WeightLoader):
         #: the text a chat template writes for an image part (``{"type": "image"}``), which becomes the
         #: image's prompt as the processor expands it (Gemma 3's ``boi_token``, Idefics3's ``image_token``)
         self.image_placeholder = _PLACEHOLDER[c.projector]
+        #: the text around an image's tokens where a plain prompt has the media marker (Qwen-VL's
+        #: ``<|vision_start|>``/``<|vision_end|>``, which its chat templates write around the placeholder)
+        self.marker_wrap = _MARKER_WRAP.get(c.projector, ("", ""))
+        #: whether a run of an image's tokens stays in one micro-batch (its chunk attends to itself as a
+        #: whole, or is at most a tile); Qwen-VL's images (causal, up to max_pixels) are cut anywhere
+        self.tie_images = c.projector not in _QWEN
         #: tiles of the largest image (idefics3: the grid of its longest edge, and the global image;
         #: llama4: the largest canvas and the global tile)
         # (the first resize caps the longest edge at IDEFICS3_MAX_IMAGE_SIZE, as preprocess does)
@@ -345,10 +387,15 @@ class VisionModel(WeightLoader):
         f32 = (Type.F32,)
         p, e, ff = c.patch_size, c.n_embd, c.n_ff
         if c.projector == "llama4":
-            yield from self._expected_llama4()
+            yield from llama4.expected(self)
             return
         if c.projector == "pixtral":
             yield from pixtral.expected(self)
+            return
+        if c.projector in _QWEN:
+            if c.projector == qwenvl.QWEN3:
+                qwenvl.check_pos_table(self)
+            yield from qwenvl.expected(self)
             return
         yield "v.patch_embd.weight", (p, p, 3, e), (Type.F32, Type.F16)
         yield "v.patch_embd.bias", (e,), f32
@@ -365,32 +412,6 @@ class VisionModel(WeightLoader):
         else:
             yield "mm.model.fc.weight", (e * c.scale_factor ** 2, c.n_embd_text), None
 
-    def _expected_llama4(self):
-        """Llama 4's tensors: the patch embedding a linear map without bias, the class embedding (placed
-        after the patches), pre- and post-norms, layers whose pre-FFN norm the converter names
-        ``attn_post_norm`` (transformers' ``post_attention_layernorm``; ``ln2`` in older files, read as
-        the same norm), the adapter's two linear maps and the projection, none with a bias."""
-        c = self.config
-        f32 = (Type.F32,)
-        p, e, ff, s = c.patch_size, c.n_embd, c.n_ff, c.scale_factor
-        # files converted before llama.cpp's tensor map sent that norm to attn_post_norm call it ln2
-        self._llama4_ln2 = "ln2" if "v.blk.0.ln2.weight" in self._reader else "attn_post_norm"
-        yield "v.patch_embd.weight", (3 * p * p, e), (Type.F32, Type.F16)
-        yield "v.class_embd", (e,), f32
-        yield "v.position_embd.weight", (e, c.n_patches + 1), f32
-        for x in ("pre_ln", "post_ln"):
-            yield f"v.{x}.weight", (e,), f32
-            yield f"v.{x}.bias", (e,), f32
-        for i in range(c.n_layer):
-            b = f"v.blk.{i}."
-            yield from _vit_layer(b, e, ff, self._llama4_ln2)
-        info = self._reader.tensor_info("mm.model.mlp.1.weight") if "mm.model.mlp.1.weight" in self._reader \
-            else None
-        hidden = info.ne[1] if info is not None and len(info.ne) == 2 else c.n_embd_text
-        yield "mm.model.mlp.1.weight", (e * s * s, hidden), None
-        yield "mm.model.mlp.2.weight", (hidden, hidden), None
-        yield "mm.model.fc.weight", (hidden, c.n_embd_text), None
-
     # ------------------------------------------------------------------ graph
 
     def graph_size(self) -> int:
@@ -405,16 +426,38 @@ class VisionModel(WeightLoader):
         if c.projector == "pixtral":
             side = c.tokens_per_image * c.patch_size * c.scale_factor
             return side, side
+        if c.projector in _QWEN:
+            r, k = qwenvl.largest_grid(c.tokens_per_image, windowed=c.projector == qwenvl.QWEN25)
+            align = c.patch_size * c.scale_factor
+            return r * align, k * align
         return c.image_size, c.image_size
 
     def runs(self, pixels: np.ndarray) -> list[int]:
         """The lengths of the runs of image tokens checked pixels take in a prompt, in order: one run of
         ``tokens_per_image`` per tile; pixtral: one per row of the image's token grid."""
         c = self.config
+        align = c.patch_size * c.scale_factor
         if c.projector == "pixtral":
-            align = c.patch_size * c.scale_factor
             return [pixels.shape[-1] // align] * (pixels.shape[-2] // align)
+        if c.projector in _QWEN:
+            return [(pixels.shape[-1] // align) * (pixels.shape[-2] // align)]
         return [c.tokens_per_image] * len(pixels)
+
+    def grid(self, pixels: np.ndarray) -> tuple[int, int]:
+        """The ``(rows, columns)`` of an image's tokens (what Qwen-VL's M-RoPE positions follow)."""
+        align = self.config.patch_size * self.config.scale_factor
+        return pixels.shape[-2] // align, pixels.shape[-1] // align
+
+    def _size_ok(self, h: int, w: int) -> bool:
+        """Whether an image of ``h x w`` pixels is one this any-size encoder takes (within its reservation)."""
+        c = self.config
+        align = c.patch_size * c.scale_factor
+        if not all(d > 0 and d % align == 0 for d in (h, w)):
+            return False
+        if c.projector in _QWEN:
+            return (h // align) * (w // align) <= c.tokens_per_image
+        big = self.largest_image[0]
+        return h <= big and w <= big
 
     def build(self, n_images: int = 1, size: Optional[tuple[int, int]] = None) -> EncodedGraph:
         """The encoder graph for ``n_images`` preprocessed images (unallocated; compute it through a
@@ -425,13 +468,11 @@ class VisionModel(WeightLoader):
         if n < 1:
             raise GGMLValueError(f"vision build: n_images must be >= 1 (got {n_images})")
         h, w = self.largest_image if size is None else (int(size[0]), int(size[1]))
-        if c.projector == "pixtral":
-            align, big = c.patch_size * c.scale_factor, self.largest_image[0]
+        if c.projector in _ANY_SIZE:
             if n != 1:
-                raise GGMLValueError(f"vision build: pixtral encodes one image at a time (got n_images={n})")
-            if not all(0 < d <= big and d % align == 0 for d in (h, w)):
-                raise GGMLValueError(f"vision build: an image of {h}x{w} pixels; pixtral takes sides that are "
-                                     f"multiples of {align} up to {big}")
+                raise GGMLValueError(f"vision build: {c.projector} encodes one image at a time (got n_images={n})")
+            if not self._size_ok(h, w):
+                raise GGMLValueError(f"vision build: an image of {h}x{w} pixels; {self._sizes()}")
         elif (h, w) != (c.image_size, c.image_size):
             raise GGMLValueError(f"vision build: an image of {h}x{w} pixels; this encoder takes "
                                  f"{c.image_size}x{c.image_size} tiles")
@@ -440,15 +481,18 @@ class VisionModel(WeightLoader):
         try:
             pixels = ctx.new_tensor(Type.F32, (w, h, 3, n), name="inp_pixels").set_input()
             consts: tuple = ()
+            gh, gw = h // c.patch_size, w // c.patch_size
             if c.projector == "pixtral":
-                gh, gw = h // c.patch_size, w // c.patch_size
                 x, consts = pixtral.transformer(self, ctx, pixels, gh, gw)
                 x = pixtral.project(self, ctx, x, gh, gw)
+            elif c.projector in _QWEN:
+                x, deep, consts = qwenvl.transformer(self, ctx, pixels, gh, gw)
+                x = qwenvl.project(self, ctx, x, deep, gh * gw)
             elif c.projector == "llama4":
-                x, consts = self._transformer_llama4(ctx, pixels, n)
+                x, consts = llama4.transformer(self, ctx, pixels, n)
             else:
                 x = self._transformer(ctx, pixels, n)
-            if c.projector != "pixtral":
+            if c.projector not in _ANY_SIZE:
                 x = self._project(ctx, x, n)
             x.set_output()
             gf = ctx.new_graph(gsize)
@@ -487,12 +531,14 @@ class VisionModel(WeightLoader):
             x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
         return _layer_norm(ctx, x, w, "v.post_ln", c.eps)
 
-    def _attention(self, ctx: Context, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    def _attention(self, ctx: Context, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                   mask: Optional[Tensor] = None) -> Tensor:
         """Every token of an image over all of its tokens: ``q``, ``k`` ``ne = (hd, tokens, head, n)``, ``v``
         ``(hd, head, tokens, n)``; the heads' outputs ``ne = (hd * head, tokens, n)``. Exact: ``mul_mat`` +
-        ``soft_max`` in F32; fast: ggml's flash attention with K and V in F16 (as llama.cpp's)."""
+        ``soft_max`` in F32; fast: ggml's flash attention with K and V in F16 (as llama.cpp's). ``mask``
+        (F32, F16 when fast) ``ne = (tokens, tokens, 1, n)``: added to the scores (Qwen2.5-VL's windows)."""
         hd, ntok, nh, n = q.ne
-        if self.config.projector == "pixtral" and self.device.type == "CPU" and (
+        if self.config.projector in _ANY_SIZE and mask is None and self.device.type == "CPU" and (
                 self.precision == "exact" or _core._attn_prefill_vectorized(hd, hd)):
             # one image of up to ~12k patches (Mistral Small's 1540 px): ggmlpy's prompt kernel keeps F32
             # and needs no (tokens x tokens x heads) score matrix, which mul_mat would reserve (9 GiB there);
@@ -503,64 +549,16 @@ class VisionModel(WeightLoader):
             return ctx.reshape_3d(ctx.attn_prefill(qh, kh, vh, None, scale=scale), hd * nh, ntok, 1)
         if self.precision == "fast":
             v = ctx.permute(v, 0, 2, 1, 3)                                                 # (hd, tokens, head, n)
-            o = ctx.flash_attn_ext(q, ctx.cast(k, Type.F16), ctx.cast(v, Type.F16), None, scale=scale)
+            o = ctx.flash_attn_ext(q, ctx.cast(k, Type.F16), ctx.cast(v, Type.F16), mask, scale=scale)
             return ctx.reshape_3d(o, hd * nh, ntok, n)                                     # o: (hd, head, tokens, n)
         v = ctx.cont(ctx.permute(v, 1, 2, 0, 3))                                           # (tokens, hd, head, n)
-        kq = ctx.soft_max_ext(ctx.mul_mat(k, q), None, scale)                              # (tokens_k, tokens_q, ...)
+        kq = ctx.soft_max_ext(ctx.mul_mat(k, q), mask, scale)                              # (tokens_k, tokens_q, ...)
         o = ctx.mul_mat(v, kq)                                                             # (hd, tokens, head, n)
         return ctx.cont_3d(ctx.permute(o, 0, 2, 1, 3), hd * nh, ntok, n)
 
     def _gelu_erf(self, ctx: Context, x: Tensor) -> Tensor:
         """transformers' exact GELU; fast: ggml's (the tanh form from an F16 table, as llama.cpp's mtmd)."""
         return ctx.gelu(x) if self.precision == "fast" else ctx.gelu_erf(x)
-
-    def _transformer_llama4(self, ctx: Context, pixels: Tensor, n: int) -> tuple[Tensor, tuple]:
-        """Llama 4's ViT: the patches' final hidden states ``ne = (n_embd, n_patches, n)`` (the class token
-        dropped), and the position inputs to set. As transformers computes it: the patches then the class
-        token, learned positions, a pre-norm, layers with 2D RoPE on Q and K (the first half of each head
-        rotated by the patch's column + 1, the second by its row + 1, pairs of adjacent values; the class
-        token not rotated) and an exact GELU, a post-norm."""
-        c, w = self.config, self.weights
-        e, npatch, hd, p, side = c.n_embd, c.n_patches, c.head_dim, c.patch_size, c.patches_per_side
-        npos = npatch + 1
-        kern = w["v.patch_embd.weight"]                                                   # (3 p p, e)
-        cols = ctx.im2col(ctx.reshape_4d(kern, p, p, 3, e), pixels, p, p, 0, 0, 1, 1, True, Type.F32)
-        x = ctx.mul_mat(kern, ctx.reshape_2d(cols, cols.ne[0], npatch * n))
-        x = ctx.reshape_3d(x, e, npatch, n)
-        cls = ctx.reshape_3d(w["v.class_embd"], e, 1, 1)
-        if n > 1:
-            cls = ctx.repeat(cls, ctx.view_3d(x, e, 1, n, x.nb[1], x.nb[2], 0))
-        x = ctx.concat(x, cls, 1)                                                         # (e, npos, n)
-        x = ctx.add(x, w["v.position_embd.weight"])
-        x = _layer_norm(ctx, x, w, "v.pre_ln", c.eps)
-        pos_x = ctx.new_tensor(Type.I32, (npos,), name="inp_pos_x").set_input()
-        pos_y = ctx.new_tensor(Type.I32, (npos,), name="inp_pos_y").set_input()
-        k = np.arange(npatch)
-        px = np.append(k % side + 1, 0).astype(np.int32)
-        py = np.append(k // side + 1, 0).astype(np.int32)
-
-        def rope2d(t: Tensor) -> Tensor:
-            t = ctx.reshape_4d(t, hd, c.n_head, npos, n)
-            half = hd // 2
-            parts = [ctx.rope_ext(ctx.view_4d(t, half, c.n_head, npos, n, t.nb[1], t.nb[2], t.nb[3], off * 4),
-                                  pos, n_dims=half, mode=0, freq_base=_LLAMA4_ROPE_THETA)
-                     for off, pos in ((0, pos_x), (half, pos_y))]
-            return ctx.concat(parts[0], parts[1], 0)                                       # (hd, head, npos, n)
-
-        scale = 1.0 / math.sqrt(hd)
-        for i in range(c.n_layer):
-            b = f"v.blk.{i}."
-            cur = _layer_norm(ctx, x, w, b + "ln1", c.eps)
-            q = ctx.permute(rope2d(_linear(ctx, w, b + "attn_q", cur)), 0, 2, 1, 3)       # (hd, npos, head, n)
-            kk = ctx.permute(rope2d(_linear(ctx, w, b + "attn_k", cur)), 0, 2, 1, 3)
-            v = ctx.reshape_4d(_linear(ctx, w, b + "attn_v", cur), hd, c.n_head, npos, n)
-            x = ctx.add(x, _linear(ctx, w, b + "attn_out", self._attention(ctx, q, kk, v, scale)))
-            cur = _layer_norm(ctx, x, w, b + self._llama4_ln2, c.eps)
-            cur = self._gelu_erf(ctx, _linear(ctx, w, b + "ffn_up", cur))
-            x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
-        x = _layer_norm(ctx, x, w, "v.post_ln", c.eps)
-        x = ctx.view_3d(x, e, npatch, n, x.nb[1], x.nb[2], 0)                             # the class token dropped
-        return ctx.cont(x), ((pos_x, px), (pos_y, py))
 
     def _project(self, ctx: Context, x: Tensor, n: int) -> Tensor:
         """The projector: ``ne = (n_embd_text, tokens_per_image, n)``."""
@@ -622,7 +620,7 @@ class VisionModel(WeightLoader):
             out = g.output.get()
         finally:
             g.free()
-        return np.asarray(out, dtype=np.float32).reshape(n, -1, self.config.n_embd_text)
+        return np.asarray(out, dtype=np.float32).reshape(n, -1, self.config.n_embd_out)
 
     def prepare(self, image, what: str = "prepare", allow_local_files: bool = True) -> tuple[np.ndarray, str]:
         """One image for a prompt: its checked pixels (float32 ``(tiles, 3, S, S)``) and the text its
@@ -646,6 +644,14 @@ class VisionModel(WeightLoader):
                                  f"the encoder's image_config")
         return pixels, image_prompt(pre, self.image_config)
 
+    def _sizes(self) -> str:
+        """The image sizes an any-size encoder takes, in words."""
+        c = self.config
+        align = c.patch_size * c.scale_factor
+        if c.projector in _QWEN:
+            return f"{c.projector} takes sides that are multiples of {align}, at most {c.tokens_per_image} tokens"
+        return f"{c.projector} takes sides that are multiples of {align} up to {self.largest_image[0]}"
+
     def check_pixels(self, pixels) -> np.ndarray:
         """``pixels`` as float32 ``(n, 3, S, S)`` (pixtral: ``(1, 3, H, W)``), or a clear error naming the
         shape expected."""
@@ -653,14 +659,10 @@ class VisionModel(WeightLoader):
         a = np.asarray(pixels)
         if a.ndim == 3:
             a = a[None]
-        if c.projector == "pixtral":
-            align = c.patch_size * c.scale_factor
-            big = self.largest_image[0]
-            if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] != 3 or not all(
-                    0 < d <= big and d % align == 0 for d in a.shape[2:]):
+        if c.projector in _ANY_SIZE:
+            if a.ndim != 4 or a.shape[0] != 1 or a.shape[1] != 3 or not self._size_ok(*a.shape[2:]):
                 raise GGMLValueError(f"vision encode: pixels of shape {np.shape(pixels)}; expected one image (1, 3, "
-                                     f"H, W) with H and W multiples of {align} up to {big} (preprocess it with "
-                                     f"ggmlpy.vision.preprocess)")
+                                     f"H, W): {self._sizes()} (preprocess it with ggmlpy.vision.preprocess)")
         else:
             want = (3, c.image_size, c.image_size)
             if a.ndim != 4 or a.shape[1:] != want or a.shape[0] < 1:
@@ -678,40 +680,6 @@ class VisionModel(WeightLoader):
         return (f"VisionModel({c.projector!r}, image {c.image_size}px / patch {c.patch_size}, n_layer={c.n_layer}, "
                 f"n_embd={c.n_embd} -> {c.n_embd_text}, {c.tokens_per_image} tokens per image, {self.precision}, "
                 f"on {self.device.name})")
-
-
-def _vit_layer(b: str, e: int, ff: int, ln2: str):
-    """A pre-norm ViT layer's tensors (LayerNorms, attention and MLP, all with biases), named as llama.cpp's
-    converter writes them; ``ln2`` the pre-FFN norm's name."""
-    f32 = (Type.F32,)
-    for x in ("q", "k", "v", "out"):
-        yield f"{b}attn_{x}.weight", (e, e), None
-        yield f"{b}attn_{x}.bias", (e,), f32
-    for x in ("ln1", ln2):
-        yield f"{b}{x}.weight", (e,), f32
-        yield f"{b}{x}.bias", (e,), f32
-    yield f"{b}ffn_up.weight", (e, ff), None
-    yield f"{b}ffn_up.bias", (ff,), f32
-    yield f"{b}ffn_down.weight", (ff, e), None
-    yield f"{b}ffn_down.bias", (e,), f32
-
-
-def _linear(ctx: Context, w, name: str, x: Tensor) -> Tensor:
-    return ctx.add(ctx.mul_mat(w[name + ".weight"], x), w[name + ".bias"])
-
-
-def _gelu_tanh(ctx: Context, x: Tensor) -> Tensor:
-    """GELU, tanh approximation, in F32 throughout: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
-
-    ggml's own GELU reads an F16 lookup table on the CPU, which moves the image features by ~5e-4 of
-    their largest value (llama.cpp's figure too); these six element-wise ops cost ~1% of the encoder.
-    """
-    inner = ctx.add(x, ctx.scale(ctx.mul(ctx.sqr(x), x), 0.044715))
-    return ctx.mul(x, ctx.scale_bias(ctx.tanh(ctx.scale(inner, math.sqrt(2.0 / math.pi))), 0.5, 0.5))
-
-
-def _layer_norm(ctx: Context, x: Tensor, w, name: str, eps: float) -> Tensor:
-    return ctx.add(ctx.mul(ctx.norm(x, eps), w[name + ".weight"]), w[name + ".bias"])
 
 
 def load_mmproj(path: str | os.PathLike, placement: Optional[Placement] = None, report=None,

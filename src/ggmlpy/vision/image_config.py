@@ -13,7 +13,12 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 __all__ = ["ImageConfig"]
 
 #: The projector types :mod:`ggmlpy.vision.preprocess` preprocesses for.
-PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4", "pixtral")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4", "pixtral", "qwen2.5vl_merger", "qwen3vl_merger")
+#: Qwen-VL: the processors' pixel budget by default, ``(min_pixels, max_pixels)``. The minimum is the published
+#: processors' (Qwen2.5-VL 56 x 56, Qwen3-VL 256 x 256); the maximum 1280 tokens (``Qwen2VLImageProcessor``'s
+#: own default and Ollama's, where the published configs allow 16384 tokens an image)
+QWEN_PIXELS = {"qwen2.5vl_merger": (56 * 56, 28 * 28 * 1280), "qwen3vl_merger": (256 * 256, 32 * 32 * 1280)}
+_ANY_SIZE = ("pixtral", "qwen2.5vl_merger", "qwen3vl_merger")
 
 # mmproj GGUF keys, as llama.cpp's converter writes them.
 KEY_PROJECTOR_TYPE = "clip.projector_type"
@@ -83,6 +88,9 @@ class ImageConfig:
     max_patches : int
         llama4 only: the most tiles on an image's canvas (``Llama4ImageProcessor``'s ``max_patches``,
         16); a canvas of more than one tile adds a global tile.
+    min_pixels, max_pixels : int, optional
+        Qwen-VL only: the processor's pixel budget (``size["shortest_edge"]``, ``size["longest_edge"]``), which
+        the image is scaled into (:data:`QWEN_PIXELS` by default; the GGUF does not carry it).
 
     Raises
     ------
@@ -99,6 +107,8 @@ class ImageConfig:
     longest_edge: int | None = None
     do_image_splitting: bool = True
     max_patches: int = _LLAMA4_MAX_PATCHES
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         if self.projector_type not in PROJECTOR_TYPES:
@@ -107,15 +117,16 @@ class ImageConfig:
         set_ = object.__setattr__  # frozen: normalise the fields in place once, here
         set_(self, "image_size", _check_int("image_size", self.image_size))
         set_(self, "patch_size", _check_int("patch_size", self.patch_size))
-        if self.image_size % self.patch_size and self.projector_type != "pixtral":
+        if self.image_size % self.patch_size and self.projector_type not in _ANY_SIZE:
             raise GGMLValueError(f"ImageConfig: image_size is {self.image_size}, not a multiple of patch_size "
                                  f"{self.patch_size}")
         set_(self, "image_mean", _check_triple("image_mean", self.image_mean, positive=False))
         set_(self, "image_std", _check_triple("image_std", self.image_std, positive=True))
         default_scale = {"gemma3": _GEMMA3_SCALE_FACTOR, "pixtral": 1}.get(self.projector_type, _IDEFICS3_SCALE_FACTOR)
+        any_size = self.projector_type in _ANY_SIZE
         scale = default_scale if self.scale_factor is None else _check_int("scale_factor", self.scale_factor)
         side = self.image_size // self.patch_size
-        if side % scale and self.projector_type != "pixtral":
+        if side % scale and not any_size:
             raise GGMLValueError(f"ImageConfig: scale_factor is {scale}, which does not divide the {side} patches "
                                  f"per side (image_size {self.image_size} / patch_size {self.patch_size})")
         set_(self, "scale_factor", scale)
@@ -126,11 +137,27 @@ class ImageConfig:
             raise GGMLTypeError(f"ImageConfig: do_image_splitting is {self.do_image_splitting!r}; expected a bool")
         set_(self, "do_image_splitting", bool(self.do_image_splitting))
         set_(self, "max_patches", _check_int("max_patches", self.max_patches))
+        if self.projector_type in QWEN_PIXELS:
+            lo, hi = QWEN_PIXELS[self.projector_type]
+            lo = lo if self.min_pixels is None else _check_int("min_pixels", self.min_pixels)
+            hi = hi if self.max_pixels is None else _check_int("max_pixels", self.max_pixels)
+            if not self.align ** 2 <= hi or lo > hi or hi > 1 << 28:
+                raise GGMLValueError(f"ImageConfig: min_pixels {lo} / max_pixels {hi}: expected min_pixels <= "
+                                     f"max_pixels, max_pixels in [{self.align ** 2}, {1 << 28}] (one token of "
+                                     f"{self.align} x {self.align} pixels at least)")
+            set_(self, "min_pixels", lo)
+            set_(self, "max_pixels", hi)
+
+    @property
+    def max_tokens(self) -> int:
+        """Qwen-VL: the most tokens an image takes (``max_pixels`` over a token's pixels)."""
+        assert self.max_pixels is not None
+        return self.max_pixels // self.align ** 2
 
     @property
     def align(self) -> int:
-        """pixtral: the pixels per output token along a side, ``patch_size * scale_factor`` (what
-        ``PixtralProcessor`` rounds the image's sides up to)."""
+        """pixtral, Qwen-VL: the pixels per output token along a side, ``patch_size * scale_factor`` (what
+        their processors round the image's sides to)."""
         assert self.scale_factor is not None
         return self.patch_size * self.scale_factor
 
@@ -193,7 +220,7 @@ class ImageConfig:
             "image_std": (KEY_IMAGE_STD, get(KEY_IMAGE_STD)),
             "scale_factor": (KEY_SCALE_FACTOR, get(KEY_SCALE_FACTOR, required=ptype == "idefics3")),
         }
-        if ptype == "pixtral":
+        if ptype in _ANY_SIZE:
             fields["scale_factor"] = (KEY_SPATIAL_MERGE, get(KEY_SPATIAL_MERGE, required=False))
         if ptype == "idefics3":
             fields["longest_edge"] = (KEY_PREPROC_IMAGE_SIZE, get(KEY_PREPROC_IMAGE_SIZE, required=False))

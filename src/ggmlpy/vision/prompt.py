@@ -124,7 +124,8 @@ def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
     """The prompt text for a preprocessed image, as the model's HF processor expands its placeholder.
 
     The placeholder the text holds before expansion is ``<start_of_image>`` for gemma3, ``<image>`` for
-    idefics3, ``<|image|>`` for llama4 and ``[IMG]`` for pixtral; the returned text replaces it.
+    idefics3, ``<|image|>`` for llama4, ``[IMG]`` for pixtral and ``<|image_pad|>`` for Qwen-VL; the returned
+    text replaces it.
     """
     if not isinstance(image, PreprocessedImage):
         raise GGMLTypeError(f"image_prompt: image is {type(image).__name__}; expected a PreprocessedImage")
@@ -136,6 +137,9 @@ def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
         return llama4_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
     if cfg.projector_type == "pixtral":
         return pixtral_image_prompt(image.rows, image.cols)
+    if cfg.projector_type in ("qwen2.5vl_merger", "qwen3vl_merger"):
+        # Qwen2VLProcessor: the placeholder repeated once per token (its template writes the vision start/end)
+        return "<|image_pad|>" * (image.rows * image.cols)
     return idefics3_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
 
 

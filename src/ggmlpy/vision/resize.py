@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ggmlpy._core import GGMLValueError
+
 from .canvas import normalize_bf16, resize_aa, tile_canvas
 from .decode import _pil
 from .image_config import ImageConfig
@@ -22,7 +24,7 @@ from .image_config import ImageConfig
 if TYPE_CHECKING:
     from PIL import Image as _PILImageModule
 
-__all__ = ["PreprocessedImage", "pixtral_size", "resize_and_tile"]
+__all__ = ["PreprocessedImage", "pixtral_size", "qwen_size", "resize_and_tile"]
 
 #: transformers' ``rescale_factor`` default, 1/255 as a Python float (the exact value matters for bit equality).
 RESCALE_FACTOR = 1 / 255
@@ -136,6 +138,32 @@ def pixtral_size(height: int, width: int, longest_edge: int, align: int) -> tupl
     return max(-(-height // align), 1) * align, max(-(-width // align), 1) * align
 
 
+def qwen_size(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """``Qwen2VLImageProcessor``'s ``smart_resize`` (Qwen2.5-VL, Qwen3-VL): each side rounded to a multiple of
+    ``factor`` (Python's ``round``: halves to even, as transformers), then scaled down into ``max_pixels`` (sides
+    floored) or up to ``min_pixels`` (sides ceiled). The image is stretched to that size.
+
+    Raises
+    ------
+    GGMLValueError
+        An aspect ratio over 200, which transformers refuses too.
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise GGMLValueError(f"an image of {width}x{height} pixels: the Qwen-VL processor takes aspect ratios up to "
+                             f"200 (this one is {max(height, width) / min(height, width):.0f})")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
 def resize_and_tile(img: _PILImageModule.Image, cfg: ImageConfig) -> PreprocessedImage:
     """The tiles of an RGB PIL image (from :func:`~ggmlpy.vision.preprocess.load_image`) for ``cfg``'s
     projector: resized, tiled and normalised as its HF image processor does (see
@@ -152,6 +180,12 @@ def resize_and_tile(img: _PILImageModule.Image, cfg: ImageConfig) -> Preprocesse
         return _llama4_tiles(np.asarray(img), cfg, source_size)
     if cfg.projector_type == "pixtral":
         h, w = pixtral_size(img.height, img.width, cfg.image_size, cfg.align)
+        tile = np.asarray(img.resize((w, h), resampling.BICUBIC))
+        return PreprocessedImage([_normalize(tile, cfg)], rows=h // cfg.align, cols=w // cfg.align,
+                                 source_size=source_size)
+    if cfg.min_pixels is not None:        # Qwen-VL
+        assert cfg.max_pixels is not None
+        h, w = qwen_size(img.height, img.width, cfg.align, cfg.min_pixels, cfg.max_pixels)
         tile = np.asarray(img.resize((w, h), resampling.BICUBIC))
         return PreprocessedImage([_normalize(tile, cfg)], rows=h // cfg.align, cols=w // cfg.align,
                                  source_size=source_size)
