@@ -25,6 +25,15 @@ Supported projector types
     the whole image resized to ``image_size x image_size`` as the last tile. An image whose second resize is
     exactly one tile is not split (``rows == cols == 0``, one tile). Without splitting the image is resized
     to ``image_size x image_size`` after the first resize.
+``llama4``
+    ``Llama4ImageProcessor``: the best-fitting canvas of up to ``max_patches`` tiles, torch's antialiased
+    bilinear resize, bfloat16 normalisation, the global tile (:mod:`~ggmlpy.vision.canvas`).
+``pixtral``
+    ``PixtralImageProcessor``: scaled down into the longest edge, sides up to whole tokens, bicubic; one
+    image of its own size.
+``qwen2.5vl_merger``, ``qwen3vl_merger`` (Qwen2.5-VL, Qwen3-VL)
+    ``Qwen2VLImageProcessor``'s ``smart_resize`` into ``min_pixels``..``max_pixels``, bicubic; one image of
+    its own size (sides multiples of twice the patch).
 
 Every resize goes through Pillow (as HF's PIL backend does), on uint8 pixels, so the result is bit for bit
 what transformers gives; the rescale is done in float64 and rounded to float32, the normalisation in float32,
