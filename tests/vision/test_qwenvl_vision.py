@@ -1,8 +1,9 @@
-"""Qwen2.5-VL and Qwen3-VL (``qwen2.5vl_merger`` / ``qwen3vl_merger`` mmproj, ``qwen2vl`` / ``qwen3vl`` text)
-against transformers.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (``qwen2vl_merger`` / ``qwen2.5vl_merger`` / ``qwen3vl_merger`` mmproj,
+``qwen2vl`` / ``qwen3vl`` text) against transformers.
 
-Tiny random models built from a config (vision: width 32, 4 layers of 4 heads; Qwen2.5: 14-pixel patches,
-112-pixel windows, full attention in every second layer; Qwen3: 16-pixel patches, a 4 x 4 position table,
+Tiny random models built from a config (vision: width 32, 4 layers of 4 heads; Qwen2: 14-pixel patches,
+QuickGELU; Qwen2.5: 14-pixel patches, 112-pixel windows, full attention in every second layer; Qwen3:
+16-pixel patches, a 4 x 4 position table,
 deepstack after layers 1 and 2; text: width 64, Qwen2.5 M-RoPE sections [2, 3, 3], Qwen3 interleaved [4, 2, 2]),
 saved with the qwen2 vocabulary (its vision tokens put at Qwen's ids) and converted by llama.cpp's converter.
 transformers' image processor runs through its PIL backend (``Qwen2VLImageProcessorPil``); the processor
@@ -40,7 +41,7 @@ SPECIAL = {151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|visi
            151656: "<|video_pad|>"}
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-KINDS = ("q25", "q3")
+KINDS = ("q2", "q25", "q3")
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
             "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|>"
             "<|vision_end|>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
@@ -67,8 +68,16 @@ def _patch_tokenizer(d):
 
 def _make(kind: str, out):
     n_vocab = len(hf_convert.tokenizer("qwen2"))
-    lo, hi = QWEN_PIXELS["qwen2.5vl_merger" if kind == "q25" else "qwen3vl_merger"]
-    if kind == "q25":
+    lo, hi = QWEN_PIXELS[{"q2": "qwen2vl_merger", "q25": "qwen2.5vl_merger", "q3": "qwen3vl_merger"}[kind]]
+    if kind == "q2":
+        vision = dict(depth=4, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=3, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, hidden_act="quick_gelu")
+        text = dict(vocab_size=n_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                    rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]})
+        cfg = transformers.Qwen2VLConfig(vision_config=vision, text_config=text)
+        cls, patch, mean, std = transformers.Qwen2VLForConditionalGeneration, 14, CLIP_MEAN, CLIP_STD
+    elif kind == "q25":
         vision = dict(depth=4, hidden_size=32, num_heads=4, intermediate_size=64, patch_size=14, spatial_merge_size=2,
                       temporal_patch_size=2, window_size=112, out_hidden_size=64, fullatt_block_indexes=[1, 3],
                       hidden_act="silu")
@@ -303,12 +312,13 @@ def test_largest_image_and_bad_pixels(fx):
 
 
 def test_files_refused_by_key(fx, tmp_path):
-    """A Qwen2.5 mmproj without its window pattern, a Qwen3 one whose deepstack flags do not match its layers,
-    a text model without its RoPE sections: each refused naming the key."""
+    """A Qwen2 mmproj of an unknown projector, a Qwen2.5 one without its window pattern, a Qwen3 one whose
+    deepstack flags do not match its layers, a text model without its RoPE sections: each refused naming the
+    key."""
     from arch_helpers import copy_gguf
 
-    key, value = (("clip.vision.n_wa_pattern", None) if fx.kind == "q25" else
-                  ("clip.vision.is_deepstack_layers", [True, False]))
+    key, value = {"q2": ("clip.projector_type", "qwen2vl_mergers"), "q25": ("clip.vision.n_wa_pattern", None),
+                  "q3": ("clip.vision.is_deepstack_layers", [True, False])}[fx.kind]
     bad = copy_gguf(fx.mmproj, tmp_path / "m.gguf", meta={key: value})
     with pytest.raises(GGMLValueError, match=key.replace(".", r"\.")):
         load_mmproj(bad)

@@ -49,20 +49,19 @@ __all__ = ["PRECISIONS", "PROJECTORS", "EncodedGraph", "VisionConfig", "VisionMo
 PRECISIONS = ("exact", "fast")
 
 #: projector types (``clip.projector_type``) this module builds
-PROJECTORS = ("gemma3", "idefics3", "llama4", "pixtral", qwenvl.QWEN25, qwenvl.QWEN3)
+PROJECTORS = ("gemma3", "idefics3", "llama4", "pixtral", qwenvl.QWEN2, qwenvl.QWEN25, qwenvl.QWEN3)
 #: the encoders of images of any size (one image a pass, one run of tokens per row or per image)
-_ANY_SIZE = ("pixtral", qwenvl.QWEN25, qwenvl.QWEN3)
-_QWEN = (qwenvl.QWEN25, qwenvl.QWEN3)
+_QWEN = (qwenvl.QWEN2, qwenvl.QWEN25, qwenvl.QWEN3)
+_ANY_SIZE = ("pixtral",) + _QWEN
 #: the scale factor a file without ``clip.vision.projector.scale_factor`` means (llama.cpp's defaults)
-_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2, "pixtral": 1, qwenvl.QWEN25: 2, qwenvl.QWEN3: 2}
+_DEFAULT_SCALE = {"gemma3": 4, "idefics3": 2, "llama4": 2, "pixtral": 1, **{q: 2 for q in _QWEN}}
 #: the token text the HF processors write for each image position
 _IMAGE_TOKEN = {"gemma3": "<image_soft_token>", "idefics3": "<image>", "llama4": "<|patch|>", "pixtral": "[IMG]",
-                qwenvl.QWEN25: "<|image_pad|>", qwenvl.QWEN3: "<|image_pad|>"}
+                **{q: "<|image_pad|>" for q in _QWEN}}
 #: what the family's chat templates write for an image part, which its processor then expands
 _PLACEHOLDER = dict(_IMAGE_TOKEN, gemma3="<start_of_image>", llama4="<|image|>")
 #: what a plain prompt's media marker becomes around the image's tokens, where the chat template writes it
-_MARKER_WRAP = {qwenvl.QWEN25: ("<|vision_start|>", "<|vision_end|>"), qwenvl.QWEN3: ("<|vision_start|>",
-                                                                                     "<|vision_end|>")}
+_MARKER_WRAP = {q: ("<|vision_start|>", "<|vision_end|>") for q in _QWEN}
 #: gemma3's projection, which the file stores as ``ne = (n_embd_text, n_embd)``
 _PROJ_T = "mm.input_projection.weight"
 #: graph nodes per encoder layer (with headroom)
@@ -98,7 +97,8 @@ class VisionConfig:
         idefics3: the longest edge images are resized to before they are cut into tiles (at most 4096,
         where the HF processor caps it).
     act : str
-        The MLP's activation: ``"gelu"``, or ``"silu"`` (pixtral and Qwen2.5-VL files with ``clip.use_silu``).
+        The MLP's activation: ``"gelu"``, ``"silu"`` (pixtral and Qwen2.5-VL files with ``clip.use_silu``) or
+        ``"quick_gelu"`` (Qwen2-VL).
     wa_pattern : int
         Qwen2.5-VL: every ``wa_pattern``-th layer attends over the whole image, the others within windows
         (``clip.vision.n_wa_pattern``).
@@ -183,10 +183,13 @@ class VisionConfig:
         silu = _meta_bool(md, "clip.use_silu", False, path)
         if silu and proj not in ("pixtral", qwenvl.QWEN25):
             raise MetadataError(path, "clip.use_silu", "the file asks for SiLU; the encoder computes GELU")
-        if not silu and not _meta_bool(md, "clip.use_gelu", False, path):
+        if proj == qwenvl.QWEN2:
+            pass                   # QuickGELU: the converter writes neither key for Qwen2-VL
+        elif not silu and not _meta_bool(md, "clip.use_gelu", False, path):
             raise MetadataError(path, "clip.use_gelu", "not true: the file asks for a quick GELU (llama.cpp's "
                                                        "default); the encoder computes GELU")
-        d: dict[str, Any] = {"projector": proj, "act": "silu" if silu else "gelu"}
+        act = "silu" if silu else "quick_gelu" if proj == qwenvl.QWEN2 else "gelu"
+        d: dict[str, Any] = {"projector": proj, "act": act}
         d["image_size"] = m.geti("vision.image_size", lo=1, hi=1 << 14)
         d["patch_size"] = m.geti("vision.patch_size", lo=1, hi=d["image_size"])
         d["n_embd"] = m.geti("vision.embedding_length", lo=1, hi=1 << 16)

@@ -13,12 +13,13 @@ from ggmlpy._core import GGMLTypeError, GGMLValueError
 __all__ = ["ImageConfig"]
 
 #: The projector types :mod:`ggmlpy.vision.preprocess` preprocesses for.
-PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4", "pixtral", "qwen2.5vl_merger", "qwen3vl_merger")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "llama4", "pixtral", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
 #: Qwen-VL: the processors' pixel budget by default, ``(min_pixels, max_pixels)``. The minimum is the published
 #: processors' (Qwen2.5-VL 56 x 56, Qwen3-VL 256 x 256); the maximum 1280 tokens (``Qwen2VLImageProcessor``'s
 #: own default and Ollama's, where the published configs allow 16384 tokens an image)
-QWEN_PIXELS = {"qwen2.5vl_merger": (56 * 56, 28 * 28 * 1280), "qwen3vl_merger": (256 * 256, 32 * 32 * 1280)}
-_ANY_SIZE = ("pixtral", "qwen2.5vl_merger", "qwen3vl_merger")
+QWEN_PIXELS = {"qwen2vl_merger": (56 * 56, 28 * 28 * 1280), "qwen2.5vl_merger": (56 * 56, 28 * 28 * 1280),
+               "qwen3vl_merger": (256 * 256, 32 * 32 * 1280)}
+_ANY_SIZE = ("pixtral", *QWEN_PIXELS)
 
 # mmproj GGUF keys, as llama.cpp's converter writes them.
 KEY_PROJECTOR_TYPE = "clip.projector_type"

@@ -137,7 +137,7 @@ def image_prompt(image: PreprocessedImage, cfg: ImageConfig) -> str:
         return llama4_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)
     if cfg.projector_type == "pixtral":
         return pixtral_image_prompt(image.rows, image.cols)
-    if cfg.projector_type in ("qwen2.5vl_merger", "qwen3vl_merger"):
+    if cfg.projector_type in ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"):
         # Qwen2VLProcessor: the placeholder repeated once per token (its template writes the vision start/end)
         return "<|image_pad|>" * (image.rows * image.cols)
     return idefics3_image_prompt(image.rows, image.cols, cfg.tokens_per_tile)

@@ -1,4 +1,5 @@
-"""The Qwen-VL encoders (``qwen2.5vl_merger``: Qwen2.5-VL; ``qwen3vl_merger``: Qwen3-VL): their tensors and
+"""The Qwen-VL encoders (``qwen2vl_merger``: Qwen2-VL; ``qwen2.5vl_merger``: Qwen2.5-VL; ``qwen3vl_merger``:
+Qwen3-VL): their tensors and
 their graphs, for :class:`~ggmlpy.vision.encoder.VisionModel`.
 
 As transformers' ``Qwen2_5_VisionTransformerPretrainedModel`` and ``Qwen3VLVisionModel`` compute them, on one
@@ -11,10 +12,10 @@ image of its own size (``H x W``, multiples of twice the patch side), which llam
   merger at the end reads four at a time; the graph reorders the row-major patches once;
 - Qwen3: learned positions ``v.position_embd`` resampled to the patch grid (bilinear, align_corners), each
   patch the weighted sum of four table rows (transformers' taps and float32 weights);
-- layers of a norm (Qwen2.5: RMSNorm; Qwen3: LayerNorm), attention with biases and a 2D rotary position
-  on Q and K (the first quarter of each head's pairs by the patch's row, the second by its column, halves
-  rotated as in NEOX: ggml's VISION mode, theta 10000), a norm and an MLP (Qwen2.5: SwiGLU; Qwen3: GELU,
-  tanh form), both with biases;
+- layers of a norm (Qwen2.5: RMSNorm; Qwen2, Qwen3: LayerNorm), attention with biases and a 2D rotary
+  position on Q and K (the first quarter of each head's pairs by the patch's row, the second by its column,
+  halves rotated as in NEOX: ggml's VISION mode, theta 10000), a norm and an MLP (Qwen2.5: SwiGLU; Qwen2:
+  QuickGELU; Qwen3: GELU, tanh form), both with biases;
 - Qwen2.5 attends within windows of 8 x 8 patches (112 pixels; a partial window at the right and bottom
   edges) except in every ``clip.vision.n_wa_pattern``-th layer, which attends over the whole image.
   transformers reorders the patches window by window; here each window's patches are gathered into a
@@ -45,10 +46,10 @@ from .layers import _gelu_tanh, _linear
 if TYPE_CHECKING:
     from .encoder import VisionModel
 
-__all__ = ["QWEN25", "QWEN3", "deepstack_layers", "expected", "largest_grid", "project", "transformer",
+__all__ = ["QWEN2", "QWEN25", "QWEN3", "deepstack_layers", "expected", "largest_grid", "project", "transformer",
            "window_index"]
 
-QWEN25, QWEN3 = "qwen2.5vl_merger", "qwen3vl_merger"
+QWEN2, QWEN25, QWEN3 = "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"
 #: the 2D RoPE base (llama.cpp fixes it; transformers' default, what the published models use)
 ROPE_THETA = 10000.0
 #: patches merged per side into one token (llama.cpp fixes it for Qwen2.5; Qwen3 files write it)
@@ -70,6 +71,11 @@ def expected(vm: VisionModel):
     f32 = (Type.F32,)
     p, e, ff, m = c.patch_size, c.n_embd, c.n_ff, MERGE
     q3 = c.projector == QWEN3
+    ln = c.projector != QWEN25            # LayerNorms (with biases); Qwen2.5's are RMSNorms
+    if c.projector == QWEN2 and "v.blk.0.ffn_up.weight" in vm._reader:
+        # llama.cpp's converter writes the text width as Qwen2-VL's feed_forward_length: the tensor says
+        ff = vm._reader.tensor_info("v.blk.0.ffn_up.weight").ne[1]
+    mlp = c.projector != QWEN25           # up/down; Qwen2.5's is gated
     for x in ("", ".1"):
         yield f"v.patch_embd.weight{x}", (p, p, 3, e), (Type.F32, Type.F16)
     if q3:
@@ -89,9 +95,9 @@ def expected(vm: VisionModel):
         yield f"{b}attn_out.bias", (e,), f32
         for x in ("ln1", "ln2"):
             yield f"{b}{x}.weight", (e,), f32
-            if q3:
+            if ln:
                 yield f"{b}{x}.bias", (e,), f32
-        for x in (("up",) if q3 else ("gate", "up")):
+        for x in (("up",) if mlp else ("gate", "up")):
             yield f"{b}ffn_{x}.weight", (e, ff), None
             yield f"{b}ffn_{x}.bias", (ff,), f32
         yield f"{b}ffn_down.weight", (ff, e), None
@@ -106,7 +112,7 @@ def expected(vm: VisionModel):
         yield b + "fc2.weight", (wide, out), None
         yield b + "fc2.bias", (out,), f32
     yield "v.post_ln.weight", (e,), f32
-    if q3:
+    if ln:
         yield "v.post_ln.bias", (e,), f32
     yield "mm.0.weight", (wide, wide), None
     yield "mm.0.bias", (wide,), f32
@@ -237,7 +243,7 @@ def transformer(vm: VisionModel, ctx: Context, pixels: Tensor, gh: int, gw: int)
     pos_rope = ctx.new_tensor(Type.I32, (4 * n,), name="inp_pos_2d").set_input()
     consts.append((pos_rope, np.concatenate([rows, cols_, rows, cols_]).astype(np.int32)))
     windows = pos_win = None
-    if not q3:
+    if c.projector == QWEN25:
         gather, scatter, counts = window_index(gh, gw)
         g_t = ctx.new_tensor(Type.I32, (len(gather),), name="inp_win_gather").set_input()
         s_t = ctx.new_tensor(Type.I32, (n,), name="inp_win_scatter").set_input()
@@ -257,7 +263,7 @@ def transformer(vm: VisionModel, ctx: Context, pixels: Tensor, gh: int, gw: int)
         return ctx.rope_multi(t, pos, n_dims=hd // 2, sections=sections, mode=RopeType.VISION, freq_base=ROPE_THETA)
 
     def norm(t: Tensor, name: str) -> Tensor:
-        if q3:
+        if c.projector != QWEN25:
             return ctx.add(ctx.mul(ctx.norm(t, c.eps), w[name + ".weight"]), w[name + ".bias"])
         return ctx.mul(ctx.rms_norm(t, c.eps), w[name + ".weight"])
 
@@ -294,6 +300,10 @@ def transformer(vm: VisionModel, ctx: Context, pixels: Tensor, gh: int, gw: int)
         if q3:
             cur = _linear(ctx, w, b + "ffn_up", cur)
             cur = ctx.gelu(cur) if vm.precision == "fast" else _gelu_tanh(ctx, cur)
+        elif c.projector == QWEN2:
+            cur = _linear(ctx, w, b + "ffn_up", cur)
+            # transformers' QuickGELU, x sigmoid(1.702 x), in F32 (ggml's reads an F16 table on the CPU)
+            cur = ctx.gelu_quick(cur) if vm.precision == "fast" else ctx.mul(cur, ctx.sigmoid(ctx.scale(cur, 1.702)))
         else:
             cur = ctx.mul(ctx.silu(_linear(ctx, w, b + "ffn_gate", cur)), _linear(ctx, w, b + "ffn_up", cur))
         x = ctx.add(x, _linear(ctx, w, b + "ffn_down", cur))
@@ -309,7 +319,7 @@ def project(vm: VisionModel, ctx: Context, x: Tensor, deep: list, n: int) -> Ten
     """The merger: ``ne = (n_embd_text * (1 + deepstack), n / 4)``, tokens row-major over the merged grid."""
     c, w = vm.config, vm.weights
     e = c.n_embd
-    if c.projector == QWEN3:
+    if c.projector != QWEN25:
         x = ctx.add(ctx.mul(ctx.norm(x, c.eps), w["v.post_ln.weight"]), w["v.post_ln.bias"])
     else:
         x = ctx.mul(ctx.rms_norm(x, c.eps), w["v.post_ln.weight"])
