@@ -1,11 +1,14 @@
 """Vision encoders of real shapes (random weights) for ``ggmlpy bench -i --mmproj ... --vs llama.cpp``, converted
 by llama.cpp's own converter (tests/hf_convert.py fetches it) to F16: SmolVLM-256M's vision tower (idefics3: 512 px,
-patch 16, width 768, 12 layers, pixel shuffle 4) and Llama 4 Scout's (llama4: 336 px, patch 14, width 1408, 16
-heads, ff 5632) with 8 of its 34 layers, each with a tiny text model (the bench's image tests time the encoder).
+patch 16, width 768, 12 layers, pixel shuffle 4), Llama 4 Scout's (llama4: 336 px, patch 14, width 1408, 16
+heads, ff 5632) with 8 of its 34 layers, Qwen2.5-VL-3B/7B's (qwen25vl: patch 14, width 1280, 16 heads, ff 3420,
+windows, 8 of its 32 layers with full attention in the 8th) and Qwen3-VL-4B's (qwen3vl: patch 16, width 1024,
+16 heads, ff 4096, a 48 x 48 position table, 8 of its 24 layers with 3 deepstack mergers), each with a small
+text model (the bench's image tests time the encoder; the Qwen ones have the Qwen-VL width 2048).
 
-    python bench/vision_encoders.py OUT_DIR [smolvlm] [llama4]
+    python bench/vision_encoders.py OUT_DIR [smolvlm] [llama4] [qwen25vl] [qwen3vl]
 
-writes ``OUT_DIR/{smolvlm,llama4}-{text,mmproj}-f16.gguf`` (bench/README, "Vision encoder precision").
+writes ``OUT_DIR/NAME-{text,mmproj}-f16.gguf`` (bench/README, "Vision encoder precision").
 Needs torch, transformers and what tests/hf_convert.py needs.
 """
 
@@ -23,7 +26,7 @@ import vision_helpers as vh  # noqa: E402
 
 out = Path(sys.argv[1])
 out.mkdir(parents=True, exist_ok=True)
-which = sys.argv[2:] or ["smolvlm", "llama4"]
+which = sys.argv[2:] or ["smolvlm", "llama4", "qwen25vl", "qwen3vl"]
 tok = transformers.AutoTokenizer.from_pretrained(str(hf_convert.tokenizer_dir("llama-bpe")))
 if "smolvlm" in which:
     t = vh._idefics3_tokenizer()
@@ -64,3 +67,33 @@ if "llama4" in which:
     (d / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.5] * 3, "image_std": [0.5] * 3,
         "size": {"height": 336, "width": 336}, "max_patches": 16, "image_processor_type": "Llama4ImageProcessor"}))
     print(vh.convert_dir(d, out, name="llama4", outtype="f16"))
+for name in ("qwen25vl", "qwen3vl"):
+    if name not in which:
+        continue
+    n_vocab = len(hf_convert.tokenizer("qwen2"))
+    text = dict(vocab_size=n_vocab, hidden_size=2048, intermediate_size=256, num_hidden_layers=4,
+                num_attention_heads=16, num_key_value_heads=2, head_dim=128, tie_word_embeddings=True,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [16, 24, 24] if name == "qwen25vl" else [24, 20, 20]})
+    if name == "qwen25vl":
+        vision = dict(depth=8, hidden_size=1280, num_heads=16, intermediate_size=3420, patch_size=14,
+                      window_size=112, out_hidden_size=2048, fullatt_block_indexes=[7], hidden_act="silu")
+        cfg = transformers.Qwen2_5_VLConfig(vision_config=vision, text_config=text)
+        cls, patch, mean = transformers.Qwen2_5_VLForConditionalGeneration, 14, [0.48145466, 0.4578275, 0.40821073]
+        std = [0.26862954, 0.26130258, 0.27577711]
+    else:
+        text["rope_parameters"]["mrope_interleaved"] = True
+        vision = dict(depth=8, hidden_size=1024, num_heads=16, intermediate_size=4096, patch_size=16,
+                      num_position_embeddings=2304, deepstack_visual_indexes=[1, 4, 7], out_hidden_size=2048,
+                      hidden_act="gelu_pytorch_tanh")
+        cfg = transformers.Qwen3VLConfig(vision_config=vision, text_config=text)
+        cls, patch, mean, std = transformers.Qwen3VLForConditionalGeneration, 16, [0.5] * 3, [0.5] * 3
+    torch.manual_seed(0)
+    m = cls(cfg).float().eval()
+    d = hf_convert.save_model_dir(m, out / f"{name}-hf", "qwen2")
+    hf_convert.qwen_vision_tokens(d)
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2, "image_mean": mean, "image_std": std,
+        "image_processor_type": "Qwen2VLImageProcessor"}))
+    for args, kind in (((), "text"), (("--mmproj",), "mmproj")):
+        print(hf_convert.convert_dir(d, out / f"{name}-{kind}-f16.gguf", "f16", args))

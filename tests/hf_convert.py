@@ -23,6 +23,7 @@ import contextlib
 import functools
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -530,3 +531,30 @@ def convert_dir(hf_dir: str | os.PathLike, outfile: str | os.PathLike, outtype: 
         raise ConverterError(f"convert_hf_to_gguf.py failed (exit {proc.returncode}) on {hf_dir}:\n"
                              f"{proc.stderr[-4000:]}")
     return outfile
+
+
+#: Qwen-VL's vision tokens, at their ids in Qwen's vocabulary (llama.cpp's qwen2 vocabulary has padding there)
+QWEN_VISION_TOKENS = {151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
+                      151655: "<|image_pad|>", 151656: "<|video_pad|>"}
+
+
+def qwen_vision_tokens(hf_dir: str | os.PathLike) -> None:
+    """Put Qwen-VL's vision tokens (special) at their ids in a model directory saved with the qwen2 vocabulary
+    (``save_model_dir(..., "qwen2")``), in tokenizer.json and tokenizer_config.json."""
+    d = Path(hf_dir)
+    p = d / "tokenizer.json"
+    j = json.loads(p.read_text())
+    voc = j["model"]["vocab"]
+    for a in j["added_tokens"]:
+        if a["id"] in QWEN_VISION_TOKENS:
+            voc.pop(a["content"], None)
+            a["content"], a["special"] = QWEN_VISION_TOKENS[a["id"]], True
+            voc[a["content"]] = a["id"]
+    p.write_text(json.dumps(j, ensure_ascii=False))
+    c = d / "tokenizer_config.json"
+    cfg = json.loads(c.read_text())
+    for i, s in QWEN_VISION_TOKENS.items():
+        if str(i) in cfg.get("added_tokens_decoder", {}):
+            cfg["added_tokens_decoder"][str(i)].update(content=s, special=True)
+    c.write_text(json.dumps(cfg))
+

@@ -383,6 +383,12 @@ class Runner(DirectCalls, EmbeddingCalls, RequestLoop):
         self._check_open("save_state")
         seq = self._check_seq_id(seq, "save_state")
         with self._direct("save_state"):
+            if getattr(self.model, "POS_PER_TOKEN", 1) != 1 and any(t < -1 for t in self.slots[seq].tokens):
+                # the record keeps image rows as this runner's own ids: the state could not say where the
+                # tokens after an image rotate
+                raise GGMLValueError(f"save_state: sequence {seq} holds images, and a {self.model.config.arch} "
+                                     "model's positions after an image follow its grid, which a state does not "
+                                     "carry; nothing was written")
             return self.slots.save(seq, path, {"model": fingerprint(self.model)})
 
     def load_state(self, seq: int, path) -> list:

@@ -62,6 +62,9 @@ def check_state(meta: dict, positions: list, model, cache, n_ctx: int) -> list:
             raise StateError(f"load_state: the state's token {i} is {repr(t)[:40]}, not a token id of this "
                              f"model's vocabulary [0, {n_vocab})")
         images |= t < 0
+    if images and getattr(model, "POS_PER_TOKEN", 1) != 1:
+        raise StateError(f"load_state: the state holds image rows, and a {model.config.arch} model's positions "
+                         "after an image follow its grid, which the state does not carry")
     last = max((int(p[-1]) for p in positions if p.size), default=-1)
     if last >= n_ctx:
         raise StateError(f"load_state: the state holds position {last}, beyond this runner's context "

@@ -46,8 +46,7 @@ from .layers import _gelu_tanh, _linear
 if TYPE_CHECKING:
     from .encoder import VisionModel
 
-__all__ = ["QWEN2", "QWEN25", "QWEN3", "deepstack_layers", "expected", "largest_grid", "project", "transformer",
-           "window_index"]
+__all__ = ["QWEN2", "QWEN25", "QWEN3", "expected", "largest_grid", "project", "transformer", "window_index"]
 
 QWEN2, QWEN25, QWEN3 = "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"
 #: the 2D RoPE base (llama.cpp fixes it; transformers' default, what the published models use)
@@ -58,11 +57,6 @@ MERGE = 2
 WINDOW = 4
 #: the patches of one (full) window, the padded block each window's attention runs in
 WINDOW_PATCHES = (WINDOW * MERGE) ** 2
-
-
-def deepstack_layers(vm: VisionModel) -> list[int]:
-    """The layers whose output feeds a deepstack merger (Qwen3; ``clip.vision.is_deepstack_layers``)."""
-    return list(vm.config.deepstack)
 
 
 def expected(vm: VisionModel):
