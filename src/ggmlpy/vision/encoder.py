@@ -537,19 +537,26 @@ class VisionModel(WeightLoader):
     def _attention(self, ctx: Context, q: Tensor, k: Tensor, v: Tensor, scale: float,
                    mask: Optional[Tensor] = None) -> Tensor:
         """Every token of an image over all of its tokens: ``q``, ``k`` ``ne = (hd, tokens, head, n)``, ``v``
-        ``(hd, head, tokens, n)``; the heads' outputs ``ne = (hd * head, tokens, n)``. Exact: ``mul_mat`` +
-        ``soft_max`` in F32; fast: ggml's flash attention with K and V in F16 (as llama.cpp's). ``mask``
-        (F32, F16 when fast) ``ne = (tokens, tokens, 1, n)``: added to the scores (Qwen2.5-VL's windows)."""
+        ``(hd, head, tokens, n)``; the heads' outputs ``ne = (hd * head, tokens, n)``. On the CPU where ggmlpy's
+        F32 prompt kernel is vectorised (and for the any-size encoders when exact), that kernel; else exact:
+        ``mul_mat`` + ``soft_max`` in F32, fast: ggml's flash attention with K and V in F16 (as llama.cpp's).
+        ``mask`` (F32, F16 when fast) ``ne = (tokens, tokens, 1, n)``: added to the scores (Qwen2.5-VL's
+        windows)."""
         hd, ntok, nh, n = q.ne
-        if self.config.projector in _ANY_SIZE and mask is None and self.device.type == "CPU" and (
-                self.precision == "exact" or _core._attn_prefill_vectorized(hd, hd)):
-            # one image of up to ~12k patches (Mistral Small's 1540 px): ggmlpy's prompt kernel keeps F32
-            # and needs no (tokens x tokens x heads) score matrix, which mul_mat would reserve (9 GiB there);
-            # where it is vectorised (AVX-512, head sizes multiples of 16) it is faster than flash_attn_ext
-            qh = ctx.reshape_3d(ctx.cont(ctx.permute(q, 0, 2, 1, 3)), hd, nh, ntok)        # (hd, head, tokens)
-            kh = ctx.reshape_3d(ctx.cont(k), hd, ntok, nh)                                  # (hd, tokens, head)
-            vh = ctx.reshape_3d(ctx.cont(ctx.permute(v, 0, 2, 1, 3)), hd, ntok, nh)
-            return ctx.reshape_3d(ctx.attn_prefill(qh, kh, vh, None, scale=scale), hd * nh, ntok, 1)
+        vec = _core._attn_prefill_vectorized(hd, hd)
+        if mask is None and self.device.type == "CPU" and (
+                vec or (self.precision == "exact" and self.config.projector in _ANY_SIZE)):
+            # ggmlpy's prompt kernel: F32 throughout, and no (tokens x tokens x heads) score matrix, which mul_mat
+            # would reserve (9 GiB for Mistral Small's 1540 px); where it is vectorised (AVX-512, head sizes
+            # multiples of 16) faster than mul_mat + soft_max and than flash_attn_ext. A batch's tiles are
+            # more heads (each its own keys).
+            qh = ctx.reshape_3d(ctx.cont(ctx.permute(q, 0, 3, 1, 2)), hd, nh * n, ntok)    # (hd, head x tile, tokens)
+            kh = ctx.reshape_3d(ctx.cont(k), hd, ntok, nh * n)                              # (hd, tokens, head x tile)
+            vh = ctx.reshape_3d(ctx.cont(ctx.permute(v, 0, 2, 1, 3)), hd, ntok, nh * n)
+            o = ctx.attn_prefill(qh, kh, vh, None, scale=scale)                             # (hd, head x tile, tokens)
+            if n == 1:
+                return ctx.reshape_3d(o, hd * nh, ntok, 1)
+            return ctx.cont_3d(ctx.permute(ctx.reshape_4d(o, hd, nh, n, ntok), 0, 1, 3, 2), hd * nh, ntok, n)
         if self.precision == "fast":
             v = ctx.permute(v, 0, 2, 1, 3)                                                 # (hd, tokens, head, n)
             o = ctx.flash_attn_ext(q, ctx.cast(k, Type.F16), ctx.cast(v, Type.F16), mask, scale=scale)
