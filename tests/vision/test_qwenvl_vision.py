@@ -305,8 +305,8 @@ def test_largest_image_and_bad_pixels(fx):
 
 def test_files_refused_by_key(fx, tmp_path):
     """A Qwen2 mmproj of an unknown projector, a Qwen2.5 one without its window pattern, a Qwen3 one whose
-    deepstack flags do not match its layers, a text model without its RoPE sections: each refused naming the
-    key."""
+    deepstack flags do not match its layers, a text model without its RoPE sections or with sections ggml's
+    rope_multi cannot take: each refused naming the key."""
     from arch_helpers import copy_gguf
 
     key, value = {"q2": ("clip.projector_type", "qwen2vl_mergers"), "q25": ("clip.vision.n_wa_pattern", None),
@@ -316,6 +316,7 @@ def test_files_refused_by_key(fx, tmp_path):
         load_mmproj(bad)
     with gguf.GGUFReader(str(fx.text)) as r:
         arch = r.metadata["general.architecture"]
-    bad = copy_gguf(fx.text, tmp_path / "t.gguf", meta={f"{arch}.rope.dimension_sections": None})
-    with pytest.raises(GGMLValueError, match="dimension_sections"):
-        load_model(bad, devices="cpu")
+    for value in (None, [0, 0, 0, 8], [8, 8, 8, 8]):
+        bad = copy_gguf(fx.text, tmp_path / "t.gguf", meta={f"{arch}.rope.dimension_sections": value})
+        with pytest.raises(GGMLValueError, match="dimension_sections"):
+            load_model(bad, devices="cpu")

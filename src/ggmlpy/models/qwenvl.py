@@ -48,9 +48,9 @@ def _read_sections(m: MetaReader, rope_dim: int) -> tuple:
         sec = tuple(int(x) for x in v)
     except (TypeError, ValueError):
         raise MetadataError(m.path, key, f"{v!r:.80}: expected 4 integers") from None
-    if len(sec) != 4 or min(sec) < 0 or not 0 < sum(sec) <= rope_dim // 2:
-        raise MetadataError(m.path, key, f"{sec}: expected 4 integers >= 0 summing to 1..{rope_dim // 2} (half the "
-                                         f"rotated dimensions)")
+    if len(sec) != 4 or min(sec) < 0 or not 0 < sum(sec) <= rope_dim // 2 or not any(sec[:3]):
+        raise MetadataError(m.path, key, f"{sec}: expected 4 integers >= 0, one of the first three > 0, summing to "
+                                         f"at most {rope_dim // 2} (half the rotated dimensions)")
     return sec
 
 
