@@ -377,8 +377,8 @@ def test_mmproj_vision_projector_type_wins(mmproj_bases, tmp_path):
                     set_kv("clip.vision.projector_type", STRING, "gemma3"))
     load_mmproj(same).close()
     unknown = _mm_edit(mmproj_bases["gemma3"], tmp_path / "unknown.gguf",
-                       set_kv("clip.vision.projector_type", STRING, "qwen2vl_merger"))
-    with pytest.raises(MetadataError, match="'qwen2vl_merger' is not supported") as e:
+                       set_kv("clip.vision.projector_type", STRING, "cogvlm"))
+    with pytest.raises(MetadataError, match="'cogvlm' is not supported") as e:
         load_mmproj(unknown)
     assert e.value.key == "clip.vision.projector_type"
 

@@ -301,7 +301,7 @@ def test_from_metadata():
     (_md(**{"clip.vision.image_std": None}), GGMLValueError, ["missing", "clip.vision.image_std"]),
     (_md("idefics3", **{"clip.vision.projector.scale_factor": None}), GGMLValueError,
      ["missing", "clip.vision.projector.scale_factor"]),
-    (_md(**{"clip.projector_type": "qwen2vl_merger"}), GGMLValueError, ["qwen2vl_merger", "gemma3", "idefics3"]),
+    (_md(**{"clip.projector_type": "cogvlm"}), GGMLValueError, ["cogvlm", "gemma3", "idefics3"]),
     (_md(**{"clip.projector_type": 3}), GGMLTypeError, ["clip.projector_type", "string"]),
     (_md(**{"clip.vision.image_size": "896"}), GGMLTypeError, ["clip.vision.image_size", "integer"]),
     (_md(**{"clip.vision.image_size": 0}), GGMLValueError, ["clip.vision.image_size", ">= 1"]),
