@@ -100,16 +100,30 @@ class ImageStore:
         GGMLValueError
             An id that is no row of an image this store knows.
         """
-        k = FIRST_IMAGE_ID - np.asarray(token_ids, np.int64).reshape(-1)
+        idx, rows, entries = self.index(token_ids)
+        return [entries[i] for i in idx.tolist()], rows
+
+    def index(self, token_ids) -> tuple[np.ndarray, np.ndarray, list[ImageEntry]]:
+        """:meth:`locate` in arrays: each id's entry as an index into the returned list of entries, and its row.
+
+        Raises
+        ------
+        GGMLValueError
+            An id that is no row of an image this store knows.
+        """
+        ids = np.asarray(token_ids, np.int64).reshape(-1)
+        k = FIRST_IMAGE_ID - ids
         with self._lock:
-            idx = np.searchsorted(np.asarray(self._bases, np.int64), k, side="right") - 1
-            entries = [self._entries[i] if i >= 0 else None for i in idx.tolist()]
-        rows = np.array([kk - e.base if e is not None else -1 for kk, e in zip(k.tolist(), entries)], np.int64)
-        bad = [i for i, (e, r) in enumerate(zip(entries, rows.tolist())) if e is None or not 0 <= r < e.n_rows]
-        if bad:
-            raise GGMLValueError(f"token id {int(np.asarray(token_ids).reshape(-1)[bad[0]])} is not an image row "
-                                 f"this runner knows")
-        return entries, rows
+            entries = list(self._entries)
+            bases = np.asarray(self._bases, np.int64)
+        n_rows = np.array([e.n_rows for e in entries], np.int64)
+        idx = np.searchsorted(bases, k, side="right") - 1
+        safe = np.maximum(idx, 0)
+        rows = k - bases[safe] if entries else np.full(len(k), -1, np.int64)
+        bad = np.flatnonzero((idx < 0) | (rows < 0) | (rows >= (n_rows[safe] if entries else 0)))
+        if bad.size:
+            raise GGMLValueError(f"token id {int(ids[bad[0]])} is not an image row this runner knows")
+        return idx, rows, entries
 
     def set_embd(self, e: ImageEntry, embd: np.ndarray) -> None:
         """Store an image's embeddings; the least recently used beyond ``keep`` are dropped."""

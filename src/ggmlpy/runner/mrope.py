@@ -31,12 +31,12 @@ def _image_rows(tokens: np.ndarray, store: ImageStore, grid: Callable) -> tuple:
     at = np.flatnonzero(tokens <= FIRST_IMAGE_ID)
     if not at.size:
         return at, None, None, None, None
-    entries, rows = store.locate(tokens[at])
-    shapes = {id(e): grid(e.tiles) for e in entries}
-    gw = np.array([shapes[id(e)][1] for e in entries], np.int64)
-    n_rows = np.array([e.n_rows for e in entries], np.int64)
-    grow = np.array([max(shapes[id(e)]) for e in entries], np.int64) - n_rows
-    return at, rows, n_rows, gw, grow
+    idx, rows, entries = store.index(tokens[at])
+    # per image, not per row: a long history holds thousands of image rows
+    uniq, inv = np.unique(idx, return_inverse=True)
+    shapes = np.array([grid(entries[i].tiles) for i in uniq.tolist()], np.int64).reshape(-1, 2)
+    n_u = np.array([entries[i].n_rows for i in uniq.tolist()], np.int64)
+    return at, rows, n_u[inv], shapes[inv, 1], (shapes.max(1) - n_u)[inv]
 
 
 def _offset(history: Sequence[int], p0: int, store: ImageStore, grid: Callable) -> int:

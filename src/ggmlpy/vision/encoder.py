@@ -37,7 +37,7 @@ from ggmlpy.gguf import GGUFReader, MetadataError, MetadataTypeError
 from ggmlpy.weights import MetaReader, WeightLoader, Weights, check_all_used, check_tensor
 
 from . import llama4, pixtral, qwenvl
-from .image_config import ImageConfig
+from .image_config import QWEN_PIXELS, ImageConfig
 from .layers import _gelu_tanh, _layer_norm, _linear, _vit_layer
 from .preprocess import preprocess
 from .prompt import image_prompt
@@ -138,7 +138,8 @@ class VisionConfig:
         if self.projector == "pixtral":
             return -(-self.image_size // (self.patch_size * self.scale_factor))
         if self.projector in _QWEN:
-            return _qwen_image_config(self).max_tokens
+            # the processor's default budget (ImageConfig's max_tokens)
+            return QWEN_PIXELS[self.projector][1] // (self.patch_size * self.scale_factor) ** 2
         return self.n_patches // self.scale_factor ** 2
 
     @property
@@ -235,10 +236,6 @@ class VisionConfig:
         if bad:
             raise MetadataError(path, "clip.vision", "; ".join(bad))
         return cfg
-
-
-def _qwen_image_config(c: VisionConfig) -> ImageConfig:
-    return ImageConfig(c.projector, c.image_size, c.patch_size, c.image_mean, c.image_std, c.scale_factor)
 
 
 def _meta_bool(md: dict, key: str, default: bool, path: str) -> bool:
