@@ -457,13 +457,21 @@ class Runtime:
         inputs, compute it."""
         if not self.sched.is_allocated(graph):      # a reused graph keeps its allocation
             self.sched.alloc_graph(graph)
+            self._note_growth()
         if fill is not None:
             fill()
         self.compute(graph)
 
     def compute(self, graph: Graph) -> None:
         """Allocate and compute ``graph``; counts any growth of the compute buffers past the reservation."""
+        fresh = not self.sched.is_allocated(graph)
         self.sched.compute(graph)
+        if fresh:
+            self._note_growth()
+
+    def _note_growth(self) -> None:
+        # only an allocation can grow the buffers: a graph computed again in its allocation is not checked
+        # (the sizes per backend cost ~20 us a token on caches the weight sweep has emptied)
         if self.reserved and self.buffer_sizes() != self.reserved:
             self.reallocations += 1
             self.reserved = self.buffer_sizes()

@@ -124,6 +124,35 @@ def test_reserve_then_computes_never_allocate(caplog):
     w.close()
 
 
+def test_growth_past_the_reservation_is_counted_once_per_allocation(caplog):
+    # a graph larger than the reservation grows the compute buffers when it is allocated (through run, or
+    # compute on a graph not allocated): counted and logged; the same graph computed again is not
+    rng = np.random.default_rng(2)
+    placement = bk.split_layers(N_LAYERS, bk.choose_devices("cpu"))
+    w, data = _model(placement, rng, types=(gp.Type.F32,))
+    w.allocate()
+    w.load(lambda name: data[name])
+    rt = bk.Runtime(placement.devices(), n_threads=1, graph_size=1024)
+    try:
+        small = rt.reserve(lambda n: _forward(w, n)[3], n_prompt=2)
+        ctx, x, y, gf = _forward(w, 256)
+        X = rng.standard_normal((256, N_EMBD)).astype(np.float32)
+        with caplog.at_level(logging.WARNING, logger="ggmlpy"):
+            rt.run(gf, lambda: x.set(X))
+        assert rt.reallocations == 1 and "grew past the reservation" in caplog.text
+        assert rt.buffer_sizes()["CPU"] > small["CPU"] and rt.reserved == rt.buffer_sizes()
+        rt.run(gf, lambda: x.set(X))       # in its allocation: inputs set again, nothing grows
+        np.testing.assert_allclose(y.get().reshape(256, 8), _reference(w, data, X), rtol=2e-4, atol=2e-4)
+        rt.compute(gf)
+        assert rt.reallocations == 1
+        gf2 = _forward(w, 512)[3]
+        rt.compute(gf2)                    # not allocated: the scheduler allocates it, larger again
+        assert rt.reallocations == 2
+    finally:
+        rt.close()
+        w.close()
+
+
 def test_too_much_memory_raises_with_report_and_the_process_goes_on():
     placement = bk.split_layers(1, bk.choose_devices("cpu"))
     w = bk.Weights(placement, max_tensors=4)

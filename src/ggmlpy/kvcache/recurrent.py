@@ -117,6 +117,7 @@ class RecurrentForward(_LayerView):
         self.pending: list = []
         # the rows read ("src", I32) and written ("dst", I64), each as indices for states moved as k rows
         self._index: dict[tuple[str, int], Tensor] = {}
+        self._spreads: dict[tuple, np.ndarray] = {}
 
     @property
     def n_seqs(self) -> int:
@@ -261,7 +262,15 @@ class RecurrentForward(_LayerView):
         elif plan.key != self._key:
             raise GGMLValueError(f"fill: a plan of layout {plan.key} for a graph built for {self._key}")
         for (kind, k), t in self._index.items():
-            t.set(self._spread(getattr(plan, kind), k))
+            rows = getattr(plan, kind)
+            # a graph reused step after step mostly uploads the same rows: their spread indices are kept
+            key = (kind, k, rows.tobytes())
+            data = self._spreads.get(key)
+            if data is None:
+                if len(self._spreads) >= 64:
+                    self._spreads.clear()
+                data = self._spreads[key] = self._spread(rows, k)
+            t.set(data)
         self.plan = None
 
 
