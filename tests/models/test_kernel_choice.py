@@ -299,6 +299,49 @@ def test_attention_decode_times_both_paths_where_both_run(cpu, monkeypatch, n_he
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 
+@pytest.mark.parametrize("llc, emptied", [(64 << 20, True), (1 << 10, False)])
+def test_a_site_that_fits_in_the_last_level_cache_is_timed_from_memory(cpu, monkeypatch, llc, emptied):
+    """Weights that fit twice in the last-level cache would stay there from run to run (generation reads
+    them from memory): the cache is emptied before every timed run; larger sites stream anyway."""
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    monkeypatch.setattr(calibrate, "_llc_bytes", lambda: llc)
+    monkeypatch.setattr(calibrate, "EVICT_BYTES", 1 << 20)
+    calls = []
+    monkeypatch.setattr(calibrate._Bench, "_empty_cache", lambda self: calls.append(self.evict.nbytes))
+    ctx, buf, ws = _weights([(ggmlpy.Type.Q8_0, (256, 64))] * 2)
+    try:
+        m = calibrate.measure_site(cpu, Site("matvec", "Q8_0", (256, 64)), ws)
+    finally:
+        ctx.free()
+        buf.free()
+    rounds = calibrate.TIMING["min_rounds"]
+    assert calls == ([2 * llc] * (2 * rounds) if emptied else [])      # both graphs, every round
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
+def test_the_typical_run_decides_not_the_luckiest():
+    # an own kernel whose best run beats ggml's but whose usual run loses is not taken
+    own = [1.0, 1.0, 5.0, 5.0, 5.0, 5.0, 5.0]
+    m = calibrate._measurement([own, [2.0] * 7], ["", ""])
+    assert (m.own_s, m.ggml_s, m.use_own) == (5.0, 2.0, False)
+    # of two paths the one with the faster median is named and timed
+    m = calibrate._measurement([own, [3.0] * 7, [4.0] * 7], ["avx512", "avx2", ""])
+    assert (m.variant, m.own_s, m.use_own) == ("avx2", 3.0, True)
+
+
+def test_last_level_cache_size_from_sysfs(tmp_path):
+    for name, size in (("index0", "32K"), ("index2", "1024K"), ("index3", "32768K")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "size").write_text(size + "\n")
+    assert calibrate._llc_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index4").mkdir()
+    (tmp_path / "index4" / "size").write_text("2M\n")
+    assert calibrate._llc_bytes(tmp_path) == 32 << 20
+    assert calibrate._llc_bytes(tmp_path / "missing") == 32 << 20           # unreadable: the default
+    (tmp_path / "index4" / "size").write_text("96M\n")
+    assert calibrate._llc_bytes(tmp_path) == 96 << 20
+
+
 def test_a_matvec_site_without_weights_is_an_error(cpu):
     with pytest.raises(ggmlpy.GGMLError, match="no weight recorded"):
         calibrate.measure_site(cpu, Site("matvec", "F16", (64, 64)), [])

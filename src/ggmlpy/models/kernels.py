@@ -130,7 +130,7 @@ class Site:
 
 @dataclass(frozen=True)
 class Measurement:
-    """The two timings of a site (seconds, the best of the runs) and the choice they make.
+    """The two timings of a site (seconds, the median of the runs) and the choice they make.
 
     Where the own kernel has several paths for one site (``attn_decode`` over a cache of grouped
     heads on a CPU with AVX-512: :data:`VARIANTS`), each is timed, ``own_s`` is the fastest's and
