@@ -38,6 +38,7 @@ RETURNS = {
     "init": "Backend", "buffer_type": "BufferType", "host_buffer_type": "BufferType | None", "alloc_buffer": "Buffer",
     "memory": "tuple[int, int]", "supports_op": "bool", "supports_buft": "bool", "offload_op": "bool",
     "alloc_size": "int", "graph_compute": "None", "synchronize": "None", "set_n_threads": "None",
+    "is_allocated": "bool", "advise_huge_pages": "bool",
     "reserve": "None", "reserve_size": "dict[str, int]", "alloc_graph": "None", "set_tensor_backend": "None",
     "tensor_backend": "Backend | None", "buffer_size": "int", "_live_objects": "dict[str, int]",
     "_ggml_version": "tuple[str, str]",

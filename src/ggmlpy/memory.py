@@ -10,15 +10,38 @@ type) and whether each allocation succeeded, after llama.cpp's memory breakdown.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from ggmlpy._core import Device
+from ggmlpy._core import Buffer, Device
 
 #: A layer group: ``"input"`` (embeddings, always on the CPU), a layer index, or ``"output"``.
 Group = Union[str, int]
 
-__all__ = ["DeviceMemory", "Group", "MemoryReport"]
+__all__ = ["HUGE_PAGES_MIN", "DeviceMemory", "Group", "MemoryReport", "advise_huge_pages"]
+
+#: The smallest buffer :func:`advise_huge_pages` advises: glibc gives an allocation this large a mapping of its
+#: own (its mmap threshold is at most 32 MiB), so the advice reaches no other allocation's memory.
+HUGE_PAGES_MIN = 32 << 20
+
+
+def advise_huge_pages(buf: Buffer) -> bool:
+    """Ask for huge pages behind a CPU buffer of weights, cache or states before it is first written
+    (:meth:`ggmlpy.Buffer.advise_huge_pages`): each token reads these through, and with 4 KiB pages the TLB
+    misses cost generation 4-6% (Zen 4, 110M to 7B files; prompts unchanged). Linux only, where transparent
+    huge pages are in ``madvise`` mode (``always``: they are used anyway; ``never``: not at all). Buffers
+    under :data:`HUGE_PAGES_MIN` are left alone; ``GGMLPY_HUGE_PAGES=0`` turns the advice off. True where
+    given.
+
+    The cost is at load, where a huge page is zeroed when first written: one fault instead of 512 (2 GiB of
+    memory touched before took 0.20 s in huge pages, 0.83 s in small ones, on the machine above), but in a
+    virtual machine whose host backs the guest's memory only once it is first touched (Firecracker) a huge
+    page comes from memory the guest never touched, and there a 4 GB file loaded in 10-14 s instead of
+    5 s. Set ``GGMLPY_HUGE_PAGES=0`` where loading matters more."""
+    if buf.size < HUGE_PAGES_MIN or os.environ.get("GGMLPY_HUGE_PAGES", "1").strip() == "0":
+        return False
+    return buf.advise_huge_pages()
 
 
 @dataclass

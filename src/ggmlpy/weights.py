@@ -49,7 +49,7 @@ from ggmlpy.gguf import (
     meta_str,
     open_data,
 )
-from ggmlpy.memory import Group, MemoryReport
+from ggmlpy.memory import Group, MemoryReport, advise_huge_pages
 
 log = logging.getLogger("ggmlpy")
 
@@ -317,6 +317,7 @@ class Weights:
                 failed = failed or e
                 continue
             buf.usage = BufferUsage.WEIGHTS
+            advise_huge_pages(buf)              # before the weights are read into it
             self.buffers[key] = buf
             if self.report.device(dev).weights_ok is not False:
                 self.report.device(dev).weights_ok = True

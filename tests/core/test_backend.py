@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 import numpy as np
 import pytest
@@ -209,3 +210,69 @@ def test_rpc_and_cpu_split_matches_cpu_alone(rpc_server):  # noqa: F811
     assert rt.reallocations == 0
     rt.close()
     rc.close()
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "none"
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else "none"
+
+
+def _thp_eligible(addr: int) -> bool:
+    """Whether the mapping holding ``addr`` may take transparent huge pages (``/proc/self/smaps``)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always"), reason="no transparent huge pages here")
+@pytest.mark.parametrize("env, advised", [(None, True), ("0", False)])
+def test_weights_of_32_mib_and_more_take_huge_pages(monkeypatch, env, advised):
+    """A weight buffer of at least HUGE_PAGES_MIN is advised to take huge pages before it is filled (unless
+    GGMLPY_HUGE_PAGES=0), a smaller one never; the values read back are the values loaded."""
+    from ggmlpy.memory import HUGE_PAGES_MIN
+    if env is None:
+        monkeypatch.delenv("GGMLPY_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("GGMLPY_HUGE_PAGES", env)
+    placement = bk.split_layers(1, bk.choose_devices("cpu"))
+    rows = HUGE_PAGES_MIN // (4 * 1024) + 64
+    big = bk.Weights(placement, max_tensors=2)
+    big.add("blk.0.w", gp.Type.F32, (1024, rows), 0)
+    small = bk.Weights(placement, max_tensors=2)
+    small.add("blk.0.w", gp.Type.F32, (1024, 16), 0)
+    data = np.random.default_rng(3).standard_normal((rows, 1024), dtype=np.float32)
+    try:
+        for w, n in ((big, rows), (small, 16)):
+            w.allocate()
+            w.load(lambda name, n=n: data[:n])
+        t = big["blk.0.w"]
+        assert [b.size >= HUGE_PAGES_MIN for b in big.buffers.values()] == [True]
+        if _thp_mode() == "madvise":
+            assert _thp_eligible(t.data_ptr + t.nbytes // 2) is advised
+            assert _thp_eligible(small["blk.0.w"].data_ptr) is False
+        np.testing.assert_array_equal(t.get(), data)
+        np.testing.assert_array_equal(small["blk.0.w"].get(), data[:16])
+    finally:
+        big.close()
+        small.close()
+
+
+def test_advising_huge_pages_skips_other_memory():
+    # a buffer on the CPU device takes the advice (where the system has it); the method never fails
+    buf = _core.device("CPU").buffer_type().alloc_buffer(1 << 20)
+    try:
+        assert buf.advise_huge_pages() is (_thp_mode() != "none" and sys.platform.startswith("linux"))
+    finally:
+        buf.free()
+    buf.free()
+    with pytest.raises(gp.ClosedError):
+        buf.advise_huge_pages()

@@ -346,6 +346,10 @@ cdef class BufferType:
         return f"<ggmlpy.BufferType {self.name} (device {self.dev_name}{', host' if self.is_host else ''})>"
 
 
+cdef extern from "ggmlpy_mem.h" nogil:
+    int ggmlpy_advise_huge_pages(void * p, size_t n)
+
+
 @cython.no_gc_clear
 cdef class Buffer:
     """A block of backend memory (``ggml_backend_buffer_t``) holding tensors.
@@ -426,6 +430,24 @@ cdef class Buffer:
     def is_host(self):
         self._ensure()
         return bool(g.ggml_backend_buffer_is_host(self.ptr))
+
+    def advise_huge_pages(self):
+        """Ask the OS to back this buffer with huge pages (Linux's transparent huge pages): fewer TLB
+        misses where the whole buffer is read often, as the weights are each token. Call it before the
+        buffer is first written (pages already touched stay as they are). Only buffers in this process's
+        memory on the CPU device take it (not a GPU's, not an RPC server's). Returns True where the
+        advice was given; False where it does not apply or the system has none (nothing changes then).
+        """
+        cdef g.ggml_backend_dev_t dev
+        cdef void * base
+        self._ensure()
+        dev = g.ggml_backend_buft_get_device(g.ggml_backend_buffer_get_type(self.ptr))
+        # ggml's plain CPU buffer type names no device; the CPU's extra types (CPU_REPACK...) name the CPU
+        if (dev == NULL and not g.ggml_backend_buffer_is_host(self.ptr)) or (
+                dev != NULL and g.ggml_backend_dev_type_of(dev) != g.GGML_BACKEND_DEVICE_TYPE_CPU):
+            return False
+        base = g.ggml_backend_buffer_get_base(self.ptr)
+        return ggmlpy_advise_huge_pages(base, self.size) == 0
 
     @property
     def usage(self):

@@ -30,7 +30,7 @@ from ggmlpy._core import (
     is_quantized,
     tensor_overhead,
 )
-from ggmlpy.memory import MemoryReport
+from ggmlpy.memory import MemoryReport, advise_huge_pages
 
 from .cells import _INT32_MAX, CacheStateError, Cells, NotSupported
 from .forward import Forward, ForwardPlan, KVCacheFull, _CausalForward
@@ -350,6 +350,7 @@ class Causal(_CausalForward):
                 report.device(dev).cache_ok = False
                 failed = failed or e
                 continue
+            advise_huge_pages(buf)                # before the clear touches its pages
             buf.clear(0)
             report.device(dev).cache_ok = True
         if failed is not None:

@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 
 from ggmlpy._core import Context, GGMLMemoryError, GGMLTypeError, GGMLValueError, Tensor, Type
-from ggmlpy.memory import MemoryReport
+from ggmlpy.memory import MemoryReport, advise_huge_pages
 
 from .cells import CacheStateError, NotSupported, _int_array
 from .forward import _LayerView
@@ -433,6 +433,7 @@ class Recurrent:
                 report.device(dev).cache_ok = False
                 failed = failed or e
                 continue
+            advise_huge_pages(buf)                # before the clear touches its pages
             buf.clear(0)                          # zero rows: new sequences start from them
             report.device(dev).cache_ok = True
         if failed is not None:
