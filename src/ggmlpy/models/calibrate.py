@@ -22,7 +22,7 @@ would multiply. Each site is timed both ways on the CPU backend with the runner'
 
 The graphs of a site run in turn (one warm-up each, then :data:`TIMING` rounds), and each
 keeps its median time: the rule (:func:`ggmlpy.models.kernels.decide`) compares median with median. The
-110M model's 8 sites take 0.9 s on 2 cores, the Llama-3.2-1B shape's 11 take 2.3 s; the timings are
+110M model's 8 sites take 0.7 s on 2 cores, the Llama-3.2-1B shape's 11 take 1.5 s (Zen 4); the timings are
 cached in ``kernels.json`` beside the benchmark's ``roofline.json``
 (:func:`ggmlpy._cache.cache_dir`: ``ggmlpy cache path``), one entry per CPU model, thread count, ggml build,
 ggmlpy version and build of its extension, so the next runner on this machine measures only sites
