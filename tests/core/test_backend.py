@@ -14,6 +14,7 @@ from test_core_backend import rpc_server  # noqa: F401  (the loopback server fix
 import ggmlpy as gp
 from ggmlpy import _core
 from ggmlpy import backend as bk
+from ggmlpy.memory import HUGE_PAGES_MIN, advise_huge_pages
 
 N_EMBD, N_LAYERS = 32, 3
 
@@ -238,7 +239,6 @@ def _thp_eligible(addr: int) -> bool:
 def test_weights_of_32_mib_and_more_take_huge_pages(monkeypatch, env, advised):
     """A weight buffer of at least HUGE_PAGES_MIN is advised to take huge pages before it is filled (unless
     GGMLPY_HUGE_PAGES=0), a smaller one never; the values read back are the values loaded."""
-    from ggmlpy.memory import HUGE_PAGES_MIN
     if env is None:
         monkeypatch.delenv("GGMLPY_HUGE_PAGES", raising=False)
     else:
@@ -266,13 +266,20 @@ def test_weights_of_32_mib_and_more_take_huge_pages(monkeypatch, env, advised):
         small.close()
 
 
-def test_advising_huge_pages_skips_other_memory():
-    # a buffer on the CPU device takes the advice (where the system has it); the method never fails
+def test_huge_pages_are_advised_for_cpu_buffers_only(rpc_server):  # noqa: F811
+    # a buffer on the CPU device takes the advice (where the system has it); one on an RPC server's device
+    # is another process's memory and is refused (its address means nothing here); a freed one raises
     buf = _core.device("CPU").buffer_type().alloc_buffer(1 << 20)
     try:
         assert buf.advise_huge_pages() is (_thp_mode() != "none" and sys.platform.startswith("linux"))
     finally:
         buf.free()
-    buf.free()
     with pytest.raises(gp.ClosedError):
         buf.advise_huge_pages()
+    remote = next(d for d in bk.choose_devices("auto", rpc=[rpc_server]) if d.endpoint == rpc_server)
+    rbuf = remote.buffer_type().alloc_buffer(HUGE_PAGES_MIN)
+    try:
+        assert rbuf.advise_huge_pages() is False
+        assert advise_huge_pages(rbuf) is False
+    finally:
+        rbuf.free()

@@ -299,7 +299,7 @@ def test_attention_decode_times_both_paths_where_both_run(cpu, monkeypatch, n_he
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 
-@pytest.mark.parametrize("llc, emptied", [(64 << 20, True), (1 << 10, False)])
+@pytest.mark.parametrize("llc, emptied", [(4 << 20, True), (1 << 10, False)])
 def test_a_site_that_fits_in_the_last_level_cache_is_timed_from_memory(cpu, monkeypatch, llc, emptied):
     """Weights that fit twice in the last-level cache would stay there from run to run (generation reads
     them from memory): the cache is emptied before every timed run; larger sites stream anyway."""
