@@ -319,6 +319,26 @@ def test_a_site_that_fits_in_the_last_level_cache_is_timed_from_memory(cpu, monk
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 
+@pytest.mark.parametrize("llc, emptied", [(256 << 10, True), (16 << 10, False)])
+def test_an_experts_site_is_sized_by_the_experts_a_run_reads(cpu, monkeypatch, llc, emptied):
+    """64 experts of 1.1 MB, 2 used: a run reads 35 KB of them, every run the same, so the cache is
+    emptied even where all 64 would not fit in it (256 KB), and not where the 35 KB would not."""
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    monkeypatch.setattr(calibrate, "_llc_bytes", lambda: llc)
+    monkeypatch.setattr(calibrate, "EVICT_BYTES", 1 << 20)
+    calls = []
+    monkeypatch.setattr(calibrate._Bench, "_empty_cache", lambda self: calls.append(self.evict.nbytes))
+    ctx, buf, ws = _weights([(ggmlpy.Type.Q8_0, (256, 64, 64))])
+    try:
+        assert ws[0].nbytes > 2 * llc
+        m = calibrate.measure_site(cpu, Site("matvec_id", "Q8_0", (256, 64, 64)), ws, n_expert_used=2)
+    finally:
+        ctx.free()
+        buf.free()
+    assert calls == ([1 << 20] * (2 * calibrate.TIMING["min_rounds"]) if emptied else [])
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
 def test_the_typical_run_decides_not_the_luckiest():
     # an own kernel whose best run beats ggml's but whose usual run loses is not taken
     own = [1.0, 1.0, 5.0, 5.0, 5.0, 5.0, 5.0]

@@ -6,12 +6,14 @@ once under a recorder, so exactly the places a graph would ask about are measure
 would multiply. Each site is timed both ways on the CPU backend with the runner's thread count:
 
 * **matvec / matvec_id**: every weight of the site (every layer's ``attn_q``...; up to
-  :data:`GROUP_BYTES`, which streams from memory as a generated token does) times one vector, in one
-  graph: :meth:`~ggmlpy.Context.mul_mat_vec` against ``mul_mat`` (and the experts' versions, with
-  ``n_expert_used`` distinct experts). Where the site's weights fit twice in the CPU's last-level
-  cache, it is emptied before every timed run (by reading another buffer): generation reads each
-  weight once a token, from memory, and a kernel that wins on cached weights can lose there (a
-  Q8_0 768 x 3352 site, 23 MiB in a 32 MiB cache: 1.24x ggml's from the cache, 0.95x in generation);
+  :data:`GROUP_BYTES` read per run, which streams from memory as a generated token does) times one
+  vector, in one graph: :meth:`~ggmlpy.Context.mul_mat_vec` against ``mul_mat`` (and the experts'
+  versions, with ``n_expert_used`` distinct experts, whose rows are all a run reads). Where what a run
+  reads fits twice in the CPU's last-level cache, the cache is emptied before every timed run (by
+  reading another buffer): generation reads each weight once a token, from memory, and a kernel
+  that wins on cached weights can lose there (a Q8_0 768 x 3352 site, 23 MiB in a 32 MiB cache:
+  1.24x ggml's from the cache, 0.95x in generation; the experts' sites of a 64-expert model, 6 used:
+  the same);
 * **attn_decode**: one query row over a float cache (in the cache's layout: a cell's heads side by
   side) at each depth class's depth (:data:`DECODE_DEPTHS`), as many layers' caches as make
   :data:`ATTN_BYTES`, against ``flash_attn_ext``; where its AVX-512 path can run (grouped heads, an
@@ -61,8 +63,9 @@ CACHE_FILE = "kernels.json"
 #: Bumped when the measurement changes: entries of another format are measured again (2: attention
 #: over the cache's layout, each cell's heads side by side, and attn_decode's paths each timed; 3:
 #: matrix-vector sites timed from memory, the last-level cache emptied before each run, and every
-#: site's median run compared, not its best).
-FORMAT = 3
+#: site's median run compared, not its best; 4: the experts' sites too, by the bytes their chosen
+#: experts read).
+FORMAT = 4
 #: The bytes of weights (or cache) one site's graph reads per run, at most: several times a core's
 #: share of the last-level cache, so the runs stream from memory as generation does.
 GROUP_BYTES = 256 << 20
@@ -380,18 +383,20 @@ def _rng() -> np.random.Generator:
 def _matvec(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> None:
     if not weights:
         raise GGMLError(f"kernels: no weight recorded for {site.key}")
-    group, total = [], 0
-    for w in weights:                                   # up to GROUP_BYTES of the site's weights
-        if group and total + w.nbytes > GROUP_BYTES:
-            break
-        group.append(w)
-        total += w.nbytes
-    llc = _llc_bytes()
-    if total < 2 * llc:
-        bench.evict = np.ones(max(EVICT_BYTES, 2 * llc) // 8, np.uint64)
     k = weights[0].ne[0]
     experts = site.op == "matvec_id"
     n_used = max(1, min(int(n_used), weights[0].ne[2])) if experts else 1
+    group, read = [], 0
+    for w in weights:                                   # up to GROUP_BYTES read per run
+        # experts: a run reads only the chosen ones' rows (the same every run, as a token's are not)
+        w_read = w.nbytes * n_used // w.ne[2] if experts else w.nbytes
+        if group and read + w_read > GROUP_BYTES:
+            break
+        group.append(w)
+        read += w_read
+    llc = _llc_bytes()
+    if read < 2 * llc:
+        bench.evict = np.ones(max(EVICT_BYTES, 2 * llc) // 8, np.uint64)
     inputs = bench.context(2)
     x = inputs.new_tensor(Type.F32, (k, 1, 1) if experts else (k, 1))
     ids = inputs.new_tensor(Type.I32, (n_used, 1)) if experts else None
