@@ -12,8 +12,8 @@ would multiply. Each site is timed both ways on the CPU backend with the runner'
   reads fits twice in the CPU's last-level cache, the cache is emptied before every timed run (by
   reading another buffer): generation reads each weight once a token, from memory, and a kernel
   that wins on cached weights can lose there (a Q8_0 768 x 3352 site, 23 MiB in a 32 MiB cache:
-  1.24x ggml's from the cache, 0.95x in generation; the experts' sites of a 64-expert model, 6 used:
-  the same);
+  1.24x ggml's from the cache, 0.95x in generation; a 64-expert model's Q4_K expert sites, 6 used,
+  the same way: 0.98x in generation);
 * **attn_decode**: one query row over a float cache (in the cache's layout: a cell's heads side by
   side) at each depth class's depth (:data:`DECODE_DEPTHS`), as many layers' caches as make
   :data:`ATTN_BYTES`, against ``flash_attn_ext``; where its AVX-512 path can run (grouped heads, an
@@ -388,7 +388,7 @@ def _matvec(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> No
     n_used = max(1, min(int(n_used), weights[0].ne[2])) if experts else 1
     group, read = [], 0
     for w in weights:                                   # up to GROUP_BYTES read per run
-        # experts: a run reads only the chosen ones' rows (the same every run, as a token's are not)
+        # experts: a run reads only the chosen ones' rows (the same experts every run; a token's differ)
         w_read = w.nbytes * n_used // w.ne[2] if experts else w.nbytes
         if group and read + w_read > GROUP_BYTES:
             break
