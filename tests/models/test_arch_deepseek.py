@@ -62,7 +62,7 @@ from ggmlpy import Type, gguf  # noqa: E402
 from ggmlpy._core import GGMLValueError  # noqa: E402
 from ggmlpy.gguf import MetadataError, MetadataTypeError  # noqa: E402
 from ggmlpy.kvcache import Causal  # noqa: E402
-from ggmlpy.models import load_model  # noqa: E402
+from ggmlpy.models import blocks, load_model  # noqa: E402
 from ggmlpy.models.deepseek import DeepseekConfig, DeepseekModel  # noqa: E402
 from ggmlpy.runner import DoneReason, Runner  # noqa: E402
 from ggmlpy.runner.slots import shift_discard  # noqa: E402
@@ -253,6 +253,79 @@ def test_several_sequences_in_one_batch(conv, flash):
     each, against transformers on each sequence alone."""
     t = conv.tokens
     assert sequences_error(conv, [t[:9], t[4:24], t[17:]], [5, 6, 7], flash=flash) <= TOL
+
+
+# ------------------------------------------------------------------ prompts over decompressed heads
+
+
+def long_prompt(conv, n: int) -> list:
+    """``n`` tokens: the module's text again and again (the models hold 256 positions)."""
+    t = conv.tokens
+    return (t * (n // len(t) + 1))[:n]
+
+
+@pytest.fixture
+def heads_spy(monkeypatch):
+    """The row counts of the batches :func:`blocks.mla` sent over decompressed heads (one entry per layer built)."""
+    rows = []
+    original = blocks._mla_heads
+
+    def spy(ctx, q, *a, **kw):
+        rows.append(q.ne[2])
+        return original(ctx, q, *a, **kw)
+
+    monkeypatch.setattr(blocks, "_mla_heads", spy)
+    return rows
+
+
+def test_a_long_prompt_attends_over_decompressed_heads(conv, heads_spy):
+    """A 150-token prompt in one batch takes the decompressed heads in every layer (blocks.mla_heads_pay) and
+    matches transformers as the absorbed path does; a batch of a few rows stays absorbed."""
+    toks = long_prompt(conv, 150)
+    ref = hf_logits(conv.hf, toks)
+    got = run_batch(conv.path(), toks, n_ctx=256, flash_attn=True)
+    assert heads_spy.count(150) == len(conv.hf.model.layers), heads_spy
+    assert errors(got, ref).max() <= TOL
+    heads_spy.clear()
+    assert errors(run_batch(conv.path(), toks[:20], n_ctx=256, flash_attn=True), ref[:20]).max() <= TOL
+    assert 20 not in heads_spy
+
+
+def test_decompressed_heads_after_a_history_and_beside_other_sequences(v3, heads_spy):
+    """A prompt's second micro-batch (130 rows over 40 cached cells) and three sequences in one batch of 180
+    rows (each row sees its own sequence's cells only) over decompressed heads, against transformers; then
+    one more token of each (absorbed)."""
+    toks = long_prompt(v3, 170)
+    with load_model(v3.path(), devices="cpu") as model, \
+            Runner(model, n_ctx=256, type_k="f32", type_v="f32", flash_attn=True) as rt:
+        got = np.concatenate([rt.decode(toks[:40], logits="all"), rt.decode(toks[40:], logits="all")])
+    assert 130 in heads_spy and 40 not in heads_spy
+    assert errors(got, hf_logits(v3.hf, toks)).max() <= TOL
+    heads_spy.clear()
+    seqs = [toks[:60], toks[3:73], toks[100:150]]
+    assert sequences_error(v3, seqs, [5, 6, 7], n_ctx=256, flash=True) <= TOL
+    assert 180 in heads_spy
+
+
+def test_decompressed_heads_with_a_float16_cache(v3, monkeypatch):
+    """With the default float16 cache the decompressed heads (float32 keys and values from the cached latent)
+    land as close to transformers as the absorbed path (ggml's attention over the float16 latent)."""
+    toks = long_prompt(v3, 150)
+    ref = hf_logits(v3.hf, toks)
+    heads = errors(run_batch(v3.path(), toks, n_ctx=256, flash_attn=True, type_k="f16", type_v="f16"), ref)
+    monkeypatch.setattr(blocks, "mla_heads", False)
+    absorbed = errors(run_batch(v3.path(), toks, n_ctx=256, flash_attn=True, type_k="f16", type_v="f16"), ref)
+    assert heads.max() <= 3e-3 and heads.max() <= 1.5 * absorbed.max(), (heads.max(), absorbed.max())
+
+
+def test_the_heads_budget_keeps_a_long_context_absorbed(v3, heads_spy, monkeypatch):
+    """A cache whose decompressed heads would pass blocks.MLA_HEADS_MAX_BYTES keeps every graph absorbed, the
+    reservation at full context included: the compute buffers do not grow with the context for them."""
+    per_cell = 4 * 4 * (96 + 40)                     # n_head x (key + value sizes) float32
+    monkeypatch.setattr(blocks, "MLA_HEADS_MAX_BYTES", per_cell * 255)
+    toks = long_prompt(v3, 150)
+    assert errors(run_batch(v3.path(), toks, n_ctx=256, flash_attn=True), hf_logits(v3.hf, toks)).max() <= TOL
+    assert heads_spy == []
 
 
 def test_unfused_weights_give_the_same_logits(v3):

@@ -32,8 +32,8 @@ from ggmlpy._core import Context, GGMLValueError, Tensor, Type
 
 from . import kernels
 
-__all__ = ["GATINGS", "GLU", "SWIGLU_OAI", "attention", "ffn_glu", "mla", "moe_ffn", "norm", "output", "qkv",
-           "rms_norm", "rope", "softcap"]
+__all__ = ["GATINGS", "GLU", "SWIGLU_OAI", "attention", "ffn_glu", "mla", "mla_heads_pay", "moe_ffn", "norm",
+           "output", "qkv", "rms_norm", "rope", "softcap"]
 
 #: Activations of the gated feed-forward: name -> (op on the fused gate-and-up rows, op on separate
 #: gate and up). Both apply the activation to the gate and multiply by up; "gelu" is the tanh
@@ -113,7 +113,7 @@ def qkv(ctx: Context, w, prefix: str, cur: Tensor, n_head: int, n_head_kv: int,
 
 def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Optional[Tensor], *, scale: float,
               flash_attn: bool, logit_softcap: float = 0.0, sinks: Optional[Tensor] = None,
-              on_cpu: bool = False, v_mla: Optional[Tensor] = None) -> Tensor:
+              on_cpu: bool = False) -> Tensor:
     """Write this batch's ``k`` and ``v`` into the cache and attend ``q`` over what the cache shows.
 
     ``memory`` is the graph's view of the cache (``cache.forward(ctx, plan)``): the layer's K/V go in
@@ -138,10 +138,6 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Optiona
         Attention sinks (gpt-oss): F32 ``ne = (n_head,)``, one learned logit per head that joins every
         query's softmax as if it were one more key, with no value: ``softmax([logits, sink])`` with the
         sink's share dropped, so a head may attend to nothing.
-    v_mla : Tensor, optional
-        Multi-head latent attention's decompression (DeepSeek's ``attn_v_b``, ``ne = (head_dim_v_cache,
-        head_dim_out, n_head)``): each head's attention output, a mix of the cached latents, goes through
-        its own matrix (llama.cpp's ``v_mla``); the result is ``ne = (head_dim_out * n_head, n)``.
 
     With ``flash_attn``, ``on_cpu`` (the layer computes on the CPU backend: the caller's placement
     says so), a float16/float32 cache in host memory and no sinks, ggmlpy's own CPU kernels run
@@ -158,8 +154,6 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Optiona
     head_dim, n_head, n = q.ne[0], q.ne[1], q.ne[2]
     memory.set_layer(layer).put(k, v)
     kv_k, kv_v, mask = memory.get()
-    if v_mla is not None:
-        return _attention_mla(ctx, q, kv_k, kv_v, mask, v_mla, scale=scale, flash_attn=flash_attn)
     if flash_attn and on_cpu and sinks is None and _kernel_ok(kv_k, kv_v):
         site = kernels.attn_site("attn_decode", kv_k, kv_v, n_head)
         if n < DECODE_MAX_ROWS and decode_kernel and not logit_softcap \
@@ -189,20 +183,30 @@ def attention(ctx: Context, memory, layer: int, q: Tensor, k: Tensor, v: Optiona
 
 
 def mla(ctx: Context, w, prefix: str, cur: Tensor, pos: Tensor, memory, layer: int, cfg: Any, *, n_head: int,
-        kv_lora: int, head_dim: int, eps: float, scale: float, flash_attn: bool) -> Tensor:
-    """Multi-head latent attention (DeepSeek-V2/V3) of the normed ``cur`` (``ne = (n_embd, n)``), as llama.cpp
-    builds it with the absorption optimisation: the cache holds per token one row of the compressed latent
-    and the RoPE'd key part (a K-only :class:`~ggmlpy.kvcache.Causal`, ``v_in_k``), not each head's K and V.
+        kv_lora: int, head_dim: int, eps: float, scale: float, flash_attn: bool, on_cpu: bool = False) -> Tensor:
+    """Multi-head latent attention (DeepSeek-V2/V3) of the normed ``cur`` (``ne = (n_embd, n)``). The cache holds
+    per token one row of the compressed latent and the RoPE'd key part (a K-only
+    :class:`~ggmlpy.kvcache.Causal`, ``v_in_k``), not each head's K and V.
 
     * Q: ``{prefix}attn_q_a`` → RMSNorm (``attn_q_a_norm``) → ``attn_q_b``, or ``attn_q`` where ``w`` has it
       (no query compression: V2-Lite); ``head_dim`` values per head, the first ``head_dim - rope_dim`` without
       position (``q_nope``), the rest rotated (``q_pe``);
     * ``attn_kv_a_mqa`` gives per token the latent (``kv_lora`` values, RMSNorm'd by ``attn_kv_a_norm``) and
       one key part shared by every head (``rope_dim`` values, rotated);
-    * absorbed: each head's ``q_nope`` times its ``attn_k_b`` (``ne = (head_dim - rope_dim, kv_lora, n_head)``)
-      is a query against the latent, so a head's query is ``[q_nope · k_b, q_pe]`` and the key
-      ``[latent, k_pe]`` (``kv_lora + rope_dim`` values, one head): multi-query attention whose value is
-      the latent; each head's output goes through its ``attn_v_b`` (:func:`attention`'s ``v_mla``).
+    * **absorbed** (llama.cpp's graph, always taken for generation): each head's ``q_nope`` times its
+      ``attn_k_b`` (``ne = (head_dim - rope_dim, kv_lora, n_head)``) is a query against the latent, so a
+      head's query is ``[q_nope · k_b, q_pe]`` and the key ``[latent, k_pe]`` (``kv_lora + rope_dim`` values,
+      one head): multi-query attention whose value is the latent; each head's output goes through its
+      ``attn_v_b`` (``ne = (kv_lora, head_dim_v, n_head)``);
+    * **decompressed heads** (prompts, as DeepSeek's reference and vLLM compute them): every visible cell's
+      latent goes through ``attn_k_b`` and ``attn_v_b`` into each head's own key (``[k_nope, k_pe]``,
+      ``head_dim`` values) and value (``head_dim_v``), and the heads attend as in a plain multi-head layer.
+      Decompressing costs per cell what the absorbed path spends per query row and cell on its wide heads
+      (``2 kv_lora + rope_dim`` values against ``head_dim + head_dim_v``), so it pays from about a hundred
+      rows on (DeepSeek-V3's widths: about half the attention's arithmetic for a 512-token prompt). Taken
+      where :func:`mla_heads_pay` says so, with ``flash_attn`` on the CPU (``on_cpu``) over a float cache
+      in host memory, by ggmlpy's :meth:`~ggmlpy.Context.attn_prefill` where it is vectorised and measured
+      faster (else ggml's ``flash_attn_ext`` over the same heads); ``blocks.mla_heads = False`` turns it off.
 
     ``cfg`` holds the RoPE settings as :func:`rope` reads them (``rope_dim``: the rotated part). ``scale``
     multiplies ``q·k`` (``1 / sqrt(head_dim)``, with YaRN's ``mscale`` squared). Returns
@@ -223,19 +227,68 @@ def mla(ctx: Context, w, prefix: str, cur: Tensor, pos: Tensor, memory, layer: i
     row = kv.nb[1]
     latent = rms_norm(ctx, ctx.view(kv, (kv_lora, n), (row,), 0), w[prefix + "attn_kv_a_norm.weight"], eps)
     k_pe = rope(ctx, ctx.view(kv, (rd, 1, n), (row, row), kv_lora * kv.nb[0]), pos, cfg)
-    # each head's query against the latent: (nope, n, n_head) through its k_b -> (kv_lora, n, n_head)
-    q_abs = ctx.mul_mat(w[prefix + "attn_k_b.weight"], ctx.permute(q_nope, 0, 2, 1, 3))
     # the latent first and the rotated part last, as llama.cpp lays a cache row out (its shift rotates the end)
+    memory.set_layer(layer).put(ctx.concat(ctx.reshape(latent, (kv_lora, 1, n)), k_pe, 0), None)
+    kv_k, kv_v, mask = memory.get()                                    # (kv_lora + rd | kv_lora, n_kv, 1)
+    k_b, v_b = w[prefix + "attn_k_b.weight"], w[prefix + "attn_v_b.weight"]
+    plan = getattr(memory, "plan", None)
+    if mla_heads and flash_attn and on_cpu and plan is not None and _kernel_ok(kv_k, kv_v) \
+            and mla_heads_pay(n, kv_k.ne[1], plan.n_cells, n_head=n_head, kv_lora=kv_lora, head_dim=head_dim,
+                              head_dim_v=v_b.ne[1], rope_dim=rd):
+        return _mla_heads(ctx, ctx.concat(q_nope, q_pe, 0), kv_k, kv_v, mask, k_b, v_b, scale=scale)
+    # each head's query against the latent: (nope, n, n_head) through its k_b -> (kv_lora, n, n_head)
+    q_abs = ctx.mul_mat(k_b, ctx.permute(q_nope, 0, 2, 1, 3))
     qk = ctx.concat(ctx.permute(q_abs, 0, 2, 1, 3), q_pe, 0)                      # (kv_lora + rd, n_head, n)
-    k = ctx.concat(ctx.reshape(latent, (kv_lora, 1, n)), k_pe, 0)                # (kv_lora + rd, 1, n)
-    return attention(ctx, memory, layer, qk, k, None, scale=scale, flash_attn=flash_attn,
-                     v_mla=w[prefix + "attn_v_b.weight"])
+    return _mla_absorbed(ctx, qk, kv_k, kv_v, mask, v_b, scale=scale, flash_attn=flash_attn)
 
 
-def _attention_mla(ctx: Context, q: Tensor, kv_k: Tensor, kv_v: Tensor, mask: Tensor, v_mla: Tensor, *,
-                   scale: float, flash_attn: bool) -> Tensor:
-    """:func:`attention` over a latent cache: every head of ``q`` attends to the one cached head (MQA), and
-    each head's mix of latents goes through its own ``v_mla`` matrix (llama.cpp's ``build_attn_mha``).
+def mla_heads_pay(n: int, n_kv: int, n_cells: int, *, n_head: int, kv_lora: int, head_dim: int, head_dim_v: int,
+                  rope_dim: int) -> bool:
+    """Whether :func:`mla` attends over decompressed heads for a batch of ``n`` rows over ``n_kv`` cells of a
+    cache of ``n_cells``: where it takes fewer multiply-adds than the absorbed path, counting ``n_kv - n / 2``
+    cells seen per row (a causal batch after its history), and where the decompressed keys and values of
+    the whole cache (float32, one layer's at a time) fit in :data:`MLA_HEADS_MAX_BYTES`, so that the
+    reservation at full context (which takes this path or not by the same rule) holds every graph's.
+    The rule depends on the graph's shape only, never on its mask: graphs are reused."""
+    nope = head_dim - rope_dim
+    seen = max(n_kv - n / 2, n / 2)
+    absorbed = n * seen * (2 * kv_lora + rope_dim) + n * kv_lora * (nope + head_dim_v)
+    heads = n_kv * kv_lora * (nope + head_dim_v) + n * seen * (head_dim + head_dim_v)
+    return heads < absorbed and n_cells * n_head * (head_dim + head_dim_v) * 4 <= MLA_HEADS_MAX_BYTES
+
+
+def _mla_heads(ctx: Context, q: Tensor, kv_k: Tensor, kv_v: Tensor, mask: Tensor, k_b: Tensor, v_b: Tensor, *,
+               scale: float) -> Tensor:
+    """:func:`mla`'s decompressed heads: ``q`` ``ne = (head_dim, n_head, n)`` over each cell's latent (``kv_v``,
+    ``ne = (kv_lora, n_kv, 1)``) through ``k_b`` and ``v_b``, with the cell's rotated key part (the end of
+    its ``kv_k`` row) shared by every head."""
+    nope, kv_lora, n_head = k_b.ne[0], k_b.ne[1], k_b.ne[2]
+    head_dim, n = q.ne[0], q.ne[2]
+    dv, n_kv, rd = v_b.ne[1], kv_k.ne[1], q.ne[0] - nope
+    lat = ctx.reshape(ctx.cast(kv_v, Type.F32), (kv_lora, n_kv))     # mul_mat reads float32 columns
+    # k_b is stored for the absorbed product (rows of nope values); decompressing reads it transposed, which a
+    # quantized matrix cannot be by a view: converted here, a small fraction of the layer's work per prompt
+    wk = ctx.cast(k_b, Type.F32) if _core.is_quantized(k_b.type) else k_b
+    wk = ctx.reshape(ctx.cont(ctx.permute(wk, 1, 0, 2, 3)), (kv_lora, nope * n_head))
+    k_nope = ctx.reshape(ctx.mul_mat(wk, lat), (nope, n_head, n_kv))            # each cell's heads together
+    v = ctx.mul_mat(ctx.reshape(v_b, (kv_lora, dv * n_head)), lat)               # (dv * n_head, n_kv)
+    k_pe = ctx.view(kv_k, (rd, 1, n_kv), (kv_k.nb[1], kv_k.nb[1]), kv_lora * kv_k.nb[0])
+    k_pe = ctx.repeat_4d(ctx.cast(k_pe, Type.F32), rd, n_head, n_kv, 1)
+    k = ctx.concat(k_nope, k_pe, 0)                                              # (head_dim, n_head, n_kv)
+    k = ctx.view(k, (head_dim, n_kv, n_head), (k.nb[2], k.nb[1]), 0)             # the cache's layout
+    v = ctx.view(v, (dv, n_kv, n_head), (v.nb[1], dv * v.nb[0]), 0)
+    if prefill_kernel and _core._attn_prefill_vectorized(head_dim, dv) \
+            and kernels.use(kernels.attn_site("attn_prefill", k, v, n_head)):
+        o = ctx.attn_prefill(q, k, v, mask, scale=scale)                          # (dv, n_head, n)
+    else:
+        o = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), k, v, mask, scale=scale)
+    return ctx.reshape(o, (dv * n_head, n))
+
+
+def _mla_absorbed(ctx: Context, q: Tensor, kv_k: Tensor, kv_v: Tensor, mask: Tensor, v_b: Tensor, *,
+                  scale: float, flash_attn: bool) -> Tensor:
+    """:func:`mla`'s absorbed attention: every head of ``q`` attends to the one cached head (MQA), and each
+    head's mix of latents goes through its own ``v_b`` matrix (llama.cpp's ``build_attn_mha`` with ``v_mla``).
     ggml's attention only: ggmlpy's CPU kernels read heads of one size whose V rows are their own."""
     n_head, n = q.ne[1], q.ne[2]
     qp = ctx.permute(q, 0, 2, 1, 3)                      # (dk, n, n_head)
@@ -245,8 +298,8 @@ def _attention_mla(ctx: Context, q: Tensor, kv_k: Tensor, kv_v: Tensor, mask: Te
     else:
         kq = ctx.soft_max_ext(ctx.mul_mat(kv_k, qp), mask, scale=scale)      # (n_kv, n, n_head)
         o = ctx.mul_mat(ctx.cont(ctx.permute(kv_v, 1, 0, 2, 3)), kq)          # (dv, n, n_head)
-    o = ctx.mul_mat(v_mla, o)                                                 # (d_out, n, n_head)
-    return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (v_mla.ne[1] * n_head, n))
+    o = ctx.mul_mat(v_b, o)                                                   # (d_out, n, n_head)
+    return ctx.cont(ctx.permute(o, 0, 2, 1, 3), (v_b.ne[1] * n_head, n))
 
 
 #: Whether :func:`attention` uses :meth:`~ggmlpy.Context.attn_decode` where it can (module-wide, read when a
@@ -258,6 +311,11 @@ prefill_kernel = True
 #: :meth:`~ggmlpy.Context.attn_prefill`, whose tiles are 64 rows.
 DECODE_MAX_ROWS = 64
 _KV_FLOAT = (Type.F16, Type.F32)
+#: Whether :func:`mla` may attend over decompressed heads (prompts; :func:`mla_heads_pay`). False: always absorbed.
+mla_heads = True
+#: The most bytes the decompressed keys and values of a whole cache may take (one layer's; float32) for
+#: :func:`mla` to decompress: beyond it the absorbed path, which needs no more than the cache.
+MLA_HEADS_MAX_BYTES = 1 << 30
 
 
 #: Whether :func:`linear` uses :meth:`~ggmlpy.Context.mul_mat_vec` where it can (module-wide, read when a

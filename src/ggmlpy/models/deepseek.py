@@ -6,17 +6,19 @@ it (``src/models/deepseek2.cpp`` at the pinned commit) from the files its conver
 
 * RMSNorm (``attn_norm``) → multi-head latent attention → residual → RMSNorm (``ffn_norm``) → feed-forward
   → residual; the output norm and head (``output.weight``, or the tied ``token_embd.weight``) at the end;
-* **multi-head latent attention** (:func:`~ggmlpy.models.blocks.mla`), absorbed as llama.cpp runs it: the
-  converter splits HF's ``kv_b_proj`` into ``attn_k_b`` (transposed, ``ne = (qk_nope, kv_lora, n_head)``) and
-  ``attn_v_b`` and writes ``attention.key_length = kv_lora + rope_dim``, ``value_length = kv_lora`` and
-  ``head_count_kv = 1`` (multi-query attention over the latent), with HF's head sizes in
-  ``attention.key_length_mla`` / ``value_length_mla``. The query is compressed (``attn_q_a`` →
-  ``attn_q_a_norm`` → ``attn_q_b``, ``attention.q_lora_rank``) or not (``attn_q``: V2-Lite).
+* **multi-head latent attention** (:func:`~ggmlpy.models.blocks.mla`): the converter splits HF's
+  ``kv_b_proj`` into ``attn_k_b`` (transposed, ``ne = (qk_nope, kv_lora, n_head)``) and ``attn_v_b`` and
+  writes ``attention.key_length = kv_lora + rope_dim``, ``value_length = kv_lora`` and ``head_count_kv = 1``
+  (multi-query attention over the latent), with HF's head sizes in ``attention.key_length_mla`` /
+  ``value_length_mla``. The query is compressed (``attn_q_a`` → ``attn_q_a_norm`` → ``attn_q_b``,
+  ``attention.q_lora_rank``) or not (``attn_q``: V2-Lite).
   **The cache stores the latent, not K and V**: per token and layer one row of ``kv_lora + rope_dim``
   values (the normed latent, then the rotated key part), read as K and, its first ``kv_lora`` values, as V
   (:class:`~ggmlpy.kvcache.Causal` with ``v_in_k``): DeepSeek-V3 keeps 576 values per token and layer where
-  full K and V would take 128 heads x (192 + 128) = 40960. A file from before the split (``attn_kv_b``, no
-  ``key_length_mla``) is refused, naming the key: convert it again;
+  full K and V would take 128 heads x (192 + 128) = 40960. Generation attends absorbed, as llama.cpp always
+  does; a prompt on the CPU, where that takes fewer operations, over each head's keys and values decompressed
+  from the cached latents (:func:`~ggmlpy.models.blocks.mla_heads_pay`). A file from before the split
+  (``attn_kv_b``, no ``key_length_mla``) is refused, naming the key: convert it again;
 * RoPE in normal mode (adjacent pairs; HF's ``rope_interleave``) on the last ``rope.dimension_count`` values of
   each query head and the shared key part. YaRN as llama.cpp builds deepseek2: ``rope.scaling.yarn_log_multiplier``
   (the converter writes ``0.1 * mscale_all_dim``) scales ``q·k`` by ``mscale² / sqrt(key_length_mla)`` with
@@ -389,7 +391,8 @@ class DeepseekModel(DecoderModel):
             p = f"blk.{il}."
             cur = blocks.rms_norm(ctx, x, w[p + "attn_norm.weight"], eps)
             o = blocks.mla(ctx, w, p, cur, pos, memory, il, c, n_head=c.n_head, kv_lora=c.n_lora_kv,
-                           head_dim=c.head_dim, eps=eps, scale=c.kq_scale, flash_attn=flash_attn)
+                           head_dim=c.head_dim, eps=eps, scale=c.kq_scale, flash_attn=flash_attn,
+                           on_cpu=self.on_cpu(il))
             o = blocks.linear(ctx, w[p + "attn_output.weight"], o)
             if il == c.n_layer - 1:
                 # only the rows that produce output go further
