@@ -271,6 +271,7 @@ def _weights(types_shapes):
     (Site("attn_decode", "F16/F16", (64, 64, 4, 2, 0)), []),
     (Site("attn_decode", "F32/F16", (32, 32, 2, 2, 1)), []),
     (Site("attn_prefill", "F16/F16", (64, 64, 4, 2)), []),
+    (Site("attn_prefill", "F32/F32", (96, 64, 4, 4)), []),         # deepseek2's decompressed heads
     (Site("geglu", "F32", (256, 0)), []),
     (Site("geglu", "F32", (256, 1)), []),
 ])
@@ -284,6 +285,25 @@ def test_every_op_is_measured_for_real(cpu, site, types_shapes, monkeypatch):
         if ctx is not None:
             ctx.free()
             buf.free()
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
+def test_the_prompt_experts_site_is_measured_for_real(cpu, monkeypatch):
+    """experts_rq: a repacked Q4_K stack through mul_mat_id_rq and mul_mat_id, PREFILL_ROWS tokens."""
+    extra = {b.name: b for b in _core.device("CPU").extra_buffer_types()}
+    if "CPU_REPACK" not in extra or not _core._mul_mat_vec_vnni():
+        pytest.skip("no repacked Q4_K kernel here (CPU_REPACK, AVX-512 VNNI)")
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    ctx = ggmlpy.Context.for_tensors(1, no_alloc=True)
+    w = ctx.new_tensor(ggmlpy.Type.Q4_K, (256, 64, 8))
+    buf = _core.alloc_ctx_tensors(ctx, extra["CPU_REPACK"])
+    try:
+        w.set(np.random.default_rng(0).standard_normal(w.shape, dtype=np.float32))
+        assert w.is_repacked
+        m = calibrate.measure_site(cpu, kernels.experts_site(w), [w], n_expert_used=2)
+    finally:
+        ctx.free()
+        buf.free()
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 

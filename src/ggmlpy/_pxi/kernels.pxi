@@ -55,6 +55,8 @@ cdef extern from "kernels.h":
     g.ggml_tensor * ggmlpy_mul_mat_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
     g.ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
                                               g.ggml_tensor * ids) nogil
+    g.ggml_tensor * ggmlpy_mul_mat_id_rq(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
+                                         g.ggml_tensor * ids) nogil
     int ggmlpy_gemv_repacked(const g.ggml_tensor * w) nogil
     int ggmlpy_gemv_vnni() nogil
     int ggmlpy_q8_allow
@@ -178,6 +180,12 @@ def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
     return (n_vectors >= 1 and w.ptr.ne[3] == 1
             and (ggmlpy_gemv_readable(w.ptr) or ggmlpy_gemv_repacked(w.ptr))
             and _gemv_scratch(w, n_vectors) <= GGMLPY_GEMV_SCRATCH)
+
+
+def _mul_mat_id_rq_ok(Tensor w):
+    """Whether ``Context.mul_mat_id_rq`` takes the expert stack ``w``: Q4_0 or Q4_K in ggml's repacked
+    layout on a CPU with AVX-512 VNNI. For the models' choice."""
+    return bool(ggmlpy_gemv_repacked(w.ptr)) and w.ptr.ne[2] >= 1 and w.ptr.ne[3] == 1
 
 
 cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, str instead,
@@ -470,6 +478,39 @@ cdef class _ContextKernels(_ContextNN):
         if rq4:                     # as_ is no source of the op: _res keeps it alive (see mul_mat_vec)
             return _res(self, ggmlpy_mul_mat_id_vec_rq4(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
         return _res(self, ggmlpy_mul_mat_id_vec(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
+
+    def mul_mat_id_rq(self, Tensor as_, Tensor b, Tensor ids):
+        """``mul_mat_id(as_, b, ids)`` for any number of tokens on an expert stack ggml repacked: a prompt's experts.
+
+        ggml's repacked ``mul_mat_id`` runs its one-vector 256-bit kernel once per token and slot, reading
+        the expert's rows each time. This op sorts the (token, slot) pairs by expert and runs each
+        expert's vectors three at a time through :meth:`mul_mat_vec`'s AVX-512 VNNI kernel for the
+        layout, over blocks of the expert's rows small enough to stay in the core's L2 cache; each
+        thread takes a share of every expert's rows. Each pair's arithmetic is the one-vector kernel's,
+        on the vector quantized as ggml quantizes it: ``mul_mat_id``'s values. An expert id out of range
+        gives NaN rows instead of ggml's abort.
+
+        ``as_`` ``(k, rows, n_expert)``, a Q4_0 or Q4_K stack in ggml's ``CPU_REPACK`` buffer on a CPU with
+        AVX-512 VNNI (``_mul_mat_id_rq_ok``); ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous;
+        ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous. Result f32 ``(rows, n_used, n_tokens)``.
+        """
+        cdef str op = "mul_mat_id_rq"
+        self._ensure_op(op)
+        _arg(as_, op, "as_"); _arg(b, op, "b"); _arg(ids, op, "ids")
+        _types(b, op, "b", M_F32)
+        _types(ids, op, "ids", M_I32)
+        _rows_contig(b, op, "b")
+        if not ggmlpy_gemv_repacked(as_.ptr):
+            _fail(op, f"as_ must be a Q4_0 or Q4_K expert stack ggml repacked (CPU_REPACK) on a CPU with AVX-512 "
+                  f"VNNI (got as_: {_desc(as_)}, in {_buffer_name(as_.ptr)}): use mul_mat_id")
+        if not (as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1
+                and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0] and ids.ptr.ne[0] >= 1
+                and (b.ptr.ne[1] == 1 or b.ptr.ne[1] == ids.ptr.ne[0]) and b.ptr.ne[2] >= 1 and ids.ptr.nb[0] == 4):
+            _fail(op, f"shapes do not match (got as_: {_desc(as_)}, b: {_desc(b)}, ids: {_desc(ids)}; expected "
+                  f"as_ (k, rows, n_expert), b (k, 1 or n_used, n_tokens), ids (n_used, n_tokens) with contiguous rows)")
+        self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
+        # as_ is no source of the op (see mul_mat_vec): _res keeps it alive
+        return _res(self, ggmlpy_mul_mat_id_rq(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
 
     cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
         """attn_decode's and attn_prefill's preconditions: types, contiguous rows, matching shapes."""

@@ -323,6 +323,8 @@ MLA_HEADS_MAX_BYTES = 1 << 30
 matvec_kernel = True
 #: The most tokens :func:`linear` hands to :meth:`~ggmlpy.Context.mul_mat_vec` (its bound).
 MATVEC_MAX_COLS = 4
+#: Whether :func:`moe_ffn` uses :meth:`~ggmlpy.Context.mul_mat_id_rq` for prompts where it can.
+experts_kernel = True
 
 
 def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
@@ -458,6 +460,11 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
     ``swiglu_oai = (alpha, limit)``. Experts without a gate (no ``ffn_gate_exps`` in ``w``: nomic-bert-moe)
     are ``down(act(up x))`` with ``act`` one of :data:`_PLAIN_ACT` (``"gelu_erf"``, ``"gelu"``, ``"silu"``).
 
+    The experts' products run ggmlpy's CPU kernels where they can and measured faster: for a few tokens
+    :meth:`~ggmlpy.Context.mul_mat_id_vec` (as :func:`linear`), for a prompt on a stack ggml repacked
+    :meth:`~ggmlpy.Context.mul_mat_id_rq` (each expert's rows read once per three of its tokens, not once
+    per token; ``blocks.experts_kernel = False`` turns it off).
+
     Returns
     -------
     Tensor
@@ -513,6 +520,9 @@ def moe_ffn(ctx: Context, w, prefix: str, cur: Tensor, *, n_expert_used: int, no
                 and _core._mul_mat_id_vec_ok(exps, inp.ne[1] * inp.ne[2])
                 and kernels.use(kernels.matvec_site(exps), exps)):
             y = ctx.mul_mat_id_vec(exps, inp, chosen)        # generation: linear()'s schedule for experts
+        elif (experts_kernel and n > MATVEC_MAX_COLS and _core._mul_mat_id_rq_ok(exps)
+                and kernels.use(kernels.experts_site(exps), exps)):
+            y = ctx.mul_mat_id_rq(exps, inp, chosen)          # a prompt on a repacked stack: grouped by expert
         else:
             y = ctx.mul_mat_id(exps, inp, chosen)                                   # (rows, k, n)
         return ctx.add_id(y, w[f"{prefix}{name}.bias"], chosen) if f"{prefix}{name}.bias" in w else y

@@ -20,7 +20,9 @@ would multiply. Each site is timed both ways on the CPU backend with the runner'
   AVX-512 CPU) the AVX2 path is timed too, and the faster of the two is the own kernel's time and
   the path the graphs take (:data:`ggmlpy.models.kernels.VARIANTS`);
 * **attn_prefill**: :data:`PREFILL_ROWS` rows over as many cells, causal, against ``flash_attn_ext``;
-* **geglu**: one row and :data:`PREFILL_ROWS` rows of the model's feed-forward width against ``geglu``.
+* **geglu**: one row and :data:`PREFILL_ROWS` rows of the model's feed-forward width against ``geglu``;
+* **experts_rq**: :data:`PREFILL_ROWS` tokens, each with ``n_expert_used`` distinct experts, through the
+  site's first repacked expert stack: :meth:`~ggmlpy.Context.mul_mat_id_rq` against ``mul_mat_id``.
 
 The graphs of a site run in turn (one warm-up each, then :data:`TIMING` rounds), and each
 keeps its median time: the rule (:func:`ggmlpy.models.kernels.decide`) compares median with median. The
@@ -277,7 +279,7 @@ def measure_site(be: Any, site: Site, weights: Iterable[Tensor] = (), n_expert_u
     their inputs.
     """
     builder = {"matvec": _matvec, "matvec_id": _matvec, "attn_decode": _attn, "attn_prefill": _attn,
-               "geglu": _geglu}.get(site.op)
+               "geglu": _geglu, "experts_rq": _experts_rq}.get(site.op)
     if builder is None:
         raise GGMLError(f"kernels: no measurement for op {site.op!r}")
     with _Bench(be) as bench:
@@ -411,6 +413,24 @@ def _matvec(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> No
         else:
             outs = [ctx.mul_mat_vec(w, x) if own else ctx.mul_mat(w, x) for w in group]
         bench.graph(ctx, outs)
+
+
+def _experts_rq(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> None:
+    if not weights:
+        raise GGMLError(f"kernels: no weight recorded for {site.key}")
+    w = weights[0]
+    k, n_expert = w.ne[0], w.ne[2]
+    n_used = max(1, min(int(n_used), n_expert))
+    inputs = bench.context(2)
+    x = inputs.new_tensor(Type.F32, (k, 1, PREFILL_ROWS))
+    ids = inputs.new_tensor(Type.I32, (n_used, PREFILL_ROWS))
+    bench.constants(inputs)
+    rng = _rng()
+    x.set(rng.standard_normal(x.shape, dtype=np.float32))
+    ids.set(np.argsort(rng.random((PREFILL_ROWS, n_expert)), axis=1)[:, :n_used].astype(np.int32))
+    for own in (True, False):
+        ctx = bench.context(2)
+        bench.graph(ctx, [ctx.mul_mat_id_rq(w, x, ids) if own else ctx.mul_mat_id(w, x, ids)])
 
 
 def _attn(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> None:

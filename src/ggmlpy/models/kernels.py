@@ -1,7 +1,8 @@
 """Which of ggmlpy's own CPU kernels a graph uses: each is chosen by measurement against ggml's op.
 
 ggmlpy has its own CPU kernels for the generation step's matrix-vector products
-(:meth:`~ggmlpy.Context.mul_mat_vec`, :meth:`~ggmlpy.Context.mul_mat_id_vec`), for attention over the
+(:meth:`~ggmlpy.Context.mul_mat_vec`, :meth:`~ggmlpy.Context.mul_mat_id_vec`), for a prompt's experts on
+weights ggml repacked (:meth:`~ggmlpy.Context.mul_mat_id_rq`), for attention over the
 cache (:meth:`~ggmlpy.Context.attn_decode`, :meth:`~ggmlpy.Context.attn_prefill`) and for GeGLU
 (:meth:`~ggmlpy.Context.geglu_tanh`). A kernel shaped for one microarchitecture (512-bit registers, a
 prefetch distance) can lose to ggml's on the next one: on a Zen 4 the own F16 matrix-vector kernel gave
@@ -49,7 +50,7 @@ from typing import Optional
 from ggmlpy._core import GGMLValueError, Tensor
 
 __all__ = ["MARGIN", "MODES", "VARIANTS", "KernelChoices", "Measurement", "Site", "attn_site", "current", "decide",
-           "geglu_site", "matvec_site", "mode", "use", "using", "variant", "weight_type"]
+           "experts_site", "geglu_site", "matvec_site", "mode", "use", "using", "variant", "weight_type"]
 
 #: The modes of :func:`mode`.
 MODES = ("measure", "own", "ggml")
@@ -247,6 +248,12 @@ def matvec_site(w: Tensor) -> Site:
     if w.ne[2] > 1:
         return Site("matvec_id", weight_type(w), (w.ne[0], w.ne[1], w.ne[2]))
     return Site("matvec", weight_type(w), (w.ne[0], w.ne[1]))
+
+
+def experts_site(w: Tensor) -> Site:
+    """The site of a prompt's tokens through the repacked expert stack ``w``
+    (:meth:`~ggmlpy.Context.mul_mat_id_rq`)."""
+    return Site("experts_rq", weight_type(w), (w.ne[0], w.ne[1], w.ne[2]))
 
 
 def attn_site(op: str, k: Tensor, v: Tensor, n_head: int) -> Site:

@@ -17,6 +17,7 @@
    mul_mat's; dropped. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include "ggml.h"
 #include "ggml-backend.h"
@@ -427,9 +428,9 @@ int ggmlpy_gemv_repacked(const struct ggml_tensor * w) {
 #if GGMLPY_X86
 /* Row groups [g0, g1) of the repacked weight w (nb blocks of 32 columns per group) against m Q8_0
    vectors xq (xrow bytes apart; ys8[c * nb + b] = 8 * the sum of vector c's bytes in block b), into
-   dst's columns (dnb1 bytes apart). */
+   the output columns dst[c]. */
 GGMLPY_VNNI static void ggmlpy_rq4_rows(const char * w, int64_t nb, int64_t g0, int64_t g1, const char * xq,
-                                        size_t xrow, const int32_t * ys8, int m, char * dst, size_t dnb1) {
+                                        size_t xrow, const int32_t * ys8, int m, char * const * dst) {
     const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(0x08);
     const int64_t pfd = ggmlpy_rq4_pfd;
     for (int64_t gi = g0; gi < g1; gi++) {
@@ -465,7 +466,7 @@ GGMLPY_VNNI static void ggmlpy_rq4_rows(const char * w, int64_t nb, int64_t g0, 
                 acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(_cvtsh_ss(yd))), acc[c]);
             }
         }
-        for (int c = 0; c < m; c++) _mm256_storeu_ps((float *) (dst + c * dnb1) + gi * 8, acc[c]);
+        for (int c = 0; c < m; c++) _mm256_storeu_ps((float *) dst[c] + gi * 8, acc[c]);
     }
 }
 #endif
@@ -498,9 +499,9 @@ static inline void ggmlpy_q4k_unpack(const uint8_t * packed, uint32_t utmp[4]) {
 
 /* Row groups [g0, g1) of the repacked Q4_K weight w (nb super-blocks of 256 columns per group) against
    m Q8_K vectors xq (xrow bytes apart; bs32[(c * nb + b) * 8 + s] = the sum of vector c's 32 bytes of
-   sub-block s in super-block b), into dst's columns (dnb1 bytes apart). */
+   sub-block s in super-block b), into the output columns dst[c]. */
 GGMLPY_VNNI static void ggmlpy_rq4k_rows(const char * w, int64_t nb, int64_t g0, int64_t g1, const char * xq,
-                                         size_t xrow, const int32_t * bs32, int m, char * dst, size_t dnb1) {
+                                         size_t xrow, const int32_t * bs32, int m, char * const * dst) {
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m128i dup = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const int64_t pfd = ggmlpy_rq4k_pfd;
@@ -559,7 +560,7 @@ GGMLPY_VNNI static void ggmlpy_rq4k_rows(const char * w, int64_t nb, int64_t g0,
                 accm[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmw, vdy), accm[c]);
             }
         }
-        for (int c = 0; c < m; c++) _mm256_storeu_ps((float *) (dst + c * dnb1) + gi * 8, _mm256_sub_ps(acc[c], accm[c]));
+        for (int c = 0; c < m; c++) _mm256_storeu_ps((float *) dst[c] + gi * 8, _mm256_sub_ps(acc[c], accm[c]));
     }
 }
 
@@ -586,9 +587,9 @@ static void ggmlpy_rq_vector(enum ggml_type t, const float * x, int64_t k, char 
 
 /* ... and its rows (nb: blocks of 32 columns for Q4_0, super-blocks of 256 for Q4_K) */
 static void ggmlpy_rq_rows(enum ggml_type t, const char * w, int64_t k, int64_t g0, int64_t g1, const char * xq,
-                           size_t xrow, const int32_t * aux, int m, char * dst, size_t dnb1) {
-    if (t == GGML_TYPE_Q4_K) ggmlpy_rq4k_rows(w, k / 256, g0, g1, xq, xrow, aux, m, dst, dnb1);
-    else ggmlpy_rq4_rows(w, k / 32, g0, g1, xq, xrow, aux, m, dst, dnb1);
+                           size_t xrow, const int32_t * aux, int m, char * const * dst) {
+    if (t == GGML_TYPE_Q4_K) ggmlpy_rq4k_rows(w, k / 256, g0, g1, xq, xrow, aux, m, dst);
+    else ggmlpy_rq4_rows(w, k / 32, g0, g1, xq, xrow, aux, m, dst);
 }
 #endif
 
@@ -606,8 +607,10 @@ static void ggmlpy_gemv_rq4_op(struct ggml_tensor * dst, int ith, int nth, void 
         ggmlpy_rq_vector(w->type, (const float *) ((const char *) x->data + c * x->nb[1]), k, xq + c * xrow,
                          aux + c * nb);
     }
+    char * cols[GGMLPY_RQ4_MAX_COLS];
+    for (int64_t c = 0; c < m; c++) cols[c] = (char *) dst->data + c * dst->nb[1];
     ggmlpy_rq_rows(w->type, (const char *) w->data, k, groups * ith / nth, groups * (ith + 1) / nth, xq, xrow, aux,
-                   (int) m, (char *) dst->data, dst->nb[1]);
+                   (int) m, cols);
 #else
     (void) dst; (void) ith; (void) nth; (void) userdata;
 #endif
@@ -644,13 +647,114 @@ static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, vo
             for (int64_t r = g0 * 8; r < g1 * 8; r++) ((float *) y)[r] = NAN;
         } else {
             ggmlpy_rq_rows(w->type, (const char *) w->data + e * w->nb[2], k, g0, g1, xq + v * xrow, xrow, aux + v * nb, 1,
-                           y, 0);
+                           &y);
         }
         u += g1 - g0;
     }
 #else
     (void) dst; (void) ith; (void) nth; (void) userdata;
 #endif
+}
+
+/* Bytes of one expert's rows a thread reads for every run of vectors before it moves on (a block of row
+   groups that stays in the core's L2 while the expert's runs pass over it). */
+#define GGMLPY_RQ_ID_BLOCK (256 * 1024)
+
+/* Rows [r0, r1) of the (slot, token) outputs of pairs p[0..n) set to NaN (an id out of range, or no memory). */
+static void ggmlpy_rq_id_nan(struct ggml_tensor * dst, const int64_t * p, int64_t n, int64_t n_used, int64_t r0,
+                             int64_t r1) {
+    for (int64_t j = 0; j < n; j++) {
+        float * y = (float *) ((char *) dst->data + (p[j] % n_used) * dst->nb[1] + (p[j] / n_used) * dst->nb[2]);
+        for (int64_t r = r0; r < r1; r++) y[r] = NAN;
+    }
+}
+
+/* The experts' product for many tokens (Context.mul_mat_id_rq): ggmlpy_gemv_rq4_id_op's arguments, any token
+   count. Every thread sorts the (token, slot) pairs by expert (a counting pass over ids) and takes the
+   run [P * ith / nth, P * (ith + 1) / nth) of the P sorted pairs: each expert's pairs are quantized as ggml
+   does, by the one thread that has them, and go GGMLPY_RQ4_MAX_COLS at a time over blocks of the expert's
+   rows that stay in L2 (ggml's repacked mul_mat_id reads the expert's rows once per pair, with a 256-bit
+   kernel). The arithmetic per pair is the one-vector kernel's: mul_mat_id's values. An id out of range
+   gives NaN rows, and so does a thread that cannot get its scratch memory. */
+static void ggmlpy_rq_id_grouped_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+#if GGMLPY_X86
+    const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0], * ids = dst->src[1];
+    const int64_t k = w->ne[0], nb = k / 32, groups = w->ne[1] / 8, n_expert = w->ne[2];
+    const int64_t xb = x->ne[1], n_used = ids->ne[0], n_pairs = x->ne[2] * n_used;
+    const int64_t j0 = n_pairs * ith / nth, j1 = n_pairs * (ith + 1) / nth;
+    const size_t xrow = ggml_row_size(w->type == GGML_TYPE_Q4_K ? GGML_TYPE_Q8_K : GGML_TYPE_Q8_0, k);
+    const int64_t gbytes = (int64_t) (w->nb[1] * 8), block = gbytes < GGMLPY_RQ_ID_BLOCK ? GGMLPY_RQ_ID_BLOCK / gbytes : 1;
+    if (j0 >= j1) return;
+    /* start[e]: the first sorted pair of expert e (bad ids sort last, as expert n_expert) */
+    int64_t * start = (int64_t *) calloc((size_t) n_expert + 2, sizeof(int64_t));
+    int64_t * pairs = (int64_t *) malloc(sizeof(int64_t) * (size_t) n_pairs);
+    char * xq = NULL;
+    int32_t * aux = NULL;
+    if (start != NULL && pairs != NULL) {
+        for (int64_t p = 0; p < n_pairs; p++) {
+            const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
+            start[(e >= 0 && e < n_expert ? e : n_expert) + 1]++;
+        }
+        for (int64_t e = 0; e <= n_expert; e++) start[e + 1] += start[e];
+        for (int64_t p = 0; p < n_pairs; p++) {         /* start[e] advances to the next expert's start */
+            const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
+            pairs[start[e >= 0 && e < n_expert ? e : n_expert]++] = p;
+        }
+        for (int64_t e = n_expert; e > 0; e--) start[e] = start[e - 1];
+        start[0] = 0;
+        int64_t most = 0;                                 /* the most pairs of one expert in this thread's run */
+        for (int64_t e = 0; e < n_expert; e++) {
+            const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
+            most = hi - lo > most ? hi - lo : most;
+        }
+        xq = most ? (char *) malloc((size_t) most * xrow) : NULL;
+        aux = most ? (int32_t *) malloc(sizeof(int32_t) * (size_t) (most * nb)) : NULL;
+        if (most && (xq == NULL || aux == NULL)) {
+            ggmlpy_rq_id_nan(dst, pairs + j0, j1 - j0, n_used, 0, w->ne[1]);
+            goto done;
+        }
+    } else {
+        for (int64_t p = j0; p < j1; p++) ggmlpy_rq_id_nan(dst, &p, 1, n_used, 0, w->ne[1]);   /* unsorted: its share */
+        goto done;
+    }
+    for (int64_t e = 0; e <= n_expert; e++) {
+        const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
+        if (hi <= lo) continue;
+        const int64_t * pe = pairs + lo, cnt = hi - lo;
+        if (e == n_expert) {
+            ggmlpy_rq_id_nan(dst, pe, cnt, n_used, 0, w->ne[1]);
+            continue;
+        }
+        for (int64_t j = 0; j < cnt; j++) {
+            const int64_t t = pe[j] / n_used, v = pe[j] % n_used % xb;
+            ggmlpy_rq_vector(w->type, (const float *) ((const char *) x->data + v * x->nb[1] + t * x->nb[2]), k,
+                             xq + j * xrow, aux + j * nb);
+        }
+        const char * we = (const char *) w->data + e * w->nb[2];
+        for (int64_t b0 = 0; b0 < groups; b0 += block) {
+            const int64_t b1 = b0 + block < groups ? b0 + block : groups;
+            for (int64_t j = 0; j < cnt; j += GGMLPY_RQ4_MAX_COLS) {
+                const int m = (int) (cnt - j < GGMLPY_RQ4_MAX_COLS ? cnt - j : GGMLPY_RQ4_MAX_COLS);
+                char * cols[GGMLPY_RQ4_MAX_COLS];
+                for (int c = 0; c < m; c++) {
+                    cols[c] = (char *) dst->data + (pe[j + c] % n_used) * dst->nb[1] + (pe[j + c] / n_used) * dst->nb[2];
+                }
+                ggmlpy_rq_rows(w->type, we, k, b0, b1, xq + j * xrow, xrow, aux + j * nb, m, cols);
+            }
+        }
+    }
+done:
+    free(start); free(pairs); free(xq); free(aux);
+#else
+    (void) dst; (void) ith; (void) nth; (void) userdata;
+#endif
+}
+
+struct ggml_tensor * ggmlpy_mul_mat_id_rq(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
+                                          struct ggml_tensor * ids) {
+    struct ggml_tensor * args[2] = {x, ids};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 2, ggmlpy_rq_id_grouped_op,
+                          GGML_N_TASKS_MAX, w);
 }
 
 struct ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,

@@ -42,6 +42,8 @@ struct ggml_tensor * ggmlpy_mul_mat_id_vec(struct ggml_context * ctx, struct ggm
 struct ggml_tensor * ggmlpy_mul_mat_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x);
 struct ggml_tensor * ggmlpy_mul_mat_id_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w,
                                                struct ggml_tensor * x, struct ggml_tensor * ids);
+struct ggml_tensor * ggmlpy_mul_mat_id_rq(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
+                                          struct ggml_tensor * ids);
 size_t ggmlpy_gemv_scratch(enum ggml_type type, int64_t k, int64_t m);
 int ggmlpy_gemv_readable(const struct ggml_tensor * w);
 int ggmlpy_gemv_repacked(const struct ggml_tensor * w);
