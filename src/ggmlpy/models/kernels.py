@@ -63,6 +63,7 @@ MARGIN = 0.03
 OPS = {
     "matvec": "mul_mat",                # Context.mul_mat_vec: a weight times 1-4 vectors
     "matvec_id": "mul_mat_id",          # Context.mul_mat_id_vec: a token's chosen experts
+    "experts_rq": "mul_mat_id",         # Context.mul_mat_id_rq: a prompt's experts on a repacked stack
     "attn_decode": "flash_attn_ext",    # Context.attn_decode: a few query rows over the cache
     "attn_prefill": "flash_attn_ext",   # Context.attn_prefill: a prompt's rows
     "geglu": "geglu",                   # Context.geglu_tanh
@@ -111,7 +112,7 @@ def decide(own_s: float, ggml_s: float, margin: float = MARGIN) -> bool:
 @dataclass(frozen=True)
 class Site:
     """A place a graph may use an own kernel: the op (a key of :data:`OPS`), the type (a weight's, or the
-    cache's ``"F16/F16"``) and the shape class (a weight's ``ne``; attention's ``(head_dim_k, head_dim_v,
+    cache's ``"F16/F16"``) and the shape class (a weight's or expert stack's ``ne``; attention's ``(head_dim_k, head_dim_v,
     n_head, n_head_kv[, depth class])``; GeGLU's ``(n_ff, rows class)``)."""
 
     op: str
