@@ -112,8 +112,8 @@ def decide(own_s: float, ggml_s: float, margin: float = MARGIN) -> bool:
 @dataclass(frozen=True)
 class Site:
     """A place a graph may use an own kernel: the op (a key of :data:`OPS`), the type (a weight's, or the
-    cache's ``"F16/F16"``) and the shape class (a weight's or expert stack's ``ne``; attention's ``(head_dim_k, head_dim_v,
-    n_head, n_head_kv[, depth class])``; GeGLU's ``(n_ff, rows class)``)."""
+    cache's ``"F16/F16"``) and the shape class (a weight's or expert stack's ``ne``; attention's
+    ``(head_dim_k, head_dim_v, n_head, n_head_kv[, depth class])``; GeGLU's ``(n_ff, rows class)``)."""
 
     op: str
     type: str
