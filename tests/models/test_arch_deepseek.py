@@ -299,6 +299,7 @@ def test_decompressed_heads_after_a_history_and_beside_other_sequences(v3, heads
     with load_model(v3.path(), devices="cpu") as model, \
             Runner(model, n_ctx=256, type_k="f32", type_v="f32", flash_attn=True) as rt:
         got = np.concatenate([rt.decode(toks[:40], logits="all"), rt.decode(toks[40:], logits="all")])
+        assert rt.reallocations == 0            # the reservation (decompressed at full context) held both
     assert 130 in heads_spy and 40 not in heads_spy
     assert errors(got, hf_logits(v3.hf, toks)).max() <= TOL
     heads_spy.clear()
