@@ -95,6 +95,36 @@ def test_vnni_row_pair_kernels_equal_mul_mat_exactly(wtype, shape, m):
         switch(old)
 
 
+@pytest.mark.parametrize("wtype", ["Q8_0", "Q6_K", "F16"])
+@pytest.mark.parametrize("m", [1, 3])
+def test_the_vec_dot_path_gives_the_same_values_and_is_the_one_recorded(wtype, m):
+    """``own_rows=False``: every row through ggml's vec_dot under the schedule. Its values are the row
+    kernels' bit for bit (each is ggml's arithmetic) and mul_mat's; the op records the path asked for
+    (the graphs' choice per site is read back from it), and ``_mul_mat_vec_own_rows`` names the weights
+    with two paths: Q8_0 and Q6_K where the VNNI kernels run, none with the portable path forced."""
+    rng = np.random.default_rng(m)
+    W = rng.standard_normal((301, 512)).astype(np.float32)
+    X = rng.standard_normal((m, 512)).astype(np.float32)
+    with ggmlpy.Context(64 << 20) as ctx:
+        w = _weight(ctx, wtype, W)
+        x = ctx.from_numpy(X)
+        own, dot, ref = ctx.mul_mat_vec(w, x), ctx.mul_mat_vec(w, x, own_rows=False), ctx.mul_mat(w, x)
+        assert (_core._mul_mat_vec_path(own), _core._mul_mat_vec_path(dot), _core._mul_mat_vec_path(ref)) == \
+            ("vnni", "dot", None)
+        assert _core._mul_mat_vec_own_rows(w) == (_core._mul_mat_vec_vnni() and wtype != "F16")
+        old = _core._kernels_force_portable(True)
+        try:
+            assert not _core._mul_mat_vec_own_rows(w)
+        finally:
+            _core._kernels_force_portable(old)
+        gf = ctx.new_graph()
+        for t in (own, dot, ref):
+            gf.build_forward_expand(t)
+        gf.compute(2)
+        assert np.array_equal(own.numpy(), dot.numpy())
+        assert np.abs(dot.numpy() - ref.numpy()).max() <= TOL * np.abs(ref.numpy()).max()
+
+
 def test_float16_against_numpy():
     """F16 weights: ggml's kernel on the vectors rounded to float16, summed in float32."""
     rng = np.random.default_rng(5)
@@ -184,8 +214,12 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
         if on:
             assert taken and all(ok == {"plain": True, "rq4": RQ4, "other": False}[kind] for kind, ok in taken)
             if "AMX" not in EXTRA or not backend.amx_usable():   # where AMX runs, it takes the matrices
-                assert any(ok for _, ok in taken) == (wtype not in ("Q4_0", "Q4_K_M") or "CPU_REPACK" not in EXTRA
-                                                      or RQ4)
+                # it ran at least once wherever it could: on a plain weight (every one outside CPU_REPACK;
+                # Q4_K_M's Q6_K ones where ggml does not repack Q6_K) or a repacked Q4 one with its kernel
+                can = any(kind == "plain" or (kind == "rq4" and RQ4) for kind, _ in taken)
+                assert can == (wtype not in ("Q4_0", "Q4_K_M") or "CPU_REPACK" not in EXTRA or RQ4
+                               or any(kind == "plain" for kind, _ in taken))
+                assert any(ok for _, ok in taken) == can
         else:
             assert not taken
         logits[on] = np.stack(steps)

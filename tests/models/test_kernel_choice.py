@@ -60,7 +60,8 @@ def test_the_path_is_the_one_that_measured_fastest():
     assert kernels.VARIANTS["attn_decode"][0] == "avx512"
     assert [kc.variant(s) for s in (site, other, odd)] == ["avx2", "avx512", "avx512"]
     assert kc.variant(Site("attn_decode", "F16/F16", (128, 128, 32, 8, 0))) == "avx512"
-    assert kc.variant(mv) == ""
+    assert kc.variant(mv) == kernels.VARIANTS["matvec"][0] == "vnni"       # measured with one path: the default
+    assert kc.variant(Site("geglu", "F32", (256, 0))) == ""
     assert KernelChoices("own", entries=entries).variant(site) == "avx512"
     with kernels.using(kc):
         assert kernels.variant(site) == "avx2"
@@ -319,6 +320,57 @@ def test_attention_decode_times_both_paths_where_both_run(cpu, monkeypatch, n_he
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("wtype", [ggmlpy.Type.Q8_0, ggmlpy.Type.Q6_K, ggmlpy.Type.F16])
+def test_matvec_times_both_paths_where_both_run(cpu, monkeypatch, wtype, forced):
+    """Q8_0 and Q6_K weights on an AVX-512 VNNI CPU: the row kernel and ggml's vec_dot under the schedule
+    are both timed (a graph each, then ggml's) and the faster named; other weights (or CPUs) have one
+    path and no name. ``forced``: the two-path case on any CPU (the predicate replaced)."""
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    if forced:
+        monkeypatch.setattr(_core, "_mul_mat_vec_own_rows", lambda w: True)
+    labels = []
+    graph = calibrate._Bench.graph
+    monkeypatch.setattr(calibrate._Bench, "graph", lambda self, ctx, outs, label="": (
+        labels.append((label, {_core._mul_mat_vec_path(o) for o in outs})), graph(self, ctx, outs, label))[1])
+    ctx, buf, ws = _weights([(wtype, (256, 64))] * 2)
+    try:
+        both = _core._mul_mat_vec_own_rows(ws[0])
+        m = calibrate.measure_site(cpu, kernels.matvec_site(ws[0]), ws)
+    finally:
+        ctx.free()
+        buf.free()
+    if both:
+        assert labels == [("vnni", {"vnni"}), ("dot", {"dot"}), ("", {None})]
+        assert m.variant in kernels.VARIANTS["matvec"]
+    else:
+        assert labels == [("", {"vnni"}), ("", {None})] and m.variant == ""
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
+def test_a_matvec_site_builds_the_path_that_measured_faster():
+    """blocks.linear at a measured Q8_0 site: the own op on the measured path (ggml's vec_dot for "dot",
+    the row kernel for "vnni", the row kernel where unmeasured or in mode "own"), ggml's mul_mat where the
+    own kernel measured slower or in mode "ggml"."""
+    from ggmlpy.models import blocks
+
+    with ggmlpy.Context(16 << 20) as ctx:
+        w = ctx.new_tensor(ggmlpy.Type.Q8_0, (256, 64))
+        x = ctx.new_tensor(ggmlpy.Type.F32, (256, 1))
+        site = kernels.matvec_site(w)
+
+        def path(mode, measured=None):
+            entries = {site.key: measured} if measured is not None else {}
+            with kernels.using(KernelChoices(mode, entries=entries)):
+                return _core._mul_mat_vec_path(blocks.linear(ctx, w, x))
+
+        assert path("measure", Measurement(1.0, 2.0, "dot")) == "dot"
+        assert path("measure", Measurement(1.0, 2.0, "vnni")) == "vnni"
+        assert path("measure") == path("own") == "vnni"
+        assert path("measure", Measurement(2.0, 1.0, "dot")) is None
+        assert path("ggml") is None
+
+
 @pytest.mark.parametrize("llc, emptied", [(4 << 20, True), (1 << 10, False)])
 def test_a_site_that_fits_in_the_last_level_cache_is_timed_from_memory(cpu, monkeypatch, llc, emptied):
     """Weights that fit twice in the last-level cache would stay there from run to run (generation reads
@@ -418,7 +470,11 @@ def test_the_runner_takes_own_kernels_only_where_they_measured_faster(tiny_gemma
         faster = set()
         with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
             ops = {s.op for s in seen}
-            assert {"matvec", "attn_decode", "attn_prefill", "geglu"} <= ops, ops
+            # the prompt's own kernels are sites only where this CPU runs them vectorised
+            hd = m.config.head_dim
+            want = {"matvec", "attn_decode"} | ({"attn_prefill"} if _core._attn_prefill_vectorized(hd, hd) else set()) \
+                | ({"geglu"} if _core._geglu_vectorized() else set())
+            assert ops == want, ops
             assert not any(r.kernels.use(s) for s in seen)
             assert _custom_ops(r, 1) == 0 and _custom_ops(r, 64) == 0
         # everything measured faster (a new cache folder: measured again)
@@ -426,7 +482,7 @@ def test_the_runner_takes_own_kernels_only_where_they_measured_faster(tiny_gemma
         faster = {s.key for s in seen}
         with Runner(m, n_ctx=64, n_threads=1, n_ubatch=64) as r:
             decode_own, prompt_own = _custom_ops(r, 1), _custom_ops(r, 64)
-        assert decode_own > 0 and prompt_own > 0
+        assert decode_own > 0 and (prompt_own > 0) == (want > {"matvec", "attn_decode"})
         # only the matrix-vector products faster
         monkeypatch.setenv("GGMLPY_CACHE", str(tmp_path / "mv"))
         faster = {s.key for s in seen if s.op == "matvec"}

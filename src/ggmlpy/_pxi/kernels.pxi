@@ -44,7 +44,9 @@ cdef extern from "kernels.h":
     int64_t ggmlpy_attn_pfd
 
 cdef extern from "kernels.h":
-    g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    g.ggml_tensor * ggmlpy_mul_mat_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x, int own_rows) nogil
+    int ggmlpy_gemv_own_rows(const g.ggml_tensor * w) nogil
+    int ggmlpy_gemv_path(const g.ggml_tensor * t) nogil
     g.ggml_tensor * ggmlpy_mul_mat_id_vec(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x,
                                           g.ggml_tensor * ids) nogil
     int GGMLPY_GEMV_MAX_COLS
@@ -121,6 +123,21 @@ def _mul_mat_vec_repacked(allow=None, type="Q4_0"):
         else:
             ggmlpy_rq4k_allow = 1 if allow else 0
     return bool(old)
+
+
+def _mul_mat_vec_own_rows(Tensor w):
+    """Whether ``mul_mat_vec`` runs ``w``'s rows through one of ggmlpy's own VNNI row kernels (Q8_0, Q6_K;
+    AVX-512 VNNI, the kernel allowed) unless ``own_rows=False`` asks for ggml's ``vec_dot`` under the
+    same schedule: the weights where the two paths are measured against each other."""
+    return bool(ggmlpy_gemv_own_rows(w.ptr))
+
+
+def _mul_mat_vec_path(Tensor t):
+    """The path ``t``, a result of ``mul_mat_vec``, was made to take: ``"vnni"`` (ggmlpy's row kernels
+    where its weight's type has one), ``"dot"`` (``own_rows=False``); None for any other tensor. For
+    tests."""
+    cdef int p = ggmlpy_gemv_path(t.ptr)
+    return None if p < 0 else "vnni" if p else "dot"
 
 
 def _mul_mat_vec_vnni():
@@ -397,7 +414,7 @@ cdef class _ContextKernels(_ContextNN):
                                 logit_softcap)
         return _res(self, r, q, k, v, mask)
 
-    def mul_mat_vec(self, Tensor w, Tensor x):
+    def mul_mat_vec(self, Tensor w, Tensor x, bint own_rows=True):
         """``mul_mat(w, x)`` for a few float32 vectors: the generation step's product, ``mul_mat``'s values.
 
         ggmlpy's schedule for ggml's own CPU dot kernels (a ggml custom op): each thread reads one
@@ -408,7 +425,9 @@ cdef class _ContextKernels(_ContextNN):
         converted to the kernel's type as ``mul_mat`` converts them, each row's dot is the type's
         ``vec_dot``: the same values. On a CPU with AVX-512 VNNI, Q8_0 rows go two at a time through
         a kernel of ggmlpy's own with ggml's arithmetic (the same values again; one thread 1.26x
-        ggml's ``mul_mat`` where its ``vec_dot`` under this schedule gave 1.06x).
+        ggml's ``mul_mat`` where its ``vec_dot`` under this schedule gave 1.06x), and Q6_K rows likewise;
+        ``own_rows=False`` keeps them on ggml's ``vec_dot`` under the schedule (which of the two is faster
+        depends on the CPU and the row length: the runner measures both, ``_mul_mat_vec_own_rows``).
 
         ``w`` ``(k, n)``, 2 dimensions, rows contiguous, a type with a CPU dot kernel, plain rows in
         host memory (not a device's, nor a repacked buffer: ``is_repacked``); ``x`` f32 ``(k, m)``
@@ -442,7 +461,7 @@ cdef class _ContextKernels(_ContextNN):
             return _res(self, r, w, x)
         _gemv_check(op, w, "w", x, x.ptr.ne[1], "mul_mat")
         self._room(op, _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1), 1)
-        r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr)
+        r = ggmlpy_mul_mat_vec(self.ptr, w.ptr, x.ptr, own_rows)
         return _res(self, r, w, x)
 
     def mul_mat_id_vec(self, Tensor as_, Tensor b, Tensor ids):

@@ -338,9 +338,11 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     the CPU has AVX-512 VNNI (its own kernel for that layout: 1.2-1.4x ggml's).
     ``blocks.matvec_kernel = False`` turns that off.
     """
-    if (matvec_kernel and x.type == Type.F32 and x.ne[1] <= MATVEC_MAX_COLS and x.ne[2] == 1 and x.ne[3] == 1
-            and _core._mul_mat_vec_ok(w, x.ne[1]) and kernels.use(kernels.matvec_site(w), w)):
-        return ctx.mul_mat_vec(w, x)
+    if matvec_kernel and x.type == Type.F32 and x.ne[1] <= MATVEC_MAX_COLS and x.ne[2] == 1 and x.ne[3] == 1 \
+            and _core._mul_mat_vec_ok(w, x.ne[1]):
+        site = kernels.matvec_site(w)
+        if kernels.use(site, w):
+            return ctx.mul_mat_vec(w, x, own_rows=kernels.variant(site) != "dot")
     return ctx.mul_mat(w, x)
 
 

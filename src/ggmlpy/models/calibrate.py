@@ -13,7 +13,9 @@ would multiply. Each site is timed both ways on the CPU backend with the runner'
   reading another buffer): generation reads each weight once a token, from memory, and a kernel
   that wins on cached weights can lose there (a Q8_0 768 x 3352 site, 23 MiB in a 32 MiB cache:
   1.24x ggml's from the cache, 0.95x in generation; a 64-expert model's Q4_K expert sites, 6 used,
-  the same way: 0.98x in generation);
+  the same way: 0.98x in generation). Q8_0 and Q6_K weights on a CPU with AVX-512 VNNI have two own
+  paths, ggmlpy's row kernel and ggml's ``vec_dot`` under ggmlpy's schedule: both are timed, and the
+  faster is the own kernel's time and the path the graphs take;
 * **attn_decode**: one query row over a float cache (in the cache's layout: a cell's heads side by
   side) at each depth class's depth (:data:`DECODE_DEPTHS`), as many layers' caches as make
   :data:`ATTN_BYTES`, against ``flash_attn_ext``; where its AVX-512 path can run (grouped heads, an
@@ -406,13 +408,18 @@ def _matvec(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> No
     x.set(_rng().standard_normal((1, k), dtype=np.float32).reshape(x.shape))
     if ids is not None:
         ids.set(_rng().permutation(weights[0].ne[2])[:n_used].astype(np.int32).reshape(ids.shape))
-    for own in (True, False):
+    # Q8_0/Q6_K rows on an AVX-512 VNNI CPU have two own paths: ggmlpy's row kernel and ggml's vec_dot
+    # under ggmlpy's schedule; which is faster depends on the CPU and the row length, so both are timed
+    paths = kernels.VARIANTS["matvec"] if not experts and _core._mul_mat_vec_own_rows(group[0]) else ("",)
+    for path in (*paths, None):                        # the own kernel's paths, then ggml's op
         ctx = bench.context(len(group) + 2)
         if experts:
-            outs = [ctx.mul_mat_id_vec(w, x, ids) if own else ctx.mul_mat_id(w, x, ids) for w in group]
+            outs = [ctx.mul_mat_id_vec(w, x, ids) if path is not None else ctx.mul_mat_id(w, x, ids) for w in group]
+        elif path is None:
+            outs = [ctx.mul_mat(w, x) for w in group]
         else:
-            outs = [ctx.mul_mat_vec(w, x) if own else ctx.mul_mat(w, x) for w in group]
-        bench.graph(ctx, outs)
+            outs = [ctx.mul_mat_vec(w, x, own_rows=path != "dot") for w in group]
+        bench.graph(ctx, outs, path or "")
 
 
 def _experts_rq(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -> None:

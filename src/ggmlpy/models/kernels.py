@@ -72,8 +72,10 @@ OPS = {
 #: The own kernel's paths a site may measure, per op (the first is the default, taken where none was
 #: measured): ``attn_decode``'s AVX-512 path converts each K and V row once for all its query heads,
 #: its AVX2 path once per head but with half-width registers, which some CPUs (256-bit datapaths)
-#: may run as fast.
-VARIANTS = {"attn_decode": ("avx512", "avx2")}
+#: may run as fast. ``matvec``'s (Q8_0 and Q6_K weights on a CPU with AVX-512 VNNI): ggmlpy's own
+#: row kernel, or ggml's ``vec_dot`` under ggmlpy's schedule (on a Zen 4 the row kernel lost to
+#: ggml's op on 768-value Q8_0 rows, where the schedule alone may still win).
+VARIANTS = {"attn_decode": ("avx512", "avx2"), "matvec": ("vnni", "dot")}
 
 #: Attention's depth classes: a decode over at most this many cache cells is in class 0, else class 1
 #: (measured at the depths of :data:`ggmlpy.models.calibrate.DECODE_DEPTHS`).
@@ -135,7 +137,8 @@ class Measurement:
     """The two timings of a site (seconds, the median of the runs) and the choice they make.
 
     Where the own kernel has several paths for one site (``attn_decode`` over a cache of grouped
-    heads on a CPU with AVX-512: :data:`VARIANTS`), each is timed, ``own_s`` is the fastest's and
+    heads on a CPU with AVX-512, ``matvec`` on Q8_0/Q6_K weights with AVX-512 VNNI: :data:`VARIANTS`),
+    each is timed, ``own_s`` is the fastest's and
     ``variant`` names it; ``""`` where there is one path.
     """
 

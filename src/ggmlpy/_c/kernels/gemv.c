@@ -275,11 +275,12 @@ GGMLPY_VNNI static void ggmlpy_q6k_rows(const char * w, size_t nb1, int64_t k, i
 #endif
 
 /* src[0] w (k, n) rows contiguous, readable (ggmlpy_gemv_readable); src[1] x F32 (k, m) rows
-   contiguous, m <= MAX_COLS; dst F32 (n, m). Thread ith takes rows [n * ith / nth, n * (ith + 1) /
-   nth) and converts its own copy of the vectors (no barrier needed; k values, against the n * k
-   weights it reads). */
+   contiguous, m <= MAX_COLS; dst F32 (n, m); userdata non-NULL: every row through ggml's vec_dot, not
+   the VNNI row kernels (a path of its own, chosen per site by measurement). Thread ith takes rows
+   [n * ith / nth, n * (ith + 1) / nth) and converts its own copy of the vectors (no barrier needed;
+   k values, against the n * k weights it reads). */
 static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    (void) userdata;
+    const int own_rows = userdata == NULL;
     const struct ggml_tensor * w = dst->src[0], * x = dst->src[1];
     const int64_t k = w->ne[0], n = w->ne[1], m = x->ne[1];
     const int64_t r0 = n * ith / nth, r1 = n * (ith + 1) / nth;
@@ -291,11 +292,11 @@ static void ggmlpy_gemv_op(struct ggml_tensor * dst, int ith, int nth, void * us
         ggmlpy_gemv_convert(vt, (const float *) ((const char *) x->data + c * x->nb[1]), xq + c * xrow, k, xrow);
     }
 #if GGMLPY_X86
-    if (w->type == GGML_TYPE_Q8_0 && ggmlpy_q8_allow && ggmlpy_gemv_vnni()) {
+    if (own_rows && w->type == GGML_TYPE_Q8_0 && ggmlpy_q8_allow && ggmlpy_gemv_vnni()) {
         ggmlpy_q8_run(w, r0, r1, xq, xrow, (int) m, dst);
         return;
     }
-    if (w->type == GGML_TYPE_Q6_K && ggmlpy_q6k_allow && ggmlpy_gemv_vnni() && xrow == (size_t) (k / 256) * GGMLPY_Q8K_BYTES) {
+    if (own_rows && w->type == GGML_TYPE_Q6_K && ggmlpy_q6k_allow && ggmlpy_gemv_vnni() && xrow == (size_t) (k / 256) * GGMLPY_Q8K_BYTES) {
         ggmlpy_q6k_rows((const char *) w->data, nb1, k, r0, r1, xq, xrow, (int) m, (char *) dst->data, dst->nb[1]);
         return;
     }
@@ -351,9 +352,32 @@ struct ggml_tensor * ggmlpy_mul_mat_id_vec(struct ggml_context * ctx, struct ggm
 }
 
 struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w,
-                                               struct ggml_tensor * x) {
+                                               struct ggml_tensor * x, int own_rows) {
     struct ggml_tensor * args[2] = {w, x};
-    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, ggmlpy_gemv_op, GGML_N_TASKS_MAX, NULL);
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], x->ne[1], 1, 1, args, 2, ggmlpy_gemv_op, GGML_N_TASKS_MAX,
+                          own_rows ? NULL : (void *) 1);
+}
+
+/* The path of mul_mat_vec's op t: 1 ggmlpy's row kernels where w's type has one, 0 ggml's vec_dot
+   (own_rows 0), -1 where t is no such op. Reads the custom op's parameters as ggml_custom_4d stored
+   them (ggml-impl.h's struct ggml_custom_op_params, mirrored: that header is ggml's private one). */
+int ggmlpy_gemv_path(const struct ggml_tensor * t) {
+    struct { ggml_custom_op_t fun; int n_tasks; void * userdata; } p;
+    if (t->op != GGML_OP_CUSTOM) return -1;
+    memcpy(&p, t->op_params, sizeof p);
+    return p.fun != ggmlpy_gemv_op ? -1 : p.userdata == NULL;
+}
+
+/* 1 where mul_mat_vec runs w (plain rows) through one of ggmlpy's own row kernels (Q8_0, Q6_K on a CPU
+   with AVX-512 VNNI) unless told not to: the sites with two paths to measure */
+int ggmlpy_gemv_own_rows(const struct ggml_tensor * w) {
+#if GGMLPY_X86
+    if (!ggmlpy_gemv_vnni() || ggmlpy_gemv_repacked(w)) return 0;
+    return (w->type == GGML_TYPE_Q8_0 && ggmlpy_q8_allow) || (w->type == GGML_TYPE_Q6_K && ggmlpy_q6k_allow);
+#else
+    (void) w;
+    return 0;
+#endif
 }
 
 

@@ -36,7 +36,10 @@ extern int ggmlpy_pf_allow_vector;
 #define GGMLPY_GEMV_MAX_COLS 4      /* vectors per call: a batch of up to 4 tokens */
 #define GGMLPY_GEMV_SCRATCH 65536   /* bytes of a thread's copy of the vectors in the dot type */
 #define GGMLPY_RQ4_MAX_COLS 3       /* vectors per call against a repacked Q4_0/Q4_K weight */
-struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x);
+struct ggml_tensor * ggmlpy_mul_mat_vec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
+                                        int own_rows);
+int ggmlpy_gemv_own_rows(const struct ggml_tensor * w);
+int ggmlpy_gemv_path(const struct ggml_tensor * t);
 struct ggml_tensor * ggmlpy_mul_mat_id_vec(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
                                            struct ggml_tensor * ids);
 struct ggml_tensor * ggmlpy_mul_mat_vec_rq4(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x);

@@ -152,7 +152,7 @@ static void gemv_case(enum ggml_type wt, int64_t k, int64_t n, int64_t m) {
     float * got[2];
     for (int portable = 1; portable >= 0; portable--) {
         ggmlpy_kernels_portable = portable;
-        struct ggml_tensor * out = ggmlpy_mul_mat_vec(ctx, w, x);
+        struct ggml_tensor * out = ggmlpy_mul_mat_vec(ctx, w, x, 1);
         compute(ctx, out, 2);
         got[portable] = out->data;
         char what[160];
