@@ -244,13 +244,18 @@ class BertModel(DecoderModel):
 
         On a CPU layer with flash attention, ggmlpy's prompt kernel reads K and V where they are, in float32
         (:meth:`~ggmlpy.Context.attn_prefill`; it skips the blocks the mask hides, i.e. other sequences);
-        otherwise ggml's ``flash_attn_ext`` on K and V rounded to F16 (as llama.cpp, whose CPU kernel wants
-        them so), or ``mul_mat`` + ``soft_max_ext`` in float32.
+        where that kernel is not vectorised (no AVX-512, odd head sizes) ``mul_mat`` + ``soft_max_ext`` in
+        float32, as without flash attention: ggml's CPU ``flash_attn_ext`` wants K and V in float16, and
+        rounding them put a tiny reranker's scores 1e-3 from transformers' (llama.cpp's own embeddings
+        were closer). Elsewhere (the own kernel switched off or measured slower, a layer on another
+        device) ggml's ``flash_attn_ext`` on K and V rounded to F16, as llama.cpp's.
         """
         hd, nh, n = q.ne[0], q.ne[1], q.ne[2]
         scale = 1.0 / math.sqrt(hd)
         memory.set_layer(il).put(k, v)
         kk, vv, mask = memory.get()                                           # (hd, n, nh_kv), F16 (n, n)
+        if flash_attn and self.on_cpu(il) and not _own_prefill_ok(hd):
+            flash_attn = False                                                # float32, not K/V in F16
         if flash_attn:
             if self.on_cpu(il) and blocks.prefill_kernel and _own_prefill_ok(hd) \
                     and kernels.use(kernels.attn_site("attn_prefill", kk, vv, nh)):
