@@ -6,8 +6,10 @@ gated attention in 2; heads of 32 for llama.cpp's multimodal RoPE sections) with
 experts of 32, 2 used, a shared expert of 48 with its sigmoid gate; the real qwen35 vocabulary, converted with
 ``--no-mtp`` (transformers keeps no MTP layers; a file with one: :func:`test_mtp_layers_are_left_unread`).
 
-Tolerance with F32 weights and an F32 cache: ``TOL`` (1e-5) in one batch (measured 8.3e-6 either attention path;
-llama.cpp's own error on the same file 8.6e-6, the file with an MTP layer the same), ``TOL_STEPS`` (2e-5) token by
+Tolerance with F32 weights and an F32 cache: ``TOL_BATCH`` (1.5e-5) in one batch (measured 8.3e-6 either attention
+path on a Zen 4, llama.cpp's own error on the same file 8.6e-6, the file with an MTP layer the same; on a Zen 3
+without AVX-512, where ggml's attention kernels run instead of ggmlpy's, 1.11e-5 and llama.cpp's the same 1.11e-5),
+``TOL_STEPS`` (2e-5) token by
 token (measured 9.0e-6) and for three sequences with a step each (1.01e-5): transformers' chunked delta rule
 against ggml's recurrence, see test_arch_qwen3next. The runner tests over the
 recurrent states (prefix reuse at checkpoints, context shift's fallback) are test_arch_qwen3next's, run here on
@@ -32,7 +34,7 @@ from test_arch_qwen3next import (  # noqa: E402, F401  (the runner tests, collec
     test_context_shift_falls_back_to_computing_again,
     test_prefix_reuse_from_checkpoints,
 )
-from test_models_converted import TEXT, TOL, errors, hf_logits  # noqa: E402
+from test_models_converted import TEXT, errors, hf_logits  # noqa: E402
 
 from ggmlpy import gguf  # noqa: E402
 from ggmlpy.kvcache import Causal, Recurrent, Wrapper  # noqa: E402
@@ -51,6 +53,8 @@ CONFIG = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_ke
               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
               max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.1)
 F32 = {"type_k": "f32", "type_v": "f32"}
+#: one batch (see the module docstring)
+TOL_BATCH = 1.5e-5
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +87,7 @@ def test_the_file_is_the_converters(conv):
 @pytest.mark.parametrize("flash", [False, True])
 def test_one_batch_matches_transformers(conv, flash):
     err = errors(run_batch(conv.path(), conv.tokens, flash_attn=flash), conv.ref)
-    assert err.max() <= TOL, err
+    assert err.max() <= TOL_BATCH, err
 
 
 def test_token_by_token_matches_transformers(conv):
@@ -99,11 +103,11 @@ def test_several_sequences_in_one_batch(conv):
 
 def test_llama_cpps_error_on_the_same_file(conv, tmp_path):
     err = errors(llama_cpp_logits(conv.path(), conv.tokens, tmp_path), conv.ref)
-    assert err.max() <= TOL, err
+    assert err.max() <= TOL_BATCH, err
 
 
 def test_mtp_layers_are_left_unread(conv, tmp_path):
-    check_mtp_layers_are_left_unread(conv, tmp_path)
+    check_mtp_layers_are_left_unread(conv, tmp_path, tol=TOL_BATCH)
 
 
 def test_requests_together_generate_what_each_does_alone(conv):
@@ -130,7 +134,7 @@ def test_state_save_and_load(conv, tmp_path):
         with Runner(model, n_ctx=64, n_seq_max=3, **F32) as rt:
             assert rt.load_state(2, tmp_path / "s.bin") == toks[:30]
             got = rt.decode([toks[30]], seq=2)
-    assert errors(got, conv.ref[30:31]).max() <= TOL
+    assert errors(got, conv.ref[30:31]).max() <= TOL_BATCH
 
 
 @pytest.mark.parametrize("arch,model_type,n_expert", [("qwen35", Qwen35Model, 0), ("qwen35moe", Qwen35MoeModel, 8)])
