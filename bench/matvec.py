@@ -11,6 +11,11 @@ repacked ``mul_mat``.
     python bench/matvec.py                                   # F16, Q8_0, Q6_K, Q4_0:repack; 1 and 2 threads
     python bench/matvec.py --type Q8_0 --threads 1 --prefetch 0,1024,4096,16384
     python bench/matvec.py --type Q4_0:repack --prefetch 0,4096,16384,32768
+    python bench/matvec.py --type Q8_0 --model model.gguf    # a file's matrices: its 2-D weights of that type
+
+With ``--model`` the matrices are the shapes of the file's two-dimensional weights of each type, in the
+file's order (random values: only the shapes are the file's), so one graph is one token's products at that
+model's sizes.
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ def _weights(wtype, shapes, rng):
     return ws, keep
 
 
+def _file_shapes(path: str, wtype: str) -> list[tuple[int, int]]:
+    """(rows, columns) of each 2-D weight of type ``wtype`` in the GGUF file ``path``, in file order."""
+    from gguf import GGUFReader  # the test extra's; only this option needs it
+
+    return [(int(t.shape[1]), int(t.shape[0])) for t in GGUFReader(path).tensors
+            if len(t.shape) == 2 and t.tensor_type.name == wtype.partition(":")[0] and "token_embd" not in t.name]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--type", default="F16,Q8_0,Q6_K,Q4_0:repack", help="comma-separated weight types")
@@ -53,9 +66,10 @@ def main(argv=None) -> None:
     ap.add_argument("--prefetch", default=None,
                     help="comma-separated prefetch distances in bytes (default: the kernel's)")
     ap.add_argument("--reps", type=int, default=11)
+    ap.add_argument("--model", default=None, help="a GGUF file whose matrix shapes to use (not its values)")
     a = ap.parse_args(argv)
     E, F, V, L = 768, 2048, 32000, 12
-    shapes = [(3 * E, E), (E, E), (2 * F, E), (E, F)] * L + [(V, E)]
+    default_shapes = [(3 * E, E), (E, E), (2 * F, E), (E, F)] * L + [(V, E)]
     flush = np.ones(64 << 20, np.float32)
     rng = np.random.default_rng(0)
     backend = ggmlpy.device("cpu").init()          # a repacked weight computes only on its backend
@@ -64,11 +78,16 @@ def main(argv=None) -> None:
         kernel = "q4_0_repacked" if repacked else "q8_0" if wtype == "Q8_0" and _core._mul_mat_vec_vnni() else "dot"
         default_pfd = _core._mul_mat_vec_prefetch(kernel=kernel)
         pfds = [default_pfd] if a.prefetch is None else [int(p) for p in a.prefetch.split(",")]
+        shapes = _file_shapes(a.model, wtype) if a.model else default_shapes
+        if not shapes:
+            raise SystemExit(f"{a.model}: no two-dimensional {wtype} weights")
         ws, keep = _weights(wtype, shapes, rng)
         # the vectors and results in a CPU buffer (the backend computes only on backend memory)
-        ctx = ggmlpy.Context.for_tensors(4 * len(ws) + 520, graph_size=256, no_alloc=True)   # room for the second graph
-        xs = {k: ctx.new_tensor(Type.F32, (k, 1)) for k in (E, F)}
-        graphs = {"mul_mat": ctx.new_graph(256), "mul_mat_vec": ctx.new_graph(256)}
+        n_graph = max(256, 2 * len(ws) + 8)
+        # room for the second graph
+        ctx = ggmlpy.Context.for_tensors(4 * len(ws) + 520, graph_size=n_graph, no_alloc=True)
+        xs = {k: ctx.new_tensor(Type.F32, (k, 1)) for k in sorted({k for _, k in shapes})}
+        graphs = {"mul_mat": ctx.new_graph(n_graph), "mul_mat_vec": ctx.new_graph(n_graph)}
         for w in ws:
             graphs["mul_mat"].build_forward_expand(ctx.mul_mat(w, xs[w.ne[0]]))
             graphs["mul_mat_vec"].build_forward_expand(ctx.mul_mat_vec(w, xs[w.ne[0]]))
