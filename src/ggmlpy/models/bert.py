@@ -257,8 +257,7 @@ class BertModel(DecoderModel):
         if flash_attn and self.on_cpu(il) and not _own_prefill_ok(hd):
             flash_attn = False                                                # float32, not K/V in F16
         if flash_attn:
-            if self.on_cpu(il) and blocks.prefill_kernel and _own_prefill_ok(hd) \
-                    and kernels.use(kernels.attn_site("attn_prefill", kk, vv, nh)):
+            if self.on_cpu(il) and blocks.prefill_kernel and kernels.use(kernels.attn_site("attn_prefill", kk, vv, nh)):
                 return ctx.reshape(ctx.attn_prefill(q, kk, vv, mask, scale=scale), (hd * nh, n))
             o = ctx.flash_attn_ext(ctx.permute(q, 0, 2, 1, 3), ctx.cast(kk, Type.F16), ctx.cast(vv, Type.F16), mask,
                                    scale=scale)                              # (hd, nh, n)
