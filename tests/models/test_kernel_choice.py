@@ -308,6 +308,67 @@ def test_the_prompt_experts_site_is_measured_for_real(cpu, monkeypatch):
     assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
 
 
+def _repacked_q4_k(shape):
+    """A Q4_K weight in ggml's CPU_REPACK buffer (skips where ggml repacks no Q4_K: no AVX2), its
+    context and buffer."""
+    extra = {b.name: b for b in _core.device("CPU").extra_buffer_types()}
+    if "CPU_REPACK" not in extra or not _core._mul_mat_rq4k_allow():
+        pytest.skip("no repacked Q4_K here (CPU_REPACK)")
+    ctx = ggmlpy.Context.for_tensors(1, no_alloc=True)
+    w = ctx.new_tensor(ggmlpy.Type.Q4_K, shape)
+    buf = _core.alloc_ctx_tensors(ctx, extra["CPU_REPACK"])
+    w.set(np.random.default_rng(0).standard_normal(w.shape, dtype=np.float32))
+    if not _core._mul_mat_rq4k_ok(w):
+        ctx.free()
+        buf.free()
+        pytest.skip("mul_mat_rq4k does not run here (x86 with AVX2)")
+    return ctx, buf, w
+
+
+def test_the_prompt_gemm_site_is_measured_for_real(cpu, monkeypatch):
+    """gemm_rq: PREFILL_ROWS tokens through a repacked Q4_K matrix, mul_mat_rq4k against mul_mat."""
+    monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
+    ctx, buf, w = _repacked_q4_k((512, 64))
+    try:
+        site = kernels.gemm_site(w)
+        assert site == Site("gemm_rq", "Q4_K/repacked", (512, 64))
+        m = calibrate.measure_site(cpu, site, [w])
+    finally:
+        ctx.free()
+        buf.free()
+    assert 0 < m.own_s < 1 and 0 < m.ggml_s < 1
+
+
+def test_a_prompt_gemm_site_builds_the_op_that_measured_faster():
+    """blocks.linear on a repacked Q4_K matrix: mul_mat_rq4k (a custom op) for more than MATVEC_MAX_COLS
+    tokens where it measured faster, was not measured, or in mode "own"; ggml's mul_mat where it measured
+    slower, in mode "ggml", with blocks.gemm_kernel off, and for a few tokens."""
+    from ggmlpy.models import blocks
+
+    wctx, buf, w = _repacked_q4_k((512, 64))
+    site = kernels.gemm_site(w)
+    try:
+        with ggmlpy.Context(16 << 20) as ctx:
+            def op(mode, measured=None, n=16):
+                x = ctx.new_tensor(ggmlpy.Type.F32, (512, n))
+                entries = {site.key: measured} if measured is not None else {}
+                with kernels.using(KernelChoices(mode, entries=entries)):
+                    return blocks.linear(ctx, w, x).op.name
+
+            assert op("measure", Measurement(1.0, 2.0)) == op("measure") == op("own") == "CUSTOM"
+            assert op("measure", Measurement(2.0, 1.0)) == op("ggml") == "MUL_MAT"
+            assert op("own", n=blocks.MATVEC_MAX_COLS) == "MUL_MAT"
+            old = blocks.gemm_kernel
+            blocks.gemm_kernel = False
+            try:
+                assert op("own") == "MUL_MAT"
+            finally:
+                blocks.gemm_kernel = old
+    finally:
+        wctx.free()
+        buf.free()
+
+
 @pytest.mark.parametrize("n_head", [8, 2])
 def test_attention_decode_times_both_paths_where_both_run(cpu, monkeypatch, n_head):
     """Grouped heads on an AVX-512 CPU: both paths are timed and the faster named; without groups (or

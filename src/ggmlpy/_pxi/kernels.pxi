@@ -205,6 +205,28 @@ def _mul_mat_id_rq_ok(Tensor w):
     return bool(ggmlpy_gemv_repacked(w.ptr)) and w.ptr.ne[2] >= 1 and w.ptr.ne[3] == 1
 
 
+cdef extern from "kernels.h":
+    g.ggml_tensor * ggmlpy_mul_mat_rq4k(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    int ggmlpy_rq4k_gemm_ok(const g.ggml_tensor * w) nogil
+    int ggmlpy_rq4k_gemm_allow
+
+
+def _mul_mat_rq4k_ok(Tensor w):
+    """Whether ``Context.mul_mat_rq4k`` takes ``w``: a Q4_K matrix in ggml's ``CPU_REPACK`` buffer on a CPU
+    with AVX2 and FMA (the kernel allowed, the portable path not forced). For the models' choice."""
+    return bool(ggmlpy_rq4k_gemm_ok(w.ptr))
+
+
+def _mul_mat_rq4k_allow(allow=None):
+    """Whether ``Context.mul_mat_rq4k`` may run (process-wide); with ``allow``, set it and return the
+    previous value. For tests and benchmarks."""
+    global ggmlpy_rq4k_gemm_allow
+    cdef int old = ggmlpy_rq4k_gemm_allow
+    if allow is not None:
+        ggmlpy_rq4k_gemm_allow = 1 if allow else 0
+    return bool(old)
+
+
 cdef int _gemv_check(str op, Tensor w, str name, Tensor b, int64_t n_vectors, str instead,
                      bint repacked=False) except -1:
     # mul_mat_vec's and mul_mat_id_vec's checks of the weight: readable rows (or a layout the op has a
@@ -531,6 +553,37 @@ cdef class _ContextKernels(_ContextNN):
         self._room(op, _out_bytes(g.GGML_TYPE_F32, as_.ptr.ne[1], ids.ptr.ne[0], b.ptr.ne[2], 1), 1)
         # as_ is no source of the op (see mul_mat_vec): _res keeps it alive
         return _res(self, ggmlpy_mul_mat_id_rq(self.ptr, as_.ptr, b.ptr, ids.ptr), as_, b, ids)
+
+    def mul_mat_rq4k(self, Tensor w, Tensor x):
+        """``mul_mat(w, x)`` for any number of tokens on a Q4_K matrix ggml repacked: a prompt's products, ``mul_mat``'s values.
+
+        ggml's repacked kernel for AVX2 unpacks and shuffles every 8 rows' weights again for each 16
+        tokens. This op has each thread unpack a window of its rows once (about 192 KiB, kept in L2)
+        into the form a 256-bit integer multiply wants, then pass every token over it, four at a time.
+        The tokens are quantized to Q8_K by ggml's own function and the sums folded into floats in
+        ggml's order: the values of ``mul_mat`` on the same weights, bit for bit.
+
+        ``w`` ``(k, n)`` Q4_K in ggml's ``CPU_REPACK`` buffer on a CPU with AVX2 (``_mul_mat_rq4k_ok``);
+        ``x`` f32 ``(k, m)`` rows contiguous, 2 dimensions. Result f32 ``(n, m)``.
+        """
+        cdef str op = "mul_mat_rq4k"
+        cdef int64_t out, xq
+        self._ensure_op(op)
+        _arg(w, op, "w"); _arg(x, op, "x")
+        _types(x, op, "x", M_F32)
+        _rows_contig(x, op, "x")
+        if not ggmlpy_rq4k_gemm_ok(w.ptr):
+            _fail(op, f"w must be a Q4_K matrix ggml repacked (CPU_REPACK) on a CPU with AVX2 (got w: {_desc(w)}, "
+                  f"in {_buffer_name(w.ptr)}): use mul_mat")
+        if not (x.ptr.ne[0] == w.ptr.ne[0] and x.ptr.ne[2] == 1 and x.ptr.ne[3] == 1 and x.ptr.ne[1] >= 1):
+            _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
+                  f"2 dimensions)")
+        # two results: the tokens in the kernel's form (276 bytes per 256 values), then the product
+        out = _out_bytes(g.GGML_TYPE_F32, w.ptr.ne[1], x.ptr.ne[1], 1, 1)
+        xq = _out_bytes(g.GGML_TYPE_I8, w.ptr.ne[0] // 256 * 276, x.ptr.ne[1], 1, 1)
+        self._room(op, -1 if out < 0 or xq < 0 else out + xq, 2)
+        # w is no source of the op (see mul_mat_vec): _res keeps it alive
+        return _res(self, ggmlpy_mul_mat_rq4k(self.ptr, w.ptr, x.ptr), w, x)
 
     cdef int _attn_check(self, str op, Tensor q, Tensor k, Tensor v, Tensor mask, int max_d) except -1:
         """attn_decode's and attn_prefill's preconditions: types, contiguous rows, matching shapes."""

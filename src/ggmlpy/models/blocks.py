@@ -325,6 +325,8 @@ matvec_kernel = True
 MATVEC_MAX_COLS = 4
 #: Whether :func:`moe_ffn` uses :meth:`~ggmlpy.Context.mul_mat_id_rq` for prompts where it can.
 experts_kernel = True
+#: Whether :func:`linear` uses :meth:`~ggmlpy.Context.mul_mat_rq4k` for prompts where it can.
+gemm_kernel = True
 
 
 def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
@@ -337,7 +339,16 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     (``_core._mul_mat_vec_ok``); so does it for Q4_0 weights ggml repacked, up to 3 tokens, where
     the CPU has AVX-512 VNNI (its own kernel for that layout: 1.2-1.4x ggml's).
     ``blocks.matvec_kernel = False`` turns that off.
+
+    For more tokens (a prompt) and a Q4_K ``w`` ggml repacked on a CPU with AVX2,
+    :meth:`~ggmlpy.Context.mul_mat_rq4k` (ggmlpy's kernel for that layout: the same values, ~2x
+    ggml's at 512 tokens on a Zen 3) where it measured faster; ``blocks.gemm_kernel = False`` turns
+    that off.
     """
+    if gemm_kernel and x.type == Type.F32 and x.ne[1] > MATVEC_MAX_COLS and x.ne[2] == 1 and x.ne[3] == 1 \
+            and _core._mul_mat_rq4k_ok(w):
+        if kernels.use(kernels.gemm_site(w), w):
+            return ctx.mul_mat_rq4k(w, x)
     if matvec_kernel and x.type == Type.F32 and x.ne[1] <= MATVEC_MAX_COLS and x.ne[2] == 1 and x.ne[3] == 1 \
             and _core._mul_mat_vec_ok(w, x.ne[1]):
         site = kernels.matvec_site(w)

@@ -24,7 +24,9 @@ would multiply. Each site is timed both ways on the CPU backend with the runner'
 * **attn_prefill**: :data:`PREFILL_ROWS` rows over as many cells, causal, against ``flash_attn_ext``;
 * **geglu**: one row and :data:`PREFILL_ROWS` rows of the model's feed-forward width against ``geglu``;
 * **experts_rq**: :data:`PREFILL_ROWS` tokens, each with ``n_expert_used`` distinct experts, through the
-  site's first repacked expert stack: :meth:`~ggmlpy.Context.mul_mat_id_rq` against ``mul_mat_id``.
+  site's first repacked expert stack: :meth:`~ggmlpy.Context.mul_mat_id_rq` against ``mul_mat_id``;
+* **gemm_rq**: :data:`PREFILL_ROWS` tokens through the site's first repacked Q4_K matrix:
+  :meth:`~ggmlpy.Context.mul_mat_rq4k` against ``mul_mat``.
 
 The graphs of a site run in turn (one warm-up each, then :data:`TIMING` rounds), and each
 keeps its median time: the rule (:func:`ggmlpy.models.kernels.decide`) compares median with median. The
@@ -281,7 +283,7 @@ def measure_site(be: Any, site: Site, weights: Iterable[Tensor] = (), n_expert_u
     their inputs.
     """
     builder = {"matvec": _matvec, "matvec_id": _matvec, "attn_decode": _attn, "attn_prefill": _attn,
-               "geglu": _geglu, "experts_rq": _experts_rq}.get(site.op)
+               "geglu": _geglu, "experts_rq": _experts_rq, "gemm_rq": _gemm_rq}.get(site.op)
     if builder is None:
         raise GGMLError(f"kernels: no measurement for op {site.op!r}")
     with _Bench(be) as bench:
@@ -438,6 +440,19 @@ def _experts_rq(bench: _Bench, site: Site, weights: list[Tensor], n_used: int) -
     for own in (True, False):
         ctx = bench.context(2)
         bench.graph(ctx, [ctx.mul_mat_id_rq(w, x, ids) if own else ctx.mul_mat_id(w, x, ids)])
+
+
+def _gemm_rq(bench: _Bench, site: Site, weights: list[Tensor], _n_used: int) -> None:
+    if not weights:
+        raise GGMLError(f"kernels: no weight recorded for {site.key}")
+    w = weights[0]
+    inputs = bench.context(1)
+    x = inputs.new_tensor(Type.F32, (w.ne[0], PREFILL_ROWS))
+    bench.constants(inputs)
+    x.set(_rng().standard_normal(x.shape, dtype=np.float32))
+    for own in (True, False):
+        ctx = bench.context(3)
+        bench.graph(ctx, [ctx.mul_mat_rq4k(w, x) if own else ctx.mul_mat(w, x)])
 
 
 def _attn(bench: _Bench, site: Site, _weights: list[Tensor], _n_used: int) -> None:

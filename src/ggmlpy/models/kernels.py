@@ -2,7 +2,8 @@
 
 ggmlpy has its own CPU kernels for the generation step's matrix-vector products
 (:meth:`~ggmlpy.Context.mul_mat_vec`, :meth:`~ggmlpy.Context.mul_mat_id_vec`), for a prompt's experts on
-weights ggml repacked (:meth:`~ggmlpy.Context.mul_mat_id_rq`), for attention over the
+weights ggml repacked (:meth:`~ggmlpy.Context.mul_mat_id_rq`), for a prompt's products with Q4_K weights
+ggml repacked (:meth:`~ggmlpy.Context.mul_mat_rq4k`), for attention over the
 cache (:meth:`~ggmlpy.Context.attn_decode`, :meth:`~ggmlpy.Context.attn_prefill`) and for GeGLU
 (:meth:`~ggmlpy.Context.geglu_tanh`). A kernel shaped for one microarchitecture (512-bit registers, a
 prefetch distance) can lose to ggml's on the next one: on a Zen 4 the own F16 matrix-vector kernel gave
@@ -50,7 +51,7 @@ from typing import Optional
 from ggmlpy._core import GGMLValueError, Tensor
 
 __all__ = ["MARGIN", "MODES", "VARIANTS", "KernelChoices", "Measurement", "Site", "attn_site", "current", "decide",
-           "experts_site", "geglu_site", "matvec_site", "mode", "use", "using", "variant", "weight_type"]
+           "experts_site", "geglu_site", "gemm_site", "matvec_site", "mode", "use", "using", "variant", "weight_type"]
 
 #: The modes of :func:`mode`.
 MODES = ("measure", "own", "ggml")
@@ -64,6 +65,7 @@ OPS = {
     "matvec": "mul_mat",                # Context.mul_mat_vec: a weight times 1-4 vectors
     "matvec_id": "mul_mat_id",          # Context.mul_mat_id_vec: a token's chosen experts
     "experts_rq": "mul_mat_id",         # Context.mul_mat_id_rq: a prompt's experts on a repacked stack
+    "gemm_rq": "mul_mat",               # Context.mul_mat_rq4k: a prompt through a repacked Q4_K matrix
     "attn_decode": "flash_attn_ext",    # Context.attn_decode: a few query rows over the cache
     "attn_prefill": "flash_attn_ext",   # Context.attn_prefill: a prompt's rows
     "geglu": "geglu",                   # Context.geglu_tanh
@@ -258,6 +260,12 @@ def experts_site(w: Tensor) -> Site:
     """The site of a prompt's tokens through the repacked expert stack ``w``
     (:meth:`~ggmlpy.Context.mul_mat_id_rq`)."""
     return Site("experts_rq", weight_type(w), (w.ne[0], w.ne[1], w.ne[2]))
+
+
+def gemm_site(w: Tensor) -> Site:
+    """The site of a prompt's tokens through the repacked Q4_K matrix ``w``
+    (:meth:`~ggmlpy.Context.mul_mat_rq4k`)."""
+    return Site("gemm_rq", weight_type(w), (w.ne[0], w.ne[1]))
 
 
 def attn_site(op: str, k: Tensor, v: Tensor, n_head: int) -> Site:

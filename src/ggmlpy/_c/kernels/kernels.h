@@ -1,7 +1,8 @@
 /* ggmlpy's own CPU kernels as _core sees them (kernels.pxi): each builds a ggml custom op, with the
    checks the models ask before choosing one, their limits, and the process-wide switches and
    prefetch distances tests and benchmarks turn. One family per file: attn_decode.c (the generation
-   step's attention), attn_prefill.c (a prompt's), gemv.c (matrix times a few vectors), glu.c (GeGLU);
+   step's attention), attn_prefill.c (a prompt's), gemv.c (matrix times a few vectors), gemm.c (a
+   prompt's products with repacked Q4_K weights), glu.c (GeGLU);
    simd.h and cpu.c hold what they share. Preconditions are the Context methods' (checked there). */
 #pragma once
 #include <stddef.h>
@@ -61,6 +62,11 @@ extern int ggmlpy_rq4_allow;
 extern int64_t ggmlpy_rq4_pfd;
 extern int ggmlpy_rq4k_allow;
 extern int64_t ggmlpy_rq4k_pfd;
+
+/* ---- gemm.c */
+struct ggml_tensor * ggmlpy_mul_mat_rq4k(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x);
+int ggmlpy_rq4k_gemm_ok(const struct ggml_tensor * w);
+extern int ggmlpy_rq4k_gemm_allow;
 
 /* ---- glu.c */
 struct ggml_tensor * ggmlpy_geglu_tanh(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
