@@ -1,5 +1,8 @@
 """``Context.mul_mat_id_rq``: the experts' product of a prompt on a Q4_0 or Q4_K stack ggml repacked.
 
+Two kernels stand behind it: gemv.c's AVX-512 VNNI kernel (Q4_0 and Q4_K) and, on a CPU with AVX2 but
+not VNNI, gemm.c's (Q4_K); each test runs whichever this CPU has, and is skipped where it has neither.
+
 Against ggml's repacked ``mul_mat_id`` bit for bit (the same arithmetic per token and slot): one token to
 a prompt's worth, inputs shared by the slots or one per slot, experts chosen by many tokens, by none, by
 one, 1-3 threads, rows that split unevenly over the threads, a stack whose rows do not fit one block of
@@ -9,6 +12,7 @@ the kernel's cache tiling; an id out of range gives NaN rows; what it cannot com
 import numpy as np
 import pytest
 from test_mul_mat_vec import EXTRA, RQ4, _on_cpu_backend
+from test_repack import AVX2
 from test_repack import _weight as _repack_weight
 
 import ggmlpy
@@ -16,6 +20,14 @@ from ggmlpy import GGMLTypeError, GGMLValueError, _core
 
 needs_rq4 = pytest.mark.skipif(not RQ4, reason="no repacked Q4_0/Q4_K kernel here (CPU_REPACK with AVX2, "
                                                "AVX-512 VNNI)")
+#: gemm.c's experts' kernel (Q4_K, AVX2) where the VNNI one does not run
+RQ4K = "CPU_REPACK" in EXTRA and AVX2 and not RQ4
+needs_q4k = pytest.mark.skipif(not (RQ4 or RQ4K), reason="no repacked Q4_K kernel here (CPU_REPACK with AVX2)")
+
+
+def _needs(wtype):
+    if not (RQ4 if wtype == "Q4_0" else RQ4 or RQ4K):
+        pytest.skip(f"no repacked {wtype} kernel here")
 
 
 def _both(w, X, ids_np, threads=(1, 2, 3), reference=True):
@@ -39,11 +51,11 @@ def _ids(rng, n_tokens, n_expert, n_used, skew=False):
     return np.stack([rng.choice(n_expert, n_used, replace=False, p=p) for _ in range(n_tokens)]).astype(np.int32)
 
 
-@needs_rq4
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 @pytest.mark.parametrize("n_tokens", [1, 5, 64, 200])
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
 def test_equals_mul_mat_id_exactly(wtype, n_tokens, per_slot):
+    _needs(wtype)
     rng = np.random.default_rng(n_tokens * 2 + per_slot)
     k, rows, n_expert, n_used = 512, 40, 6, 3
     W = rng.standard_normal((n_expert, rows, k)).astype(np.float32)
@@ -55,7 +67,7 @@ def test_equals_mul_mat_id_exactly(wtype, n_tokens, per_slot):
     assert all(np.array_equal(o, ref) for o in outs)
 
 
-@needs_rq4
+@needs_q4k
 def test_rows_beyond_one_cache_block():
     """An expert of 4096 rows of 2048 (Q4_K: 4.5 MiB, many of the kernel's 256 KiB row blocks per thread)
     with 30 tokens over 4 experts: each block meets every run of vectors."""
@@ -68,15 +80,17 @@ def test_rows_beyond_one_cache_block():
     assert np.array_equal(outs[0], ref)
 
 
-@needs_rq4
-def test_an_expert_id_out_of_range_gives_nan_rows():
-    W = np.ones((4, 8, 64), np.float32)
-    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
+def test_an_expert_id_out_of_range_gives_nan_rows(wtype):
+    _needs(wtype)
+    k = 64 if wtype == "Q4_0" else 256
+    W = np.ones((4, 8, k), np.float32)
+    ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
     ids = np.array([[1, 7, -1], [2, 0, 3]], np.int32)
-    outs, _ = _both(w, np.ones((2, 1, 64), np.float32), ids, threads=(1, 2), reference=False)
+    outs, _ = _both(w, np.ones((2, 1, k), np.float32), ids, threads=(1, 2), reference=False)
     for out in outs:
-        assert np.allclose(out[0, 0], 64, rtol=1e-3) and np.isnan(out[0, 1:]).all()
-        assert np.allclose(out[1], 64, rtol=1e-3)
+        assert np.allclose(out[0, 0], k, rtol=1e-3) and np.isnan(out[0, 1:]).all()
+        assert np.allclose(out[1], k, rtol=1e-3)
 
 
 def test_refuses_what_it_cannot_compute():
@@ -101,12 +115,12 @@ def test_refuses_shapes_that_do_not_match():
                 g.mul_mat_id_rq(w, g.new_tensor("F32", x), g.new_tensor("I32", ids))
 
 
-@needs_rq4
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K_M"])
 def test_a_prompt_through_a_repacked_moe_model(tmp_path, monkeypatch, wtype):
     """The synthetic qwen3moe's prompt (its expert stacks repacked by ggml) takes mul_mat_id_rq in every
     expert layer (the suite's kernel mode is "own": where the stack qualifies, the op runs), with the
     logits of ggml's mul_mat_id at every position."""
+    _needs(wtype[:4])
     from dataclasses import replace
 
     from ggmlpy.models import blocks, load_model

@@ -290,17 +290,12 @@ def test_every_op_is_measured_for_real(cpu, site, types_shapes, monkeypatch):
 
 
 def test_the_prompt_experts_site_is_measured_for_real(cpu, monkeypatch):
-    """experts_rq: a repacked Q4_K stack through mul_mat_id_rq and mul_mat_id, PREFILL_ROWS tokens."""
-    extra = {b.name: b for b in _core.device("CPU").extra_buffer_types()}
-    if "CPU_REPACK" not in extra or not _core._mul_mat_vec_vnni():
-        pytest.skip("no repacked Q4_K kernel here (CPU_REPACK, AVX-512 VNNI)")
+    """experts_rq: a repacked Q4_K stack through mul_mat_id_rq and mul_mat_id, PREFILL_ROWS tokens (gemv.c's
+    VNNI kernel on an AVX-512 VNNI CPU, gemm.c's on one with AVX2 only)."""
     monkeypatch.setitem(calibrate.TIMING, "max_s", 0.0)
-    ctx = ggmlpy.Context.for_tensors(1, no_alloc=True)
-    w = ctx.new_tensor(ggmlpy.Type.Q4_K, (256, 64, 8))
-    buf = _core.alloc_ctx_tensors(ctx, extra["CPU_REPACK"])
+    ctx, buf, w = _repacked_q4_k((256, 64, 8))
     try:
-        w.set(np.random.default_rng(0).standard_normal(w.shape, dtype=np.float32))
-        assert w.is_repacked
+        assert w.is_repacked and _core._mul_mat_id_rq_ok(w) and not _core._mul_mat_rq4k_ok(w)
         m = calibrate.measure_site(cpu, kernels.experts_site(w), [w], n_expert_used=2)
     finally:
         ctx.free()
@@ -309,8 +304,8 @@ def test_the_prompt_experts_site_is_measured_for_real(cpu, monkeypatch):
 
 
 def _repacked_q4_k(shape):
-    """A Q4_K weight in ggml's CPU_REPACK buffer (skips where ggml repacks no Q4_K: no AVX2), its
-    context and buffer."""
+    """A Q4_K matrix or expert stack in ggml's CPU_REPACK buffer, its context and buffer (skips where no own
+    kernel reads it: ggml repacks Q4_K on x86 with AVX2)."""
     extra = {b.name: b for b in _core.device("CPU").extra_buffer_types()}
     if "CPU_REPACK" not in extra or not _core._mul_mat_rq4k_allow():
         pytest.skip("no repacked Q4_K here (CPU_REPACK)")
@@ -318,10 +313,10 @@ def _repacked_q4_k(shape):
     w = ctx.new_tensor(ggmlpy.Type.Q4_K, shape)
     buf = _core.alloc_ctx_tensors(ctx, extra["CPU_REPACK"])
     w.set(np.random.default_rng(0).standard_normal(w.shape, dtype=np.float32))
-    if not _core._mul_mat_rq4k_ok(w):
+    if not _core._mul_mat_id_rq_ok(w):
         ctx.free()
         buf.free()
-        pytest.skip("mul_mat_rq4k does not run here (x86 with AVX2)")
+        pytest.skip("no kernel for repacked Q4_K here (x86 with AVX2)")
     return ctx, buf, w
 
 

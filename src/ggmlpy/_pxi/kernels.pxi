@@ -73,6 +73,12 @@ cdef extern from "kernels.h":
     int64_t ggmlpy_q6k_pfd
 
 
+cdef extern from "kernels.h":
+    g.ggml_tensor * ggmlpy_mul_mat_rq4k(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
+    int ggmlpy_rq4k_gemm_ok(const g.ggml_tensor * w) nogil
+    int ggmlpy_rq4k_gemm_allow
+
+
 def _mul_mat_vec_prefetch(distance=None, kernel="dot"):
     """The bytes ahead that one of ``mul_mat_vec``'s kernels prefetches (0: none): ``"dot"`` (ggml's
     dot kernels under ggmlpy's schedule), ``"q8_0"`` and ``"q6_k"`` (the VNNI row-pair kernels),
@@ -201,20 +207,15 @@ def _mul_mat_id_vec_ok(Tensor w, int64_t n_vectors):
 
 def _mul_mat_id_rq_ok(Tensor w):
     """Whether ``Context.mul_mat_id_rq`` takes the expert stack ``w``: Q4_0 or Q4_K in ggml's repacked
-    layout on a CPU with AVX-512 VNNI. For the models' choice."""
-    return bool(ggmlpy_gemv_repacked(w.ptr)) and w.ptr.ne[2] >= 1 and w.ptr.ne[3] == 1
-
-
-cdef extern from "kernels.h":
-    g.ggml_tensor * ggmlpy_mul_mat_rq4k(g.ggml_context * ctx, g.ggml_tensor * w, g.ggml_tensor * x) nogil
-    int ggmlpy_rq4k_gemm_ok(const g.ggml_tensor * w) nogil
-    int ggmlpy_rq4k_gemm_allow
+    layout on a CPU with AVX-512 VNNI, or Q4_K on one with AVX2. For the models' choice."""
+    return (bool(ggmlpy_gemv_repacked(w.ptr) or ggmlpy_rq4k_gemm_ok(w.ptr)) and w.ptr.ne[2] >= 1
+            and w.ptr.ne[3] == 1)
 
 
 def _mul_mat_rq4k_ok(Tensor w):
     """Whether ``Context.mul_mat_rq4k`` takes ``w``: a Q4_K matrix in ggml's ``CPU_REPACK`` buffer on a CPU
     with AVX2 and FMA (the kernel allowed, the portable path not forced). For the models' choice."""
-    return bool(ggmlpy_rq4k_gemm_ok(w.ptr))
+    return bool(ggmlpy_rq4k_gemm_ok(w.ptr)) and w.ptr.ne[2] == 1
 
 
 def _mul_mat_rq4k_allow(allow=None):
@@ -528,12 +529,14 @@ cdef class _ContextKernels(_ContextNN):
         a run of the sorted pairs, and runs an expert's vectors three at a time through
         :meth:`mul_mat_vec`'s AVX-512 VNNI kernel for the layout, over blocks of the expert's rows small
         enough to stay in the core's L2 cache (about 2x ggml's on 32- and 64-expert stacks, 2 threads).
+        On a CPU with AVX2 but not VNNI, a Q4_K stack goes through :meth:`mul_mat_rq4k`'s kernel instead:
+        a window of the expert's rows prepared once, its tokens passed over it four at a time.
         Each pair's arithmetic is the one-vector kernel's,
         on the vector quantized as ggml quantizes it: ``mul_mat_id``'s values. An expert id out of range
         gives NaN rows instead of ggml's abort.
 
         ``as_`` ``(k, rows, n_expert)``, a Q4_0 or Q4_K stack in ggml's ``CPU_REPACK`` buffer on a CPU with
-        AVX-512 VNNI (``_mul_mat_id_rq_ok``); ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous;
+        AVX-512 VNNI, or Q4_K on one with AVX2 (``_mul_mat_id_rq_ok``); ``b`` f32 ``(k, 1 or n_used, n_tokens)`` rows contiguous;
         ``ids`` i32 ``(n_used, n_tokens)``, rows contiguous. Result f32 ``(rows, n_used, n_tokens)``.
         """
         cdef str op = "mul_mat_id_rq"
@@ -542,9 +545,9 @@ cdef class _ContextKernels(_ContextNN):
         _types(b, op, "b", M_F32)
         _types(ids, op, "ids", M_I32)
         _rows_contig(b, op, "b")
-        if not ggmlpy_gemv_repacked(as_.ptr):
+        if not (ggmlpy_gemv_repacked(as_.ptr) or ggmlpy_rq4k_gemm_ok(as_.ptr)):
             _fail(op, f"as_ must be a Q4_0 or Q4_K expert stack ggml repacked (CPU_REPACK) on a CPU with AVX-512 "
-                  f"VNNI (got as_: {_desc(as_)}, in {_buffer_name(as_.ptr)}): use mul_mat_id")
+                  f"VNNI, or Q4_K on one with AVX2 (got as_: {_desc(as_)}, in {_buffer_name(as_.ptr)}): use mul_mat_id")
         if not (as_.ptr.ne[3] == 1 and b.ptr.ne[3] == 1 and ids.ptr.ne[2] == 1 and ids.ptr.ne[3] == 1
                 and ids.ptr.ne[1] == b.ptr.ne[2] and as_.ptr.ne[0] == b.ptr.ne[0] and ids.ptr.ne[0] >= 1
                 and (b.ptr.ne[1] == 1 or b.ptr.ne[1] == ids.ptr.ne[0]) and b.ptr.ne[2] >= 1 and ids.ptr.nb[0] == 4):
@@ -575,7 +578,7 @@ cdef class _ContextKernels(_ContextNN):
         if not ggmlpy_rq4k_gemm_ok(w.ptr):
             _fail(op, f"w must be a Q4_K matrix ggml repacked (CPU_REPACK) on a CPU with AVX2 (got w: {_desc(w)}, "
                   f"in {_buffer_name(w.ptr)}): use mul_mat")
-        if not (x.ptr.ne[0] == w.ptr.ne[0] and x.ptr.ne[2] == 1 and x.ptr.ne[3] == 1 and x.ptr.ne[1] >= 1):
+        if not (x.ptr.ne[0] == w.ptr.ne[0] and w.ptr.ne[2] == 1 and x.ptr.ne[2] == 1 and x.ptr.ne[3] == 1 and x.ptr.ne[1] >= 1):
             _fail(op, f"shapes do not match (got w: {_desc(w)}, x: {_desc(x)}; expected w (k, n) and x (k, m), "
                   f"2 dimensions)")
         # two results: the tokens in the kernel's form (276 bytes per 256 values), then the product

@@ -131,7 +131,8 @@ GGMLPY_AVX2 static void ggmlpy_gp_prepare(const char * p, int64_t nb, char * out
 /* T tokens (rows of xq, xrow bytes apart) against one prepared group of nb super-blocks: the 8 rows'
    values for each token into dst[t] (8 floats, row order). */
 GGMLPY_AVX2 static inline __attribute__((always_inline)) void
-ggmlpy_gp_tile_t(const char * gp, int64_t nb, const char * xq, size_t xrow, float * const * dst, const int T) {
+ggmlpy_gp_tile_t(const char * gp, int64_t nb, const char * xq, size_t xrow, float * const * dst, const int T,
+                 const int fold256) {
     const __m256i unorder = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);   /* ORDER is its own inverse */
     __m256 acc[GGMLPY_GEMM_TILE], accm[GGMLPY_GEMM_TILE];
     for (int t = 0; t < T; t++) acc[t] = accm[t] = _mm256_setzero_ps();
@@ -150,6 +151,8 @@ ggmlpy_gp_tile_t(const char * gp, int64_t nb, const char * xq, size_t xrow, floa
             dd[t] = _mm256_mul_ps(dw, _mm256_set1_ps(dy));
             ddm[t] = _mm256_mul_ps(dmw, _mm256_set1_ps(dy));
         }
+        __m256i isb[GGMLPY_GEMM_TILE], msb[GGMLPY_GEMM_TILE];     /* fold256: the super-block's sums */
+        for (int t = 0; t < T; t++) isb[t] = msb[t] = _mm256_setzero_si256();
         for (int q = 0; q < 4; q++) {
             __m256i ia[GGMLPY_GEMM_TILE], ib[GGMLPY_GEMM_TILE];
             for (int h = 0; h < 2; h++) {
@@ -184,9 +187,18 @@ ggmlpy_gp_tile_t(const char * gp, int64_t nb, const char * xq, size_t xrow, floa
                 memcpy(&pair, y[t] + 260 + 4 * q, 4);
                 const __m256i isum = _mm256_hadd_epi32(ia[t], ib[t]);
                 const __m256i imin = _mm256_madd_epi16(mq, _mm256_set1_epi32(pair));
-                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd[t], acc[t]);
-                accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), ddm[t], accm[t]);
+                if (fold256) {
+                    isb[t] = _mm256_add_epi32(isb[t], isum);
+                    msb[t] = _mm256_add_epi32(msb[t], imin);
+                } else {
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), dd[t], acc[t]);
+                    accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), ddm[t], accm[t]);
+                }
             }
+        }
+        for (int t = 0; fold256 && t < T; t++) {
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isb[t]), dd[t], acc[t]);
+            accm[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(msb[t]), ddm[t], accm[t]);
         }
     }
     for (int t = 0; t < T; t++) {
@@ -194,26 +206,37 @@ ggmlpy_gp_tile_t(const char * gp, int64_t nb, const char * xq, size_t xrow, floa
     }
 }
 
+/* fold256: per 256 columns, as ggml's one-vector kernel (ggml_gemv_q4_K_8x8_q8_K) folds, which its
+   repacked mul_mat_id runs for every (token, slot); else per 64, as its gemm */
 GGMLPY_AVX2 static void ggmlpy_gp_tile(const char * gp, int64_t nb, const char * xq, size_t xrow, float * const * dst,
-                                       int T) {
+                                       int T, int fold256) {
+    if (fold256) {
+        switch (T) {
+            case 4: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 4, 1); break;
+            case 3: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 3, 1); break;
+            case 2: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 2, 1); break;
+            default: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 1, 1); break;
+        }
+        return;
+    }
     switch (T) {
-        case 4: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 4); break;
-        case 3: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 3); break;
-        case 2: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 2); break;
-        default: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 1); break;
+        case 4: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 4, 0); break;
+        case 3: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 3, 0); break;
+        case 2: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 2, 0); break;
+        default: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 1, 0); break;
     }
 }
 #endif
 
-/* 1 where Context.mul_mat_rq4k takes w: a whole Q4_K matrix ggml repacked (CPU_REPACK, 8-row groups),
-   on a CPU with AVX2 and FMA, the kernel allowed and the portable path not forced. */
+/* 1 where this file's kernel takes w: a whole Q4_K matrix or expert stack ggml repacked (CPU_REPACK,
+   8-row groups), on a CPU with AVX2 and FMA, the kernel allowed and the portable path not forced
+   (Context.mul_mat_rq4k asks a matrix, ne[2] == 1). */
 int ggmlpy_rq4k_gemm_ok(const struct ggml_tensor * w) {
     if (!ggmlpy_rq4k_gemm_allow || ggmlpy_kernels_portable || !ggmlpy_cpu_has(GGMLPY_CPU_AVX2)
         || w->type != GGML_TYPE_Q4_K || ggml_type_size(GGML_TYPE_Q8_K) != GGMLPY_Q8K_BYTES) {
         return 0;
     }
-    if (w->view_src != NULL || w->buffer == NULL || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[2] != 1
-        || w->ne[3] != 1) {
+    if (w->view_src != NULL || w->buffer == NULL || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1) {
         return 0;
     }
     return strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer)), "CPU_REPACK") == 0;
@@ -260,7 +283,7 @@ static void ggmlpy_rq4k_gemm_op(struct ggml_tensor * dst, int ith, int nth, void
             for (int64_t g = w0; g < w1; g++) {
                 float * out[GGMLPY_GEMM_TILE];
                 for (int j = 0; j < T; j++) out[j] = (float *) ((char *) dst->data + (t + j) * dst->nb[1]) + g * 8;
-                ggmlpy_gp_tile(gp + (g - w0) * gbytes, nb, (const char *) xq->data + t * xq->nb[1], xq->nb[1], out, T);
+                ggmlpy_gp_tile(gp + (g - w0) * gbytes, nb, (const char *) xq->data + t * xq->nb[1], xq->nb[1], out, T, 0);
             }
         }
     }
@@ -268,6 +291,83 @@ static void ggmlpy_rq4k_gemm_op(struct ggml_tensor * dst, int ith, int nth, void
 #else
     (void) dst; (void) ith; (void) nth; (void) userdata;
 #endif
+}
+
+/* The experts' product for many tokens on a repacked Q4_K stack (Context.mul_mat_id_rq where the VNNI
+   kernel of gemv.c does not run): src[0] x F32 (k, xb, n), rows contiguous, xb 1 or n_used; src[1] ids
+   I32 (n_used, n); userdata w (k, rows, n_expert); dst F32 (rows, n_used, n). gemv.c's schedule: every
+   thread sorts the (token, slot) pairs by expert and takes its run of the sorted pairs; per expert it
+   quantizes its pairs' tokens, then prepares a window of the expert's rows at a time and passes those
+   tokens over it four at a time. Folded per 256 columns as ggml's one-vector kernel, which ggml's
+   repacked mul_mat_id runs for every pair: mul_mat_id's values. An id out of range gives NaN rows, and
+   so does a thread that cannot get its memory. */
+static void ggmlpy_rq4k_id_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+#if GGMLPY_X86
+    const struct ggml_tensor * w = (const struct ggml_tensor *) userdata, * x = dst->src[0], * ids = dst->src[1];
+    const int64_t k = w->ne[0], nb = k / 256, groups = w->ne[1] / 8, n_expert = w->ne[2];
+    const int64_t xb = x->ne[1], n_used = ids->ne[0], n_pairs = x->ne[2] * n_used;
+    const int64_t j0 = n_pairs * ith / nth, j1 = n_pairs * (ith + 1) / nth;
+    const size_t xrow = (size_t) nb * GGMLPY_GQ_BYTES, gbytes = (size_t) nb * GGMLPY_GP_BYTES;
+    const int64_t window = gbytes < GGMLPY_GP_WINDOW ? GGMLPY_GP_WINDOW / (int64_t) gbytes : 1;
+    const int64_t span = groups < window ? groups : window;
+    if (j0 >= j1) return;
+    int64_t * start = NULL, * pairs = NULL;
+    char * xq = NULL, * gp = NULL;
+    if (!ggmlpy_rq_id_sort(ids, n_expert, &start, &pairs)) {
+        for (int64_t p = j0; p < j1; p++) ggmlpy_rq_id_nan(dst, &p, 1, n_used, 0, w->ne[1]);   /* unsorted: its share */
+        return;
+    }
+    const int64_t most = ggmlpy_rq_id_most(start, n_expert, j0, j1);
+    xq = most ? (char *) malloc((size_t) most * xrow) : NULL;
+    gp = most ? (char *) aligned_alloc(64, gbytes * (size_t) span) : NULL;
+    if (most && (xq == NULL || gp == NULL)) {
+        ggmlpy_rq_id_nan(dst, pairs + j0, j1 - j0, n_used, 0, w->ne[1]);
+        goto done;
+    }
+    for (int64_t e = 0; e <= n_expert; e++) {
+        const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
+        if (hi <= lo) continue;
+        const int64_t * pe = pairs + lo, cnt = hi - lo;
+        if (e == n_expert) {
+            ggmlpy_rq_id_nan(dst, pe, cnt, n_used, 0, w->ne[1]);
+            continue;
+        }
+        for (int64_t j = 0; j < cnt; j++) {
+            const int64_t t = pe[j] / n_used, v = pe[j] % n_used % xb;
+            ggmlpy_gq_row((const float *) ((const char *) x->data + v * x->nb[1] + t * x->nb[2]), k, xq + j * xrow);
+        }
+        const char * we = (const char *) w->data + e * w->nb[2];
+        for (int64_t w0 = 0; w0 < groups; w0 += window) {
+            const int64_t w1 = w0 + window < groups ? w0 + window : groups;
+            for (int64_t g = w0; g < w1; g++) {
+                ggmlpy_gp_prepare(we + g * nb * GGMLPY_RQ4K_BLOCK, nb, gp + (g - w0) * gbytes);
+            }
+            for (int64_t j = 0; j < cnt; j += GGMLPY_GEMM_TILE) {
+                const int T = (int) (cnt - j < GGMLPY_GEMM_TILE ? cnt - j : GGMLPY_GEMM_TILE);
+                char * rows[GGMLPY_GEMM_TILE];
+                for (int c = 0; c < T; c++) {
+                    rows[c] = (char *) dst->data + (pe[j + c] % n_used) * dst->nb[1] + (pe[j + c] / n_used) * dst->nb[2];
+                }
+                for (int64_t g = w0; g < w1; g++) {
+                    float * out[GGMLPY_GEMM_TILE];
+                    for (int c = 0; c < T; c++) out[c] = (float *) rows[c] + g * 8;
+                    ggmlpy_gp_tile(gp + (g - w0) * gbytes, nb, xq + j * xrow, xrow, out, T, 1);
+                }
+            }
+        }
+    }
+done:
+    free(start); free(pairs); free(xq); free(gp);
+#else
+    (void) dst; (void) ith; (void) nth; (void) userdata;
+#endif
+}
+
+struct ggml_tensor * ggmlpy_mul_mat_id_rq4k(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
+                                            struct ggml_tensor * ids) {
+    struct ggml_tensor * args[2] = {x, ids};
+    return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 2, ggmlpy_rq4k_id_op,
+                          GGML_N_TASKS_MAX, w);
 }
 
 struct ggml_tensor * ggmlpy_mul_mat_rq4k(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x) {

@@ -685,12 +685,50 @@ static void ggmlpy_gemv_rq4_id_op(struct ggml_tensor * dst, int ith, int nth, vo
 #define GGMLPY_RQ_ID_BLOCK (256 * 1024)
 
 /* Rows [r0, r1) of the (slot, token) outputs of pairs p[0..n) set to NaN (an id out of range, or no memory). */
-static void ggmlpy_rq_id_nan(struct ggml_tensor * dst, const int64_t * p, int64_t n, int64_t n_used, int64_t r0,
+void ggmlpy_rq_id_nan(struct ggml_tensor * dst, const int64_t * p, int64_t n, int64_t n_used, int64_t r0,
                              int64_t r1) {
     for (int64_t j = 0; j < n; j++) {
         float * y = (float *) ((char *) dst->data + (p[j] % n_used) * dst->nb[1] + (p[j] / n_used) * dst->nb[2]);
         for (int64_t r = r0; r < r1; r++) y[r] = NAN;
     }
+}
+
+/* The (token, slot) pairs of ids (n_used, n_tokens) sorted by expert by a counting pass: (*start)[e] the first
+   sorted pair of expert e, for e up to n_expert + 1 (ids out of range sort last, as expert n_expert), and
+   *pairs the pairs (token * n_used + slot). Returns 0, both freed and NULL, where memory ran out. */
+int ggmlpy_rq_id_sort(const struct ggml_tensor * ids, int64_t n_expert, int64_t ** start_out, int64_t ** pairs_out) {
+    const int64_t n_used = ids->ne[0], n_pairs = ids->ne[0] * ids->ne[1];
+    int64_t * start = (int64_t *) calloc((size_t) n_expert + 2, sizeof(int64_t));
+    int64_t * pairs = (int64_t *) malloc(sizeof(int64_t) * (size_t) (n_pairs ? n_pairs : 1));
+    *start_out = *pairs_out = NULL;
+    if (start == NULL || pairs == NULL) {
+        free(start); free(pairs);
+        return 0;
+    }
+    for (int64_t p = 0; p < n_pairs; p++) {
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
+        start[(e >= 0 && e < n_expert ? e : n_expert) + 1]++;
+    }
+    for (int64_t e = 0; e <= n_expert; e++) start[e + 1] += start[e];
+    for (int64_t p = 0; p < n_pairs; p++) {         /* start[e] advances to the next expert's start */
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
+        pairs[start[e >= 0 && e < n_expert ? e : n_expert]++] = p;
+    }
+    for (int64_t e = n_expert; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
+    *start_out = start;
+    *pairs_out = pairs;
+    return 1;
+}
+
+/* The most pairs of one expert among the sorted pairs [j0, j1) */
+int64_t ggmlpy_rq_id_most(const int64_t * start, int64_t n_expert, int64_t j0, int64_t j1) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
+        most = hi - lo > most ? hi - lo : most;
+    }
+    return most;
 }
 
 /* The experts' product for many tokens (Context.mul_mat_id_rq): ggmlpy_gemv_rq4_id_op's arguments, any token
@@ -709,28 +747,11 @@ static void ggmlpy_rq_id_grouped_op(struct ggml_tensor * dst, int ith, int nth, 
     const size_t xrow = ggml_row_size(w->type == GGML_TYPE_Q4_K ? GGML_TYPE_Q8_K : GGML_TYPE_Q8_0, k);
     const int64_t gbytes = (int64_t) (w->nb[1] * 8), block = gbytes < GGMLPY_RQ_ID_BLOCK ? GGMLPY_RQ_ID_BLOCK / gbytes : 1;
     if (j0 >= j1) return;
-    /* start[e]: the first sorted pair of expert e (bad ids sort last, as expert n_expert) */
-    int64_t * start = (int64_t *) calloc((size_t) n_expert + 2, sizeof(int64_t));
-    int64_t * pairs = (int64_t *) malloc(sizeof(int64_t) * (size_t) n_pairs);
+    int64_t * start = NULL, * pairs = NULL;
     char * xq = NULL;
     int32_t * aux = NULL;
-    if (start != NULL && pairs != NULL) {
-        for (int64_t p = 0; p < n_pairs; p++) {
-            const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
-            start[(e >= 0 && e < n_expert ? e : n_expert) + 1]++;
-        }
-        for (int64_t e = 0; e <= n_expert; e++) start[e + 1] += start[e];
-        for (int64_t p = 0; p < n_pairs; p++) {         /* start[e] advances to the next expert's start */
-            const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
-            pairs[start[e >= 0 && e < n_expert ? e : n_expert]++] = p;
-        }
-        for (int64_t e = n_expert; e > 0; e--) start[e] = start[e - 1];
-        start[0] = 0;
-        int64_t most = 0;                                 /* the most pairs of one expert in this thread's run */
-        for (int64_t e = 0; e < n_expert; e++) {
-            const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
-            most = hi - lo > most ? hi - lo : most;
-        }
+    if (ggmlpy_rq_id_sort(ids, n_expert, &start, &pairs)) {
+        const int64_t most = ggmlpy_rq_id_most(start, n_expert, j0, j1);
         xq = most ? (char *) malloc((size_t) most * xrow) : NULL;
         aux = most ? (int32_t *) malloc(sizeof(int32_t) * (size_t) (most * nb)) : NULL;
         if (most && (xq == NULL || aux == NULL)) {
@@ -776,6 +797,7 @@ done:
 
 struct ggml_tensor * ggmlpy_mul_mat_id_rq(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
                                           struct ggml_tensor * ids) {
+    if (!ggmlpy_gemv_repacked(w)) return ggmlpy_mul_mat_id_rq4k(ctx, w, x, ids);   /* Q4_K without VNNI: gemm.c */
     struct ggml_tensor * args[2] = {x, ids};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 2, ggmlpy_rq_id_grouped_op,
                           GGML_N_TASKS_MAX, w);

@@ -65,6 +65,8 @@ extern int64_t ggmlpy_rq4k_pfd;
 
 /* ---- gemm.c */
 struct ggml_tensor * ggmlpy_mul_mat_rq4k(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x);
+struct ggml_tensor * ggmlpy_mul_mat_id_rq4k(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
+                                            struct ggml_tensor * ids);
 int ggmlpy_rq4k_gemm_ok(const struct ggml_tensor * w);
 extern int ggmlpy_rq4k_gemm_allow;
 

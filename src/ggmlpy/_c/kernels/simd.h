@@ -31,6 +31,13 @@ int ggmlpy_cpu_has(enum ggmlpy_cpu_feature feature);
    then say no. Defined in cpu.c. */
 extern int ggmlpy_kernels_portable;
 
+/* gemv.c's sort of a mul_mat_id's (token, slot) pairs by expert, which gemm.c's experts' op shares: the
+   sort (0 where memory ran out), the most pairs of one expert in a run of sorted pairs, and NaN rows for
+   pairs that cannot be computed. */
+int ggmlpy_rq_id_sort(const struct ggml_tensor * ids, int64_t n_expert, int64_t ** start, int64_t ** pairs);
+int64_t ggmlpy_rq_id_most(const int64_t * start, int64_t n_expert, int64_t j0, int64_t j1);
+void ggmlpy_rq_id_nan(struct ggml_tensor * dst, const int64_t * p, int64_t n, int64_t n_used, int64_t r0, int64_t r1);
+
 /* IEEE half to float by bits: no dependence on the CPU's conversion instructions */
 static inline float ggmlpy_attn_h2f(ggml_fp16_t h) {
     uint32_t sign = (uint32_t) (h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
