@@ -25,6 +25,14 @@ TOL = 1e-6
 #: AVX2; the kernel needs AVX-512 with VNNI)
 RQ4 = "CPU_REPACK" in EXTRA and AVX2 and _core._mul_mat_vec_vnni()
 needs_rq4 = pytest.mark.skipif(not RQ4, reason="no repacked Q4_0 kernel here (CPU_REPACK with AVX2, AVX-512 VNNI)")
+#: per type, whether repacked weights get one of mul_mat_vec's kernels here: Q4_0 the VNNI one, Q4_K the VNNI
+#: one or, on a CPU with AVX2 alone, gemm.c's
+RQ = {"Q4_0": RQ4, "Q4_K": RQ4 or ("CPU_REPACK" in EXTRA and AVX2 and not _core._kernels_force_portable())}
+
+
+def _needs_rq(wtype):
+    if not RQ[wtype]:
+        pytest.skip(f"no kernel for repacked {wtype} here")
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL"]
 
@@ -180,7 +188,7 @@ def test_refuses_what_it_cannot_compute(over, exc, words):
 def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype):
     """Generation through the runner: the logits with the kernel equal those with mul_mat (the same
     dot kernels), and the kernel really ran for the one-token steps; on a repacked weight (a Q4_0
-    model's weights are in CPU_REPACK where the CPU has it) only where its VNNI kernel runs."""
+    model's weights are in CPU_REPACK where the CPU has it) only where a kernel for it runs (RQ)."""
     from dataclasses import replace
 
     from ggmlpy.models import load_model
@@ -197,8 +205,8 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
         ok = real(w, m)
         # the repacked layout it has a kernel for: Q4_0 in CPU_REPACK (an AMX buffer holds F16 and
         # Q8_0 weights too, in a layout it cannot read)
-        kind = "rq4" if w.is_repacked and w.type in (Type.Q4_0, Type.Q4_K) and w.buffer_type == "CPU_REPACK" else \
-            "other" if w.is_repacked else "plain"
+        kind = w.type.name if w.is_repacked and w.type in (Type.Q4_0, Type.Q4_K) and w.buffer_type == "CPU_REPACK" \
+            else "other" if w.is_repacked else "plain"
         taken.append((kind, ok))
         return ok
 
@@ -212,12 +220,12 @@ def test_runner_logits_with_and_without_the_kernel(tmp_path, monkeypatch, wtype)
         del taken[:]
         steps = [rt.decode([7 + i], seq=0, logits="last").copy() for i in range(5)]
         if on:
-            assert taken and all(ok == {"plain": True, "rq4": RQ4, "other": False}[kind] for kind, ok in taken)
+            assert taken and all(ok == {"plain": True, "other": False, **RQ}[kind] for kind, ok in taken)
             if "AMX" not in EXTRA or not backend.amx_usable():   # where AMX runs, it takes the matrices
                 # it ran at least once wherever it could: on a plain weight (every one outside CPU_REPACK;
                 # Q4_K_M's Q6_K ones where ggml does not repack Q6_K) or a repacked Q4 one with its kernel
-                can = any(kind == "plain" or (kind == "rq4" and RQ4) for kind, _ in taken)
-                assert can or (wtype in ("Q4_0", "Q4_K_M") and "CPU_REPACK" in EXTRA and not RQ4)
+                can = any(kind == "plain" or RQ.get(kind, False) for kind, _ in taken)
+                assert can or (wtype in ("Q4_0", "Q4_K_M") and "CPU_REPACK" in EXTRA and not RQ[wtype[:4]])
                 assert any(ok for _, ok in taken) == can
         else:
             assert not taken
@@ -245,7 +253,7 @@ def test_weights_it_cannot_read_are_refused():
                     c2.mul_mat_vec(w, c2.new_tensor("F32", (256, 1)))
         finally:
             _core._mul_mat_vec_repacked(old, type=wtype)
-        assert _core._mul_mat_vec_ok(w, 1) == RQ4         # switched on again: taken where the kernel runs
+        assert _core._mul_mat_vec_ok(w, 1) == RQ[wtype]   # switched on again: taken where a kernel runs
 
 
 # ---- Q4_0 and Q4_K in ggml's CPU_REPACK layout: the VNNI kernels ---------------------------------
@@ -280,7 +288,6 @@ def _repacked_both(w, X, threads=(1, 2, 3)):
     return _on_cpu_backend(g, g.mul_mat_vec(w, x), g.mul_mat(w, x), [(x, X)], threads, (m, -1))
 
 
-@needs_rq4
 @pytest.mark.parametrize("wtype, shape", [
     ("Q4_0", (8, 32)), ("Q4_0", (64, 512)), ("Q4_0", (2304, 768)), ("Q4_0", (776, 3072)),
     ("Q4_K", (8, 256)), ("Q4_K", (64, 512)), ("Q4_K", (2304, 768)), ("Q4_K", (776, 3072)),
@@ -291,6 +298,7 @@ def test_repacked_equals_mul_mat_exactly(wtype, shape, m):
     same order), on 1-3 threads (776 rows: 97 groups of 8, split unevenly); and within TOL of the
     plain layout's mul_mat, whose kernel sums in another order. Q4_K's weights are scaled by row
     and column so that its 6-bit scales and mins take many values."""
+    _needs_rq(wtype)
     rng = np.random.default_rng(shape[0] + m)
     W = rng.standard_normal(shape).astype(np.float32)
     if wtype == "Q4_K":
@@ -306,10 +314,10 @@ def test_repacked_equals_mul_mat_exactly(wtype, shape, m):
     assert np.abs(outs[0] - plain).max() <= TOL * np.abs(plain).max()
 
 
-@needs_rq4
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 @pytest.mark.parametrize("distance", [0, 64, 16384, 65536])
 def test_repacked_prefetch_distance_changes_no_value(distance, wtype):
+    _needs_rq(wtype)
     rng = np.random.default_rng(2)
     W = rng.standard_normal((64, 512)).astype(np.float32)
     X = rng.standard_normal((2, 512)).astype(np.float32)
@@ -325,11 +333,11 @@ def test_repacked_prefetch_distance_changes_no_value(distance, wtype):
     assert _core._mul_mat_vec_prefetch(kernel=kernel) == old != _core._mul_mat_vec_prefetch()
 
 
-@needs_rq4
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 def test_repacked_takes_at_most_three_vectors(wtype):
     """From 4 vectors on, ggml's mul_mat quantizes them in its GEMM's layout (other values): refused,
     and the models keep mul_mat."""
+    _needs_rq(wtype)
     ctx, buf, w = _repack_weight(wtype, np.zeros((16, 256), np.float32), EXTRA["CPU_REPACK"])
     assert [_core._mul_mat_vec_ok(w, m) for m in (1, 3, 4)] == [True, True, False]
     with ggmlpy.Context(1 << 20, no_alloc=True) as c2:
@@ -337,16 +345,17 @@ def test_repacked_takes_at_most_three_vectors(wtype):
             c2.mul_mat_vec(w, c2.new_tensor("F32", (256, 4)))
 
 
-@needs_rq4
-def test_repacked_weight_outlives_its_names():
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
+def test_repacked_weight_outlives_its_names(wtype):
     """The weight is no source of the op (the CPU backend refuses custom ops on repacked tensors): the
     result keeps the weight's context and buffer alive, so dropping every name of them before the
     compute still reads the right bytes."""
+    _needs_rq(wtype)
     import gc
     rng = np.random.default_rng(3)
     W = rng.standard_normal((64, 256)).astype(np.float32)
     X = rng.standard_normal((1, 256)).astype(np.float32)
-    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+    ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
     expected = _repacked_both(w, X, threads=(1,))[1]
     g = ggmlpy.Context.for_tensors(4, graph_size=8, no_alloc=True)
     x = g.new_tensor("F32", (256, 1))
@@ -479,13 +488,13 @@ def _repacked_experts_both(w, X, L, n_used, threads=(1, 2, 3), ids_given=None):
     return _on_cpu_backend(g, g.mul_mat_id_vec(w, x, ids), theirs, inputs, threads, (n_tokens, -1, w.ne[1]))
 
 
-@needs_rq4
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 @pytest.mark.parametrize("n_tokens", [1, 2, 4])
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
 def test_repacked_experts_equal_mul_mat_id_exactly(n_tokens, per_slot, wtype):
     """A repacked Q4_0 or Q4_K expert stack (each expert's matrix repacked on its own): ggml's
     repacked mul_mat_id's values bit for bit, for 1-4 tokens and 1-3 threads."""
+    _needs_rq(wtype)
     rng = np.random.default_rng(20 + n_tokens * 2 + per_slot)
     k, rows, n_expert, n_used = 512, 40, 6, 3
     W = rng.standard_normal((n_expert, rows, k)).astype(np.float32)
@@ -499,11 +508,13 @@ def test_repacked_experts_equal_mul_mat_id_exactly(n_tokens, per_slot, wtype):
     assert all(np.array_equal(o, ref) for o in outs)
 
 
-@needs_rq4
-def test_repacked_expert_id_out_of_range_gives_nan_rows():
-    W = np.ones((4, 8, 64), np.float32)
-    ctx, buf, w = _repack_weight("Q4_0", W, EXTRA["CPU_REPACK"])
+@pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
+def test_repacked_expert_id_out_of_range_gives_nan_rows(wtype):
+    _needs_rq(wtype)
+    k = 64 if wtype == "Q4_0" else 256
+    W = np.ones((4, 8, k), np.float32)
+    ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
     ids = np.array([[1, 7, -1]], np.int32)
-    outs, _ = _repacked_experts_both(w, np.ones((1, 1, 64), np.float32), None, 3, threads=(2,), ids_given=ids)
+    outs, _ = _repacked_experts_both(w, np.ones((1, 1, k), np.float32), None, 3, threads=(2,), ids_given=ids)
     out = outs[0]
-    assert out.shape == (1, 3, 8) and np.allclose(out[0, 0], 64, rtol=1e-3) and np.isnan(out[0, 1:]).all()
+    assert out.shape == (1, 3, 8) and np.allclose(out[0, 0], k, rtol=1e-3) and np.isnan(out[0, 1:]).all()

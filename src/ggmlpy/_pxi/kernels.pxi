@@ -12,10 +12,12 @@ def _kernels_force_portable(force=None):
     then runs what a CPU without them runs, so one machine tests both paths.
 
     Forced, ``attn_decode``, ``attn_prefill`` and ``geglu_tanh`` run their portable C loops for
-    every size, ``mul_mat_vec`` sends Q8_0 rows to ggml's ``vec_dot`` and refuses repacked Q4_0
-    weights (ggml's layout, which has no portable kernel of ours), and every check the models ask
-    before choosing a kernel (``_attn_decode_vectorized``, ``_attn_prefill_vectorized``,
-    ``_geglu_vectorized``, ``_mul_mat_vec_vnni``, ``_mul_mat_vec_ok``) answers as on such a CPU.
+    every size, ``mul_mat_vec`` sends Q8_0 rows to ggml's ``vec_dot`` and refuses repacked Q4_0 and
+    Q4_K weights, and so do ``mul_mat_rq4k`` and ``mul_mat_id_rq`` (ggml's layout, which has no portable
+    kernel of ours), and every check the models ask before choosing a kernel
+    (``_attn_decode_vectorized``, ``_attn_prefill_vectorized``, ``_geglu_vectorized``,
+    ``_mul_mat_vec_vnni``, ``_mul_mat_vec_ok``, ``_mul_mat_rq4k_ok``, ``_mul_mat_id_rq_ok``) answers
+    as on such a CPU.
     The per-kernel switches (``_attn_prefill_allow_vector``, ``_geglu_allow_vector``,
     ``_mul_mat_vec_q8``, ``_mul_mat_vec_repacked``) keep their values. ggml's own kernels (the
     ``vec_dot`` of each type) are the CPU variant's and do not change.
@@ -117,8 +119,8 @@ cdef size_t _gemv_scratch(Tensor w, int64_t n_vectors) noexcept:
 
 def _mul_mat_vec_repacked(allow=None, type="Q4_0"):
     """Whether ``mul_mat_vec`` takes weights of ``type`` (``"Q4_0"`` or ``"Q4_K"``) in the CPU's repack
-    buffer (its VNNI kernels); with ``allow``, set it (process-wide) and return the previous value. For
-    tests and benchmarks."""
+    buffer (its VNNI kernels; for Q4_K the AVX2 one too); with ``allow``, set it (process-wide) and return
+    the previous value. For tests and benchmarks."""
     global ggmlpy_rq4_allow, ggmlpy_rq4k_allow
     if type not in ("Q4_0", "Q4_K"):
         raise GGMLValueError(f"_mul_mat_vec_repacked: type must be 'Q4_0' or 'Q4_K' (got {type!r})")
@@ -189,8 +191,9 @@ def _mul_mat_vec_q8(allow=None):
 
 def _mul_mat_vec_ok(Tensor w, int64_t m):
     """Whether ``Context.mul_mat_vec`` takes the weight ``w`` (2 dimensions, plain rows in host
-    memory, a type with a CPU dot kernel; or Q4_0 repacked by ggml where this CPU has AVX-512 VNNI,
-    up to 3 vectors) for ``m`` vectors within its scratch bound. For the models' choice."""
+    memory, a type with a CPU dot kernel; or Q4_0/Q4_K repacked by ggml where this CPU has AVX-512 VNNI,
+    Q4_K where it has AVX2, up to 3 vectors) for ``m`` vectors within its scratch bound. For the models'
+    choice."""
     if ggmlpy_gemv_repacked(w.ptr):
         return 1 <= m <= GGMLPY_RQ4_MAX_COLS and w.ptr.ne[2] == 1 and _gemv_scratch(w, m) <= GGMLPY_GEMV_SCRATCH
     return (1 <= m <= GGMLPY_GEMV_MAX_COLS and w.ptr.ne[2] == 1 and w.ptr.ne[3] == 1 and ggmlpy_gemv_readable(w.ptr)
@@ -460,7 +463,8 @@ cdef class _ContextKernels(_ContextNN):
         holds in 8-row groups (x86 with AVX2), on a CPU with AVX-512 VNNI, for ``m <= 3``. ggml's own
         kernels for them compute slower than memory delivers; ggmlpy's run the 8 rows of a block in
         512-bit VNNI passes (Q4_0 on one Zen 5 core: ~1.5x), with ggml's exact arithmetic, so again
-        ``mul_mat``'s values.
+        ``mul_mat``'s values. On a CPU with AVX2 but not VNNI a repacked Q4_K ``w`` is taken as well,
+        through the same arithmetic in 256-bit registers (``mul_mat``'s values).
         """
         cdef str op = "mul_mat_vec"
         cdef g.ggml_tensor * r

@@ -336,8 +336,9 @@ def linear(ctx: Context, w: Tensor, x: Tensor) -> Tensor:
     memory (a layer computing on the CPU), :meth:`~ggmlpy.Context.mul_mat_vec` (ggmlpy's CPU
     kernel: each thread streams its own run of rows with prefetches ahead; ~1.1x ggml's on the 110M
     model's weights; Q8_0 through a VNNI kernel of its own, 1.26-1.42x) runs instead where it can
-    (``_core._mul_mat_vec_ok``); so does it for Q4_0 weights ggml repacked, up to 3 tokens, where
-    the CPU has AVX-512 VNNI (its own kernel for that layout: 1.2-1.4x ggml's).
+    (``_core._mul_mat_vec_ok``); so does it for Q4_0 and Q4_K weights ggml repacked, up to 3 tokens,
+    where the CPU has AVX-512 VNNI (its own kernel for that layout: 1.2-1.4x ggml's), and for Q4_K ones
+    where it has AVX2 alone (that kernel's arithmetic in 256-bit registers).
     ``blocks.matvec_kernel = False`` turns that off.
 
     For more tokens (a prompt) and a Q4_K ``w`` ggml repacked on a CPU with AVX2,

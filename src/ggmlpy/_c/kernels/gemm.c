@@ -17,7 +17,12 @@
    own function. The values equal ggml's mul_mat bit for bit wherever ggml runs its gemm (its
    tokens in fours; the last m % 4 it sends through its one-vector kernel, which folds per 256
    columns: those agree to float rounding). There is no portable path: where the CPU lacks AVX2,
-   ggml repacks no Q4_K and the op is refused. */
+   ggml repacks no Q4_K and the op is refused.
+
+   Also here, for the same layout on a CPU with AVX2: a prompt's experts (Context.mul_mat_id_rq where
+   gemv.c's VNNI kernel does not run), the rows times a few vectors (mul_mat_vec's and mul_mat_id_vec's
+   path there), and the sort of a mul_mat_id's (token, slot) pairs by expert that the experts' ops of
+   both files share. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -61,6 +66,7 @@ int ggmlpy_rq4k_gemm_allow = 1;
 static void ggmlpy_gq_row(const float * x, int64_t k, char * out) {
     char blk[GGMLPY_Q8K_BYTES];
     for (int64_t b = 0; b < k / 256; b++, out += GGMLPY_GQ_BYTES) {
+        memset(blk + 260, 0, 32);       /* a block of zeros gets d = 0 and its sums left as they were */
         ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x + b * 256, blk, 256);
         memcpy(out, blk, 4 + 256);
         int16_t bs[16], pairs[8];
@@ -68,6 +74,44 @@ static void ggmlpy_gq_row(const float * x, int64_t k, char * out) {
         for (int s = 0; s < 8; s++) pairs[s] = (int16_t) (bs[2 * s] + bs[2 * s + 1]);
         memcpy(out + 260, pairs, 16);
     }
+}
+
+/* The (token, slot) pairs of ids (n_used, n_tokens) sorted by expert by a counting pass: (*start)[e] the first
+   sorted pair of expert e, for e up to n_expert + 1 (ids out of range sort last, as expert n_expert), and
+   *pairs the pairs (token * n_used + slot). Returns 0, both freed and NULL, where memory ran out. */
+int ggmlpy_rq_id_sort(const struct ggml_tensor * ids, int64_t n_expert, int64_t ** start_out, int64_t ** pairs_out) {
+    const int64_t n_used = ids->ne[0], n_pairs = ids->ne[0] * ids->ne[1];
+    int64_t * start = (int64_t *) calloc((size_t) n_expert + 2, sizeof(int64_t));
+    int64_t * pairs = (int64_t *) malloc(sizeof(int64_t) * (size_t) (n_pairs ? n_pairs : 1));
+    *start_out = *pairs_out = NULL;
+    if (start == NULL || pairs == NULL) {
+        free(start); free(pairs);
+        return 0;
+    }
+    for (int64_t p = 0; p < n_pairs; p++) {
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
+        start[(e >= 0 && e < n_expert ? e : n_expert) + 1]++;
+    }
+    for (int64_t e = 0; e <= n_expert; e++) start[e + 1] += start[e];
+    for (int64_t p = 0; p < n_pairs; p++) {         /* start[e] advances to the next expert's start */
+        const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
+        pairs[start[e >= 0 && e < n_expert ? e : n_expert]++] = p;
+    }
+    for (int64_t e = n_expert; e > 0; e--) start[e] = start[e - 1];
+    start[0] = 0;
+    *start_out = start;
+    *pairs_out = pairs;
+    return 1;
+}
+
+/* The most pairs of one expert among the sorted pairs [j0, j1) */
+int64_t ggmlpy_rq_id_most(const int64_t * start, int64_t n_expert, int64_t j0, int64_t j1) {
+    int64_t most = 0;
+    for (int64_t e = 0; e < n_expert; e++) {
+        const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
+        most = hi - lo > most ? hi - lo : most;
+    }
+    return most;
 }
 
 #if GGMLPY_X86
@@ -226,6 +270,105 @@ GGMLPY_AVX2 static void ggmlpy_gp_tile(const char * gp, int64_t nb, const char *
         default: ggmlpy_gp_tile_t(gp, nb, xq, xrow, dst, 1, 0); break;
     }
 }
+/* ---- Q4_K weights ggml repacked, times a few vectors (mul_mat_vec, mul_mat_id_vec) -------------
+   gemv.c's kernel for these is AVX-512 VNNI; this is its arithmetic in 256-bit AVX2, for the CPUs
+   without: per super-block the integer sums I (scales . nibble dots) and M (mins . 32-value sums)
+   exactly, then acc += float(I) * (d_w * d_y), acc_min += float(M) * (dmin_w * d_y): ggml's one-vector
+   kernel's values. The nibbles are unpacked as they are read (a generated token reads each weight
+   once; nothing to keep). */
+
+GGMLPY_AVX2 static inline __attribute__((always_inline)) void
+ggmlpy_rq4k_rows_avx2_m(const char * w, int64_t nb, int64_t g0, int64_t g1, const char * xq, size_t xrow,
+                        const int32_t * bs32, char * const * dst, int64_t pfd, const int M) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i unorder = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    /* a sub-block's scale of rows 0-3 (ia) or 4-7 (ib), each repeated over its row's 4 int16 lanes */
+    const __m128i ia = _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m128i ib = _mm_setr_epi8(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7);
+    for (int64_t gi = g0; gi < g1; gi++) {
+        const char * p = w + gi * nb * GGMLPY_RQ4K_BLOCK;
+        __m256 acc[GGMLPY_RQ4_MAX_COLS], accm[GGMLPY_RQ4_MAX_COLS];
+        for (int c = 0; c < M; c++) acc[c] = accm[c] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++, p += GGMLPY_RQ4K_BLOCK) {
+            if (pfd) {
+                for (int o = 0; o < GGMLPY_RQ4K_BLOCK; o += 64) __builtin_prefetch(p + pfd + o, 0, 3);
+            }
+            uint8_t sm[8][16];
+            for (int s = 0; s < 8; s++) ggmlpy_gp_unpack((const uint8_t *) p + 32 + 12 * s, sm[s]);
+            __m256i isa[GGMLPY_RQ4_MAX_COLS], isb[GGMLPY_RQ4_MAX_COLS];
+            for (int c = 0; c < M; c++) isa[c] = isb[c] = _mm256_setzero_si256();
+            const char * qs = p + 128;
+            for (int q = 0; q < 4; q++) {
+                const __m128i ulo = _mm_loadu_si128((const __m128i *) sm[2 * q]);
+                const __m128i uhi = _mm_loadu_si128((const __m128i *) sm[2 * q + 1]);
+                __m256i tal[GGMLPY_RQ4_MAX_COLS], tbl[GGMLPY_RQ4_MAX_COLS];
+                __m256i tah[GGMLPY_RQ4_MAX_COLS], tbh[GGMLPY_RQ4_MAX_COLS];
+                for (int c = 0; c < M; c++) tal[c] = tbl[c] = tah[c] = tbh[c] = _mm256_setzero_si256();
+                for (int i = 0; i < 4; i++) {
+                    const __m256i r0 = _mm256_loadu_si256((const __m256i *) (qs + (4 * q + i) * 64));
+                    const __m256i r1 = _mm256_loadu_si256((const __m256i *) (qs + (4 * q + i) * 64 + 32));
+                    const __m256i l0 = _mm256_and_si256(r0, low), h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), low);
+                    const __m256i l1 = _mm256_and_si256(r1, low), h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), low);
+                    for (int c = 0; c < M; c++) {
+                        const char * y = xq + c * xrow + b * GGMLPY_Q8K_BYTES + 4 + q * 64 + i * 8;
+                        int64_t vl, vh;
+                        memcpy(&vl, y, 8);
+                        memcpy(&vh, y + 32, 8);
+                        const __m256i al = _mm256_set1_epi64x(vl), ah = _mm256_set1_epi64x(vh);
+                        tal[c] = _mm256_add_epi16(tal[c], _mm256_maddubs_epi16(l0, al));
+                        tbl[c] = _mm256_add_epi16(tbl[c], _mm256_maddubs_epi16(l1, al));
+                        tah[c] = _mm256_add_epi16(tah[c], _mm256_maddubs_epi16(h0, ah));
+                        tbh[c] = _mm256_add_epi16(tbh[c], _mm256_maddubs_epi16(h1, ah));
+                    }
+                }
+                const __m256i sal = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(ulo, ia));
+                const __m256i sbl = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(ulo, ib));
+                const __m256i sah = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(uhi, ia));
+                const __m256i sbh = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(uhi, ib));
+                for (int c = 0; c < M; c++) {
+                    isa[c] = _mm256_add_epi32(isa[c], _mm256_add_epi32(_mm256_madd_epi16(tal[c], sal),
+                                                                       _mm256_madd_epi16(tah[c], sah)));
+                    isb[c] = _mm256_add_epi32(isb[c], _mm256_add_epi32(_mm256_madd_epi16(tbl[c], sbl),
+                                                                       _mm256_madd_epi16(tbh[c], sbh)));
+                }
+            }
+            __m256i mp[4];                   /* rows 0-7's (min of sub-block 2j, of 2j + 1), int16 pairs */
+            for (int j = 0; j < 4; j++) {
+                mp[j] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) (sm[2 * j] + 8)),
+                                                               _mm_loadl_epi64((const __m128i *) (sm[2 * j + 1] + 8))));
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) p));
+            const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) (p + 16)));
+            for (int c = 0; c < M; c++) {
+                const int32_t * bs = bs32 + (c * nb + b) * 8;
+                __m256i imin = _mm256_setzero_si256();
+                for (int j = 0; j < 4; j++) {
+                    const uint32_t pair = (uint32_t) (uint16_t) bs[2 * j] | (uint32_t) (uint16_t) bs[2 * j + 1] << 16;
+                    imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mp[j], _mm256_set1_epi32((int32_t) pair)));
+                }
+                const __m256i isum = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(isa[c], isb[c]), unorder);
+                float dy;
+                memcpy(&dy, xq + c * xrow + b * GGMLPY_Q8K_BYTES, 4);
+                const __m256 vdy = _mm256_set1_ps(dy);
+                acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, vdy), acc[c]);
+                accm[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(dmw, vdy), accm[c]);
+            }
+        }
+        for (int c = 0; c < M; c++) _mm256_storeu_ps((float *) dst[c] + gi * 8, _mm256_sub_ps(acc[c], accm[c]));
+    }
+}
+
+/* Row groups [g0, g1) of the repacked Q4_K weight w against m <= GGMLPY_RQ4_MAX_COLS Q8_K vectors: gemv.c's
+   ggmlpy_rq4k_rows' arguments and values (pfd: bytes ahead to prefetch, 0 none) */
+GGMLPY_AVX2 void ggmlpy_rq4k_rows_avx2(const char * w, int64_t nb, int64_t g0, int64_t g1, const char * xq,
+                                       size_t xrow, const int32_t * bs32, int m, char * const * dst, int64_t pfd) {
+    switch (m) {
+        case 3: ggmlpy_rq4k_rows_avx2_m(w, nb, g0, g1, xq, xrow, bs32, dst, pfd, 3); break;
+        case 2: ggmlpy_rq4k_rows_avx2_m(w, nb, g0, g1, xq, xrow, bs32, dst, pfd, 2); break;
+        default: ggmlpy_rq4k_rows_avx2_m(w, nb, g0, g1, xq, xrow, bs32, dst, pfd, 1); break;
+    }
+}
+
 #endif
 
 /* 1 where this file's kernel takes w: a whole Q4_K matrix or expert stack ggml repacked (CPU_REPACK,

@@ -434,15 +434,19 @@ int64_t ggmlpy_rq4k_pfd = 16384;
 
 /* 1 where w is a whole Q4_0 or Q4_K weight (a matrix, or a stack of experts' matrices) ggml repacked
    into the layout above (CPU_REPACK, 8-row groups: the only layout ggml has for these types on an x86
-   CPU with AVX2) and this CPU runs the kernel */
+   CPU with AVX2) and this CPU runs a kernel for it: Q4_0 and Q4_K with AVX-512 VNNI, Q4_K with AVX2 alone
+   (gemm.c's ggmlpy_rq4k_rows_avx2) */
 int ggmlpy_gemv_repacked(const struct ggml_tensor * w) {
     if (w->type == GGML_TYPE_Q4_0 ? !ggmlpy_rq4_allow
         : w->type == GGML_TYPE_Q4_K ? !ggmlpy_rq4k_allow || ggml_type_size(GGML_TYPE_Q8_K) != GGMLPY_Q8K_BYTES
         : 1) {
         return 0;
     }
-    if (w->view_src != NULL || w->buffer == NULL || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1
-        || !ggmlpy_gemv_vnni()) {
+    if (w->view_src != NULL || w->buffer == NULL || w->extra == NULL || w->ne[1] % 8 != 0 || w->ne[3] != 1) {
+        return 0;
+    }
+    if (!ggmlpy_gemv_vnni()             /* Q4_K has gemm.c's AVX2 kernel besides */
+        && !(w->type == GGML_TYPE_Q4_K && ggmlpy_cpu_has(GGMLPY_CPU_AVX2) && !ggmlpy_kernels_portable)) {
         return 0;
     }
     return strcmp(ggml_backend_buft_name(ggml_backend_buffer_get_type(w->buffer)), "CPU_REPACK") == 0
@@ -612,8 +616,13 @@ static void ggmlpy_rq_vector(enum ggml_type t, const float * x, int64_t k, char 
 /* ... and its rows (nb: blocks of 32 columns for Q4_0, super-blocks of 256 for Q4_K) */
 static void ggmlpy_rq_rows(enum ggml_type t, const char * w, int64_t k, int64_t g0, int64_t g1, const char * xq,
                            size_t xrow, const int32_t * aux, int m, char * const * dst) {
-    if (t == GGML_TYPE_Q4_K) ggmlpy_rq4k_rows(w, k / 256, g0, g1, xq, xrow, aux, m, dst);
-    else ggmlpy_rq4_rows(w, k / 32, g0, g1, xq, xrow, aux, m, dst);
+    if (t == GGML_TYPE_Q4_K && !ggmlpy_gemv_vnni()) {
+        ggmlpy_rq4k_rows_avx2(w, k / 256, g0, g1, xq, xrow, aux, m, dst, ggmlpy_rq4k_pfd);
+    } else if (t == GGML_TYPE_Q4_K) {
+        ggmlpy_rq4k_rows(w, k / 256, g0, g1, xq, xrow, aux, m, dst);
+    } else {
+        ggmlpy_rq4_rows(w, k / 32, g0, g1, xq, xrow, aux, m, dst);
+    }
 }
 #endif
 
@@ -693,44 +702,6 @@ void ggmlpy_rq_id_nan(struct ggml_tensor * dst, const int64_t * p, int64_t n, in
     }
 }
 
-/* The (token, slot) pairs of ids (n_used, n_tokens) sorted by expert by a counting pass: (*start)[e] the first
-   sorted pair of expert e, for e up to n_expert + 1 (ids out of range sort last, as expert n_expert), and
-   *pairs the pairs (token * n_used + slot). Returns 0, both freed and NULL, where memory ran out. */
-int ggmlpy_rq_id_sort(const struct ggml_tensor * ids, int64_t n_expert, int64_t ** start_out, int64_t ** pairs_out) {
-    const int64_t n_used = ids->ne[0], n_pairs = ids->ne[0] * ids->ne[1];
-    int64_t * start = (int64_t *) calloc((size_t) n_expert + 2, sizeof(int64_t));
-    int64_t * pairs = (int64_t *) malloc(sizeof(int64_t) * (size_t) (n_pairs ? n_pairs : 1));
-    *start_out = *pairs_out = NULL;
-    if (start == NULL || pairs == NULL) {
-        free(start); free(pairs);
-        return 0;
-    }
-    for (int64_t p = 0; p < n_pairs; p++) {
-        const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
-        start[(e >= 0 && e < n_expert ? e : n_expert) + 1]++;
-    }
-    for (int64_t e = 0; e <= n_expert; e++) start[e + 1] += start[e];
-    for (int64_t p = 0; p < n_pairs; p++) {         /* start[e] advances to the next expert's start */
-        const int32_t e = *(const int32_t *) ((const char *) ids->data + (p % n_used) * ids->nb[0] + (p / n_used) * ids->nb[1]);
-        pairs[start[e >= 0 && e < n_expert ? e : n_expert]++] = p;
-    }
-    for (int64_t e = n_expert; e > 0; e--) start[e] = start[e - 1];
-    start[0] = 0;
-    *start_out = start;
-    *pairs_out = pairs;
-    return 1;
-}
-
-/* The most pairs of one expert among the sorted pairs [j0, j1) */
-int64_t ggmlpy_rq_id_most(const int64_t * start, int64_t n_expert, int64_t j0, int64_t j1) {
-    int64_t most = 0;
-    for (int64_t e = 0; e < n_expert; e++) {
-        const int64_t lo = start[e] > j0 ? start[e] : j0, hi = start[e + 1] < j1 ? start[e + 1] : j1;
-        most = hi - lo > most ? hi - lo : most;
-    }
-    return most;
-}
-
 /* The experts' product for many tokens (Context.mul_mat_id_rq): ggmlpy_gemv_rq4_id_op's arguments, any token
    count. Every thread sorts the (token, slot) pairs by expert (a counting pass over ids) and takes the
    run [P * ith / nth, P * (ith + 1) / nth) of the P sorted pairs: each expert's pairs are quantized as ggml
@@ -797,7 +768,7 @@ done:
 
 struct ggml_tensor * ggmlpy_mul_mat_id_rq(struct ggml_context * ctx, struct ggml_tensor * w, struct ggml_tensor * x,
                                           struct ggml_tensor * ids) {
-    if (!ggmlpy_gemv_repacked(w)) return ggmlpy_mul_mat_id_rq4k(ctx, w, x, ids);   /* Q4_K without VNNI: gemm.c */
+    if (!ggmlpy_gemv_vnni()) return ggmlpy_mul_mat_id_rq4k(ctx, w, x, ids);   /* Q4_K without VNNI: gemm.c */
     struct ggml_tensor * args[2] = {x, ids};
     return ggml_custom_4d(ctx, GGML_TYPE_F32, w->ne[1], ids->ne[0], x->ne[2], 1, args, 2, ggmlpy_rq_id_grouped_op,
                           GGML_N_TASKS_MAX, w);

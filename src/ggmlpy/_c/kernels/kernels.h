@@ -1,8 +1,8 @@
 /* ggmlpy's own CPU kernels as _core sees them (kernels.pxi): each builds a ggml custom op, with the
    checks the models ask before choosing one, their limits, and the process-wide switches and
    prefetch distances tests and benchmarks turn. One family per file: attn_decode.c (the generation
-   step's attention), attn_prefill.c (a prompt's), gemv.c (matrix times a few vectors), gemm.c (a
-   prompt's products with repacked Q4_K weights), glu.c (GeGLU);
+   step's attention), attn_prefill.c (a prompt's), gemv.c (matrix times a few vectors), gemm.c (repacked
+   Q4_K weights in AVX2: a prompt's products and experts, a few vectors' rows), glu.c (GeGLU);
    simd.h and cpu.c hold what they share. Preconditions are the Context methods' (checked there). */
 #pragma once
 #include <stddef.h>

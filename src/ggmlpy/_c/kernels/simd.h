@@ -31,12 +31,19 @@ int ggmlpy_cpu_has(enum ggmlpy_cpu_feature feature);
    then say no. Defined in cpu.c. */
 extern int ggmlpy_kernels_portable;
 
-/* gemv.c's sort of a mul_mat_id's (token, slot) pairs by expert, which gemm.c's experts' op shares: the
-   sort (0 where memory ran out), the most pairs of one expert in a run of sorted pairs, and NaN rows for
-   pairs that cannot be computed. */
+/* The sort of a mul_mat_id's (token, slot) pairs by expert that the experts' ops of gemv.c and gemm.c
+   share: the sort (0 where memory ran out) and the most pairs of one expert in a run of sorted pairs
+   (gemm.c), NaN rows for pairs that cannot be computed (gemv.c). */
 int ggmlpy_rq_id_sort(const struct ggml_tensor * ids, int64_t n_expert, int64_t ** start, int64_t ** pairs);
 int64_t ggmlpy_rq_id_most(const int64_t * start, int64_t n_expert, int64_t j0, int64_t j1);
 void ggmlpy_rq_id_nan(struct ggml_tensor * dst, const int64_t * p, int64_t n, int64_t n_used, int64_t r0, int64_t r1);
+
+#if GGMLPY_X86
+/* gemm.c's AVX2 rows of a repacked Q4_K weight times a few Q8_K vectors, which gemv.c's repacked path
+   takes on a CPU without AVX-512 VNNI (ggmlpy_rq4k_rows' arguments, and the prefetch distance) */
+void ggmlpy_rq4k_rows_avx2(const char * w, int64_t nb, int64_t g0, int64_t g1, const char * xq, size_t xrow,
+                           const int32_t * bs32, int m, char * const * dst, int64_t pfd);
+#endif
 
 /* IEEE half to float by bits: no dependence on the CPU's conversion instructions */
 static inline float ggmlpy_attn_h2f(ggml_fp16_t h) {
