@@ -66,7 +66,7 @@ int ggmlpy_rq4k_gemm_allow = 1;
 static void ggmlpy_gq_row(const float * x, int64_t k, char * out) {
     char blk[GGMLPY_Q8K_BYTES];
     for (int64_t b = 0; b < k / 256; b++, out += GGMLPY_GQ_BYTES) {
-        memset(blk + 260, 0, 32);       /* a block of zeros gets d = 0 and its sums left as they were */
+        memset(blk + 260, 0, 32);       /* ggml leaves an all-zero block's sums unwritten (its d is 0) */
         ggml_get_type_traits_cpu(GGML_TYPE_Q8_K)->from_float(x + b * 256, blk, 256);
         memcpy(out, blk, 4 + 256);
         int16_t bs[16], pairs[8];
