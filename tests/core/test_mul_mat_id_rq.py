@@ -11,8 +11,7 @@ the kernel's cache tiling; an id out of range gives NaN rows; what it cannot com
 
 import numpy as np
 import pytest
-from test_mul_mat_vec import EXTRA, RQ4, _on_cpu_backend
-from test_repack import AVX2
+from test_mul_mat_vec import EXTRA, RQ, RQ4, _needs_rq, _on_cpu_backend
 from test_repack import _weight as _repack_weight
 
 import ggmlpy
@@ -20,14 +19,7 @@ from ggmlpy import GGMLTypeError, GGMLValueError, _core
 
 needs_rq4 = pytest.mark.skipif(not RQ4, reason="no repacked Q4_0/Q4_K kernel here (CPU_REPACK with AVX2, "
                                                "AVX-512 VNNI)")
-#: gemm.c's experts' kernel (Q4_K, AVX2) where the VNNI one does not run
-RQ4K = "CPU_REPACK" in EXTRA and AVX2 and not RQ4
-needs_q4k = pytest.mark.skipif(not (RQ4 or RQ4K), reason="no repacked Q4_K kernel here (CPU_REPACK with AVX2)")
-
-
-def _needs(wtype):
-    if not (RQ4 if wtype == "Q4_0" else RQ4 or RQ4K):
-        pytest.skip(f"no repacked {wtype} kernel here")
+needs_q4k = pytest.mark.skipif(not RQ["Q4_K"], reason="no repacked Q4_K kernel here (CPU_REPACK with AVX2)")
 
 
 def _both(w, X, ids_np, threads=(1, 2, 3), reference=True):
@@ -55,7 +47,7 @@ def _ids(rng, n_tokens, n_expert, n_used, skew=False):
 @pytest.mark.parametrize("n_tokens", [1, 5, 64, 200])
 @pytest.mark.parametrize("per_slot", [False, True], ids=["shared-input", "input-per-slot"])
 def test_equals_mul_mat_id_exactly(wtype, n_tokens, per_slot):
-    _needs(wtype)
+    _needs_rq(wtype)
     rng = np.random.default_rng(n_tokens * 2 + per_slot)
     k, rows, n_expert, n_used = 512, 40, 6, 3
     W = rng.standard_normal((n_expert, rows, k)).astype(np.float32)
@@ -82,7 +74,7 @@ def test_rows_beyond_one_cache_block():
 
 @pytest.mark.parametrize("wtype", ["Q4_0", "Q4_K"])
 def test_an_expert_id_out_of_range_gives_nan_rows(wtype):
-    _needs(wtype)
+    _needs_rq(wtype)
     k = 64 if wtype == "Q4_0" else 256
     W = np.ones((4, 8, k), np.float32)
     ctx, buf, w = _repack_weight(wtype, W, EXTRA["CPU_REPACK"])
@@ -120,7 +112,7 @@ def test_a_prompt_through_a_repacked_moe_model(tmp_path, monkeypatch, wtype):
     """The synthetic qwen3moe's prompt (its expert stacks repacked by ggml) takes mul_mat_id_rq in every
     expert layer (the suite's kernel mode is "own": where the stack qualifies, the op runs), with the
     logits of ggml's mul_mat_id at every position."""
-    _needs(wtype[:4])
+    _needs_rq(wtype[:4])
     from dataclasses import replace
 
     from ggmlpy.models import blocks, load_model
